@@ -1,0 +1,31 @@
+// The one operator library of sparsekit: every schema lives here, so every build
+// (CPU-only too) knows every op. Device kernels are registered by csrc/cpu/*.cpp and
+// csrc/cuda/*.cu with TORCH_LIBRARY_IMPL; fakes and autograd live in sparsekit/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing sparsekit._C runs the static registrations below; the module itself is empty.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(sparsekit, m) {
+  // Hash-based unique in order of first occurrence: keys == unique_keys[inverse].
+  m.def("unique(Tensor keys) -> (Tensor unique_keys, Tensor inverse, Tensor counts)");
+  // TensorFlow unsorted_segment_sum: negative ids are dropped, ids >= num_segments raise.
+  m.def("segment_sum(Tensor data, Tensor segment_ids, SymInt num_segments, bool deterministic=False) -> Tensor");
+  // Open-addressing table over plain tensors: slot_rows[s] == -1 marks an empty slot, so
+  // every int64 value is a valid key.
+  m.def("hash_table_find(Tensor slot_keys, Tensor slot_rows, Tensor keys) -> Tensor");
+  // Places keys that are distinct and absent from the table; rows[i] is stored for keys[i].
+  m.def("hash_table_insert_absent_(Tensor(a!) slot_keys, Tensor(b!) slot_rows, Tensor keys, Tensor rows) -> ()");
+  m.def("embedding_bag(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights=None, str mode=\"sum\") -> Tensor");
+  m.def("embedding_gather(Tensor weight, Tensor rows) -> Tensor");
+  m.def("lazy_adam_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, Tensor grad, int step, float lr, float beta1, float beta2, float eps, float weight_decay=0.0) -> ()");
+  // Stable counting sort of keys by owner rank uint64(key) % world_size:
+  // keys_by_owner[positions[i]] == keys[i], counts[r] keys go to rank r.
+  m.def("partition_by_owner(Tensor keys, int world_size) -> (Tensor keys_by_owner, Tensor positions, Tensor counts)");
+}
