@@ -1,0 +1,84 @@
+"""Shared pieces of the sparsekit benchmarks: timing, Zipf keys, and the JSON record.
+
+Every benchmark runs sparsekit and its competitors side by side in one process and
+reports ratios; absolute times from different runs are never compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeat: int = 5) -> float:
+    """Median wall time of fn() in seconds, with the device synchronised around each call."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times: List[float] = []
+    for _ in range(repeat):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def zipf_keys(n: int, *, alpha: float = 1.2, vocabulary: int = 1 << 40, seed: int = 0) -> torch.Tensor:
+    """n int64 keys whose ranks follow a Zipf law, scattered over a wide key range."""
+    rng = np.random.default_rng(seed)
+    ranks = rng.zipf(alpha, n).astype(np.uint64) % np.uint64(vocabulary)
+    # A fixed odd multiplier spreads ranks over the int64 range like real hashed ids.
+    keys = (ranks * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+    return torch.from_numpy(keys.copy())
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.check_output(["git", "-C", root, "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_results(name: str, device: torch.device, rows: List[Dict], extra: Dict | None = None) -> str:
+    """Write rows as benchmarks/results/<name>_<device type>.json and return the path."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    record = {
+        "benchmark": name,
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "results": rows,
+    }
+    if extra:
+        record.update(extra)
+    path = os.path.join(RESULTS_DIR, f"{name}_{device.type}.json")
+    with open(path, "w") as out:
+        json.dump(record, out, indent=2)
+        out.write("\n")
+    return path
