@@ -1,0 +1,130 @@
+// CPU kernel of lazy_adam_: Adam on the rows of a sparse gradient only.
+#include <atomic>
+#include <cmath>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "lazy_adam.h"
+
+namespace sparsekit {
+namespace {
+
+// Scalars in the compute type, converted once per call. For float and double the update
+// is computed in the parameter dtype, operation by operation as torch.optim.SparseAdam
+// does (m += (1 - beta1) * (g - m), ...), so results match it bit for bit; float16 and
+// bfloat16 compute in float32 and round once per stored value.
+template <typename opmath_t>
+struct AdamScalars {
+  opmath_t one_minus_beta1;
+  opmath_t one_minus_beta2;
+  opmath_t eps;
+  opmath_t weight_decay;
+  opmath_t neg_step_size;
+};
+
+template <typename scalar_t, typename opmath_t>
+inline void adam_row(scalar_t* __restrict__ weight, scalar_t* __restrict__ exp_avg,
+                     scalar_t* __restrict__ exp_avg_sq, const scalar_t* __restrict__ grad, int64_t dim,
+                     const AdamScalars<opmath_t>& s, bool use_weight_decay) {
+  // Two copies of the loop keep the weight-decay branch out of the vectorized body.
+  if (use_weight_decay) {
+    for (int64_t j = 0; j < dim; ++j) {
+      const opmath_t w = static_cast<opmath_t>(weight[j]);
+      const opmath_t g = static_cast<opmath_t>(grad[j]) + s.weight_decay * w;
+      const opmath_t m_old = static_cast<opmath_t>(exp_avg[j]);
+      const opmath_t v_old = static_cast<opmath_t>(exp_avg_sq[j]);
+      const opmath_t m = m_old + (g - m_old) * s.one_minus_beta1;
+      const opmath_t v = v_old + (g * g - v_old) * s.one_minus_beta2;
+      const opmath_t update = s.neg_step_size * (m / (std::sqrt(v) + s.eps));
+      exp_avg[j] = static_cast<scalar_t>(m);
+      exp_avg_sq[j] = static_cast<scalar_t>(v);
+      weight[j] = static_cast<scalar_t>(w + update);
+    }
+  } else {
+    for (int64_t j = 0; j < dim; ++j) {
+      const opmath_t g = static_cast<opmath_t>(grad[j]);
+      const opmath_t m_old = static_cast<opmath_t>(exp_avg[j]);
+      const opmath_t v_old = static_cast<opmath_t>(exp_avg_sq[j]);
+      const opmath_t m = m_old + (g - m_old) * s.one_minus_beta1;
+      const opmath_t v = v_old + (g * g - v_old) * s.one_minus_beta2;
+      const opmath_t update = s.neg_step_size * (m / (std::sqrt(v) + s.eps));
+      exp_avg[j] = static_cast<scalar_t>(m);
+      exp_avg_sq[j] = static_cast<scalar_t>(v);
+      weight[j] = static_cast<scalar_t>(static_cast<opmath_t>(weight[j]) + update);
+    }
+  }
+}
+
+template <typename index_t>
+void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> bad_row{0};
+  at::parallel_for(0, num_rows_given, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = static_cast<int64_t>(rows[i]);
+      if (row < 0 || row >= num_rows) {
+        bad_row.store(row, std::memory_order_relaxed);
+        bad.store(true, std::memory_order_relaxed);
+        return;
+      }
+    }
+  });
+  TORCH_CHECK(!bad.load(), lazy_adam_row_range_message(bad_row.load(), num_rows));
+}
+
+}  // namespace
+
+/// @brief In-place lazy Adam: updates weight, exp_avg and exp_avg_sq at `rows` only.
+/// @param weight [R, ...] parameter, contiguous, updated in place.
+/// @param exp_avg, exp_avg_sq [R, ...] moments with weight's dtype and shape, updated in place.
+/// @param rows int64 or int32 [u], distinct row indices in [0, R) (distinctness is not checked).
+/// @param grad [u, ...] gradient rows with weight's dtype.
+/// @param step the step number after incrementing (>= 1), for the bias correction.
+void lazy_adam_cpu(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& rows,
+                   const at::Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay) {
+  check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
+  const int64_t num_updates = rows.size(0);
+  const int64_t num_rows = weight.size(0);
+  const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
+  const at::Tensor rows_c = rows.contiguous();
+  AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_check", [&] {
+    check_rows_in_range(rows_c.data_ptr<index_t>(), num_updates, num_rows);
+  });
+  if (num_updates == 0 || dim == 0) return;
+  const at::Tensor grad_c = grad.contiguous();
+  const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
+  const bool use_weight_decay = weight_decay != 0.0;
+  // About 64 KiB of each state tensor per task.
+  const int64_t grain = std::max<int64_t>(1, 16384 / dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cpu", [&] {
+    using opmath_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const AdamScalars<opmath_t> scalars{
+        static_cast<opmath_t>(1.0 - beta1), static_cast<opmath_t>(1.0 - beta2), static_cast<opmath_t>(eps),
+        static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(-step_size)};
+    scalar_t* weight_ptr = weight.data_ptr<scalar_t>();
+    scalar_t* exp_avg_ptr = exp_avg.data_ptr<scalar_t>();
+    scalar_t* exp_avg_sq_ptr = exp_avg_sq.data_ptr<scalar_t>();
+    const scalar_t* grad_ptr = grad_c.data_ptr<scalar_t>();
+    AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_rows", [&] {
+      const index_t* rows_ptr = rows_c.data_ptr<index_t>();
+      at::parallel_for(0, num_updates, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t offset = static_cast<int64_t>(rows_ptr[i]) * dim;
+          adam_row<scalar_t, opmath_t>(weight_ptr + offset, exp_avg_ptr + offset, exp_avg_sq_ptr + offset,
+                                       grad_ptr + i * dim, dim, scalars, use_weight_decay);
+        }
+      });
+    });
+  });
+}
+
+TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("lazy_adam_", &lazy_adam_cpu);
+}
+
+}  // namespace sparsekit
