@@ -128,6 +128,20 @@ inline void adam_row(scalar_t* __restrict__ weight, scalar_t* __restrict__ exp_a
   }
 }
 
+// Rows are scattered over tables far larger than the caches, so the update is bound by
+// memory latency (a TLB and cache miss per row of each state tensor), not arithmetic:
+// fetching a few rows ahead overlaps those misses.
+constexpr int64_t kPrefetchRows = 4;
+constexpr int64_t kCacheLine = 64;
+
+inline void prefetch_row(const void* weight, const void* exp_avg, const void* exp_avg_sq, int64_t row_bytes) {
+  for (int64_t byte = 0; byte < row_bytes; byte += kCacheLine) {
+    __builtin_prefetch(static_cast<const char*>(weight) + byte, /*rw=*/1);
+    __builtin_prefetch(static_cast<const char*>(exp_avg) + byte, /*rw=*/1);
+    __builtin_prefetch(static_cast<const char*>(exp_avg_sq) + byte, /*rw=*/1);
+  }
+}
+
 template <typename index_t>
 void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
   std::atomic<bool> bad{false};
@@ -168,6 +182,7 @@ void lazy_adam_cpu(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_
   const at::Tensor grad_c = grad.contiguous();
   const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
   const bool use_weight_decay = weight_decay != 0.0;
+  const int64_t row_bytes = dim * static_cast<int64_t>(weight.element_size());
   // About 64 KiB of each state tensor per task.
   const int64_t grain = std::max<int64_t>(1, 16384 / dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cpu", [&] {
@@ -183,6 +198,10 @@ void lazy_adam_cpu(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_
       const index_t* rows_ptr = rows_c.data_ptr<index_t>();
       at::parallel_for(0, num_updates, grain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
+          if (i + kPrefetchRows < end) {
+            const int64_t ahead = static_cast<int64_t>(rows_ptr[i + kPrefetchRows]) * dim;
+            prefetch_row(weight_ptr + ahead, exp_avg_ptr + ahead, exp_avg_sq_ptr + ahead, row_bytes);
+          }
           const int64_t offset = static_cast<int64_t>(rows_ptr[i]) * dim;
           adam_row<scalar_t, opmath_t>(weight_ptr + offset, exp_avg_ptr + offset, exp_avg_sq_ptr + offset,
                                        grad_ptr + i * dim, dim, scalars, use_weight_decay);
