@@ -127,8 +127,9 @@ class HashTable:
         """Find-or-insert: rows of ``keys``, giving absent keys new rows.
 
         New keys get consecutive rows ``len(self), len(self) + 1, ...`` in order of first
-        occurrence in ``keys`` (read flattened). Syncs with the host once on CUDA, to count
-        the new keys.
+        occurrence in ``keys`` (read flattened). On CUDA this syncs with the host: how many
+        keys are new is data-dependent, and the capacity check needs it before anything
+        is written.
 
         Args:
             keys: tensor of ``key_dtype``, any shape, on the table's device.
