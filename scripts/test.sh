@@ -34,7 +34,7 @@ print(f"sparsekit {sparsekit.__version__} on torch {torch.__version__}: CUDA ker
 PY
 
 echo "== C++ tests (CMake + ctest)"
-"$VENV/bin/cmake" -S . -B build/cmake -DPython3_EXECUTABLE="$(realpath "$PY")" > build-cmake.log 2>&1 \
+"$VENV/bin/cmake" -S . -B build/cmake -DPython3_EXECUTABLE="$(cd "$(dirname "$PY")" && pwd)/python" > build-cmake.log 2>&1 \
   || { cat build-cmake.log; exit 1; }
 "$VENV/bin/cmake" --build build/cmake -j "${MAX_JOBS:-2}" >> build-cmake.log 2>&1 || { cat build-cmake.log; exit 1; }
 "$VENV/bin/ctest" --test-dir build/cmake --output-on-failure
