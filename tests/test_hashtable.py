@@ -113,6 +113,9 @@ def test_ops_bad_inputs(device):
     with pytest.raises(RuntimeError, match="cannot fit|no empty slot"):
         sk.ops.hash_table_insert_absent_(full_keys, full_rows, torch.tensor([99], device=device),
                                          torch.tensor([16], device=device))
+    # ...and a find of a missing key in that full slot array ends too.
+    found = sk.ops.hash_table_find(full_keys, full_rows, torch.tensor([99, 3], device=device))
+    assert found.cpu().tolist() == [-1, 3]
     if device.type != "cpu":
         with pytest.raises(RuntimeError, match="must be on the table's device"):
             sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, keys.cpu(), torch.arange(2))

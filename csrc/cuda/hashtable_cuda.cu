@@ -27,8 +27,9 @@ __global__ void find_kernel(const int64_t* __restrict__ slot_keys, const int64_t
     const int64_t key = static_cast<int64_t>(keys[i]);
     uint64_t slot = mix_key(key) & slot_mask;
     int64_t found = kEmptySlotRow;
-    // The table is never full (load <= 0.5), so an empty slot ends every probe sequence.
-    while (true) {
+    // An empty slot ends the probe sequence; the bound only matters for a table filled
+    // to the last slot through the raw op, where a missing key must not loop forever.
+    for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
       const int64_t row = slot_rows[slot];
       if (row == kEmptySlotRow) break;
       if (slot_keys[slot] == key) {
