@@ -226,8 +226,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 /// acc += data rows sorted_pos[from..to) in order; rows are gathered a batch at a time so a
-/// thread keeps several loads in flight.
-template <typename scalar_t, typename acc_t, typename pos_t, int VEC>
+/// thread keeps several loads in flight. kWholeBatches: to - from is a multiple of the
+/// batch (no bounds tests, which also keeps the batch in registers).
+template <typename scalar_t, typename acc_t, typename pos_t, int VEC, bool kWholeBatches = false>
 __device__ __forceinline__ void add_rows(acc_t (&acc)[VEC], const scalar_t* __restrict__ data,
                                          const pos_t* __restrict__ sorted_pos, int64_t dim, int64_t col,
                                          int64_t from, int64_t to) {
@@ -236,17 +237,19 @@ __device__ __forceinline__ void add_rows(acc_t (&acc)[VEC], const scalar_t* __re
     Pack<scalar_t, VEC> packs[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (r + b < to) packs[b] = load_pack<scalar_t, VEC>(data + static_cast<int64_t>(sorted_pos[r + b]) * dim + col);
+      if (kWholeBatches || r + b < to) {
+        packs[b] = load_pack<scalar_t, VEC>(data + static_cast<int64_t>(sorted_pos[r + b]) * dim + col);
+      }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (r + b < to) accumulate(acc, packs[b]);
+      if (kWholeBatches || r + b < to) accumulate(acc, packs[b]);
     }
   }
 }
 
 /// acc += nodes[first .. first + count) in order (rows of width dim), a batch at a time.
-template <typename acc_t, int VEC>
+template <typename acc_t, int VEC, bool kWholeBatches = false>
 __device__ __forceinline__ void add_nodes(acc_t (&acc)[VEC], const acc_t* __restrict__ nodes, int64_t dim,
                                           int64_t col, int64_t first, int64_t count) {
   constexpr int kBatch = batch_of<VEC>();
@@ -254,11 +257,11 @@ __device__ __forceinline__ void add_nodes(acc_t (&acc)[VEC], const acc_t* __rest
     Pack<acc_t, VEC> packs[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (i + b < count) packs[b] = load_pack<acc_t, VEC>(nodes + (first + i + b) * dim + col);
+      if (kWholeBatches || i + b < count) packs[b] = load_pack<acc_t, VEC>(nodes + (first + i + b) * dim + col);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (i + b < count) accumulate(acc, packs[b]);
+      if (kWholeBatches || i + b < count) accumulate(acc, packs[b]);
     }
   }
 }
@@ -294,7 +297,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t col = chunk * VEC;
       acc_t acc[VEC];
       zero(acc);
-      add_rows(acc, data, sorted_pos, dim, col, first, first + kTileRows);
+      static_assert(kTileRows % batch_of<VEC>() == 0, "a tile must be whole batches");
+      add_rows<scalar_t, acc_t, pos_t, VEC, true>(acc, data, sorted_pos, dim, col, first, first + kTileRows);
       store_pack(nodes + tile * dim + col, acc);
     }
   }
@@ -321,7 +325,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t col = chunk * VEC;
       acc_t acc[VEC];
       zero(acc);
-      add_nodes(acc, children, dim, col, parent * kFanIn, kFanIn);
+      static_assert(kFanIn % batch_of<VEC>() == 0, "a node's children must be whole batches");
+      add_nodes<acc_t, VEC, true>(acc, children, dim, col, parent * kFanIn, kFanIn);
       store_pack(parents + parent * dim + col, acc);
     }
   }
@@ -520,7 +525,9 @@ void segment_sum_sorted(const at::Tensor& data, const at::Tensor& ids, at::Tenso
   size_t temp_bytes = 0;
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, sort_keys, sort_pos, num_items, 0, end_bit,
                                                  stream));
-  at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, ids.options().dtype(at::kByte));
+  // At least one byte: a null temp pointer would make the second call a size query.
+  at::Tensor temp =
+      at::empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))}, ids.options().dtype(at::kByte));
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, sort_keys, sort_pos, num_items, 0,
                                                  end_bit, stream));
   const key_t* sorted_keys = sort_keys.Current();

@@ -26,6 +26,7 @@
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -196,7 +197,8 @@ void unique_launch(const at::Tensor& keys, at::Tensor& unique_keys, at::Tensor& 
   const pos_t num_items = static_cast<pos_t>(n);  // n fits pos_t by the choice of pos_t
   size_t temp_bytes = 0;
   C10_CUDA_CHECK(cub::DeviceScan::InclusiveSum(nullptr, temp_bytes, is_first, first_rank_ptr, num_items, stream));
-  at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, byte_options);
+  // At least one byte: a null temp pointer would make the second call a size query.
+  at::Tensor temp = at::empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))}, byte_options);
   C10_CUDA_CHECK(cub::DeviceScan::InclusiveSum(temp.data_ptr(), temp_bytes, is_first, first_rank_ptr, num_items,
                                                stream));
 
