@@ -233,6 +233,38 @@ class _LookupOwned(torch.autograd.Function):
         return weight_grad, None, None, None, None
 
 
+class _GatherRows(torch.autograd.Function):
+    """``rows[index]``, with the gradient summed back by :func:`sparsekit.ops.segment_sum`
+    (``index_select``'s own backward is a single-threaded ``index_add_`` on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return ops.segment_sum(grad.contiguous(), index, ctx.num_rows), None
+
+
+class _PoolRows(torch.autograd.Function):
+    """Bag sums ``out[b] = sum(rows[index[j]] for j with bag[j] == b)``; the gradient of
+    ``rows`` is again one gather and one segment sum."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor, bag: Tensor, num_bags: int) -> Tensor:
+        ctx.save_for_backward(index, bag)
+        ctx.num_rows = rows.shape[0]
+        return ops.segment_sum(rows.index_select(0, index), bag, num_bags)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        index, bag = ctx.saved_tensors
+        return ops.segment_sum(grad.contiguous().index_select(0, bag), index, ctx.num_rows), None, None, None
+
+
 # ---- the shared machinery of both layers ----------------------------------------------------
 
 
@@ -579,12 +611,14 @@ class DistributedEmbedding(_ModelParallelEmbedding):
                 raise
             error = exc
         vectors, index = self._embed_unique(keys, offsets, error)
+        # The offsets were checked on every rank by now, so the lengths are >= 0.
         num_bags = batch * self.slot_num
-        bag_of_key = torch.searchsorted(offsets[1:], torch.arange(keys.numel(), device=keys.device), right=True)
-        pooled = ops.segment_sum(vectors.index_select(0, index), bag_of_key, num_bags)
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of_key = torch.repeat_interleave(torch.arange(num_bags, device=keys.device), lengths,
+                                             output_size=keys.numel())
+        pooled = _PoolRows.apply(vectors, index, bag_of_key, num_bags)
         if self.combiner == "mean":
-            lengths = (offsets[1:] - offsets[:-1]).clamp_(min=1).to(pooled.dtype)
-            pooled = pooled / lengths.unsqueeze(1)
+            pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 
     def _flatten(self, inputs, pad_key: int) -> Tuple[Tensor, Tensor, int]:
@@ -673,4 +707,4 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
                 raise
             error = exc
         vectors, index = self._embed_unique(keys, None, error)
-        return vectors.index_select(0, index).view(out_shape)
+        return _GatherRows.apply(vectors, index).view(out_shape)
