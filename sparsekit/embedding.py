@@ -25,15 +25,20 @@ and leaves every rank's ``weight`` a coalesced sparse COO gradient over the rows
 on every step, possibly with no rows, so ``LazyAdam`` counts the same steps on every rank
 as a one-process run does. Nothing gathers the global batch.
 
-Host synchronisations per training step on CUDA, ``world_size > 1``, hash table, ragged
-input: forward 6 — ``unique`` of the local keys (output size), the counts exchange (split
-sizes for the next two all-to-alls; error flags ride along), ``unique`` on the owner,
-``HashTable.insert`` (2: its unique and its count of new keys), the status all-reduce —
-plus 1 in ``segment_sum`` (its id range check); backward 1 (``segment_sum`` of the owner's
-gradient rows). ``eval()`` or ``use_hashtable=False``: no insert and no status word, 4 in
-forward. Padded dense input adds 1 (dropping the pad keys). ``world_size == 1``: no
-exchange; the input checks cost 1 sync instead of riding on the counts. On CPU these are
-plain host reads.
+Host synchronisations per training step on CUDA (``world_size > 1``, hash table, ragged
+input): forward 7 — ``unique`` of the local keys (its output size), the counts exchange
+(host split sizes for the next two all-to-alls; every rank's error flags ride along, so
+input checks cost nothing extra), ``unique`` on the owner, ``HashTable.insert`` (2: its
+unique and its count of new keys), the status all-reduce that lets every rank see a full
+table, and ``segment_sum``'s id check in the pooling; backward 2 — the id checks of the
+two ``segment_sum`` calls (pooling and the owner's gradient rows). Nothing else: split
+sizes are reused for the backward all-to-all, new rows are initialised without reading
+the device, and the weight gradient arrives coalesced so ``LazyAdam`` does not dedup it
+again. ``All2AllDenseEmbedding`` does not pool: one fewer in forward. ``eval()`` or
+``use_hashtable=False``: 3 fewer in forward (no insert, no status word).
+Padded dense input: +1 (dropping the pad keys). ``world_size == 1``: no exchange; ragged
+offsets and ``use_hashtable=False`` key ranges cost 1 read instead of riding on the
+counts. On the CPU these are plain reads of host memory.
 """
 
 from __future__ import annotations
@@ -128,7 +133,18 @@ def split_embedding_variable_from_others(
         ddp_model = DDP(model)             # averages the dense gradients only
         optimizer = sk.LazyAdam(model.parameters())
 
-    (Wrapping only the dense submodules in DDP works as well.) With two optimizers::
+    (Wrapping only the dense submodules in DDP works as well.) Scale: the exchange sums a
+    key's gradient over every rank that looked it up, while DDP averages the dense
+    gradients. To train exactly like one process on the global batch, take the local loss
+    as a sum over the local samples divided by the global batch size, and let DDP sum::
+
+        def sum_hook(group, bucket):
+            work = torch.distributed.all_reduce(bucket.buffer(), group=group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        ddp_model.register_comm_hook(None, sum_hook)
+
+    With two optimizers::
 
         embedding_params, dense_params = sk.split_embedding_variable_from_others(model.parameters())
 
