@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit as sk  # noqa: E402
 from benchmarks.common import time_fn, write_results, zipf_keys  # noqa: E402
-from sparsekit.optim import LazyAdam  # noqa: E402
+from sparsekit import LazyAdam  # noqa: E402
 
 NUM_BATCHES = 8  # the timed steps cycle through these
 

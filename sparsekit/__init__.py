@@ -5,6 +5,8 @@ import torch  # noqa: F401  (loads libtorch before the extension links against i
 
 from . import _C  # noqa: F401  (registers torch.ops.sparsekit.* kernels)
 from . import ops
+from .hashtable import HashTable, HashTableFullError
+from .optim import LazyAdam
 from .checkpoint import load_checkpoint, save_checkpoint
 from .embedding import (
     All2AllDenseEmbedding,
@@ -19,6 +21,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ops",
+    "HashTable",
+    "HashTableFullError",
+    "LazyAdam",
     "Ragged",
     "KeySeededUniform",
     "DistributedEmbedding",

@@ -14,8 +14,7 @@ from torch import nn
 
 import sparsekit as sk
 import sparsekit.checkpoint as checkpoint_module
-from sparsekit.hashtable import HashTableFullError
-from sparsekit.optim import LazyAdam
+from sparsekit import HashTableFullError, LazyAdam
 
 from _distributed import spawn
 

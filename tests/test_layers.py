@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsekit as sk
-from sparsekit.hashtable import HashTableFullError
-from sparsekit.optim import LazyAdam
+from sparsekit import HashTableFullError, LazyAdam
 
 from _distributed import spawn
 
