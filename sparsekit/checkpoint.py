@@ -91,6 +91,8 @@ def _embedding_layers(model: nn.Module) -> Dict[str, _ModelParallelEmbedding]:
 
 
 def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> Dict[str, Tensor]:
+    if "" in layers:  # the model is itself an embedding layer
+        return {}
     prefixes = tuple(f"{name}." for name in layers)
     return {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
 

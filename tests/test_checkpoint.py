@@ -295,3 +295,17 @@ def test_direct_layer_saves_only_trained_rows(tmp_path):
     touched = set(batch(0)[1].unique().tolist())
     assert set(direct["keys"].tolist()) == touched
     assert set(direct["state"]) == {"exp_avg", "exp_avg_sq"} and direct["scalars"]["step"].item() == 1
+
+
+def test_a_bare_layer_is_a_model(tmp_path):
+    layer = sk.DistributedEmbedding("sum", 8, DIM, 1, 2)
+    optimizer = LazyAdam(layer.parameters(), lr=0.1)
+    layer(torch.tensor([[[5, -9]]])).sum().backward()
+    optimizer.step()
+    sk.save_checkpoint(str(tmp_path), layer, optimizer)
+    fresh = sk.DistributedEmbedding("sum", 8, DIM, 1, 2)
+    fresh_optimizer = LazyAdam(fresh.parameters(), lr=0.1)
+    sk.load_checkpoint(str(tmp_path), fresh, fresh_optimizer)
+    assert fresh.hash_table.export()[0].tolist() == [5, -9]
+    assert torch.equal(fresh.weight, layer.weight)
+    assert torch.equal(fresh_optimizer.state[fresh.weight]["exp_avg"], optimizer.state[layer.weight]["exp_avg"])
