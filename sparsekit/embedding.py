@@ -427,14 +427,17 @@ class _ModelParallelEmbedding(nn.Module):
         else:
             send_counts = torch.zeros(self.world_size, dtype=torch.int64, device=device)
             flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
-        # Counts and error word travel together; one host read gives both split-size lists.
-        send_header = torch.stack([send_counts.to(device), flags.to(device).expand(self.world_size)], dim=1)
+        # Counts, error word and train/eval mode travel together; one host read gives both
+        # split-size lists and every rank's verdict.
+        mode = torch.full((self.world_size,), int(self.training), dtype=torch.int64, device=device)
+        send_header = torch.stack([send_counts.to(device), flags.to(device).expand(self.world_size), mode], dim=1)
         recv_header = torch.empty_like(send_header)
         dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
         header = torch.cat([send_header, recv_header]).tolist()
-        send_splits = [count for count, _ in header[:self.world_size]]
-        recv_splits = [count for count, _ in header[self.world_size:]]
-        peer_flags = [flag for _, flag in header[self.world_size:]]
+        send_splits = [row[0] for row in header[:self.world_size]]
+        recv_splits = [row[0] for row in header[self.world_size:]]
+        peer_flags = [row[1] for row in header[self.world_size:]]
+        peer_modes = [row[2] for row in header[self.world_size:]]
         if any(peer_flags):
             if local_error is not None:
                 raise local_error
@@ -442,6 +445,11 @@ class _ModelParallelEmbedding(nn.Module):
             failed = [rank for rank, flag in enumerate(peer_flags) if flag]
             raise RuntimeError(f"{self._layer_name}: rank(s) {failed} of the process group rejected their input "
                                "(see the error on those ranks); no rank went on with this step")
+        if len(set(peer_modes)) > 1:
+            # Training ranks would wait for the table-status all-reduce that eval ranks skip.
+            evaluating = [rank for rank, training in enumerate(peer_modes) if not training]
+            raise RuntimeError(f"{self._layer_name}: rank(s) {evaluating} are in eval() mode and the others in "
+                               "train() mode; switch the layer's mode on every rank alike")
 
         recv_keys = _all_to_all_rows(keys_by_owner, recv_splits, send_splits, self.process_group)
         owned_keys, owned_inverse = ops.unique(recv_keys)

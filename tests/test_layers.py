@@ -366,6 +366,11 @@ def _check_errors_agree(rank, world_size):
     with pytest.raises((ValueError, RuntimeError), match="dense inputs must be|rank\\(s\\) \\[0\\]"):
         direct(shape_bad)
     direct(good).sum().backward()  # the group is still in step
+    if rank == 0:
+        direct.eval()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] are in eval\(\) mode"):
+        direct(good)
+    direct.train()
 
     table = sk.DistributedEmbedding("sum", 3, DIM, 1, 4)  # 3 rows per rank
     table(torch.tensor([[[0, 1, -1, -1]]]))
