@@ -43,7 +43,7 @@ counts. On the CPU these are plain reads of host memory.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -493,24 +493,28 @@ class _ModelParallelEmbedding(nn.Module):
         raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
                            "no rank went on with this step")
 
-    def _embed_unique(self, keys: Tensor, offsets: Optional[Tensor],
-                      prepare_error: Optional[BaseException]) -> Tuple[Tensor, Tensor]:
-        """Dedup ``keys`` and fetch their vectors: ``(vectors, index)`` with
-        ``vectors[index[j]]`` the vector of ``keys[j]``."""
-        unique_keys = inverse = flags = None
-        error = prepare_error
-        if error is None:
-            try:
-                unique_keys, inverse = ops.unique(keys)
-                flags = self._key_error_flags(unique_keys)
-                if offsets is not None:
-                    offsets_flags = _offsets_error_flags(offsets, keys.numel())
-                    flags = offsets_flags if flags is None else flags | offsets_flags
-            except Exception as exc:  # noqa: BLE001 - folded into the counts exchange, re-raised there
-                error = exc
+    def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]]):
+        """Reads the input with ``prepare() -> (keys [n], CSR offsets or None, info)``, dedups
+        the keys and fetches their vectors.
+
+        Returns ``(keys, offsets, info, vectors, index)`` with ``vectors[index[j]]`` the
+        vector of ``keys[j]``. An error in ``prepare`` or the dedup is shared with every
+        rank first (see :meth:`_exchange`), so no rank is left waiting.
+        """
+        keys = offsets = info = unique_keys = inverse = flags = None
+        error: Optional[BaseException] = None
+        try:
+            keys, offsets, info = prepare()
+            unique_keys, inverse = ops.unique(keys)
+            flags = self._key_error_flags(unique_keys)
+            if offsets is not None:
+                offsets_flags = _offsets_error_flags(offsets, keys.numel())
+                flags = offsets_flags if flags is None else flags | offsets_flags
+        except Exception as exc:  # noqa: BLE001 - folded into the counts exchange, re-raised there
+            error = exc
         vectors, positions = self._exchange(unique_keys, flags, offsets, error)
         index = inverse if positions is None else positions.index_select(0, inverse)
-        return vectors, index
+        return keys, offsets, info, vectors, index
 
     def _check_keys_tensor(self, keys: Tensor, what: str) -> Tensor:
         name = self._layer_name
@@ -625,16 +629,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         self.max_feature_num = max_feature_num if max_feature_num is not None else slot_num * max_nnz
 
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
-        keys = offsets = None
-        error: Optional[BaseException] = None
-        batch = 0
-        try:
-            keys, offsets, batch = self._flatten(inputs, pad_key)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
-            if self.world_size == 1:
-                raise
-            error = exc
-        vectors, index = self._embed_unique(keys, offsets, error)
+        keys, offsets, batch, vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
         # The offsets were checked on every rank by now, so the lengths are >= 0.
         num_bags = batch * self.slot_num
         lengths = offsets[1:] - offsets[:-1]
@@ -714,21 +709,18 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         self.dynamic_input = bool(dynamic_input)
 
     def forward(self, inputs: Tensor) -> Tensor:
-        keys = None
-        out_shape: Sequence[int] = ()
-        error: Optional[BaseException] = None
-        try:
-            keys = self._check_keys_tensor(inputs, "inputs")
-            expected = "[N]" if self.dynamic_input else f"[B, slot_num={self.slot_num}, nnz_per_slot={self.nnz_per_slot}]"
-            if (self.dynamic_input and keys.dim() != 1) or (not self.dynamic_input and (
-                    keys.dim() != 3 or tuple(keys.shape[1:]) != (self.slot_num, self.nnz_per_slot))):
-                raise ValueError(f"All2AllDenseEmbedding: inputs must be {expected} "
-                                 f"(dynamic_input={self.dynamic_input}), got shape {tuple(keys.shape)}")
-            out_shape = tuple(keys.shape) + (self.embedding_vec_size,)
-            keys = keys.reshape(-1)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before raising
-            if self.world_size == 1:
-                raise
-            error = exc
-        vectors, index = self._embed_unique(keys, None, error)
+        _, _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs))
         return _GatherRows.apply(vectors, index).view(out_shape)
+
+    def _flatten(self, inputs: Tensor) -> Tuple[Tensor, None, Tuple[int, ...]]:
+        """(keys [n], no offsets, the output shape)."""
+        keys = self._check_keys_tensor(inputs, "inputs")
+        if self.dynamic_input and keys.dim() != 1:
+            raise ValueError(f"All2AllDenseEmbedding: inputs must be [N] (dynamic_input=True), "
+                             f"got shape {tuple(keys.shape)}")
+        if not self.dynamic_input and (keys.dim() != 3 or tuple(keys.shape[1:]) != (self.slot_num,
+                                                                                      self.nnz_per_slot)):
+            raise ValueError(f"All2AllDenseEmbedding: inputs must be [B, slot_num={self.slot_num}, "
+                             f"nnz_per_slot={self.nnz_per_slot}] (dynamic_input=False), got shape "
+                             f"{tuple(keys.shape)}")
+        return keys.reshape(-1), None, tuple(keys.shape) + (self.embedding_vec_size,)
