@@ -494,12 +494,12 @@ class _ModelParallelEmbedding(nn.Module):
                            "no rank went on with this step")
 
     def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]]):
-        """Reads the input with ``prepare() -> (keys [n], CSR offsets or None, info)``, dedups
-        the keys and fetches their vectors.
+        """Reads the input with ``prepare() -> (keys [n], user CSR offsets to check or None,
+        info)``, dedups the keys and fetches their vectors.
 
-        Returns ``(keys, offsets, info, vectors, index)`` with ``vectors[index[j]]`` the
-        vector of ``keys[j]``. An error in ``prepare`` or the dedup is shared with every
-        rank first (see :meth:`_exchange`), so no rank is left waiting.
+        Returns ``(keys, info, vectors, index)`` with ``vectors[index[j]]`` the vector of
+        ``keys[j]``. An error in ``prepare``, in the dedup or in the checks is shared with
+        every rank first (see :meth:`_exchange`), so no rank is left waiting.
         """
         keys = offsets = info = unique_keys = inverse = flags = None
         error: Optional[BaseException] = None
@@ -514,7 +514,7 @@ class _ModelParallelEmbedding(nn.Module):
             error = exc
         vectors, positions = self._exchange(unique_keys, flags, offsets, error)
         index = inverse if positions is None else positions.index_select(0, inverse)
-        return keys, offsets, info, vectors, index
+        return keys, info, vectors, index
 
     def _check_keys_tensor(self, keys: Tensor, what: str) -> Tensor:
         name = self._layer_name
@@ -629,7 +629,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         self.max_feature_num = max_feature_num if max_feature_num is not None else slot_num * max_nnz
 
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
-        keys, offsets, batch, vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
+        keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
         # The offsets were checked on every rank by now, so the lengths are >= 0.
         num_bags = batch * self.slot_num
         lengths = offsets[1:] - offsets[:-1]
@@ -640,8 +640,8 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 
-    def _flatten(self, inputs, pad_key: int) -> Tuple[Tensor, Tensor, int]:
-        """(keys [nnz], int64 offsets [B * slot_num + 1], B) from either input format."""
+    def _flatten(self, inputs, pad_key: int) -> Tuple[Tensor, Optional[Tensor], Tuple[int, Tensor]]:
+        """(keys [nnz], the user's offsets to check or None, (B, int64 offsets [B * slot_num + 1]))."""
         name = self._layer_name
         if isinstance(inputs, tuple):
             if len(inputs) != 2:
@@ -659,7 +659,8 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             if num_bags < 0 or num_bags % self.slot_num != 0:
                 raise ValueError(f"{name}: len(offsets) must be B * slot_num + 1 with slot_num={self.slot_num}, "
                                  f"got {offsets.numel()}")
-            return values, offsets.long(), num_bags // self.slot_num
+            offsets = offsets.long()
+            return values, offsets, (num_bags // self.slot_num, offsets)
         keys = self._check_keys_tensor(inputs, "inputs")
         if keys.dim() != 3 or keys.shape[1] != self.slot_num or keys.shape[2] > self.max_nnz:
             raise ValueError(f"{name}: dense inputs must be [B, slot_num={self.slot_num}, n <= max_nnz="
@@ -670,7 +671,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         lengths = valid.sum(dim=2).view(-1)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=keys.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        return keys[valid], offsets, batch
+        return keys[valid], None, (batch, offsets)
 
 
 class All2AllDenseEmbedding(_ModelParallelEmbedding):
@@ -709,7 +710,7 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         self.dynamic_input = bool(dynamic_input)
 
     def forward(self, inputs: Tensor) -> Tensor:
-        _, _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs))
+        _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs))
         return _GatherRows.apply(vectors, index).view(out_shape)
 
     def _flatten(self, inputs: Tensor) -> Tuple[Tensor, None, Tuple[int, ...]]:
