@@ -124,3 +124,177 @@ def segment_reduce(
     if reduce == "mean":
         return segment_mean(data, segment_ids, num_segments, deterministic)
     raise ValueError(f"segment_reduce: reduce must be 'sum' or 'mean', got {reduce!r}")
+
+
+# ---- embedding ----
+
+
+@torch.library.register_fake("sparsekit::embedding_bag")
+def _embedding_bag_fake(
+    weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum"
+) -> Tensor:
+    torch._check(weight.dim() == 2, lambda: f"embedding_bag: weight must be 2-D, got {weight.dim()}-D")
+    torch._check(rows.dim() == 1, lambda: f"embedding_bag: rows must be 1-D, got {rows.dim()}-D")
+    torch._check(offsets.dim() == 1, lambda: f"embedding_bag: offsets must be 1-D, got {offsets.dim()}-D")
+    torch._check(offsets.shape[0] >= 1, lambda: "embedding_bag: offsets must hold bags + 1 >= 1 entries")
+    torch._check(mode in ("sum", "mean"), lambda: f"embedding_bag: mode must be 'sum' or 'mean', got {mode!r}")
+    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
+
+
+@torch.library.register_fake("sparsekit::embedding_gather")
+def _embedding_gather_fake(weight: Tensor, rows: Tensor) -> Tensor:
+    torch._check(weight.dim() == 2, lambda: f"embedding_gather: weight must be 2-D, got {weight.dim()}-D")
+    return weight.new_empty(tuple(rows.shape) + (weight.shape[1],))
+
+
+def _sparse_row_gradient(values: Tensor, rows: Tensor, num_rows: int) -> Tensor:
+    """Aggregates per-lookup gradient rows into a sparse ``[num_rows, D]`` gradient.
+
+    ``values[i]`` belongs to ``rows[i]``; rows equal to -1 are dropped. The result holds one
+    entry per distinct row (summed), in order of first occurrence, so ``is_coalesced()`` is
+    False although the indices are unique: sorting them would cost a sort the optimizers
+    that consume it (sparsekit.LazyAdam) do not need.
+    """
+    # A leading -1 makes the missing-row marker unique key 0 whatever the batch holds, so
+    # dropping it is a slice (no data-dependent mask, no extra host sync on CUDA), and the
+    # lookups of -1 get segment id -1, which segment_sum drops.
+    marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
+    keys, inverse = unique(torch.cat([marker, rows]))
+    summed = segment_sum(values, inverse[1:] - 1, keys.shape[0] - 1)
+    indices = keys[1:].to(torch.int64).unsqueeze(0)
+    return torch.sparse_coo_tensor(
+        indices, summed, (num_rows, values.shape[1]), is_coalesced=False, check_invariants=False
+    )
+
+
+def _bag_index(offsets: Tensor, nnz: int) -> Tensor:
+    """``[nnz]`` int64: the bag each lookup belongs to, from CSR offsets."""
+    bags = offsets.shape[0] - 1
+    lengths = offsets[1:] - offsets[:-1]
+    # output_size spares CUDA the host sync that sizing the result would need.
+    return torch.repeat_interleave(torch.arange(bags, device=offsets.device), lengths, output_size=nnz)
+
+
+def _embedding_bag_setup_context(ctx, inputs, output) -> None:
+    weight, rows, offsets, per_sample_weights, mode = inputs
+    ctx.mode = mode
+    ctx.num_rows = weight.shape[0]
+    weighted = per_sample_weights is not None
+    # The per-sample-weight gradient needs the table rows (and, for mean, the output).
+    ctx.save_for_backward(
+        rows,
+        offsets,
+        per_sample_weights,
+        weight if weighted else None,
+        output if weighted and mode == "mean" else None,
+    )
+
+
+def _embedding_bag_backward(ctx, grad_output: Tensor):
+    rows, offsets, per_sample_weights, weight, output = ctx.saved_tensors
+    nnz = rows.shape[0]
+    bags = offsets.shape[0] - 1
+    acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
+    bag = _bag_index(offsets, nnz)
+    valid = rows >= 0
+
+    # scale[i]: d out[bag[i]] / d weight[rows[i]] (a scalar per lookup, 0 for rows == -1).
+    inverse_denominator = None
+    if ctx.mode == "mean":
+        if per_sample_weights is None:
+            # Exact integer counts from a prefix sum: no atomics, no rounding.
+            prefix = torch.cat([valid.new_zeros(1, dtype=torch.int64), torch.cumsum(valid, 0)])
+            denominator = (prefix[offsets[1:].long()] - prefix[offsets[:-1].long()]).to(acc_dtype)
+        else:
+            masked = torch.where(valid, per_sample_weights.to(acc_dtype), 0)
+            denominator = segment_sum(masked.unsqueeze(1), bag, bags).squeeze(1)
+        # The forward pools a bag with nothing to divide by to zeros; its gradient is zero too.
+        safe = torch.where(denominator != 0, denominator, 1)
+        inverse_denominator = torch.where(denominator != 0, 1 / safe, 0)
+    scale = None
+    if per_sample_weights is not None:
+        scale = per_sample_weights.to(acc_dtype)
+    if inverse_denominator is not None:
+        per_lookup = inverse_denominator.index_select(0, bag)
+        scale = per_lookup if scale is None else scale * per_lookup
+
+    grad_rows = embedding_gather(grad_output, bag)  # [nnz, D]: grad_output of each lookup's bag
+    grad_weight = None
+    if ctx.needs_input_grad[0]:
+        values = grad_rows if scale is None else (grad_rows.to(acc_dtype) * scale.unsqueeze(1)).to(grad_output.dtype)
+        grad_weight = _sparse_row_gradient(values, rows, ctx.num_rows)
+
+    grad_per_sample_weights = None
+    if per_sample_weights is not None and ctx.needs_input_grad[3]:
+        # sum:  d out[b] / d w_i = weight[r_i]
+        # mean: out[b] = sum_i w_i weight[r_i] / S_b with S_b = sum_i w_i, so
+        #       d out[b] / d w_i = (weight[r_i] - out[b]) / S_b.
+        looked_up = embedding_gather(weight, rows).to(acc_dtype)  # zeros for rows == -1
+        dots = (grad_rows.to(acc_dtype) * looked_up).sum(1)
+        if ctx.mode == "mean":
+            bag_dots = (grad_output.to(acc_dtype) * output.to(acc_dtype)).sum(1)
+            dots = (dots - bag_dots.index_select(0, bag)) * inverse_denominator.index_select(0, bag)
+            dots = torch.where(valid, dots, 0)
+        grad_per_sample_weights = dots.to(per_sample_weights.dtype)
+    return grad_weight, None, None, grad_per_sample_weights, None
+
+
+torch.library.register_autograd(
+    "sparsekit::embedding_bag", _embedding_bag_backward, setup_context=_embedding_bag_setup_context
+)
+
+
+def _embedding_gather_setup_context(ctx, inputs, output) -> None:
+    weight, rows = inputs
+    ctx.num_rows = weight.shape[0]
+    ctx.save_for_backward(rows)
+
+
+def _embedding_gather_backward(ctx, grad_output: Tensor):
+    (rows,) = ctx.saved_tensors
+    values = grad_output.reshape(-1, grad_output.shape[-1])
+    return _sparse_row_gradient(values, rows.reshape(-1), ctx.num_rows), None
+
+
+torch.library.register_autograd(
+    "sparsekit::embedding_gather", _embedding_gather_backward, setup_context=_embedding_gather_setup_context
+)
+
+
+def embedding_bag(
+    weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum"
+) -> Tensor:
+    """Pooled embedding lookup over CSR bags: ``out[b] = pool(weight[rows[offsets[b]:offsets[b+1]]])``.
+
+    Args:
+        weight: ``[R, D]`` float32, float64, float16 or bfloat16 table (half types
+            accumulate in float32).
+        rows: ``[nnz]`` int64 or int32 row ids in ``[0, R)``; ``-1`` (a missing key) is
+            skipped. Anything else raises.
+        offsets: ``[bags + 1]`` int64 or int32 CSR offsets: ``offsets[0] == 0``,
+            non-decreasing, ``offsets[-1] == nnz`` (nn.EmbeddingBag's offsets with nnz appended).
+        per_sample_weights: optional ``[nnz]`` of ``weight``'s dtype, scaling each row.
+        mode: ``"sum"`` or ``"mean"``. Mean divides by the number of valid rows of the bag
+            (weighted: by the sum of their weights).
+
+    Returns:
+        ``[bags, D]`` of ``weight``'s dtype; a bag with no valid row (or whose valid weights
+        sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a sparse COO
+        gradient with one entry per distinct row, unique but in order of first occurrence,
+        so not marked coalesced) and in ``per_sample_weights`` (dense).
+    """
+    return _ops.embedding_bag(weight, rows, offsets, per_sample_weights, mode)
+
+
+def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
+    """Unpooled embedding lookup: ``out[...] = weight[rows[...]]``, zeros where ``rows == -1``.
+
+    Args:
+        weight: ``[R, D]`` float32, float64, float16 or bfloat16 table.
+        rows: int64 or int32 row ids of any shape, each in ``[0, R)`` or ``-1``.
+
+    Returns:
+        ``rows.shape + [D]`` of ``weight``'s dtype. Differentiable in ``weight`` (sparse COO
+        gradient with one entry per distinct row, as for :func:`embedding_bag`).
+    """
+    return _ops.embedding_gather(weight, rows)
