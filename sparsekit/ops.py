@@ -147,23 +147,37 @@ def _embedding_gather_fake(weight: Tensor, rows: Tensor) -> Tensor:
     return weight.new_empty(tuple(rows.shape) + (weight.shape[1],))
 
 
-def _sparse_row_gradient(values: Tensor, rows: Tensor, num_rows: int) -> Tensor:
-    """Aggregates per-lookup gradient rows into a sparse ``[num_rows, D]`` gradient.
+def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num_rows: int,
+                         scale: Optional[Tensor] = None) -> Tensor:
+    """The sparse ``[num_rows, D]`` gradient ``sum_i scale[i] * source[source_index[i]]`` into row ``rows[i]``.
 
-    ``values[i]`` belongs to ``rows[i]``; rows equal to -1 are dropped. The result holds one
-    entry per distinct row (summed), in order of first occurrence, so ``is_coalesced()`` is
-    False although the indices are unique: sorting them would cost a sort the optimizers
-    that consume it (sparsekit.LazyAdam) do not need.
+    Lookup ``i`` of row ``rows[i]`` contributes ``source[source_index[i]]`` (its bag's
+    grad_output, or its own), times ``scale[i]`` when given; lookups of row -1 contribute
+    nothing. The result has one entry per distinct row, summed, with indices sorted
+    ascending, so it is built coalesced.
+
+    The per-lookup rows are never materialised (``[nnz, D]`` would cost more than the whole
+    forward): sparsekit's ``unique`` counts the lookups of each distinct row, the lookups are
+    grouped by row with a stable sort, and ``embedding_bag`` sums each group straight out of
+    ``source`` as one CSR bag per row. Sums run in lookup order, so the gradient is
+    bit-identical run to run on every device.
     """
-    # A leading -1 makes the missing-row marker unique key 0 whatever the batch holds, so
-    # dropping it is a slice (no data-dependent mask, no extra host sync on CUDA), and the
-    # lookups of -1 get segment id -1, which segment_sum drops.
+    dim = source.shape[1]
+    # A leading -1 gives the missing-row marker a group of its own whatever the batch
+    # holds; every valid row is >= 0, so that group sorts first and is sliced off (no
+    # data-dependent mask, hence no extra host sync on CUDA).
     marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
-    keys, inverse = unique(torch.cat([marker, rows]))
-    summed = segment_sum(values, inverse[1:] - 1, keys.shape[0] - 1)
-    indices = keys[1:].to(torch.int64).unsqueeze(0)
+    keys, _, counts = _ops.unique(torch.cat([marker, rows]))
+    sorted_keys, key_order = torch.sort(keys)
+    # The marker counted itself once: subtract it to get CSR offsets over the nnz lookups.
+    group_ends = torch.cumsum(counts.index_select(0, key_order), 0) - 1
+    offsets = torch.cat([group_ends.new_zeros(1), group_ends])
+    lookup_order = torch.sort(rows, stable=True).indices
+    grouped_scale = None if scale is None else scale.index_select(0, lookup_order)
+    summed = _ops.embedding_bag(source, source_index.index_select(0, lookup_order), offsets, grouped_scale, "sum")
+    indices = sorted_keys[1:].to(torch.int64).unsqueeze(0)
     return torch.sparse_coo_tensor(
-        indices, summed, (num_rows, values.shape[1]), is_coalesced=False, check_invariants=False
+        indices, summed[1:], (num_rows, dim), is_coalesced=True, check_invariants=False
     )
 
 
@@ -173,6 +187,21 @@ def _bag_index(offsets: Tensor, nnz: int) -> Tensor:
     lengths = offsets[1:] - offsets[:-1]
     # output_size spares CUDA the host sync that sizing the result would need.
     return torch.repeat_interleave(torch.arange(bags, device=offsets.device), lengths, output_size=nnz)
+
+
+def _lookup_dots(left: Tensor, left_index: Tensor, right: Tensor, right_index: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[n]`` of ``dtype``: ``dot(left[left_index[i]], right[right_index[i]])``, 0 where right_index is -1.
+
+    Done in chunks of about 4 MiB of gathered rows, so the ``[n, D]`` products are never
+    materialised whole."""
+    n, dim = left_index.shape[0], left.shape[1]
+    chunk = max(1, (1 << 20) // max(dim, 1))
+    dots = []
+    for start in range(0, n, chunk):
+        a = embedding_gather(left, left_index[start:start + chunk]).to(dtype)
+        b = embedding_gather(right, right_index[start:start + chunk]).to(dtype)
+        dots.append(torch.linalg.vecdot(a, b))
+    return torch.cat(dots) if dots else left.new_zeros(0, dtype=dtype)
 
 
 def _embedding_bag_setup_context(ctx, inputs, output) -> None:
@@ -194,11 +223,12 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
     rows, offsets, per_sample_weights, weight, output = ctx.saved_tensors
     nnz = rows.shape[0]
     bags = offsets.shape[0] - 1
+    # Half-precision gradients are pooled in float32 (grad_output is only [bags, D]).
     acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
     bag = _bag_index(offsets, nnz)
     valid = rows >= 0
 
-    # scale[i]: d out[bag[i]] / d weight[rows[i]] (a scalar per lookup, 0 for rows == -1).
+    # mean: out[b] = sum_i w_i weight[r_i] / S_b, S_b = number (or weight sum) of valid rows.
     inverse_denominator = None
     if ctx.mode == "mean":
         if per_sample_weights is None:
@@ -211,30 +241,27 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
         # The forward pools a bag with nothing to divide by to zeros; its gradient is zero too.
         safe = torch.where(denominator != 0, denominator, 1)
         inverse_denominator = torch.where(denominator != 0, 1 / safe, 0)
-    scale = None
-    if per_sample_weights is not None:
-        scale = per_sample_weights.to(acc_dtype)
-    if inverse_denominator is not None:
-        per_lookup = inverse_denominator.index_select(0, bag)
-        scale = per_lookup if scale is None else scale * per_lookup
 
-    grad_rows = embedding_gather(grad_output, bag)  # [nnz, D]: grad_output of each lookup's bag
+    # d loss / d out[b], divided by S_b for mean: each lookup then only adds its weight w_i.
+    bag_grad = grad_output.to(acc_dtype)
+    if inverse_denominator is not None:
+        bag_grad = bag_grad * inverse_denominator.unsqueeze(1)
+
     grad_weight = None
     if ctx.needs_input_grad[0]:
-        values = grad_rows if scale is None else (grad_rows.to(acc_dtype) * scale.unsqueeze(1)).to(grad_output.dtype)
-        grad_weight = _sparse_row_gradient(values, rows, ctx.num_rows)
+        scale = None if per_sample_weights is None else per_sample_weights.to(acc_dtype)
+        grad_weight = _sparse_row_gradient(bag_grad, bag, rows, ctx.num_rows, scale)
+        if grad_weight.dtype != grad_output.dtype:
+            grad_weight = grad_weight.to(grad_output.dtype)
 
     grad_per_sample_weights = None
     if per_sample_weights is not None and ctx.needs_input_grad[3]:
         # sum:  d out[b] / d w_i = weight[r_i]
-        # mean: out[b] = sum_i w_i weight[r_i] / S_b with S_b = sum_i w_i, so
-        #       d out[b] / d w_i = (weight[r_i] - out[b]) / S_b.
-        looked_up = embedding_gather(weight, rows).to(acc_dtype)  # zeros for rows == -1
-        dots = (grad_rows.to(acc_dtype) * looked_up).sum(1)
+        # mean: d out[b] / d w_i = (weight[r_i] - out[b]) / S_b, and bag_grad already holds the 1 / S_b.
+        dots = _lookup_dots(bag_grad, bag, weight, rows, acc_dtype)
         if ctx.mode == "mean":
-            bag_dots = (grad_output.to(acc_dtype) * output.to(acc_dtype)).sum(1)
-            dots = (dots - bag_dots.index_select(0, bag)) * inverse_denominator.index_select(0, bag)
-            dots = torch.where(valid, dots, 0)
+            bag_dots = torch.linalg.vecdot(bag_grad, output.to(acc_dtype))
+            dots = torch.where(valid, dots - bag_dots.index_select(0, bag), 0)
         grad_per_sample_weights = dots.to(per_sample_weights.dtype)
     return grad_weight, None, None, grad_per_sample_weights, None
 
@@ -252,8 +279,13 @@ def _embedding_gather_setup_context(ctx, inputs, output) -> None:
 
 def _embedding_gather_backward(ctx, grad_output: Tensor):
     (rows,) = ctx.saved_tensors
-    values = grad_output.reshape(-1, grad_output.shape[-1])
-    return _sparse_row_gradient(values, rows.reshape(-1), ctx.num_rows), None
+    flat_rows = rows.reshape(-1)
+    source = grad_output.reshape(-1, grad_output.shape[-1])
+    if source.dtype in (torch.float16, torch.bfloat16):
+        source = source.float()
+    positions = torch.arange(flat_rows.shape[0], device=rows.device)
+    grad_weight = _sparse_row_gradient(source, positions, flat_rows, ctx.num_rows)
+    return grad_weight.to(grad_output.dtype), None
 
 
 torch.library.register_autograd(
@@ -279,9 +311,9 @@ def embedding_bag(
 
     Returns:
         ``[bags, D]`` of ``weight``'s dtype; a bag with no valid row (or whose valid weights
-        sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a sparse COO
-        gradient with one entry per distinct row, unique but in order of first occurrence,
-        so not marked coalesced) and in ``per_sample_weights`` (dense).
+        sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a coalesced
+        sparse COO gradient: one entry per distinct row, rows sorted, gradients summed) and
+        in ``per_sample_weights`` (dense).
     """
     return _ops.embedding_bag(weight, rows, offsets, per_sample_weights, mode)
 
@@ -294,7 +326,7 @@ def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
         rows: int64 or int32 row ids of any shape, each in ``[0, R)`` or ``-1``.
 
     Returns:
-        ``rows.shape + [D]`` of ``weight``'s dtype. Differentiable in ``weight`` (sparse COO
-        gradient with one entry per distinct row, as for :func:`embedding_bag`).
+        ``rows.shape + [D]`` of ``weight``'s dtype. Differentiable in ``weight`` (coalesced sparse
+        COO gradient with one entry per distinct row, as for :func:`embedding_bag`).
     """
     return _ops.embedding_gather(weight, rows)
