@@ -214,9 +214,12 @@ def main() -> None:
                         help="comma-separated embedding dims (default 64; on CUDA 64,128)")
     parser.add_argument("--bags", type=int, default=16384)
     parser.add_argument("--pooling", type=int, default=20, help="rows per bag")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.dims is None:
         args.dims = [64, 128] if args.device.startswith("cuda") else [64]
     run(args)

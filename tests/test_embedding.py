@@ -74,6 +74,18 @@ def test_embedding_bag_matches_torch(device, mode, weighted, dim):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_embedding_bag_many_bags_split_across_threads(device):
+    weight = torch.randn(500, 32, device=device)
+    rows, offsets = random_bags(500, 3000, 12, missing=0.05, seed=21)
+    rows, offsets = rows.to(device), offsets.to(device)
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, mode="mean").double().cpu(),
+                               torch_reference(weight, rows, offsets, None, "mean"), rtol=1e-5, atol=1e-5)
+    many = torch.randint(-1, 500, (60000,), device=device)
+    narrow = weight[:, :4].contiguous()
+    gathered = ops.embedding_gather(narrow, many)
+    torch.testing.assert_close(gathered, torch.where((many == -1)[:, None], 0.0, narrow[many.clamp_min(0)]))
+
+
 def test_embedding_bag_matches_nn_embedding_bag_without_missing_rows(device):
     weight = torch.randn(30, 16, device=device)
     rows, offsets = random_bags(30, 25, 6, seed=3)

@@ -325,14 +325,35 @@ void pool_bag_range_baseline(const BagProblem<scalar_t, index_t>& p, int64_t bag
   pool_bag_range<kWeighted>(p, bag_begin, bag_end);
 }
 
+/// Runs fn(begin, end) over [0, n) in chunks of `chunk` items handed out from a shared
+/// counter: a thread that the OS deschedules (or that drew long bags) then delays only its
+/// current chunk, where at::parallel_for's fixed 1/threads shares would make every op wait
+/// for the slowest thread.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = at::get_num_threads();
+  if (chunks <= 1 || threads <= 1 || at::in_parallel_region()) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(chunks, threads), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+    }
+  });
+}
+
 template <typename scalar_t, typename index_t>
 void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
   const bool weighted = p.per_sample_weights != nullptr;
   const bool avx2 = cpu_has_avx2();
-  // About 32K accumulated elements per task: enough to hide the thread start-up.
+  // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
   const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / per_bag);
-  at::parallel_for(0, bags, grain, [&](int64_t begin, int64_t end) {
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
+  parallel_chunks(bags, chunk, [&](int64_t begin, int64_t end) {
     if (avx2) {
       weighted ? pool_bag_range_avx2<true>(p, begin, end) : pool_bag_range_avx2<false>(p, begin, end);
     } else {
@@ -438,10 +459,10 @@ at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& r
   char* out_ptr = static_cast<char*>(out.mutable_data_ptr());
   std::atomic<bool> bad_row_seen{false};
   std::atomic<int64_t> bad_row{0};
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(row_bytes, 1));
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(row_bytes, 1));
   AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_gather_cpu", [&] {
     const index_t* rows_ptr = rows.const_data_ptr<index_t>();
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    parallel_chunks(n, chunk, [&](int64_t begin, int64_t end) {
       gather_row_range(weight_ptr, weight.stride(0) * element, weight.size(0), row_bytes, rows_ptr, n, out_ptr, begin,
                        end, &bad_row_seen, &bad_row);
     });
