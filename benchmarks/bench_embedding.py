@@ -159,8 +159,6 @@ def run(args) -> None:
             if inference is not None:
                 torch.testing.assert_close(inference(rows32, offsets32), expected, rtol=1e-4, atol=1e-4)
                 forward["fbgemm_inference"] = lambda: inference(rows32, offsets32)
-            with torch.no_grad():
-                forward_s = best_of_rounds(forward, device, args.rounds, args.repeat)
 
             def sparsekit_step():
                 weight.grad = None
@@ -173,34 +171,40 @@ def run(args) -> None:
             step = {"sparsekit": sparsekit_step, "nn.EmbeddingBag": torch_step}
             if training is not None:
                 step["fbgemm_training"] = lambda: training(rows, offsets).backward(grad_out)
-            step_s = best_of_rounds(step, device, args.rounds, args.repeat)
 
-            for phase, seconds in (("forward", forward_s), ("forward+backward", step_s)):
-                row = {
-                    "phase": phase,
-                    "distribution": distribution,
-                    "rows": args.rows,
-                    "dim": dim,
-                    "bags": args.bags,
-                    "pooling": args.pooling,
-                    "ms": {name: s * 1e3 for name, s in seconds.items()},
-                    "speedup": {name: s / seconds["sparsekit"] for name, s in seconds.items() if name != "sparsekit"},
-                }
-                if phase == "forward" and copy_bytes_per_s is not None:
-                    moved = nnz * dim * 4 + nnz * 8 + (args.bags + 1) * 8 + args.bags * dim * 4
-                    row["bytes_moved"] = moved
-                    row["fraction_of_copy_bandwidth"] = moved / seconds["sparsekit"] / copy_bytes_per_s
-                results.append(row)
-                times = "  ".join(f"{name} {s * 1e3:7.2f} ms" for name, s in seconds.items())
-                ratios = "  ".join(f"x{r:.2f} vs {name}" for name, r in row["speedup"].items())
-                extra = ""
-                if "fraction_of_copy_bandwidth" in row:
-                    extra = f"  {row['fraction_of_copy_bandwidth']:.0%} of copy bandwidth"
-                print(f"D={dim:<4} {distribution:<8} {phase:<17} {times}  | sparsekit {ratios}{extra}")
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                with torch.no_grad():
+                    forward_s = best_of_rounds(forward, device, args.rounds, args.repeat)
+                step_s = best_of_rounds(step, device, args.rounds, args.repeat)
+
+                for phase, seconds in (("forward", forward_s), ("forward+backward", step_s)):
+                    row = {
+                        "phase": phase,
+                        "distribution": distribution,
+                        "rows": args.rows,
+                        "dim": dim,
+                        "bags": args.bags,
+                        "pooling": args.pooling,
+                        "threads": threads,
+                        "ms": {name: s * 1e3 for name, s in seconds.items()},
+                        "speedup": {name: s / seconds["sparsekit"] for name, s in seconds.items() if name != "sparsekit"},
+                    }
+                    if phase == "forward" and copy_bytes_per_s is not None:
+                        moved = nnz * dim * 4 + nnz * 8 + (args.bags + 1) * 8 + args.bags * dim * 4
+                        row["bytes_moved"] = moved
+                        row["fraction_of_copy_bandwidth"] = moved / seconds["sparsekit"] / copy_bytes_per_s
+                    results.append(row)
+                    times = "  ".join(f"{name} {s * 1e3:7.2f} ms" for name, s in seconds.items())
+                    ratios = "  ".join(f"x{r:.2f} vs {name}" for name, r in row["speedup"].items())
+                    extra = ""
+                    if "fraction_of_copy_bandwidth" in row:
+                        extra = f"  {row['fraction_of_copy_bandwidth']:.0%} of copy bandwidth"
+                    print(f"D={dim:<4} {distribution:<8} threads={threads:<3} {phase:<17} {times}  | sparsekit {ratios}{extra}")
         del table, reference, weight, training, inference
 
     extra = {"fbgemm": None if fbgemm is None else "fbgemm_gpu", "fbgemm_missing": fbgemm_missing,
-             "threads": torch.get_num_threads()}
+             "threads": args.threads}
     if copy_bytes_per_s is not None:
         extra["copy_bytes_per_s"] = copy_bytes_per_s
     print("wrote", write_results("embedding", device, results, extra))
@@ -214,12 +218,14 @@ def main() -> None:
                         help="comma-separated embedding dims (default 64; on CUDA 64,128)")
     parser.add_argument("--bags", type=int, default=16384)
     parser.add_argument("--pooling", type=int, default=20, help="rows per bag")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=None,
+                        help="comma-separated CPU thread counts (default on CPU: 1 and torch's default)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.threads is None:
+        default = torch.get_num_threads()
+        args.threads = [1, default] if args.device == "cpu" and default > 1 else [default]
     if args.dims is None:
         args.dims = [64, 128] if args.device.startswith("cuda") else [64]
     run(args)
