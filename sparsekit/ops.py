@@ -153,31 +153,32 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
 
     Lookup ``i`` of row ``rows[i]`` contributes ``source[source_index[i]]`` (its bag's
     grad_output, or its own), times ``scale[i]`` when given; lookups of row -1 contribute
-    nothing. The result has one entry per distinct row, summed, with indices sorted
-    ascending, so it is built coalesced.
+    nothing. The result has one entry per distinct row (summed), in order of first
+    occurrence: the indices are unique but not sorted, so ``is_coalesced()`` is False.
+    Sorting them would buy nothing in practice: autograd's AccumulateGrad re-wraps a sparse
+    gradient it stores in ``.grad`` without the coalesced flag anyway.
 
     The per-lookup rows are never materialised (``[nnz, D]`` would cost more than the whole
-    forward): sparsekit's ``unique`` counts the lookups of each distinct row, the lookups are
-    grouped by row with a stable sort, and ``embedding_bag`` sums each group straight out of
-    ``source`` as one CSR bag per row. Sums run in lookup order, so the gradient is
-    bit-identical run to run on every device.
+    forward): sparsekit's ``unique`` numbers the distinct rows and counts their lookups, a
+    stable sort of those numbers groups the lookups row by row, and ``embedding_bag`` sums
+    each group straight out of ``source`` as one CSR bag per row. Sums run in lookup order,
+    so the gradient is bit-identical run to run on every device.
     """
     dim = source.shape[1]
-    # A leading -1 gives the missing-row marker a group of its own whatever the batch
-    # holds; every valid row is >= 0, so that group sorts first and is sliced off (no
-    # data-dependent mask, hence no extra host sync on CUDA).
+    # A leading -1 makes the missing-row marker unique row 0 whatever the batch holds, so
+    # the -1 lookups form group 0 and are sliced off with it (no data-dependent mask, hence
+    # no extra host sync on CUDA).
     marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
-    keys, _, counts = _ops.unique(torch.cat([marker, rows]))
-    sorted_keys, key_order = torch.sort(keys)
-    # The marker counted itself once: subtract it to get CSR offsets over the nnz lookups.
-    group_ends = torch.cumsum(counts.index_select(0, key_order), 0) - 1
+    keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
+    # CSR offsets of the groups over the nnz lookups; the marker counted itself once.
+    group_ends = torch.cumsum(counts, 0) - 1
     offsets = torch.cat([group_ends.new_zeros(1), group_ends])
-    lookup_order = torch.sort(rows, stable=True).indices
+    lookup_order = torch.sort(inverse[1:], stable=True).indices
     grouped_scale = None if scale is None else scale.index_select(0, lookup_order)
     summed = _ops.embedding_bag(source, source_index.index_select(0, lookup_order), offsets, grouped_scale, "sum")
-    indices = sorted_keys[1:].to(torch.int64).unsqueeze(0)
+    indices = keys[1:].to(torch.int64).unsqueeze(0)
     return torch.sparse_coo_tensor(
-        indices, summed[1:], (num_rows, dim), is_coalesced=True, check_invariants=False
+        indices, summed[1:], (num_rows, dim), is_coalesced=False, check_invariants=False
     )
 
 
@@ -312,9 +313,9 @@ def embedding_bag(
 
     Returns:
         ``[bags, D]`` of ``weight``'s dtype; a bag with no valid row (or whose valid weights
-        sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a coalesced
-        sparse COO gradient: one entry per distinct row, rows sorted, gradients summed) and
-        in ``per_sample_weights`` (dense).
+        sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a sparse COO
+        gradient with one entry per distinct row, gradients summed, rows in order of first
+        occurrence, so not marked coalesced) and in ``per_sample_weights`` (dense).
     """
     return _ops.embedding_bag(weight, rows, offsets, per_sample_weights, mode)
 
@@ -327,7 +328,7 @@ def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
         rows: int64 or int32 row ids of any shape, each in ``[0, R)`` or ``-1``.
 
     Returns:
-        ``rows.shape + [D]`` of ``weight``'s dtype. Differentiable in ``weight`` (coalesced sparse
-        COO gradient with one entry per distinct row, as for :func:`embedding_bag`).
+        ``rows.shape + [D]`` of ``weight``'s dtype. Differentiable in ``weight`` (sparse COO
+        gradient with one entry per distinct row, as for :func:`embedding_bag`).
     """
     return _ops.embedding_gather(weight, rows)

@@ -248,12 +248,15 @@ def test_embedding_bag_sparse_gradient_matches_nn_embedding_bag(device, mode, we
     ops.embedding_bag(weight, rows, offsets, psw, mode).backward(grad_out)
     grad = weight.grad
     assert grad.layout == torch.sparse_coo and grad.shape == (num_rows, dim)
-    # aggregated: one entry per distinct row, rows ascending
-    assert grad._indices()[0].tolist() == rows.unique().tolist()
-    # built coalesced; AccumulateGrad's shallow copy into .grad drops the flag, autograd.grad keeps it
+    # aggregated: one entry per distinct row, in order of first occurrence, not flagged coalesced
+    first_occurrence = list(dict.fromkeys(rows.tolist()))
+    assert grad._indices()[0].tolist() == first_occurrence
     (direct,) = torch.autograd.grad(ops.embedding_bag(weight, rows, offsets, psw, mode), weight, grad_out)
-    assert direct.is_coalesced()
+    assert not direct.is_coalesced()
     torch.testing.assert_close(direct.to_dense(), grad.to_dense())
+    # summed in lookup order: bit-identical run to run
+    (again,) = torch.autograd.grad(ops.embedding_bag(weight, rows, offsets, psw, mode), weight, grad_out)
+    assert torch.equal(again._values(), direct._values()) and torch.equal(again._indices(), direct._indices())
     torch.testing.assert_close(grad.to_dense(), reference.weight.grad.to_dense(), rtol=1e-5, atol=1e-5)
 
 
@@ -263,9 +266,9 @@ def test_embedding_bag_sparse_gradient_drops_missing_rows(device):
     offsets = torch.tensor([0, 2, 5], device=device)
     ops.embedding_bag(weight, rows, offsets).sum().backward()
     grad = weight.grad
-    # the -1 lookups leave no entry
-    assert grad._indices()[0].tolist() == [0, 4]
-    torch.testing.assert_close(grad._values().cpu(), torch.tensor([[1.0] * 3, [2.0] * 3]))
+    # first-occurrence order; the -1 lookups leave no entry
+    assert grad._indices()[0].tolist() == [4, 0]
+    torch.testing.assert_close(grad._values().cpu(), torch.tensor([[2.0] * 3, [1.0] * 3]))
 
 
 def test_embedding_bag_per_sample_weight_gradient_matches_torch(device):
@@ -362,7 +365,7 @@ def test_embedding_gather_gradient(device):
     grad_out = torch.randn(3, 2, 3, dtype=torch.float64, device=device)
     ops.embedding_gather(weight, rows).backward(grad_out)
     assert weight.grad.layout == torch.sparse_coo
-    assert weight.grad._indices()[0].tolist() == [0, 2, 7]
+    assert weight.grad._indices()[0].tolist() == [2, 7, 0]
     expected = torch.zeros(8, 3, dtype=torch.float64, device=device)
     expected.index_add_(0, torch.tensor([2, 7, 2, 0, 0], device=device), grad_out.view(6, 3)[[0, 2, 3, 4, 5]])
     torch.testing.assert_close(weight.grad.to_dense(), expected)

@@ -21,6 +21,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "embedding.h"
 
 namespace sparsekit {
@@ -362,6 +366,26 @@ void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
   });
 }
 
+/// Asks Linux to back a large, freshly allocated output with transparent huge pages before
+/// its first touch. Big CPU tensors are fresh mmaps, and first-touching one costs a page
+/// fault per 4 KiB: for the [unique rows, D] gradient of a large batch those faults took
+/// longer than the pooling itself. (torch's allocator does the same for every large
+/// tensor under THP_MEM_ALLOC_ENABLE=1.) A hint only: any failure is ignored.
+void advise_huge_pages(const at::Tensor& out) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(out.const_data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(out.nbytes());
+  const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t last = end & ~(kHugePage - 1);
+  if (last >= first + 2 * kHugePage) {
+    (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+#else
+  (void)out;
+#endif
+}
+
 at::Tensor rows_stride_ready(const at::Tensor& weight) {
   // Rows may be strided (a slice of a bigger table); the columns of a row must be dense.
   return weight.stride(1) == 1 || weight.size(1) <= 1 ? weight : weight.contiguous();
@@ -389,6 +413,7 @@ at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows
 
   at::Tensor out = at::empty({bags, dim}, weight.options());
   if (bags == 0 || dim == 0) return out;
+  advise_huge_pages(out);
 
   std::atomic<bool> bad_offsets{false};
   std::atomic<bool> bad_row_seen{false};
@@ -452,6 +477,7 @@ at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& r
   out_shape.push_back(dim);
   at::Tensor out = at::empty(out_shape, weight.options());
   if (n == 0) return out;
+  advise_huge_pages(out);
 
   const int64_t element = weight.element_size();
   const int64_t row_bytes = dim * element;
