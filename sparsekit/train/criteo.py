@@ -136,7 +136,8 @@ class CriteoParser:
             try:
                 dense.append([int(field) if field else 0 for field in fields[1:1 + NUM_DENSE]])
             except ValueError:
-                bad = next(i for i, field in enumerate(fields[1:1 + NUM_DENSE]) if not _is_int(field))
+                bad = next(i for i, field in enumerate(fields[1:1 + NUM_DENSE])
+                           if field and not _is_int(field))
                 raise self.error(line_number, f"integer feature I{bad + 1} is not an integer: "
                                  f"{fields[1 + bad][:20]!r}") from None
             keys.append([digest(field, seed) if field else absent
@@ -175,6 +176,8 @@ class CriteoTSV:
     def __init__(self, path: str, *, eval_samples: int, eval_path: Optional[str] = None,
                  hash_seed: int = 0):
         self.path = path
+        # Open file and next line number per file read, so sequential batches need no seek.
+        self._streams: Dict[str, Tuple[object, int]] = {}
         self._index = LineIndex(path)
         self._parser = CriteoParser(path, hash_seed)
         if eval_path is None:
@@ -191,7 +194,6 @@ class CriteoTSV:
             eval_index = LineIndex(eval_path)
             self._eval = (eval_index, CriteoParser(eval_path, hash_seed), 0,
                           min(eval_samples, eval_index.num_lines))
-        self._streams: Dict[str, Tuple[object, int]] = {}
 
     def _read(self, index: LineIndex, first: int, count: int) -> List[bytes]:
         """Lines ``[first, first + count)`` of an indexed file, reusing the open stream
@@ -234,9 +236,6 @@ class CriteoTSV:
         for stream, _ in self._streams.values():
             stream.close()
         self._streams.clear()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def write_synthetic_tsv(path: str, num_lines: int, seed: int = 0, *, chunk: int = 8192) -> None:
