@@ -85,7 +85,6 @@ def extension():
     common = dict(
         name="sparsekit._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
-        define_macros=[("Py_LIMITED_API", "0x03090000")],
         py_limited_api=True,
         extra_link_args=[],
     )

@@ -1,0 +1,179 @@
+import pytest
+import torch
+
+import sparsekit as sk
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def reference_segment_sum(data: torch.Tensor, ids: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """index_add_ in float64 over the non-negative ids."""
+    keep = ids >= 0
+    out = torch.zeros((num_segments,) + tuple(data.shape[1:]), dtype=torch.float64, device=data.device)
+    out.index_add_(0, ids[keep].long(), data[keep].double())
+    return out
+
+
+def random_case(device, n=1000, dim=(16,), num_segments=37, dtype=torch.float32, id_dtype=torch.int64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn((n,) + dim, generator=gen).to(dtype).to(device)
+    ids = torch.randint(-3, num_segments, (n,), generator=gen).to(id_dtype).to(device)
+    return data, ids
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_segment_sum_reference(device, dtype, id_dtype, deterministic):
+    data, ids = random_case(device, dtype=dtype, id_dtype=id_dtype)
+    out = sk.ops.segment_sum(data, ids, 37, deterministic=deterministic)
+    assert out.dtype == dtype and out.shape == (37, 16) and out.device == data.device
+    want = reference_segment_sum(data, ids, 37)
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * 10)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3, 5), (200,)])
+def test_segment_sum_trailing_shapes(device, shape):
+    data, ids = random_case(device, n=300, dim=shape, num_segments=11)
+    out = sk.ops.segment_sum(data, ids, 11)
+    assert out.shape == (11,) + shape
+    torch.testing.assert_close(out.double(), reference_segment_sum(data, ids, 11), rtol=1e-5, atol=1e-4)
+
+
+def test_segment_sum_large_zipf_like(device):
+    """Many rows into a few hot segments: the column split must still add every row once."""
+    gen = torch.Generator().manual_seed(4)
+    ids = (torch.rand(200_000, generator=gen) ** 4 * 5_000).long()
+    data = torch.randn(200_000, 64, generator=gen, dtype=torch.float64)
+    out = sk.ops.segment_sum(data.to(device), ids.to(device), 5_000)
+    torch.testing.assert_close(out.cpu(), reference_segment_sum(data, ids, 5_000), rtol=1e-9, atol=1e-9)
+
+
+def test_segment_sum_negative_ids_dropped(device):
+    data = torch.arange(12, dtype=torch.float32, device=device).view(6, 2)
+    ids = torch.tensor([0, -1, 2, -7, 0, -(2**63)], device=device)
+    out = sk.ops.segment_sum(data, ids, 3)
+    assert torch.equal(out.cpu(), torch.tensor([[8.0, 10.0], [0.0, 0.0], [4.0, 5.0]]))
+
+
+def test_segment_sum_empty(device):
+    out = sk.ops.segment_sum(torch.empty(0, 4, device=device), torch.empty(0, dtype=torch.int64, device=device), 3)
+    assert torch.equal(out.cpu(), torch.zeros(3, 4))
+    out = sk.ops.segment_sum(torch.randn(5, 4, device=device), torch.full((5,), -1, device=device), 0)
+    assert out.shape == (0, 4)
+    out = sk.ops.segment_sum(torch.empty(3, 0, device=device), torch.tensor([0, 1, 1], device=device), 2)
+    assert out.shape == (2, 0)
+
+
+def test_segment_sum_all_in_one_segment(device):
+    data = torch.ones(10_000, 3, dtype=torch.float64, device=device)
+    out = sk.ops.segment_sum(data, torch.zeros(10_000, dtype=torch.int64, device=device), 2)
+    assert torch.equal(out.cpu(), torch.tensor([[10_000.0] * 3, [0.0] * 3], dtype=torch.float64))
+
+
+def test_segment_sum_out_of_range_raises_and_recovers(device):
+    data, ids = random_case(device, num_segments=5)
+    ids[17] = 5
+    ids[3] = 2**40
+    with pytest.raises(RuntimeError, match=r"segment_ids holds 1099511627776 but num_segments is 5"):
+        sk.ops.segment_sum(data, ids, 5)
+    # The process (and the CUDA context) is still usable.
+    ids[17] = ids[3] = 0
+    out = sk.ops.segment_sum(data, ids, 5)
+    torch.testing.assert_close(out.double(), reference_segment_sum(data, ids, 5), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_segment_sum_bit_identical_run_to_run(device, deterministic):
+    data, ids = random_case(device, n=50_000, dim=(64,), num_segments=100)
+    first = sk.ops.segment_sum(data, ids, 100, deterministic=True)
+    again = sk.ops.segment_sum(data, ids, 100, deterministic=True)
+    assert torch.equal(first, again)
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            single = sk.ops.segment_sum(data, ids, 100, deterministic=deterministic)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(first, single)
+
+
+def test_segment_sum_cuda_matches_cpu(device):
+    if device.type != "cuda":
+        pytest.skip("CUDA kernel against the CPU kernel")
+    data, ids = random_case("cpu", n=100_000, dim=(33,), num_segments=1000, dtype=torch.float64)
+    want = sk.ops.segment_sum(data, ids, 1000)
+    for deterministic in (False, True):
+        got = sk.ops.segment_sum(data.to(device), ids.to(device), 1000, deterministic=deterministic)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_segment_sum_gradcheck(device):
+    data, ids = random_case(device, n=20, dim=(3,), num_segments=6, dtype=torch.float64)
+    data.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: sk.ops.segment_sum(x, ids, 6), (data,))
+    assert torch.autograd.gradcheck(lambda x: sk.ops.segment_mean(x, ids, 6), (data,))
+
+
+def test_segment_sum_gradient_values(device):
+    data = torch.ones(4, 2, device=device, requires_grad=True)
+    ids = torch.tensor([1, -1, 0, 1], device=device)
+    out = sk.ops.segment_sum(data, ids, 2)
+    out.backward(torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device))
+    assert torch.equal(data.grad.cpu(), torch.tensor([[3.0, 4.0], [0.0, 0.0], [1.0, 2.0], [3.0, 4.0]]))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_segment_mean(device, dtype):
+    data, ids = random_case(device, n=500, num_segments=40, dtype=dtype)
+    out = sk.ops.segment_mean(data, ids, 40)
+    total = reference_segment_sum(data, ids, 40)
+    count = reference_segment_sum(torch.ones(500, 1, device=device), ids, 40).clamp(min=1)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), total / count, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    empty = sk.ops.segment_mean(torch.ones(2, 3, device=device), torch.tensor([0, 0], device=device), 2)
+    assert torch.equal(empty.cpu(), torch.tensor([[1.0] * 3, [0.0] * 3]))
+    assert torch.equal(sk.ops.segment_reduce(data, ids, 40, reduce="mean"), out)
+    with pytest.raises(ValueError, match="reduce must be 'sum' or 'mean'"):
+        sk.ops.segment_reduce(data, ids, 40, reduce="max")
+
+
+def test_segment_sum_opcheck(device):
+    data, ids = random_case(device, n=50, dim=(4,), num_segments=7)
+    for deterministic in (False, True):
+        torch.library.opcheck(torch.ops.sparsekit.segment_sum.default,
+                              (data.requires_grad_(True), ids, 7, deterministic))
+    torch.library.opcheck(torch.ops.sparsekit.segment_sum.default,
+                          (torch.empty(0, 4, device=device), torch.empty(0, dtype=torch.int64, device=device), 3, False))
+
+
+BAD_INPUTS = {
+    "integer data": (lambda d: (torch.ones(3, 2, dtype=torch.int64, device=d), torch.zeros(3, dtype=torch.int64, device=d), 2),
+                     "data must be float32, float64, float16 or bfloat16"),
+    "float ids": (lambda d: (torch.ones(3, 2, device=d), torch.zeros(3, device=d), 2),
+                  "segment_ids must be an int64 or int32"),
+    "2-D ids": (lambda d: (torch.ones(3, 2, device=d), torch.zeros(3, 1, dtype=torch.int64, device=d), 2),
+                "segment_ids must be 1-D"),
+    "length mismatch": (lambda d: (torch.ones(3, 2, device=d), torch.zeros(4, dtype=torch.int64, device=d), 2),
+                        "segment_ids has 4 entries but data has 3 rows"),
+    "negative num_segments": (lambda d: (torch.ones(3, 2, device=d), torch.zeros(3, dtype=torch.int64, device=d), -1),
+                              "num_segments must be >= 0"),
+    "scalar data": (lambda d: (torch.tensor(1.0, device=d), torch.zeros(1, dtype=torch.int64, device=d), 2),
+                    "data must have at least one dimension"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_segment_sum_bad_inputs(device, case):
+    make, message = BAD_INPUTS[case]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.sparsekit.segment_sum(*make(device), False)
+
+
+def test_segment_sum_device_mismatch(device):
+    if device.type != "cuda":
+        pytest.skip("needs two devices")
+    with pytest.raises(RuntimeError, match="segment_ids is on"):
+        sk.ops.segment_sum(torch.ones(3, 2, device=device), torch.zeros(3, dtype=torch.int64), 2)
