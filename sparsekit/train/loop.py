@@ -40,7 +40,7 @@ class TrainConfig:
     data: str = "synthetic"
     eval_data: Optional[str] = None
     eval_samples: int = 32768
-    eval_every: int = 100
+    eval_every: int = 50
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
