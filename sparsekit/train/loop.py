@@ -109,7 +109,7 @@ def build(config: TrainConfig, context: Context):
     torch.manual_seed(config.seed)
     if config.embedding == "sparsekit":
         embedding = SparsekitSlotEmbedding(config.table_rows, config.embedding_dim, context.device,
-                                           context.world_size)
+                                           context.world_size, config.seed)
     elif config.embedding == "torch":
         if context.world_size > 1 and context.device.type == "cuda":
             raise RuntimeError("--embedding torch replicates nn.EmbeddingBag(sparse=True) under DDP, "
@@ -124,23 +124,21 @@ def build(config: TrainConfig, context: Context):
         import sparsekit as sk
 
         optimizer = sk.LazyAdam(model.parameters(), lr=config.lr)
-        embedding_params, _ = sk.split_embedding_variable_from_others(list(model.parameters()))
+        # Model-parallel: every rank owns other rows and its own hash table, so DDP must
+        # neither average nor broadcast them.
+        sharded, _ = sk.split_embedding_variable_from_others(model.named_parameters())
+        ignored = [name for name, _ in sharded]
+        ignored += [f"embedding.{name}" for name, _ in embedding.named_buffers()]
     else:
         optimizer = OptimizerGroup({
             "sparse": torch.optim.SparseAdam(list(embedding.parameters()), lr=config.lr),
             "dense": torch.optim.Adam([p for n, p in model.named_parameters()
                                        if not n.startswith("embedding.")], lr=config.lr),
         })
-        embedding_params = []
+        ignored = []
 
     trained: nn.Module = model
     if context.world_size > 1:
-        # Embedding variables are model-parallel (each rank owns different rows, the
-        # hash table is rank-local): DDP must neither average nor broadcast them.
-        ids = {id(p) for p in embedding_params}
-        ignored = [name for name, p in model.named_parameters() if id(p) in ids]
-        ignored += [name for name, _ in model.named_buffers() if name.startswith("embedding.")
-                    and config.embedding == "sparsekit"]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
         trained = DistributedDataParallel(
             model, device_ids=[context.device.index] if context.device.type == "cuda" else None)

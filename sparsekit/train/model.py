@@ -38,15 +38,19 @@ class SparsekitSlotEmbedding(nn.Module):
         dim: embedding width.
         device: where the shard lives.
         world_size: processes of the default group (1 without one).
+        seed: seed of the key-seeded initializer (a key's first vector depends on it and
+            on the key alone).
     """
 
-    def __init__(self, capacity_per_rank: int, dim: int, device: torch.device, world_size: int = 1):
+    def __init__(self, capacity_per_rank: int, dim: int, device: torch.device, world_size: int = 1,
+                 seed: int = 0):
         super().__init__()
         import sparsekit as sk
 
         self._ragged = sk.Ragged
         self.embedding = sk.DistributedEmbedding(
-            "sum", capacity_per_rank, dim, NUM_SLOTS, 1, use_hashtable=True, device=device)
+            "sum", capacity_per_rank, dim, NUM_SLOTS, 1, use_hashtable=True,
+            embedding_initializer=sk.KeySeededUniform(seed), device=device)
         self.grad_scale = 1.0 / world_size
 
     def forward(self, keys: Tensor) -> Tensor:
