@@ -255,29 +255,46 @@ def test_bad_settings_raise():
         train(tiny(embedding="tensorflow"))
 
 
-def _torchrun(args, nproc):
+def _torchrun(config: TrainConfig, nproc: int, metrics_path: str) -> dict:
+    """Run ``config`` under torchrun on ``nproc`` CPU processes (gloo); rank 0's metrics."""
+    args = ["--device", "cpu", "--embedding", config.embedding, "--steps", str(config.steps),
+            "--batch-size", str(config.batch_size), "--eval-samples", str(config.eval_samples),
+            "--eval-every", str(config.eval_every), "--embedding-dim", str(config.embedding_dim),
+            "--table-rows", str(config.table_rows), "--vocab-per-slot", str(config.vocab_per_slot),
+            "--lr", str(config.lr), "--no-progress", "--metrics-json", metrics_path]
+    if config.checkpoint_dir:
+        args += ["--checkpoint-dir", config.checkpoint_dir]
+    if config.resume:
+        args.append("--resume")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", "-m", "sparsekit.train", *args]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    with open(metrics_path) as metrics:
+        return json.load(metrics)
 
 
-def test_two_processes_match_one_process(tmp_path):
-    """torchrun, 2 ranks on gloo: DDP dense + model-parallel sparsekit embedding follows
-    the one-process run of the same global batches."""
-    config = tiny(embedding="sparsekit")
-    single = train(config)
-    metrics_path = tmp_path / "metrics.json"
-    _torchrun(["--device", "cpu", "--embedding", "sparsekit", "--steps", str(config.steps),
-               "--batch-size", str(config.batch_size), "--eval-samples", str(config.eval_samples),
-               "--eval-every", "0", "--embedding-dim", str(config.embedding_dim),
-               "--table-rows", str(config.table_rows), "--vocab-per-slot", str(config.vocab_per_slot),
-               "--lr", str(config.lr), "--no-progress", "--metrics-json", str(metrics_path)], nproc=2)
-    double = json.loads(metrics_path.read_text())
-    _check_metrics(double, steps=config.steps, world_size=2)
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_two_processes_match_one_process(tmp_path, embedding):
+    """torchrun, 2 ranks on gloo, same global batches: DDP over the dense layers plus the
+    model-parallel sparsekit embedding (or the replicated torch one) follows the
+    one-process run up to float summation order."""
+    single = train(tiny(embedding=embedding))
+    double = _torchrun(tiny(embedding=embedding), 2, str(tmp_path / "metrics.json"))
+    _check_metrics(double, steps=single["steps"], world_size=2)
     assert double["eval_samples"] == single["eval_samples"]
-    # Same data, same initial vectors, same gradients up to float summation order.
     assert double["auc"] == pytest.approx(single["auc"], abs=2e-3)
     assert double["logloss"] == pytest.approx(single["logloss"], abs=2e-3)
+
+
+def test_resume_on_another_world_size(tmp_path):
+    """Checkpoint on 1 process, resume on 2: the run ends where the uninterrupted one does."""
+    straight = train(tiny(embedding="sparsekit"))
+    train(tiny(embedding="sparsekit", steps=5, checkpoint_dir=str(tmp_path)))
+    resumed = _torchrun(tiny(embedding="sparsekit", checkpoint_dir=str(tmp_path), resume=True), 2,
+                        str(tmp_path / "metrics.json"))
+    assert resumed["resumed_from_step"] == 5 and resumed["world_size"] == 2
+    assert resumed["auc"] == pytest.approx(straight["auc"], abs=2e-3)
+    assert resumed["logloss"] == pytest.approx(straight["logloss"], abs=2e-3)

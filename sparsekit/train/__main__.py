@@ -67,11 +67,13 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     config = parse_args(argv)
-    try:
-        result = train(config)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result = train(config)
+    if dist.is_initialized():
+        # Tearing gloo down while a peer still finishes its last collective aborts that
+        # peer now and then ("terminate called without an active exception"): wait for
+        # every rank first. Only on success: after an error the others may never come.
+        dist.barrier()
+        dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result))
     return result

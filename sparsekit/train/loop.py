@@ -341,8 +341,9 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
     if show:
         from tqdm import tqdm
 
+        # disable=None: no bar when stderr is not a terminal (logs piped to a file).
         bar = tqdm(total=config.steps, initial=start_step, desc=f"train[{config.embedding}]",
-                   unit="step", dynamic_ncols=True, mininterval=0.5)
+                   unit="step", dynamic_ncols=True, mininterval=0.5, disable=None)
         log = bar.write  # keep log lines above the bar
     if context.is_main:
         log(f"sparsekit.train: embedding={config.embedding} device={context.device} "
@@ -375,7 +376,7 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
             step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0))
         if bar is not None and (step % 10 == 0 or evaluate_now):
             bar.update(step - bar.n)
-            bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+            bar.set_postfix(loss=f"{float(loss.detach()):.4f}", refresh=False)
         if not (evaluate_now or checkpoint_now):
             continue
         # Pause the clock: evaluation and checkpoints are not training throughput.
