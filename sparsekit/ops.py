@@ -124,3 +124,181 @@ def segment_reduce(
     if reduce == "mean":
         return segment_mean(data, segment_ids, num_segments, deterministic)
     raise ValueError(f"segment_reduce: reduce must be 'sum' or 'mean', got {reduce!r}")
+
+
+# ---- hashtable / lazy_adam ----
+
+
+@torch.library.register_fake("sparsekit::hash_table_find")
+def _hash_table_find_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
+    torch._check(keys.dtype in _INT_KEY_DTYPES, lambda: f"hash_table_find: keys must be int64 or int32, got {keys.dtype}")
+    torch._check(slot_keys.dtype == torch.int64 and slot_rows.dtype == torch.int64,
+                 lambda: "hash_table_find: slot_keys and slot_rows must be int64")
+    return keys.new_empty(keys.shape, dtype=torch.int64)
+
+
+@torch.library.register_fake("sparsekit::hash_table_insert_absent_")
+def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor) -> None:
+    torch._check(keys.dtype in _INT_KEY_DTYPES,
+                 lambda: f"hash_table_insert_absent_: keys must be int64 or int32, got {keys.dtype}")
+    torch._check(rows.dtype == torch.int64, lambda: "hash_table_insert_absent_: rows must be int64")
+    return None
+
+
+def hash_table_find(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
+    """Rows of ``keys`` in an open-addressing table (see :class:`sparsekit.HashTable`).
+
+    Args:
+        slot_keys: int64 ``[S]``, ``S`` a power of two: the key held by each slot.
+        slot_rows: int64 ``[S]``: the row held by each slot, ``-1`` where the slot is empty.
+        keys: int64 or int32 keys of any shape, on the table's device. int32 keys are
+            compared as int64.
+
+    Returns:
+        int64 rows with the shape of ``keys``, ``-1`` where a key is absent.
+    """
+    return _ops.hash_table_find(slot_keys, slot_rows, keys)
+
+
+def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor) -> None:
+    """Places keys that are distinct and absent from the table, in place.
+
+    The caller guarantees distinctness and absence (not checked) and that the table stays
+    at most half full (at most ``S / 2`` keys), which keeps probing short and guarantees
+    an empty slot; a table with no empty slot left or a negative row raises. On CUDA this
+    syncs with the host once, to read the error flag.
+
+    Args:
+        slot_keys: int64 ``[S]``, written in place.
+        slot_rows: int64 ``[S]``, written in place (``-1`` marks an empty slot).
+        keys: int64 or int32 ``[n]`` keys, distinct and absent.
+        rows: int64 ``[n]`` rows ``>= 0``; the slot of ``keys[i]`` gets ``rows[i]``.
+    """
+    _ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, rows)
+
+
+@torch.library.register_fake("sparsekit::lazy_adam_")
+def _lazy_adam_fake(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor, step: int,
+                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0) -> None:
+    torch._check(exp_avg.shape == weight.shape and exp_avg_sq.shape == weight.shape,
+                 lambda: "lazy_adam_: exp_avg and exp_avg_sq must have the shape of weight")
+    torch._check(rows.dim() == 1, lambda: "lazy_adam_: rows must be 1-D")
+    return None
+
+
+def lazy_adam_(
+    weight: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    rows: Tensor,
+    grad: Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+) -> None:
+    """Lazy Adam in place: only ``rows`` of the weight and of both moments change.
+
+    For each row ``r = rows[i]`` with gradient ``g = grad[i]``::
+
+        g += weight_decay * w[r]
+        m[r] = b1 * m[r] + (1 - b1) * g          # computed as m += (1 - b1) * (g - m)
+        v[r] = b2 * v[r] + (1 - b2) * g * g      # computed as v += (1 - b2) * (g * g - v)
+        w[r] -= lr * sqrt(1 - b2**step) / (1 - b1**step) * m[r] / (sqrt(v[r]) + eps)
+
+    the update of ``torch.optim.SparseAdam`` (plus weight decay). float32 and float64
+    compute in the parameter dtype, one rounding per operation as SparseAdam does, so the
+    moments match it bit for bit; float16 and bfloat16 compute in float32. A row outside
+    ``[0, R)`` raises and nothing is written (on CUDA: one host sync to read the check).
+
+    Args:
+        weight: ``[R, ...]`` contiguous float32/float64/float16/bfloat16, updated in place.
+        exp_avg: first moment, weight's shape and dtype, updated in place.
+        exp_avg_sq: second moment, weight's shape and dtype, updated in place.
+        rows: int64 or int32 ``[u]`` **distinct** row indices (distinctness is not checked;
+            aggregate duplicates first, as :class:`sparsekit.LazyAdam` does).
+        grad: ``[u, ...]`` gradient rows, weight's dtype.
+        step: the step number after incrementing (``>= 1``), for the bias correction.
+        lr: learning rate ``>= 0``.
+        beta1: first-moment decay in ``[0, 1)``.
+        beta2: second-moment decay in ``[0, 1)``.
+        eps: denominator term ``>= 0``.
+        weight_decay: L2 penalty ``>= 0`` added to the gradient of the touched rows.
+    """
+    _ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay)
+
+
+# ---- routing ----
+
+
+def partition_by_owner(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Bucket keys by the rank that owns them: a stable counting sort by ``uint64(key) % world_size``.
+
+    This is the routing step of the model-parallel layers: ``keys_by_owner`` is ready for
+    ``all_to_all_single`` with ``counts`` as the send split sizes, and ``positions``
+    brings the answers back into input order.
+
+    Args:
+        keys: int64 or int32 ``[N]``; every value is a valid key (negative ones own by
+            their unsigned value, so ``-1 % 2 == 1``).
+        world_size: number of ranks, ``>= 1``.
+
+    Returns:
+        ``(keys_by_owner, positions, counts)``: ``keys_by_owner`` (keys' dtype, ``[N]``)
+        holds rank 0's keys, then rank 1's, ..., each rank's in input order;
+        ``positions`` (int64 ``[N]``) with ``keys_by_owner[positions[i]] == keys[i]``;
+        ``counts`` (int64 ``[world_size]``) keys per owner. No host synchronisation.
+    """
+    return _ops.partition_by_owner(keys, world_size)
+
+
+@torch.library.register_fake("sparsekit::partition_by_owner")
+def _partition_by_owner_fake(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    torch._check(keys.dim() == 1, lambda: "partition_by_owner: keys must be 1-D [N]")
+    return (
+        keys.new_empty(keys.shape),
+        keys.new_empty(keys.shape, dtype=torch.int64),
+        keys.new_empty((world_size,), dtype=torch.int64),
+    )
+
+
+# ---- initializer ----
+
+
+def key_seeded_uniform(
+    keys: Tensor,
+    dim: int,
+    *,
+    seed: int = 0,
+    low: float = -0.05,
+    high: float = 0.05,
+    dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Initial embedding rows, uniform in ``[low, high]`` and seeded by the key.
+
+    Row ``i`` is a pure function of ``(seed, keys[i])`` (column ``j`` of ``(seed, key,
+    j)``), computed with integer hashing and one correctly rounded fma, so a key gets
+    the same first vector on every rank, world size, device and insertion order.
+
+    Args:
+        keys: int64 or int32 ``[N]`` (an int32 key gives the row of the equal int64 key).
+        dim: columns per row, ``>= 0``.
+        seed: any int64; different seeds give independent tables.
+        low: lower bound.
+        high: upper bound, ``>= low``.
+        dtype: floating dtype of the result, float32 when None.
+
+    Returns:
+        ``[N, dim]`` tensor of ``dtype`` on the keys' device.
+    """
+    return _ops.key_seeded_uniform(keys, dim, seed, low, high, dtype)
+
+
+@torch.library.register_fake("sparsekit::key_seeded_uniform")
+def _key_seeded_uniform_fake(
+    keys: Tensor, dim: int, seed: int, low: float, high: float, dtype: Optional[torch.dtype] = None
+) -> Tensor:
+    torch._check(keys.dim() == 1, lambda: "key_seeded_uniform: keys must be 1-D [N]")
+    return keys.new_empty((keys.shape[0], dim), dtype=dtype if dtype is not None else torch.float32)

@@ -1,0 +1,166 @@
+"""sparsekit.HashTable insert and find throughput, with torch-only competitors side by side.
+
+    python benchmarks/bench_hashtable.py [--device cpu|cuda] [--capacity N] [--queries Q]
+
+A grid of load factor x key distribution (the cuCollections style):
+
+* load factor = ``len(table) / capacity`` in {0.25, 0.5, 0.75}. The table allocates
+  ``S = next_pow2(2 * capacity)`` slots, so the slot occupancy (what governs probe
+  lengths) is ``len / S <= load / 2``: 0.125 / 0.25 / 0.375 when capacity is a power of
+  two (as the default 1M = 2^20 is), lower otherwise. A completely full table is at most
+  half occupied.
+* keys: ``uniform`` (random int64 over the whole range; queries pick resident keys
+  uniformly, all hits) or ``zipf`` (alpha 1.2 ranks spread over int64 as in
+  benchmarks/common.py; the resident keys are the most popular ones and queries are a
+  Zipf stream, mostly hits with many repeats).
+
+Measured, in keys per second:
+
+* ``build``: one ``insert`` of ``load * capacity`` distinct keys into an empty table.
+* ``find``: ``find`` of Q query keys.
+* ``insert_existing``: find-or-insert ``insert`` of the same Q keys once they are resident
+  (the training-time lookup: dedup with sparsekit's unique, find, nothing new to place).
+
+Competitors in the same process: a sorted key array (``torch.sort`` to build,
+``torch.searchsorted`` + a gather to find, which is what a torch-only lookup does), and on
+the CPU a Python dict for a 100k-key slice of each (build with dict comprehension, find
+with ``dict.get``), scaled to keys/s. Writes benchmarks/results/hashtable_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sparsekit  # noqa: E402
+from benchmarks.common import synchronize, time_fn, write_results, zipf_keys  # noqa: E402
+
+ZIPF_ALPHA = 1.2
+DICT_KEYS = 100_000
+
+
+def spread_ranks(ranks: np.ndarray) -> torch.Tensor:
+    """The rank -> key map of benchmarks.common.zipf_keys."""
+    keys = (ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+    return torch.from_numpy(keys.copy())
+
+
+def resident_and_queries(dist: str, num_resident: int, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    if dist == "uniform":
+        resident = sparsekit.ops.unique(
+            torch.randint(-(2**63), 2**63 - 1, (num_resident + num_resident // 100 + 16,), generator=gen),
+            return_inverse=False)[:num_resident]
+        queries = resident[torch.randint(0, num_resident, (num_queries,), generator=gen)]
+        return resident, queries
+    resident = spread_ranks(np.arange(1, num_resident + 1))
+    return resident, zipf_keys(num_queries, alpha=ZIPF_ALPHA, seed=1)
+
+
+def time_build(table: sparsekit.HashTable, keys: torch.Tensor, device: torch.device, repeat: int) -> float:
+    """Median time of one insert into an emptied table (the clear is not timed)."""
+    times = []
+    for _ in range(repeat + 1):
+        table.clear()
+        synchronize(device)
+        start = time.perf_counter()
+        table.insert(keys)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def sorted_array_find(sorted_keys: torch.Tensor, sorted_rows: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    pos = torch.searchsorted(sorted_keys, queries).clamp_(max=sorted_keys.numel() - 1)
+    return torch.where(sorted_keys[pos] == queries, sorted_rows[pos], -1)
+
+
+def bench_cell(dist: str, load: float, capacity: int, num_queries: int, device: torch.device,
+               repeat: int) -> dict:
+    num_resident = int(load * capacity)
+    resident, queries = resident_and_queries(dist, num_resident, num_queries)
+    resident, queries = resident.to(device), queries.to(device)
+    table = sparsekit.HashTable(capacity, device=device)
+
+    build_s = time_build(table, resident, device, repeat)
+    assert len(table) == num_resident
+    find_s = time_fn(lambda: table.find(queries), device, repeat=repeat)
+    rows = table.find(queries)
+    hit_rate = float((rows >= 0).float().mean())
+
+    # torch-only competitor: a sorted key array, checked against the table.
+    sort_s = time_fn(lambda: torch.sort(resident), device, repeat=repeat)
+    sorted_keys, order = torch.sort(resident)
+    search_s = time_fn(lambda: sorted_array_find(sorted_keys, order, queries), device, repeat=repeat)
+    assert torch.equal(sorted_array_find(sorted_keys, table.find(resident)[order], queries), rows)
+
+    table.insert(queries)  # Zipf queries hold a few keys outside the resident set
+    insert_s = time_fn(lambda: table.insert(queries), device, repeat=repeat)
+
+    row = {
+        "distribution": dist,
+        "load_factor": load,
+        "capacity": capacity,
+        "slots": table.num_slots,
+        "slot_occupancy": num_resident / table.num_slots,
+        "resident_keys": num_resident,
+        "queries": num_queries,
+        "query_hit_rate": hit_rate,
+        "build_keys_per_s": num_resident / build_s,
+        "find_keys_per_s": num_queries / find_s,
+        "insert_existing_keys_per_s": num_queries / insert_s,
+        "torch_sort_build_keys_per_s": num_resident / sort_s,
+        "torch_searchsorted_find_keys_per_s": num_queries / search_s,
+        "find_speedup_vs_searchsorted": search_s / find_s,
+        "build_speedup_vs_sort": sort_s / build_s,
+    }
+    dict_note = ""
+    if device.type == "cpu":
+        slice_keys = resident[:DICT_KEYS].tolist()
+        slice_queries = queries[:DICT_KEYS].tolist()
+        start = time.perf_counter()
+        lookup = {k: i for i, k in enumerate(slice_keys)}
+        dict_build = time.perf_counter() - start
+        start = time.perf_counter()
+        [lookup.get(k, -1) for k in slice_queries]
+        dict_find = time.perf_counter() - start
+        row["python_dict_build_keys_per_s"] = len(slice_keys) / dict_build
+        row["python_dict_find_keys_per_s"] = len(slice_queries) / dict_find
+        row["find_speedup_vs_dict"] = row["find_keys_per_s"] / row["python_dict_find_keys_per_s"]
+        dict_note = f" | dict find {row['python_dict_find_keys_per_s'] / 1e6:6.1f} M/s"
+    print(f"{dist:<7} load {load:.2f} (slots {row['slot_occupancy']:.3f} occupied): "
+          f"build {row['build_keys_per_s'] / 1e6:7.1f} M/s (sort {row['torch_sort_build_keys_per_s'] / 1e6:6.1f}) | "
+          f"find {row['find_keys_per_s'] / 1e6:7.1f} M/s (searchsorted "
+          f"{row['torch_searchsorted_find_keys_per_s'] / 1e6:6.1f}, {row['find_speedup_vs_searchsorted']:4.1f}x) | "
+          f"insert existing {row['insert_existing_keys_per_s'] / 1e6:6.1f} M/s{dict_note}")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--capacity", type=int, default=None, help="default 2^20 on CPU, 2^24 on CUDA")
+    parser.add_argument("--queries", type=int, default=None, help="default 2^20 on CPU, 2^24 on CUDA")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for both sides (torch.set_num_threads); default torch's")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    capacity = args.capacity or (1 << 24 if device.type == "cuda" else 1 << 20)
+    num_queries = args.queries or (1 << 24 if device.type == "cuda" else 1 << 20)
+    rows = [bench_cell(dist, load, capacity, num_queries, device, args.repeat)
+            for dist in ("uniform", "zipf") for load in (0.25, 0.5, 0.75)]
+    print("wrote", write_results("hashtable", device, rows, {"zipf_alpha": ZIPF_ALPHA}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+// CPU kernels of the open-addressing hash table (layout in csrc/hashtable.h).
+#include <atomic>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "hashtable.h"
+
+namespace sparsekit {
+namespace {
+
+// Keys per parallel_for task: probing is cheap, so small grains would spend more time
+// scheduling than working.
+constexpr int64_t kHashGrain = 4096;
+
+template <typename key_t>
+void find_keys(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask, const key_t* keys,
+               int64_t* rows_out, int64_t num_keys) {
+  at::parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t key = static_cast<int64_t>(keys[i]);
+      uint64_t slot = mix_key(key) & slot_mask;
+      int64_t found = kEmptySlotRow;
+      // An empty slot ends the probe sequence; the bound only matters for a table filled
+      // to the last slot through the raw op, where a missing key must not loop forever.
+      for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
+        const int64_t row = slot_rows[slot];
+        if (row == kEmptySlotRow) break;
+        if (slot_keys[slot] == key) {
+          found = row;
+          break;
+        }
+        slot = (slot + 1) & slot_mask;
+      }
+      rows_out[i] = found;
+    }
+  });
+}
+
+template <typename key_t>
+int32_t insert_keys(int64_t* slot_keys, int64_t* slot_rows, int64_t num_slots, const key_t* keys,
+                    const int64_t* rows, int64_t num_keys) {
+  const uint64_t slot_mask = static_cast<uint64_t>(num_slots - 1);
+  std::atomic<int32_t> error{kHashInsertOk};
+  at::parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t key = static_cast<int64_t>(keys[i]);
+      uint64_t slot = mix_key(key) & slot_mask;
+      bool placed = false;
+      // At most num_slots probes: a full table must raise, not spin forever.
+      for (int64_t probe = 0; probe < num_slots; ++probe) {
+        int64_t expected = kEmptySlotRow;
+        // Claiming the row field makes the slot ours; the key is written after, which is
+        // safe because finds never run concurrently with an insert.
+        if (__atomic_compare_exchange_n(&slot_rows[slot], &expected, rows[i], /*weak=*/false,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+          slot_keys[slot] = key;
+          placed = true;
+          break;
+        }
+        slot = (slot + 1) & slot_mask;
+      }
+      if (!placed) {
+        error.store(kHashInsertTableFull, std::memory_order_relaxed);
+        return;
+      }
+    }
+  });
+  return error.load();
+}
+
+}  // namespace
+
+/// @brief Looks keys up in the table.
+/// @param slot_keys int64[S], the key of each slot.
+/// @param slot_rows int64[S], the row of each slot, -1 where empty.
+/// @param keys int64 or int32 keys of any shape.
+/// @return int64 rows with keys' shape, -1 where a key is absent.
+at::Tensor hash_table_find_cpu(const at::Tensor& slot_keys, const at::Tensor& slot_rows, const at::Tensor& keys) {
+  check_hash_table_find_args(slot_keys, slot_rows, keys);
+  const at::Tensor keys_c = keys.contiguous();
+  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
+  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_find_cpu", [&] {
+    find_keys<index_t>(slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask,
+                       keys_c.data_ptr<index_t>(), rows.data_ptr<int64_t>(), keys_c.numel());
+  });
+  return rows;
+}
+
+/// @brief Places distinct keys that are absent from the table; slot of keys[i] gets rows[i].
+/// @param slot_keys int64[S], written in place.
+/// @param slot_rows int64[S], written in place.
+/// @param keys int64 or int32 keys, distinct and absent from the table (not checked).
+/// @param rows int64 rows (>= 0), one per key.
+void hash_table_insert_absent_cpu(at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys,
+                                  const at::Tensor& rows) {
+  check_hash_table_insert_args(slot_keys, slot_rows, keys, rows);
+  const at::Tensor keys_c = keys.contiguous();
+  const at::Tensor rows_c = rows.contiguous();
+  const int64_t num_keys = keys_c.numel();
+  if (num_keys == 0) return;
+  const int64_t* rows_ptr = rows_c.data_ptr<int64_t>();
+  // Validate every row before touching the table, so a bad call leaves it unchanged.
+  std::atomic<bool> negative_row{false};
+  at::parallel_for(0, num_keys, kHashGrain * 4, [&](int64_t begin, int64_t end) {
+    bool bad = false;
+    for (int64_t i = begin; i < end; ++i) bad |= rows_ptr[i] < 0;
+    if (bad) negative_row.store(true, std::memory_order_relaxed);
+  });
+  if (negative_row.load()) raise_hash_insert_error(kHashInsertNegativeRow);
+  int32_t error = kHashInsertOk;
+  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_insert_absent_cpu", [&] {
+    error = insert_keys<index_t>(slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_keys.size(0),
+                                 keys_c.data_ptr<index_t>(), rows_ptr, num_keys);
+  });
+  raise_hash_insert_error(error);
+}
+
+TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("hash_table_find", &hash_table_find_cpu);
+  m.impl("hash_table_insert_absent_", &hash_table_insert_absent_cpu);
+}
+
+}  // namespace sparsekit

@@ -1,0 +1,218 @@
+// CPU kernel of lazy_adam_: Adam on the rows of a sparse gradient only.
+#include <atomic>
+#include <cmath>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "lazy_adam.h"
+
+namespace sparsekit {
+namespace {
+
+// Scalars in the compute type, converted once per call. For float and double the update
+// is computed in the parameter dtype, operation by operation as torch.optim.SparseAdam
+// does (m += (1 - beta1) * (g - m), ...), so results match it bit for bit; float16 and
+// bfloat16 compute in float32 and round once per stored value.
+template <typename opmath_t>
+struct AdamScalars {
+  opmath_t one_minus_beta1;
+  opmath_t one_minus_beta2;
+  opmath_t eps;
+  opmath_t weight_decay;
+  opmath_t neg_step_size;
+};
+
+// The vector paths below exist because the compiler cannot vectorize the scalar loop
+// itself: without -fno-math-errno, std::sqrt must be able to set errno. SSE2 is the x86-64
+// baseline, so no extra build flag is needed. Each intrinsic rounds once, exactly like
+// the scalar code, so both paths (and torch.optim.SparseAdam) agree bit for bit.
+#if defined(__SSE2__)
+struct SimdFloat {
+  using vec = __m128;
+  static constexpr int64_t width = 4;
+  static vec load(const float* p) { return _mm_loadu_ps(p); }
+  static void store(float* p, vec x) { _mm_storeu_ps(p, x); }
+  static vec set1(float x) { return _mm_set1_ps(x); }
+  static vec add(vec a, vec b) { return _mm_add_ps(a, b); }
+  static vec sub(vec a, vec b) { return _mm_sub_ps(a, b); }
+  static vec mul(vec a, vec b) { return _mm_mul_ps(a, b); }
+  static vec div(vec a, vec b) { return _mm_div_ps(a, b); }
+  static vec sqrt(vec a) { return _mm_sqrt_ps(a); }
+};
+
+struct SimdDouble {
+  using vec = __m128d;
+  static constexpr int64_t width = 2;
+  static vec load(const double* p) { return _mm_loadu_pd(p); }
+  static void store(double* p, vec x) { _mm_storeu_pd(p, x); }
+  static vec set1(double x) { return _mm_set1_pd(x); }
+  static vec add(vec a, vec b) { return _mm_add_pd(a, b); }
+  static vec sub(vec a, vec b) { return _mm_sub_pd(a, b); }
+  static vec mul(vec a, vec b) { return _mm_mul_pd(a, b); }
+  static vec div(vec a, vec b) { return _mm_div_pd(a, b); }
+  static vec sqrt(vec a) { return _mm_sqrt_pd(a); }
+};
+
+template <typename scalar_t>
+struct SimdFor {
+  using type = void;
+};
+template <>
+struct SimdFor<float> {
+  using type = SimdFloat;
+};
+template <>
+struct SimdFor<double> {
+  using type = SimdDouble;
+};
+
+/// @brief Updates the first (dim / width) * width entries of a row; returns how many.
+template <typename Simd, typename scalar_t>
+inline int64_t adam_row_simd(scalar_t* weight, scalar_t* exp_avg, scalar_t* exp_avg_sq, const scalar_t* grad,
+                             int64_t dim, const AdamScalars<scalar_t>& s, bool use_weight_decay) {
+  using vec = typename Simd::vec;
+  const vec one_minus_beta1 = Simd::set1(s.one_minus_beta1);
+  const vec one_minus_beta2 = Simd::set1(s.one_minus_beta2);
+  const vec eps = Simd::set1(s.eps);
+  const vec weight_decay = Simd::set1(s.weight_decay);
+  const vec neg_step_size = Simd::set1(s.neg_step_size);
+  int64_t j = 0;
+  for (; j + Simd::width <= dim; j += Simd::width) {
+    const vec w = Simd::load(weight + j);
+    vec g = Simd::load(grad + j);
+    if (use_weight_decay) g = Simd::add(g, Simd::mul(weight_decay, w));
+    const vec m_old = Simd::load(exp_avg + j);
+    const vec v_old = Simd::load(exp_avg_sq + j);
+    const vec m = Simd::add(m_old, Simd::mul(Simd::sub(g, m_old), one_minus_beta1));
+    const vec v = Simd::add(v_old, Simd::mul(Simd::sub(Simd::mul(g, g), v_old), one_minus_beta2));
+    const vec update = Simd::mul(neg_step_size, Simd::div(m, Simd::add(Simd::sqrt(v), eps)));
+    Simd::store(exp_avg + j, m);
+    Simd::store(exp_avg_sq + j, v);
+    Simd::store(weight + j, Simd::add(w, update));
+  }
+  return j;
+}
+#endif
+
+template <typename scalar_t, typename opmath_t>
+inline void adam_row(scalar_t* __restrict__ weight, scalar_t* __restrict__ exp_avg,
+                     scalar_t* __restrict__ exp_avg_sq, const scalar_t* __restrict__ grad, int64_t dim,
+                     const AdamScalars<opmath_t>& s, bool use_weight_decay) {
+  int64_t j = 0;
+#if defined(__SSE2__)
+  if constexpr (!std::is_void_v<typename SimdFor<scalar_t>::type>) {
+    j = adam_row_simd<typename SimdFor<scalar_t>::type, scalar_t>(weight, exp_avg, exp_avg_sq, grad, dim, s,
+                                                                  use_weight_decay);
+  }
+#endif
+  for (; j < dim; ++j) {
+    const opmath_t w = static_cast<opmath_t>(weight[j]);
+    opmath_t g = static_cast<opmath_t>(grad[j]);
+    if (use_weight_decay) g = g + s.weight_decay * w;
+    const opmath_t m_old = static_cast<opmath_t>(exp_avg[j]);
+    const opmath_t v_old = static_cast<opmath_t>(exp_avg_sq[j]);
+    const opmath_t m = m_old + (g - m_old) * s.one_minus_beta1;
+    const opmath_t v = v_old + (g * g - v_old) * s.one_minus_beta2;
+    const opmath_t update = s.neg_step_size * (m / (std::sqrt(v) + s.eps));
+    exp_avg[j] = static_cast<scalar_t>(m);
+    exp_avg_sq[j] = static_cast<scalar_t>(v);
+    weight[j] = static_cast<scalar_t>(w + update);
+  }
+}
+
+// Rows are scattered over tables far larger than the caches, so the update is bound by
+// memory latency (a TLB and cache miss per row of each state tensor), not arithmetic:
+// fetching a few rows ahead overlaps those misses.
+constexpr int64_t kPrefetchRows = 4;
+constexpr int64_t kCacheLine = 64;
+
+inline void prefetch_row(const void* weight, const void* exp_avg, const void* exp_avg_sq, int64_t row_bytes) {
+  for (int64_t byte = 0; byte < row_bytes; byte += kCacheLine) {
+    __builtin_prefetch(static_cast<const char*>(weight) + byte, /*rw=*/1);
+    __builtin_prefetch(static_cast<const char*>(exp_avg) + byte, /*rw=*/1);
+    __builtin_prefetch(static_cast<const char*>(exp_avg_sq) + byte, /*rw=*/1);
+  }
+}
+
+template <typename index_t>
+void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> bad_row{0};
+  at::parallel_for(0, num_rows_given, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = static_cast<int64_t>(rows[i]);
+      if (row < 0 || row >= num_rows) {
+        bad_row.store(row, std::memory_order_relaxed);
+        bad.store(true, std::memory_order_relaxed);
+        return;
+      }
+    }
+  });
+  TORCH_CHECK(!bad.load(), lazy_adam_row_range_message(bad_row.load(), num_rows));
+}
+
+}  // namespace
+
+/// @brief In-place lazy Adam: updates weight, exp_avg and exp_avg_sq at `rows` only.
+/// @param weight [R, ...] parameter, contiguous, updated in place.
+/// @param exp_avg, exp_avg_sq [R, ...] moments with weight's dtype and shape, updated in place.
+/// @param rows int64 or int32 [u], distinct row indices in [0, R) (distinctness is not checked).
+/// @param grad [u, ...] gradient rows with weight's dtype.
+/// @param step the step number after incrementing (>= 1), for the bias correction.
+void lazy_adam_cpu(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& rows,
+                   const at::Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay) {
+  check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
+  const int64_t num_updates = rows.size(0);
+  const int64_t num_rows = weight.size(0);
+  const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
+  const at::Tensor rows_c = rows.contiguous();
+  AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_check", [&] {
+    check_rows_in_range(rows_c.data_ptr<index_t>(), num_updates, num_rows);
+  });
+  if (num_updates == 0 || dim == 0) return;
+  const at::Tensor grad_c = grad.contiguous();
+  const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
+  const bool use_weight_decay = weight_decay != 0.0;
+  const int64_t row_bytes = dim * static_cast<int64_t>(weight.element_size());
+  // About 64 KiB of each state tensor per task.
+  const int64_t grain = std::max<int64_t>(1, 16384 / dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cpu", [&] {
+    using opmath_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const AdamScalars<opmath_t> scalars{
+        static_cast<opmath_t>(1.0 - beta1), static_cast<opmath_t>(1.0 - beta2), static_cast<opmath_t>(eps),
+        static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(-step_size)};
+    scalar_t* weight_ptr = weight.data_ptr<scalar_t>();
+    scalar_t* exp_avg_ptr = exp_avg.data_ptr<scalar_t>();
+    scalar_t* exp_avg_sq_ptr = exp_avg_sq.data_ptr<scalar_t>();
+    const scalar_t* grad_ptr = grad_c.data_ptr<scalar_t>();
+    AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_rows", [&] {
+      const index_t* rows_ptr = rows_c.data_ptr<index_t>();
+      at::parallel_for(0, num_updates, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          if (i + kPrefetchRows < end) {
+            const int64_t ahead = static_cast<int64_t>(rows_ptr[i + kPrefetchRows]) * dim;
+            prefetch_row(weight_ptr + ahead, exp_avg_ptr + ahead, exp_avg_sq_ptr + ahead, row_bytes);
+          }
+          const int64_t offset = static_cast<int64_t>(rows_ptr[i]) * dim;
+          adam_row<scalar_t, opmath_t>(weight_ptr + offset, exp_avg_ptr + offset, exp_avg_sq_ptr + offset,
+                                       grad_ptr + i * dim, dim, scalars, use_weight_decay);
+        }
+      });
+    });
+  });
+}
+
+TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("lazy_adam_", &lazy_adam_cpu);
+}
+
+}  // namespace sparsekit

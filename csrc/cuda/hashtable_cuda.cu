@@ -1,0 +1,144 @@
+// CUDA kernels of the open-addressing hash table (layout in csrc/hashtable.h).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "hashtable.h"
+
+namespace sparsekit {
+namespace {
+
+constexpr int kThreads = 256;
+
+inline int64_t blocks_for(int64_t n) {
+  // Grid-stride loops cover the rest; 2^20 blocks are plenty to fill any GPU.
+  return std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t{1} << 20);
+}
+
+template <typename key_t>
+__global__ void find_kernel(const int64_t* __restrict__ slot_keys, const int64_t* __restrict__ slot_rows,
+                            uint64_t slot_mask, const key_t* __restrict__ keys, int64_t* __restrict__ rows_out,
+                            int64_t num_keys) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_keys;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t key = static_cast<int64_t>(keys[i]);
+    uint64_t slot = mix_key(key) & slot_mask;
+    int64_t found = kEmptySlotRow;
+    // An empty slot ends the probe sequence; the bound only matters for a table filled
+    // to the last slot through the raw op, where a missing key must not loop forever.
+    for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
+      const int64_t row = slot_rows[slot];
+      if (row == kEmptySlotRow) break;
+      if (slot_keys[slot] == key) {
+        found = row;
+        break;
+      }
+      slot = (slot + 1) & slot_mask;
+    }
+    rows_out[i] = found;
+  }
+}
+
+__global__ void check_rows_kernel(const int64_t* __restrict__ rows, int64_t num_keys, int32_t* error) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_keys;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (rows[i] < 0) *error = kHashInsertNegativeRow;
+  }
+}
+
+template <typename key_t>
+__global__ void insert_kernel(int64_t* __restrict__ slot_keys, int64_t* __restrict__ slot_rows, int64_t num_slots,
+                              const key_t* __restrict__ keys, const int64_t* __restrict__ rows, int64_t num_keys,
+                              int32_t* error) {
+  // A bad row seen by check_rows_kernel: leave the table unchanged.
+  if (*error != kHashInsertOk) return;
+  const uint64_t slot_mask = static_cast<uint64_t>(num_slots - 1);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_keys;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t key = static_cast<int64_t>(keys[i]);
+    const auto row = static_cast<unsigned long long>(rows[i]);
+    uint64_t slot = mix_key(key) & slot_mask;
+    bool placed = false;
+    // At most num_slots probes: a full table must raise, not hang the GPU.
+    for (int64_t probe = 0; probe < num_slots; ++probe) {
+      auto* cell = reinterpret_cast<unsigned long long*>(slot_rows + slot);
+      // Claiming the row field makes the slot ours; the key is written after, which is
+      // safe because finds run in later launches, never concurrently.
+      if (atomicCAS(cell, static_cast<unsigned long long>(kEmptySlotRow), row) ==
+          static_cast<unsigned long long>(kEmptySlotRow)) {
+        slot_keys[slot] = key;
+        placed = true;
+        break;
+      }
+      slot = (slot + 1) & slot_mask;
+    }
+    if (!placed) *error = kHashInsertTableFull;
+  }
+}
+
+}  // namespace
+
+/// @brief Looks keys up in the table (no host sync).
+/// @param slot_keys int64[S], the key of each slot.
+/// @param slot_rows int64[S], the row of each slot, -1 where empty.
+/// @param keys int64 or int32 keys of any shape.
+/// @return int64 rows with keys' shape, -1 where a key is absent.
+at::Tensor hash_table_find_cuda(const at::Tensor& slot_keys, const at::Tensor& slot_rows, const at::Tensor& keys) {
+  check_hash_table_find_args(slot_keys, slot_rows, keys);
+  const c10::cuda::CUDAGuard device_guard(keys.device());
+  const at::Tensor keys_c = keys.contiguous();
+  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const int64_t num_keys = keys_c.numel();
+  if (num_keys == 0) return rows;
+  const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_find_cuda", [&] {
+    find_kernel<index_t><<<blocks_for(num_keys), kThreads, 0, stream>>>(
+        slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask, keys_c.data_ptr<index_t>(),
+        rows.data_ptr<int64_t>(), num_keys);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return rows;
+}
+
+/// @brief Places distinct keys that are absent from the table; slot of keys[i] gets rows[i].
+///
+/// Host sync: one, to read the error flag (a negative row, or a table with no empty slot
+/// left) so that misuse raises instead of corrupting the table or hanging the GPU. The
+/// caller (sparsekit.HashTable.insert) syncs anyway to count the new keys.
+/// @param slot_keys int64[S], written in place.
+/// @param slot_rows int64[S], written in place.
+/// @param keys int64 or int32 keys, distinct and absent from the table (not checked).
+/// @param rows int64 rows (>= 0), one per key.
+void hash_table_insert_absent_cuda(at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys,
+                                   const at::Tensor& rows) {
+  check_hash_table_insert_args(slot_keys, slot_rows, keys, rows);
+  const c10::cuda::CUDAGuard device_guard(keys.device());
+  const at::Tensor keys_c = keys.contiguous();
+  const at::Tensor rows_c = rows.contiguous();
+  const int64_t num_keys = keys_c.numel();
+  if (num_keys == 0) return;
+  at::Tensor error = at::zeros({1}, keys.options().dtype(at::kInt));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t blocks = blocks_for(num_keys);
+  check_rows_kernel<<<blocks, kThreads, 0, stream>>>(rows_c.data_ptr<int64_t>(), num_keys, error.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_insert_absent_cuda", [&] {
+    insert_kernel<index_t><<<blocks, kThreads, 0, stream>>>(
+        slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_keys.size(0), keys_c.data_ptr<index_t>(),
+        rows_c.data_ptr<int64_t>(), num_keys, error.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  // The documented host sync.
+  raise_hash_insert_error(error.item<int32_t>());
+}
+
+TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("hash_table_find", &hash_table_find_cuda);
+  m.impl("hash_table_insert_absent_", &hash_table_insert_absent_cuda);
+}
+
+}  // namespace sparsekit

@@ -1,0 +1,141 @@
+// CUDA kernel of lazy_adam_: Adam on the rows of a sparse gradient only.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "lazy_adam.h"
+
+namespace sparsekit {
+namespace {
+
+// Round-to-nearest arithmetic that nvcc never contracts into an FMA: every operation
+// rounds once, as the CPU kernel and torch.optim.SparseAdam's separate ops do, so CUDA
+// and CPU give the same bits.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+
+template <typename opmath_t>
+struct AdamScalars {
+  opmath_t one_minus_beta1;
+  opmath_t one_minus_beta2;
+  opmath_t eps;
+  opmath_t weight_decay;
+  opmath_t neg_step_size;
+};
+
+// A warp-wide row of the block works on one gradient row at a time.
+constexpr int kRowThreads = 32;
+constexpr int kRowsPerBlock = 8;
+
+template <typename index_t>
+__global__ void check_rows_kernel(const index_t* __restrict__ rows, int64_t num_updates, int64_t num_rows,
+                                  int32_t* bad_flag, unsigned long long* bad_row) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_updates;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = static_cast<int64_t>(rows[i]);
+    if (row < 0 || row >= num_rows) {
+      *bad_flag = 1;
+      atomicExch(bad_row, static_cast<unsigned long long>(row));
+    }
+  }
+}
+
+template <typename scalar_t, typename opmath_t, typename index_t>
+__global__ void lazy_adam_kernel(scalar_t* __restrict__ weight, scalar_t* __restrict__ exp_avg,
+                                 scalar_t* __restrict__ exp_avg_sq, const index_t* __restrict__ rows,
+                                 const scalar_t* __restrict__ grad, int64_t num_updates, int64_t dim,
+                                 AdamScalars<opmath_t> s, bool use_weight_decay, const int32_t* bad_flag) {
+  // A row out of range seen by check_rows_kernel: update nothing.
+  if (*bad_flag != 0) return;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + threadIdx.y; i < num_updates;
+       i += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
+    const int64_t offset = static_cast<int64_t>(rows[i]) * dim;
+    const scalar_t* grad_row = grad + i * dim;
+    for (int64_t j = threadIdx.x; j < dim; j += kRowThreads) {
+      const opmath_t w = static_cast<opmath_t>(weight[offset + j]);
+      opmath_t g = static_cast<opmath_t>(grad_row[j]);
+      if (use_weight_decay) g = add_rn(g, mul_rn(s.weight_decay, w));
+      const opmath_t m_old = static_cast<opmath_t>(exp_avg[offset + j]);
+      const opmath_t v_old = static_cast<opmath_t>(exp_avg_sq[offset + j]);
+      const opmath_t m = add_rn(m_old, mul_rn(sub_rn(g, m_old), s.one_minus_beta1));
+      const opmath_t v = add_rn(v_old, mul_rn(sub_rn(mul_rn(g, g), v_old), s.one_minus_beta2));
+      const opmath_t update = mul_rn(s.neg_step_size, div_rn(m, add_rn(sqrt_rn(v), s.eps)));
+      exp_avg[offset + j] = static_cast<scalar_t>(m);
+      exp_avg_sq[offset + j] = static_cast<scalar_t>(v);
+      weight[offset + j] = static_cast<scalar_t>(add_rn(w, update));
+    }
+  }
+}
+
+}  // namespace
+
+/// @brief In-place lazy Adam: updates weight, exp_avg and exp_avg_sq at `rows` only.
+///
+/// Host sync: one, to read the out-of-range flag after the launches; the update kernel
+/// itself skips all work when the flag is set, so a bad call writes nothing.
+/// @param weight [R, ...] parameter, contiguous, updated in place.
+/// @param exp_avg, exp_avg_sq [R, ...] moments with weight's dtype and shape, updated in place.
+/// @param rows int64 or int32 [u], distinct row indices in [0, R) (distinctness is not checked).
+/// @param grad [u, ...] gradient rows with weight's dtype.
+/// @param step the step number after incrementing (>= 1), for the bias correction.
+void lazy_adam_cuda(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& rows,
+                    const at::Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
+                    double weight_decay) {
+  check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
+  const c10::cuda::CUDAGuard device_guard(weight.device());
+  const int64_t num_updates = rows.size(0);
+  const int64_t num_rows = weight.size(0);
+  const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
+  if (num_updates == 0) return;
+  const at::Tensor rows_c = rows.contiguous();
+  const at::Tensor grad_c = grad.contiguous();
+  // [flag, bad row] in one allocation so the host reads both with one copy.
+  at::Tensor bad = at::zeros({2}, rows.options().dtype(at::kLong));
+  int32_t* bad_flag = reinterpret_cast<int32_t*>(bad.data_ptr<int64_t>());
+  auto* bad_row = reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>() + 1);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
+  const bool use_weight_decay = weight_decay != 0.0;
+  const int64_t check_blocks = std::min<int64_t>((num_updates + 255) / 256, int64_t{1} << 16);
+  const int64_t update_blocks = std::min<int64_t>((num_updates + kRowsPerBlock - 1) / kRowsPerBlock, int64_t{1} << 20);
+  AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cuda_rows", [&] {
+    check_rows_kernel<index_t><<<check_blocks, 256, 0, stream>>>(rows_c.data_ptr<index_t>(), num_updates, num_rows,
+                                                                  bad_flag, bad_row);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (dim == 0) return;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cuda", [&] {
+      using opmath_t = at::opmath_type<scalar_t>;
+      const AdamScalars<opmath_t> scalars{
+          static_cast<opmath_t>(1.0 - beta1), static_cast<opmath_t>(1.0 - beta2), static_cast<opmath_t>(eps),
+          static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(-step_size)};
+      lazy_adam_kernel<scalar_t, opmath_t, index_t><<<update_blocks, dim3(kRowThreads, kRowsPerBlock), 0, stream>>>(
+          weight.data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(), exp_avg_sq.data_ptr<scalar_t>(),
+          rows_c.data_ptr<index_t>(), grad_c.data_ptr<scalar_t>(), num_updates, dim, scalars, use_weight_decay,
+          bad_flag);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  // The documented host sync.
+  const at::Tensor bad_host = bad.cpu();
+  const int64_t* bad_host_ptr = bad_host.data_ptr<int64_t>();
+  TORCH_CHECK(*reinterpret_cast<const int32_t*>(bad_host_ptr) == 0,
+              lazy_adam_row_range_message(bad_host_ptr[1], num_rows));
+}
+
+TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("lazy_adam_", &lazy_adam_cuda);
+}
+
+}  // namespace sparsekit

@@ -1,0 +1,83 @@
+#pragma once
+// Argument checks and the table layout shared by the CPU and CUDA hash-table kernels.
+//
+// Layout: open addressing with linear probing over S slots (S a power of two).
+// slot_keys int64[S] holds the key, slot_rows int64[S] the row; slot_rows[s] == -1 marks
+// an empty slot. Rows are >= 0, so emptiness never depends on the key and every int64
+// value (INT64_MIN, INT64_MAX, -1, 0 included) is a valid key. A key's home slot is
+// mix_key(key) & (S - 1). int32 keys are widened to int64 before hashing, so an int32
+// and an int64 key of equal value land in the same slot.
+//
+// Callers keep at most S / 2 keys in the table (sparsekit.HashTable sizes S >= 2 *
+// capacity), which keeps probe sequences short and guarantees that an insert finds an
+// empty slot.
+#include "common.h"
+
+namespace sparsekit {
+
+/// Marker of an empty slot in slot_rows.
+constexpr int64_t kEmptySlotRow = -1;
+
+/// @brief Checks the two slot arrays of a table: int64, 1-D, same length (a power of
+/// two), contiguous and on one device.
+inline void check_hash_table_slots(const at::Tensor& slot_keys, const at::Tensor& slot_rows, const char* op) {
+  TORCH_CHECK(slot_keys.scalar_type() == at::kLong, op, ": slot_keys must be int64, got ",
+              slot_keys.scalar_type());
+  TORCH_CHECK(slot_rows.scalar_type() == at::kLong, op, ": slot_rows must be int64, got ",
+              slot_rows.scalar_type());
+  TORCH_CHECK(slot_keys.dim() == 1 && slot_rows.dim() == 1, op,
+              ": slot_keys and slot_rows must be 1-D [S], got shapes ", slot_keys.sizes(), " and ",
+              slot_rows.sizes());
+  TORCH_CHECK(slot_keys.size(0) == slot_rows.size(0), op, ": slot_keys has ", slot_keys.size(0),
+              " slots but slot_rows has ", slot_rows.size(0), "; they must match");
+  const int64_t slots = slot_keys.size(0);
+  TORCH_CHECK(slots > 0 && (slots & (slots - 1)) == 0, op,
+              ": the slot count must be a power of two (index = hash & (S - 1)), got ", slots);
+  TORCH_CHECK(slot_keys.is_contiguous() && slot_rows.is_contiguous(), op,
+              ": slot_keys and slot_rows must be contiguous");
+  TORCH_CHECK(slot_keys.device() == slot_rows.device(), op, ": slot_keys is on ", slot_keys.device(),
+              " but slot_rows is on ", slot_rows.device(), "; keep the table on one device");
+}
+
+/// @brief Checks the arguments of hash_table_find.
+inline void check_hash_table_find_args(const at::Tensor& slot_keys, const at::Tensor& slot_rows,
+                                       const at::Tensor& keys) {
+  check_hash_table_slots(slot_keys, slot_rows, "hash_table_find");
+  check_key_tensor(keys, "hash_table_find", "keys");
+  TORCH_CHECK(keys.device() == slot_keys.device(), "hash_table_find: keys are on ", keys.device(),
+              " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
+}
+
+/// @brief Checks the arguments of hash_table_insert_absent_.
+inline void check_hash_table_insert_args(const at::Tensor& slot_keys, const at::Tensor& slot_rows,
+                                         const at::Tensor& keys, const at::Tensor& rows) {
+  check_hash_table_slots(slot_keys, slot_rows, "hash_table_insert_absent_");
+  check_key_tensor(keys, "hash_table_insert_absent_", "keys");
+  TORCH_CHECK(rows.scalar_type() == at::kLong, "hash_table_insert_absent_: rows must be int64, got ",
+              rows.scalar_type(), "; cast it with .long()");
+  TORCH_CHECK(rows.numel() == keys.numel(), "hash_table_insert_absent_: rows has ", rows.numel(),
+              " entries but keys has ", keys.numel(), "; give one row per key");
+  TORCH_CHECK(keys.device() == slot_keys.device() && rows.device() == slot_keys.device(),
+              "hash_table_insert_absent_: keys (", keys.device(), ") and rows (", rows.device(),
+              ") must be on the table's device (", slot_keys.device(), ")");
+  TORCH_CHECK(keys.numel() <= slot_keys.size(0), "hash_table_insert_absent_: ", keys.numel(),
+              " keys cannot fit in a table of ", slot_keys.size(0), " slots");
+}
+
+/// Error codes a hash_table_insert_absent_ kernel raises in its flag.
+enum HashInsertError : int32_t {
+  kHashInsertOk = 0,
+  kHashInsertNegativeRow = 1,  // a row < 0 would read as an empty slot
+  kHashInsertTableFull = 2,    // probing visited every slot without finding an empty one
+};
+
+inline void raise_hash_insert_error(int32_t code) {
+  TORCH_CHECK(code != kHashInsertNegativeRow,
+              "hash_table_insert_absent_: rows must be >= 0 (-1 marks an empty slot); nothing valid "
+              "can be stored for a negative row");
+  TORCH_CHECK(code != kHashInsertTableFull,
+              "hash_table_insert_absent_: the table has no empty slot left; keep the table at most half "
+              "full (sparsekit.HashTable does) and insert only keys that are absent");
+}
+
+}  // namespace sparsekit

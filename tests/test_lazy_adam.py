@@ -1,0 +1,352 @@
+import io
+import math
+
+import pytest
+import torch
+
+import sparsekit as sk
+
+# torch's CPU sqrt (vectorized through MKL) can differ from the correctly rounded one in
+# the last bit, so weights are compared to torch within a few ulps; moments, which need
+# no sqrt, are compared bit for bit.
+WEIGHT_TOL = {torch.float32: dict(rtol=1e-6, atol=1e-7), torch.float64: dict(rtol=1e-13, atol=1e-15)}
+# Sums of the same gradients in another order: an absolute error of a few ulps of the terms.
+SUM_ORDER_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-14)}
+
+
+def reference_lazy_adam(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay=0.0):
+    """The SparseAdam update in plain torch (in the dtype of weight, or float32 for half types)."""
+    compute = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+    weight, exp_avg, exp_avg_sq = weight.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    r = rows.long()
+    w = weight[r].to(compute)
+    g = grad.to(compute)
+    if weight_decay != 0.0:
+        g = g + weight_decay * w
+    m_old, v_old = exp_avg[r].to(compute), exp_avg_sq[r].to(compute)
+    m = m_old + (g - m_old) * (1 - beta1)
+    v = v_old + (g * g - v_old) * (1 - beta2)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    weight[r] = (w + (-step_size) * (m / (v.sqrt() + eps))).to(weight.dtype)
+    exp_avg[r] = m.to(weight.dtype)
+    exp_avg_sq[r] = v.to(weight.dtype)
+    return weight, exp_avg, exp_avg_sq
+
+
+def random_state(num_rows, dim, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(num_rows, dim, generator=gen, dtype=torch.float64).to(dtype)
+    exp_avg = (0.1 * torch.randn(num_rows, dim, generator=gen, dtype=torch.float64)).to(dtype)
+    exp_avg_sq = (0.01 * torch.rand(num_rows, dim, generator=gen, dtype=torch.float64)).to(dtype)
+    return weight.to(device), exp_avg.to(device), exp_avg_sq.to(device)
+
+
+def random_rows_and_grad(num_rows, num_updates, dim, dtype, device, seed=1, index_dtype=torch.int64):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(num_rows, generator=gen)[:num_updates].to(index_dtype)
+    grad = torch.randn(num_updates, dim, generator=gen, dtype=torch.float64).to(dtype)
+    return rows.to(device), grad.to(device)
+
+
+# ---- the op ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_op_against_reference(device, dtype, weight_decay, index_dtype):
+    weight, exp_avg, exp_avg_sq = random_state(300, 37, dtype, device)
+    rows, grad = random_rows_and_grad(300, 120, 37, dtype, device, index_dtype=index_dtype)
+    args = (rows, grad, 3, 0.01, 0.9, 0.999, 1e-8, weight_decay)
+    want = reference_lazy_adam(weight, exp_avg, exp_avg_sq, *args)
+    before = weight.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, *args)
+    assert torch.equal(exp_avg, want[1])
+    assert torch.equal(exp_avg_sq, want[2])
+    torch.testing.assert_close(weight, want[0], **WEIGHT_TOL[dtype])
+    untouched = torch.ones(300, dtype=torch.bool, device=device)
+    untouched[rows.long()] = False
+    for got, old in zip((weight, exp_avg, exp_avg_sq), before):
+        assert torch.equal(got[untouched], old[untouched])
+        assert not torch.equal(got[~untouched], old[~untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_op_half_types(device, dtype):
+    weight, exp_avg, exp_avg_sq = random_state(64, 16, dtype, device)
+    rows, grad = random_rows_and_grad(64, 20, 16, dtype, device)
+    want = reference_lazy_adam(weight, exp_avg, exp_avg_sq, rows, grad, 1, 0.01, 0.9, 0.999, 1e-8)
+    sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, 1, 0.01, 0.9, 0.999, 1e-8)
+    for got, ref in zip((weight, exp_avg, exp_avg_sq), want):
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-3)
+
+
+def test_op_matches_cpu_bit_for_bit(device):
+    """The CUDA kernel rounds once per operation, as the CPU kernel does."""
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        state = random_state(200, 33, dtype, "cpu")
+        rows, grad = random_rows_and_grad(200, 90, 33, dtype, "cpu")
+        on_device = [t.to(device) for t in state]
+        sk.ops.lazy_adam_(*state, rows, grad, 7, 0.003, 0.8, 0.99, 1e-6, 0.01)
+        sk.ops.lazy_adam_(*on_device, rows.to(device), grad.to(device), 7, 0.003, 0.8, 0.99, 1e-6, 0.01)
+        for got, want in zip(on_device, state):
+            assert torch.equal(got.cpu(), want)
+
+
+def test_op_higher_dim_and_noncontiguous_grad(device):
+    weight, exp_avg, exp_avg_sq = (t.view(50, 4, 3) for t in random_state(50, 12, torch.float64, device))
+    rows, grad = random_rows_and_grad(50, 10, 12, torch.float64, device)
+    grad = grad.view(10, 3, 4).transpose(1, 2)  # [10, 4, 3], not contiguous
+    want = reference_lazy_adam(weight, exp_avg, exp_avg_sq, rows, grad, 2, 0.1, 0.9, 0.99, 1e-8)
+    sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, 2, 0.1, 0.9, 0.99, 1e-8)
+    assert torch.equal(exp_avg, want[1])
+    torch.testing.assert_close(weight, want[0], **WEIGHT_TOL[torch.float64])
+
+
+def test_op_empty(device):
+    weight, exp_avg, exp_avg_sq = random_state(10, 4, torch.float32, device)
+    before = weight.clone()
+    empty_rows = torch.empty(0, dtype=torch.int64, device=device)
+    sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, empty_rows, torch.empty(0, 4, device=device),
+                      1, 0.1, 0.9, 0.999, 1e-8)
+    assert torch.equal(weight, before)
+    empty_table = torch.empty(0, 4, device=device)
+    sk.ops.lazy_adam_(empty_table, empty_table.clone(), empty_table.clone(), empty_rows,
+                      torch.empty(0, 4, device=device), 1, 0.1, 0.9, 0.999, 1e-8)
+
+
+def test_op_opcheck(device):
+    weight, exp_avg, exp_avg_sq = random_state(20, 8, torch.float32, device)
+    rows, grad = random_rows_and_grad(20, 6, 8, torch.float32, device)
+    torch.library.opcheck(torch.ops.sparsekit.lazy_adam_,
+                          (weight, exp_avg, exp_avg_sq, rows, grad, 1, 0.01, 0.9, 0.999, 1e-8),
+                          {"weight_decay": 0.1})
+
+
+def test_op_bad_inputs(device):
+    weight, exp_avg, exp_avg_sq = random_state(20, 8, torch.float32, device)
+    rows, grad = random_rows_and_grad(20, 6, 8, torch.float32, device)
+    hyper = (1, 0.01, 0.9, 0.999, 1e-8)
+
+    def call(w=weight, m=exp_avg, v=exp_avg_sq, r=rows, g=grad, h=hyper, wd=0.0):
+        sk.ops.lazy_adam_(w, m, v, r, g, *h, wd)
+
+    before = weight.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    for bad_row in (20, -1, 2**40):
+        bad_rows = rows.clone()
+        bad_rows[3] = bad_row
+        with pytest.raises(RuntimeError, match=rf"rows holds {bad_row}, outside \[0, 20\).*nothing was updated"):
+            call(r=bad_rows)
+    for got, old in zip((weight, exp_avg, exp_avg_sq), before):
+        assert torch.equal(got, old), "a rejected update must write nothing"
+    with pytest.raises(RuntimeError, match="step must be >= 1"):
+        call(h=(0, 0.01, 0.9, 0.999, 1e-8))
+    with pytest.raises(RuntimeError, match="lr must be >= 0"):
+        call(h=(1, -0.01, 0.9, 0.999, 1e-8))
+    with pytest.raises(RuntimeError, match=r"beta1 must be in \[0, 1\)"):
+        call(h=(1, 0.01, 1.0, 0.999, 1e-8))
+    with pytest.raises(RuntimeError, match=r"beta2 must be in \[0, 1\)"):
+        call(h=(1, 0.01, 0.9, -0.1, 1e-8))
+    with pytest.raises(RuntimeError, match="eps must be >= 0"):
+        call(h=(1, 0.01, 0.9, 0.999, -1.0))
+    with pytest.raises(RuntimeError, match="weight_decay must be >= 0"):
+        call(wd=-0.5)
+    with pytest.raises(RuntimeError, match="must have the dtype of weight"):
+        call(g=grad.double())
+    with pytest.raises(RuntimeError, match="must have the shape of weight"):
+        call(m=exp_avg[:10])
+    with pytest.raises(RuntimeError, match="grad must have shape"):
+        call(g=grad[:, :4])
+    with pytest.raises(RuntimeError, match="grad must have shape"):
+        call(g=grad[:5])
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        call(w=weight.t().contiguous().t())
+    with pytest.raises(RuntimeError, match="rows must be an int64 or int32"):
+        call(r=rows.float())
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        call(w=weight.long(), m=exp_avg.long(), v=exp_avg_sq.long(), g=grad.long())
+    if device.type != "cpu":
+        with pytest.raises(RuntimeError, match="on one device"):
+            call(r=rows.cpu())
+
+
+# ---- the optimizer ----
+
+
+def embedding_model(num_rows, dim, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    emb = torch.nn.Embedding(num_rows, dim, sparse=True).to(dtype)
+    return emb
+
+
+def embedding_batches(num_rows, steps, batch, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    # Few distinct ids per batch, so gradients are uncoalesced with many duplicate rows.
+    return [torch.randint(0, num_rows // 3, (batch,), generator=gen) * 3 for _ in range(steps)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "duplicates"])
+def test_lazy_adam_matches_sparse_adam(device, dtype, coalesce):
+    """Step by step against torch.optim.SparseAdam on nn.Embedding(sparse=True) gradients.
+
+    With coalesced gradients both optimizers see the same numbers and the moments match
+    bit for bit. With nn.Embedding's raw gradients (duplicate rows), SparseAdam sums the
+    duplicates in .coalesce()'s order and LazyAdam in position order (segment_sum), so
+    the sums, and with them the moments, may differ in the last bit.
+    """
+    num_rows, dim = 60, 8
+    ours, theirs = embedding_model(num_rows, dim, dtype).to(device), embedding_model(num_rows, dim, dtype).to(device)
+    opt_ours = sk.LazyAdam(ours.parameters(), lr=0.05, betas=(0.8, 0.95), eps=1e-7)
+    opt_theirs = torch.optim.SparseAdam(theirs.parameters(), lr=0.05, betas=(0.8, 0.95), eps=1e-7)
+    initial = ours.weight.detach().clone()
+    touched = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    gen = torch.Generator().manual_seed(2)
+    for ids in embedding_batches(num_rows, 6, 40):
+        ids = ids.to(device)
+        touched[ids] = True
+        # A loss linear in the weights: the gradients stay exactly comparable even when
+        # torch's sqrt moves a weight by an ulp.
+        coefficients = torch.randn(40, dim, generator=gen, dtype=dtype).to(device)
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad()
+            (model(ids) * coefficients).sum().backward()
+            if coalesce:
+                model.weight.grad = model.weight.grad.coalesce()
+        assert ours.weight.grad.is_coalesced() == coalesce
+        opt_ours.step()
+        opt_theirs.step()
+        ours_state, theirs_state = opt_ours.state[ours.weight], opt_theirs.state[theirs.weight]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if coalesce:
+                assert torch.equal(ours_state[key], theirs_state[key])
+            else:
+                torch.testing.assert_close(ours_state[key], theirs_state[key], **SUM_ORDER_TOL[dtype])
+        torch.testing.assert_close(ours.weight, theirs.weight, **(WEIGHT_TOL if coalesce else SUM_ORDER_TOL)[dtype])
+        assert int(ours_state["step"]) == theirs_state["step"]
+    # Rows never in a batch keep their initial weights and zero moments, bit for bit.
+    state = opt_ours.state[ours.weight]
+    assert bool((~touched).any())
+    assert torch.equal(ours.weight.detach()[~touched], initial[~touched])
+    assert not bool(state["exp_avg"][~touched].any()) and not bool(state["exp_avg_sq"][~touched].any())
+
+
+def test_lazy_adam_uncoalesced_duplicates_equal_coalesced(device):
+    weight = torch.randn(10, 3, dtype=torch.float64, device=device)
+    indices = torch.tensor([[4, 1, 4, 4, 7, 1]], device=device)
+    values = torch.randn(6, 3, dtype=torch.float64, device=device)
+    grads = {
+        "uncoalesced": torch.sparse_coo_tensor(indices, values, (10, 3)),
+        "coalesced": torch.sparse_coo_tensor(indices, values, (10, 3)).coalesce(),
+    }
+    results = {}
+    for name, grad in grads.items():
+        param = torch.nn.Parameter(weight.clone())
+        opt = sk.LazyAdam([param], lr=0.1)
+        param.grad = grad
+        opt.step()
+        results[name] = (param.detach(), opt.state[param]["exp_avg"])
+    torch.testing.assert_close(results["uncoalesced"][0], results["coalesced"][0], rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(results["uncoalesced"][1], results["coalesced"][1], rtol=1e-14, atol=1e-15)
+    # The summed gradient of row 4 is the sum of its three entries.
+    torch.testing.assert_close(results["coalesced"][1][4], 0.1 * values[[0, 2, 3]].sum(0))
+
+
+def test_lazy_adam_dense_matches_adam(device):
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1)).to(device)
+    theirs = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1)).to(device)
+    theirs.load_state_dict(ours.state_dict())
+    opt_ours = sk.LazyAdam(ours.parameters(), lr=0.02, betas=(0.85, 0.99), eps=1e-6, weight_decay=0.01)
+    opt_theirs = torch.optim.Adam(theirs.parameters(), lr=0.02, betas=(0.85, 0.99), eps=1e-6, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(16, 5, generator=gen).to(device)
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt_ours.state[p][key], opt_theirs.state[q][key])
+
+
+def test_lazy_adam_mixed_model_and_weight_decay(device):
+    """One optimizer for an embedding (sparse) and a linear layer (dense)."""
+    emb = embedding_model(30, 4, torch.float64).to(device)
+    linear = torch.nn.Linear(4, 1, dtype=torch.float64).to(device)
+    opt = sk.LazyAdam([{"params": emb.parameters(), "weight_decay": 0.1}, {"params": linear.parameters()}],
+                      lr=0.01)
+    w0 = emb.weight.detach().clone()
+    m, v = torch.zeros_like(w0), torch.zeros_like(w0)
+    for step, ids in enumerate(embedding_batches(30, 3, 12), start=1):
+        ids = ids.to(device)
+        opt.zero_grad()
+        linear(emb(ids)).sum().backward()
+        grad = emb.weight.grad.coalesce()
+        w0, m, v = reference_lazy_adam(w0, m, v, grad.indices()[0], grad.values(), step, 0.01, 0.9, 0.999,
+                                       1e-8, 0.1)
+        opt.step()
+        torch.testing.assert_close(emb.weight.detach(), w0, **WEIGHT_TOL[torch.float64])
+        assert torch.equal(opt.state[emb.weight]["exp_avg"], m)
+    assert int(opt.state[linear.weight]["step"]) == 3
+
+
+def test_lazy_adam_empty_sparse_grad_counts_step(device):
+    param = torch.nn.Parameter(torch.randn(5, 2, device=device))
+    opt = sk.LazyAdam([param])
+    before = param.detach().clone()
+    param.grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64), torch.empty(0, 2), (5, 2)).to(device)
+    opt.step()
+    assert torch.equal(param.detach(), before)
+    assert int(opt.state[param]["step"]) == 1
+
+
+def test_lazy_adam_state_dict_round_trip(device):
+    batches = embedding_batches(40, 6, 16)
+
+    def run(model, opt, ids_list):
+        for ids in ids_list:
+            opt.zero_grad()
+            model(ids.to(device)).pow(2).sum().backward()
+            opt.step()
+
+    straight = embedding_model(40, 4).to(device)
+    opt_straight = sk.LazyAdam(straight.parameters(), lr=0.03)
+    run(straight, opt_straight, batches)
+
+    first = embedding_model(40, 4).to(device)
+    opt_first = sk.LazyAdam(first.parameters(), lr=0.03)
+    run(first, opt_first, batches[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optim": opt_first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert torch.is_tensor(saved["optim"]["state"][0]["step"])
+
+    resumed = embedding_model(40, 4, seed=9).to(device)
+    resumed.load_state_dict(saved["model"])
+    opt_resumed = sk.LazyAdam(resumed.parameters(), lr=0.03)
+    opt_resumed.load_state_dict(saved["optim"])
+    run(resumed, opt_resumed, batches[3:])
+    assert torch.equal(resumed.weight, straight.weight)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(opt_resumed.state[resumed.weight][key], opt_straight.state[straight.weight][key])
+
+
+def test_lazy_adam_bad_arguments(device):
+    params = [torch.nn.Parameter(torch.zeros(3, 2, device=device))]
+    with pytest.raises(ValueError, match="learning rate"):
+        sk.LazyAdam(params, lr=-1.0)
+    with pytest.raises(ValueError, match="betas"):
+        sk.LazyAdam(params, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="eps"):
+        sk.LazyAdam(params, eps=-1e-8)
+    with pytest.raises(ValueError, match="weight_decay"):
+        sk.LazyAdam(params, weight_decay=-0.1)
+    param = torch.nn.Parameter(torch.zeros(3, 2, device=device))
+    opt = sk.LazyAdam([param])
+    param.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.ones(2), (3, 2)).to(device)
+    with pytest.raises(RuntimeError, match="sparse_dim 1"):
+        opt.step()
