@@ -356,6 +356,12 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
     session_seconds = 0.0
     session_samples = 0
     metrics: Dict[str, float] = {}
+    if start_step == 0 and config.eval_every:
+        # The untrained model's score, so the log shows where the AUC rises from.
+        untrained = evaluate(model, data, config, context)
+        if context.is_main:
+            log(f"step {0:>6d}  {'':17s}  eval_auc {untrained['auc']:.4f}  "
+                f"eval_logloss {untrained['logloss']:.4f}")
     model.train()
     step = start_step
     tick = time.perf_counter()
