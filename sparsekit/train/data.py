@@ -9,7 +9,7 @@ A *global batch* is what one optimizer step consumes over all ranks; rank ``r`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, Tuple
+from typing import Iterator, Tuple
 
 import numpy as np
 import torch
@@ -154,10 +154,3 @@ class SyntheticCriteo:
             scores.append(torch.from_numpy(probabilities))
             labels.append(torch.from_numpy(batch_labels))
         return roc_auc(torch.cat(scores), torch.cat(labels))
-
-    def state_dict(self) -> Dict[str, int]:
-        # Random access by step: nothing to remember beyond the step itself.
-        return {}
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        pass

@@ -10,7 +10,6 @@ of the global mean loss, whatever ``W``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -336,9 +335,8 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
             if context.is_main:
                 log(f"resumed from {directory} at step {start_step}")
 
-    show = context.is_main and config.progress
     bar = None
-    if show:
+    if context.is_main and config.progress:
         from tqdm import tqdm
 
         # disable=None: no bar when stderr is not a terminal (logs piped to a file).
@@ -409,7 +407,7 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
     result = {
         "auc": metrics["auc"],
         "logloss": metrics["logloss"],
-        "samples_per_s": session_samples / session_seconds if session_seconds else math.nan,
+        "samples_per_s": session_samples / session_seconds if session_seconds else None,
         "steps": step,
         "world_size": context.world_size,
         "embedding": config.embedding,
