@@ -11,7 +11,9 @@ builds it, one process:
   ``torch.optim.SparseAdam``, and ``torch.optim.Adam`` for the dense layers.
 
 A timed block is ``--steps`` full training steps (forward, backward, optimizer) on
-pre-generated batches, so data generation is not counted. Both back ends are timed in
+pre-generated batches, so data generation is not counted. Every step gets a batch of
+its own (global batch ``step`` of the harness's stream), so new keys keep arriving at
+the rate they do in training, and the hash table keeps inserting. Both back ends are timed in
 alternating rounds in this one process; the ratio is the median of the per-round
 ratios. Without --device: the CPU, then the GPU when there is one. Writes
 benchmarks/results/train_<device>.json.
@@ -38,7 +40,7 @@ EMBEDDINGS = ("sparsekit", "torch")
 
 
 class Runner:
-    """One back end's model and optimizer, stepping through a fixed list of batches."""
+    """One back end's model and optimizer, stepping through a list of batches."""
 
     def __init__(self, embedding: str, config: TrainConfig, device: torch.device, batches):
         config = TrainConfig(**{**config.__dict__, "embedding": embedding})
@@ -49,7 +51,7 @@ class Runner:
 
     def run(self, steps: int) -> None:
         for _ in range(steps):
-            batch = self.batches[self.position % len(self.batches)]
+            batch = self.batches[self.position]
             self.position += 1
             loss = self.loss_fn(self.model(batch.dense, batch.keys), batch.labels)
             self.optimizer.zero_grad(set_to_none=True)
@@ -62,7 +64,8 @@ def bench(device: torch.device, args) -> dict:
                          table_rows=args.table_rows, vocab_per_slot=args.vocab_per_slot,
                          device=device.type)
     source = SyntheticCriteo(0, vocab_per_slot=args.vocab_per_slot)
-    batches = [source.train_batch(step, args.batch_size).to(device) for step in range(args.batches)]
+    total_steps = args.warmup + args.rounds * args.steps
+    batches = [source.train_batch(step, args.batch_size).to(device) for step in range(total_steps)]
     runners = {name: Runner(name, config, device, batches) for name in EMBEDDINGS}
     for runner in runners.values():  # warm-up: allocator, first inserts, lazy init
         runner.run(args.warmup)
@@ -103,7 +106,6 @@ def main() -> None:
     parser.add_argument("--embedding-dim", type=int, default=16)
     parser.add_argument("--table-rows", type=int, default=1 << 20)
     parser.add_argument("--vocab-per-slot", type=int, default=20_000)
-    parser.add_argument("--batches", type=int, default=64, help="distinct pre-generated batches")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=5)

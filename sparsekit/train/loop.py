@@ -351,6 +351,7 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
     loss_fn = nn.BCEWithLogitsLoss()
     interval_loss = torch.zeros((), device=context.device)
     interval_steps = 0
+    interval_seconds = 0.0
     session_seconds = 0.0
     session_samples = 0
     metrics: Dict[str, float] = {}
@@ -385,9 +386,12 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
             continue
         # Pause the clock: evaluation and checkpoints are not training throughput.
         _synchronize(context.device)
-        session_seconds += time.perf_counter() - tick
-        samples_per_s = session_samples / session_seconds
+        elapsed = time.perf_counter() - tick
+        session_seconds += elapsed
+        interval_seconds += elapsed
         if evaluate_now:
+            # The log shows the rate since its previous line, so changes of speed show.
+            samples_per_s = interval_steps * config.batch_size / interval_seconds
             train_loss = _global_mean(interval_loss / interval_steps, context)
             metrics = evaluate(model, data, config, context)
             if context.is_main:
@@ -395,6 +399,7 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
                     f"eval_logloss {metrics['logloss']:.4f}  samples/s {samples_per_s:,.0f}")
             interval_loss.zero_()
             interval_steps = 0
+            interval_seconds = 0.0
         if checkpoint_now:
             save(config, context, step, model, optimizer)
         _synchronize(context.device)
