@@ -35,6 +35,8 @@ from .. import hashing
 from .data import NUM_DENSE, NUM_SLOTS, Batch, SyntheticCriteo, dense_transform, rank_slice
 
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SLOTS
+# SyntheticCriteo stream of generated files, apart from its training and eval streams.
+_FILE_STREAM = 3
 
 
 class CriteoFormatError(ValueError):
@@ -213,7 +215,9 @@ class CriteoTSV:
         start = (step * global_size) % self.num_train
         lines: List[bytes] = []
         numbers: List[int] = []
-        while len(lines) < global_size:  # a batch may wrap past the end of the file, maybe often
+        # Wrap around at the end of the training lines, more than once if the file is
+        # shorter than a batch.
+        while len(lines) < global_size:
             count = min(global_size - len(lines), self.num_train - start)
             lines += self._read(self._index, start, count)
             numbers += range(start + 1, start + count + 1)
@@ -244,12 +248,12 @@ def write_synthetic_tsv(path: str, num_lines: int, seed: int = 0, *, chunk: int 
     Criteo's TSV format: missing counts as empty fields, categorical values as 8-digit
     hex strings, and about 2 % of categorical values missing."""
     source = SyntheticCriteo(seed)
-    rng = np.random.default_rng([seed, 99])
+    missing_rng = np.random.default_rng([seed, _FILE_STREAM + 1])
     with open(path, "w") as out:
         for index, start in enumerate(range(0, num_lines, chunk)):
-            raw_dense, ranks, labels, _ = source.raw(3, index, min(chunk, num_lines - start))
+            raw_dense, ranks, labels, _ = source.raw(_FILE_STREAM, index, min(chunk, num_lines - start))
             hex_values = source.keys_of(ranks).view(np.uint64) & np.uint64(0xFFFFFFFF)
-            missing = rng.random(hex_values.shape) < 0.02
+            missing = missing_rng.random(hex_values.shape) < 0.02
             for label, counts, values, absent in zip(labels, raw_dense, hex_values, missing):
                 fields = [str(int(label))]
                 fields += ["" if count < 0 else str(count) for count in counts.tolist()]

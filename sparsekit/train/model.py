@@ -109,6 +109,7 @@ class DLRM(nn.Module):
         dim: embedding width (the bottom MLP's output width too).
         bottom: hidden sizes of the bottom MLP.
         top: hidden sizes of the top MLP.
+        device: where the dense layers live (the embedding is built on its own device).
     """
 
     def __init__(self, embedding: nn.Module, dim: int, bottom: Tuple[int, ...] = (64, 32),
