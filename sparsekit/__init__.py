@@ -4,7 +4,7 @@ embedding layers for PyTorch, on CPU and CUDA."""
 import torch  # noqa: F401  (loads libtorch before the extension links against it)
 
 from . import _C  # noqa: F401  (registers torch.ops.sparsekit.* kernels)
-from . import ops
+from . import hashing, ops
 from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -20,6 +20,7 @@ from .embedding import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "hashing",
     "ops",
     "HashTable",
     "HashTableFullError",
