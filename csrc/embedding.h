@@ -68,4 +68,10 @@ inline std::string embedding_offsets_message(int64_t nnz) {
          std::to_string(nnz) + " (CSR, bags + 1 entries); append nnz to nn.EmbeddingBag-style offsets";
 }
 
+/// @brief weight itself when its rows are dense in memory (a row-slice of a bigger table is
+/// fine), else a contiguous copy: the kernels read each row as one run of D values.
+inline at::Tensor rows_stride_ready(const at::Tensor& weight) {
+  return weight.stride(1) == 1 || weight.size(1) <= 1 ? weight : weight.contiguous();
+}
+
 }  // namespace sparsekit

@@ -406,10 +406,6 @@ void advise_huge_pages(const at::Tensor& out) {
 #endif
 }
 
-at::Tensor rows_stride_ready(const at::Tensor& weight) {
-  // Rows may be strided (a slice of a bigger table); the columns of a row must be dense.
-  return weight.stride(1) == 1 || weight.size(1) <= 1 ? weight : weight.contiguous();
-}
 
 }  // namespace
 

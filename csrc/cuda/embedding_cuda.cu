@@ -197,9 +197,6 @@ void raise_recorded_error(const at::Tensor& error, const char* op, int64_t num_r
   TORCH_CHECK(code != static_cast<int64_t>(kBadRow), embedding_row_range_message(op, value, num_rows));
 }
 
-at::Tensor rows_stride_ready(const at::Tensor& weight) {
-  return weight.stride(1) == 1 || weight.size(1) <= 1 ? weight : weight.contiguous();
-}
 
 }  // namespace
 
