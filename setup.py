@@ -81,12 +81,14 @@ def extension():
     debug = os.environ.get("SPARSEKIT_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     sources = ["csrc/sparsekit.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = opt + ["-fdiagnostics-color=always"]
+    # -fopenmp: at::parallel_for is an inline template that only runs threads when the
+    # extension itself is compiled with OpenMP (torch's own libgomp is then shared).
+    cxx = opt + ["-fdiagnostics-color=always", "-fopenmp"]
     common = dict(
         name="sparsekit._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
         py_limited_api=True,
-        extra_link_args=[],
+        extra_link_args=["-fopenmp"],
     )
     if want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))

@@ -26,15 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit  # noqa: E402
-from benchmarks.common import time_fn, write_results  # noqa: E402
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted) of nbytes."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    seconds = time_fn(lambda: dst.copy_(src), device)
-    return 2 * src.numel() * 4 / seconds
+from benchmarks.common import copy_bandwidth, time_fn, write_results  # noqa: E402
 
 
 def make_gradient(rows: int, dim: int, unique: int, duplicates: int, device: torch.device) -> torch.Tensor:

@@ -39,6 +39,15 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
     return float(np.median(times))
 
 
+def copy_bandwidth(device: torch.device, nbytes: int, *, repeat: int = 5) -> float:
+    """Bytes per second of a device-to-device copy of nbytes (read + write both counted):
+    the hardware limit that bandwidth-bound kernels are measured against."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = time_fn(lambda: dst.copy_(src), device, repeat=repeat)
+    return 2 * src.numel() * 4 / seconds
+
+
 def zipf_keys(n: int, *, alpha: float = 1.2, vocabulary: int = 1 << 40, seed: int = 0) -> torch.Tensor:
     """n int64 keys whose ranks follow a Zipf law, scattered over a wide key range."""
     rng = np.random.default_rng(seed)

@@ -18,6 +18,22 @@ namespace sparsekit {
 /// Marker of an empty slot in slot_rows.
 constexpr int64_t kEmptySlotRow = -1;
 
+/// @brief Row of `key` in the table, or kEmptySlotRow when it is absent.
+/// @param slot_mask S - 1 for S slots (a power of two).
+C10_HOST_DEVICE inline int64_t probe_find(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask,
+                                          int64_t key) {
+  uint64_t slot = mix_key(key) & slot_mask;
+  // An empty slot ends the probe sequence; the bound only matters for a table filled
+  // to the last slot through the raw op, where a missing key must not loop forever.
+  for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
+    const int64_t row = slot_rows[slot];
+    if (row == kEmptySlotRow) return kEmptySlotRow;
+    if (slot_keys[slot] == key) return row;
+    slot = (slot + 1) & slot_mask;
+  }
+  return kEmptySlotRow;
+}
+
 /// @brief Checks the two slot arrays of a table: int64, 1-D, same length (a power of
 /// two), contiguous and on one device.
 inline void check_hash_table_slots(const at::Tensor& slot_keys, const at::Tensor& slot_rows, const char* op) {

@@ -51,6 +51,24 @@ inline double lazy_adam_step_size(int64_t step, double lr, double beta1, double 
   return lr * std::sqrt(bias_correction2) / bias_correction1;
 }
 
+// Scalars in the compute type, converted once per call. For float and double the update
+// is computed in the parameter dtype, operation by operation as torch.optim.SparseAdam
+// does (m += (1 - beta1) * (g - m), ...), so results match it bit for bit; float16 and
+// bfloat16 compute in float32 and round once per stored value.
+template <typename opmath_t>
+struct AdamScalars {
+  opmath_t one_minus_beta1;
+  opmath_t one_minus_beta2;
+  opmath_t eps;
+  opmath_t weight_decay;
+  opmath_t neg_step_size;
+
+  static AdamScalars make(double step_size, double beta1, double beta2, double eps, double weight_decay) {
+    return {static_cast<opmath_t>(1.0 - beta1), static_cast<opmath_t>(1.0 - beta2), static_cast<opmath_t>(eps),
+            static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(-step_size)};
+  }
+};
+
 /// Message of the error raised for a row outside [0, R).
 inline std::string lazy_adam_row_range_message(int64_t bad_row, int64_t num_rows) {
   return "lazy_adam_: rows holds " + std::to_string(bad_row) + ", outside [0, " + std::to_string(num_rows) +

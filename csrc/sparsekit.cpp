@@ -28,4 +28,7 @@ TORCH_LIBRARY(sparsekit, m) {
   // Stable counting sort of keys by owner rank uint64(key) % world_size:
   // keys_by_owner[positions[i]] == keys[i], counts[r] keys go to rank r.
   m.def("partition_by_owner(Tensor keys, int world_size) -> (Tensor keys_by_owner, Tensor positions, Tensor counts)");
+  // Initial embedding rows [N, dim], uniform in [low, high], a pure function of (seed, key,
+  // column): a key's first vector is the same on every rank, world size and device.
+  m.def("key_seeded_uniform(Tensor keys, int dim, int seed, float low, float high, ScalarType? dtype=None) -> Tensor");
 }

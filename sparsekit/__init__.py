@@ -1,16 +1,36 @@
 """sparsekit: hash-table embeddings, unique / segment-sum kernels and model-parallel
 embedding layers for PyTorch, on CPU and CUDA."""
 
+import torch  # noqa: F401  (loads libtorch before the extension links against it)
+
 from . import _C  # noqa: F401  (registers torch.ops.sparsekit.* kernels)
-from . import ops
+from . import hashing, ops
 from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam
+from .checkpoint import load_checkpoint, save_checkpoint
+from .embedding import (
+    All2AllDenseEmbedding,
+    DistributedEmbedding,
+    KeySeededUniform,
+    Ragged,
+    is_embedding_variable,
+    split_embedding_variable_from_others,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "hashing",
     "ops",
     "HashTable",
     "HashTableFullError",
     "LazyAdam",
+    "Ragged",
+    "KeySeededUniform",
+    "DistributedEmbedding",
+    "All2AllDenseEmbedding",
+    "split_embedding_variable_from_others",
+    "is_embedding_variable",
+    "save_checkpoint",
+    "load_checkpoint",
 ]

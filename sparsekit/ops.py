@@ -228,3 +228,285 @@ def lazy_adam_(
         weight_decay: L2 penalty ``>= 0`` added to the gradient of the touched rows.
     """
     _ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay)
+
+
+# ---- routing ----
+
+
+def partition_by_owner(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Bucket keys by the rank that owns them: a stable counting sort by ``uint64(key) % world_size``.
+
+    This is the routing step of the model-parallel layers: ``keys_by_owner`` is ready for
+    ``all_to_all_single`` with ``counts`` as the send split sizes, and ``positions``
+    brings the answers back into input order.
+
+    Args:
+        keys: int64 or int32 ``[N]``; every value is a valid key (negative ones own by
+            their unsigned value, so ``-1 % 2 == 1``).
+        world_size: number of ranks, ``>= 1``.
+
+    Returns:
+        ``(keys_by_owner, positions, counts)``: ``keys_by_owner`` (keys' dtype, ``[N]``)
+        holds rank 0's keys, then rank 1's, ..., each rank's in input order;
+        ``positions`` (int64 ``[N]``) with ``keys_by_owner[positions[i]] == keys[i]``;
+        ``counts`` (int64 ``[world_size]``) keys per owner. No host synchronisation.
+    """
+    return _ops.partition_by_owner(keys, world_size)
+
+
+@torch.library.register_fake("sparsekit::partition_by_owner")
+def _partition_by_owner_fake(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    torch._check(keys.dim() == 1, lambda: "partition_by_owner: keys must be 1-D [N]")
+    return (
+        keys.new_empty(keys.shape),
+        keys.new_empty(keys.shape, dtype=torch.int64),
+        keys.new_empty((world_size,), dtype=torch.int64),
+    )
+
+
+# ---- initializer ----
+
+
+def key_seeded_uniform(
+    keys: Tensor,
+    dim: int,
+    *,
+    seed: int = 0,
+    low: float = -0.05,
+    high: float = 0.05,
+    dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Initial embedding rows, uniform in ``[low, high]`` and seeded by the key.
+
+    Row ``i`` is a pure function of ``(seed, keys[i])`` (column ``j`` of ``(seed, key,
+    j)``), computed with integer hashing and one correctly rounded fma, so a key gets
+    the same first vector on every rank, world size, device and insertion order.
+
+    Args:
+        keys: int64 or int32 ``[N]`` (an int32 key gives the row of the equal int64 key).
+        dim: columns per row, ``>= 0``.
+        seed: any int64; different seeds give independent tables.
+        low: lower bound.
+        high: upper bound, ``>= low``.
+        dtype: floating dtype of the result, float32 when None.
+
+    Returns:
+        ``[N, dim]`` tensor of ``dtype`` on the keys' device.
+    """
+    return _ops.key_seeded_uniform(keys, dim, seed, low, high, dtype)
+
+
+@torch.library.register_fake("sparsekit::key_seeded_uniform")
+def _key_seeded_uniform_fake(
+    keys: Tensor, dim: int, seed: int, low: float, high: float, dtype: Optional[torch.dtype] = None
+) -> Tensor:
+    torch._check(keys.dim() == 1, lambda: "key_seeded_uniform: keys must be 1-D [N]")
+    return keys.new_empty((keys.shape[0], dim), dtype=dtype if dtype is not None else torch.float32)
+
+
+# ---- embedding ----
+
+
+@torch.library.register_fake("sparsekit::embedding_bag")
+def _embedding_bag_fake(
+    weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum"
+) -> Tensor:
+    torch._check(weight.dim() == 2, lambda: f"embedding_bag: weight must be 2-D, got {weight.dim()}-D")
+    torch._check(rows.dim() == 1, lambda: f"embedding_bag: rows must be 1-D, got {rows.dim()}-D")
+    torch._check(offsets.dim() == 1, lambda: f"embedding_bag: offsets must be 1-D, got {offsets.dim()}-D")
+    torch._check(offsets.shape[0] >= 1, lambda: "embedding_bag: offsets must hold bags + 1 >= 1 entries")
+    torch._check(mode in ("sum", "mean"), lambda: f"embedding_bag: mode must be 'sum' or 'mean', got {mode!r}")
+    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
+
+
+@torch.library.register_fake("sparsekit::embedding_gather")
+def _embedding_gather_fake(weight: Tensor, rows: Tensor) -> Tensor:
+    torch._check(weight.dim() == 2, lambda: f"embedding_gather: weight must be 2-D, got {weight.dim()}-D")
+    return weight.new_empty(tuple(rows.shape) + (weight.shape[1],))
+
+
+def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num_rows: int,
+                         scale: Optional[Tensor] = None) -> Tensor:
+    """The sparse ``[num_rows, D]`` gradient ``sum_i scale[i] * source[source_index[i]]`` into row ``rows[i]``.
+
+    Lookup ``i`` of row ``rows[i]`` contributes ``source[source_index[i]]`` (its bag's
+    grad_output, or its own), times ``scale[i]`` when given; lookups of row -1 contribute
+    nothing. The result has one entry per distinct row (summed), in order of first
+    occurrence: the indices are unique but not sorted, so ``is_coalesced()`` is False.
+    Sorting them would buy nothing in practice: autograd's AccumulateGrad re-wraps a sparse
+    gradient it stores in ``.grad`` without the coalesced flag anyway.
+
+    The per-lookup rows are never materialised (``[nnz, D]`` would cost more than the whole
+    forward): sparsekit's ``unique`` numbers the distinct rows and counts their lookups, a
+    stable sort of those numbers groups the lookups row by row, and ``embedding_bag`` sums
+    each group straight out of ``source`` as one CSR bag per row. Sums run in lookup order,
+    so the gradient is bit-identical run to run on every device.
+    """
+    dim = source.shape[1]
+    # A leading -1 makes the missing-row marker unique row 0 whatever the batch holds, so
+    # the -1 lookups form group 0 and are sliced off with it (no data-dependent mask, hence
+    # no extra host sync on CUDA).
+    marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
+    keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
+    # CSR offsets of the groups over the nnz lookups; the marker counted itself once.
+    group_ends = torch.cumsum(counts, 0) - 1
+    offsets = torch.cat([group_ends.new_zeros(1), group_ends])
+    lookup_order = torch.sort(inverse[1:], stable=True).indices
+    grouped_scale = None if scale is None else scale.index_select(0, lookup_order)
+    summed = _ops.embedding_bag(source, source_index.index_select(0, lookup_order), offsets, grouped_scale, "sum")
+    indices = keys[1:].to(torch.int64).unsqueeze(0)
+    return torch.sparse_coo_tensor(
+        indices, summed[1:], (num_rows, dim), is_coalesced=False, check_invariants=False
+    )
+
+
+def _bag_index(offsets: Tensor, nnz: int) -> Tensor:
+    """``[nnz]`` int64: the bag each lookup belongs to, from CSR offsets."""
+    bags = offsets.shape[0] - 1
+    lengths = offsets[1:] - offsets[:-1]
+    # output_size spares CUDA the host sync that sizing the result would need.
+    return torch.repeat_interleave(torch.arange(bags, device=offsets.device), lengths, output_size=nnz)
+
+
+def _lookup_dots(left: Tensor, left_index: Tensor, right: Tensor, right_index: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[n]`` of ``dtype``: ``dot(left[left_index[i]], right[right_index[i]])``, 0 where right_index is -1.
+
+    On the CPU this runs in chunks of about 4 MiB of gathered rows: a fresh ``[n, D]``
+    temporary would cost more in page faults than the products. CUDA's caching allocator
+    has no such cost, and one chunk keeps it to one launch (and one range-check sync) per op."""
+    n, dim = left_index.shape[0], left.shape[1]
+    chunk = max(1, (1 << 20) // max(dim, 1)) if left.device.type == "cpu" else max(n, 1)
+    dots = []
+    for start in range(0, n, chunk):
+        a = embedding_gather(left, left_index[start:start + chunk]).to(dtype)
+        b = embedding_gather(right, right_index[start:start + chunk]).to(dtype)
+        dots.append(torch.linalg.vecdot(a, b))
+    return torch.cat(dots) if dots else left.new_zeros(0, dtype=dtype)
+
+
+def _embedding_bag_setup_context(ctx, inputs, output) -> None:
+    weight, rows, offsets, per_sample_weights, mode = inputs
+    ctx.mode = mode
+    ctx.num_rows = weight.shape[0]
+    weighted = per_sample_weights is not None
+    # The per-sample-weight gradient needs the table rows (and, for mean, the output).
+    ctx.save_for_backward(
+        rows,
+        offsets,
+        per_sample_weights,
+        weight if weighted else None,
+        output if weighted and mode == "mean" else None,
+    )
+
+
+def _embedding_bag_backward(ctx, grad_output: Tensor):
+    rows, offsets, per_sample_weights, weight, output = ctx.saved_tensors
+    nnz = rows.shape[0]
+    bags = offsets.shape[0] - 1
+    # Half-precision gradients are pooled in float32 (grad_output is only [bags, D]).
+    acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
+    bag = _bag_index(offsets, nnz)
+    valid = rows >= 0
+
+    # mean: out[b] = sum_i w_i weight[r_i] / S_b, S_b = number (or weight sum) of valid rows.
+    inverse_denominator = None
+    if ctx.mode == "mean":
+        if per_sample_weights is None:
+            # Exact integer counts from a prefix sum: no atomics, no rounding.
+            prefix = torch.cat([valid.new_zeros(1, dtype=torch.int64), torch.cumsum(valid, 0)])
+            denominator = (prefix[offsets[1:].long()] - prefix[offsets[:-1].long()]).to(acc_dtype)
+        else:
+            masked = torch.where(valid, per_sample_weights.to(acc_dtype), 0)
+            denominator = segment_sum(masked.unsqueeze(1), bag, bags).squeeze(1)
+        # The forward pools a bag with nothing to divide by to zeros; its gradient is zero too.
+        safe = torch.where(denominator != 0, denominator, 1)
+        inverse_denominator = torch.where(denominator != 0, 1 / safe, 0)
+
+    # d loss / d out[b], divided by S_b for mean: each lookup then only adds its weight w_i.
+    bag_grad = grad_output.to(acc_dtype)
+    if inverse_denominator is not None:
+        bag_grad = bag_grad * inverse_denominator.unsqueeze(1)
+
+    grad_weight = None
+    if ctx.needs_input_grad[0]:
+        scale = None if per_sample_weights is None else per_sample_weights.to(acc_dtype)
+        grad_weight = _sparse_row_gradient(bag_grad, bag, rows, ctx.num_rows, scale)
+        if grad_weight.dtype != grad_output.dtype:
+            grad_weight = grad_weight.to(grad_output.dtype)
+
+    grad_per_sample_weights = None
+    if per_sample_weights is not None and ctx.needs_input_grad[3]:
+        # sum:  d out[b] / d w_i = weight[r_i]
+        # mean: d out[b] / d w_i = (weight[r_i] - out[b]) / S_b, and bag_grad already holds the 1 / S_b.
+        dots = _lookup_dots(bag_grad, bag, weight, rows, acc_dtype)
+        if ctx.mode == "mean":
+            bag_dots = torch.linalg.vecdot(bag_grad, output.to(acc_dtype))
+            dots = torch.where(valid, dots - bag_dots.index_select(0, bag), 0)
+        grad_per_sample_weights = dots.to(per_sample_weights.dtype)
+    return grad_weight, None, None, grad_per_sample_weights, None
+
+
+torch.library.register_autograd(
+    "sparsekit::embedding_bag", _embedding_bag_backward, setup_context=_embedding_bag_setup_context
+)
+
+
+def _embedding_gather_setup_context(ctx, inputs, output) -> None:
+    weight, rows = inputs
+    ctx.num_rows = weight.shape[0]
+    ctx.save_for_backward(rows)
+
+
+def _embedding_gather_backward(ctx, grad_output: Tensor):
+    (rows,) = ctx.saved_tensors
+    flat_rows = rows.reshape(-1)
+    source = grad_output.reshape(-1, grad_output.shape[-1])
+    if source.dtype in (torch.float16, torch.bfloat16):
+        source = source.float()
+    positions = torch.arange(flat_rows.shape[0], device=rows.device)
+    grad_weight = _sparse_row_gradient(source, positions, flat_rows, ctx.num_rows)
+    return grad_weight.to(grad_output.dtype), None
+
+
+torch.library.register_autograd(
+    "sparsekit::embedding_gather", _embedding_gather_backward, setup_context=_embedding_gather_setup_context
+)
+
+
+def embedding_bag(
+    weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum"
+) -> Tensor:
+    """Pooled embedding lookup over CSR bags: ``out[b] = pool(weight[rows[offsets[b]:offsets[b+1]]])``.
+
+    Args:
+        weight: ``[R, D]`` float32, float64, float16 or bfloat16 table (half types
+            accumulate in float32).
+        rows: ``[nnz]`` int64 or int32 row ids in ``[0, R)``; ``-1`` (a missing key) is
+            skipped. Anything else raises.
+        offsets: ``[bags + 1]`` int64 or int32 CSR offsets: ``offsets[0] == 0``,
+            non-decreasing, ``offsets[-1] == nnz`` (nn.EmbeddingBag's offsets with nnz appended).
+        per_sample_weights: optional ``[nnz]`` of ``weight``'s dtype, scaling each row.
+        mode: ``"sum"`` or ``"mean"``. Mean divides by the number of valid rows of the bag
+            (weighted: by the sum of their weights).
+
+    Returns:
+        ``[bags, D]`` of ``weight``'s dtype; a bag with no valid row (or whose valid weights
+        sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a sparse COO
+        gradient with one entry per distinct row, gradients summed, rows in order of first
+        occurrence, so not marked coalesced) and in ``per_sample_weights`` (dense).
+    """
+    return _ops.embedding_bag(weight, rows, offsets, per_sample_weights, mode)
+
+
+def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
+    """Unpooled embedding lookup: ``out[...] = weight[rows[...]]``, zeros where ``rows == -1``.
+
+    Args:
+        weight: ``[R, D]`` float32, float64, float16 or bfloat16 table.
+        rows: int64 or int32 row ids of any shape, each in ``[0, R)`` or ``-1``.
+
+    Returns:
+        ``rows.shape + [D]`` of ``weight``'s dtype. Differentiable in ``weight`` (sparse COO
+        gradient with one entry per distinct row, as for :func:`embedding_bag`).
+    """
+    return _ops.embedding_gather(weight, rows)

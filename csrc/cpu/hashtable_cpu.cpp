@@ -20,20 +20,7 @@ void find_keys(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot
   at::parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t key = static_cast<int64_t>(keys[i]);
-      uint64_t slot = mix_key(key) & slot_mask;
-      int64_t found = kEmptySlotRow;
-      // An empty slot ends the probe sequence; the bound only matters for a table filled
-      // to the last slot through the raw op, where a missing key must not loop forever.
-      for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
-        const int64_t row = slot_rows[slot];
-        if (row == kEmptySlotRow) break;
-        if (slot_keys[slot] == key) {
-          found = row;
-          break;
-        }
-        slot = (slot + 1) & slot_mask;
-      }
-      rows_out[i] = found;
+      rows_out[i] = probe_find(slot_keys, slot_rows, slot_mask, key);
     }
   });
 }

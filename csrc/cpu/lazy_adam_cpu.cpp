@@ -17,19 +17,6 @@
 namespace sparsekit {
 namespace {
 
-// Scalars in the compute type, converted once per call. For float and double the update
-// is computed in the parameter dtype, operation by operation as torch.optim.SparseAdam
-// does (m += (1 - beta1) * (g - m), ...), so results match it bit for bit; float16 and
-// bfloat16 compute in float32 and round once per stored value.
-template <typename opmath_t>
-struct AdamScalars {
-  opmath_t one_minus_beta1;
-  opmath_t one_minus_beta2;
-  opmath_t eps;
-  opmath_t weight_decay;
-  opmath_t neg_step_size;
-};
-
 // The vector paths below exist because the compiler cannot vectorize the scalar loop
 // itself: without -fno-math-errno, std::sqrt must be able to set errno. SSE2 is the x86-64
 // baseline, so no extra build flag is needed. Each intrinsic rounds once, exactly like
@@ -187,9 +174,7 @@ void lazy_adam_cpu(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_
   const int64_t grain = std::max<int64_t>(1, 16384 / dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cpu", [&] {
     using opmath_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const AdamScalars<opmath_t> scalars{
-        static_cast<opmath_t>(1.0 - beta1), static_cast<opmath_t>(1.0 - beta2), static_cast<opmath_t>(eps),
-        static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(-step_size)};
+    const auto scalars = AdamScalars<opmath_t>::make(step_size, beta1, beta2, eps, weight_decay);
     scalar_t* weight_ptr = weight.data_ptr<scalar_t>();
     scalar_t* exp_avg_ptr = exp_avg.data_ptr<scalar_t>();
     scalar_t* exp_avg_sq_ptr = exp_avg_sq.data_ptr<scalar_t>();

@@ -12,6 +12,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -107,11 +108,13 @@ void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_
   });
 
   // Phase 3: inverse, and counts from per-thread tallies (no contended atomics on hot keys)
-  // when they fit in a small multiple of the input, atomics otherwise.
+  // when they fit in a small multiple of the input, atomics otherwise. Tallies are int32, so
+  // only while no thread can see a key more than INT32_MAX times.
   counts = at::zeros({num_unique}, counts.options());
   int64_t* out_counts = counts.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
-  const bool per_thread_tallies = threads > 1 && threads * num_unique <= std::max<int64_t>(n, 1 << 20);
+  const bool per_thread_tallies = threads > 1 && n <= std::numeric_limits<int32_t>::max() &&
+                                  threads * num_unique <= std::max<int64_t>(n, 1 << 20);
   std::vector<int32_t> tallies(per_thread_tallies ? threads * num_unique : 0, 0);
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     int32_t* mine = per_thread_tallies ? tallies.data() + at::get_thread_num() * num_unique : nullptr;

@@ -26,14 +26,6 @@ __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(
 __device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
 __device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 
-template <typename opmath_t>
-struct AdamScalars {
-  opmath_t one_minus_beta1;
-  opmath_t one_minus_beta2;
-  opmath_t eps;
-  opmath_t weight_decay;
-  opmath_t neg_step_size;
-};
 
 // A warp-wide row of the block works on one gradient row at a time.
 constexpr int kRowThreads = 32;
@@ -117,9 +109,7 @@ void lazy_adam_cuda(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg
     if (dim == 0) return;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cuda", [&] {
       using opmath_t = at::opmath_type<scalar_t>;
-      const AdamScalars<opmath_t> scalars{
-          static_cast<opmath_t>(1.0 - beta1), static_cast<opmath_t>(1.0 - beta2), static_cast<opmath_t>(eps),
-          static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(-step_size)};
+      const auto scalars = AdamScalars<opmath_t>::make(step_size, beta1, beta2, eps, weight_decay);
       lazy_adam_kernel<scalar_t, opmath_t, index_t><<<update_blocks, dim3(kRowThreads, kRowsPerBlock), 0, stream>>>(
           weight.data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(), exp_avg_sq.data_ptr<scalar_t>(),
           rows_c.data_ptr<index_t>(), grad_c.data_ptr<scalar_t>(), num_updates, dim, scalars, use_weight_decay,

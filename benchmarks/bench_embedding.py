@@ -1,0 +1,261 @@
+"""embedding_bag forward and backward: sparsekit vs nn.EmbeddingBag(sparse=True) vs FBGEMM.
+
+    python benchmarks/bench_embedding.py [--device cpu|cuda] [--rows 1000000] [--dims 64]
+                                         [--bags 16384] [--pooling 20]
+
+A 1M x 64 float32 table, 16384 bags of 20 rows (sum pooling), rows drawn uniformly or from
+a Zipf law. All candidates run side by side in this process, in alternating rounds (the
+best round counts), and are compared as ratios:
+
+- forward: ``sparsekit.ops.embedding_bag`` vs ``nn.EmbeddingBag(mode="sum", sparse=True)``
+  vs FBGEMM's table-batched embedding (training and inference modules, one table) when
+  ``fbgemm_gpu`` is importable (this script never installs it; the CPU package is
+  ``fbgemm-gpu-cpu``).
+- forward + backward: sparsekit (an aggregated sparse gradient: one entry per distinct
+  row) vs nn.EmbeddingBag (a sparse gradient with one entry per lookup) vs FBGEMM training
+  (whose backward fuses an SGD update instead of returning a gradient).
+- one CPU thread is timed in thread CPU time (immune to other processes on a shared
+  machine), more threads and CUDA in wall time.
+- on CUDA, also the fraction of the device-to-device copy bandwidth measured in this run:
+  bytes the forward must move (rows read, ids and offsets read, output written) / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import time_fn, write_results, zipf_keys  # noqa: E402
+from sparsekit import ops  # noqa: E402
+
+
+def load_fbgemm():
+    """FBGEMM's table-batched embedding modules, or None (with the reason) when not installed."""
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as error:  # noqa: BLE001  (any import failure means: not available)
+        return None, f"{type(error).__name__}: {error}"
+    return dict(
+        EmbOptimType=EmbOptimType,
+        SparseType=SparseType,
+        EmbeddingLocation=EmbeddingLocation,
+        PoolingMode=PoolingMode,
+        ComputeDevice=ComputeDevice,
+        Training=SplitTableBatchedEmbeddingBagsCodegen,
+        Inference=IntNBitTableBatchedEmbeddingBagsCodegen,
+    ), None
+
+
+def make_rows(distribution: str, n: int, num_rows: int, device: torch.device) -> torch.Tensor:
+    if distribution == "uniform":
+        rows = torch.randint(0, num_rows, (n,), generator=torch.Generator().manual_seed(0))
+    else:
+        # Zipf ranks spread over the int64 range like hashed ids, folded onto the table.
+        rows = torch.remainder(zipf_keys(n, seed=0), num_rows)
+    return rows.to(device)
+
+
+def thread_cpu_time_fn(fn: Callable[[], object], *, warmup: int, repeat: int) -> float:
+    """Median CPU time of fn() on the calling thread (user + kernel, page faults included).
+
+    For single-threaded CPU runs this is the work itself: unlike wall time it does not grow
+    while other processes of a shared machine hold the core."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return float(np.median(times))
+
+
+def best_of_rounds(candidates: Dict[str, Callable[[], object]], device: torch.device, rounds: int,
+                   repeat: int) -> Dict[str, float]:
+    """Median time of each candidate per round, rounds alternating between candidates; best round wins.
+
+    Alternation spreads machine noise (other processes, frequency changes) over every
+    candidate. One CPU thread is timed in thread CPU time, anything else in wall time."""
+    single_cpu_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    best = {name: float("inf") for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            if single_cpu_thread:
+                seconds = thread_cpu_time_fn(fn, warmup=1, repeat=repeat)
+            else:
+                seconds = time_fn(fn, device, warmup=1, repeat=repeat)
+            best[name] = min(best[name], seconds)
+    return best
+
+
+def fbgemm_modules(fbgemm, table: torch.Tensor, device: torch.device):
+    num_rows, dim = table.shape
+    on_gpu = device.type == "cuda"
+    location = fbgemm["EmbeddingLocation"].DEVICE if on_gpu else fbgemm["EmbeddingLocation"].HOST
+    compute = fbgemm["ComputeDevice"].CUDA if on_gpu else fbgemm["ComputeDevice"].CPU
+    # learning_rate 0 keeps the table unchanged across timed backward passes.
+    training = fbgemm["Training"](
+        [(num_rows, dim, location, compute)],
+        optimizer=fbgemm["EmbOptimType"].EXACT_SGD,
+        learning_rate=0.0,
+        pooling_mode=fbgemm["PoolingMode"].SUM,
+        device=device,
+    )
+    with torch.no_grad():
+        training.split_embedding_weights()[0].copy_(table)
+    inference = None
+    if not on_gpu:
+        inference = fbgemm["Inference"](
+            [("table", num_rows, dim, fbgemm["SparseType"].FP32, location)],
+            device="cpu",
+            pooling_mode=fbgemm["PoolingMode"].SUM,
+            output_dtype=fbgemm["SparseType"].FP32,
+        )
+        inference.fill_random_weights()
+        with torch.no_grad():
+            inference.split_embedding_weights()[0][0].view(torch.float32).view(num_rows, -1)[:, :dim].copy_(table)
+    return training, inference
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, rounds: int, repeat: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write both counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = best_of_rounds({"copy": lambda: dst.copy_(src)}, device, rounds, repeat)["copy"]
+    return 2 * nbytes / seconds
+
+
+def run(args) -> None:
+    device = torch.device(args.device)
+    fbgemm, fbgemm_missing = load_fbgemm()
+    if fbgemm is None:
+        print(f"FBGEMM not importable ({fbgemm_missing}); comparing with nn.EmbeddingBag only")
+    else:
+        import fbgemm_gpu
+
+        print(f"FBGEMM {getattr(fbgemm_gpu, '__version__', '?')} found: comparing with its table-batched embedding")
+    copy_bytes_per_s: Optional[float] = None
+    if device.type == "cuda":
+        copy_bytes_per_s = copy_bandwidth(device, 1 << 30, args.rounds, args.repeat)
+        print(f"device-to-device copy: {copy_bytes_per_s / 1e9:.0f} GB/s")
+
+    results: List[Dict] = []
+    nnz = args.bags * args.pooling
+    offsets = torch.arange(0, nnz + 1, args.pooling, device=device)
+    for dim in args.dims:
+        table = torch.randn(args.rows, dim, device=device)
+        reference = torch.nn.EmbeddingBag(args.rows, dim, mode="sum", sparse=True, include_last_offset=True,
+                                          _weight=table.clone(), device=device)
+        weight = table.clone().requires_grad_()
+        training = inference = None
+        if fbgemm is not None:
+            try:
+                training, inference = fbgemm_modules(fbgemm, table, device)
+            except Exception as error:  # noqa: BLE001
+                print(f"FBGEMM modules could not be built on {device}: {error}")
+        grad_out = torch.randn(args.bags, dim, device=device)
+        for distribution in ("uniform", "zipf"):
+            rows = make_rows(distribution, nnz, args.rows, device)
+            rows32, offsets32 = rows.int(), offsets.int()
+            expected = reference(rows, offsets).detach()
+            torch.testing.assert_close(ops.embedding_bag(table, rows, offsets), expected)
+
+            forward = {
+                "sparsekit": lambda: ops.embedding_bag(table, rows, offsets),
+                "nn.EmbeddingBag": lambda: reference(rows, offsets),
+            }
+            if training is not None:
+                torch.testing.assert_close(training(rows, offsets).detach(), expected, rtol=1e-4, atol=1e-4)
+                forward["fbgemm_training"] = lambda: training(rows, offsets)
+            if inference is not None:
+                torch.testing.assert_close(inference(rows32, offsets32), expected, rtol=1e-4, atol=1e-4)
+                forward["fbgemm_inference"] = lambda: inference(rows32, offsets32)
+
+            def sparsekit_step():
+                weight.grad = None
+                ops.embedding_bag(weight, rows, offsets).backward(grad_out)
+
+            def torch_step():
+                reference.weight.grad = None
+                reference(rows, offsets).backward(grad_out)
+
+            step = {"sparsekit": sparsekit_step, "nn.EmbeddingBag": torch_step}
+            if training is not None:
+                step["fbgemm_training"] = lambda: training(rows, offsets).backward(grad_out)
+
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                with torch.no_grad():
+                    forward_s = best_of_rounds(forward, device, args.rounds, args.repeat)
+                step_s = best_of_rounds(step, device, args.rounds, args.repeat)
+
+                for phase, seconds in (("forward", forward_s), ("forward+backward", step_s)):
+                    row = {
+                        "phase": phase,
+                        "distribution": distribution,
+                        "rows": args.rows,
+                        "dim": dim,
+                        "bags": args.bags,
+                        "pooling": args.pooling,
+                        "threads": threads,
+                        "clock": "thread_cpu_time" if device.type == "cpu" and threads == 1 else "wall",
+                        "ms": {name: s * 1e3 for name, s in seconds.items()},
+                        "speedup": {name: s / seconds["sparsekit"] for name, s in seconds.items() if name != "sparsekit"},
+                    }
+                    if phase == "forward" and copy_bytes_per_s is not None:
+                        moved = nnz * dim * 4 + nnz * 8 + (args.bags + 1) * 8 + args.bags * dim * 4
+                        row["bytes_moved"] = moved
+                        row["fraction_of_copy_bandwidth"] = moved / seconds["sparsekit"] / copy_bytes_per_s
+                    results.append(row)
+                    times = "  ".join(f"{name} {s * 1e3:7.2f} ms" for name, s in seconds.items())
+                    ratios = "  ".join(f"x{r:.2f} vs {name}" for name, r in row["speedup"].items())
+                    extra = ""
+                    if "fraction_of_copy_bandwidth" in row:
+                        extra = f"  {row['fraction_of_copy_bandwidth']:.0%} of copy bandwidth"
+                    print(f"D={dim:<4} {distribution:<8} threads={threads:<3} {phase:<17} {times}  | sparsekit {ratios}{extra}")
+        del table, reference, weight, training, inference
+
+    extra = {"fbgemm": None if fbgemm is None else "fbgemm_gpu", "fbgemm_missing": fbgemm_missing,
+             "threads": args.threads}
+    if copy_bytes_per_s is not None:
+        extra["copy_bytes_per_s"] = copy_bytes_per_s
+    print("wrote", write_results("embedding", device, results, extra))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dims", type=lambda s: [int(d) for d in s.split(",")], default=None,
+                        help="comma-separated embedding dims (default 64; on CUDA 64,128)")
+    parser.add_argument("--bags", type=int, default=16384)
+    parser.add_argument("--pooling", type=int, default=20, help="rows per bag")
+    parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=None,
+                        help="comma-separated CPU thread counts (default on CPU: 1 and torch's default)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    if args.threads is None:
+        default = torch.get_num_threads()
+        args.threads = [1, default] if args.device == "cpu" and default > 1 else [default]
+    if args.dims is None:
+        args.dims = [64, 128] if args.device.startswith("cuda") else [64]
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""DistributedEmbedding + LazyAdam vs nn.EmbeddingBag(sparse=True) + torch.optim.SparseAdam.
+
+    python benchmarks/bench_layers.py [--device cpu|cuda] [--batch N] [--slots N] [--nnz N] [--dim N]
+                                      [--world-sizes 1,2]
+
+One training step = forward + backward + optimizer step of a pooled embedding (combiner
+"sum") on the same Zipf-distributed keys. At world size 1 both run side by side in this
+process; nn.EmbeddingBag is handed the keys already mapped to dense indices (a dict built
+outside the timed region), a head start sparsekit's hash table does not get. At world
+size > 1 (CPU: gloo, spawned on loopback) each rank runs its share of the same global
+batch through the model-parallel layer; the figure is the step time of the slowest rank,
+and the exchange's payload is counted: keys to their owners, vectors back, vector
+gradients back again, plus the counts header (bytes leaving a rank for other ranks).
+Each process uses --threads intra-op threads (all processes together: world size x threads).
+Writes benchmarks/results/layers_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sparsekit as sk  # noqa: E402
+from benchmarks.common import time_fn, write_results, zipf_keys  # noqa: E402
+from sparsekit import LazyAdam  # noqa: E402
+
+NUM_BATCHES = 8  # the timed steps cycle through these
+
+
+def make_batches(batch: int, slots: int, nnz: int) -> List[torch.Tensor]:
+    """Padded [batch, slots, nnz] key tensors; each bag holds 1..nnz keys, pad key -1."""
+    batches = []
+    for index in range(NUM_BATCHES):
+        keys = zipf_keys(batch * slots * nnz, seed=index).view(batch, slots, nnz)
+        lengths = torch.randint(1, nnz + 1, (batch, slots, 1), generator=torch.Generator().manual_seed(index))
+        keys[torch.arange(nnz).view(1, 1, nnz) >= lengths] = -1
+        batches.append(keys)
+    return batches
+
+
+def distinct_keys(batches: List[torch.Tensor]) -> torch.Tensor:
+    values = torch.cat([b[b != -1] for b in batches])
+    return sk.ops.unique(values, return_inverse=False)
+
+
+class Stepper:
+    """Cycles through the batches, one training step per call."""
+
+    def __init__(self, step_fn, batches):
+        self.step_fn, self.batches, self.index = step_fn, batches, 0
+
+    def __call__(self):
+        self.step_fn(self.batches[self.index % len(self.batches)])
+        self.index += 1
+
+
+def sparsekit_step(layer, optimizer, device):
+    def step(keys):
+        out = layer(keys.to(device, non_blocking=True))
+        out.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return step
+
+
+def exchange_bytes(keys: torch.Tensor, world_size: int, rank: int, dim: int, itemsize: int) -> int:
+    """Bytes this rank sends to other ranks in one step (forward and backward)."""
+    values = keys[keys != -1]
+    unique_keys = sk.ops.unique(values, return_inverse=False)
+    counts = sk.ops.partition_by_owner(unique_keys, world_size)[2]
+    sent_keys = int(counts.sum() - counts[rank])
+    # Vectors and their gradients travel as many rows as the keys, in the other direction:
+    # what this rank sends back equals what others ask of it; averaged over ranks the two match.
+    header = 2 * 8 * (world_size - 1)
+    return sent_keys * keys.element_size() + 2 * sent_keys * dim * itemsize + header
+
+
+def bench_world_one(args, device: torch.device) -> Dict:
+    batches = make_batches(args.batch, args.slots, args.nnz)
+    keys = distinct_keys(batches)
+    capacity = int(keys.numel()) + 16
+    layer = sk.DistributedEmbedding("sum", capacity, args.dim, args.slots, args.nnz, device=device)
+    ours = time_fn(Stepper(sparsekit_step(layer, LazyAdam(layer.parameters(), lr=1e-3), device),
+                           [b.to(device) for b in batches]), device, warmup=2, repeat=args.repeat)
+
+    # nn.EmbeddingBag on dense indices; the key -> index map is built here, untimed.
+    index_of = {key: i for i, key in enumerate(keys.tolist())}
+    bag_inputs = []
+    for b in batches:
+        flat = b.view(-1, args.nnz)
+        valid = flat != -1
+        indices = torch.tensor([index_of[k] for k in flat[valid].tolist()], dtype=torch.int64)
+        offsets = torch.zeros(flat.shape[0], dtype=torch.int64)
+        offsets[1:] = valid.sum(1).cumsum(0)[:-1]
+        bag_inputs.append((indices.to(device), offsets.to(device)))
+    bag = torch.nn.EmbeddingBag(capacity, args.dim, mode="sum", sparse=True, device=device)
+    torch_optimizer = torch.optim.SparseAdam(bag.parameters(), lr=1e-3)
+
+    def torch_step(inputs):
+        out = bag(*inputs)
+        out.sum().backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+
+    theirs = time_fn(Stepper(torch_step, bag_inputs), device, warmup=2, repeat=args.repeat)
+    nnz = sum(int((b != -1).sum()) for b in batches) / len(batches)
+    row = {"world_size": 1, "batch": args.batch, "slots": args.slots, "max_nnz": args.nnz, "dim": args.dim,
+           "keys_per_step": nnz, "distinct_keys_total": int(keys.numel()),
+           "sparsekit_step_s": ours, "torch_embedding_bag_sparse_adam_step_s": theirs,
+           "speedup_vs_torch": theirs / ours, "exchange_bytes_per_rank_per_step": 0}
+    print(f"world 1: sparsekit DistributedEmbedding+LazyAdam {ours * 1e3:8.2f} ms | nn.EmbeddingBag+SparseAdam "
+          f"{theirs * 1e3:8.2f} ms | speed-up {theirs / ours:5.2f}x ({nnz:,.0f} keys/step)")
+    return row
+
+
+def _rank_main(rank: int, world_size: int, store: str, args, result_path: str) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    device = torch.device("cpu")
+    batches = make_batches(args.batch, args.slots, args.nnz)
+    capacity = int(distinct_keys(batches).numel()) // world_size * 2 + 64
+    per_rank = args.batch // world_size
+    local = [b[rank * per_rank:(rank + 1) * per_rank] for b in batches]
+    layer = sk.DistributedEmbedding("sum", capacity, args.dim, args.slots, args.nnz, device=device)
+    step = Stepper(sparsekit_step(layer, LazyAdam(layer.parameters(), lr=1e-3), device), local)
+    seconds = torch.tensor([time_fn(step, device, warmup=2, repeat=args.repeat)])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
+    sent = torch.tensor([sum(exchange_bytes(b, world_size, rank, args.dim, 4) for b in local) / len(local)],
+                        dtype=torch.float64)
+    dist.all_reduce(sent)
+    if rank == 0:
+        torch.save({"seconds": float(seconds), "bytes": float(sent) / world_size}, result_path)
+    dist.destroy_process_group()
+
+
+def bench_world(args, world_size: int) -> Dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.pt")
+        mp.spawn(_rank_main, args=(world_size, os.path.join(tmp, "store"), args, result_path), nprocs=world_size)
+        result = torch.load(result_path, weights_only=True)
+    row = {"world_size": world_size, "batch": args.batch, "slots": args.slots, "max_nnz": args.nnz,
+           "dim": args.dim, "backend": "gloo", "sparsekit_step_s": result["seconds"],
+           "exchange_bytes_per_rank_per_step": result["bytes"]}
+    print(f"world {world_size}: sparsekit DistributedEmbedding+LazyAdam {result['seconds'] * 1e3:8.2f} ms per step "
+          f"(global batch {args.batch}, slowest rank) | {result['bytes'] / 1e3:,.1f} kB sent per rank per step")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--slots", type=int, default=26)
+    parser.add_argument("--nnz", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--world-sizes", default="1,2", help="comma-separated; > 1 runs on CPU with gloo")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads per process (0: torch's default); on a machine shared with "
+                             "other jobs, 1 avoids the spin-waiting of oversubscribed thread pools")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    device = torch.device(args.device)
+    rows = []
+    for world_size in (int(w) for w in args.world_sizes.split(",")):
+        rows.append(bench_world_one(args, device) if world_size == 1 else bench_world(args, world_size))
+    if len(rows) > 1 and rows[0]["world_size"] == 1:
+        for row in rows[1:]:
+            row["step_time_vs_world_1"] = row["sparsekit_step_s"] / rows[0]["sparsekit_step_s"]
+            print(f"world {row['world_size']} step time / world 1 step time: {row['step_time_vs_world_1']:.2f}")
+    path = write_results("layers", device, rows, extra={"threads_per_process": args.threads})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

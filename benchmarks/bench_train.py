@@ -1,0 +1,123 @@
+"""Training throughput of the harness: --embedding sparsekit vs --embedding torch.
+
+    python benchmarks/bench_train.py [--device cpu|cuda] [--batch-size N] [--steps N]
+
+The same DLRM model (bottom MLP, 26 embedding slots, dot interaction, top MLP) on the
+same synthetic Criteo-shaped batches, built exactly as ``python -m sparsekit.train``
+builds it, one process:
+
+* sparsekit: ``sk.DistributedEmbedding`` (hash table, combiner "sum") + ``sk.LazyAdam``;
+* torch: ``nn.EmbeddingBag(sparse=True)`` over ``key mod table_rows`` +
+  ``torch.optim.SparseAdam``, and ``torch.optim.Adam`` for the dense layers.
+
+A timed block is ``--steps`` full training steps (forward, backward, optimizer) on
+pre-generated batches, so data generation is not counted. Every step gets a batch of
+its own (global batch ``step`` of the harness's stream), so new keys keep arriving at
+the rate they do in training, and the hash table keeps inserting. Both back ends are timed in
+alternating rounds in this one process; the ratio is the median of the per-round
+ratios. Without --device: the CPU, then the GPU when there is one. Writes
+benchmarks/results/train_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import synchronize, write_results  # noqa: E402
+from sparsekit.train.loop import Context, TrainConfig, build  # noqa: E402
+from sparsekit.train.data import SyntheticCriteo  # noqa: E402
+
+EMBEDDINGS = ("sparsekit", "torch")
+
+
+class Runner:
+    """One back end's model and optimizer, stepping through a list of batches."""
+
+    def __init__(self, embedding: str, config: TrainConfig, device: torch.device, batches):
+        config = TrainConfig(**{**config.__dict__, "embedding": embedding})
+        _, self.model, self.optimizer = build(config, Context(0, 1, device))
+        self.batches = batches
+        self.position = 0
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            batch = self.batches[self.position]
+            self.position += 1
+            loss = self.loss_fn(self.model(batch.dense, batch.keys), batch.labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+
+
+def bench(device: torch.device, args) -> dict:
+    config = TrainConfig(batch_size=args.batch_size, embedding_dim=args.embedding_dim,
+                         table_rows=args.table_rows, vocab_per_slot=args.vocab_per_slot,
+                         device=device.type)
+    source = SyntheticCriteo(0, vocab_per_slot=args.vocab_per_slot)
+    total_steps = args.warmup + args.rounds * args.steps
+    batches = [source.train_batch(step, args.batch_size).to(device) for step in range(total_steps)]
+    runners = {name: Runner(name, config, device, batches) for name in EMBEDDINGS}
+    for runner in runners.values():  # warm-up: allocator, first inserts, lazy init
+        runner.run(args.warmup)
+    synchronize(device)
+    seconds = {name: [] for name in EMBEDDINGS}
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            synchronize(device)
+            start = time.perf_counter()
+            runner.run(args.steps)
+            synchronize(device)
+            seconds[name].append(time.perf_counter() - start)
+    samples = args.steps * args.batch_size
+    rate = {name: samples / statistics.median(times) for name, times in seconds.items()}
+    ratio = statistics.median(t / s for s, t in zip(seconds["sparsekit"], seconds["torch"]))
+    print(f"[{device.type}] batch {args.batch_size}, dim {args.embedding_dim}, {args.steps} steps x "
+          f"{args.rounds} rounds: sparsekit {rate['sparsekit']:,.0f} samples/s | torch "
+          f"{rate['torch']:,.0f} samples/s | sparsekit / torch = {ratio:.2f}x")
+    return {
+        "batch_size": args.batch_size,
+        "embedding_dim": args.embedding_dim,
+        "table_rows": args.table_rows,
+        "vocab_per_slot": args.vocab_per_slot,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "sparsekit_samples_per_s": rate["sparsekit"],
+        "torch_samples_per_s": rate["torch"],
+        "speedup_vs_torch": ratio,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cpu, then cuda when available")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--embedding-dim", type=int, default=16)
+    parser.add_argument("--table-rows", type=int, default=1 << 20)
+    parser.add_argument("--vocab-per-slot", type=int, default=20_000)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if args.device:
+        devices = [torch.device(args.device)]
+    else:
+        devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for device in devices:
+        row = bench(device, args)
+        print("wrote", write_results("train", device, [row]))
+
+
+if __name__ == "__main__":
+    main()

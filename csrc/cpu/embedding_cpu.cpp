@@ -1,0 +1,518 @@
+// CPU kernels of embedding_bag (pooled lookup over CSR bags) and embedding_gather
+// (unpooled lookup). Both are memory-latency bound on tables larger than the cache: each
+// lookup is a random row, so the loops prefetch the rows a few lookups ahead and keep the
+// pooled accumulator of a block of columns in registers.
+//
+// The hot loops are written once as plain C++ (always_inline templates) and instantiated
+// twice: inside an AVX2+FMA+F16C function, chosen at run time when the CPU has it, and
+// inside a baseline function for any x86-64 (or other) CPU. The extension is built without
+// -march flags, so this is how the vector units get used without making the .so
+// unportable.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "embedding.h"
+
+namespace sparsekit {
+namespace {
+
+// 32-byte vector arguments of the always_inline helpers never cross a real call boundary.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define SPARSEKIT_X86_DISPATCH 1
+#define SPARSEKIT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define SPARSEKIT_X86_DISPATCH 0
+#define SPARSEKIT_TARGET_AVX2
+#endif
+
+#if defined(__GNUC__)
+#define SPARSEKIT_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define SPARSEKIT_ALWAYS_INLINE inline
+#endif
+
+// How many lookups ahead the loops prefetch: far enough to cover DRAM latency, near
+// enough that the lines are still in L1/L2 when used.
+constexpr int64_t kPrefetchDistance = 16;
+// Lines of a row prefetched by hand; the hardware's adjacent-line and stream prefetchers
+// take it from there (more lines measured no faster on a 1M x 64 float32 table).
+constexpr int64_t kMaxPrefetchLines = 4;
+
+SPARSEKIT_ALWAYS_INLINE bool cpu_has_avx2() {
+#if SPARSEKIT_X86_DISPATCH
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+#else
+  return false;
+#endif
+}
+
+template <typename scalar_t>
+using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Element loads widened to the accumulator type. float16 goes through the compiler's
+// _Float16 so that, under F16C, it converts with vcvtph2ps; bfloat16 is the top half of a
+// float32, a shift that vectorises everywhere.
+template <typename acc_t>
+SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const float* p) {
+  return static_cast<acc_t>(*p);
+}
+template <typename acc_t>
+SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const double* p) {
+  return static_cast<acc_t>(*p);
+}
+template <typename acc_t>
+SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const c10::Half* p) {
+  return static_cast<acc_t>(static_cast<float>(*p));
+}
+template <typename acc_t>
+SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const c10::BFloat16* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return static_cast<acc_t>(f);
+}
+
+// 32-byte vectors of the accumulator type (GCC/Clang vector extensions): one AVX2 register
+// in the AVX2 instantiation, two SSE registers in the baseline one.
+typedef float float_vec __attribute__((vector_size(32)));
+typedef double double_vec __attribute__((vector_size(32)));
+typedef uint16_t u16_vec8 __attribute__((vector_size(16)));
+typedef uint32_t u32_vec8 __attribute__((vector_size(32)));
+#if defined(__FLT16_MAX__)
+typedef _Float16 half_vec8 __attribute__((vector_size(16)));
+#endif
+
+template <typename acc_t>
+struct AccVec;
+template <>
+struct AccVec<float> {
+  using type = float_vec;
+  static constexpr int kLanes = 8;
+};
+template <>
+struct AccVec<double> {
+  using type = double_vec;
+  static constexpr int kLanes = 4;
+};
+
+SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const float* p) {
+  float_vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+SPARSEKIT_ALWAYS_INLINE double_vec load_vec(const double* p) {
+  double_vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const c10::Half* p) {
+#if defined(__FLT16_MAX__)
+  half_vec8 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, float_vec);
+#else
+  float_vec v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const c10::BFloat16* p) {
+  u16_vec8 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const u32_vec8 wide = __builtin_convertvector(bits, u32_vec8) << 16;
+  float_vec v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+/// Lines of a row_bytes-long row worth prefetching by hand, 1..kMaxPrefetchLines.
+inline int prefetch_lines(int64_t row_bytes) {
+  return static_cast<int>(std::clamp<int64_t>((row_bytes + 63) / 64, 1, kMaxPrefetchLines));
+}
+
+/// Prefetches the row `ahead` lookups ahead without a data-dependent branch: the position
+/// is clamped to the last lookup and a row id outside the table is replaced by row 0, so
+/// the cost on cached data is a load, two conditional moves and the prefetches. `lines`
+/// is loop-invariant, so its tests predict perfectly.
+template <typename index_t>
+SPARSEKIT_ALWAYS_INLINE void prefetch_ahead(const char* base, int64_t row_stride_bytes, int64_t num_rows,
+                                            const index_t* rows, int64_t position, int64_t last, int lines) {
+  const int64_t ahead = static_cast<int64_t>(rows[std::min(position, last)]);
+  const int64_t row = static_cast<uint64_t>(ahead) < static_cast<uint64_t>(num_rows) ? ahead : 0;
+  const char* line = base + row * row_stride_bytes;
+  __builtin_prefetch(line, 0, 3);
+  if (lines > 1) __builtin_prefetch(line + 64, 0, 3);
+  if (lines > 2) __builtin_prefetch(line + 128, 0, 3);
+  if (lines > 3) __builtin_prefetch(line + 192, 0, 3);
+}
+
+/// Shared, read-only description of one embedding_bag call.
+template <typename scalar_t, typename index_t>
+struct BagProblem {
+  const scalar_t* weight;
+  int64_t row_stride;  // elements between consecutive rows of weight
+  int64_t num_rows;
+  int64_t dim;
+  const index_t* rows;
+  const int64_t* offsets;
+  int64_t nnz;
+  const scalar_t* per_sample_weights;  // nullptr: every row weighs 1
+  bool mean;
+  scalar_t* out;  // [bags, dim], contiguous
+  std::atomic<bool>* bad_offsets;
+  std::atomic<bool>* bad_row_seen;
+  std::atomic<int64_t>* bad_row;
+};
+
+template <typename index_t>
+SPARSEKIT_ALWAYS_INLINE bool row_in_range(index_t row, int64_t num_rows) {
+  return static_cast<uint64_t>(static_cast<int64_t>(row)) < static_cast<uint64_t>(num_rows);
+}
+
+// Out of line: the error path must not act as a memory barrier inside the hot loops.
+__attribute__((noinline, cold)) void record_bad_row(std::atomic<bool>* seen, std::atomic<int64_t>* value,
+                                                    int64_t row) {
+  if (!seen->exchange(true, std::memory_order_relaxed)) value->store(row, std::memory_order_relaxed);
+}
+
+/// kVecs 32-byte vectors of accumulators: the columns [col, col + kVecs * kLanes) of a bag,
+/// held in registers while the bag's rows stream by.
+template <typename scalar_t, int kVecs>
+struct VectorColumns {
+  using acc_t = acc_type_t<scalar_t>;
+  using vec = typename AccVec<acc_t>::type;
+  static constexpr int kLanes = AccVec<acc_t>::kLanes;
+  vec acc[kVecs];
+
+  SPARSEKIT_ALWAYS_INLINE VectorColumns() {
+    for (int i = 0; i < kVecs; ++i) acc[i] = vec{};
+  }
+  SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src) {
+    for (int i = 0; i < kVecs; ++i) acc[i] += load_vec(src + i * kLanes);
+  }
+  SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src, acc_t w) {
+    for (int i = 0; i < kVecs; ++i) acc[i] += w * load_vec(src + i * kLanes);
+  }
+  SPARSEKIT_ALWAYS_INLINE void store(scalar_t* dst, acc_t scale) {
+    for (int i = 0; i < kVecs; ++i) {
+      const vec v = acc[i] * scale;
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        std::memcpy(dst + i * kLanes, &v, sizeof(v));
+      } else {
+        for (int l = 0; l < kLanes; ++l) dst[i * kLanes + l] = static_cast<scalar_t>(v[l]);
+      }
+    }
+  }
+};
+
+/// Fewer columns than one vector holds: the ragged end of a dim that is not a multiple of
+/// the vector width.
+template <typename scalar_t>
+struct TailColumns {
+  using acc_t = acc_type_t<scalar_t>;
+  static constexpr int kMax = AccVec<acc_t>::kLanes;
+  acc_t acc[kMax];
+  int64_t width;
+
+  SPARSEKIT_ALWAYS_INLINE explicit TailColumns(int64_t width_) : width(width_) {
+    for (int i = 0; i < kMax; ++i) acc[i] = acc_t(0);
+  }
+  SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src) {
+    for (int64_t i = 0; i < width; ++i) acc[i] += load_widened<acc_t>(src + i);
+  }
+  SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src, acc_t w) {
+    for (int64_t i = 0; i < width; ++i) acc[i] += w * load_widened<acc_t>(src + i);
+  }
+  SPARSEKIT_ALWAYS_INLINE void store(scalar_t* dst, acc_t scale) {
+    for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<scalar_t>(acc[i] * scale);
+  }
+};
+
+/// Pools the columns held by `columns` (starting at col) over rows[begin, end) of one bag
+/// and writes them to out_row. The first pass over a bag (prefetch == true) also prefetches
+/// the rows kPrefetchDistance lookups ahead, running on into the next bags.
+template <bool kWeighted, typename Columns, typename scalar_t, typename index_t>
+SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
+                                       int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
+  using acc_t = acc_type_t<scalar_t>;
+  const scalar_t* const weight = p.weight;
+  const int64_t row_stride = p.row_stride;
+  const int64_t num_rows = p.num_rows;
+  const index_t* const rows = p.rows;
+  const scalar_t* const sample_weights = p.per_sample_weights;
+  const char* const base = reinterpret_cast<const char*>(weight);
+  const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int lines = prefetch_lines(p.dim * static_cast<int64_t>(sizeof(scalar_t)));
+  const int64_t last = p.nnz - 1;
+  acc_t weight_sum = 0;
+  int64_t valid = 0;
+  for (int64_t k = begin; k < end; ++k) {
+    // The prefetch runs past the bag into the next ones: the flat rows are read in order.
+    if (prefetch) prefetch_ahead(base, row_stride_bytes, num_rows, rows, k + kPrefetchDistance, last, lines);
+    const index_t row = rows[k];
+    if (C10_UNLIKELY(!row_in_range(row, num_rows))) {
+      if (row != index_t(-1)) record_bad_row(p.bad_row_seen, p.bad_row, static_cast<int64_t>(row));
+      continue;
+    }
+    const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
+    ++valid;
+    if constexpr (kWeighted) {
+      const acc_t w = load_widened<acc_t>(sample_weights + k);
+      weight_sum += w;
+      columns.add(src, w);
+    } else {
+      columns.add(src);
+    }
+  }
+  acc_t scale = 1;
+  if (p.mean) {
+    // A bag with no valid row (or valid weights summing to zero) pools to zeros.
+    const acc_t denominator = kWeighted ? weight_sum : static_cast<acc_t>(valid);
+    scale = (valid > 0 && denominator != acc_t(0)) ? acc_t(1) / denominator : acc_t(0);
+  }
+  columns.store(out_row + col, scale);
+}
+
+template <bool kWeighted, typename scalar_t, typename index_t>
+SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t bag_begin,
+                                            int64_t bag_end) {
+  constexpr int64_t kLanes = AccVec<acc_type_t<scalar_t>>::kLanes;
+  // Sixteen accumulator vectors per pass (128 float or 64 double columns) fill the AVX2
+  // register file; the adds take the rows straight from memory, so no register is needed
+  // for the loads. Wider dims take several passes over a bag, the later ones hitting L1.
+  constexpr int64_t kBlock = 16 * kLanes;
+  const int64_t dim = p.dim;
+  for (int64_t bag = bag_begin; bag < bag_end; ++bag) {
+    const int64_t begin = p.offsets[bag];
+    const int64_t end = p.offsets[bag + 1];
+    scalar_t* out_row = p.out + bag * dim;
+    if (!(0 <= begin && begin <= end && end <= p.nnz)) {
+      p.bad_offsets->store(true, std::memory_order_relaxed);
+      for (int64_t j = 0; j < dim; ++j) out_row[j] = scalar_t(0);
+      continue;
+    }
+    int64_t col = 0;
+    for (; col + kBlock <= dim; col += kBlock) {
+      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 16>(), out_row);
+    }
+    // The rest in passes of 8, 4, 2 and 1 vectors, then a scalar tail.
+    if (col + 8 * kLanes <= dim) {
+      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 8>(), out_row);
+      col += 8 * kLanes;
+    }
+    if (col + 4 * kLanes <= dim) {
+      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 4>(), out_row);
+      col += 4 * kLanes;
+    }
+    if (col + 2 * kLanes <= dim) {
+      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 2>(), out_row);
+      col += 2 * kLanes;
+    }
+    if (col + kLanes <= dim) {
+      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 1>(), out_row);
+      col += kLanes;
+    }
+    if (col < dim) {
+      pool_rows<kWeighted>(p, begin, end, col, col == 0, TailColumns<scalar_t>(dim - col), out_row);
+    }
+  }
+}
+
+template <bool kWeighted, typename scalar_t, typename index_t>
+SPARSEKIT_TARGET_AVX2 void pool_bag_range_avx2(const BagProblem<scalar_t, index_t>& p, int64_t bag_begin,
+                                               int64_t bag_end) {
+  pool_bag_range<kWeighted>(p, bag_begin, bag_end);
+}
+
+template <bool kWeighted, typename scalar_t, typename index_t>
+void pool_bag_range_baseline(const BagProblem<scalar_t, index_t>& p, int64_t bag_begin, int64_t bag_end) {
+  pool_bag_range<kWeighted>(p, bag_begin, bag_end);
+}
+
+/// Runs fn(begin, end) over [0, n) in chunks of `chunk` items handed out from a shared
+/// counter: a thread that the OS deschedules (or that drew long bags) then delays only its
+/// current chunk, where at::parallel_for's fixed 1/threads shares would make every op wait
+/// for the slowest thread.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t threads = at::get_num_threads();
+  if (chunks <= 1 || threads <= 1 || at::in_parallel_region()) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(chunks, threads), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+    }
+  });
+}
+
+template <typename scalar_t, typename index_t>
+void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
+  const bool weighted = p.per_sample_weights != nullptr;
+  const bool avx2 = cpu_has_avx2();
+  // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
+  const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
+  parallel_chunks(bags, chunk, [&](int64_t begin, int64_t end) {
+    if (avx2) {
+      weighted ? pool_bag_range_avx2<true>(p, begin, end) : pool_bag_range_avx2<false>(p, begin, end);
+    } else {
+      weighted ? pool_bag_range_baseline<true>(p, begin, end) : pool_bag_range_baseline<false>(p, begin, end);
+    }
+  });
+}
+
+/// Asks Linux to back a large, freshly allocated output with transparent huge pages before
+/// its first touch. Big CPU tensors are fresh mmaps, and first-touching one costs a page
+/// fault per 4 KiB: for the [unique rows, D] gradient of a large batch those faults took
+/// longer than the pooling itself. (torch's allocator does the same for every large
+/// tensor under THP_MEM_ALLOC_ENABLE=1.) A hint only: any failure is ignored.
+void advise_huge_pages(const at::Tensor& out) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(out.const_data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(out.nbytes());
+  const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t last = end & ~(kHugePage - 1);
+  if (last >= first + 2 * kHugePage) {
+    (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+#else
+  (void)out;
+#endif
+}
+
+
+}  // namespace
+
+at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in, const at::Tensor& offsets_in,
+                             const c10::optional<at::Tensor>& per_sample_weights_in, c10::string_view mode) {
+  check_embedding_bag_args(weight_in, rows_in, offsets_in, per_sample_weights_in);
+  const BagMode bag_mode = parse_bag_mode(mode);
+  const at::Tensor weight = rows_stride_ready(weight_in);
+  const at::Tensor rows = rows_in.contiguous();
+  // Offsets are bags + 1 numbers: one int64 copy is cheaper than a second instantiation.
+  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
+  at::Tensor per_sample_weights;
+  if (per_sample_weights_in.has_value()) per_sample_weights = per_sample_weights_in->contiguous();
+
+  const int64_t nnz = rows.size(0);
+  const int64_t bags = offsets.size(0) - 1;
+  const int64_t dim = weight.size(1);
+  const int64_t* offsets_ptr = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(offsets_ptr[0] == 0 && offsets_ptr[bags] == nnz, embedding_offsets_message(nnz), "; got offsets[0] == ",
+              offsets_ptr[0], " and offsets[-1] == ", offsets_ptr[bags]);
+
+  at::Tensor out = at::empty({bags, dim}, weight.options());
+  if (bags == 0 || dim == 0) return out;
+  advise_huge_pages(out);
+
+  std::atomic<bool> bad_offsets{false};
+  std::atomic<bool> bad_row_seen{false};
+  std::atomic<int64_t> bad_row{0};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_bag_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_cpu_rows", [&] {
+      BagProblem<scalar_t, index_t> problem{
+          weight.const_data_ptr<scalar_t>(),
+          weight.stride(0),
+          weight.size(0),
+          dim,
+          rows.const_data_ptr<index_t>(),
+          offsets_ptr,
+          nnz,
+          per_sample_weights.defined() ? per_sample_weights.const_data_ptr<scalar_t>() : nullptr,
+          bag_mode == BagMode::kMean,
+          out.mutable_data_ptr<scalar_t>(),
+          &bad_offsets,
+          &bad_row_seen,
+          &bad_row};
+      run_embedding_bag(problem, bags);
+    });
+  });
+  TORCH_CHECK(!bad_offsets.load(), embedding_offsets_message(nnz), "; offsets decrease somewhere");
+  TORCH_CHECK(!bad_row_seen.load(), embedding_row_range_message("embedding_bag", bad_row.load(), weight.size(0)));
+  return out;
+}
+
+namespace {
+
+template <typename index_t>
+void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_rows, int64_t row_bytes,
+                      const index_t* rows, int64_t n, char* out, int64_t begin, int64_t end,
+                      std::atomic<bool>* bad_row_seen, std::atomic<int64_t>* bad_row) {
+  const int lines = prefetch_lines(row_bytes);
+  for (int64_t i = begin; i < end; ++i) {
+    prefetch_ahead(weight, row_stride_bytes, num_rows, rows, i + kPrefetchDistance, n - 1, lines);
+    const index_t row = rows[i];
+    char* dst = out + i * row_bytes;
+    if (row_in_range(row, num_rows)) {
+      std::memcpy(dst, weight + static_cast<int64_t>(row) * row_stride_bytes, row_bytes);
+    } else {
+      if (row != index_t(-1)) record_bad_row(bad_row_seen, bad_row, static_cast<int64_t>(row));
+      std::memset(dst, 0, row_bytes);
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in) {
+  check_embedding_gather_args(weight_in, rows_in);
+  const at::Tensor weight = rows_stride_ready(weight_in);
+  const at::Tensor rows = rows_in.contiguous();
+  const int64_t n = rows.numel();
+  const int64_t dim = weight.size(1);
+  std::vector<int64_t> out_shape(rows.sizes().begin(), rows.sizes().end());
+  out_shape.push_back(dim);
+  at::Tensor out = at::empty(out_shape, weight.options());
+  if (n == 0) return out;
+  advise_huge_pages(out);
+
+  const int64_t element = weight.element_size();
+  const int64_t row_bytes = dim * element;
+  const char* weight_ptr = static_cast<const char*>(weight.const_data_ptr());
+  char* out_ptr = static_cast<char*>(out.mutable_data_ptr());
+  std::atomic<bool> bad_row_seen{false};
+  std::atomic<int64_t> bad_row{0};
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(row_bytes, 1));
+  AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_gather_cpu", [&] {
+    const index_t* rows_ptr = rows.const_data_ptr<index_t>();
+    parallel_chunks(n, chunk, [&](int64_t begin, int64_t end) {
+      gather_row_range(weight_ptr, weight.stride(0) * element, weight.size(0), row_bytes, rows_ptr, n, out_ptr, begin,
+                       end, &bad_row_seen, &bad_row);
+    });
+  });
+  TORCH_CHECK(!bad_row_seen.load(), embedding_row_range_message("embedding_gather", bad_row.load(), weight.size(0)));
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("embedding_bag", &embedding_bag_cpu);
+  m.impl("embedding_gather", &embedding_gather_cpu);
+}
+
+}  // namespace sparsekit

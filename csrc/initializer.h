@@ -1,0 +1,34 @@
+#pragma once
+// The key-seeded uniform initializer shared bit for bit by the CPU and CUDA kernels.
+#include <cmath>
+
+#include "common.h"
+
+namespace sparsekit {
+
+/// @brief Per-key state of key_seeded_uniform: a hash of (seed, key), computed once per key.
+C10_HOST_DEVICE inline uint64_t key_seeded_state(int64_t key, int64_t seed) {
+  return mix_key(static_cast<int64_t>(static_cast<uint64_t>(key) ^ mix_key(seed)));
+}
+
+/// @brief Value of column `column` for a key with state `key_state`: uniform in [low, high].
+/// Only integer arithmetic and one correctly rounded fma, so the CPU and the GPU agree to
+/// the last bit.
+C10_HOST_DEVICE inline double key_seeded_value(uint64_t key_state, int64_t column, double low, double width) {
+  const uint64_t h = mix_key(static_cast<int64_t>(key_state + static_cast<uint64_t>(column + 1) * 0x9E3779B97F4A7C15ULL));
+  const double unit = static_cast<double>(h >> 11) * 0x1.0p-53;  // [0, 1), 53 random bits
+  return ::fma(width, unit, low);
+}
+
+inline void check_key_seeded_uniform_args(const at::Tensor& keys, int64_t dim, double low, double high,
+                                          at::ScalarType dtype) {
+  check_key_tensor(keys, "key_seeded_uniform", "keys");
+  TORCH_CHECK(keys.dim() == 1, "key_seeded_uniform: keys must be 1-D [N], got shape ", keys.sizes());
+  TORCH_CHECK(dim >= 0, "key_seeded_uniform: dim must be >= 0, got ", dim);
+  TORCH_CHECK(std::isfinite(low) && std::isfinite(high) && low <= high,
+              "key_seeded_uniform: need finite low <= high, got low=", low, " high=", high);
+  TORCH_CHECK(at::isFloatingType(dtype),
+              "key_seeded_uniform: dtype must be float32, float64, float16 or bfloat16, got ", dtype);
+}
+
+}  // namespace sparsekit

@@ -1,0 +1,427 @@
+"""Collective, atomic, world-size-independent checkpoints of models with sharded embeddings.
+
+Layout of ``directory``::
+
+    LATEST                        name of the newest complete checkpoint (replaced atomically)
+    ckpt-000007/
+        metadata.json             format, world size, the embedding layers and their shapes
+        dense.pt                  rank 0: dense parameters/buffers + their optimizer state
+        shard-00000-of-00002.pt   rank r: per embedding layer, the keys it owns, their rows,
+        shard-00001-of-00002.pt   their per-row optimizer state (exp_avg, ...) and the step
+
+Every file is plain tensors, ints, floats and strings: ``torch.load(weights_only=True)``
+reads it, nothing is unpickled as code. A save writes ``ckpt-N.tmp/`` and, once every rank
+reports success, renames it to ``ckpt-N/`` and only then points ``LATEST`` at it
+(``os.replace``), so a crash at any moment leaves the previous checkpoint loadable.
+Older ``ckpt-*`` directories are removed after the switch.
+
+Rows are saved by key, so a checkpoint saved on N ranks loads on M ranks: every rank reads
+every shard file and keeps the keys it owns under the new world size (``uint64(k) % M``).
+Hash tables are rebuilt with the saved keys in the saved row order, so loading on the same
+world size restores the same rows bit for bit. The directory must be visible to every
+rank (one machine or a shared file system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import ops
+from .embedding import _ModelParallelEmbedding, is_embedding_variable
+from .hashtable import HashTableFullError
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+FORMAT_VERSION = 1
+_LATEST = "LATEST"
+_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{6,})$")
+
+
+# ---- collectives ----------------------------------------------------------------------------
+
+
+def _world() -> Tuple[Optional[dist.ProcessGroup], int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    return None, 1, 0
+
+
+def _collective_device(group) -> torch.device:
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_ok(group, ok: bool) -> bool:
+    """True when ``ok`` on every rank (an all-reduce MIN); a no-op without a group."""
+    if group is None:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _agree_or_raise(group, error: Optional[BaseException], what: str) -> None:
+    """Every rank raises when any rank failed: its own error, or one naming the step."""
+    if _all_ok(group, error is None):
+        return
+    if error is not None:
+        raise error
+    raise RuntimeError(f"{what} failed on another rank (see the error there); nothing was changed on this rank")
+
+
+# ---- the model's pieces ---------------------------------------------------------------------
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # A DistributedDataParallel wrapper adds "module." to every name; checkpoints do not carry it.
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _embedding_layers(model: nn.Module) -> Dict[str, _ModelParallelEmbedding]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, _ModelParallelEmbedding)}
+
+
+def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> Dict[str, Tensor]:
+    if "" in layers:  # the model is itself an embedding layer
+        return {}
+    prefixes = tuple(f"{name}." for name in layers)
+    return {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
+
+
+def _optimizer_param_ids(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
+    """id(param) -> the integer key ``optimizer.state_dict()`` gives it (group order, then param order)."""
+    ids: Dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            ids.setdefault(id(param), len(ids))
+    return ids
+
+
+def _owners(keys: Tensor, world_size: int) -> Tensor:
+    """uint64(key) % world_size for int64 keys, without unsigned tensors."""
+    keys = keys.long()
+    # 2^64 = q * world_size + r: uint64(k) % w == (k + (k < 0) * r) mod w, all in int64 range.
+    wrap = (2**64) % world_size
+    return torch.remainder(torch.remainder(keys, world_size) + (keys < 0).long() * wrap, world_size)
+
+
+# ---- save -----------------------------------------------------------------------------------
+
+
+def _latest_index(directory: str) -> int:
+    try:
+        with open(os.path.join(directory, _LATEST)) as latest:
+            match = _CHECKPOINT_NAME.match(latest.read().strip())
+    except FileNotFoundError:
+        return 0
+    return int(match.group(1)) if match else 0
+
+
+def _write_file(path: str, write) -> None:
+    """Writes ``path`` through ``write(file)`` and flushes it to disk."""
+    with open(path, "wb") as out:
+        write(out)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
+                   optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    payload: Dict[str, Any] = {}
+    for name, layer in layers.items():
+        weight = layer.weight.detach()
+        state = optimizer.state.get(layer.weight, {}) if optimizer is not None else {}
+        per_row = {key: value for key, value in state.items()
+                   if isinstance(value, Tensor) and value.shape == weight.shape}
+        scalars = {key: value for key, value in state.items() if key not in per_row}
+        if layer.hash_table is not None:
+            keys, rows = layer.hash_table.export()
+            keys = keys.long()
+        else:
+            # Only rows that moved away from their initial value or carry optimizer state:
+            # the others are re-created by the initializer, whatever the new world size.
+            keys = layer.owned_keys()
+            touched = (weight != layer.initial_rows(keys)).any(dim=1)
+            for value in per_row.values():
+                touched |= (value != 0).flatten(1).any(dim=1)
+            rows = touched.nonzero().squeeze(1)
+            keys = keys[rows]
+        payload[name] = {
+            "keys": keys.cpu(),
+            "weight": weight[rows].cpu(),
+            "state": {key: value[rows].cpu() for key, value in per_row.items()},
+            "scalars": {key: value.cpu() if isinstance(value, Tensor) else value for key, value in scalars.items()},
+            "has_state": bool(state),
+        }
+    return payload
+
+
+def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` without the state of embedding shards (saved by key instead)."""
+    state_dict = optimizer.state_dict()
+    ids = _optimizer_param_ids(optimizer)
+    embedding_ids = {ids[id(p)] for p in model.parameters() if is_embedding_variable(p) and id(p) in ids}
+    state_dict["state"] = {index: value for index, value in state_dict["state"].items() if index not in embedding_ids}
+    return state_dict
+
+
+def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> str:
+    """Saves ``model`` (and ``optimizer``) under ``directory``; collective: every rank calls it.
+
+    Each rank writes the embedding rows it owns, by key, with their optimizer state; rank 0
+    writes the dense parameters, buffers and their optimizer state (identical on every rank
+    under DDP). Atomic: until the new checkpoint is complete on every rank, ``LATEST`` keeps
+    naming the previous one.
+
+    Args:
+        directory: a directory every rank can reach; created when missing.
+        model: the model (a DDP wrapper is looked through); its
+            :class:`~sparsekit.DistributedEmbedding` / :class:`~sparsekit.All2AllDenseEmbedding`
+            layers are saved by key, everything else as in ``state_dict()``.
+        optimizer: optional; e.g. :class:`~sparsekit.LazyAdam`. Per-row state tensors (the
+            shape of the embedding weight) are saved by key, the rest (``step``) as is.
+
+    Returns:
+        The path of the checkpoint written.
+    """
+    group, world_size, rank = _world()
+    model = _unwrap(model)
+    layers = _embedding_layers(model)
+    index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
+    name = f"ckpt-{index:06d}"
+    final_dir = os.path.join(directory, name)
+    temp_dir = final_dir + ".tmp"
+
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(temp_dir, ignore_errors=True)  # a crashed save's leftovers
+            os.makedirs(temp_dir)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            error = exc
+    _agree_or_raise(group, error, "save_checkpoint (creating the directory)")
+
+    try:
+        shard = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size,
+                 "layers": _shard_payload(layers, optimizer)}
+        _write_file(os.path.join(temp_dir, _shard_name(rank, world_size)), lambda f: torch.save(shard, f))
+        if rank == 0:
+            dense = {"format": FORMAT_VERSION, "model": {k: v.cpu() for k, v in _dense_state(model, layers).items()},
+                     "optimizer": _dense_optimizer_state(optimizer, model) if optimizer is not None else None}
+            _write_file(os.path.join(temp_dir, "dense.pt"), lambda f: torch.save(dense, f))
+            metadata = {
+                "format": FORMAT_VERSION,
+                "world_size": world_size,
+                "has_optimizer": optimizer is not None,
+                "shards": [_shard_name(r, world_size) for r in range(world_size)],
+                "layers": {layer_name: {"type": type(layer).__name__,
+                                        "embedding_vec_size": layer.embedding_vec_size,
+                                        "max_vocabulary_size_per_gpu": layer.max_vocabulary_size_per_gpu,
+                                        "use_hashtable": layer.use_hashtable,
+                                        "world_size": layer.world_size}
+                           for layer_name, layer in layers.items()},
+            }
+            _write_file(os.path.join(temp_dir, "metadata.json"),
+                        lambda f: f.write(json.dumps(metadata, indent=2).encode()))
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = exc
+    _agree_or_raise(group, error, "save_checkpoint (writing the shards)")
+
+    if rank == 0:
+        try:
+            _commit(directory, temp_dir, final_dir, name)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            error = exc
+    _agree_or_raise(group, error, "save_checkpoint (committing)")
+    return final_dir
+
+
+def _shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def _commit(directory: str, temp_dir: str, final_dir: str, name: str) -> None:
+    """Makes the written checkpoint the latest: rename the directory, then replace LATEST."""
+    _fsync_directory(temp_dir)
+    shutil.rmtree(final_dir, ignore_errors=True)  # written by a save that crashed before LATEST moved
+    os.replace(temp_dir, final_dir)
+    _fsync_directory(directory)
+    latest_temp = os.path.join(directory, _LATEST + ".tmp")
+    _write_file(latest_temp, lambda f: f.write(name.encode()))
+    os.replace(latest_temp, os.path.join(directory, _LATEST))
+    _fsync_directory(directory)
+    for entry in os.listdir(directory):
+        match = _CHECKPOINT_NAME.match(entry)
+        if match and entry != name:
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+
+
+# ---- load -----------------------------------------------------------------------------------
+
+
+def _load(path: str) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _checkpoint_dir(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, _LATEST)) as latest:
+            name = latest.read().strip()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"load_checkpoint: no checkpoint in {directory!r} (no {_LATEST} file); "
+                                "save one with sk.save_checkpoint") from None
+    if not _CHECKPOINT_NAME.match(name):
+        raise ValueError(f"load_checkpoint: {os.path.join(directory, _LATEST)} names {name!r}, not a checkpoint")
+    return os.path.join(directory, name)
+
+
+class _LayerRestore:
+    """What one layer will receive: this rank's keys and their rows, checked before anything changes."""
+
+    def __init__(self, layer: _ModelParallelEmbedding, keys: Tensor, weight: Tensor, state: Dict[str, Tensor],
+                 scalars: Dict[str, Any], has_state: bool) -> None:
+        self.layer, self.keys, self.weight, self.state = layer, keys, weight, state
+        self.scalars, self.has_state = scalars, has_state
+
+
+def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]],
+                  saved_meta: Dict[str, Any]) -> _LayerRestore:
+    """The saved rows of ``layer`` that this rank owns now, from every saved shard."""
+    if saved_meta["embedding_vec_size"] != layer.embedding_vec_size:
+        raise ValueError(f"load_checkpoint: layer {name!r} was saved with embedding_vec_size "
+                         f"{saved_meta['embedding_vec_size']} but has {layer.embedding_vec_size}")
+    parts = [shard["layers"][name] for shard in shards]
+    keys = torch.cat([part["keys"] for part in parts])
+    weight = torch.cat([part["weight"] for part in parts])
+    state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
+    state = {key: torch.cat([part["state"][key] for part in parts]) for key in state_names}
+    scalars = next((part["scalars"] for part in parts if part["has_state"]), {})
+    has_state = any(part["has_state"] for part in parts)
+
+    # A layer replicated over several groups was saved once per replica: keep each key once.
+    if keys.numel() > 0:
+        unique_keys, inverse = ops.unique(keys)
+        if unique_keys.numel() != keys.numel():
+            first = torch.full((unique_keys.numel(),), keys.numel(), dtype=torch.int64)
+            first.scatter_reduce_(0, inverse, torch.arange(keys.numel()), reduce="amin")
+            keys, weight = keys[first], weight[first]
+            state = {key: value[first] for key, value in state.items()}
+
+    mine = _owners(keys, layer.world_size) == layer.rank
+    keys, weight = keys[mine], weight[mine]
+    state = {key: value[mine] for key, value in state.items()}
+    capacity = layer.max_vocabulary_size_per_gpu
+    if layer.hash_table is not None and keys.numel() > capacity:
+        raise HashTableFullError(
+            f"load_checkpoint: layer {name!r} on rank {layer.rank} of {layer.world_size} must hold {keys.numel()} "
+            f"saved keys but max_vocabulary_size_per_gpu is {capacity}; build it with a larger "
+            "max_vocabulary_size_per_gpu or load on more ranks")
+    if layer.hash_table is None and keys.numel() > 0:
+        if keys.min() < 0 or keys.max() >= layer.num_keys_capacity:
+            raise ValueError(
+                f"load_checkpoint: layer {name!r} (use_hashtable=False) holds trained key {keys.max().item()} but "
+                f"keys must lie in [0, {layer.num_keys_capacity}) on {layer.world_size} ranks; build it with a "
+                "larger max_vocabulary_size_per_gpu")
+    return _LayerRestore(layer, keys, weight, state, scalars, has_state)
+
+
+@torch.no_grad()
+def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    layer = restore.layer
+    device = layer.weight.device
+    keys = restore.keys.to(device)
+    if layer.hash_table is not None:
+        layer.hash_table.clear()
+        rows = layer.hash_table.insert(keys.to(layer.key_dtype))
+        layer.weight.zero_()
+    else:
+        layer.weight.copy_(layer.initial_rows(layer.owned_keys()))
+        rows = layer._direct_rows(keys)
+    layer.weight[rows] = restore.weight.to(device=device, dtype=layer.weight.dtype)
+    if optimizer is None or not restore.has_state:
+        return
+    state = {key: (value.clone() if isinstance(value, Tensor) else value) for key, value in restore.scalars.items()}
+    for key, value in restore.state.items():
+        full = torch.zeros_like(layer.weight)
+        full[rows] = value.to(device=device, dtype=full.dtype)
+        state[key] = full
+    optimizer.state[layer.weight] = state
+
+
+def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> str:
+    """Loads the latest checkpoint under ``directory``; collective: every rank calls it.
+
+    The world size may differ from the one that saved: embedding rows go to the rank that
+    owns their key now, hash tables are rebuilt, weights, optimizer moments and the step
+    come back, so training continues as if it had not stopped. Nothing changes on any rank
+    unless every rank's part checks out (sizes, capacities, key ranges).
+
+    Args:
+        directory: what :func:`save_checkpoint` was given.
+        model: a model built like the saved one (a DDP wrapper is looked through).
+        optimizer: optional; built over the model's parameters like the saved one.
+
+    Returns:
+        The path of the checkpoint loaded.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``directory``.
+        HashTableFullError: a rank's share of a layer's keys exceeds its capacity.
+        ValueError: the model does not match the checkpoint.
+    """
+    group, _, _ = _world()
+    model = _unwrap(model)
+    layers = _embedding_layers(model)
+    path = None
+    restores: List[_LayerRestore] = []
+    dense: Dict[str, Any] = {}
+    error: Optional[BaseException] = None
+    try:
+        path = _checkpoint_dir(directory)
+        with open(os.path.join(path, "metadata.json")) as meta_file:
+            metadata = json.load(meta_file)
+        if metadata.get("format") != FORMAT_VERSION:
+            raise ValueError(f"load_checkpoint: {path} has format {metadata.get('format')}, "
+                             f"this sparsekit reads {FORMAT_VERSION}")
+        if set(metadata["layers"]) != set(layers):
+            raise ValueError(f"load_checkpoint: the checkpoint has embedding layers {sorted(metadata['layers'])} "
+                             f"but the model has {sorted(layers)}")
+        shards = [_load(os.path.join(path, shard_name)) for shard_name in metadata["shards"]]
+        restores = [_gather_layer(name, layer, shards, metadata["layers"][name]) for name, layer in layers.items()]
+        dense = _load(os.path.join(path, "dense.pt"))
+        expected = set(_dense_state(model, layers))
+        if set(dense["model"]) != expected:
+            raise ValueError(f"load_checkpoint: dense state keys differ: missing {sorted(expected - set(dense['model']))}, "
+                             f"unexpected {sorted(set(dense['model']) - expected)}")
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = exc
+    _agree_or_raise(group, error, "load_checkpoint")
+
+    model.load_state_dict(dense["model"], strict=False)
+    if optimizer is not None and dense.get("optimizer") is not None:
+        optimizer_state = dense["optimizer"]
+        optimizer.load_state_dict(optimizer_state)
+        # load_state_dict rebuilt the dense state; embedding shards get theirs by key.
+        for restore in restores:
+            optimizer.state.pop(restore.layer.weight, None)
+    for restore in restores:
+        _apply_layer(restore, optimizer)
+    return path

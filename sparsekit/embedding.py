@@ -1,0 +1,727 @@
+"""Model-parallel embedding layers: ``DistributedEmbedding`` and ``All2AllDenseEmbedding``.
+
+Key ``k`` lives on rank ``uint64(k) % world_size`` of the layer's process group; each rank
+holds a shard ``weight[max_vocabulary_size_per_gpu, embedding_vec_size]`` (and, with
+``use_hashtable=True``, a :class:`~sparsekit.HashTable` from its keys to rows). Without a
+process group the layer is one shard: a drop-in for ``nn.EmbeddingBag`` /
+``nn.Embedding`` with ``sparse=True``.
+
+One forward step on every rank:
+
+1. dedup the local keys (:func:`sparsekit.ops.unique`) and bucket the unique keys by owner
+   (:func:`sparsekit.ops.partition_by_owner`);
+2. ``all_to_all_single`` of the per-owner counts, with every rank's error flags folded in,
+   so a bad input on one rank stops every rank before any key moves;
+3. ``all_to_all_single`` of the unique keys to their owners;
+4. each owner dedups what it received and looks the keys up: ``insert`` in training (new
+   keys get rows initialised by the key-seeded initializer), ``find`` in ``eval()``
+   (missing keys read as zero vectors); in training with a hash table, an ``all_reduce`` of
+   a status word tells every rank when an owner's table is full;
+5. ``all_to_all_single`` of the vectors back to the ranks that asked;
+6. gather + pool over the received unique vectors (:func:`sparsekit.ops.segment_sum`).
+
+Backward mirrors 5 (an ``all_to_all_single`` of the vector gradients back to the owners)
+and leaves every rank's ``weight`` a coalesced sparse COO gradient over the rows it owns,
+on every step, possibly with no rows, so ``LazyAdam`` counts the same steps on every rank
+as a one-process run does. Nothing gathers the global batch.
+
+Host synchronisations per training step on CUDA (``world_size > 1``, hash table, ragged
+input): forward 7 — ``unique`` of the local keys (its output size), the counts exchange
+(host split sizes for the next two all-to-alls; every rank's error flags ride along, so
+input checks cost nothing extra), ``unique`` on the owner, ``HashTable.insert`` (2: its
+unique and its count of new keys), the status all-reduce that lets every rank see a full
+table, and ``segment_sum``'s id check in the pooling; backward 2 — the id checks of the
+two ``segment_sum`` calls (pooling and the owner's gradient rows). Nothing else: split
+sizes are reused for the backward all-to-all, new rows are initialised without reading
+the device, and the weight gradient arrives coalesced so ``LazyAdam`` does not dedup it
+again. ``All2AllDenseEmbedding`` does not pool: one fewer in forward. ``eval()`` or
+``use_hashtable=False``: 3 fewer in forward (no insert, no status word).
+Padded dense input: +1 (dropping the pad keys). ``world_size == 1``: no exchange; ragged
+offsets and ``use_hashtable=False`` key ranges cost 1 read instead of riding on the
+counts. On the CPU these are plain reads of host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import ops
+from .hashtable import HashTable, HashTableFullError
+
+__all__ = [
+    "Ragged",
+    "KeySeededUniform",
+    "DistributedEmbedding",
+    "All2AllDenseEmbedding",
+    "split_embedding_variable_from_others",
+    "is_embedding_variable",
+]
+
+Initializer = Callable[[Tensor, int], Tensor]
+
+# Bits of the error word each rank folds into the counts exchange.
+_BAD_KEY = 1
+_BAD_OFFSETS = 2
+_LOCAL_EXCEPTION = 4
+# Kinds of the status word all-reduced after the owners' lookups.
+_TABLE_FULL = 1
+_OWNER_EXCEPTION = 2
+
+
+class Ragged(NamedTuple):
+    """A ragged batch of keys in CSR form.
+
+    Attributes:
+        values: int64 or int32 ``[nnz]``, the keys of every bag one after the other.
+        offsets: int64 or int32 ``[num_bags + 1]``; bag ``i`` is
+            ``values[offsets[i]:offsets[i + 1]]``, ``offsets[0] == 0`` and
+            ``offsets[-1] == nnz``.
+    """
+
+    values: Tensor
+    offsets: Tensor
+
+
+class KeySeededUniform:
+    """The default initializer: uniform in ``[low, high]``, a pure function of ``(seed, key, column)``.
+
+    A key's first vector is therefore the same whatever the world size, rank, device or
+    insertion order (see :func:`sparsekit.ops.key_seeded_uniform`). Give tables that should
+    start independent different seeds.
+
+    Args:
+        seed: any int64 (default 0).
+        low: lower bound (default -0.05).
+        high: upper bound (default 0.05).
+    """
+
+    def __init__(self, seed: int = 0, low: float = -0.05, high: float = 0.05) -> None:
+        self.seed = int(seed)
+        self.low = float(low)
+        self.high = float(high)
+
+    def __call__(self, keys: Tensor, dim: int) -> Tensor:
+        """Rows for ``keys`` (int64 ``[n]``): float32 ``[n, dim]`` on the keys' device."""
+        return ops.key_seeded_uniform(keys, dim, seed=self.seed, low=self.low, high=self.high)
+
+    def __repr__(self) -> str:
+        return f"KeySeededUniform(seed={self.seed}, low={self.low}, high={self.high})"
+
+
+def is_embedding_variable(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a model-parallel embedding shard (a layer's ``weight``)."""
+    return bool(getattr(tensor, "sparsekit_model_parallel", False))
+
+
+def split_embedding_variable_from_others(
+    params: Iterable[Union[Tensor, Tuple[str, Tensor]]]
+) -> Tuple[tuple, tuple]:
+    """Splits parameters into model-parallel embedding shards and everything else.
+
+    Embedding shards differ per rank and get sparse gradients; data-parallel machinery
+    (DDP's gradient all-reduce and initial broadcast) must leave them alone. The usual
+    recipe: let DDP ignore them by name, then wrap the whole model::
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ignored = [name for name, p in model.named_parameters() if sk.is_embedding_variable(p)]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        ddp_model = DDP(model)             # averages the dense gradients only
+        optimizer = sk.LazyAdam(model.parameters())
+
+    (Wrapping only the dense submodules in DDP works as well.) Scale: the exchange sums a
+    key's gradient over every rank that looked it up, while DDP averages the dense
+    gradients. To train exactly like one process on the global batch, take the local loss
+    as a sum over the local samples divided by the global batch size, and let DDP sum::
+
+        def sum_hook(group, bucket):
+            work = torch.distributed.all_reduce(bucket.buffer(), group=group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        ddp_model.register_comm_hook(None, sum_hook)
+
+    With two optimizers::
+
+        embedding_params, dense_params = sk.split_embedding_variable_from_others(model.parameters())
+
+    Args:
+        params: parameters, or ``(name, parameter)`` pairs as ``named_parameters()`` yields.
+
+    Returns:
+        ``(embedding_params, other_params)``: two tuples of the given items, in order.
+    """
+    embedding, other = [], []
+    for item in params:
+        tensor = item[1] if isinstance(item, tuple) else item
+        (embedding if is_embedding_variable(tensor) else other).append(item)
+    return tuple(embedding), tuple(other)
+
+
+# ---- process groups and the exchange --------------------------------------------------------
+
+
+def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
+    """(group, world_size, rank); no group at all when torch.distributed is not initialised."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0
+        process_group = dist.group.WORLD
+    return process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows; its gradient goes back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, output_splits: List[int], input_splits: List[int], group) -> Tensor:
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return _all_to_all_rows(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all_rows(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def _all_to_all_rows(rows: Tensor, output_splits: List[int], input_splits: List[int], group) -> Tensor:
+    out = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _CoalescedGradMarker:
+    """A post-accumulate-grad hook that keeps the weight gradient marked coalesced.
+
+    The lookup's gradient is coalesced (distinct, sorted rows) and says so, but autograd
+    stores a sparse gradient as a shallow copy that drops the flag, and LazyAdam would
+    then sum the rows again (unique + segment_sum, host syncs on CUDA). When the stored
+    gradient still holds exactly the values the lookup produced (nothing was added to it:
+    an addition allocates new values while those are alive), the flag is put back.
+    """
+
+    def __init__(self) -> None:
+        self.values_ptr: Optional[int] = None
+
+    def __call__(self, param: Tensor) -> None:
+        grad, produced = param.grad, self.values_ptr
+        self.values_ptr = None
+        if grad is not None and grad.is_sparse and not grad.is_coalesced() and produced is not None \
+                and grad._values().data_ptr() == produced:
+            grad._coalesced_(True)
+
+
+class _LookupOwned(torch.autograd.Function):
+    """Rows of the local shard for the keys this rank received, with a sparse weight gradient.
+
+    ``sorted_rows`` are the distinct rows asked for, ascending (``-1``: a key missing in
+    eval), ``slot[j]`` the entry of ``sorted_rows`` received key ``j`` wants. Sorting makes
+    the gradient a truly coalesced COO tensor, so LazyAdam applies it without another
+    unique + segment_sum.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, sorted_rows: Tensor, slot: Tensor, has_missing: bool,
+                marker: _CoalescedGradMarker) -> Tensor:
+        ctx.save_for_backward(sorted_rows, slot)
+        ctx.weight_shape = weight.shape
+        ctx.has_missing = has_missing
+        ctx.marker = marker
+        rows = sorted_rows.index_select(0, slot)
+        if not has_missing:
+            return weight.index_select(0, rows)
+        found = rows >= 0
+        vectors = weight.index_select(0, torch.where(found, rows, 0))
+        return vectors.masked_fill_(~found.unsqueeze(1), 0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        sorted_rows, slot = ctx.saved_tensors
+        values = ops.segment_sum(grad.contiguous(), slot, sorted_rows.numel())
+        if ctx.has_missing:
+            found = sorted_rows >= 0
+            sorted_rows, values = sorted_rows[found], values[found]
+        weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
+                                              is_coalesced=True, check_invariants=False)
+        ctx.marker.values_ptr = values.data_ptr()
+        return weight_grad, None, None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """``rows[index]``, with the gradient summed back by :func:`sparsekit.ops.segment_sum`
+    (``index_select``'s own backward is a single-threaded ``index_add_`` on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return ops.segment_sum(grad.contiguous(), index, ctx.num_rows), None
+
+
+class _PoolRows(torch.autograd.Function):
+    """Bag sums ``out[b] = sum(rows[index[j]] for j with bag[j] == b)``; the gradient of
+    ``rows`` is again one gather and one segment sum."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor, bag: Tensor, num_bags: int) -> Tensor:
+        ctx.save_for_backward(index, bag)
+        ctx.num_rows = rows.shape[0]
+        return ops.segment_sum(rows.index_select(0, index), bag, num_bags)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        index, bag = ctx.saved_tensors
+        return ops.segment_sum(grad.contiguous().index_select(0, bag), index, ctx.num_rows), None, None, None
+
+
+# ---- the shared machinery of both layers ----------------------------------------------------
+
+
+class _ModelParallelEmbedding(nn.Module):
+    """The shard, its hash table, and the exchange shared by both layers."""
+
+    _layer_name = "embedding"
+
+    def __init__(
+        self,
+        max_vocabulary_size_per_gpu: int,
+        embedding_vec_size: int,
+        use_hashtable: bool,
+        key_dtype: torch.dtype,
+        embedding_initializer: Optional[Initializer],
+        process_group: Optional[dist.ProcessGroup],
+        device: Optional[Union[torch.device, str]],
+    ) -> None:
+        super().__init__()
+        name = self._layer_name
+        if isinstance(max_vocabulary_size_per_gpu, bool) or not isinstance(max_vocabulary_size_per_gpu, int) \
+                or max_vocabulary_size_per_gpu < 1:
+            raise ValueError(f"{name}: max_vocabulary_size_per_gpu must be a positive int, "
+                             f"got {max_vocabulary_size_per_gpu!r}")
+        if isinstance(embedding_vec_size, bool) or not isinstance(embedding_vec_size, int) or embedding_vec_size < 1:
+            raise ValueError(f"{name}: embedding_vec_size must be a positive int, got {embedding_vec_size!r}")
+        if key_dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
+        if embedding_initializer is not None and not callable(embedding_initializer):
+            raise TypeError(f"{name}: embedding_initializer must be a callable (keys, dim) -> [n, dim] "
+                            f"tensor or None, got {type(embedding_initializer).__name__}")
+        self.max_vocabulary_size_per_gpu = max_vocabulary_size_per_gpu
+        self.embedding_vec_size = embedding_vec_size
+        self.use_hashtable = bool(use_hashtable)
+        self.key_dtype = key_dtype
+        self.embedding_initializer = embedding_initializer if embedding_initializer is not None \
+            else KeySeededUniform()
+        self.process_group, self.world_size, self.rank = _resolve_group(process_group)
+
+        self.weight = nn.Parameter(torch.zeros(max_vocabulary_size_per_gpu, embedding_vec_size, device=device))
+        # The flag split_embedding_variable_from_others, the checkpoint and DDP recipes read.
+        self.weight.sparsekit_model_parallel = True
+        self._grad_marker = _CoalescedGradMarker()
+        self.weight.register_post_accumulate_grad_hook(self._grad_marker)
+        if self.use_hashtable:
+            # Rows are initialised when their key is first inserted.
+            self.hash_table: Optional[HashTable] = HashTable(max_vocabulary_size_per_gpu, key_dtype=key_dtype,
+                                                             device=self.weight.device)
+        else:
+            self.hash_table = None
+            with torch.no_grad():
+                self.weight.copy_(self.initial_rows(self.owned_keys()))
+
+    # -- keys, rows and initial values ------------------------------------------------------
+
+    @property
+    def num_keys_capacity(self) -> int:
+        """Keys the layer can hold over all ranks; with ``use_hashtable=False`` keys lie in ``[0, this)``."""
+        return self.max_vocabulary_size_per_gpu * self.world_size
+
+    def owned_keys(self) -> Tensor:
+        """With ``use_hashtable=False``: the key of every local row (int64 ``[max_vocabulary_size_per_gpu]``)."""
+        rows = torch.arange(self.max_vocabulary_size_per_gpu, dtype=torch.int64, device=self.weight.device)
+        return rows * self.world_size + self.rank
+
+    def initial_rows(self, keys: Tensor) -> Tensor:
+        """The initializer's rows for int64 ``keys`` ``[n]``, in the weight's dtype and device."""
+        rows = self.embedding_initializer(keys, self.embedding_vec_size)
+        if not isinstance(rows, Tensor) or tuple(rows.shape) != (keys.numel(), self.embedding_vec_size):
+            got = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
+            raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
+                             f"return a [{keys.numel()}, {self.embedding_vec_size}] tensor, got {got}")
+        return rows.to(device=self.weight.device, dtype=self.weight.dtype)
+
+    def _direct_rows(self, keys: Tensor) -> Tensor:
+        return torch.div(keys.long(), self.world_size, rounding_mode="floor")
+
+    def _lookup_rows(self, keys: Tensor) -> Tensor:
+        """Rows of distinct owned ``keys``: insert (and initialise) in training, find in eval."""
+        if self.hash_table is None:
+            return self._direct_rows(keys)
+        if not self.training:
+            return self.hash_table.find(keys)
+        size_before = len(self.hash_table)
+        rows = self.hash_table.insert(keys)
+        num_new = len(self.hash_table) - size_before
+        if num_new > 0:
+            # New keys got rows size_before, size_before + 1, ...: scatter them into row order
+            # (old keys land in a spare last slot), without a host sync.
+            target = torch.where(rows >= size_before, rows - size_before, num_new)
+            new_keys = keys.new_empty(num_new + 1).scatter_(0, target, keys)[:num_new]
+            with torch.no_grad():
+                self.weight[size_before:size_before + num_new] = self.initial_rows(new_keys.long())
+        return rows
+
+    # -- the exchange -----------------------------------------------------------------------
+
+    def _key_error_flags(self, unique_keys: Tensor) -> Optional[Tensor]:
+        """Device int64 scalar: _BAD_KEY when a key is outside the direct-mapped range;
+        None when there is nothing to check."""
+        if self.hash_table is not None or unique_keys.numel() == 0:
+            return None
+        keys = unique_keys.long()
+        bad = ((keys < 0) | (keys >= self.num_keys_capacity)).any()
+        return bad.long() * _BAD_KEY
+
+    def _raise_for_flags(self, flags: int, unique_keys: Optional[Tensor], offsets: Optional[Tensor]) -> None:
+        name = self._layer_name
+        if flags & _BAD_KEY:
+            keys = unique_keys.long()
+            bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
+            raise ValueError(
+                f"{name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of range: "
+                f"with use_hashtable=False keys must lie in [0, max_vocabulary_size_per_gpu * world_size) = "
+                f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
+                "max_vocabulary_size_per_gpu")
+        if flags & _BAD_OFFSETS:
+            raise ValueError(f"{name}: offsets must start at 0, never decrease and end at len(values); "
+                             f"got offsets {offsets.tolist() if offsets.numel() <= 16 else offsets}")
+
+    def _exchange(self, unique_keys: Optional[Tensor], flags: Optional[Tensor], offsets: Optional[Tensor],
+                  local_error: Optional[BaseException]) -> Tuple[Tensor, Optional[Tensor]]:
+        """Vectors for ``unique_keys``: ``(vectors, index)``, row ``index[i]`` of ``vectors``
+        (row ``i`` when ``index`` is None) is the vector of ``unique_keys[i]``.
+
+        Every rank calls this with its local outcome so far; an error anywhere makes every
+        rank raise before any key moves.
+        """
+        if self.world_size == 1:
+            if local_error is not None:
+                raise local_error
+            if flags is not None:
+                self._raise_for_flags(int(flags.item()), unique_keys, offsets)
+            rows = self._lookup_rows(unique_keys)
+            sorted_rows, order = torch.sort(rows)
+            slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+            return _LookupOwned.apply(self.weight, sorted_rows, slot, self._may_miss(), self._grad_marker), None
+
+        device = self.weight.device
+        if local_error is None:
+            keys_by_owner, positions, send_counts = ops.partition_by_owner(unique_keys, self.world_size)
+            if flags is None:
+                flags = torch.zeros((), dtype=torch.int64, device=device)
+        else:
+            send_counts = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+            flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
+        # Counts, error word and train/eval mode travel together; one host read gives both
+        # split-size lists and every rank's verdict.
+        mode = torch.full((self.world_size,), int(self.training), dtype=torch.int64, device=device)
+        send_header = torch.stack([send_counts.to(device), flags.to(device).expand(self.world_size), mode], dim=1)
+        recv_header = torch.empty_like(send_header)
+        dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
+        header = torch.cat([send_header, recv_header]).tolist()
+        send_splits = [row[0] for row in header[:self.world_size]]
+        recv_splits = [row[0] for row in header[self.world_size:]]
+        peer_flags = [row[1] for row in header[self.world_size:]]
+        peer_modes = [row[2] for row in header[self.world_size:]]
+        if any(peer_flags):
+            if local_error is not None:
+                raise local_error
+            self._raise_for_flags(peer_flags[self.rank], unique_keys, offsets)
+            failed = [rank for rank, flag in enumerate(peer_flags) if flag]
+            raise RuntimeError(f"{self._layer_name}: rank(s) {failed} of the process group rejected their input "
+                               "(see the error on those ranks); no rank went on with this step")
+        if len(set(peer_modes)) > 1:
+            # Training ranks would wait for the table-status all-reduce that eval ranks skip.
+            evaluating = [rank for rank, training in enumerate(peer_modes) if not training]
+            raise RuntimeError(f"{self._layer_name}: rank(s) {evaluating} are in eval() mode and the others in "
+                               "train() mode; switch the layer's mode on every rank alike")
+
+        recv_keys = _all_to_all_rows(keys_by_owner, recv_splits, send_splits, self.process_group)
+        owned_keys, owned_inverse = ops.unique(recv_keys)
+        rows = self._agree_on_lookup(owned_keys)
+        sorted_rows, order = torch.sort(rows)
+        rank_in_sorted = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
+        vectors = _LookupOwned.apply(self.weight, sorted_rows, rank_in_sorted.index_select(0, owned_inverse),
+                                     self._may_miss(), self._grad_marker)
+        received = _AllToAll.apply(vectors, send_splits, recv_splits, self.process_group)
+        return received, positions
+
+    def _may_miss(self) -> bool:
+        return self.hash_table is not None and not self.training
+
+    def _agree_on_lookup(self, owned_keys: Tensor) -> Tensor:
+        """The owner's lookup; in training with a hash table every rank learns of a failure."""
+        if self.hash_table is None or not self.training:
+            return self._lookup_rows(owned_keys)
+        error: Optional[BaseException] = None
+        rows = None
+        try:
+            rows = self._lookup_rows(owned_keys)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+            error = exc
+        kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
+        # Highest failing rank and its kind in one word: (rank + 1) * 4 + kind.
+        status = torch.tensor([0 if error is None else (self.rank + 1) * 4 + kind], dtype=torch.int64,
+                              device=self.weight.device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
+        word = int(status.item())
+        if word == 0:
+            return rows
+        if error is not None:
+            raise error
+        failed_rank, failed_kind = word // 4 - 1, word % 4
+        if failed_kind == _TABLE_FULL:
+            raise HashTableFullError(
+                f"{self._layer_name}: the hash table of rank {failed_rank} is full (capacity "
+                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}); nothing was inserted on that "
+                "rank. Build the layer with a larger max_vocabulary_size_per_gpu")
+        raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
+                           "no rank went on with this step")
+
+    def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]]):
+        """Reads the input with ``prepare() -> (keys [n], user CSR offsets to check or None,
+        info)``, dedups the keys and fetches their vectors.
+
+        Returns ``(keys, info, vectors, index)`` with ``vectors[index[j]]`` the vector of
+        ``keys[j]``. An error in ``prepare``, in the dedup or in the checks is shared with
+        every rank first (see :meth:`_exchange`), so no rank is left waiting.
+        """
+        keys = offsets = info = unique_keys = inverse = flags = None
+        error: Optional[BaseException] = None
+        try:
+            keys, offsets, info = prepare()
+            unique_keys, inverse = ops.unique(keys)
+            flags = self._key_error_flags(unique_keys)
+            if offsets is not None:
+                offsets_flags = _offsets_error_flags(offsets, keys.numel())
+                flags = offsets_flags if flags is None else flags | offsets_flags
+        except Exception as exc:  # noqa: BLE001 - folded into the counts exchange, re-raised there
+            error = exc
+        vectors, positions = self._exchange(unique_keys, flags, offsets, error)
+        index = inverse if positions is None else positions.index_select(0, inverse)
+        return keys, info, vectors, index
+
+    def _check_keys_tensor(self, keys: Tensor, what: str) -> Tensor:
+        name = self._layer_name
+        if not isinstance(keys, Tensor):
+            raise TypeError(f"{name}: {what} must be a tensor, got {type(keys).__name__}")
+        if keys.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: {what} must hold int64 or int32 keys, got {keys.dtype}")
+        if keys.dtype == torch.int64 and self.key_dtype == torch.int32:
+            raise TypeError(f"{name}: {what} are int64 but key_dtype is torch.int32; cast them with .int() "
+                            "or build the layer with key_dtype=torch.int64")
+        if keys.device != self.weight.device:
+            raise RuntimeError(f"{name}: {what} are on {keys.device} but the layer is on {self.weight.device}; "
+                               "move them with .to(layer.weight.device)")
+        return keys.to(self.key_dtype)
+
+    # -- module plumbing --------------------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.hash_table is not None:
+            self.hash_table = self.hash_table.to(self.weight.device)
+        return self
+
+    def get_extra_state(self):
+        # The hash table is module state: this rank's keys in row order.
+        return {} if self.hash_table is None else self.hash_table.state_dict()
+
+    def set_extra_state(self, state) -> None:
+        if self.hash_table is not None and state:
+            self.hash_table.load_state_dict(state)
+
+    def extra_repr(self) -> str:
+        return (f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}, "
+                f"embedding_vec_size={self.embedding_vec_size}, use_hashtable={self.use_hashtable}, "
+                f"key_dtype={self.key_dtype}, rank={self.rank}, world_size={self.world_size}")
+
+
+def _offsets_error_flags(offsets: Tensor, nnz: int) -> Tensor:
+    bad = (offsets[0] != 0) | (offsets[-1] != nnz)
+    if offsets.numel() > 1:
+        bad = bad | (offsets[1:] < offsets[:-1]).any()
+    return bad.long() * _BAD_OFFSETS
+
+
+# ---- the layers -------------------------------------------------------------------------------
+
+
+class DistributedEmbedding(_ModelParallelEmbedding):
+    """Model-parallel pooled embedding (SOK's ``DistributedEmbedding``): ``[B, slot_num, D]``.
+
+    Each of the ``slot_num`` feature fields of a sample is a bag of keys, pooled by
+    ``combiner``. Keys are sharded over the ranks of ``process_group`` by
+    ``uint64(key) % world_size``; without torch.distributed the layer is one shard.
+
+    Args:
+        combiner: ``"sum"`` or ``"mean"`` (an empty bag gives zeros; in ``eval()`` a key
+            missing from the table counts as a zero vector).
+        max_vocabulary_size_per_gpu: rows of this rank's shard (the hash table's capacity).
+        embedding_vec_size: ``D``.
+        slot_num: feature fields per sample.
+        max_nnz: most keys in one bag; the padded dense input is ``[B, slot_num, <= max_nnz]``.
+        max_feature_num: most keys in one sample (SOK's memory hint; checked to be positive,
+            otherwise unused).
+        use_hashtable: True: any int64 key, mapped to rows by a per-rank hash table filled
+            in training. False: keys must lie in ``[0, max_vocabulary_size_per_gpu *
+            world_size)``, local row ``key // world_size``; other keys raise.
+        key_dtype: ``torch.int64`` or ``torch.int32``.
+        embedding_initializer: ``(keys int64 [n], dim) -> [n, dim]`` tensor giving the first
+            vector of new keys; None: :class:`KeySeededUniform` with seed 0.
+        process_group: the group to shard over; None: the default group when
+            torch.distributed is initialised, else no group.
+        device: where the shard lives (NCCL needs this rank's GPU).
+
+    Forward:
+        ``inputs``: a :class:`Ragged` (or ``(values, offsets)`` tuple) with
+        ``len(offsets) == B * slot_num + 1``, bags in row-major ``[sample][slot]`` order; or
+        a dense ``[B, slot_num, n <= max_nnz]`` key tensor padded with ``pad_key`` (default
+        -1, which is then not a key). Returns ``[B, slot_num, embedding_vec_size]``.
+
+    Every rank of the group must call forward (and backward) the same number of times.
+    """
+
+    _layer_name = "DistributedEmbedding"
+
+    def __init__(
+        self,
+        combiner: str,
+        max_vocabulary_size_per_gpu: int,
+        embedding_vec_size: int,
+        slot_num: int,
+        max_nnz: int,
+        max_feature_num: Optional[int] = None,
+        use_hashtable: bool = True,
+        key_dtype: torch.dtype = torch.int64,
+        embedding_initializer: Optional[Initializer] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ) -> None:
+        if combiner not in ("sum", "mean"):
+            raise ValueError(f"DistributedEmbedding: combiner must be 'sum' or 'mean', got {combiner!r}")
+        for arg, value in (("slot_num", slot_num), ("max_nnz", max_nnz)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DistributedEmbedding: {arg} must be a positive int, got {value!r}")
+        if max_feature_num is not None and (not isinstance(max_feature_num, int) or max_feature_num < 1):
+            raise ValueError(f"DistributedEmbedding: max_feature_num must be a positive int or None, "
+                             f"got {max_feature_num!r}")
+        super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
+                         embedding_initializer, process_group, device)
+        self.combiner = combiner
+        self.slot_num = slot_num
+        self.max_nnz = max_nnz
+        self.max_feature_num = max_feature_num if max_feature_num is not None else slot_num * max_nnz
+
+    def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
+        keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
+        # The offsets were checked on every rank by now, so the lengths are >= 0.
+        num_bags = batch * self.slot_num
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of_key = torch.repeat_interleave(torch.arange(num_bags, device=keys.device), lengths,
+                                             output_size=keys.numel())
+        pooled = _PoolRows.apply(vectors, index, bag_of_key, num_bags)
+        if self.combiner == "mean":
+            pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+        return pooled.view(batch, self.slot_num, self.embedding_vec_size)
+
+    def _flatten(self, inputs, pad_key: int) -> Tuple[Tensor, Optional[Tensor], Tuple[int, Tensor]]:
+        """(keys [nnz], the user's offsets to check or None, (B, int64 offsets [B * slot_num + 1]))."""
+        name = self._layer_name
+        if isinstance(inputs, tuple):
+            if len(inputs) != 2:
+                raise TypeError(f"{name}: a tuple input must be (values, offsets), got {len(inputs)} items")
+            values = self._check_keys_tensor(inputs[0], "values")
+            offsets = inputs[1]
+            if not isinstance(offsets, Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
+                    or offsets.dim() != 1:
+                raise TypeError(f"{name}: offsets must be a 1-D int64 or int32 tensor")
+            if offsets.device != values.device:
+                raise RuntimeError(f"{name}: offsets are on {offsets.device} but values on {values.device}")
+            if values.dim() != 1:
+                raise ValueError(f"{name}: values must be 1-D [nnz], got shape {tuple(values.shape)}")
+            num_bags = offsets.numel() - 1
+            if num_bags < 0 or num_bags % self.slot_num != 0:
+                raise ValueError(f"{name}: len(offsets) must be B * slot_num + 1 with slot_num={self.slot_num}, "
+                                 f"got {offsets.numel()}")
+            offsets = offsets.long()
+            return values, offsets, (num_bags // self.slot_num, offsets)
+        keys = self._check_keys_tensor(inputs, "inputs")
+        if keys.dim() != 3 or keys.shape[1] != self.slot_num or keys.shape[2] > self.max_nnz:
+            raise ValueError(f"{name}: dense inputs must be [B, slot_num={self.slot_num}, n <= max_nnz="
+                             f"{self.max_nnz}] padded with pad_key, got shape {tuple(keys.shape)}; "
+                             "or pass sk.Ragged(values, offsets)")
+        batch = keys.shape[0]
+        valid = keys != pad_key
+        lengths = valid.sum(dim=2).view(-1)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=keys.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return keys[valid], None, (batch, offsets)
+
+
+class All2AllDenseEmbedding(_ModelParallelEmbedding):
+    """Model-parallel unpooled embedding (SOK's ``All2AllDenseEmbedding``).
+
+    Input ``[B, slot_num, nnz_per_slot]`` keys -> ``[B, slot_num, nnz_per_slot, D]``; with
+    ``dynamic_input=True`` any 1-D ``[N]`` keys (e.g. from :func:`sparsekit.ops.unique`)
+    -> ``[N, D]``. Sharding, tables, initializer and the exchange are those of
+    :class:`DistributedEmbedding` (see there for the arguments).
+
+    Every rank of the group must call forward (and backward) the same number of times.
+    """
+
+    _layer_name = "All2AllDenseEmbedding"
+
+    def __init__(
+        self,
+        max_vocabulary_size_per_gpu: int,
+        embedding_vec_size: int,
+        slot_num: int,
+        nnz_per_slot: int,
+        dynamic_input: bool = False,
+        use_hashtable: bool = True,
+        key_dtype: torch.dtype = torch.int64,
+        embedding_initializer: Optional[Initializer] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[Union[torch.device, str]] = None,
+    ) -> None:
+        for arg, value in (("slot_num", slot_num), ("nnz_per_slot", nnz_per_slot)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"All2AllDenseEmbedding: {arg} must be a positive int, got {value!r}")
+        super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
+                         embedding_initializer, process_group, device)
+        self.slot_num = slot_num
+        self.nnz_per_slot = nnz_per_slot
+        self.dynamic_input = bool(dynamic_input)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs))
+        return _GatherRows.apply(vectors, index).view(out_shape)
+
+    def _flatten(self, inputs: Tensor) -> Tuple[Tensor, None, Tuple[int, ...]]:
+        """(keys [n], no offsets, the output shape)."""
+        keys = self._check_keys_tensor(inputs, "inputs")
+        if self.dynamic_input and keys.dim() != 1:
+            raise ValueError(f"All2AllDenseEmbedding: inputs must be [N] (dynamic_input=True), "
+                             f"got shape {tuple(keys.shape)}")
+        if not self.dynamic_input and (keys.dim() != 3 or tuple(keys.shape[1:]) != (self.slot_num,
+                                                                                      self.nnz_per_slot)):
+            raise ValueError(f"All2AllDenseEmbedding: inputs must be [B, slot_num={self.slot_num}, "
+                             f"nnz_per_slot={self.nnz_per_slot}] (dynamic_input=False), got shape "
+                             f"{tuple(keys.shape)}")
+        return keys.reshape(-1), None, tuple(keys.shape) + (self.embedding_vec_size,)

@@ -1,0 +1,1 @@
+"""The training harness: ``python -m sparsekit.train`` (see ``__main__.py``)."""

@@ -1,0 +1,132 @@
+"""The harness's DLRM-style CTR model and its two interchangeable embedding back ends."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .data import NUM_DENSE, NUM_SLOTS
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the incoming gradient by a constant."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
+class SparsekitSlotEmbedding(nn.Module):
+    """One key per slot through ``sk.DistributedEmbedding`` (combiner "sum", hash table,
+    key-seeded initialisation), model-parallel under ``torch.distributed``.
+
+    Each rank's loss is the mean over its own share of the global batch. DDP averages
+    the dense gradients over ranks, but the embedding's backward exchange *sums* the
+    contributions of all ranks at each key's owner; scaling the embedding gradient by
+    ``1 / world_size`` makes both gradients those of the global mean loss, so a run on
+    any world size follows the one-process run.
+
+    Args:
+        capacity_per_rank: rows of the local shard (``max_vocabulary_size_per_gpu``).
+        dim: embedding width.
+        device: where the shard lives.
+        world_size: processes of the default group (1 without one).
+        seed: seed of the key-seeded initializer (a key's first vector depends on it and
+            on the key alone).
+    """
+
+    def __init__(self, capacity_per_rank: int, dim: int, device: torch.device, world_size: int = 1,
+                 seed: int = 0):
+        super().__init__()
+        import sparsekit as sk
+
+        self._ragged = sk.Ragged
+        self.embedding = sk.DistributedEmbedding(
+            "sum", capacity_per_rank, dim, NUM_SLOTS, 1, use_hashtable=True,
+            embedding_initializer=sk.KeySeededUniform(seed), device=device)
+        self.grad_scale = 1.0 / world_size
+
+    def forward(self, keys: Tensor) -> Tensor:
+        """int64 keys ``[B, 26]`` -> ``[B, 26, dim]``."""
+        batch = keys.shape[0]
+        # One key per bag as CSR: no pad key, so every int64 (-1 included) is a real key.
+        offsets = torch.arange(batch * NUM_SLOTS + 1, dtype=torch.int64, device=keys.device)
+        vectors = self.embedding(self._ragged(keys.reshape(-1), offsets))
+        if self.grad_scale != 1.0 and torch.is_grad_enabled():
+            vectors = _ScaleGrad.apply(vectors, self.grad_scale)
+        return vectors
+
+
+class TorchSlotEmbedding(nn.Module):
+    """The same layer on stock PyTorch: one ``nn.EmbeddingBag(sparse=True)`` table of
+    ``num_rows`` rows shared by all slots, key ``k`` stored in row ``k mod num_rows``
+    (floor modulo, so negative keys land in range too). The keys are already 64-bit
+    hashes, salted per slot, so the modulo spreads them evenly; distinct keys that
+    share a row collide, which the hash-table path never does. Data-parallel (one full
+    replica per rank) under DDP.
+
+    Args:
+        num_rows: table rows.
+        dim: embedding width.
+        device: where the table lives.
+    """
+
+    def __init__(self, num_rows: int, dim: int, device: torch.device):
+        super().__init__()
+        self.num_rows = num_rows
+        self.bag = nn.EmbeddingBag(num_rows, dim, mode="sum", sparse=True, device=device)
+        # sparsekit's default initialiser's range, so both back ends start alike.
+        nn.init.uniform_(self.bag.weight, -0.05, 0.05)
+
+    def forward(self, keys: Tensor) -> Tensor:
+        """int64 keys ``[B, 26]`` -> ``[B, 26, dim]``."""
+        rows = torch.remainder(keys, self.num_rows).reshape(-1, 1)
+        return self.bag(rows).view(keys.shape[0], keys.shape[1], -1)
+
+
+def _mlp(sizes: Sequence[int], last_activation: bool) -> nn.Sequential:
+    layers: List[nn.Module] = []
+    for index, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(nn.Linear(fan_in, fan_out))
+        if last_activation or index < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """DLRM-style CTR model: bottom MLP over the dense features, one embedding per slot,
+    pairwise dot products of all 27 vectors, top MLP to one logit.
+
+    Args:
+        embedding: maps int64 keys ``[B, 26]`` to ``[B, 26, dim]``.
+        dim: embedding width (the bottom MLP's output width too).
+        bottom: hidden sizes of the bottom MLP.
+        top: hidden sizes of the top MLP.
+        device: where the dense layers live (the embedding is built on its own device).
+    """
+
+    def __init__(self, embedding: nn.Module, dim: int, bottom: Tuple[int, ...] = (64, 32),
+                 top: Tuple[int, ...] = (128, 64), device: torch.device = None):
+        super().__init__()
+        self.embedding = embedding
+        self.bottom = _mlp((NUM_DENSE, *bottom, dim), last_activation=True).to(device)
+        num_vectors = NUM_SLOTS + 1
+        pairs = torch.triu_indices(num_vectors, num_vectors, offset=1, device=device)
+        self.register_buffer("pair_rows", pairs[0], persistent=False)
+        self.register_buffer("pair_cols", pairs[1], persistent=False)
+        self.top = _mlp((dim + pairs.shape[1], *top, 1), last_activation=False).to(device)
+
+    def forward(self, dense: Tensor, keys: Tensor) -> Tensor:
+        """float32 dense ``[B, 13]`` and int64 keys ``[B, 26]`` -> logits ``[B]``."""
+        bottom = self.bottom(dense)
+        vectors = torch.cat([bottom.unsqueeze(1), self.embedding(keys)], dim=1)
+        products = torch.bmm(vectors, vectors.transpose(1, 2))
+        interactions = products[:, self.pair_rows, self.pair_cols]
+        return self.top(torch.cat([bottom, interactions], dim=1)).squeeze(1)

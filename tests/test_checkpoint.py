@@ -1,0 +1,311 @@
+"""save_checkpoint / load_checkpoint: resharding across world sizes, exact continuation,
+atomic writes, weights_only files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparsekit as sk
+import sparsekit.checkpoint as checkpoint_module
+from sparsekit import HashTableFullError, LazyAdam
+
+from _distributed import spawn
+
+DIM = 3
+SLOTS = 2
+NNZ = 3
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3
+DIRECT_KEYS = 20
+STEPS_BEFORE = 2
+STEPS_AFTER = 2
+PAD = 123  # pad key of the pooled input, never a key of the pool
+
+
+def key_pool() -> torch.Tensor:
+    wide = torch.randint(-(2**63), 2**63 - 1, (12,), generator=torch.Generator().manual_seed(3))
+    return torch.cat([torch.tensor([-(2**63), 2**63 - 1, -1, 0, 4, 9]), wide])
+
+
+HASH_ROWS = len(key_pool()) + 2
+
+
+class Model(nn.Module):
+    """A hash-table pooled embedding, a direct-mapped dense embedding, a dense top and a buffer."""
+
+    def __init__(self, hash_rows: int = HASH_ROWS):
+        super().__init__()
+        self.pooled = sk.DistributedEmbedding("mean", hash_rows, DIM, SLOTS, NNZ)
+        self.direct = sk.All2AllDenseEmbedding(DIRECT_KEYS, DIM, SLOTS, NNZ, use_hashtable=False)
+        self.top = nn.Linear(2 * SLOTS * DIM, 1)
+        with torch.no_grad():
+            self.top.weight.copy_(torch.linspace(-0.5, 0.5, 2 * SLOTS * DIM))
+            self.top.bias.zero_()
+        self.register_buffer("steps_seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, pooled_keys, direct_keys):
+        self.steps_seen += 1
+        pooled = self.pooled(pooled_keys, pad_key=PAD)
+        features = torch.cat([pooled.flatten(1), self.direct(direct_keys).sum(2).flatten(1)], 1)
+        return self.top(features).squeeze(1)
+
+
+def batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    pool = key_pool()
+    pooled = pool[torch.randint(0, len(pool), (GLOBAL_BATCH, SLOTS, NNZ), generator=generator)]
+    direct = torch.randint(0, DIRECT_KEYS, (GLOBAL_BATCH, SLOTS, NNZ), generator=generator)
+    labels = torch.randn(GLOBAL_BATCH, generator=generator)
+    pooled[:, :, -1][torch.rand(GLOBAL_BATCH, SLOTS, generator=generator) < 0.5] = PAD
+    return pooled, direct, labels
+
+
+def train(model, optimizer, steps, rank=0, world_size=1):
+    """Steps of sum-of-squares / global batch; dense gradients summed over ranks. Returns the outputs."""
+    per_rank = GLOBAL_BATCH // world_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    outputs = []
+    for step in steps:
+        pooled, direct, labels = batch(step)
+        out = model(pooled[local], direct[local])
+        loss = ((out - labels[local]) ** 2).sum() / GLOBAL_BATCH
+        loss.backward()
+        if world_size > 1:
+            for param in model.top.parameters():
+                dist.all_reduce(param.grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        outputs.append(out.detach())
+    return outputs
+
+
+def make(hash_rows: int = HASH_ROWS):
+    model = Model(hash_rows)
+    return model, LazyAdam(model.parameters(), lr=0.02)
+
+
+def reference_run():
+    """One process, no group: outputs of every step and the final model."""
+    model, optimizer = make()
+    outputs = train(model, optimizer, range(STEPS_BEFORE + STEPS_AFTER))
+    return model, optimizer, outputs
+
+
+def check_continuation(model, optimizer, reference, rank, world_size):
+    """Steps after the checkpoint and the final state per key equal the uninterrupted run."""
+    ref_model, ref_optimizer, ref_outputs = reference
+    per_rank = GLOBAL_BATCH // world_size
+    outputs = train(model, optimizer, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), rank, world_size)
+    for out, ref_out in zip(outputs, ref_outputs[STEPS_BEFORE:]):
+        torch.testing.assert_close(out, ref_out[rank * per_rank:(rank + 1) * per_rank], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.top.weight, ref_model.top.weight, rtol=1e-5, atol=1e-6)
+    assert int(model.steps_seen) == int(ref_model.steps_seen) == STEPS_BEFORE + STEPS_AFTER
+
+    keys, rows = model.pooled.hash_table.export()
+    ref_keys, _ = ref_model.pooled.hash_table.export()
+    assert set(keys.tolist()) == {k for k in ref_keys.tolist() if (k % 2**64) % world_size == rank}
+    ref_rows = ref_model.pooled.hash_table.find(keys)
+    direct_keys = model.direct.owned_keys()
+    direct_rows = torch.arange(len(direct_keys))[direct_keys < DIRECT_KEYS]
+    direct_keys = direct_keys[direct_keys < DIRECT_KEYS]
+    for layer, ref_layer, mine, theirs in ((model.pooled, ref_model.pooled, rows, ref_rows),
+                                           (model.direct, ref_model.direct, direct_rows, direct_keys)):
+        state, ref_state = optimizer.state[layer.weight], ref_optimizer.state[ref_layer.weight]
+        assert state["step"].item() == ref_state["step"].item() == STEPS_BEFORE + STEPS_AFTER
+        torch.testing.assert_close(layer.weight[mine], ref_layer.weight[theirs], rtol=1e-5, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key][mine], ref_state[key][theirs], rtol=1e-5, atol=1e-6)
+
+
+# ---- multi-rank: save at 2, load at 3 and 1 -------------------------------------------------
+
+
+def _save_worker(rank, world_size, init, directory):
+    reference = reference_run()
+    init()
+    model, optimizer = make()
+    train(model, optimizer, range(STEPS_BEFORE), rank, world_size)
+    path = sk.save_checkpoint(directory, model, optimizer)
+    assert os.path.basename(path) == "ckpt-000001"
+    check_continuation(model, optimizer, reference, rank, world_size)
+
+    # A later save that fails on one rank: every rank raises, the first checkpoint stays.
+    original = checkpoint_module._write_file
+
+    def failing_write(path, write):
+        if rank == 1 and "shard-" in os.path.basename(path):
+            raise OSError("simulated disk failure")
+        original(path, write)
+
+    checkpoint_module._write_file = failing_write
+    try:
+        with pytest.raises((OSError, RuntimeError), match="simulated disk failure|failed on another rank"):
+            sk.save_checkpoint(directory, model, optimizer)
+    finally:
+        checkpoint_module._write_file = original
+    dist.barrier()
+    with open(os.path.join(directory, "LATEST")) as latest:
+        assert latest.read() == "ckpt-000001"
+
+
+def _load_worker(rank, world_size, init, directory):
+    reference = reference_run()
+    init()
+    model, optimizer = make()
+    sk.load_checkpoint(directory, model, optimizer)
+    assert int(model.steps_seen) == STEPS_BEFORE
+    check_continuation(model, optimizer, reference, rank, world_size)
+
+
+def _load_too_small_worker(rank, world_size, init, directory):
+    init()
+    model, optimizer = make(hash_rows=4)  # too few rows for this rank's share of the keys
+    before = model.top.weight.detach().clone()
+    with pytest.raises((HashTableFullError, RuntimeError), match="must hold .* saved keys|failed on another rank"):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert torch.equal(model.top.weight, before) and len(model.pooled.hash_table) == 0  # nothing changed
+
+
+def test_save_at_2_load_at_3_and_1(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    spawn(_save_worker, 2, str(tmp_path), directory)
+    for path in glob.glob(os.path.join(directory, "ckpt-000001", "*.pt")):
+        torch.load(path, weights_only=True)  # no pickled code anywhere
+    with open(os.path.join(directory, "ckpt-000001", "metadata.json")) as meta:
+        assert json.load(meta)["world_size"] == 2
+    assert sorted(os.listdir(os.path.join(directory, "ckpt-000001"))) == [
+        "dense.pt", "metadata.json", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+
+    spawn(_load_worker, 3, str(tmp_path), directory)
+    spawn(_load_too_small_worker, 3, str(tmp_path), directory)
+
+    # One process, no group at all.
+    model, optimizer = make()
+    sk.load_checkpoint(directory, model, optimizer)
+    check_continuation(model, optimizer, reference_run(), 0, 1)
+
+
+# ---- one process ---------------------------------------------------------------------------
+
+
+def snapshot(model, optimizer):
+    keys, rows = model.pooled.hash_table.export()
+    return {
+        "weights": {name: p.detach().clone() for name, p in model.named_parameters()},
+        "keys": keys.clone(),
+        "state": {name: {k: v.clone() for k, v in optimizer.state[p].items()} for name, p in model.named_parameters()},
+        "steps_seen": int(model.steps_seen),
+    }
+
+
+def assert_same(model, optimizer, expected):
+    now = snapshot(model, optimizer)
+    assert torch.equal(now["keys"], expected["keys"])  # same rows, bit for bit
+    assert now["steps_seen"] == expected["steps_seen"]
+    for name, weight in expected["weights"].items():
+        assert torch.equal(now["weights"][name], weight), name
+        for key, value in expected["state"][name].items():
+            assert torch.equal(now["state"][name][key], value), (name, key)
+
+
+def test_round_trip_is_exact_and_failed_saves_keep_the_previous_checkpoint(tmp_path, monkeypatch):
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        sk.load_checkpoint(directory, *make())
+    model, optimizer = make()
+    train(model, optimizer, range(2))
+    sk.save_checkpoint(directory, model, optimizer)
+    first = snapshot(model, optimizer)
+    fresh, fresh_optimizer = make()
+    sk.load_checkpoint(directory, fresh, fresh_optimizer)
+    assert_same(fresh, fresh_optimizer, first)
+
+    train(model, optimizer, range(2, 4))
+    original_write = checkpoint_module._write_file
+
+    # A crash while writing the files: LATEST still names the first checkpoint.
+    def crash_on_dense(path, write):
+        if path.endswith("dense.pt"):
+            raise KeyboardInterrupt("simulated crash mid-save")
+        original_write(path, write)
+
+    monkeypatch.setattr(checkpoint_module, "_write_file", crash_on_dense)
+    with pytest.raises(KeyboardInterrupt):
+        sk.save_checkpoint(directory, model, optimizer)
+    fresh, fresh_optimizer = make()
+    sk.load_checkpoint(directory, fresh, fresh_optimizer)
+    assert_same(fresh, fresh_optimizer, first)
+
+    # A crash after the new directory is in place but before LATEST moves.
+    def crash_on_latest(path, write):
+        if os.path.basename(path).startswith("LATEST"):
+            raise KeyboardInterrupt("simulated crash before LATEST")
+        original_write(path, write)
+
+    monkeypatch.setattr(checkpoint_module, "_write_file", crash_on_latest)
+    with pytest.raises(KeyboardInterrupt):
+        sk.save_checkpoint(directory, model, optimizer)
+    assert os.path.isdir(os.path.join(directory, "ckpt-000002"))
+    fresh, fresh_optimizer = make()
+    sk.load_checkpoint(directory, fresh, fresh_optimizer)
+    assert_same(fresh, fresh_optimizer, first)
+
+    # The next save completes and replaces both the leftovers and the old checkpoint.
+    monkeypatch.setattr(checkpoint_module, "_write_file", original_write)
+    second = snapshot(model, optimizer)
+    assert sk.save_checkpoint(directory, model, optimizer).endswith("ckpt-000002")
+    assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000002"]
+    fresh, fresh_optimizer = make()
+    sk.load_checkpoint(directory, fresh, fresh_optimizer)
+    assert_same(fresh, fresh_optimizer, second)
+
+
+def test_model_mismatch_and_no_optimizer(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model, optimizer = make()
+    train(model, optimizer, range(1))
+    sk.save_checkpoint(directory, model)  # weights only
+    fresh, fresh_optimizer = make()
+    sk.load_checkpoint(directory, fresh, fresh_optimizer)
+    torch.testing.assert_close(fresh.top.weight, model.top.weight, rtol=0, atol=0)
+    assert len(fresh_optimizer.state) == 0
+
+    other = nn.ModuleDict({"renamed": sk.DistributedEmbedding("sum", 8, DIM, SLOTS, NNZ)})
+    with pytest.raises(ValueError, match="embedding layers"):
+        sk.load_checkpoint(directory, other)
+    wider = Model()
+    wider.direct = sk.All2AllDenseEmbedding(DIRECT_KEYS, DIM + 1, SLOTS, NNZ, use_hashtable=False)
+    with pytest.raises(ValueError, match="embedding_vec_size"):
+        sk.load_checkpoint(directory, wider)
+
+
+def test_direct_layer_saves_only_trained_rows(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    model, optimizer = make()
+    train(model, optimizer, range(1))
+    sk.save_checkpoint(directory, model, optimizer)
+    shard = torch.load(os.path.join(directory, "ckpt-000001", "shard-00000-of-00001.pt"), weights_only=True)
+    direct = shard["layers"]["direct"]
+    touched = set(batch(0)[1].unique().tolist())
+    assert set(direct["keys"].tolist()) == touched
+    assert set(direct["state"]) == {"exp_avg", "exp_avg_sq"} and direct["scalars"]["step"].item() == 1
+
+
+def test_a_bare_layer_is_a_model(tmp_path):
+    layer = sk.DistributedEmbedding("sum", 8, DIM, 1, 2)
+    optimizer = LazyAdam(layer.parameters(), lr=0.1)
+    layer(torch.tensor([[[5, -9]]])).sum().backward()
+    optimizer.step()
+    sk.save_checkpoint(str(tmp_path), layer, optimizer)
+    fresh = sk.DistributedEmbedding("sum", 8, DIM, 1, 2)
+    fresh_optimizer = LazyAdam(fresh.parameters(), lr=0.1)
+    sk.load_checkpoint(str(tmp_path), fresh, fresh_optimizer)
+    assert fresh.hash_table.export()[0].tolist() == [5, -9]
+    assert torch.equal(fresh.weight, layer.weight)
+    assert torch.equal(fresh_optimizer.state[fresh.weight]["exp_avg"], optimizer.state[layer.weight]["exp_avg"])

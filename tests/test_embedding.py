@@ -1,0 +1,390 @@
+"""embedding_bag and embedding_gather: forward against torch, autograd, fakes and errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsekit import ops
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+class Densify(torch.autograd.Function):
+    """Identity whose backward densifies the gradient: gradcheck only compares strided grads."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to_dense()
+
+
+def random_bags(num_rows, bags, max_len, *, missing=0.0, seed=0):
+    """Random CSR bags (some empty); a `missing` fraction of the rows is -1."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    rows = torch.randint(0, num_rows, (int(offsets[-1]),), generator=gen)
+    if missing:
+        rows[torch.rand(rows.shape, generator=gen) < missing] = -1
+    return rows, offsets
+
+
+def torch_reference(weight, rows, offsets, per_sample_weights=None, mode="sum"):
+    """nn.EmbeddingBag semantics in float64, -1 rows mapped to a padding row so they are skipped.
+
+    Weighted mean (not offered by torch) is pooled by hand: sum(w_i * row_i) / sum(w_i)."""
+    weight = weight.double().cpu()
+    rows, offsets = rows.long().cpu(), offsets.long().cpu()
+    padded = torch.cat([weight, torch.zeros(1, weight.shape[1], dtype=torch.float64)])
+    pad = weight.shape[0]
+    rows = torch.where(rows == -1, pad, rows)
+    psw = None if per_sample_weights is None else per_sample_weights.double().cpu()
+    if mode == "mean" and psw is not None:
+        bags = offsets.shape[0] - 1
+        bag = torch.repeat_interleave(torch.arange(bags), offsets.diff())
+        valid_w = torch.where(rows == pad, 0.0, psw)
+        total = torch.zeros(bags, weight.shape[1], dtype=torch.float64).index_add_(
+            0, bag, padded[rows] * valid_w[:, None]
+        )
+        denominator = torch.zeros(bags, dtype=torch.float64).index_add_(0, bag, valid_w)
+        return torch.where(denominator[:, None] != 0, total / denominator.clamp_min(1e-300)[:, None], 0.0)
+    return F.embedding_bag(
+        rows, padded, offsets, mode=mode, per_sample_weights=psw, include_last_offset=True, padding_idx=pad
+    )
+
+
+# ---- embedding_bag forward ----
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dim", [1, 7, 64, 127])
+def test_embedding_bag_matches_torch(device, mode, weighted, dim):
+    weight = torch.randn(50, dim, device=device)
+    rows, offsets = random_bags(50, 40, 9, missing=0.1, seed=dim)
+    rows, offsets = rows.to(device), offsets.to(device)
+    psw = torch.rand(rows.shape[0], device=device) + 0.1 if weighted else None
+    out = ops.embedding_bag(weight, rows, offsets, psw, mode)
+    assert out.shape == (40, dim) and out.dtype == torch.float32 and out.device == weight.device
+    torch.testing.assert_close(out.double().cpu(), torch_reference(weight, rows, offsets, psw, mode),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_bag_many_bags_split_across_threads(device):
+    weight = torch.randn(500, 32, device=device)
+    rows, offsets = random_bags(500, 3000, 12, missing=0.05, seed=21)
+    rows, offsets = rows.to(device), offsets.to(device)
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, mode="mean").double().cpu(),
+                               torch_reference(weight, rows, offsets, None, "mean"), rtol=1e-5, atol=1e-5)
+    many = torch.randint(-1, 500, (60000,), device=device)
+    narrow = weight[:, :4].contiguous()
+    gathered = ops.embedding_gather(narrow, many)
+    torch.testing.assert_close(gathered, torch.where((many == -1)[:, None], 0.0, narrow[many.clamp_min(0)]))
+
+
+def test_embedding_bag_matches_nn_embedding_bag_without_missing_rows(device):
+    weight = torch.randn(30, 16, device=device)
+    rows, offsets = random_bags(30, 25, 6, seed=3)
+    rows, offsets = rows.to(device), offsets.to(device)
+    psw = torch.rand(rows.shape[0], device=device)
+    for mode, weights in [("sum", None), ("mean", None), ("sum", psw)]:
+        expected = F.embedding_bag(rows, weight, offsets[:-1], mode=mode, per_sample_weights=weights)
+        torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, weights, mode), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_dtypes(device, dtype, mode):
+    weight = torch.randn(40, 24, device=device).to(dtype)
+    rows, offsets = random_bags(40, 30, 8, missing=0.1, seed=5)
+    rows, offsets = rows.to(device), offsets.to(device)
+    psw = (torch.rand(rows.shape[0], device=device) + 0.5).to(dtype)
+    for weights in [None, psw]:
+        out = ops.embedding_bag(weight, rows, offsets, weights, mode)
+        assert out.dtype == dtype
+        tol = {torch.float64: 1e-12, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(out.double().cpu(), torch_reference(weight, rows, offsets, weights, mode),
+                                   rtol=tol, atol=tol)
+
+
+def test_embedding_bag_skips_missing_rows_and_pools_empty_bags_to_zero(device):
+    weight = torch.arange(12, dtype=torch.float32, device=device).view(6, 2)
+    rows = torch.tensor([1, -1, 3, -1, -1, 5], device=device)
+    offsets = torch.tensor([0, 3, 3, 5, 6], device=device)  # bag 1 empty, bag 2 only -1
+    expected_sum = torch.tensor([[8.0, 10.0], [0, 0], [0, 0], [10.0, 11.0]])
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets).cpu(), expected_sum)
+    # mean divides by the 2 valid rows of bag 0, not by its 3 entries
+    expected_mean = torch.tensor([[4.0, 5.0], [0, 0], [0, 0], [10.0, 11.0]])
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, mode="mean").cpu(), expected_mean)
+    psw = torch.tensor([2.0, 7.0, 1.0, 7.0, 7.0, 0.0], device=device)
+    # weighted mean: (2 * row1 + 1 * row3) / 3; bag 3 has weight sum 0 -> zeros
+    expected_weighted = torch.tensor([[(2 * 2 + 6) / 3, (2 * 3 + 7) / 3], [0, 0], [0, 0], [0, 0]])
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, psw, "mean").cpu(), expected_weighted)
+
+
+def test_embedding_bag_empty_inputs(device):
+    weight = torch.randn(5, 3, device=device)
+    empty_rows = torch.empty(0, dtype=torch.int64, device=device)
+    out = ops.embedding_bag(weight, empty_rows, torch.zeros(1, dtype=torch.int64, device=device))
+    assert out.shape == (0, 3)
+    out = ops.embedding_bag(weight, empty_rows, torch.zeros(5, dtype=torch.int64, device=device), mode="mean")
+    assert out.shape == (4, 3) and not out.any()
+    assert ops.embedding_bag(torch.randn(0, 3, device=device), torch.full((2,), -1, device=device),
+                             torch.tensor([0, 2], device=device)).abs().sum() == 0
+
+
+def test_embedding_bag_duplicate_rows_in_a_bag(device):
+    weight = torch.randn(4, 8, device=device)
+    rows = torch.tensor([2, 2, 2, 0], device=device)
+    offsets = torch.tensor([0, 4], device=device)
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets)[0], 3 * weight[2] + weight[0])
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64])
+def test_embedding_bag_int32_indices(device, rows_dtype, offsets_dtype):
+    weight = torch.randn(20, 12, device=device)
+    rows, offsets = random_bags(20, 10, 5, missing=0.2, seed=7)
+    expected = ops.embedding_bag(weight, rows.to(device), offsets.to(device), mode="mean")
+    out = ops.embedding_bag(weight, rows.to(device, rows_dtype), offsets.to(device, offsets_dtype), mode="mean")
+    torch.testing.assert_close(out, expected)
+
+
+def test_embedding_bag_strided_weight(device):
+    table = torch.randn(30, 40, device=device)
+    weight = table[:, 4:36]  # rows 40 apart, columns dense
+    rows, offsets = random_bags(30, 12, 5, seed=9)
+    rows, offsets = rows.to(device), offsets.to(device)
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets),
+                               ops.embedding_bag(weight.contiguous(), rows, offsets))
+    transposed = torch.randn(16, 30, device=device).t()  # columns strided
+    torch.testing.assert_close(ops.embedding_bag(transposed, rows, offsets),
+                               ops.embedding_bag(transposed.contiguous(), rows, offsets))
+
+
+# ---- embedding_bag errors ----
+
+
+def test_embedding_bag_rejects_bad_offsets(device):
+    weight = torch.randn(5, 4, device=device)
+    rows = torch.tensor([0, 1, 2], device=device)
+    for bad in ([1, 2, 3], [0, 2, 1, 3], [0, 3, 2], [0, 1, 4], [0, 1]):
+        with pytest.raises(RuntimeError, match="embedding_bag: offsets must be non-decreasing"):
+            ops.embedding_bag(weight, rows, torch.tensor(bad, device=device))
+    with pytest.raises(RuntimeError, match="offsets must be 1-D"):
+        ops.embedding_bag(weight, rows, torch.empty(0, dtype=torch.int64, device=device))
+    with pytest.raises(RuntimeError, match="embedding_bag: offsets must be non-decreasing"):
+        ops.embedding_bag(weight, rows[:0], torch.tensor([2], device=device))
+    with pytest.raises(RuntimeError, match="offsets must be an int64 or int32"):
+        ops.embedding_bag(weight, rows, torch.tensor([0.0, 3.0], device=device))
+
+
+@pytest.mark.parametrize("bad_row", [-2, 5, INT64_MIN, INT64_MAX])
+def test_embedding_bag_rejects_out_of_range_rows(device, bad_row):
+    weight = torch.randn(5, 8, device=device)
+    rows = torch.tensor([0, bad_row, 1], device=device)
+    offsets = torch.tensor([0, 2, 3], device=device)
+    with pytest.raises(RuntimeError, match=f"embedding_bag: rows holds {bad_row} but weight has 5 rows"):
+        ops.embedding_bag(weight, rows, offsets)
+    # the error is a host-side check: the device stays usable
+    torch.testing.assert_close(ops.embedding_bag(weight, rows[:1], torch.tensor([0, 1], device=device)), weight[:1])
+
+
+def test_embedding_bag_rejects_bad_arguments(device):
+    weight = torch.randn(5, 4, device=device)
+    rows = torch.tensor([0, 1, 2], device=device)
+    offsets = torch.tensor([0, 3], device=device)
+    with pytest.raises(RuntimeError, match="weight must be float32, float64, float16 or bfloat16"):
+        ops.embedding_bag(weight.long(), rows, offsets)
+    with pytest.raises(RuntimeError, match="weight must be 2-D"):
+        ops.embedding_bag(weight[0], rows, offsets)
+    with pytest.raises(RuntimeError, match="rows must be an int64 or int32"):
+        ops.embedding_bag(weight, rows.float(), offsets)
+    with pytest.raises(RuntimeError, match="rows must be 1-D"):
+        ops.embedding_bag(weight, rows.view(3, 1), offsets)
+    with pytest.raises(RuntimeError, match="per_sample_weights is Double but weight is Float"):
+        ops.embedding_bag(weight, rows, offsets, torch.ones(3, dtype=torch.float64, device=device))
+    with pytest.raises(RuntimeError, match=r"per_sample_weights must be 1-D \[nnz\]"):
+        ops.embedding_bag(weight, rows, offsets, torch.ones(2, device=device))
+    with pytest.raises(RuntimeError, match='mode must be "sum" or "mean"'):
+        ops.embedding_bag(weight, rows, offsets, mode="max")
+
+
+# ---- embedding_bag autograd ----
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_gradcheck(device, mode):
+    weight = torch.randn(9, 5, dtype=torch.float64, device=device, requires_grad=True)
+    rows = torch.tensor([1, 2, -1, 2, 5, 1, 3, -1, 8], device=device)
+    offsets = torch.tensor([0, 3, 3, 7, 8, 9], device=device)  # an empty bag and an all-missing bag
+    psw = (torch.rand(9, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda w, p: ops.embedding_bag(Densify.apply(w), rows, offsets, p, mode),
+                                    (weight, psw))
+    assert torch.autograd.gradcheck(lambda w: ops.embedding_bag(Densify.apply(w), rows, offsets, None, mode),
+                                    (weight,))
+
+
+# nn.EmbeddingBag has no weighted mean; gradcheck covers that one.
+@pytest.mark.parametrize("mode, weighted", [("sum", False), ("mean", False), ("sum", True)])
+def test_embedding_bag_sparse_gradient_matches_nn_embedding_bag(device, mode, weighted):
+    num_rows, dim = 40, 6
+    rows, offsets = random_bags(num_rows, 30, 8, seed=11)
+    rows, offsets = rows.to(device), offsets.to(device)
+    table = torch.randn(num_rows, dim, device=device)
+    psw = torch.rand(rows.shape[0], device=device) if weighted else None
+    grad_out = torch.randn(30, dim, device=device)
+
+    reference = torch.nn.EmbeddingBag(num_rows, dim, mode=mode, sparse=True, include_last_offset=True).to(device)
+    with torch.no_grad():
+        reference.weight.copy_(table)
+    reference(rows, offsets, per_sample_weights=psw).backward(grad_out)
+
+    weight = table.clone().requires_grad_()
+    ops.embedding_bag(weight, rows, offsets, psw, mode).backward(grad_out)
+    grad = weight.grad
+    assert grad.layout == torch.sparse_coo and grad.shape == (num_rows, dim)
+    # aggregated: one entry per distinct row, in order of first occurrence, not flagged coalesced
+    first_occurrence = list(dict.fromkeys(rows.tolist()))
+    assert grad._indices()[0].tolist() == first_occurrence
+    (direct,) = torch.autograd.grad(ops.embedding_bag(weight, rows, offsets, psw, mode), weight, grad_out)
+    assert not direct.is_coalesced()
+    torch.testing.assert_close(direct.to_dense(), grad.to_dense())
+    # summed in lookup order: bit-identical run to run
+    (again,) = torch.autograd.grad(ops.embedding_bag(weight, rows, offsets, psw, mode), weight, grad_out)
+    assert torch.equal(again._values(), direct._values()) and torch.equal(again._indices(), direct._indices())
+    torch.testing.assert_close(grad.to_dense(), reference.weight.grad.to_dense(), rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_bag_sparse_gradient_drops_missing_rows(device):
+    weight = torch.randn(6, 3, device=device, requires_grad=True)
+    rows = torch.tensor([-1, 4, -1, 4, 0], device=device)
+    offsets = torch.tensor([0, 2, 5], device=device)
+    ops.embedding_bag(weight, rows, offsets).sum().backward()
+    grad = weight.grad
+    # first-occurrence order; the -1 lookups leave no entry
+    assert grad._indices()[0].tolist() == [4, 0]
+    torch.testing.assert_close(grad._values().cpu(), torch.tensor([[2.0] * 3, [1.0] * 3]))
+
+
+def test_embedding_bag_per_sample_weight_gradient_matches_torch(device):
+    rows, offsets = random_bags(25, 20, 6, seed=13)
+    rows, offsets = rows.to(device), offsets.to(device)
+    table = torch.randn(25, 10, device=device)
+    psw = torch.rand(rows.shape[0], device=device)
+    grad_out = torch.randn(20, 10, device=device)
+    expected_psw = psw.clone().requires_grad_()
+    F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=expected_psw,
+                    include_last_offset=True).backward(grad_out)
+    ours = psw.clone().requires_grad_()
+    ops.embedding_bag(table, rows, offsets, ours).backward(grad_out)
+    torch.testing.assert_close(ours.grad, expected_psw.grad)
+
+
+def test_embedding_bag_weighted_mean_gradients_match_reference(device):
+    rows, offsets = random_bags(25, 20, 6, missing=0.2, seed=15)
+    rows, offsets = rows.to(device), offsets.to(device)
+    table = torch.randn(25, 10, dtype=torch.float64, device=device)
+    psw = torch.rand(rows.shape[0], dtype=torch.float64, device=device) + 0.1
+    grad_out = torch.randn(20, 10, dtype=torch.float64)
+    ref_table, ref_psw = table.clone().requires_grad_(), psw.clone().requires_grad_()
+    torch_reference(ref_table, rows, offsets, ref_psw, "mean").backward(grad_out)
+    our_table, our_psw = table.clone().requires_grad_(), psw.clone().requires_grad_()
+    ops.embedding_bag(our_table, rows, offsets, our_psw, "mean").backward(grad_out.to(device))
+    torch.testing.assert_close(our_psw.grad, ref_psw.grad)
+    torch.testing.assert_close(our_table.grad.to_dense(), ref_table.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_embedding_bag_half_gradient(device, dtype):
+    rows, offsets = random_bags(30, 20, 6, missing=0.1, seed=17)
+    rows, offsets = rows.to(device), offsets.to(device)
+    table = torch.randn(30, 16, device=device)
+    grad_out = torch.randn(20, 16, device=device)
+    half = table.to(dtype).requires_grad_()
+    ops.embedding_bag(half, rows, offsets, mode="mean").backward(grad_out.to(dtype))
+    full = table.clone().requires_grad_()
+    ops.embedding_bag(full, rows, offsets, mode="mean").backward(grad_out)
+    assert half.grad.dtype == dtype
+    torch.testing.assert_close(half.grad.to_dense().float(), full.grad.to_dense(), rtol=2e-2, atol=2e-2)
+
+
+def test_embedding_bag_opcheck(device):
+    weight = torch.randn(12, 8, device=device, requires_grad=True)
+    rows = torch.tensor([3, -1, 3, 7, 0, 11], device=device)
+    offsets = torch.tensor([0, 2, 2, 6], device=device)
+    psw = torch.rand(6, device=device, requires_grad=True)
+    for args in [(weight, rows, offsets, None, "sum"), (weight, rows, offsets, psw, "mean"),
+                 (weight, rows.int(), offsets.int(), psw, "sum")]:
+        torch.library.opcheck(torch.ops.sparsekit.embedding_bag.default, args)
+
+
+# ---- embedding_gather ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_embedding_gather_matches_indexing(device, dtype):
+    weight = torch.randn(30, 20, device=device).to(dtype)
+    rows = torch.randint(-1, 30, (4, 7), device=device)
+    out = ops.embedding_gather(weight, rows)
+    assert out.shape == (4, 7, 20) and out.dtype == dtype
+    padded = torch.cat([weight, weight.new_zeros(1, 20)])
+    torch.testing.assert_close(out, padded[torch.where(rows == -1, 30, rows)], rtol=0, atol=0)
+
+
+def test_embedding_gather_int32_empty_and_strided(device):
+    weight = torch.randn(10, 6, device=device)
+    rows = torch.tensor([9, -1, 0, 9], device=device)
+    torch.testing.assert_close(ops.embedding_gather(weight, rows.int()), ops.embedding_gather(weight, rows))
+    assert ops.embedding_gather(weight, rows[:0]).shape == (0, 6)
+    assert ops.embedding_gather(weight, torch.empty(3, 0, dtype=torch.int64, device=device)).shape == (3, 0, 6)
+    strided = torch.randn(10, 9, device=device)[:, 1:7]
+    torch.testing.assert_close(ops.embedding_gather(strided, rows), ops.embedding_gather(strided.contiguous(), rows))
+
+
+@pytest.mark.parametrize("bad_row", [-2, 10, INT64_MIN, INT64_MAX])
+def test_embedding_gather_rejects_out_of_range_rows(device, bad_row):
+    weight = torch.randn(10, 4, device=device)
+    with pytest.raises(RuntimeError, match=f"embedding_gather: rows holds {bad_row} but weight has 10 rows"):
+        ops.embedding_gather(weight, torch.tensor([1, bad_row], device=device))
+    torch.testing.assert_close(ops.embedding_gather(weight, torch.tensor([1], device=device)), weight[1:2])
+    with pytest.raises(RuntimeError, match="rows must be an int64 or int32"):
+        ops.embedding_gather(weight, torch.tensor([1.0], device=device))
+    with pytest.raises(RuntimeError, match="weight must be float32, float64, float16 or bfloat16"):
+        ops.embedding_gather(weight.int(), torch.tensor([1], device=device))
+
+
+def test_embedding_gather_gradient(device):
+    weight = torch.randn(8, 3, dtype=torch.float64, device=device, requires_grad=True)
+    rows = torch.tensor([[2, -1], [7, 2], [0, 0]], device=device)
+    assert torch.autograd.gradcheck(lambda w: ops.embedding_gather(Densify.apply(w), rows), (weight,))
+    grad_out = torch.randn(3, 2, 3, dtype=torch.float64, device=device)
+    ops.embedding_gather(weight, rows).backward(grad_out)
+    assert weight.grad.layout == torch.sparse_coo
+    assert weight.grad._indices()[0].tolist() == [2, 7, 0]
+    expected = torch.zeros(8, 3, dtype=torch.float64, device=device)
+    expected.index_add_(0, torch.tensor([2, 7, 2, 0, 0], device=device), grad_out.view(6, 3)[[0, 2, 3, 4, 5]])
+    torch.testing.assert_close(weight.grad.to_dense(), expected)
+
+
+def test_embedding_gather_opcheck(device):
+    weight = torch.randn(12, 8, device=device, requires_grad=True)
+    for rows in [torch.tensor([3, -1, 3, 7], device=device), torch.tensor([[1, 2], [2, -1]], device=device).int()]:
+        torch.library.opcheck(torch.ops.sparsekit.embedding_gather.default, (weight, rows))
+
+
+def test_embedding_bag_compiles(device):
+    weight = torch.randn(12, 8, device=device)
+    rows = torch.tensor([3, -1, 3, 7, 0, 11], device=device)
+    offsets = torch.tensor([0, 2, 2, 6], device=device)
+
+    def pooled_then_gathered(w, r, o):
+        return ops.embedding_bag(w, r, o, mode="mean") + ops.embedding_gather(w, r[:3])
+
+    compiled = torch.compile(pooled_then_gathered, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(weight, rows, offsets), pooled_then_gathered(weight, rows, offsets))
+

@@ -1,0 +1,129 @@
+"""sparsekit.hashing: per-slot salted XXH3-64 feature hashing."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import sparsekit as sk
+from sparsekit import hashing
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+# Pinned digests: a change of the hashing scheme silently remaps every trained
+# embedding, so it must show up as a failing test.
+GOLDEN = [
+    (("68fd1e64", 0, 0), -3266986836811480530),
+    ((b"68fd1e64", 5, 0), -2022502926872678256),
+    ((0, 0, 0), -766854857554912791),
+    ((-1, 3, 0), 7181711583969079835),
+    ((INT64_MAX, 0, 0), -1357985031239963096),
+    ((INT64_MIN, 0, 0), 946921554348743494),
+    (("", 0, 0), 6865193794209239025),
+    (("abc", 0, 7), -490123084197498011),
+]
+
+
+def test_exported_as_sk_hashing():
+    assert sk.hashing is hashing
+
+
+@pytest.mark.parametrize("args,expected", GOLDEN)
+def test_golden_values(args, expected):
+    value, slot, seed = args
+    assert hashing.hash_value(value, slot, seed=seed) == expected
+
+
+def test_deterministic_across_processes():
+    # A fresh interpreter with a different PYTHONHASHSEED gives the same keys.
+    code = ("import torch; from sparsekit import hashing; "
+            "print(hashing.hash_values(['a', b'b', 3, -1], 4, seed=9).tolist())")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert eval(out) == hashing.hash_values(["a", b"b", 3, -1], 4, seed=9).tolist()
+
+
+def test_salted_per_slot():
+    for value in ("68fd1e64", b"\x00", 0, -1, ""):
+        keys = {hashing.hash_value(value, slot) for slot in range(64)}
+        assert len(keys) == 64
+    assert hashing.slot_seed(0) != hashing.slot_seed(1)
+    # The slot seed really is the XXH3 seed of the slot's text values.
+    assert hashing.hash_value(b"xyz", 3) == hashing.hash_value(b"xyz", 3)
+    digest = xxhash.xxh3_64_intdigest(b"xyz", hashing.slot_seed(3))
+    assert hashing.hash_value(b"xyz", 3) == (digest - (1 << 64) if digest >= 1 << 63 else digest)
+
+
+def test_seed_changes_keys():
+    assert hashing.hash_value("abc", 2, seed=0) != hashing.hash_value("abc", 2, seed=1)
+    assert hashing.slot_seed(2, 0) != hashing.slot_seed(2, 1)
+
+
+def test_str_is_utf8_bytes_and_int_is_its_own_kind():
+    assert hashing.hash_value("héllo", 1) == hashing.hash_value("héllo".encode("utf-8"), 1)
+    assert hashing.hash_value(bytearray(b"ab"), 1) == hashing.hash_value(b"ab", 1)
+    assert hashing.hash_value(memoryview(b"ab"), 1) == hashing.hash_value(b"ab", 1)
+    assert hashing.hash_value(7, 0) != hashing.hash_value((7).to_bytes(8, "little"), 0)
+    assert hashing.hash_value(7, 0) != hashing.hash_value("7", 0)
+    assert hashing.hash_value(np.int32(7), 0) == hashing.hash_value(7, 0)
+    assert hashing.hash_value(np.uint8(7), 0) == hashing.hash_value(7, 0)
+
+
+@pytest.mark.parametrize("value", [INT64_MIN, INT64_MAX, -1, 0])
+def test_adversarial_ints_are_valid(value):
+    key = hashing.hash_value(value, 0)
+    assert INT64_MIN <= key <= INT64_MAX
+
+
+def test_bad_values_raise():
+    with pytest.raises(OverflowError, match="int64"):
+        hashing.hash_value(1 << 63)
+    with pytest.raises(OverflowError, match="int64"):
+        hashing.hash_value(INT64_MIN - 1)
+    with pytest.raises(TypeError, match="float"):
+        hashing.hash_value(1.5)
+    with pytest.raises(TypeError, match="NoneType"):
+        hashing.hash_value(None)
+    with pytest.raises(TypeError, match="dtype"):
+        hashing.hash_values(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="dtype"):
+        hashing.hash_values(np.array([1.0]))
+
+
+def test_hash_values_matches_hash_value():
+    values = ["a", b"a", 1, -1, INT64_MIN, "", "68fd1e64"]
+    keys = hashing.hash_values(values, 5, seed=3)
+    assert keys.dtype == torch.int64 and keys.shape == (len(values),)
+    assert keys.tolist() == [hashing.hash_value(v, 5, seed=3) for v in values]
+    ints = [3, -7, INT64_MAX]
+    expected = [hashing.hash_value(v, 2) for v in ints]
+    assert hashing.hash_values(torch.tensor(ints), 2).tolist() == expected
+    assert hashing.hash_values(np.array(ints, dtype=np.int64), 2).tolist() == expected
+    empty = hashing.hash_values([], 0)
+    assert empty.dtype == torch.int64 and empty.shape == (0,)
+
+
+def test_hash_rows_salts_each_column_by_slot():
+    rows = [["x", "x", 1], [b"y", "x", 2]]
+    keys = hashing.hash_rows(rows, seed=4, first_slot=10)
+    assert keys.shape == (2, 3) and keys.dtype == torch.int64
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            assert keys[i, j].item() == hashing.hash_value(value, 10 + j, seed=4)
+    assert keys[0, 0] != keys[0, 1]  # same string, different slots
+    assert hashing.hash_rows([]).shape == (0, 0)
+    with pytest.raises(ValueError, match="row 1 has 1 values"):
+        hashing.hash_rows([["a", "b"], ["a"]])
+
+
+def test_no_collisions_among_many_distinct_values():
+    values = [f"{i:08x}" for i in range(50_000)]
+    keys = hashing.hash_values(values, 0)
+    assert torch.unique(keys).numel() == len(values)

@@ -1,0 +1,458 @@
+"""DistributedEmbedding and All2AllDenseEmbedding: one process, and model-parallel on spawned
+gloo groups of 1 to 4 ranks checked against a one-process run of the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparsekit as sk
+from sparsekit import HashTableFullError, LazyAdam
+
+from _distributed import spawn
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+DIM = 4
+SLOTS = 3
+MAX_NNZ = 4
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
+STEPS = 3
+DIRECT_KEYS = 30  # use_hashtable=False layers see keys in [0, DIRECT_KEYS)
+PAD = 7  # the pad key of the padded-dense configs that also use negative keys
+
+
+def key_pool() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(11)
+    wide = torch.randint(INT64_MIN, INT64_MAX, (20,), generator=generator)
+    pool = torch.cat([torch.tensor([INT64_MIN, INT64_MAX, -1, 0, 1, -2, 5, 8, 13]), wide])
+    return pool[pool != PAD]
+
+
+# ---- batches ------------------------------------------------------------------------------
+
+
+def ragged_batch(step: int, pool: torch.Tensor, batch: int = GLOBAL_BATCH):
+    """(values, offsets) of batch * SLOTS bags of 0..MAX_NNZ keys drawn from pool."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    lengths = torch.randint(0, MAX_NNZ + 1, (batch * SLOTS,), generator=generator)
+    values = pool[torch.randint(0, len(pool), (int(lengths.sum()),), generator=generator)]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    return values, offsets
+
+
+def padded(values, offsets, pad_key):
+    """The ragged batch as a dense [B, SLOTS, MAX_NNZ] tensor padded with pad_key."""
+    lengths = (offsets[1:] - offsets[:-1]).tolist()
+    dense = torch.full((len(lengths), MAX_NNZ), pad_key, dtype=torch.int64)
+    for bag, length in enumerate(lengths):
+        dense[bag, :length] = values[offsets[bag]:offsets[bag] + length]
+    return dense.view(-1, SLOTS, MAX_NNZ)
+
+
+def ragged_slice(values, offsets, first_sample, end_sample):
+    first, end = offsets[first_sample * SLOTS], offsets[end_sample * SLOTS]
+    return sk.Ragged(values[first:end], offsets[first_sample * SLOTS:end_sample * SLOTS + 1] - first)
+
+
+# ---- the configurations checked against a one-process run ---------------------------------
+
+# name -> (layer kind, layer kwargs, input format)
+CONFIGS = {
+    "sum_hash_ragged": ("distributed", dict(combiner="sum", use_hashtable=True), "ragged"),
+    "mean_hash_padded": ("distributed", dict(combiner="mean", use_hashtable=True), "padded"),
+    "mean_direct_padded": ("distributed", dict(combiner="mean", use_hashtable=False), "padded_default"),
+    "dense_hash": ("dense", dict(use_hashtable=True), "dense"),
+    "dense_direct_dynamic": ("dense", dict(use_hashtable=False, dynamic_input=True), "dynamic"),
+}
+
+
+def build(kind, kwargs, world_size, process_group=None, capacity=None):
+    pool_size = len(key_pool())
+    if kwargs["use_hashtable"]:
+        rows = capacity or pool_size + 4  # room for every key even on one rank
+    else:
+        rows = -(-DIRECT_KEYS // world_size)
+    common = dict(process_group=process_group)
+    if kind == "distributed":
+        return sk.DistributedEmbedding(kwargs["combiner"], rows, DIM, SLOTS, MAX_NNZ,
+                                       use_hashtable=kwargs["use_hashtable"], **common)
+    return sk.All2AllDenseEmbedding(rows, DIM, SLOTS, MAX_NNZ, dynamic_input=kwargs.get("dynamic_input", False),
+                                    use_hashtable=kwargs["use_hashtable"], **common)
+
+
+def pool_for(fmt):
+    if fmt in ("padded_default", "dynamic"):
+        return torch.arange(DIRECT_KEYS)
+    return key_pool()
+
+
+def global_input(fmt, step, world_size):
+    """Per-rank inputs of one step: a list of world_size local inputs, and the one-process input."""
+    pool = pool_for(fmt)
+    if fmt == "dynamic":
+        parts = []
+        for rank in range(world_size):
+            generator = torch.Generator().manual_seed(50 * step + rank)
+            parts.append(sk.ops.unique(pool[torch.randint(0, len(pool), (9,), generator=generator)],
+                                       return_inverse=False))
+        return parts, torch.cat(parts)
+    values, offsets = ragged_batch(step, pool)
+    per_rank = GLOBAL_BATCH // world_size
+    if fmt == "ragged":
+        whole = sk.Ragged(values, offsets)
+        return [ragged_slice(values, offsets, r * per_rank, (r + 1) * per_rank) for r in range(world_size)], whole
+    if fmt == "dense":
+        dense = pool[torch.randint(0, len(pool), (GLOBAL_BATCH, SLOTS, MAX_NNZ),
+                                   generator=torch.Generator().manual_seed(step))]
+    else:
+        dense = padded(values, offsets, PAD if fmt == "padded" else -1)
+    return [dense[r * per_rank:(r + 1) * per_rank] for r in range(world_size)], dense
+
+
+def forward(layer, fmt, inputs):
+    if fmt == "padded":
+        return layer(inputs, pad_key=PAD)
+    return layer(inputs)
+
+
+def local_rows(out_global, fmt, rank, world_size, local_inputs):
+    if fmt == "dynamic":
+        start = sum(len(part) for part in local_inputs[:rank])
+        return out_global[start:start + len(local_inputs[rank])]
+    per_rank = GLOBAL_BATCH // world_size
+    return out_global[rank * per_rank:(rank + 1) * per_rank]
+
+
+def train_reference(kind, kwargs, fmt, world_size):
+    """One process, no group, the global batch: per-step outputs and the trained layer."""
+    layer = build(kind, kwargs, 1) if kwargs["use_hashtable"] else _direct_reference(kind, kwargs)
+    optimizer = LazyAdam(layer.parameters(), lr=0.01)
+    outputs = []
+    for step in range(STEPS):
+        _, whole = global_input(fmt, step, world_size)
+        out = forward(layer, fmt, whole)
+        target = torch.randn(out.shape, generator=torch.Generator().manual_seed(77 + step))
+        (out * target).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        outputs.append(out.detach())
+    return layer, optimizer, outputs
+
+
+def _direct_reference(kind, kwargs):
+    layer = build(kind, kwargs, 1)
+    assert layer.max_vocabulary_size_per_gpu == DIRECT_KEYS
+    return layer
+
+
+def check_matches_reference(name, reference, rank, world_size, process_group=None):
+    """The layer on this rank's part of each batch against the one-process ``reference``
+    (``train_reference``, run before joining the group)."""
+    kind, kwargs, fmt = CONFIGS[name]
+    ref, ref_optimizer, ref_outputs = reference
+    layer = build(kind, kwargs, world_size, process_group)
+    assert layer.world_size == world_size and layer.rank == rank
+    optimizer = LazyAdam(layer.parameters(), lr=0.01)
+    for step in range(STEPS):
+        local_inputs, _ = global_input(fmt, step, world_size)
+        out = forward(layer, fmt, local_inputs[rank])
+        expected = local_rows(ref_outputs[step], fmt, rank, world_size, local_inputs)
+        torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} step {step}: {m}")
+        full_target = torch.randn(ref_outputs[step].shape, generator=torch.Generator().manual_seed(77 + step))
+        (out * local_rows(full_target, fmt, rank, world_size, local_inputs)).sum().backward()
+        assert layer.weight.grad.is_sparse  # every rank, every step, even with no rows
+        optimizer.step()
+        optimizer.zero_grad()
+
+    # The same keys, weights and optimizer state per key as the one-process run.
+    ref_state, state = ref_optimizer.state[ref.weight], optimizer.state[layer.weight]
+    assert state["step"].item() == ref_state["step"].item() == STEPS
+    if layer.use_hashtable:
+        keys, rows = layer.hash_table.export()
+        ref_keys, _ = ref.hash_table.export()
+        mine = {k for k in ref_keys.tolist() if (k % 2**64) % world_size == rank}
+        assert set(keys.tolist()) == mine, name
+        ref_rows = ref.hash_table.find(keys)
+    else:
+        keys = layer.owned_keys()
+        rows = torch.arange(len(keys))
+        keep = keys < DIRECT_KEYS
+        keys, rows = keys[keep], rows[keep]
+        ref_rows = keys
+    for attr, mine_, theirs in (("weight", layer.weight.detach(), ref.weight.detach()),
+                                ("exp_avg", state["exp_avg"], ref_state["exp_avg"]),
+                                ("exp_avg_sq", state["exp_avg_sq"], ref_state["exp_avg_sq"])):
+        torch.testing.assert_close(mine_[rows], theirs[ref_rows], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {attr}: {m}")
+
+    # eval(): lookups only; keys never seen read as zero vectors and are not inserted.
+    layer.eval()
+    ref.eval()
+    local_inputs, whole = global_input(fmt, STEPS, world_size)
+    if layer.use_hashtable:
+        unseen = 123456789
+        local_inputs = [_with_unseen_key(x, fmt, unseen) for x in local_inputs]
+        whole = _concat_ragged(local_inputs) if fmt == "ragged" else torch.cat(local_inputs)
+    size_before = len(layer.hash_table) if layer.use_hashtable else None
+    with torch.no_grad():
+        ref_out = forward(ref, fmt, whole)
+        out = forward(layer, fmt, local_inputs[rank])
+    torch.testing.assert_close(out, local_rows(ref_out, fmt, rank, world_size, local_inputs), rtol=1e-5, atol=1e-6)
+    if layer.use_hashtable:
+        assert len(layer.hash_table) == size_before
+        assert (layer.hash_table.find(torch.tensor([unseen])) == -1).all()
+    layer.train()
+    ref.train()
+
+
+def _with_unseen_key(inputs, fmt, unseen):
+    if fmt == "ragged":
+        values, offsets = inputs
+        return sk.Ragged(torch.cat([torch.tensor([unseen]), values]), torch.cat([offsets[:1], offsets[1:] + 1]))
+    out = inputs.clone()
+    out.view(-1)[0] = unseen
+    return out
+
+
+def _concat_ragged(parts):
+    values = torch.cat([p.values for p in parts])
+    offsets, shift = [torch.zeros(1, dtype=torch.int64)], 0
+    for part in parts:
+        offsets.append(part.offsets[1:] + shift)
+        shift += len(part.values)
+    return sk.Ragged(values, torch.cat(offsets))
+
+
+# ---- one process, no group ----------------------------------------------------------------
+
+
+def test_single_process_matches_embedding_bag():
+    """No process group: a drop-in for nn.EmbeddingBag(sparse=True) + SparseAdam."""
+    pool = key_pool()
+    layer = sk.DistributedEmbedding("mean", 64, DIM, SLOTS, MAX_NNZ)
+    optimizer = LazyAdam(layer.parameters(), lr=0.01)
+    torch_bag = nn.EmbeddingBag(64, DIM, mode="mean", sparse=True)
+    torch_optimizer = torch.optim.SparseAdam(torch_bag.parameters(), lr=0.01)
+    key_to_index = {}
+    for step in range(STEPS):
+        values, offsets = ragged_batch(step, pool)
+        out = layer(sk.Ragged(values, offsets))
+        # nn.EmbeddingBag over the same vectors: a key gets a row, and its key-seeded
+        # first vector, on first sight.
+        for key in values.tolist():
+            if key not in key_to_index:
+                key_to_index[key] = len(key_to_index)
+                with torch.no_grad():
+                    torch_bag.weight[key_to_index[key]] = sk.ops.key_seeded_uniform(torch.tensor([key]), DIM)[0]
+        indices = torch.tensor([key_to_index[k] for k in values.tolist()], dtype=torch.int64)
+        expected = torch_bag(indices, offsets[:-1]).view(GLOBAL_BATCH, SLOTS, DIM)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        target = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+        (out * target).sum().backward()
+        (expected * target).sum().backward()
+        optimizer.step()
+        torch_optimizer.step()
+        optimizer.zero_grad()
+        torch_optimizer.zero_grad()
+
+
+def test_layout_and_flags():
+    layer = sk.DistributedEmbedding("sum", 10, DIM, SLOTS, MAX_NNZ)
+    assert layer.weight.shape == (10, DIM) and layer.weight.sparsekit_model_parallel
+    assert sk.is_embedding_variable(layer.weight)
+    dense = nn.Linear(3, 1)
+    model = nn.ModuleDict({"emb": layer, "dense": dense})
+    embedding, other = sk.split_embedding_variable_from_others(model.parameters())
+    assert embedding == (layer.weight,) and set(map(id, other)) == {id(dense.weight), id(dense.bias)}
+    named_embedding, _ = sk.split_embedding_variable_from_others(model.named_parameters())
+    assert named_embedding == (("emb.weight", layer.weight),)
+    # The hash table is module state.
+    layer(sk.Ragged(torch.tensor([5, -3, 5]), torch.tensor([0, 1, 3, 3])))
+    state = layer.state_dict()
+    fresh = sk.DistributedEmbedding("sum", 10, DIM, SLOTS, MAX_NNZ)
+    fresh.load_state_dict(state)
+    assert fresh.hash_table.export()[0].tolist() == [5, -3]
+    assert torch.equal(fresh.weight, layer.weight)
+
+
+def test_key_seeded_initializer_and_custom_initializer():
+    keys = torch.tensor([[[3, 9, -1, -1]] * SLOTS])
+    first = sk.All2AllDenseEmbedding(50, DIM, SLOTS, 4)(keys)
+    other = sk.All2AllDenseEmbedding(50, DIM, SLOTS, 4)(keys.flip(-1))
+    torch.testing.assert_close(first, other.flip(2), rtol=0, atol=0)
+    torch.testing.assert_close(first[0, 0, 0], sk.ops.key_seeded_uniform(torch.tensor([3]), DIM)[0], rtol=0, atol=0)
+
+    def ones_times_key(k, dim):
+        return k.double().unsqueeze(1).expand(-1, dim) * torch.ones(dim, dtype=torch.float64)
+
+    layer = sk.All2AllDenseEmbedding(50, DIM, SLOTS, 4, embedding_initializer=ones_times_key)
+    assert torch.equal(layer(keys)[0, 0, :2], torch.tensor([[3.0] * DIM, [9.0] * DIM]))
+    direct = sk.All2AllDenseEmbedding(50, DIM, 1, 1, use_hashtable=False, embedding_initializer=ones_times_key)
+    assert torch.equal(direct.weight[:, 0], torch.arange(50.0))
+    with pytest.raises(ValueError, match=r"embedding_initializer\(keys, 4\) must return a \[2, 4\] tensor"):
+        sk.All2AllDenseEmbedding(50, DIM, 1, 2, embedding_initializer=lambda k, d: torch.zeros(3))(
+            torch.tensor([[[1, 2]]]))
+
+
+def test_single_process_errors():
+    direct = sk.DistributedEmbedding("sum", 5, DIM, 1, 2, use_hashtable=False)
+    with pytest.raises(ValueError, match=r"key 5 .* out of range.*\[0, 5\)"):
+        direct(torch.tensor([[[1, 5]]]))
+    with pytest.raises(ValueError, match=r"key -3 .* out of range"):
+        direct(sk.Ragged(torch.tensor([-3]), torch.tensor([0, 1])))
+    table = sk.DistributedEmbedding("sum", 2, DIM, 1, 4)
+    table(torch.tensor([[[1, 2, -1, -1]]]))
+    with pytest.raises(HashTableFullError, match="do not fit"):
+        table(torch.tensor([[[3, 1, -1, -1]]]))
+    assert len(table.hash_table) == 2
+    with pytest.raises(ValueError, match="dense inputs must be"):
+        table(torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match=r"len\(offsets\) must be B \* slot_num \+ 1"):
+        sk.DistributedEmbedding("sum", 5, DIM, 2, 2)(sk.Ragged(torch.tensor([1]), torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        table((torch.tensor([1, 2]), torch.tensor([0, 3])))
+    with pytest.raises(TypeError, match="key_dtype is torch.int32"):
+        sk.DistributedEmbedding("sum", 5, DIM, 1, 2, key_dtype=torch.int32)(torch.tensor([[[1, 2]]]))
+    with pytest.raises(ValueError, match="combiner must be 'sum' or 'mean'"):
+        sk.DistributedEmbedding("max", 5, DIM, 1, 2)
+    with pytest.raises(ValueError, match="inputs must be"):
+        sk.All2AllDenseEmbedding(5, DIM, 2, 2, dynamic_input=True)(torch.tensor([[1, 2]]))
+
+
+def test_int32_keys_and_empty_batches():
+    layer = sk.DistributedEmbedding("mean", 10, DIM, 2, 3, key_dtype=torch.int32)
+    out = layer(torch.tensor([[[4, -1, -1], [-1, -1, -1]]], dtype=torch.int32))
+    torch.testing.assert_close(out[0, 0], sk.ops.key_seeded_uniform(torch.tensor([4]), DIM)[0])
+    assert torch.equal(out[0, 1], torch.zeros(DIM))
+    empty = layer(sk.Ragged(torch.empty(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)))
+    assert empty.shape == (0, 2, DIM)
+    empty.sum().backward()
+    assert layer.weight.grad.is_sparse and layer.weight.grad._nnz() == 0
+
+
+# ---- model-parallel on gloo ----------------------------------------------------------------
+
+
+def _layers_worker(rank, world_size, init):
+    # One-process references first: once the group exists, layers shard over it by default.
+    references = {name: train_reference(*CONFIGS[name], world_size) for name in CONFIGS}
+    init()
+    for name in CONFIGS:
+        check_matches_reference(name, references[name], rank, world_size)
+    if world_size > 1:
+        # A given group (here: all ranks) instead of the default one.
+        group = dist.new_group(list(range(world_size)))
+        check_matches_reference("sum_hash_ragged", references["sum_hash_ragged"], rank, world_size,
+                                process_group=group)
+        _check_errors_agree(rank, world_size)
+
+
+def _check_errors_agree(rank, world_size):
+    """A bad input or a full table on one rank: every rank raises, none hangs, and the next step works."""
+    last = world_size - 1
+    direct = sk.DistributedEmbedding("sum", 4, DIM, 1, 2, use_hashtable=False)  # keys in [0, 4 * world_size)
+    good = torch.tensor([[[0, 1]]])
+    bad = torch.tensor([[[1, 4 * world_size]]]) if rank == last else good
+    if rank == last:
+        with pytest.raises(ValueError, match=rf"key {4 * world_size} .* out of range"):
+            direct(bad)
+    else:
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{last}\] of the process group rejected their input"):
+            direct(bad)
+    shape_bad = torch.tensor([[1, 2]]) if rank == 0 else good
+    with pytest.raises((ValueError, RuntimeError), match="dense inputs must be|rank\\(s\\) \\[0\\]"):
+        direct(shape_bad)
+    direct(good).sum().backward()  # the group is still in step
+    if rank == 0:
+        direct.eval()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] are in eval\(\) mode"):
+        direct(good)
+    direct.train()
+
+    table = sk.DistributedEmbedding("sum", 3, DIM, 1, 4)  # 3 rows per rank
+    table(torch.tensor([[[0, 1, -1, -1]]]))
+    sizes = len(table.hash_table)
+    # Rank 0 sends owner 0 four new keys: owner 0's table (3 rows) overflows.
+    many = torch.tensor([[[world_size * k for k in range(10, 14)]]]) if rank == 0 else torch.tensor([[[1, -1, -1, -1]]])
+    with pytest.raises(HashTableFullError, match="full|do not fit"):
+        table(many)
+    assert len(table.hash_table) == sizes  # nothing inserted anywhere
+    table(torch.tensor([[[2, -1, -1, -1]]])).sum().backward()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_model_parallel_matches_one_process(tmp_path, world_size):
+    spawn(_layers_worker, world_size, str(tmp_path))
+
+
+# ---- DDP on the dense part -----------------------------------------------------------------
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = sk.DistributedEmbedding("sum", DIRECT_KEYS, DIM, SLOTS, MAX_NNZ, use_hashtable=False)
+        self.top = nn.Linear(SLOTS * DIM, 1)
+        with torch.no_grad():
+            self.top.weight.copy_(torch.linspace(-1, 1, SLOTS * DIM))
+            self.top.bias.fill_(0.1)
+
+    def forward(self, keys):
+        return self.top(self.embedding(keys).flatten(1)).squeeze(1)
+
+
+def sum_gradients_hook(process_group, bucket):
+    """DDP comm hook that sums gradients over ranks instead of averaging them."""
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _ddp_worker(rank, world_size, init):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def run(model, batches, optimizer, forward_model):
+        losses = []
+        for keys, labels in batches:
+            loss = ((forward_model(keys) - labels) ** 2).sum() / GLOBAL_BATCH
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    pool = torch.arange(DIRECT_KEYS)
+    steps = []
+    for step in range(STEPS):
+        values, offsets = ragged_batch(step, pool)
+        labels = torch.randn(GLOBAL_BATCH, generator=torch.Generator().manual_seed(step))
+        steps.append((padded(values, offsets, -1), labels))
+    reference = TinyModel()
+    run(reference, steps, LazyAdam(reference.parameters(), lr=0.01), reference)
+
+    init()
+    model = TinyModel()  # per-rank embedding shards, identical dense layer
+    initial_shard = model.embedding.weight.detach().clone()
+    ignored = [name for name, p in model.named_parameters() if sk.is_embedding_variable(p)]
+    assert ignored == ["embedding.weight"]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, sum_gradients_hook)
+    assert torch.equal(model.embedding.weight, initial_shard)  # DDP broadcast no shard
+    per_rank = GLOBAL_BATCH // world_size
+    local = [(keys[rank * per_rank:(rank + 1) * per_rank], labels[rank * per_rank:(rank + 1) * per_rank])
+             for keys, labels in steps]
+    run(model, local, LazyAdam(model.parameters(), lr=0.01), ddp)
+
+    torch.testing.assert_close(model.top.weight, reference.top.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.top.bias, reference.top.bias, rtol=1e-5, atol=1e-6)
+    keys = model.embedding.owned_keys()
+    keep = keys < DIRECT_KEYS
+    torch.testing.assert_close(model.embedding.weight[keep], reference.embedding.weight[keys[keep]],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_on_the_dense_part_ignores_embeddings(tmp_path):
+    spawn(_ddp_worker, 2, str(tmp_path))

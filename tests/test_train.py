@@ -1,0 +1,300 @@
+"""The training harness (python -m sparsekit.train): data, metrics, Criteo reader, runs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sparsekit import hashing
+from sparsekit.train.criteo import (CriteoFormatError, CriteoParser, CriteoTSV, LineIndex,
+                                    benchmark_reader, write_synthetic_tsv)
+from sparsekit.train.data import NUM_DENSE, NUM_SLOTS, SyntheticCriteo, rank_slice
+from sparsekit.train.loop import TrainConfig, train
+from sparsekit.train.metrics import log_loss, roc_auc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDINGS = ["sparsekit", "torch"]
+TINY = dict(steps=12, batch_size=128, eval_samples=1024, eval_every=6, embedding_dim=8,
+            table_rows=1 << 16, vocab_per_slot=2000, lr=1e-2, device="cpu", progress=False)
+
+
+def tiny(**overrides) -> TrainConfig:
+    return TrainConfig(**{**TINY, **overrides})
+
+
+# ---- synthetic data ----
+
+def test_synthetic_is_deterministic_and_world_size_independent():
+    source = SyntheticCriteo(3, vocab_per_slot=500)
+    whole = source.train_batch(7, 96)
+    assert whole.dense.shape == (96, NUM_DENSE) and whole.dense.dtype == torch.float32
+    assert whole.keys.shape == (96, NUM_SLOTS) and whole.keys.dtype == torch.int64
+    assert whole.labels.shape == (96,) and set(whole.labels.unique().tolist()) <= {0.0, 1.0}
+    again = SyntheticCriteo(3, vocab_per_slot=500).train_batch(7, 96)
+    assert torch.equal(whole.keys, again.keys) and torch.equal(whole.labels, again.labels)
+    for world_size in (2, 3, 4):
+        parts = [source.train_batch(7, 96, rank, world_size) for rank in range(world_size)]
+        assert torch.equal(torch.cat([p.keys for p in parts]), whole.keys)
+        assert torch.equal(torch.cat([p.dense for p in parts]), whole.dense)
+        assert torch.equal(torch.cat([p.labels for p in parts]), whole.labels)
+    assert not torch.equal(source.train_batch(8, 96).keys, whole.keys)
+    assert not torch.equal(SyntheticCriteo(4, vocab_per_slot=500).train_batch(7, 96).keys, whole.keys)
+    held_out = next(source.eval_batches(96, 96))
+    assert not torch.equal(held_out.keys, whole.keys)
+
+
+def test_synthetic_keys_are_salted_per_slot_and_zipf_skewed():
+    source = SyntheticCriteo(0, vocab_per_slot=1000)
+    ranks = np.zeros((1, NUM_SLOTS), dtype=np.int64)
+    assert len(set(source.keys_of(ranks)[0].tolist())) == NUM_SLOTS  # rank 0 differs per slot
+    keys = source.train_batch(0, 4096).keys[:, 0]
+    _, counts = torch.unique(keys, return_counts=True)
+    assert counts.max() > 0.1 * keys.numel()  # the head key is frequent
+    assert 0.8 < source.oracle_auc(8192, 4096) < 1.0
+
+
+def test_rank_slice_partitions():
+    for size in (0, 1, 7, 128):
+        for world_size in (1, 2, 3, 4):
+            rows = [rank_slice(size, rank, world_size) for rank in range(world_size)]
+            covered = [i for part in rows for i in range(size)[part]]
+            assert covered == list(range(size))
+
+
+# ---- metrics ----
+
+def test_roc_auc_matches_pairwise_definition():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 20, (500,), generator=generator).float()  # many ties
+    labels = (torch.rand(500, generator=generator) < 0.3).float()
+    positive, negative = scores[labels == 1], scores[labels == 0]
+    pairwise = ((positive[:, None] > negative[None, :]).double()
+                + 0.5 * (positive[:, None] == negative[None, :]).double()).mean().item()
+    assert roc_auc(scores, labels) == pytest.approx(pairwise, abs=1e-12)
+    assert roc_auc(torch.tensor([0.1, 0.9]), torch.tensor([0.0, 1.0])) == 1.0
+    assert roc_auc(torch.tensor([0.9, 0.1]), torch.tensor([0.0, 1.0])) == 0.0
+    assert math.isnan(roc_auc(torch.tensor([0.1, 0.9]), torch.tensor([1.0, 1.0])))
+
+
+def test_log_loss():
+    p = torch.tensor([0.9, 0.2, 0.5])
+    y = torch.tensor([1.0, 0.0, 1.0])
+    expected = -(math.log(0.9) + math.log(0.8) + math.log(0.5)) / 3
+    assert log_loss(p, y) == pytest.approx(expected)
+    assert math.isfinite(log_loss(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0])))
+
+
+# ---- Criteo TSV reader ----
+
+def _line(label, dense, categorical, sep="\t"):
+    return sep.join([label, *dense, *categorical])
+
+
+def _write(path, lines, end="\n"):
+    with open(path, "w", newline="") as out:
+        out.write(end.join(lines) + end)
+
+
+DENSE_A = ["5", "", "-3", "0", "1", "2", "", "10", "100", "", "7", "0", ""]
+CATS_A = ["68fd1e64", "", "80e26c9b", "fb936136", "7b4723c4", "25c83c98", "7e0ccccf",
+          "de7995b8", "1f89b562", "a73ee510", "a8cd5504", "b2cb9c98", "37c9c164",
+          "2824a5f6", "1adce6ef", "8ba8b39a", "891b62e7", "e5ba7672", "f54016b9",
+          "21ddcdc9", "b1252a9d", "07b5194c", "", "3a171ecb", "c5c50484", ""]
+CATS_B = [""] * NUM_SLOTS
+DENSE_B = [""] * NUM_DENSE
+
+
+def test_criteo_parses_exact_format_with_missing_fields(tmp_path):
+    path = tmp_path / "day.tsv"
+    _write(path, [_line("1", DENSE_A, CATS_A), _line("0", DENSE_B, CATS_B)])
+    source = CriteoTSV(str(path), eval_samples=0)
+    assert source.num_train == 2
+    batch = source.train_batch(0, 2)
+    assert batch.labels.tolist() == [1.0, 0.0]
+    raw = [float(x) if x else 0.0 for x in DENSE_A]
+    expected = torch.tensor([math.log1p(max(x, 0.0)) for x in raw], dtype=torch.float32)
+    torch.testing.assert_close(batch.dense[0], expected)
+    assert torch.equal(batch.dense[1], torch.zeros(NUM_DENSE))
+    for slot, value in enumerate(CATS_A):
+        assert batch.keys[0, slot].item() == hashing.hash_value(value.encode(), slot)
+    missing = batch.keys[1]
+    # One "missing" key per slot: the hash of the empty string in that slot.
+    assert missing.tolist() == [hashing.hash_value(b"", slot) for slot in range(NUM_SLOTS)]
+    assert missing.unique().numel() == NUM_SLOTS
+    assert batch.keys[0, 1] == missing[1]  # an empty field in a full line too
+
+
+def test_criteo_crlf_and_no_final_newline(tmp_path):
+    crlf = tmp_path / "crlf.tsv"
+    _write(crlf, [_line("1", DENSE_A, CATS_A)] * 3, end="\r\n")
+    bare = tmp_path / "bare.tsv"
+    bare.write_text("\n".join([_line("1", DENSE_A, CATS_A)] * 3))
+    a = CriteoTSV(str(crlf), eval_samples=1).train_batch(0, 2)
+    b = CriteoTSV(str(bare), eval_samples=1).train_batch(0, 2)
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.dense, b.dense)
+    assert LineIndex(str(bare)).num_lines == 3
+
+
+@pytest.mark.parametrize("bad_line,message", [
+    (_line("1", DENSE_A, CATS_A[:-1]), r"expected 40 tab-separated fields .* got 39"),
+    (_line("1", DENSE_A, CATS_A) + "\textra", r"expected 40 .* got 41"),
+    (_line("2", DENSE_A, CATS_A), r"label must be 0 or 1, got b'2'"),
+    (_line("1", DENSE_A[:4] + ["1.5"] + DENSE_A[5:], CATS_A), r"integer feature I5 is not an integer: b'1\.5'"),
+    ("", r"expected 40 .* got 1$"),
+])
+def test_criteo_malformed_line_names_file_and_line(tmp_path, bad_line, message):
+    path = tmp_path / "broken.tsv"
+    good = _line("0", DENSE_A, CATS_A)
+    _write(path, [good, good, bad_line, good])
+    source = CriteoTSV(str(path), eval_samples=0)
+    with pytest.raises(CriteoFormatError, match=rf"broken\.tsv:3: {message}"):
+        source.train_batch(0, 4)
+    # A rank whose slice does not hold the bad line parses its own lines fine.
+    assert len(source.train_batch(0, 4, rank=0, world_size=2)) == 2
+
+
+def test_criteo_holdout_wraparound_and_rank_slices(tmp_path):
+    path = str(tmp_path / "synthetic.tsv")
+    write_synthetic_tsv(path, 50, seed=1)
+    lines = open(path, "rb").read().splitlines()
+    assert len(lines) == 50 and all(len(line.split(b"\t")) == 40 for line in lines)
+    parser = CriteoParser(path)
+    everything = parser.parse(lines, range(1, 51))
+    source = CriteoTSV(path, eval_samples=10)
+    assert source.num_train == 40
+    held_out = list(source.eval_batches(10, 4))
+    assert [len(b) for b in held_out] == [4, 4, 2]
+    assert torch.equal(torch.cat([b.keys for b in held_out]), everything.keys[40:])
+    # Global batch 3 of size 16 covers lines 48..63 of the training part: it wraps.
+    batch = source.train_batch(3, 16)
+    order = [(3 * 16 + i) % 40 for i in range(16)]
+    assert torch.equal(batch.keys, everything.keys[order])
+    assert torch.equal(batch.labels, everything.labels[order])
+    # Random access and sequential reading agree, whatever the seek anchors are.
+    source._index = LineIndex(path, stride=3)
+    for step in (5, 0, 1, 2):
+        expected = everything.keys[[(step * 7 + i) % 40 for i in range(7)]]
+        assert torch.equal(source.train_batch(step, 7).keys, expected)
+        parts = [source.train_batch(step, 7, rank, 3).keys for rank in range(3)]
+        assert torch.equal(torch.cat(parts), expected)
+    source.close()
+
+
+def test_criteo_too_small_for_holdout(tmp_path):
+    path = str(tmp_path / "small.tsv")
+    write_synthetic_tsv(path, 5)
+    with pytest.raises(ValueError, match="lower --eval-samples"):
+        CriteoTSV(path, eval_samples=5)
+
+
+def test_benchmark_reader_counts_lines(tmp_path):
+    path = str(tmp_path / "bench.tsv")
+    write_synthetic_tsv(path, 300)
+    result = benchmark_reader(path, batch_size=100)
+    assert result["lines"] == 300 and result["lines_per_s"] > 0
+
+
+# ---- the harness, end to end ----
+
+def _check_metrics(result, *, steps, world_size):
+    for key in ("auc", "logloss", "samples_per_s", "steps", "world_size"):
+        assert key in result
+    assert result["steps"] == steps and result["world_size"] == world_size
+    assert 0.0 <= result["auc"] <= 1.0 and result["logloss"] > 0 and result["samples_per_s"] > 0
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_harness_learns_on_synthetic_data(tmp_path, embedding):
+    metrics_path = tmp_path / "metrics.json"
+    result = train(tiny(embedding=embedding, steps=60, batch_size=256, eval_samples=4096,
+                        eval_every=0, metrics_json=str(metrics_path)))
+    _check_metrics(result, steps=60, world_size=1)
+    assert result["auc"] > 0.7, result
+    assert json.loads(metrics_path.read_text()) == result
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_harness_on_criteo_file(tmp_path, embedding):
+    path = str(tmp_path / "day.tsv")
+    write_synthetic_tsv(path, 3000)
+    result = train(tiny(embedding=embedding, data=path, steps=40, eval_samples=800))
+    _check_metrics(result, steps=40, world_size=1)
+    assert result["eval_samples"] == 800
+    assert result["auc"] > 0.6, result
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_resume_gives_the_uninterrupted_result(tmp_path, embedding):
+    straight = train(tiny(embedding=embedding, checkpoint_dir=str(tmp_path / "a")))
+    first = train(tiny(embedding=embedding, steps=5, checkpoint_dir=str(tmp_path / "b")))
+    assert first["steps"] == 5
+    resumed = train(tiny(embedding=embedding, checkpoint_dir=str(tmp_path / "b"), resume=True))
+    assert resumed["resumed_from_step"] == 5 and resumed["steps"] == 12
+    assert resumed["auc"] == straight["auc"]
+    assert resumed["logloss"] == straight["logloss"]
+    # Resuming a finished run trains nothing and evaluates the same model.
+    again = train(tiny(embedding=embedding, checkpoint_dir=str(tmp_path / "b"), resume=True))
+    assert again["resumed_from_step"] == 12 and again["logloss"] == straight["logloss"]
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    train(tiny(embedding="torch", steps=2, checkpoint_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="--embedding-dim 8 .now 4."):
+        train(tiny(embedding="torch", embedding_dim=4, checkpoint_dir=str(tmp_path), resume=True))
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="--resume needs --checkpoint-dir"):
+        train(tiny(embedding="torch", resume=True))
+    with pytest.raises(ValueError, match="--embedding must be"):
+        train(tiny(embedding="tensorflow"))
+
+
+def _torchrun(config: TrainConfig, nproc: int, metrics_path: str) -> dict:
+    """Run ``config`` under torchrun on ``nproc`` CPU processes (gloo); rank 0's metrics."""
+    args = ["--device", "cpu", "--embedding", config.embedding, "--steps", str(config.steps),
+            "--batch-size", str(config.batch_size), "--eval-samples", str(config.eval_samples),
+            "--eval-every", str(config.eval_every), "--embedding-dim", str(config.embedding_dim),
+            "--table-rows", str(config.table_rows), "--vocab-per-slot", str(config.vocab_per_slot),
+            "--lr", str(config.lr), "--no-progress", "--metrics-json", metrics_path]
+    if config.checkpoint_dir:
+        args += ["--checkpoint-dir", config.checkpoint_dir]
+    if config.resume:
+        args.append("--resume")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "sparsekit.train", *args]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    with open(metrics_path) as metrics:
+        return json.load(metrics)
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+def test_two_processes_match_one_process(tmp_path, embedding):
+    """torchrun, 2 ranks on gloo, same global batches: DDP over the dense layers plus the
+    model-parallel sparsekit embedding (or the replicated torch one) follows the
+    one-process run up to float summation order."""
+    single = train(tiny(embedding=embedding))
+    double = _torchrun(tiny(embedding=embedding), 2, str(tmp_path / "metrics.json"))
+    _check_metrics(double, steps=single["steps"], world_size=2)
+    assert double["eval_samples"] == single["eval_samples"]
+    assert double["auc"] == pytest.approx(single["auc"], abs=2e-3)
+    assert double["logloss"] == pytest.approx(single["logloss"], abs=2e-3)
+
+
+def test_resume_on_another_world_size(tmp_path):
+    """Checkpoint on 1 process, resume on 2: the run ends where the uninterrupted one does."""
+    straight = train(tiny(embedding="sparsekit"))
+    train(tiny(embedding="sparsekit", steps=5, checkpoint_dir=str(tmp_path)))
+    resumed = _torchrun(tiny(embedding="sparsekit", checkpoint_dir=str(tmp_path), resume=True), 2,
+                        str(tmp_path / "metrics.json"))
+    assert resumed["resumed_from_step"] == 5 and resumed["world_size"] == 2
+    assert resumed["auc"] == pytest.approx(straight["auc"], abs=2e-3)
+    assert resumed["logloss"] == pytest.approx(straight["logloss"], abs=2e-3)
