@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit  # noqa: E402
-from benchmarks.common import time_fn, write_results, zipf_keys  # noqa: E402
+from benchmarks.common import copy_bandwidth, time_fn, write_results, zipf_keys  # noqa: E402
 
 
 def time_sides(fns: dict, device: torch.device, repeat: int, rounds: int) -> dict:
@@ -35,14 +35,6 @@ def time_sides(fns: dict, device: torch.device, repeat: int, rounds: int) -> dic
         for name, fn in fns.items():
             times[name].append(time_fn(fn, device, repeat=repeat))
     return {name: float(np.median(ts)) for name, ts in times.items()}
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted) of nbytes."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    seconds = time_fn(lambda: dst.copy_(src), device)
-    return 2 * src.numel() * 4 / seconds
 
 
 def bench_unique(device: torch.device, n: int, alpha: float, repeat: int, rounds: int) -> dict:
