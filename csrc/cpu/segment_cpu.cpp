@@ -18,6 +18,7 @@
 //    prefetched a few rows ahead; the data with a non-temporal hint, so that the stream
 //    does not push the output out of the caches;
 //  - rows are added in fixed blocks of 16 lanes that the compiler turns into vector adds.
+#include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,19 +48,6 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kListRows = 2048;
 // Ids sampled to cut the segment ranges: enough for quantiles within a few percent.
 constexpr int64_t kSampleIds = 4096;
-
-template <typename scalar_t>
-struct Accumulator {
-  using type = scalar_t;
-};
-template <>
-struct Accumulator<at::Half> {
-  using type = float;
-};
-template <>
-struct Accumulator<at::BFloat16> {
-  using type = float;
-};
 
 /// @brief out[0, width) += row[0, width). The fixed-size inner block and __restrict (the
 /// row and the output never overlap) let the compiler emit vector adds.
@@ -127,7 +115,7 @@ int64_t accumulate_unit(const scalar_t* data, const index_t* ids, int64_t n, int
 template <typename scalar_t, typename index_t>
 int64_t run_unit(const scalar_t* data, const index_t* ids, int64_t n, int64_t dim, int64_t seg_begin,
                  int64_t seg_end, int64_t col_begin, int64_t col_end, scalar_t* out) {
-  using acc_t = typename Accumulator<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
   if constexpr (std::is_same_v<acc_t, scalar_t>) {
     return accumulate_unit<scalar_t, acc_t, index_t>(data, ids, n, dim, seg_begin, seg_end, col_begin, col_end,
                                                      out + seg_begin * dim + col_begin, dim);

@@ -19,6 +19,7 @@
 //
 // Ids >= num_segments are skipped by every kernel (so nothing is written out of bounds) and
 // their maximum is recorded in device memory; the host reads it once at the end and raises.
+#include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -51,19 +52,6 @@ constexpr int64_t kTileRows = 64;
 constexpr int64_t kFanIn = 32;
 constexpr int kMaxLevels = 10;  // 64 * 32^9 = 2^51 rows: more than any tensor
 constexpr int kBatchElements = 32;  // per thread in flight: e.g. 8 rows of float4
-
-template <typename scalar_t>
-struct Accumulator {
-  using type = scalar_t;
-};
-template <>
-struct Accumulator<c10::Half> {
-  using type = float;
-};
-template <>
-struct Accumulator<c10::BFloat16> {
-  using type = float;
-};
 
 /// VEC consecutive elements moved as one aligned load (16 bytes at the widest).
 template <typename T, int VEC>
@@ -431,7 +419,7 @@ int pick_vec(const void* ptr, int64_t dim) {
 template <typename scalar_t, typename id_t, int VEC>
 void launch_atomic(const at::Tensor& data, const at::Tensor& ids, at::Tensor& acc, int64_t dim,
                    int64_t num_segments, long long* bad_id, cudaStream_t stream) {
-  using acc_t = typename Accumulator<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
   const int64_t n = data.size(0);
   const int64_t chunks = dim / VEC;
   const int64_t rows_per_run = std::clamp<int64_t>(n * chunks / kTargetThreads, 1, kMaxRowsPerRun);
@@ -447,7 +435,7 @@ void launch_atomic(const at::Tensor& data, const at::Tensor& ids, at::Tensor& ac
 template <typename scalar_t, typename id_t>
 void segment_sum_atomic(const at::Tensor& data, const at::Tensor& ids, at::Tensor& out, int64_t dim,
                         int64_t num_segments, long long* bad_id, cudaStream_t stream) {
-  using acc_t = typename Accumulator<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
   constexpr int kWide = 16 / sizeof(scalar_t);
   // float16/bfloat16 sum in float32 and round once, as on the CPU.
   at::Tensor acc = std::is_same_v<acc_t, scalar_t> ? out : at::zeros(out.sizes(), out.options().dtype(at::kFloat));
@@ -462,7 +450,7 @@ void segment_sum_atomic(const at::Tensor& data, const at::Tensor& ids, at::Tenso
 template <typename scalar_t, typename key_t, typename pos_t, int VEC>
 void launch_tree(const at::Tensor& data, const key_t* sorted_keys, const pos_t* sorted_pos, const pos_t* seg_begin,
                  const pos_t* seg_end, at::Tensor& out, int64_t dim, int64_t num_segments, cudaStream_t stream) {
-  using acc_t = typename Accumulator<scalar_t>::type;
+  using acc_t = at::opmath_type<scalar_t>;
   const int64_t n = data.size(0);
   const int64_t chunks = dim / VEC;
   const dim3 block = block_for(chunks);
