@@ -15,7 +15,7 @@ fi
 PY="$VENV/bin/python"
 # --isolated: the registry's CUDA build of torch, not a local CPU-only file.
 "$PY" -m pip install --isolated -q --upgrade pip
-"$PY" -m pip install --isolated -q "torch==2.13.0" numpy pytest expecttest tqdm xxhash ninja setuptools wheel cmake
+"$PY" -m pip install --isolated -q "torch==2.13.0" numpy pytest hypothesis expecttest tqdm xxhash ninja setuptools wheel cmake
 
 echo "== building sparsekit (SPARSEKIT_CUDA=${SPARSEKIT_CUDA:-auto})"
 "$PY" -m pip install --isolated -q --no-build-isolation --no-deps -e .

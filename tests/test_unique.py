@@ -1,5 +1,8 @@
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from properties import KEY_DISTRIBUTIONS, examples, make_keys, num_threads, sizes, thread_counts
 
 import sparsekit as sk
 
@@ -137,3 +140,65 @@ def test_unique_opcheck(device):
     for keys in [torch.tensor([5, 1, 5, INT64_MIN], device=device), torch.empty(0, dtype=torch.int64, device=device),
                  torch.tensor([[1, 2], [2, 1]], dtype=torch.int32, device=device)]:
         torch.library.opcheck(torch.ops.sparsekit.unique.default, (keys,))
+
+
+def torch_unique_first_occurrence(keys: torch.Tensor):
+    """First-occurrence unique from plain torch ops (sorted unique, then reordered by each
+    key's first position): the reference for inputs too large for the Python one."""
+    flat = keys.reshape(-1)
+    sorted_keys, inverse, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+    first = torch.full((sorted_keys.numel(),), flat.numel(), dtype=torch.int64, device=flat.device)
+    first.scatter_reduce_(0, inverse, torch.arange(flat.numel(), device=flat.device), "amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return sorted_keys[order], rank[inverse].view(keys.shape), counts[order]
+
+
+def assert_unique_equal(got, want):
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g.cpu(), w.cpu())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unique_regression_table_growth_mid_chunk(device, seed):
+    """Regression: a hot range plus a long tail of wide keys made the CPU sketch
+    underestimate, the chunk table grew mid-probe, and keys whose home slot had been
+    computed under the old mask were added twice (13,525 "unique" keys of 13,500)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.cat([torch.randint(-500, 500, (50_000,), generator=g),
+                      torch.randint(INT64_MIN, INT64_MAX, (12_500,), generator=g)])
+    keys = keys[torch.randperm(keys.numel(), generator=g)].to(device)
+    for threads in (1, 2):
+        with num_threads(threads):
+            got = torch.ops.sparsekit.unique(keys)
+        assert got[0].numel() == 13_500
+        assert_unique_equal(got, torch_unique_first_occurrence(keys))
+
+
+@examples(12)
+@given(n=sizes(), distribution=st.sampled_from(KEY_DISTRIBUTIONS), dtype=st.sampled_from([torch.int64, torch.int32]),
+       seed=st.integers(0, 2**31 - 1), threads=thread_counts)
+def test_unique_property_matches_torch(device, n, distribution, dtype, seed, threads):
+    """unique == plain-torch first-occurrence unique (keys, order, inverse, counts) for any
+    size, distribution, dtype and thread count; CUDA equals the CPU kernel bit for bit."""
+    keys = make_keys(n, distribution, seed, dtype)
+    want = torch_unique_first_occurrence(keys)
+    with num_threads(threads):
+        got = torch.ops.sparsekit.unique(keys.to(device))
+    assert_unique_equal(got, want)
+    if device.type == "cuda":
+        assert_unique_equal(got, torch.ops.sparsekit.unique(keys))
+
+
+@examples(4)
+@given(rows=st.integers(0, 300), cols=st.integers(0, 5), distribution=st.sampled_from(KEY_DISTRIBUTIONS),
+       seed=st.integers(0, 2**31 - 1), transpose=st.booleans())
+def test_unique_property_shapes(device, rows, cols, distribution, seed, transpose):
+    """Keys of any 2-D shape, contiguous or not, are read flattened; inverse keeps the shape."""
+    keys = make_keys(rows * cols, distribution, seed).view(rows, cols)
+    if transpose:
+        keys = keys.t()
+    got = torch.ops.sparsekit.unique(keys.to(device))
+    assert_unique_equal(got, torch_unique_first_occurrence(keys))

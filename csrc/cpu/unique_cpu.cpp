@@ -156,9 +156,11 @@ class LocalTable {
   uint64_t slot_of(uint64_t hash) const { return hash & mask_; }
   void prefetch_slot(uint64_t slot) const { __builtin_prefetch(&slots_[slot], 1); }
 
-  /// Adds `occurrences` to the count of key, whose probe starts at `slot`; a new key is
-  /// appended with the next id. Returns its id.
-  id_t add(key_t key, uint64_t slot, id_t occurrences) {
+  /// Adds `occurrences` to the count of key, whose hash is `hash`; a new key is appended
+  /// with the next id. Returns its id. May grow the table: callers hold hashes, never
+  /// slots, across calls, since a slot is only valid under the mask it was taken with.
+  id_t add(key_t key, uint64_t hash, id_t occurrences) {
+    uint64_t slot = slot_of(hash);
     while (slots_[slot].count != 0) {
       if (slots_[slot].key == key) {
         slots_[slot].count += occurrences;
@@ -169,7 +171,7 @@ class LocalTable {
     if (!fits(size() + 1)) {
       // Only when the distinct-count estimate was far off: grow and probe again.
       rehash(2 * num_slots_);
-      return add(key, slot_of(hash_key(key)), occurrences);
+      return add(key, hash, occurrences);
     }
     const id_t id = static_cast<id_t>(size());
     slots_[slot] = slot_t{key, id, occurrences};
@@ -178,7 +180,8 @@ class LocalTable {
   }
 
   /// Adds `occurrences` to the count of key and returns its id, or kAbsent.
-  id_t add_if_present(key_t key, uint64_t slot, id_t occurrences) {
+  id_t add_if_present(key_t key, uint64_t hash, id_t occurrences) {
+    uint64_t slot = slot_of(hash);
     while (__atomic_load_n(&slots_[slot].count, __ATOMIC_RELAXED) != 0) {
       if (slots_[slot].key == key) {
         __atomic_fetch_add(&slots_[slot].count, occurrences, __ATOMIC_RELAXED);
@@ -189,8 +192,9 @@ class LocalTable {
     return kAbsent;
   }
 
-  /// Stores a key known to be absent under `id`, in the first free slot from `slot`.
-  void insert_absent(key_t key, uint64_t slot, id_t id, id_t occurrences) {
+  /// Stores a key known to be absent under `id`, in the first free slot of its probe.
+  void insert_absent(key_t key, uint64_t hash, id_t id, id_t occurrences) {
+    uint64_t slot = slot_of(hash);
     while (true) {
       id_t free = 0;
       if (__atomic_compare_exchange_n(&slots_[slot].count, &free, occurrences, /*weak=*/false, __ATOMIC_RELAXED,
@@ -266,24 +270,26 @@ class LocalTable {
   std::vector<key_t> keys_;
 };
 
-/// @brief Calls visit(i, slot) for i in [0, num_keys) in order, with the slot where the
-/// probe of keys[i] starts. Hashes are computed once, kPrefetchDistance keys ahead, and
-/// the slot prefetched, so it is in cache (or on its way) when the key is probed.
+/// @brief Calls visit(i, hash) for i in [0, num_keys) in order, with the hash of keys[i].
+/// Hashes are computed once, kPrefetchDistance keys ahead, and the key's home slot
+/// prefetched, so it is in cache (or on its way) when the key is probed. The hash, not
+/// the slot, is handed on: visit may grow the table, and a slot taken under the old mask
+/// would start the probe in the wrong place (the key would be missed and added twice).
 template <typename table_t, typename key_t, typename visit_fn>
 void probe_each(const table_t& table, const key_t* keys, int64_t num_keys, const visit_fn& visit) {
   uint64_t ahead[kPrefetchDistance];
   for (int64_t i = 0; i < std::min(num_keys, kPrefetchDistance); ++i) {
-    ahead[i] = table.slot_of(table_t::hash_key(keys[i]));
-    table.prefetch_slot(ahead[i]);
+    ahead[i] = table_t::hash_key(keys[i]);
+    table.prefetch_slot(table.slot_of(ahead[i]));
   }
   for (int64_t i = 0; i < num_keys; ++i) {
-    const uint64_t slot = ahead[i % kPrefetchDistance];
+    const uint64_t hash = ahead[i % kPrefetchDistance];
     if (i + kPrefetchDistance < num_keys) {
-      const uint64_t next = table.slot_of(table_t::hash_key(keys[i + kPrefetchDistance]));
+      const uint64_t next = table_t::hash_key(keys[i + kPrefetchDistance]);
       ahead[i % kPrefetchDistance] = next;
-      table.prefetch_slot(next);
+      table.prefetch_slot(table.slot_of(next));
     }
-    visit(i, slot);
+    visit(i, hash);
   }
 }
 
@@ -308,8 +314,8 @@ std::vector<id_t> merge_into(LocalTable<key_t, id_t>& global, std::unique_ptr<Lo
   at::parallel_for(0, num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t begin = b * kScanGrain, length = std::min(kScanGrain, num_keys - begin);
-      probe_each(global, keys.data() + begin, length, [&](int64_t i, uint64_t slot) {
-        ids[begin + i] = global.add_if_present(keys[begin + i], slot, counts[begin + i]);
+      probe_each(global, keys.data() + begin, length, [&](int64_t i, uint64_t hash) {
+        ids[begin + i] = global.add_if_present(keys[begin + i], hash, counts[begin + i]);
         new_before[b + 1] += ids[begin + i] == global.kAbsent;
       });
     }
@@ -323,11 +329,11 @@ std::vector<id_t> merge_into(LocalTable<key_t, id_t>& global, std::unique_ptr<Lo
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t begin = b * kScanGrain, length = std::min(kScanGrain, num_keys - begin);
       int64_t next = new_before[b];
-      probe_each(global, keys.data() + begin, length, [&](int64_t i, uint64_t slot) {
+      probe_each(global, keys.data() + begin, length, [&](int64_t i, uint64_t hash) {
         if (ids[begin + i] != global.kAbsent) return;
         ids[begin + i] = static_cast<id_t>(first_new + next);
         new_keys[next++] = keys[begin + i];
-        global.insert_absent(keys[begin + i], slot, ids[begin + i], counts[begin + i]);
+        global.insert_absent(keys[begin + i], hash, ids[begin + i], counts[begin + i]);
       });
     }
   });
@@ -368,8 +374,8 @@ void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_
       table_t& table = *tables[c];
       const key_t* chunk_keys = keys + chunk_begin(c);
       int64_t* chunk_inverse = inverse + chunk_begin(c);
-      probe_each(table, chunk_keys, chunk_begin(c + 1) - chunk_begin(c), [&](int64_t i, uint64_t slot) {
-        chunk_inverse[i] = table.add(chunk_keys[i], slot, 1);
+      probe_each(table, chunk_keys, chunk_begin(c + 1) - chunk_begin(c), [&](int64_t i, uint64_t hash) {
+        chunk_inverse[i] = table.add(chunk_keys[i], hash, 1);
       });
     }
   });
