@@ -16,7 +16,10 @@ from typing import Callable, Dict, List
 import numpy as np
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# SPARSEKIT_BENCH_RESULTS_DIR redirects the JSON (scripts/gpu_check.sh writes it into its
+# output folder, so a check run never overwrites the committed results).
+RESULTS_DIR = os.environ.get("SPARSEKIT_BENCH_RESULTS_DIR") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def synchronize(device: torch.device) -> None:

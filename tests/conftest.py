@@ -5,6 +5,10 @@ import torch
 from hypothesis import HealthCheck, settings
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# SPARSEKIT_TEST_DEVICES=cuda (or cpu) restricts the device fixture, as scripts/gpu_check.sh
+# does to spend its GPU time on the CUDA cases.
+if os.environ.get("SPARSEKIT_TEST_DEVICES"):
+    DEVICES = [d for d in DEVICES if d in os.environ["SPARSEKIT_TEST_DEVICES"].split(",")]
 
 # Property-based tests (hypothesis). "ci" is the default: derandomized (the same examples
 # every run, so CI is reproducible) and small enough for a few minutes in all. "thorough"

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# The GPU proof in one command: build sparsekit in place against the torch already
+# installed (no venv, no downloads; sm_90 only by default, all cores), run the whole test
+# suite on CUDA (junit XML), compute-sanitizer (memcheck, racecheck, synccheck, initcheck)
+# over tests/test_cuda_smoke.py (every kernel of every csrc/cuda/*.cu file, small inputs),
+# then every benchmark with --device cuda (JSON). Every stage is time-boxed and the run
+# goes on after a failing stage; everything lands in one folder, which ends with a
+# one-screen summary and summary.json. The whole run fits in 9 minutes on an H100/H200.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--stages build,tests,sanitizer,bench]
+#
+#   OUT_DIR     output folder (default gpu-check-out/); emptied first
+#   --dry-run   the same stages on the CPU at tiny sizes, the sanitizer skipped (CI runs
+#               this so the script cannot rot); builds CPU-only, in place
+#   --stages    a comma-separated subset, in the order above
+#
+# Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
+# (default all cores), GPU_CHECK_BUDGET_SCALE (multiplies every stage's time box).
+# Python packages the tests need (pytest, hypothesis, expecttest, xxhash, tqdm) that the
+# machine lacks are installed from wheels in .whl/ when that folder exists (no network).
+# The benchmark JSON goes to OUT_DIR/bench/; copy it to benchmarks/results/ to commit it.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+repo=$(pwd)
+
+out=gpu-check-out
+dry_run=0
+stages=build,tests,sanitizer,bench
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry_run=1 ;;
+    --stages) stages=$2; shift ;;
+    --stages=*) stages=${1#--stages=} ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) out=$1 ;;
+  esac
+  shift
+done
+case "$out" in /*) ;; *) out="$repo/$out" ;; esac
+rm -rf "$out"
+mkdir -p "$out/logs" "$out/bench"
+PY=${PYTHON:-python3}
+scale=${GPU_CHECK_BUDGET_SCALE:-1}
+jobs=${MAX_JOBS:-$(nproc)}
+export PYTHONUNBUFFERED=1 SPARSEKIT_BENCH_RESULTS_DIR="$out/bench"
+records="$out/stages.tsv"
+: > "$records"
+run_start=$(date +%s)
+
+# run_stage NAME BUDGET_S COMMAND...: runs COMMAND time-boxed, its output in logs/NAME.log.
+run_stage() {
+  local name=$1 budget=$2
+  shift 2
+  budget=$(awk -v b="$budget" -v s="$scale" 'BEGIN { printf "%d", b * s }')
+  local log="$out/logs/$name.log" start status
+  start=$(date +%s)
+  printf '== %-22s (time box %4d s) ' "$name" "$budget"
+  timeout --kill-after=15 "$budget" "$@" > "$log" 2>&1
+  local rc=$?
+  case $rc in
+    0) status=pass ;;
+    124|137) status=timeout ;;
+    *) status=fail ;;
+  esac
+  local seconds=$(( $(date +%s) - start ))
+  printf '%-7s %4d s\n' "$status" "$seconds"
+  [ "$status" = pass ] || tail -n 15 "$log" | sed 's/^/   | /'
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$seconds" "$rc" "logs/$name.log" >> "$records"
+}
+
+skip_stage() {
+  printf '== %-22s skipped (%s)\n' "$1" "$2"
+  printf '%s\t%s\t0\t0\t%s\n' "$1" "skipped" "$2" >> "$records"
+}
+
+wants() { case ",$stages," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+# ---- environment -------------------------------------------------------------------
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git -C "$repo" rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "dry_run: $dry_run"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  command -v nvcc >/dev/null && nvcc --version | tail -n 2
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+missing=$("$PY" - <<'PY'
+import importlib.util
+print(" ".join(m for m in ("pytest", "hypothesis", "expecttest", "xxhash", "tqdm", "numpy")
+               if importlib.util.find_spec(m) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  if [ -d "$repo/.whl" ]; then
+    echo "installing from .whl/: $missing"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$out/site" "$repo"/.whl/*.whl \
+      > "$out/logs/deps.log" 2>&1 || echo "   (wheel install failed: see logs/deps.log)"
+    export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "missing Python packages: $missing (put their wheels in .whl/); stages that need them will fail"
+  fi
+fi
+
+if [ "$dry_run" = 1 ]; then
+  export SPARSEKIT_CUDA=0 SPARSEKIT_TEST_DEVICES=cpu
+  device=cpu
+else
+  export SPARSEKIT_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} SPARSEKIT_TEST_DEVICES=cuda
+  device=cuda
+fi
+
+# ---- build ---------------------------------------------------------------------------
+if wants build; then
+  # A persistent build folder per mode, so a second run recompiles only what changed.
+  run_stage build 240 env MAX_JOBS="$jobs" "$PY" setup.py build_ext --inplace \
+    --build-temp "build/gpu-check-$device"
+fi
+
+# ---- tests -----------------------------------------------------------------------------
+pytest_base=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfEs)
+if wants tests; then
+  if [ "$dry_run" = 1 ]; then
+    # CI has just run the whole suite on the CPU; the dry run checks the stage's plumbing.
+    run_stage tests 120 "${pytest_base[@]}" --junitxml "$out/pytest.xml" tests/test_cuda_smoke.py tests/test_unique.py
+  else
+    xdist=()
+    "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+    run_stage tests 150 "${pytest_base[@]}" "${xdist[@]}" --junitxml "$out/pytest.xml" tests
+  fi
+fi
+
+# ---- compute-sanitizer ------------------------------------------------------------------
+if wants sanitizer; then
+  if [ "$dry_run" = 1 ]; then
+    skip_stage sanitizer "dry run: no GPU"
+  elif ! command -v compute-sanitizer >/dev/null; then
+    skip_stage sanitizer "compute-sanitizer not on PATH"
+  else
+    for tool in memcheck racecheck synccheck initcheck; do
+      budget=45
+      [ "$tool" = memcheck ] && budget=60
+      run_stage "sanitizer-$tool" "$budget" compute-sanitizer --tool "$tool" --error-exitcode 86 \
+        --target-processes all --print-limit 20 \
+        "${pytest_base[@]}" -x --junitxml "$out/sanitizer-$tool.xml" tests/test_cuda_smoke.py
+    done
+  fi
+fi
+
+# ---- benchmarks ------------------------------------------------------------------------
+if wants bench; then
+  if [ "$dry_run" = 1 ]; then
+    b=(--device cpu)
+    run_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --keys 20000 --rows 20000 --dim 8 --segments 500 --repeat 1
+    run_stage bench-embedding 60 "$PY" benchmarks/bench_embedding.py "${b[@]}" --rows 5000 --bags 256 --pooling 4 --dims 16 --rounds 1 --repeat 1
+    run_stage bench-hashtable 60 "$PY" benchmarks/bench_hashtable.py "${b[@]}" --capacity 4096 --queries 4096 --repeat 1
+    run_stage bench-lazy-adam 60 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}" --rows 5000 --dim 8 --unique 500 --repeat 1
+    run_stage bench-layers 60 "$PY" benchmarks/bench_layers.py "${b[@]}" --batch 64 --slots 4 --world-sizes 1 --repeat 1
+    run_stage bench-train 90 "$PY" benchmarks/bench_train.py "${b[@]}" --batch-size 64 --table-rows 4096 --vocab-per-slot 100 --warmup 1 --steps 2 --rounds 1
+    run_stage bench-criteo-reader 60 "$PY" benchmarks/bench_criteo_reader.py --lines 2000 --batch-size 256
+  else
+    b=(--device cuda)
+    run_stage bench-ops 45 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3
+    run_stage bench-embedding 60 "$PY" benchmarks/bench_embedding.py "${b[@]}" --rounds 3
+    run_stage bench-hashtable 30 "$PY" benchmarks/bench_hashtable.py "${b[@]}"
+    run_stage bench-lazy-adam 30 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}"
+    run_stage bench-layers 30 "$PY" benchmarks/bench_layers.py "${b[@]}" --world-sizes 1
+    run_stage bench-train 60 "$PY" benchmarks/bench_train.py "${b[@]}" --rounds 3
+  fi
+fi
+
+# ---- summary ---------------------------------------------------------------------------
+"$PY" - "$out" "$dry_run" "$(( $(date +%s) - run_start ))" <<'PY'
+import json, os, sys
+out, dry_run, total = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+stages = []
+with open(os.path.join(out, "stages.tsv")) as f:
+    for line in f:
+        name, status, seconds, rc, log = line.rstrip("\n").split("\t")
+        stages.append({"stage": name, "status": status, "seconds": int(seconds), "exit_code": int(rc), "log": log})
+env = open(os.path.join(out, "env.txt")).read()
+summary = {"dry_run": dry_run, "total_seconds": total, "env": env.splitlines(), "stages": stages,
+           "benchmark_json": sorted(os.listdir(os.path.join(out, "bench"))),
+           "ok": all(s["status"] in ("pass", "skipped") for s in stages)}
+with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+    f.write("\n")
+print()
+print(f"{'stage':<24}{'status':<9}{'seconds':>8}")
+for s in stages:
+    print(f"{s['stage']:<24}{s['status']:<9}{s['seconds']:>8}")
+print(f"{'total':<24}{'ok' if summary['ok'] else 'FAILED':<9}{total:>8}")
+print(f"summary: {os.path.join(out, 'summary.json')}")
+sys.exit(0 if summary["ok"] else 1)
+PY
