@@ -255,6 +255,76 @@ def test_bad_settings_raise():
         train(tiny(embedding="tensorflow"))
 
 
+@pytest.mark.parametrize("flags, fields, message", [
+    (["--steps", "-5"], dict(steps=-5), "--steps must be an integer >= 0"),
+    (["--batch-size", "0"], dict(batch_size=0), "--batch-size must be an integer >= 1"),
+    (["--batch-size", "-8"], dict(batch_size=-8), "--batch-size must be an integer >= 1"),
+    (["--eval-samples", "0"], dict(eval_samples=0), "--eval-samples must be an integer >= 1"),
+    (["--eval-every", "-1"], dict(eval_every=-1), "--eval-every must be an integer >= 0"),
+    (["--embedding-dim", "0"], dict(embedding_dim=0), "--embedding-dim must be an integer >= 1"),
+    (["--lr", "0"], dict(lr=0.0), "--lr must be > 0"),
+    (["--timeout", "0"], dict(timeout=0.0), "--timeout must be > 0"),
+    (["--checkpoint-every", "5"], dict(checkpoint_every=5), "--checkpoint-every needs --checkpoint-dir"),
+    (["--resume"], dict(resume=True), "--resume needs --checkpoint-dir"),
+])
+def test_bad_flags_are_argparse_errors(capsys, flags, fields, message):
+    """Out-of-range flags exit with status 2 and a usage message naming the flag, before
+    anything runs; the same check raises ValueError for a TrainConfig built in code."""
+    from sparsekit.train.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match=message):
+        train(TrainConfig(**fields))
+
+
+def _fail_and_stay(rank: int, world_size: int, port: int, timeout: float, results) -> None:
+    """Rank 1 fails before a collective and stays alive; rank 0 must not wait for ever."""
+    import time
+
+    import torch.distributed as dist
+
+    from sparsekit.train.loop import setup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    setup("cpu", timeout)
+    start = time.monotonic()
+    if rank == 1:
+        time.sleep(3 * timeout)
+    else:
+        try:
+            dist.all_reduce(torch.ones(1))
+            results.put(("no error", time.monotonic() - start))
+        except Exception as error:  # noqa: BLE001 (gloo raises RuntimeError or DistBackendError)
+            results.put((type(error).__name__, time.monotonic() - start))
+
+
+def test_timeout_bounds_a_rank_that_fails_and_stays():
+    """--timeout reaches the process group: the waiting rank raises after about that long."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_fail_and_stay, args=(rank, 2, port, 2.0, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    outcome, seconds = results.get(timeout=60)
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert outcome != "no error"
+    assert seconds < 30
+
+
 def _torchrun(config: TrainConfig, nproc: int, metrics_path: str) -> dict:
     """Run ``config`` under torchrun on ``nproc`` CPU processes (gloo); rank 0's metrics."""
     args = ["--device", "cpu", "--embedding", config.embedding, "--steps", str(config.steps),

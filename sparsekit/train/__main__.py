@@ -61,8 +61,16 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
                         help="distinct values per slot of the synthetic data")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar (log lines only)")
+    parser.add_argument("--timeout", type=float, default=defaults.timeout,
+                        help="seconds any collective may wait under torchrun: a rank that fails and "
+                        "stays alive makes the others raise after this long")
     args = parser.parse_args(argv)
-    return TrainConfig(**vars(args))
+    config = TrainConfig(**vars(args))
+    try:
+        config.validate()
+    except ValueError as error:
+        parser.error(str(error))
+    return config
 
 
 def main(argv: Optional[List[str]] = None) -> dict:

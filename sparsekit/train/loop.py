@@ -9,6 +9,7 @@ of the global mean loss, whatever ``W``.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -50,6 +51,24 @@ class TrainConfig:
     table_rows: int = 1 << 20
     vocab_per_slot: int = 20_000
     progress: bool = True
+    timeout: float = 300.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag of the first value out of range."""
+        at_least = {"steps": 0, "batch_size": 1, "eval_samples": 1, "eval_every": 0, "checkpoint_every": 0,
+                    "embedding_dim": 1, "table_rows": 1, "vocab_per_slot": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir")
 
     # Fields that must match between a checkpoint and the run resuming from it.
     RESUME_KEYS = ("embedding", "embedding_dim", "batch_size", "seed", "data", "table_rows",
@@ -67,9 +86,11 @@ class Context:
         return self.rank == 0
 
 
-def setup(device_name: Optional[str]) -> Context:
+def setup(device_name: Optional[str], timeout: float = 300.0) -> Context:
     """Pick the device and, under ``torchrun`` (``WORLD_SIZE`` > 1), join the default
-    process group: NCCL on CUDA, gloo on CPU."""
+    process group: NCCL on CUDA, gloo on CPU. ``timeout`` (seconds) bounds every
+    collective: a rank that fails and stays alive makes the others raise after it instead
+    of waiting for torch's default (10 min on NCCL, 30 min on gloo)."""
     if device_name is None:
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     if device_name not in ("cpu", "cuda"):
@@ -80,7 +101,8 @@ def setup(device_name: Optional[str]) -> Context:
     if world_size > 1 and not dist.is_initialized():
         if device_name == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_name == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device_name == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout))
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:
@@ -314,12 +336,11 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
         second of this process's training steps), ``steps``, ``world_size`` and more;
         rank 0 also writes them to ``config.metrics_json`` when set.
     """
-    context = setup(config.device)
+    config.validate()
+    context = setup(config.device, config.timeout)
     if config.batch_size % context.world_size:
         raise ValueError(f"--batch-size {config.batch_size} is the global batch; it must be a "
                          f"multiple of the world size {context.world_size}")
-    if config.resume and not config.checkpoint_dir:
-        raise ValueError("--resume needs --checkpoint-dir")
     data = make_data(config)
     model, trained, optimizer = build(config, context)
 
