@@ -278,7 +278,76 @@ def _commit(directory: str, temp_dir: str, final_dir: str, name: str) -> None:
 
 
 def _load(path: str) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint file's contents; a file that cannot be read is named in the error."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"load_checkpoint: {path} is missing") from None
+    except Exception as exc:  # noqa: BLE001 - EOFError with no message, UnpicklingError, ...
+        detail = "it is empty" if os.path.exists(path) and os.path.getsize(path) == 0 else \
+            f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"load_checkpoint: cannot read {path} ({detail}); the checkpoint is damaged") from exc
+
+
+def _read_metadata(path: str) -> Dict[str, Any]:
+    """metadata.json of the checkpoint at ``path``, checked for the fields the load needs."""
+    meta_path = os.path.join(path, "metadata.json")
+    try:
+        with open(meta_path) as meta_file:
+            metadata = json.load(meta_file)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"load_checkpoint: {meta_path} is missing; the checkpoint is incomplete") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"load_checkpoint: {meta_path} is not valid JSON ({exc})") from None
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"load_checkpoint: {meta_path}: {what}")
+
+    if not isinstance(metadata, dict):
+        raise bad(f"expected a JSON object, got {type(metadata).__name__}")
+    if metadata.get("format") != FORMAT_VERSION:
+        raise bad(f"format {metadata.get('format')!r}, this sparsekit reads {FORMAT_VERSION}")
+    shards = metadata.get("shards")
+    if not isinstance(shards, list) or not shards or not all(isinstance(n, str) for n in shards):
+        raise bad(f"'shards' must be a non-empty list of file names, got {shards!r}")
+    if any(os.path.basename(n) != n for n in shards):
+        raise bad(f"'shards' must name files inside the checkpoint, got {shards!r}")
+    layers = metadata.get("layers")
+    if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
+        raise bad(f"'layers' must be an object of layer name -> object, got {layers!r}")
+    for name, layer in layers.items():
+        dim = layer.get("embedding_vec_size")
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise bad(f"layer {name!r} has no valid 'embedding_vec_size' (got {dim!r})")
+    return metadata
+
+
+def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
+    """Every layer's part of one shard is whole: keys unique, one row of the saved width each."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"load_checkpoint: {shard_path}: {what}; the checkpoint is damaged")
+
+    if not isinstance(shard, dict) or not isinstance(shard.get("layers"), dict):
+        raise bad("not a sparsekit shard (no 'layers' table)")
+    for name, layer_meta in metadata["layers"].items():
+        part = shard["layers"].get(name)
+        if not isinstance(part, dict):
+            raise bad(f"no entry for layer {name!r}")
+        keys, weight, state = part.get("keys"), part.get("weight"), part.get("state", {})
+        if not isinstance(keys, Tensor) or keys.dim() != 1 or keys.dtype not in (torch.int64, torch.int32):
+            raise bad(f"layer {name!r}: 'keys' must be a 1-D int64 tensor")
+        dim = layer_meta["embedding_vec_size"]
+        if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+            raise bad(f"layer {name!r}: 'weight' must be a 2-D float tensor")
+        if weight.shape != (keys.numel(), dim):
+            raise bad(f"layer {name!r}: {keys.numel()} keys need weight rows [{keys.numel()}, {dim}], "
+                      f"got {list(weight.shape)}")
+        if not isinstance(state, dict) or any(not isinstance(v, Tensor) or v.shape != weight.shape
+                                              for v in state.values()):
+            raise bad(f"layer {name!r}: every per-row optimizer state must have the weight's shape "
+                      f"{list(weight.shape)}")
+        if keys.numel() and ops.unique(keys, return_inverse=False).numel() != keys.numel():
+            raise bad(f"layer {name!r}: a key is saved twice")
 
 
 def _checkpoint_dir(directory: str) -> str:
@@ -343,6 +412,47 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     return _LayerRestore(layer, keys, weight, state, scalars, has_state)
 
 
+def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
+                 optimizer: Optional[torch.optim.Optimizer], metadata: Dict[str, Any]) -> None:
+    """The dense state fits the model (names and shapes) and the optimizer (groups and sizes)."""
+    if not isinstance(dense, dict) or not isinstance(dense.get("model"), dict):
+        raise ValueError(f"load_checkpoint: {dense_path}: not a sparsekit dense state (no 'model' table)")
+    saved = dense["model"]
+    if set(saved) != set(expected):
+        raise ValueError(f"load_checkpoint: dense state keys differ: missing {sorted(set(expected) - set(saved))}, "
+                         f"unexpected {sorted(set(saved) - set(expected))}")
+    for key, value in expected.items():
+        if not isinstance(saved[key], Tensor) or saved[key].shape != value.shape:
+            shape = list(saved[key].shape) if isinstance(saved[key], Tensor) else type(saved[key]).__name__
+            raise ValueError(f"load_checkpoint: dense {key!r} was saved with shape {shape} "
+                             f"but the model has {list(value.shape)}")
+    saved_optimizer = dense.get("optimizer")
+    if optimizer is None or saved_optimizer is None:
+        return
+    groups = saved_optimizer.get("param_groups") if isinstance(saved_optimizer, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups) or any(
+            len(saved_group.get("params", ())) != len(group["params"])
+            for saved_group, group in zip(groups, optimizer.param_groups)):
+        raise ValueError("load_checkpoint: the optimizer was saved with other parameter groups "
+                         f"({[len(g.get('params', ())) for g in groups] if isinstance(groups, list) else groups!r} "
+                         f"parameters) than it has ({[len(g['params']) for g in optimizer.param_groups]}); "
+                         "build it over the same parameters in the same order")
+    missing = sorted(set(optimizer.defaults) - set(groups[0]) - {"maximize", "foreach", "differentiable",
+                                                                 "capturable", "fused"})
+    if missing:
+        raise ValueError(f"load_checkpoint: the saved optimizer state lacks {missing}: it was saved by another "
+                         f"optimizer than {type(optimizer).__name__}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, state in saved_optimizer.get("state", {}).items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise ValueError(f"load_checkpoint: {dense_path}: optimizer state for parameter {index!r}, "
+                             f"which the optimizer does not have")
+        for name, value in state.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                raise ValueError(f"load_checkpoint: optimizer state {name!r} of parameter {index} was saved with "
+                                 f"shape {list(value.shape)} but the parameter has {list(params[index].shape)}")
+
+
 @torch.no_grad()
 def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimizer]) -> None:
     layer = restore.layer
@@ -396,23 +506,21 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     error: Optional[BaseException] = None
     try:
         path = _checkpoint_dir(directory)
-        with open(os.path.join(path, "metadata.json")) as meta_file:
-            metadata = json.load(meta_file)
-        if metadata.get("format") != FORMAT_VERSION:
-            raise ValueError(f"load_checkpoint: {path} has format {metadata.get('format')}, "
-                             f"this sparsekit reads {FORMAT_VERSION}")
+        metadata = _read_metadata(path)
         if set(metadata["layers"]) != set(layers):
             raise ValueError(f"load_checkpoint: the checkpoint has embedding layers {sorted(metadata['layers'])} "
                              f"but the model has {sorted(layers)}")
-        shards = [_load(os.path.join(path, shard_name)) for shard_name in metadata["shards"]]
+        shards = []
+        for shard_name in metadata["shards"]:
+            shard_path = os.path.join(path, shard_name)
+            shards.append(_load(shard_path))
+            _check_shard(shard_path, shards[-1], metadata)
         restores = [_gather_layer(name, layer, shards, metadata["layers"][name]) for name, layer in layers.items()]
         dense = _load(os.path.join(path, "dense.pt"))
-        expected = set(_dense_state(model, layers))
-        if set(dense["model"]) != expected:
-            raise ValueError(f"load_checkpoint: dense state keys differ: missing {sorted(expected - set(dense['model']))}, "
-                             f"unexpected {sorted(set(dense['model']) - expected)}")
+        _check_dense(os.path.join(path, "dense.pt"), dense, _dense_state(model, layers), optimizer, metadata)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = exc
+    # Nothing has been written on any rank yet: every rank raises, or every rank loads.
     _agree_or_raise(group, error, "load_checkpoint")
 
     model.load_state_dict(dense["model"], strict=False)

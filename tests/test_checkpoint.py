@@ -309,3 +309,111 @@ def test_a_bare_layer_is_a_model(tmp_path):
     assert fresh.hash_table.export()[0].tolist() == [5, -9]
     assert torch.equal(fresh.weight, layer.weight)
     assert torch.equal(fresh_optimizer.state[fresh.weight]["exp_avg"], optimizer.state[layer.weight]["exp_avg"])
+
+
+def _saved(tmp_path):
+    """A one-process checkpoint of a trained model; returns (directory, its ckpt folder, the model state)."""
+    directory = str(tmp_path / "ckpt")
+    model, optimizer = make()
+    train(model, optimizer, range(2))
+    sk.save_checkpoint(directory, model, optimizer)
+    return directory, os.path.join(directory, "ckpt-000001"), snapshot(model, optimizer)
+
+
+def _rewrite_shard(folder, change):
+    path = os.path.join(folder, "shard-00000-of-00001.pt")
+    shard = torch.load(path, weights_only=True)
+    change(shard["layers"]["pooled"], shard)
+    torch.save(shard, path)
+
+
+def _drop_last_row(part, shard):
+    part["weight"] = part["weight"][:-1]
+
+
+def _duplicate_a_key(part, shard):
+    part["keys"][1] = part["keys"][0]
+
+
+def _wrong_width(part, shard):
+    part["weight"] = torch.cat([part["weight"], part["weight"][:, :1]], 1)
+
+
+def _no_layer_entry(part, shard):
+    del shard["layers"]["pooled"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda folder: open(os.path.join(folder, "shard-00000-of-00001.pt"), "w").close(),
+     r"shard-00000-of-00001.pt \(it is empty\)"),
+    (lambda folder: open(os.path.join(folder, "metadata.json"), "w").write("{not json"),
+     r"metadata.json is not valid JSON"),
+    (lambda folder: open(os.path.join(folder, "metadata.json"), "w").write("[1, 2]"),
+     r"metadata.json: expected a JSON object"),
+    (lambda folder: _edit_metadata(folder, lambda m: m.pop("layers")), r"metadata.json: 'layers' must be"),
+    (lambda folder: _edit_metadata(folder, lambda m: m.update(shards=[])), r"metadata.json: 'shards' must be"),
+    (lambda folder: _edit_metadata(folder, lambda m: m.update(shards=["../x.pt"])), r"inside the checkpoint"),
+    (lambda folder: _rewrite_shard(folder, _drop_last_row), r"keys need weight rows"),
+    (lambda folder: _rewrite_shard(folder, _duplicate_a_key), r"a key is saved twice"),
+    (lambda folder: _rewrite_shard(folder, _wrong_width), r"keys need weight rows"),
+    (lambda folder: _rewrite_shard(folder, _no_layer_entry), r"no entry for layer 'pooled'"),
+])
+def test_damaged_checkpoints_name_the_file_and_change_nothing(tmp_path, damage, message):
+    """Each kind of damage raises an error naming the file and what is wrong, and the model
+    and optimizer loading it are left exactly as they were."""
+    directory, folder, _ = _saved(tmp_path)
+    damage(folder)
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+
+
+def _edit_metadata(folder, change):
+    path = os.path.join(folder, "metadata.json")
+    with open(path) as meta:
+        metadata = json.load(meta)
+    change(metadata)
+    with open(path, "w") as meta:
+        json.dump(metadata, meta)
+
+
+def test_dense_and_optimizer_mismatches_change_nothing(tmp_path):
+    """A dense parameter of another shape, or an optimizer over other parameters, is found
+    before anything is written (torch's own load would have overwritten some parameters)."""
+    directory, _, _ = _saved(tmp_path)
+    model, optimizer = make()
+    model.top = nn.Linear(2 * SLOTS * DIM, 2)
+    optimizer = LazyAdam(model.parameters(), lr=0.02)
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=r"dense 'top.weight' was saved with shape \[1, 12\]"):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+
+    model, _ = make()
+    fewer = LazyAdam([model.top.weight], lr=0.02)
+    with pytest.raises(ValueError, match="other parameter groups"):
+        sk.load_checkpoint(directory, model, fewer)
+    model, _ = make()
+    with pytest.raises(ValueError, match="saved by another optimizer"):
+        sk.load_checkpoint(directory, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+def _dense_mismatch_on_rank_1_worker(rank, world_size, init, directory):
+    init()
+    model, optimizer = make()
+    if rank == 1:
+        model.top = nn.Linear(2 * SLOTS * DIM, 2)
+        optimizer = LazyAdam(model.parameters(), lr=0.02)
+    before = snapshot(model, optimizer)
+    expected = "dense 'top.weight'" if rank == 1 else "failed on another rank"
+    with pytest.raises(Exception, match=expected):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+
+
+def test_a_mismatch_on_one_rank_raises_on_every_rank(tmp_path):
+    directory, _, _ = _saved(tmp_path)
+    spawn(_dense_mismatch_on_rank_1_worker, 2, str(tmp_path), directory)
