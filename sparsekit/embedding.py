@@ -38,12 +38,14 @@ again. ``All2AllDenseEmbedding`` does not pool: one fewer in forward. ``eval()``
 ``use_hashtable=False``: 3 fewer in forward (no insert, no status word).
 Padded dense input: +1 (dropping the pad keys). ``world_size == 1``: no exchange; ragged
 offsets and ``use_hashtable=False`` key ranges cost 1 read instead of riding on the
-counts. On the CPU these are plain reads of host memory.
+counts. On the CPU these are plain reads of host memory. The first step with
+``world_size > 1`` also all-gathers the layer's configuration once (one more sync), so
+ranks built differently all raise one clear error instead of corrupting the exchange.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -319,6 +321,7 @@ class _ModelParallelEmbedding(nn.Module):
         self.embedding_initializer = embedding_initializer if embedding_initializer is not None \
             else KeySeededUniform()
         self.process_group, self.world_size, self.rank = _resolve_group(process_group)
+        self._config_agreed = self.world_size == 1
 
         self.weight = nn.Parameter(torch.zeros(max_vocabulary_size_per_gpu, embedding_vec_size, device=device))
         # The flag split_embedding_variable_from_others, the checkpoint and DDP recipes read.
@@ -419,6 +422,7 @@ class _ModelParallelEmbedding(nn.Module):
             slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
             return _LookupOwned.apply(self.weight, sorted_rows, slot, self._may_miss(), self._grad_marker), None
 
+        self._agree_on_config()
         device = self.weight.device
         if local_error is None:
             keys_by_owner, positions, send_counts = ops.partition_by_owner(unique_keys, self.world_size)
@@ -460,6 +464,35 @@ class _ModelParallelEmbedding(nn.Module):
                                      self._may_miss(), self._grad_marker)
         received = _AllToAll.apply(vectors, send_splits, recv_splits, self.process_group)
         return received, positions
+
+    def _config(self) -> Dict[str, object]:
+        """What every rank of the group must build alike: the exchange relies on it."""
+        return {"layer type": type(self).__name__, "embedding_vec_size": self.embedding_vec_size,
+                "dtype": self.weight.dtype, "max_vocabulary_size_per_gpu": self.max_vocabulary_size_per_gpu,
+                "use_hashtable": self.use_hashtable, "key_dtype": self.key_dtype}
+
+    def _agree_on_config(self) -> None:
+        """On the first exchange: one all-gather of the configuration; a value that differs
+        between ranks raises the same error on every rank, naming it and each rank's value,
+        before any key or vector moves (a dim mismatch would otherwise abort gloo)."""
+        if self._config_agreed:
+            return
+        config = self._config()
+        # Each value's text in a fixed-width field, so every rank can print every rank's value.
+        width = 48
+        text = b"".join(str(value).encode()[:width].ljust(width, b"\0") for value in config.values())
+        mine = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.weight.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.process_group)
+        table = [bytes(t.cpu().tolist()) for t in gathered]
+        for column, name in enumerate(config):
+            values = [row[column * width:(column + 1) * width].rstrip(b"\0").decode(errors="replace")
+                      for row in table]
+            if len(set(values)) > 1:
+                per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+                raise ValueError(f"{self._layer_name}: {name} differs between the ranks of the process group "
+                                 f"({per_rank}); build the layer with the same {name} on every rank")
+        self._config_agreed = True
 
     def _may_miss(self) -> bool:
         return self.hash_table is not None and not self.training
@@ -628,6 +661,10 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         self.max_nnz = max_nnz
         self.max_feature_num = max_feature_num if max_feature_num is not None else slot_num * max_nnz
 
+
+    def _config(self) -> Dict[str, object]:
+        return {**super()._config(), "combiner": self.combiner, "slot_num": self.slot_num}
+
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
         keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
         # The offsets were checked on every rank by now, so the lengths are >= 0.
@@ -708,6 +745,11 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         self.slot_num = slot_num
         self.nnz_per_slot = nnz_per_slot
         self.dynamic_input = bool(dynamic_input)
+
+
+    def _config(self) -> Dict[str, object]:
+        return {**super()._config(), "slot_num": self.slot_num, "nnz_per_slot": self.nnz_per_slot,
+                "dynamic_input": self.dynamic_input}
 
     def forward(self, inputs: Tensor) -> Tensor:
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs))

@@ -456,3 +456,37 @@ def _ddp_worker(rank, world_size, init):
 
 def test_ddp_on_the_dense_part_ignores_embeddings(tmp_path):
     spawn(_ddp_worker, 2, str(tmp_path))
+
+
+# ---- ranks that disagree on the configuration ----------------------------------------------
+
+
+def _config_mismatch_worker(rank, world_size, init):
+    init()
+    keys = torch.tensor([[[0, 1]], [[2, 3]]])
+    cases = [
+        ("embedding_vec_size", lambda: sk.DistributedEmbedding("sum", 16, DIM + rank, 1, 2),
+         rf"embedding_vec_size differs .*rank 0: {DIM}, rank 1: {DIM + 1}"),
+        ("max_vocabulary_size_per_gpu",
+         lambda: sk.DistributedEmbedding("sum", 8 + rank, DIM, 1, 2, use_hashtable=False),
+         r"max_vocabulary_size_per_gpu differs .*rank 0: 8, rank 1: 9"),
+        ("use_hashtable", lambda: sk.DistributedEmbedding("sum", 8, DIM, 1, 2, use_hashtable=rank == 0),
+         r"use_hashtable differs .*rank 0: True, rank 1: False"),
+        ("combiner", lambda: sk.DistributedEmbedding(["sum", "mean"][rank], 8, DIM, 1, 2),
+         r"combiner differs .*rank 0: sum, rank 1: mean"),
+        ("key_dtype", lambda: sk.All2AllDenseEmbedding(8, DIM, 1, 2, key_dtype=[torch.int64, torch.int32][rank]),
+         r"key_dtype differs .*rank 0: torch.int64, rank 1: torch.int32"),
+    ]
+    for name, build, message in cases:
+        layer = build()
+        inputs = keys.to(layer.key_dtype)
+        # The same error on every rank, every time, and nothing hangs or aborts.
+        for _ in range(2):
+            with pytest.raises(ValueError, match=message):
+                layer(inputs)
+    # The group is still in step: a layer built alike works.
+    sk.DistributedEmbedding("sum", 8, DIM, 1, 2)(keys).sum().backward()
+
+
+def test_ranks_that_disagree_on_the_configuration_all_raise(tmp_path):
+    spawn(_config_mismatch_worker, 2, str(tmp_path))
