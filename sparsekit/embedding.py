@@ -371,12 +371,18 @@ class _ModelParallelEmbedding(nn.Module):
         rows = self.hash_table.insert(keys)
         num_new = len(self.hash_table) - size_before
         if num_new > 0:
-            # New keys got rows size_before, size_before + 1, ...: scatter them into row order
-            # (old keys land in a spare last slot), without a host sync.
-            target = torch.where(rows >= size_before, rows - size_before, num_new)
-            new_keys = keys.new_empty(num_new + 1).scatter_(0, target, keys)[:num_new]
-            with torch.no_grad():
-                self.weight[size_before:size_before + num_new] = self.initial_rows(new_keys.long())
+            # Insert + initialise is one transaction: an initializer that raises (or returns
+            # the wrong shape) takes its keys back out, so none is left with an unset row.
+            try:
+                # New keys got rows size_before, size_before + 1, ...: scatter them into row
+                # order (old keys land in a spare last slot), without a host sync.
+                target = torch.where(rows >= size_before, rows - size_before, num_new)
+                new_keys = keys.new_empty(num_new + 1).scatter_(0, target, keys)[:num_new]
+                with torch.no_grad():
+                    self.weight[size_before:size_before + num_new] = self.initial_rows(new_keys.long())
+            except BaseException:
+                self.hash_table._truncate(size_before)
+                raise
         return rows
 
     # -- the exchange -----------------------------------------------------------------------
@@ -503,6 +509,7 @@ class _ModelParallelEmbedding(nn.Module):
             return self._lookup_rows(owned_keys)
         error: Optional[BaseException] = None
         rows = None
+        size_before = len(self.hash_table)
         try:
             rows = self._lookup_rows(owned_keys)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
@@ -515,6 +522,8 @@ class _ModelParallelEmbedding(nn.Module):
         word = int(status.item())
         if word == 0:
             return rows
+        # The step fails on every rank: this rank's inserts of the step are taken back too.
+        self.hash_table._truncate(size_before)
         if error is not None:
             raise error
         failed_rank, failed_kind = word // 4 - 1, word % 4

@@ -181,6 +181,20 @@ class HashTable:
         self._slot_rows.fill_(-1)
         self._size = 0
 
+    def _truncate(self, size: int) -> None:
+        """Removes the keys of rows ``>= size``: undoes every insert since the table held
+        ``size`` keys (the rollback of a step that failed after inserting).
+
+        Clearing their slots is safe without tombstones: a key inserted earlier was placed
+        when those slots were still empty, so no older key's probe passes through them.
+        """
+        if not 0 <= size <= self._size:
+            raise ValueError(f"HashTable._truncate: size must lie in [0, {self._size}], got {size}")
+        if size == self._size:
+            return
+        self._slot_rows.masked_fill_(self._slot_rows >= size, -1)
+        self._size = size
+
     # -- persistence and devices ------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Tensor]:

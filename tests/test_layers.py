@@ -376,10 +376,16 @@ def _check_errors_agree(rank, world_size):
     table(torch.tensor([[[0, 1, -1, -1]]]))
     sizes = len(table.hash_table)
     # Rank 0 sends owner 0 four new keys: owner 0's table (3 rows) overflows.
-    many = torch.tensor([[[world_size * k for k in range(10, 14)]]]) if rank == 0 else torch.tensor([[[1, -1, -1, -1]]])
+    # The other ranks send a new key to owner 1, which inserts it before hearing of owner
+    # 0's failure: the failed step must take it back out.
+    many = torch.tensor([[[world_size * k for k in range(10, 14)]]]) if rank == 0 else \
+        torch.tensor([[[100 * world_size + 1, -1, -1, -1]]])
+    keys_before = table.hash_table.export()[0]
     with pytest.raises(HashTableFullError, match="full|do not fit"):
         table(many)
     assert len(table.hash_table) == sizes  # nothing inserted anywhere
+    assert torch.equal(table.hash_table.export()[0], keys_before)
+    assert table.hash_table.find(torch.tensor([100 * world_size + 1])).item() == -1
     table(torch.tensor([[[2, -1, -1, -1]]])).sum().backward()
 
 
@@ -490,3 +496,29 @@ def _config_mismatch_worker(rank, world_size, init):
 
 def test_ranks_that_disagree_on_the_configuration_all_raise(tmp_path):
     spawn(_config_mismatch_worker, 2, str(tmp_path))
+
+
+def test_a_failing_initializer_leaves_the_table_as_it_was():
+    """Insert + initialise is one transaction: an initializer that raises or returns the
+    wrong shape takes the step's new keys back out; the keys get proper rows next time."""
+    mode = {"fail": None}
+
+    def initializer(keys, dim):
+        if mode["fail"] == "raise":
+            raise RuntimeError("initializer failed")
+        if mode["fail"] == "shape":
+            return torch.zeros(keys.numel(), dim + 1)
+        return sk.ops.key_seeded_uniform(keys, dim)
+
+    layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 3, embedding_initializer=initializer)
+    layer(torch.tensor([[[1, 2, -1]]]))
+    keys_before = layer.hash_table.export()[0]
+    for fail, error in (("raise", RuntimeError), ("shape", ValueError)):
+        mode["fail"] = fail
+        with pytest.raises(error):
+            layer(torch.tensor([[[2, 3, 4]]]))
+        assert torch.equal(layer.hash_table.export()[0], keys_before)
+    mode["fail"] = None
+    out = layer(torch.tensor([[[3, 4, -1]]]))
+    want = sk.ops.key_seeded_uniform(torch.tensor([3, 4]), DIM).sum(0)
+    torch.testing.assert_close(out[0, 0], want)
