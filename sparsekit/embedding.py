@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
+from ._checks import allocation
 from .hashtable import HashTable, HashTableFullError
 
 __all__ = [
@@ -323,7 +324,10 @@ class _ModelParallelEmbedding(nn.Module):
         self.process_group, self.world_size, self.rank = _resolve_group(process_group)
         self._config_agreed = self.world_size == 1
 
-        self.weight = nn.Parameter(torch.zeros(max_vocabulary_size_per_gpu, embedding_vec_size, device=device))
+        shape = (max_vocabulary_size_per_gpu, embedding_vec_size)
+        with allocation(f"{name}: max_vocabulary_size_per_gpu={max_vocabulary_size_per_gpu} x embedding_vec_size="
+                        f"{embedding_vec_size} (the local shard)", shape, torch.float32, device or "cpu"):
+            self.weight = nn.Parameter(torch.zeros(shape, device=device))
         # The flag split_embedding_variable_from_others, the checkpoint and DDP recipes read.
         self.weight.sparsekit_model_parallel = True
         self._grad_marker = _CoalescedGradMarker()

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._checks import allocation
 
 __all__ = ["HashTable", "HashTableFullError"]
 
@@ -66,8 +67,9 @@ class HashTable:
         self._capacity = capacity
         self._key_dtype = key_dtype
         slots = _slot_count(capacity)
-        self._slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
-        self._slot_rows = torch.full((slots,), -1, dtype=torch.int64, device=device)
+        with allocation(f"HashTable: capacity={capacity} ({slots} slots, 2 arrays)", (slots,), torch.int64, device):
+            self._slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
+            self._slot_rows = torch.full((slots,), -1, dtype=torch.int64, device=device)
         self._size = 0
 
     # -- properties -------------------------------------------------------------------
