@@ -231,3 +231,18 @@ def test_segment_gradient_no_segments_all_padding(device, mean):
     assert out.shape == (0, 2)
     (grad,) = torch.autograd.grad(out.sum(), data)
     assert torch.equal(grad.cpu(), torch.zeros(3, 2))
+
+
+@pytest.mark.xfail(strict=True, reason="segment_mean counts rows with a float32 segment_sum of ones, which stops "
+                   "at 2^24 (sparsekit/ops.py segment_mean), handed over")
+def test_segment_mean_counts_past_2_pow_24(device):
+    """One segment of 2^25 + 1 rows whose float32 sum is exact (alternating +-1, then one
+    2^25): the mean is 2^25 / (2^25 + 1) ~ 1. The count, a float32 sum of ones, stalls at
+    2^24, and the mean comes out 2.0."""
+    n = 1 << 25
+    data = torch.ones(n + 1)
+    data[1:n:2] = -1
+    data[n] = float(n)
+    ids = torch.zeros(n + 1, dtype=torch.int64)
+    got = sk.ops.segment_mean(data.to(device), ids.to(device), 1, deterministic=True)
+    torch.testing.assert_close(got.cpu(), torch.tensor([n / (n + 1)]), rtol=1e-6, atol=0)
