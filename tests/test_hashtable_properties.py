@@ -69,7 +69,7 @@ def check_export(table, model, dtype):
     assert len(table) == len(model.rows)
 
 
-@examples(25)
+@examples(50)
 @given(data=st.data(), capacity=st.sampled_from(CAPACITY_EDGES[:-3]), dtype=st.sampled_from([torch.int64, torch.int32]),
        shape2d=st.booleans())
 def test_hashtable_property_against_dict(device, data, capacity, dtype, shape2d):
@@ -119,7 +119,7 @@ def test_hashtable_property_against_dict(device, data, capacity, dtype, shape2d)
         check_export(table, model, dtype)
 
 
-@examples(10)
+@examples(20)
 @given(n=sizes(300_000), distribution=st.sampled_from(KEY_DISTRIBUTIONS), dtype=st.sampled_from([torch.int64, torch.int32]),
        seed=st.integers(0, 2**31 - 1), threads=thread_counts, split=st.floats(0, 1), slack=st.integers(-2, 3))
 def test_hashtable_property_bulk(device, n, distribution, dtype, seed, threads, split, slack):

@@ -33,7 +33,7 @@ def in_bounds(values: torch.Tensor, low: float, high: float) -> bool:
     return bool(((values >= lo) & (values <= hi)).all())
 
 
-@examples(14)
+@examples(30)
 @given(n=sizes(200_000), dim=DIMS, distribution=st.sampled_from(KEY_DISTRIBUTIONS),
        key_dtype=st.sampled_from([torch.int64, torch.int32]), dtype=st.sampled_from(DTYPES), seed=SEEDS,
        bounds=BOUNDS, data_seed=st.integers(0, 2**31 - 1), threads=thread_counts)

@@ -113,7 +113,7 @@ def adam_problems(draw, max_updates: int = 200_000):
     return random_state(num_rows, trailing, dtype, seed), rows, grad, hyper, weight_decay
 
 
-@examples(14)
+@examples(30)
 @given(problem=adam_problems(), threads=thread_counts)
 def test_lazy_adam_property_matches_sparse_adam(device, problem, threads):
     """float32/float64: moments bit-identical to SparseAdam, weights within ulps; half

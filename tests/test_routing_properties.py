@@ -27,7 +27,7 @@ def reference_partition(keys: torch.Tensor, world_size: int):
     return keys[order], positions, torch.bincount(owners, minlength=world_size)
 
 
-@examples(14)
+@examples(30)
 @given(n=sizes(1_000_000), distribution=st.sampled_from(KEY_DISTRIBUTIONS), dtype=st.sampled_from([torch.int64, torch.int32]),
        seed=st.integers(0, 2**31 - 1), world_size=WORLD_SIZES, threads=thread_counts)
 def test_partition_property_matches_stable_argsort(device, n, distribution, dtype, seed, world_size, threads):

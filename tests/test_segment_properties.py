@@ -105,7 +105,7 @@ def segment_problems(draw, max_size: int = 1_000_000):
     return data, ids, num_segments
 
 
-@examples(14)
+@examples(30)
 @given(problem=segment_problems(), threads=thread_counts, deterministic=st.booleans())
 def test_segment_sum_property_matches_index_add(device, problem, threads, deterministic):
     """segment_sum == index_add_ of the valid rows (float64 reference within rounding);
@@ -159,7 +159,7 @@ def test_segment_sum_property_cuda_deterministic_run_to_run(device, problem):
     assert torch.equal(first.cpu()[short], cpu[short])
 
 
-@examples(8)
+@examples(15)
 @given(problem=segment_problems(max_size=200_000), threads=thread_counts, deterministic=st.booleans())
 def test_segment_mean_property(device, problem, threads, deterministic):
     """segment_mean == float64 sum / count (empty segments 0); half types within rounding."""
@@ -182,7 +182,7 @@ def segment_mean_reduce_matches(data, ids, num_segments, got, deterministic) -> 
     return torch.equal(again, got)
 
 
-@examples(8)
+@examples(15)
 @given(n=sizes(50_000), num_segments=st.integers(1, 3000), trailing=st.sampled_from([(), (1,), (5,), (16,), (2, 3)]),
        distribution=st.sampled_from(ID_DISTRIBUTIONS), seed=st.integers(0, 2**31 - 1),
        dtype=st.sampled_from([torch.float32, torch.float64]), mean=st.booleans())
