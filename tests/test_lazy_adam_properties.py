@@ -34,9 +34,13 @@ def assert_weight_close(got, want, old):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality, NaNs included."""
+    """Bit-for-bit equality, except that a NaN equals any NaN (x86 and CUDA make NaNs with
+    different payloads)."""
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
+        return False
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(as_int), b.view(as_int))
+    keep = ~a.isnan()
+    return torch.equal(a[keep].view(as_int), b[keep].view(as_int))
 
 
 TRAILING = st.sampled_from([(1,), (2,), (3,), (4,), (5,), (7,), (8,), (16,), (33,), (64,), (2, 3), (0,)])
