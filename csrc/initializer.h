@@ -11,13 +11,30 @@ C10_HOST_DEVICE inline uint64_t key_seeded_state(int64_t key, int64_t seed) {
   return mix_key(static_cast<int64_t>(static_cast<uint64_t>(key) ^ mix_key(seed)));
 }
 
+/// @brief The affine map from a unit draw u in [0, 1) to [low, high]: fma(scale, u * unit_factor, low).
+/// Normally scale = high - low and unit_factor = 1. When high - low overflows (finite bounds
+/// more than DBL_MAX apart) scale is half the width and unit_factor 2: u * 2 is exact and
+/// the fma rounds once without an intermediate overflow, so values stay finite and in
+/// [low, high] instead of becoming inf or NaN (inf * 0).
+struct UniformRange {
+  double low;
+  double scale;
+  double unit_factor;
+};
+
+inline UniformRange make_uniform_range(double low, double high) {
+  const double width = high - low;
+  if (std::isfinite(width)) return {low, width, 1.0};
+  return {low, 0.5 * high - 0.5 * low, 2.0};
+}
+
 /// @brief Value of column `column` for a key with state `key_state`: uniform in [low, high].
 /// Only integer arithmetic and one correctly rounded fma, so the CPU and the GPU agree to
 /// the last bit.
-C10_HOST_DEVICE inline double key_seeded_value(uint64_t key_state, int64_t column, double low, double width) {
+C10_HOST_DEVICE inline double key_seeded_value(uint64_t key_state, int64_t column, const UniformRange& range) {
   const uint64_t h = mix_key(static_cast<int64_t>(key_state + static_cast<uint64_t>(column + 1) * 0x9E3779B97F4A7C15ULL));
   const double unit = static_cast<double>(h >> 11) * 0x1.0p-53;  // [0, 1), 53 random bits
-  return ::fma(width, unit, low);
+  return ::fma(range.scale, unit * range.unit_factor, range.low);
 }
 
 inline void check_key_seeded_uniform_args(const at::Tensor& keys, int64_t dim, double low, double high,

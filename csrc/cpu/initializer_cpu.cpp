@@ -28,7 +28,7 @@ at::Tensor key_seeded_uniform_cpu(const at::Tensor& keys, int64_t dim, int64_t s
   const int64_t n = keys_contig.numel();
   at::Tensor out = at::empty({n, dim}, keys.options().dtype(out_dtype));
   if (n == 0 || dim == 0) return out;
-  const double width = high - low;
+  const UniformRange range = make_uniform_range(low, high);
   AT_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "key_seeded_uniform_cpu", [&] {
     const index_t* key_data = keys_contig.const_data_ptr<index_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "key_seeded_uniform_cpu", [&] {
@@ -38,7 +38,7 @@ at::Tensor key_seeded_uniform_cpu(const at::Tensor& keys, int64_t dim, int64_t s
         for (int64_t i = begin; i < end; ++i) {
           const uint64_t state = key_seeded_state(static_cast<int64_t>(key_data[i]), seed);
           for (int64_t column = 0; column < dim; ++column) {
-            out_data[i * dim + column] = static_cast<scalar_t>(key_seeded_value(state, column, low, width));
+            out_data[i * dim + column] = static_cast<scalar_t>(key_seeded_value(state, column, range));
           }
         }
       });

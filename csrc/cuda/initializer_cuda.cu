@@ -21,13 +21,13 @@ constexpr int kThreads = 256;
 
 template <typename key_t, typename scalar_t>
 __global__ void key_seeded_uniform_kernel(const key_t* __restrict__ keys, int64_t n, int64_t dim, int64_t seed,
-                                          double low, double width, scalar_t* __restrict__ out) {
+                                          UniformRange range, scalar_t* __restrict__ out) {
   const int64_t total = n * dim;
   for (int64_t flat = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; flat < total;
        flat += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = flat / dim;
     const uint64_t state = key_seeded_state(static_cast<int64_t>(keys[row]), seed);
-    out[flat] = static_cast<scalar_t>(key_seeded_value(state, flat - row * dim, low, width));
+    out[flat] = static_cast<scalar_t>(key_seeded_value(state, flat - row * dim, range));
   }
 }
 
@@ -48,7 +48,8 @@ at::Tensor key_seeded_uniform_cuda(const at::Tensor& keys, int64_t dim, int64_t 
   AT_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "key_seeded_uniform_cuda", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "key_seeded_uniform_cuda", [&] {
       key_seeded_uniform_kernel<index_t, scalar_t><<<blocks, kThreads, 0, stream>>>(
-          keys_contig.const_data_ptr<index_t>(), n, dim, seed, low, high - low, out.mutable_data_ptr<scalar_t>());
+          keys_contig.const_data_ptr<index_t>(), n, dim, seed, make_uniform_range(low, high),
+          out.mutable_data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -1,0 +1,181 @@
+"""Property-based tests of the raw lazy_adam_ op against torch.optim.SparseAdam.
+
+Thresholds crossed (csrc/cpu/lazy_adam_cpu.cpp, csrc/cuda/lazy_adam_cuda.cu): CPU tasks of
+max(1, 16384 / D) rows and the row-range check in tasks of 2^14; rows prefetched 4 ahead;
+SSE2 lanes of 4 floats / 2 doubles with a scalar tail (D mod 4, D mod 2); CUDA warps of 32
+columns, 8 rows per block, grids capped at 2^20 / 2^16 blocks.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from properties import examples, num_threads, sizes, thread_counts
+
+import sparsekit as sk
+
+EPS = {torch.float32: 2.0**-23, torch.float64: 2.0**-52}
+
+
+def assert_weight_close(got, want, old):
+    """Weights go through sqrt, where torch's vectorized CPU sqrt may differ from the
+    correctly rounded one in the last bit (the kernel's is correctly rounded): a few ulps of
+    the larger of w and the update apart (more than an ulp of w when they cancel)."""
+    # eps == 0 with v rounded to 0 (beta2 == 0, a tiny gradient): m / 0 is inf and lr == 0
+    # makes 0 * inf NaN, in SparseAdam as in the kernel.
+    odd = ~want.isfinite()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[odd & ~want.isnan()], want[odd & ~want.isnan()])
+    got, want, old = got[~odd], want[~odd], old[~odd]
+    bound = 4 * EPS[got.dtype] * (old.abs() + (want - old).abs()) + torch.finfo(got.dtype).tiny
+    assert bool(((got - want).abs() <= bound).all()), (got - want).abs().max()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality, except that a NaN equals any NaN (x86 and CUDA make NaNs with
+    different payloads)."""
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    keep = ~a.isnan()
+    return torch.equal(a[keep].view(as_int), b[keep].view(as_int))
+
+
+TRAILING = st.sampled_from([(1,), (2,), (3,), (4,), (5,), (7,), (8,), (16,), (33,), (64,), (2, 3), (0,)])
+HYPER = st.fixed_dictionaries(dict(
+    step=st.one_of(st.sampled_from([1, 2, 10, 1000, 10**6]), st.integers(1, 10**7)),
+    lr=st.sampled_from([0.0, 1e-3, 0.01, 1.0]),
+    beta1=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+    beta2=st.sampled_from([0.0, 0.9, 0.999, 0.9999]),
+    eps=st.sampled_from([0.0, 1e-8, 1e-3]),
+))
+
+
+def random_state(num_rows, trailing, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_rows,) + trailing
+    weight = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    exp_avg = (0.1 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+    exp_avg_sq = (0.01 * torch.rand(shape, generator=g, dtype=torch.float64) + 1e-6).to(dtype)
+    return weight, exp_avg, exp_avg_sq
+
+
+def sparse_adam_reference(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay):
+    """torch.optim.SparseAdam from the given state, on the coalesced gradient; weight decay
+    folded into the gradient first (g + wd * w, as the op documents)."""
+    param = torch.nn.Parameter(weight.clone())
+    order = torch.argsort(rows.long())
+    r, g = rows.long()[order], grad[order]
+    if weight_decay != 0.0:
+        g = g + weight_decay * weight[r]
+    param.grad = torch.sparse_coo_tensor(r.unsqueeze(0), g, weight.shape, check_invariants=True).coalesce()
+    opt = torch.optim.SparseAdam([param])
+    # SparseAdam's constructor refuses lr == 0 and eps == 0; the update formula takes them.
+    opt.param_groups[0].update(lr=lr, betas=(beta1, beta2), eps=eps)
+    opt.state[param] = {"step": step - 1, "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}
+    if g.numel() > 0:
+        opt.step()
+    state = opt.state[param]
+    return param.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+
+def float_reference(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay):
+    """The documented update computed in float32 op by op, rounded to the half type once."""
+    weight, exp_avg, exp_avg_sq = weight.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    r = rows.long()
+    w, g = weight[r].float(), grad.float()
+    if weight_decay != 0.0:
+        g = g + weight_decay * w
+    m_old, v_old = exp_avg[r].float(), exp_avg_sq[r].float()
+    m = m_old + (g - m_old) * (1 - beta1)
+    v = v_old + (g * g - v_old) * (1 - beta2)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    weight[r] = (w + (-step_size) * (m / (v.sqrt() + eps))).to(weight.dtype)
+    exp_avg[r] = m.to(weight.dtype)
+    exp_avg_sq[r] = v.to(weight.dtype)
+    return weight, exp_avg, exp_avg_sq
+
+
+@st.composite
+def adam_problems(draw, max_updates: int = 200_000):
+    trailing = draw(TRAILING)
+    width = math.prod(trailing)
+    num_updates = draw(sizes(max_updates))
+    if num_updates * max(width, 1) > 1 << 20:
+        num_updates = (1 << 20) // max(width, 1)
+    num_rows = num_updates + draw(st.sampled_from([0, 1, 5, 1000]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    index_dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    hyper = draw(HYPER)
+    weight_decay = draw(st.sampled_from([0.0, 0.0, 0.01, 0.5]))
+    g = torch.Generator().manual_seed(seed + 1)
+    rows = torch.randperm(num_rows, generator=g)[:num_updates].to(index_dtype)
+    grad = torch.randn((num_updates,) + trailing, generator=g, dtype=torch.float64).to(dtype)
+    return random_state(num_rows, trailing, dtype, seed), rows, grad, hyper, weight_decay
+
+
+@examples(30)
+@given(problem=adam_problems(), threads=thread_counts)
+def test_lazy_adam_property_matches_sparse_adam(device, problem, threads):
+    """float32/float64: moments bit-identical to SparseAdam, weights within ulps; half
+    types: the float32 computation rounded once; untouched rows keep weights and moments
+    bit for bit; CUDA equals the CPU kernel bit for bit."""
+    (weight, exp_avg, exp_avg_sq), rows, grad, hyper, weight_decay = problem
+    args = (hyper["step"], hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], weight_decay)
+    # Clones: on the CPU .to(device) would alias the inputs the reference starts from.
+    w, m, v = (t.clone().to(device) for t in (weight, exp_avg, exp_avg_sq))
+    with num_threads(threads):
+        sk.ops.lazy_adam_(w, m, v, rows.to(device), grad.to(device), *args)
+    w, m, v = w.cpu(), m.cpu(), v.cpu()
+    touched = torch.zeros(weight.shape[0], dtype=torch.bool)
+    touched[rows.long()] = True
+    for new, old in ((w, weight), (m, exp_avg), (v, exp_avg_sq)):
+        assert same_bits(new[~touched], old[~touched])
+    if weight.dtype in (torch.float32, torch.float64):
+        want_w, want_m, want_v = sparse_adam_reference(weight, exp_avg, exp_avg_sq, rows, grad, *args)
+        assert same_bits(m, want_m)
+        assert same_bits(v, want_v)
+        assert_weight_close(w, want_w, weight)
+    else:
+        want_w, want_m, want_v = float_reference(weight, exp_avg, exp_avg_sq, rows, grad, *args)
+        assert same_bits(m, want_m) and same_bits(v, want_v)
+        # One ulp of the half type: a last-bit sqrt difference in float32 may flip a rounding.
+        ulp = 2**-10 if weight.dtype == torch.float16 else 2**-7
+        torch.testing.assert_close(w.float(), want_w.float(), rtol=ulp, atol=1e-6, equal_nan=True)
+    if device.type == "cuda":
+        cw, cm, cv = weight.clone(), exp_avg.clone(), exp_avg_sq.clone()
+        sk.ops.lazy_adam_(cw, cm, cv, rows, grad, *args)
+        assert same_bits(w, cw) and same_bits(m, cm) and same_bits(v, cv)
+
+
+@examples(5)
+@given(problem=adam_problems(max_updates=100_000))
+def test_lazy_adam_property_thread_invariant(problem):
+    """CPU: the same bits on 1..4 threads (rows are distinct, so tasks never share a row)."""
+    (weight, exp_avg, exp_avg_sq), rows, grad, hyper, weight_decay = problem
+    args = (hyper["step"], hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], weight_decay)
+    results = []
+    for threads in (1, 2, 3, 4):
+        w, m, v = weight.clone(), exp_avg.clone(), exp_avg_sq.clone()
+        with num_threads(threads):
+            sk.ops.lazy_adam_(w, m, v, rows, grad, *args)
+        results.append((w, m, v))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("bad_at", [0, (1 << 14) - 1, 1 << 14, 50_000 - 1])
+def test_lazy_adam_bad_row_anywhere_writes_nothing(device, bad_at):
+    """A row out of range at any task edge raises and leaves every tensor untouched."""
+    weight, exp_avg, exp_avg_sq = random_state(60_000, (4,), torch.float32, 0)
+    rows = torch.randperm(60_000, generator=torch.Generator().manual_seed(1))[:50_000]
+    rows[bad_at] = 60_000
+    grad = torch.randn(50_000, 4)
+    w, m, v = (t.clone().to(device) for t in (weight, exp_avg, exp_avg_sq))
+    with pytest.raises(RuntimeError, match="lazy_adam_: rows holds 60000"):
+        sk.ops.lazy_adam_(w, m, v, rows.to(device), grad.to(device), 1, 0.1, 0.9, 0.999, 1e-8)
+    assert torch.equal(w.cpu(), weight) and torch.equal(m.cpu(), exp_avg) and torch.equal(v.cpu(), exp_avg_sq)
