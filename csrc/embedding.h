@@ -136,6 +136,33 @@ inline void check_offsets_without_bags(const at::Tensor& offsets, int64_t nnz, b
 /// Sentinel of the "first bad position" slots: no bad bag / row seen.
 constexpr int64_t kNoBadPosition = INT64_MAX;
 
+/// @brief Raises the offsets error for the first bad bag, else the row error for the first
+/// bad lookup (kNoBadPosition: none). Both devices call this with the same two positions,
+/// so they raise the same text. Reads a few entries of offsets / rows: on CUDA that is a
+/// host sync, on the error path only.
+inline void raise_first_bag_error(int64_t first_bad_bag, int64_t first_bad_position, const at::Tensor& offsets,
+                                  const at::Tensor& rows, int64_t bags, int64_t num_rows, bool include_last_offset) {
+  const int64_t nnz = rows.size(0);
+  if (first_bad_bag != kNoBadPosition) {
+    const int64_t begin = offsets[first_bad_bag].item<int64_t>();
+    const int64_t end = first_bad_bag + 1 < offsets.size(0) ? offsets[first_bad_bag + 1].item<int64_t>() : nnz;
+    TORCH_CHECK(false, embedding_offsets_message(nnz, include_last_offset, bags, first_bad_bag, begin, end));
+  }
+  if (first_bad_position != kNoBadPosition) {
+    TORCH_CHECK(false, embedding_row_range_message("embedding_bag", rows[first_bad_position].item<int64_t>(),
+                                                   first_bad_position, num_rows));
+  }
+}
+
+/// @brief embedding_gather's counterpart of raise_first_bag_error.
+inline void raise_first_gather_error(int64_t first_bad_position, const at::Tensor& rows, int64_t num_rows) {
+  if (first_bad_position != kNoBadPosition) {
+    TORCH_CHECK(false, embedding_row_range_message("embedding_gather",
+                                                   rows.reshape(-1)[first_bad_position].item<int64_t>(),
+                                                   first_bad_position, num_rows));
+  }
+}
+
 /// @brief weight itself when its rows are dense in memory (a row-slice of a bigger table is
 /// fine), else a contiguous copy: the kernels read each row as one run of D values.
 inline at::Tensor rows_stride_ready(const at::Tensor& weight) {

@@ -465,22 +465,6 @@ void advise_huge_pages(const at::Tensor& out) {
 
 }  // namespace
 
-/// Raises the offsets error for the first bad bag, else the row error for the first bad
-/// lookup: the text both devices use (the CUDA side reads the same two positions).
-void raise_first_bag_error(int64_t first_bad_bag, int64_t first_bad_position, const at::Tensor& offsets,
-                           const at::Tensor& rows, int64_t bags, int64_t num_rows, bool include_last_offset) {
-  const int64_t nnz = rows.size(0);
-  if (first_bad_bag != kNoBadPosition) {
-    const int64_t begin = offsets[first_bad_bag].item<int64_t>();
-    const int64_t end = first_bad_bag + 1 < offsets.size(0) ? offsets[first_bad_bag + 1].item<int64_t>() : nnz;
-    TORCH_CHECK(false, embedding_offsets_message(nnz, include_last_offset, bags, first_bad_bag, begin, end));
-  }
-  if (first_bad_position != kNoBadPosition) {
-    TORCH_CHECK(false, embedding_row_range_message("embedding_bag", rows[first_bad_position].item<int64_t>(),
-                                                   first_bad_position, num_rows));
-  }
-}
-
 at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in, const at::Tensor& offsets_in,
                              const c10::optional<at::Tensor>& per_sample_weights_in, c10::string_view mode,
                              c10::optional<int64_t> padding_idx, bool include_last_offset) {
@@ -666,11 +650,7 @@ at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& r
                        end, &first_bad_position);
     });
   });
-  const int64_t bad = first_bad_position.load();
-  if (bad != kNoBadPosition) {
-    TORCH_CHECK(false, embedding_row_range_message("embedding_gather", rows.reshape(-1)[bad].item<int64_t>(), bad,
-                                                   weight.size(0)));
-  }
+  raise_first_gather_error(first_bad_position.load(), rows, weight.size(0));
   return out;
 }
 
