@@ -307,13 +307,16 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   const int lines = prefetch_lines(p.dim * static_cast<int64_t>(sizeof(scalar_t)));
   const int64_t last = p.nnz - 1;
+  // Locals, not loads through p: the cold error call could otherwise force reloads.
+  const int64_t padding_row = p.padding_row;
+  std::atomic<int64_t>* const first_bad_position = p.first_bad_position;
   acc_t weight_sum = 0;
   int64_t valid = 0;
   for (int64_t k = begin; k < end; ++k) {
     // The prefetch runs past the bag into the next ones: the flat rows are read in order.
     if (prefetch) prefetch_ahead(base, row_stride_bytes, num_rows, rows, k + kPrefetchDistance, last, lines);
     const index_t row = rows[k];
-    if (!lookup_valid(row, num_rows, p.padding_row, k, p.first_bad_position)) continue;
+    if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) continue;
     const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
     if constexpr (kMax) {
       // A bag with no valid row keeps the zeros it started with.
