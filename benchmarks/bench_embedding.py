@@ -18,6 +18,11 @@ best round counts), and are compared as ratios:
   machine), more threads and CUDA in wall time.
 - on CUDA, also the fraction of the device-to-device copy bandwidth measured in this run:
   bytes the forward must move (rows read, ids and offsets read, output written) / time.
+- skew: the backward of ``--skew-lookups`` (2**20) lookups at D=``--skew-dim`` (128), bags
+  of ``--pooling`` rows, once with every lookup on row 0 (one row summed 2**20 times) and
+  once with every lookup on its own row (``arange``). The backward sums each distinct row's
+  lookups; with long groups split over many lane groups the two should take about the same
+  time on a GPU (ratio ``zeros / arange`` near 1). ``--skip-main`` runs this case alone.
 """
 
 from __future__ import annotations
@@ -156,7 +161,7 @@ def run(args) -> None:
     results: List[Dict] = []
     nnz = args.bags * args.pooling
     offsets = torch.arange(0, nnz + 1, args.pooling, device=device)
-    for dim in args.dims:
+    for dim in [] if args.skip_main else args.dims:
         table = torch.randn(args.rows, dim, device=device)
         reference = torch.nn.EmbeddingBag(args.rows, dim, mode="sum", sparse=True, include_last_offset=True,
                                           _weight=table.clone(), device=device)
@@ -229,11 +234,45 @@ def run(args) -> None:
                     print(f"D={dim:<4} {distribution:<8} threads={threads:<3} {phase:<17} {times}  | sparsekit {ratios}{extra}")
         del table, reference, weight, training, inference
 
+    if args.skew_lookups > 0:
+        results.extend(run_skew(args, device))
+
     extra = {"fbgemm": None if fbgemm is None else "fbgemm_gpu", "fbgemm_missing": fbgemm_missing,
              "threads": args.threads}
     if copy_bytes_per_s is not None:
         extra["copy_bytes_per_s"] = copy_bytes_per_s
     print("wrote", write_results("embedding", device, results, extra))
+
+
+def run_skew(args, device: torch.device) -> List[Dict]:
+    """Backward time of one hot row (rows = zeros) against all-distinct rows (rows = arange)."""
+    n, dim = args.skew_lookups, args.skew_dim
+    table = torch.randn(n, dim, device=device)
+    offsets = torch.cat([torch.arange(0, n, args.pooling), torch.tensor([n])]).to(device)
+    bags = offsets.shape[0] - 1
+    grad_out = torch.randn(bags, dim, device=device)
+    cases = {"zeros": torch.zeros(n, dtype=torch.int64, device=device),
+             "arange": torch.arange(n, dtype=torch.int64, device=device)}
+    results = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        steps = {}
+        for name, rows in cases.items():
+            weight = table.clone().requires_grad_()
+            pooled = ops.embedding_bag(weight, rows, offsets)
+
+            def backward(weight=weight, pooled=pooled):
+                return torch.autograd.grad(pooled, weight, grad_out, retain_graph=True)
+
+            steps[name] = backward
+        seconds = best_of_rounds(steps, device, args.rounds, args.repeat)
+        ratio = seconds["zeros"] / seconds["arange"]
+        results.append({"phase": "backward_skew", "lookups": n, "dim": dim, "pooling": args.pooling,
+                        "threads": threads, "ms": {k: v * 1e3 for k, v in seconds.items()},
+                        "zeros_over_arange": ratio})
+        print(f"skew D={dim} lookups={n} threads={threads:<3} backward  zeros {seconds['zeros'] * 1e3:7.2f} ms  "
+              f"arange {seconds['arange'] * 1e3:7.2f} ms  | zeros/arange x{ratio:.2f}")
+    return results
 
 
 def main() -> None:
@@ -246,6 +285,10 @@ def main() -> None:
     parser.add_argument("--pooling", type=int, default=20, help="rows per bag")
     parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=None,
                         help="comma-separated CPU thread counts (default on CPU: 1 and torch's default)")
+    parser.add_argument("--skew-lookups", type=int, default=1 << 20,
+                        help="lookups of the zeros-vs-arange backward case (0 skips it)")
+    parser.add_argument("--skew-dim", type=int, default=128)
+    parser.add_argument("--skip-main", action="store_true", help="run only the skew case")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()

@@ -22,7 +22,13 @@ TORCH_LIBRARY(sparsekit, m) {
   m.def("hash_table_find(Tensor slot_keys, Tensor slot_rows, Tensor keys) -> Tensor");
   // Places keys that are distinct and absent from the table; rows[i] is stored for keys[i].
   m.def("hash_table_insert_absent_(Tensor(a!) slot_keys, Tensor(b!) slot_rows, Tensor keys, Tensor rows) -> ()");
-  m.def("embedding_bag(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights=None, str mode=\"sum\") -> Tensor");
+  m.def("embedding_bag(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights=None, str mode=\"sum\", "
+        "int? padding_idx=None, bool include_last_offset=True) -> Tensor");
+  // [bags, D] int64: per column, the lookup (index into rows) holding the bag's maximum as
+  // embedding_bag(mode="max") picks it, -1 for a bag without a valid lookup. Max mode's
+  // backward recomputes it rather than keeping [bags, D] int64 alive from the forward.
+  m.def("embedding_bag_argmax(Tensor weight, Tensor rows, Tensor offsets, int? padding_idx=None, "
+        "bool include_last_offset=True) -> Tensor");
   m.def("embedding_gather(Tensor weight, Tensor rows) -> Tensor");
   m.def("lazy_adam_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, Tensor grad, int step, float lr, float beta1, float beta2, float eps, float weight_decay=0.0) -> ()");
   // Stable counting sort of keys by owner rank uint64(key) % world_size:

@@ -307,16 +307,36 @@ def _key_seeded_uniform_fake(
 # ---- embedding ----
 
 
-@torch.library.register_fake("sparsekit::embedding_bag")
-def _embedding_bag_fake(
-    weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum"
-) -> Tensor:
+def _check_embedding_bag_shapes(weight: Tensor, rows: Tensor, offsets: Tensor, include_last_offset: bool):
+    """The shape checks of the fakes; returns the number of bags."""
     torch._check(weight.dim() == 2, lambda: f"embedding_bag: weight must be 2-D, got {weight.dim()}-D")
     torch._check(rows.dim() == 1, lambda: f"embedding_bag: rows must be 1-D, got {rows.dim()}-D")
     torch._check(offsets.dim() == 1, lambda: f"embedding_bag: offsets must be 1-D, got {offsets.dim()}-D")
-    torch._check(offsets.shape[0] >= 1, lambda: "embedding_bag: offsets must hold bags + 1 >= 1 entries")
-    torch._check(mode in ("sum", "mean"), lambda: f"embedding_bag: mode must be 'sum' or 'mean', got {mode!r}")
-    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
+    if include_last_offset:
+        torch._check(offsets.shape[0] >= 1, lambda: "embedding_bag: offsets must hold bags + 1 >= 1 entries")
+        return offsets.shape[0] - 1
+    return offsets.shape[0]
+
+
+@torch.library.register_fake("sparsekit::embedding_bag")
+def _embedding_bag_fake(
+    weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum",
+    padding_idx: Optional[int] = None, include_last_offset: bool = True,
+) -> Tensor:
+    bags = _check_embedding_bag_shapes(weight, rows, offsets, include_last_offset)
+    torch._check(mode in ("sum", "mean", "max"),
+                 lambda: f"embedding_bag: mode must be 'sum', 'mean' or 'max', got {mode!r}")
+    torch._check(per_sample_weights is None or mode != "max",
+                 lambda: "embedding_bag: per_sample_weights is only supported for mode='sum' or 'mean'")
+    return weight.new_empty((bags, weight.shape[1]))
+
+
+@torch.library.register_fake("sparsekit::embedding_bag_argmax")
+def _embedding_bag_argmax_fake(
+    weight: Tensor, rows: Tensor, offsets: Tensor, padding_idx: Optional[int] = None, include_last_offset: bool = True
+) -> Tensor:
+    bags = _check_embedding_bag_shapes(weight, rows, offsets, include_last_offset)
+    return weight.new_empty((bags, weight.shape[1]), dtype=torch.int64)
 
 
 @torch.library.register_fake("sparsekit::embedding_gather")
@@ -339,8 +359,9 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
     The per-lookup rows are never materialised (``[nnz, D]`` would cost more than the whole
     forward): sparsekit's ``unique`` numbers the distinct rows and counts their lookups, a
     stable sort of those numbers groups the lookups row by row, and ``embedding_bag`` sums
-    each group straight out of ``source`` as one CSR bag per row. Sums run in lookup order,
-    so the gradient is bit-identical run to run on every device.
+    each group straight out of ``source`` as one CSR bag per row. Sums run in lookup order
+    (on CUDA a long group is cut into fixed chunks combined in a fixed order), so the
+    gradient is bit-identical run to run on every device.
     """
     dim = source.shape[1]
     # A leading -1 makes the missing-row marker unique row 0 whatever the batch holds, so
@@ -351,9 +372,12 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
     # CSR offsets of the groups over the nnz lookups; the marker counted itself once.
     group_ends = torch.cumsum(counts, 0) - 1
     offsets = torch.cat([group_ends.new_zeros(1), group_ends])
-    lookup_order = torch.sort(inverse[1:], stable=True).indices
+    sorted_groups, lookup_order = torch.sort(inverse[1:], stable=True)
     grouped_scale = None if scale is None else scale.index_select(0, lookup_order)
-    summed = _ops.embedding_bag(source, source_index.index_select(0, lookup_order), offsets, grouped_scale, "sum")
+    # The -1 lookups (group 0) read source index -1, which embedding_bag skips without a
+    # load: they are never gathered, only stepped over.
+    grouped_index = torch.where(sorted_groups == 0, -1, source_index.index_select(0, lookup_order))
+    summed = _ops.embedding_bag(source, grouped_index, offsets, grouped_scale, "sum")
     indices = keys[1:].to(torch.int64).unsqueeze(0)
     return torch.sparse_coo_tensor(
         indices, summed[1:], (num_rows, dim), is_coalesced=False, check_invariants=False
@@ -384,29 +408,88 @@ def _lookup_dots(left: Tensor, left_index: Tensor, right: Tensor, right_index: T
     return torch.cat(dots) if dots else left.new_zeros(0, dtype=dtype)
 
 
+def _padding_row(padding_idx: Optional[int], num_rows: int) -> Optional[int]:
+    """padding_idx in [0, num_rows) (negative counts from the end, as in nn.EmbeddingBag), or None."""
+    if padding_idx is None:
+        return None
+    return padding_idx + num_rows if padding_idx < 0 else padding_idx
+
+
 def _embedding_bag_setup_context(ctx, inputs, output) -> None:
-    weight, rows, offsets, per_sample_weights, mode = inputs
+    weight, rows, offsets, per_sample_weights, mode, padding_idx, include_last_offset = inputs
     ctx.mode = mode
     ctx.num_rows = weight.shape[0]
+    ctx.padding_idx = padding_idx
+    ctx.include_last_offset = include_last_offset
     weighted = per_sample_weights is not None
-    # The per-sample-weight gradient needs the table rows (and, for mean, the output).
+    # The per-sample-weight gradient needs the table rows (and, for mean, the output); max
+    # needs the table to find the arg-max again.
     ctx.save_for_backward(
         rows,
         offsets,
         per_sample_weights,
-        weight if weighted else None,
+        weight if weighted or mode == "max" else None,
         output if weighted and mode == "mean" else None,
     )
+
+
+def _csr_offsets(offsets: Tensor, nnz: int, include_last_offset: bool) -> Tensor:
+    """``[bags + 1]`` int64 CSR offsets from either offsets convention."""
+    offsets = offsets.long()
+    if include_last_offset:
+        return offsets
+    return torch.cat([offsets, offsets.new_full((1,), nnz)])
+
+
+def _max_gradient(grad_output: Tensor, weight: Tensor, rows: Tensor, offsets: Tensor, lookup_rows: Tensor,
+                  ctx) -> Tensor:
+    """Max mode's sparse weight gradient: grad_output[b, c] goes to column c of the row whose
+    lookup holds bag b's maximum in that column (ties: the first valid lookup in bag order).
+
+    The arg-max is recomputed (``embedding_bag_argmax``) instead of being kept from the
+    forward, and the ``[bags * D]`` contributions are summed per (row, column) with
+    ``segment_sum(deterministic=True)``: bit-identical run to run on every device."""
+    dim = grad_output.shape[1]
+    positions = _ops.embedding_bag_argmax(weight, rows, offsets, ctx.padding_idx, ctx.include_last_offset)
+    marker = torch.full((1,), -1, dtype=lookup_rows.dtype, device=lookup_rows.device)
+    keys, inverse, _ = _ops.unique(torch.cat([marker, lookup_rows]))
+    groups = keys.shape[0]
+    # Group of each arg-max lookup (0 for the -1 marker, whose entries are dropped).
+    # Position nnz reads a padded 0, so bags without a valid lookup (-1) need no branch.
+    nnz = lookup_rows.shape[0]
+    group_of_lookup = torch.cat([inverse[1:], inverse.new_zeros(1)])
+    flat_positions = torch.where(positions >= 0, positions, nnz).reshape(-1)
+    group = group_of_lookup.index_select(0, flat_positions).view_as(positions)
+    column = torch.arange(dim, device=positions.device)
+    segment = torch.where(positions >= 0, group * dim + column, -1).reshape(-1)
+    acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
+    summed = segment_sum(grad_output.to(acc_dtype).reshape(-1, 1), segment, groups * dim, deterministic=True)
+    values = summed.view(groups, dim)[1:].to(grad_output.dtype)
+    indices = keys[1:].to(torch.int64).unsqueeze(0)
+    return torch.sparse_coo_tensor(indices, values, (ctx.num_rows, dim), is_coalesced=False,
+                                   check_invariants=False)
 
 
 def _embedding_bag_backward(ctx, grad_output: Tensor):
     rows, offsets, per_sample_weights, weight, output = ctx.saved_tensors
     nnz = rows.shape[0]
-    bags = offsets.shape[0] - 1
+    csr = _csr_offsets(offsets, nnz, ctx.include_last_offset)
+    bags = csr.shape[0] - 1
     # Half-precision gradients are pooled in float32 (grad_output is only [bags, D]).
     acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
-    bag = _bag_index(offsets, nnz)
-    valid = rows >= 0
+    padding_row = _padding_row(ctx.padding_idx, ctx.num_rows)
+    # The padding row gets no gradient: in the backward it is one more missing row. (The
+    # forward skips it in the kernel; this backward pass over rows is noise next to unique.)
+    lookup_rows = rows if padding_row is None else torch.where(rows == padding_row, -1, rows)
+
+    if ctx.mode == "max":
+        grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_weight = _max_gradient(grad_output, weight, rows, offsets, lookup_rows, ctx)
+        return grad_weight, None, None, None, None, None, None
+
+    bag = _bag_index(csr, nnz)
+    valid = lookup_rows >= 0
 
     # mean: out[b] = sum_i w_i weight[r_i] / S_b, S_b = number (or weight sum) of valid rows.
     inverse_denominator = None
@@ -414,10 +497,14 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
         if per_sample_weights is None:
             # Exact integer counts from a prefix sum: no atomics, no rounding.
             prefix = torch.cat([valid.new_zeros(1, dtype=torch.int64), torch.cumsum(valid, 0)])
-            denominator = (prefix[offsets[1:].long()] - prefix[offsets[:-1].long()]).to(acc_dtype)
+            denominator = (prefix[csr[1:]] - prefix[csr[:-1]]).to(acc_dtype)
         else:
-            masked = torch.where(valid, per_sample_weights.to(acc_dtype), 0)
-            denominator = segment_sum(masked.unsqueeze(1), bag, bags).squeeze(1)
+            # The forward's own weight sums, bit for bit and without atomics: embedding_bag
+            # over the [nnz, 1] table of weights (0 for skipped lookups; adding 0.0 changes
+            # no sum) runs the forward's summation order, long bags split alike on CUDA.
+            masked = torch.where(valid, per_sample_weights.to(acc_dtype), 0).unsqueeze(1)
+            lookups = torch.arange(nnz, device=rows.device)
+            denominator = _ops.embedding_bag(masked, lookups, csr, None, "sum").squeeze(1)
         # The forward pools a bag with nothing to divide by to zeros; its gradient is zero too.
         safe = torch.where(denominator != 0, denominator, 1)
         inverse_denominator = torch.where(denominator != 0, 1 / safe, 0)
@@ -430,7 +517,7 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
     grad_weight = None
     if ctx.needs_input_grad[0]:
         scale = None if per_sample_weights is None else per_sample_weights.to(acc_dtype)
-        grad_weight = _sparse_row_gradient(bag_grad, bag, rows, ctx.num_rows, scale)
+        grad_weight = _sparse_row_gradient(bag_grad, bag, lookup_rows, ctx.num_rows, scale)
         if grad_weight.dtype != grad_output.dtype:
             grad_weight = grad_weight.to(grad_output.dtype)
 
@@ -438,12 +525,12 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
     if per_sample_weights is not None and ctx.needs_input_grad[3]:
         # sum:  d out[b] / d w_i = weight[r_i]
         # mean: d out[b] / d w_i = (weight[r_i] - out[b]) / S_b, and bag_grad already holds the 1 / S_b.
-        dots = _lookup_dots(bag_grad, bag, weight, rows, acc_dtype)
+        dots = _lookup_dots(bag_grad, bag, weight, lookup_rows, acc_dtype)
         if ctx.mode == "mean":
             bag_dots = torch.linalg.vecdot(bag_grad, output.to(acc_dtype))
             dots = torch.where(valid, dots - bag_dots.index_select(0, bag), 0)
         grad_per_sample_weights = dots.to(per_sample_weights.dtype)
-    return grad_weight, None, None, grad_per_sample_weights, None
+    return grad_weight, None, None, grad_per_sample_weights, None, None, None
 
 
 torch.library.register_autograd(
@@ -460,7 +547,8 @@ def _embedding_gather_setup_context(ctx, inputs, output) -> None:
 def _embedding_gather_backward(ctx, grad_output: Tensor):
     (rows,) = ctx.saved_tensors
     flat_rows = rows.reshape(-1)
-    source = grad_output.reshape(-1, grad_output.shape[-1])
+    # Explicit sizes: reshape(-1, 0) of a zero-width gradient is ambiguous and raises.
+    source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])
     if source.dtype in (torch.float16, torch.bfloat16):
         source = source.float()
     positions = torch.arange(flat_rows.shape[0], device=rows.device)
@@ -474,28 +562,56 @@ torch.library.register_autograd(
 
 
 def embedding_bag(
-    weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum"
+    weight: Tensor,
+    rows: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor] = None,
+    mode: str = "sum",
+    padding_idx: Optional[int] = None,
+    include_last_offset: bool = True,
 ) -> Tensor:
-    """Pooled embedding lookup over CSR bags: ``out[b] = pool(weight[rows[offsets[b]:offsets[b+1]]])``.
+    """Pooled embedding lookup over bags: ``out[b] = pool(weight[rows[offsets[b]:offsets[b+1]]])``.
+
+    Offsets come in two conventions. The default, ``include_last_offset=True``, is CSR:
+    ``bags + 1`` entries, the last one ``nnz``. ``include_last_offset=False`` takes
+    ``nn.EmbeddingBag``'s default ``[bags]`` bag starts, the last bag running to ``nnz``::
+
+        rows = torch.tensor([4, 2, 7])                     # nnz = 3 lookups, 2 bags: [4, 2] and [7]
+        embedding_bag(w, rows, torch.tensor([0, 2, 3]))    # CSR (default): bags + 1 offsets
+        embedding_bag(w, rows, torch.tensor([0, 2]), include_last_offset=False)  # nn.EmbeddingBag style
+        embedding_bag(w, rows, torch.tensor([0, 2]))       # raises: offsets[-1] == 2 != nnz, with a
+                                                           # hint to pass include_last_offset=False
 
     Args:
         weight: ``[R, D]`` float32, float64, float16 or bfloat16 table (half types
-            accumulate in float32).
+            accumulate in float32); any strides (rows are read as-is when their columns
+            are dense, e.g. ``big[:, 1:33]``; otherwise a contiguous copy is made).
         rows: ``[nnz]`` int64 or int32 row ids in ``[0, R)``; ``-1`` (a missing key) is
-            skipped. Anything else raises.
-        offsets: ``[bags + 1]`` int64 or int32 CSR offsets: ``offsets[0] == 0``,
-            non-decreasing, ``offsets[-1] == nnz`` (nn.EmbeddingBag's offsets with nnz appended).
-        per_sample_weights: optional ``[nnz]`` of ``weight``'s dtype, scaling each row.
-        mode: ``"sum"`` or ``"mean"``. Mean divides by the number of valid rows of the bag
-            (weighted: by the sum of their weights).
+            skipped. Anything else raises, naming the first bad entry.
+        offsets: int64 or int32 bag boundaries, non-decreasing from ``offsets[0] == 0``:
+            ``[bags + 1]`` with ``offsets[-1] == nnz`` (``include_last_offset=True``) or
+            ``[bags]`` (``include_last_offset=False``). Bad offsets raise (checked before
+            rows), naming the first bad bag.
+        per_sample_weights: optional ``[nnz]`` of ``weight``'s dtype, scaling each row
+            (``"sum"`` and ``"mean"`` only; with ``"max"`` it raises, as in torch).
+        mode: ``"sum"``, ``"mean"`` or ``"max"``. Mean divides by the number of valid rows
+            of the bag (weighted: by the sum of their weights). Max takes each column's
+            maximum over the valid rows (a NaN wins, as in ``nn.EmbeddingBag``).
+        padding_idx: optional row skipped exactly like ``-1``: it adds nothing, is not
+            counted by mean and gets no gradient. In ``[-R, R)``; negative counts from the
+            end, as in ``nn.EmbeddingBag``.
+        include_last_offset: see above; ``True`` (the default) is sparsekit's CSR offsets.
 
     Returns:
         ``[bags, D]`` of ``weight``'s dtype; a bag with no valid row (or whose valid weights
         sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a sparse COO
-        gradient with one entry per distinct row, gradients summed, rows in order of first
-        occurrence, so not marked coalesced) and in ``per_sample_weights`` (dense).
+        gradient with one entry per distinct valid row looked up, gradients summed, rows in
+        order of first occurrence, so not marked coalesced; max sends each column's gradient
+        to the arg-max row, ties to the first valid lookup in bag order) and in
+        ``per_sample_weights`` (dense). Forward and gradients are bit-identical run to run;
+        max mode (a selection) is also bit-identical between CPU and CUDA.
     """
-    return _ops.embedding_bag(weight, rows, offsets, per_sample_weights, mode)
+    return _ops.embedding_bag(weight, rows, offsets, per_sample_weights, mode, padding_idx, include_last_offset)
 
 
 def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:

@@ -33,14 +33,19 @@ def random_bags(num_rows, bags, max_len, *, missing=0.0, seed=0):
     return rows, offsets
 
 
-def torch_reference(weight, rows, offsets, per_sample_weights=None, mode="sum"):
-    """nn.EmbeddingBag semantics in float64, -1 rows mapped to a padding row so they are skipped.
+def torch_reference(weight, rows, offsets, per_sample_weights=None, mode="sum", padding_idx=None,
+                    include_last_offset=True):
+    """nn.EmbeddingBag semantics in float64, -1 rows (and padding_idx) mapped to a padding row so they are skipped.
 
     Weighted mean (not offered by torch) is pooled by hand: sum(w_i * row_i) / sum(w_i)."""
     weight = weight.double().cpu()
     rows, offsets = rows.long().cpu(), offsets.long().cpu()
+    if not include_last_offset:
+        offsets = torch.cat([offsets, torch.tensor([rows.shape[0]])])
     padded = torch.cat([weight, torch.zeros(1, weight.shape[1], dtype=torch.float64)])
     pad = weight.shape[0]
+    if padding_idx is not None:
+        rows = torch.where(rows == padding_idx % weight.shape[0], pad, rows)
     rows = torch.where(rows == -1, pad, rows)
     psw = None if per_sample_weights is None else per_sample_weights.double().cpu()
     if mode == "mean" and psw is not None:
@@ -172,7 +177,7 @@ def test_embedding_bag_strided_weight(device):
 def test_embedding_bag_rejects_bad_offsets(device):
     weight = torch.randn(5, 4, device=device)
     rows = torch.tensor([0, 1, 2], device=device)
-    for bad in ([1, 2, 3], [0, 2, 1, 3], [0, 3, 2], [0, 1, 4], [0, 1]):
+    for bad in ([1, 2, 3], [0, 2, 1, 3], [0, 3, 2], [0, 1, 4], [0, 1], [0, 2]):
         with pytest.raises(RuntimeError, match="embedding_bag: offsets must be non-decreasing"):
             ops.embedding_bag(weight, rows, torch.tensor(bad, device=device))
     with pytest.raises(RuntimeError, match="offsets must be 1-D"):
@@ -181,6 +186,24 @@ def test_embedding_bag_rejects_bad_offsets(device):
         ops.embedding_bag(weight, rows[:0], torch.tensor([2], device=device))
     with pytest.raises(RuntimeError, match="offsets must be an int64 or int32"):
         ops.embedding_bag(weight, rows, torch.tensor([0.0, 3.0], device=device))
+
+
+def test_embedding_bag_offsets_error_hints_at_include_last_offset(device):
+    weight = torch.randn(8, 4, device=device)
+    rows = torch.tensor([4, 2, 7], device=device)
+    nn_style = torch.tensor([0, 2], device=device)  # nn.EmbeddingBag: 2 bags, [4, 2] and [7]
+    with pytest.raises(RuntimeError, match="pass include_last_offset=False"):
+        ops.embedding_bag(weight, rows, nn_style)
+    out = ops.embedding_bag(weight, rows, nn_style, include_last_offset=False)
+    torch.testing.assert_close(out, ops.embedding_bag(weight, rows, torch.tensor([0, 2, 3], device=device)))
+    torch.testing.assert_close(out, F.embedding_bag(rows, weight, nn_style, mode="sum"))
+    for bad in ([1, 2], [0, 4], [0, 2, 1]):
+        with pytest.raises(RuntimeError, match="every offset <= nnz == 3"):
+            ops.embedding_bag(weight, rows, torch.tensor(bad, device=device), include_last_offset=False)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    assert ops.embedding_bag(weight, rows[:0], empty, include_last_offset=False).shape == (0, 4)
+    with pytest.raises(RuntimeError, match="got no bag"):
+        ops.embedding_bag(weight, rows, empty, include_last_offset=False)
 
 
 @pytest.mark.parametrize("bad_row", [-2, 5, INT64_MIN, INT64_MAX])
@@ -210,8 +233,12 @@ def test_embedding_bag_rejects_bad_arguments(device):
         ops.embedding_bag(weight, rows, offsets, torch.ones(3, dtype=torch.float64, device=device))
     with pytest.raises(RuntimeError, match=r"per_sample_weights must be 1-D \[nnz\]"):
         ops.embedding_bag(weight, rows, offsets, torch.ones(2, device=device))
-    with pytest.raises(RuntimeError, match='mode must be "sum" or "mean"'):
-        ops.embedding_bag(weight, rows, offsets, mode="max")
+    with pytest.raises(RuntimeError, match='mode must be "sum", "mean" or "max"'):
+        ops.embedding_bag(weight, rows, offsets, mode="min")
+    with pytest.raises(RuntimeError, match='per_sample_weights is only supported for mode="sum" or "mean"'):
+        ops.embedding_bag(weight, rows, offsets, torch.ones(3, device=device), "max")
+    with pytest.raises(RuntimeError, match=r"padding_idx must lie in \[-num_rows, num_rows\)"):
+        ops.embedding_bag(weight, rows, offsets, padding_idx=5)
 
 
 # ---- embedding_bag autograd ----
@@ -388,3 +415,217 @@ def test_embedding_bag_compiles(device):
     compiled = torch.compile(pooled_then_gathered, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(weight, rows, offsets), pooled_then_gathered(weight, rows, offsets))
 
+
+
+# ---- max mode, padding_idx, include_last_offset ----
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64, 127])
+@pytest.mark.parametrize("padding_idx", [None, 3, -2])
+def test_embedding_bag_max_and_padding_match_torch(device, dim, padding_idx):
+    weight = torch.randn(50, dim, device=device)
+    rows, offsets = random_bags(50, 40, 9, missing=0.1, seed=dim)
+    rows[::5] = 3  # plenty of padding lookups
+    rows, offsets = rows.to(device), offsets.to(device)
+    for mode in ["sum", "mean", "max"]:
+        for include_last_offset in [True, False]:
+            o = offsets if include_last_offset else offsets[:-1]
+            out = ops.embedding_bag(weight, rows, o, None, mode, padding_idx, include_last_offset)
+            expected = torch_reference(weight, rows, o, None, mode, padding_idx, include_last_offset)
+            torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_bag_max_matches_nn_embedding_bag_forward_and_gradient(device):
+    torch.manual_seed(0)
+    weight = torch.randn(30, 16, device=device)
+    weight[7] = weight[5]  # ties between rows: the first valid lookup in bag order wins
+    rows, offsets = random_bags(30, 25, 6, seed=3)
+    rows[:4] = torch.tensor([5, 7, 7, 5])
+    offsets[1] = max(int(offsets[1]), 4)
+    offsets = torch.maximum(offsets, offsets[1] * (torch.arange(offsets.shape[0]) >= 1))
+    rows, offsets = rows.to(device), offsets.to(device)
+    grad_out = torch.randn(offsets.shape[0] - 1, 16, device=device)
+    reference = weight.clone().requires_grad_()
+    expected = F.embedding_bag(rows, reference, offsets, mode="max", include_last_offset=True)
+    expected.backward(grad_out)
+    ours = weight.clone().requires_grad_()
+    out = ops.embedding_bag(ours, rows, offsets, mode="max")
+    assert torch.equal(out, expected.detach())
+    out.backward(grad_out)
+    assert ours.grad.layout == torch.sparse_coo
+    assert ours.grad._indices()[0].tolist() == list(dict.fromkeys(rows.tolist()))
+    torch.testing.assert_close(ours.grad.to_dense(), reference.grad)
+
+
+def test_embedding_bag_max_edge_cases(device):
+    weight = torch.tensor([[1.0, -5.0], [float("nan"), 2.0], [-3.0, -1.0], [0.5, 9.0]], device=device)
+    rows = torch.tensor([0, 2, -1, 1, 0, -1, -1, 3], device=device)
+    offsets = torch.tensor([0, 2, 5, 5, 7, 8], device=device)  # an empty bag and an all -1 bag
+    out = ops.embedding_bag(weight, rows, offsets, mode="max").cpu()
+    expected = F.embedding_bag(torch.where(rows == -1, 4, rows).cpu(), torch.cat([weight.cpu(), torch.zeros(1, 2)]),
+                               offsets.cpu(), mode="max", include_last_offset=True, padding_idx=4)
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    assert torch.isnan(out[1, 0]) and out[2].eq(0).all() and out[3].eq(0).all()
+    # negative maxima stay negative (the accumulator is not started at zero)
+    torch.testing.assert_close(out[0], torch.tensor([1.0, -1.0]))
+    positions = torch.ops.sparsekit.embedding_bag_argmax(weight, rows, offsets).cpu()
+    assert positions.tolist() == [[0, 1], [3, 3], [-1, -1], [-1, -1], [7, 7]]
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_padding_row_gets_no_gradient(device, mode):
+    weight = torch.randn(6, 3, dtype=torch.float64, device=device, requires_grad=True)
+    rows = torch.tensor([2, 5, 1, 5, 5, 0, 2], device=device)
+    offsets = torch.tensor([0, 3, 5, 7], device=device)  # bag 1 holds only padding
+    out = ops.embedding_bag(weight, rows, offsets, None, mode, padding_idx=-1)
+    assert out[1].eq(0).all()
+    if mode == "mean":
+        torch.testing.assert_close(out[0], (weight[2] + weight[1]) / 2)
+    out.sum().backward()
+    assert 5 not in weight.grad._indices()[0].tolist()
+    assert weight.grad._indices()[0].tolist() == [2, 1, 0]
+    psw = (torch.rand(7, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+    if mode != "max":
+        assert torch.autograd.gradcheck(
+            lambda w, p: ops.embedding_bag(Densify.apply(w), rows, offsets, p, mode, 5), (weight, psw))
+        reference = torch.nn.functional.embedding_bag(rows, weight, offsets, mode="sum", per_sample_weights=psw,
+                                                      padding_idx=5, include_last_offset=True)
+        if mode == "sum":
+            torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, psw, mode, 5), reference)
+    else:
+        assert torch.autograd.gradcheck(
+            lambda w: ops.embedding_bag(Densify.apply(w), rows, offsets, None, mode, 5), (weight,))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("include_last_offset", [True, False])
+def test_embedding_bag_gradcheck_all_modes(device, mode, include_last_offset):
+    weight = torch.randn(9, 5, dtype=torch.float64, device=device, requires_grad=True)
+    rows = torch.tensor([1, 2, -1, 2, 5, 1, 3, -1, 8], device=device)
+    offsets = torch.tensor([0, 3, 3, 7, 8, 9], device=device)
+    if not include_last_offset:
+        offsets = offsets[:-1]
+    assert torch.autograd.gradcheck(
+        lambda w: ops.embedding_bag(Densify.apply(w), rows, offsets, None, mode, None, include_last_offset),
+        (weight,))
+
+
+@pytest.mark.parametrize("mode, weighted", [("sum", False), ("sum", True), ("mean", False), ("mean", True),
+                                            ("max", False)])
+def test_embedding_bag_gradients_bit_identical_run_to_run(device, mode, weighted):
+    gen = torch.Generator().manual_seed(4)
+    nnz = 20000
+    # One hot row (a long group), many cold ones, missing rows and one long bag.
+    rows = torch.where(torch.rand(nnz, generator=gen) < 0.5, 0, torch.randint(-1, 500, (nnz,), generator=gen))
+    offsets = torch.cat([torch.tensor([0]), torch.arange(10000, nnz + 1, 7), torch.tensor([nnz])]).unique()
+    rows, offsets = rows.to(device), offsets.to(device)
+    weight = torch.randn(500, 33, device=device, requires_grad=True)
+    psw = (torch.rand(nnz, generator=gen) + 0.1).to(device).requires_grad_() if weighted else None
+    grad_out = torch.randn(offsets.shape[0] - 1, 33, device=device)
+    results = []
+    for _ in range(3):
+        inputs = (weight,) if psw is None else (weight, psw)
+        grads = torch.autograd.grad(ops.embedding_bag(weight, rows, offsets, psw, mode), inputs, grad_out)
+        results.append([grads[0]._values(), grads[0]._indices()] + list(grads[1:]))
+    for again in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], again))
+
+
+def test_embedding_bag_opcheck_new_arguments(device):
+    weight = torch.randn(12, 8, device=device, requires_grad=True)
+    rows = torch.tensor([3, -1, 3, 7, 0, 11], device=device)
+    offsets = torch.tensor([0, 2, 2, 6], device=device)
+    psw = torch.rand(6, device=device, requires_grad=True)
+    for args in [(weight, rows, offsets, None, "max", None, True), (weight, rows, offsets, psw, "mean", 3, True),
+                 (weight, rows, offsets[:-1], psw, "sum", -1, False), (weight, rows, offsets[:-1], None, "max", 7, False)]:
+        torch.library.opcheck(torch.ops.sparsekit.embedding_bag.default, args)
+    torch.library.opcheck(torch.ops.sparsekit.embedding_bag_argmax.default, (weight, rows, offsets, 3, True))
+
+
+# ---- zero-width tables, misaligned tables, first-bad-position errors ----
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_zero_width_weight_forward_and_backward(device, mode):
+    weight = torch.randn(5, 0, device=device, requires_grad=True)
+    rows = torch.tensor([0, 4, -1, 2], device=device)
+    offsets = torch.tensor([0, 1, 4], device=device)
+    out = ops.embedding_bag(weight, rows, offsets, mode=mode)
+    assert out.shape == (2, 0)
+    out.sum().backward()
+    assert weight.grad.shape == (5, 0)
+    gathered = ops.embedding_gather(weight, rows.view(2, 2))
+    assert gathered.shape == (2, 2, 0)
+    (grad,) = torch.autograd.grad(gathered.sum(), weight)
+    assert grad.shape == (5, 0) and grad._indices()[0].tolist() == [0, 4, 2]
+
+
+def test_zero_width_weight_still_checks_rows_and_offsets(device):
+    weight = torch.randn(5, 0, device=device)
+    with pytest.raises(RuntimeError, match="embedding_bag: rows holds 9 but weight has 5 rows"):
+        ops.embedding_bag(weight, torch.tensor([0, 9], device=device), torch.tensor([0, 2], device=device))
+    with pytest.raises(RuntimeError, match="embedding_gather: rows holds 9 but weight has 5 rows"):
+        ops.embedding_gather(weight, torch.tensor([0, 9], device=device))
+    with pytest.raises(RuntimeError, match="embedding_bag: offsets must be non-decreasing"):
+        ops.embedding_bag(weight, torch.tensor([0, 1], device=device), torch.tensor([0, 2, 1], device=device))
+
+
+def error_message(fn):
+    with pytest.raises(RuntimeError) as info:
+        fn()
+    return str(info.value).splitlines()[0]
+
+
+def test_errors_name_the_first_bad_position_offsets_before_rows(device):
+    weight = torch.randn(10, 4, device=device)
+    nnz = 50000
+    rows = torch.randint(0, 10, (nnz,))
+    rows[[777, 30000, 49999]] = torch.tensor([12, -5, 99])
+    offsets = torch.arange(0, nnz + 1, 5)
+    messages = {}
+    for dev in {torch.device("cpu"), torch.device(device)}:
+        r, o = rows.to(dev), offsets.to(dev)
+        bad_offsets = o.clone()
+        bad_offsets[[4000, 6000]] = bad_offsets[[4000, 6000]] + 7  # bag 4000 is the first broken
+        messages[dev.type] = [
+            error_message(lambda: ops.embedding_bag(weight.to(dev), r, o)),
+            error_message(lambda: ops.embedding_bag(weight.to(dev), r, o, mode="max")),
+            error_message(lambda: ops.embedding_bag(weight.to(dev), r, bad_offsets)),
+            error_message(lambda: ops.embedding_bag(weight.to(dev)[:, :0], r, bad_offsets)),
+            error_message(lambda: ops.embedding_gather(weight.to(dev), r.view(100, 500))),
+        ]
+    cpu = messages["cpu"]
+    assert "rows holds 12 but weight has 10 rows (at rows[777], the first bad entry)" in cpu[0]
+    assert cpu[1] == cpu[0]
+    assert "bag 4000 is offsets[4000] == 20007 to offsets[4001] == 20005 (the first bad bag)" in cpu[2]
+    assert cpu[3] == cpu[2]
+    assert "rows holds 12 but weight has 10 rows (at rows.flatten()[777]" in cpu[4]
+    for other in messages.values():
+        assert other == cpu
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_misaligned_weight_views(device, mode):
+    big = torch.randn(40, 70, dtype=torch.float64, device=device)
+    rows, offsets = random_bags(40, 30, 7, missing=0.1, seed=23)
+    rows, offsets = rows.to(device), offsets.to(device)
+    grad_out = torch.randn(30, 32, dtype=torch.float64, device=device)
+    for dtype in [torch.float32, torch.float16]:
+        table = big.to(dtype)
+        views = [table[:, 1:33], table[3:, 5:37], table.t()[:32].t(), table[:, 1:65:2]]
+        for view in views:
+            view_rows = rows.clamp_max(view.shape[0] - 1)
+            leaf = view.detach().requires_grad_()
+            out = ops.embedding_bag(leaf, view_rows, offsets, mode=mode)
+            dense = view.contiguous().requires_grad_()
+            expected = ops.embedding_bag(dense, view_rows, offsets, mode=mode)
+            assert torch.equal(out, expected)
+            out.backward(grad_out.to(dtype))
+            expected.backward(grad_out.to(dtype))
+            assert torch.equal(leaf.grad.to_dense(), dense.grad.to_dense())
+            gathered = ops.embedding_gather(leaf, view_rows)
+            assert torch.equal(gathered, ops.embedding_gather(dense, view_rows))
+            (grad,) = torch.autograd.grad(gathered, leaf, grad_out.to(dtype)[: 1].expand(view_rows.shape[0], 32))
+            (grad_dense,) = torch.autograd.grad(ops.embedding_gather(dense, view_rows), dense,
+                                                grad_out.to(dtype)[:1].expand(view_rows.shape[0], 32))
+            assert torch.equal(grad.to_dense(), grad_dense.to_dense())

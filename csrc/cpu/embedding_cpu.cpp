@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -175,24 +176,46 @@ struct BagProblem {
   int64_t dim;
   const index_t* rows;
   const int64_t* offsets;
+  int64_t num_offsets;  // bags + 1 with include_last_offset, else bags (the last bag ends at nnz)
+  int64_t bags;
   int64_t nnz;
+  int64_t padding_row;                 // skipped like -1; -1 when there is none
   const scalar_t* per_sample_weights;  // nullptr: every row weighs 1
-  bool mean;
+  BagMode mode;
   scalar_t* out;  // [bags, dim], contiguous
-  std::atomic<bool>* bad_offsets;
-  std::atomic<bool>* bad_row_seen;
-  std::atomic<int64_t>* bad_row;
+  std::atomic<int64_t>* first_bad_bag;       // kNoBadPosition until a bag breaks the offsets contract
+  std::atomic<int64_t>* first_bad_position;  // kNoBadPosition until rows holds a bad row
 };
+
+/// Where bag `bag` ends: offsets[bag + 1], or nnz for the last bag of [bags] offsets.
+SPARSEKIT_ALWAYS_INLINE int64_t bag_end(const int64_t* offsets, int64_t num_offsets, int64_t bag, int64_t nnz) {
+  return bag + 1 < num_offsets ? offsets[bag + 1] : nnz;
+}
 
 template <typename index_t>
 SPARSEKIT_ALWAYS_INLINE bool row_in_range(index_t row, int64_t num_rows) {
   return static_cast<uint64_t>(static_cast<int64_t>(row)) < static_cast<uint64_t>(num_rows);
 }
 
-// Out of line: the error path must not act as a memory barrier inside the hot loops.
-__attribute__((noinline, cold)) void record_bad_row(std::atomic<bool>* seen, std::atomic<int64_t>* value,
-                                                    int64_t row) {
-  if (!seen->exchange(true, std::memory_order_relaxed)) value->store(row, std::memory_order_relaxed);
+// Out of line: the error path must not act as a memory barrier inside the hot loops. Keeps
+// the smallest position recorded, so the error names the first bad entry whatever the
+// thread schedule (the CUDA kernels do the same with atomicMin).
+__attribute__((noinline, cold)) void record_first_bad(std::atomic<int64_t>* first, int64_t position) {
+  int64_t seen = first->load(std::memory_order_relaxed);
+  while (position < seen && !first->compare_exchange_weak(seen, position, std::memory_order_relaxed)) {
+  }
+}
+
+/// True when `row` is looked up: in range and not the padding row. A row outside the table
+/// other than -1 is recorded as an error.
+template <typename index_t>
+SPARSEKIT_ALWAYS_INLINE bool lookup_valid(index_t row, int64_t num_rows, int64_t padding_row, int64_t position,
+                                          std::atomic<int64_t>* first_bad_position) {
+  if (C10_UNLIKELY(!row_in_range(row, num_rows))) {
+    if (row != index_t(-1)) record_first_bad(first_bad_position, position);
+    return false;
+  }
+  return static_cast<int64_t>(row) != padding_row;
 }
 
 /// kVecs 32-byte vectors of accumulators: the columns [col, col + kVecs * kLanes) of a bag,
@@ -212,6 +235,17 @@ struct VectorColumns {
   }
   SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src, acc_t w) {
     for (int i = 0; i < kVecs; ++i) acc[i] += w * load_vec(src + i * kLanes);
+  }
+  SPARSEKIT_ALWAYS_INLINE void assign(const scalar_t* src) {
+    for (int i = 0; i < kVecs; ++i) acc[i] = load_vec(src + i * kLanes);
+  }
+  // nn.EmbeddingBag's max: a larger value or a NaN replaces the running maximum unless that
+  // is already NaN; ties keep the earlier row.
+  SPARSEKIT_ALWAYS_INLINE void max(const scalar_t* src) {
+    for (int i = 0; i < kVecs; ++i) {
+      const vec v = load_vec(src + i * kLanes);
+      acc[i] = ((acc[i] == acc[i]) & ((v > acc[i]) | (v != v))) ? v : acc[i];
+    }
   }
   SPARSEKIT_ALWAYS_INLINE void store(scalar_t* dst, acc_t scale) {
     for (int i = 0; i < kVecs; ++i) {
@@ -243,6 +277,15 @@ struct TailColumns {
   SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src, acc_t w) {
     for (int64_t i = 0; i < width; ++i) acc[i] += w * load_widened<acc_t>(src + i);
   }
+  SPARSEKIT_ALWAYS_INLINE void assign(const scalar_t* src) {
+    for (int64_t i = 0; i < width; ++i) acc[i] = load_widened<acc_t>(src + i);
+  }
+  SPARSEKIT_ALWAYS_INLINE void max(const scalar_t* src) {
+    for (int64_t i = 0; i < width; ++i) {
+      const acc_t v = load_widened<acc_t>(src + i);
+      if (acc[i] == acc[i] && (v > acc[i] || v != v)) acc[i] = v;
+    }
+  }
   SPARSEKIT_ALWAYS_INLINE void store(scalar_t* dst, acc_t scale) {
     for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<scalar_t>(acc[i] * scale);
   }
@@ -251,7 +294,7 @@ struct TailColumns {
 /// Pools the columns held by `columns` (starting at col) over rows[begin, end) of one bag
 /// and writes them to out_row. The first pass over a bag (prefetch == true) also prefetches
 /// the rows kPrefetchDistance lookups ahead, running on into the next bags.
-template <bool kWeighted, typename Columns, typename scalar_t, typename index_t>
+template <bool kWeighted, bool kMax, typename Columns, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
                                        int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
   using acc_t = acc_type_t<scalar_t>;
@@ -264,17 +307,23 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   const int lines = prefetch_lines(p.dim * static_cast<int64_t>(sizeof(scalar_t)));
   const int64_t last = p.nnz - 1;
+  // Locals, not loads through p: the cold error call could otherwise force reloads.
+  const int64_t padding_row = p.padding_row;
+  std::atomic<int64_t>* const first_bad_position = p.first_bad_position;
   acc_t weight_sum = 0;
   int64_t valid = 0;
   for (int64_t k = begin; k < end; ++k) {
     // The prefetch runs past the bag into the next ones: the flat rows are read in order.
     if (prefetch) prefetch_ahead(base, row_stride_bytes, num_rows, rows, k + kPrefetchDistance, last, lines);
     const index_t row = rows[k];
-    if (C10_UNLIKELY(!row_in_range(row, num_rows))) {
-      if (row != index_t(-1)) record_bad_row(p.bad_row_seen, p.bad_row, static_cast<int64_t>(row));
+    if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) continue;
+    const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
+    if constexpr (kMax) {
+      // A bag with no valid row keeps the zeros it started with.
+      valid == 0 ? columns.assign(src) : columns.max(src);
+      ++valid;
       continue;
     }
-    const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
     ++valid;
     if constexpr (kWeighted) {
       const acc_t w = load_widened<acc_t>(sample_weights + k);
@@ -285,7 +334,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
     }
   }
   acc_t scale = 1;
-  if (p.mean) {
+  if (p.mode == BagMode::kMean) {
     // A bag with no valid row (or valid weights summing to zero) pools to zeros.
     const acc_t denominator = kWeighted ? weight_sum : static_cast<acc_t>(valid);
     scale = (valid > 0 && denominator != acc_t(0)) ? acc_t(1) / denominator : acc_t(0);
@@ -293,60 +342,65 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   columns.store(out_row + col, scale);
 }
 
-template <bool kWeighted, typename scalar_t, typename index_t>
-SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t bag_begin,
-                                            int64_t bag_end) {
+template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
+SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t first_bag,
+                                            int64_t last_bag) {
   constexpr int64_t kLanes = AccVec<acc_type_t<scalar_t>>::kLanes;
   // Sixteen accumulator vectors per pass (128 float or 64 double columns) fill the AVX2
   // register file; the adds take the rows straight from memory, so no register is needed
   // for the loads. Wider dims take several passes over a bag, the later ones hitting L1.
   constexpr int64_t kBlock = 16 * kLanes;
   const int64_t dim = p.dim;
-  for (int64_t bag = bag_begin; bag < bag_end; ++bag) {
+  for (int64_t bag = first_bag; bag < last_bag; ++bag) {
     const int64_t begin = p.offsets[bag];
-    const int64_t end = p.offsets[bag + 1];
+    const int64_t end = bag_end(p.offsets, p.num_offsets, bag, p.nnz);
     scalar_t* out_row = p.out + bag * dim;
-    if (!(0 <= begin && begin <= end && end <= p.nnz)) {
-      p.bad_offsets->store(true, std::memory_order_relaxed);
+    if (bag_offsets_bad(bag, p.bags, begin, end, p.nnz)) {
+      record_first_bad(p.first_bad_bag, bag);
       for (int64_t j = 0; j < dim; ++j) out_row[j] = scalar_t(0);
+      continue;
+    }
+    if (dim == 0) {
+      // No column pass reads the rows: check them here, whatever the width.
+      for (int64_t k = begin; k < end; ++k) lookup_valid(p.rows[k], p.num_rows, p.padding_row, k, p.first_bad_position);
       continue;
     }
     int64_t col = 0;
     for (; col + kBlock <= dim; col += kBlock) {
-      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 16>(), out_row);
+      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 16>(), out_row);
     }
     // The rest in passes of 8, 4, 2 and 1 vectors, then a scalar tail.
     if (col + 8 * kLanes <= dim) {
-      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 8>(), out_row);
+      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 8>(), out_row);
       col += 8 * kLanes;
     }
     if (col + 4 * kLanes <= dim) {
-      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 4>(), out_row);
+      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 4>(), out_row);
       col += 4 * kLanes;
     }
     if (col + 2 * kLanes <= dim) {
-      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 2>(), out_row);
+      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 2>(), out_row);
       col += 2 * kLanes;
     }
     if (col + kLanes <= dim) {
-      pool_rows<kWeighted>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 1>(), out_row);
+      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 1>(), out_row);
       col += kLanes;
     }
     if (col < dim) {
-      pool_rows<kWeighted>(p, begin, end, col, col == 0, TailColumns<scalar_t>(dim - col), out_row);
+      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, TailColumns<scalar_t>(dim - col), out_row);
     }
   }
 }
 
-template <bool kWeighted, typename scalar_t, typename index_t>
-SPARSEKIT_TARGET_AVX2 void pool_bag_range_avx2(const BagProblem<scalar_t, index_t>& p, int64_t bag_begin,
-                                               int64_t bag_end) {
-  pool_bag_range<kWeighted>(p, bag_begin, bag_end);
+template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
+SPARSEKIT_TARGET_AVX2 void pool_bag_range_avx2(const BagProblem<scalar_t, index_t>& p, int64_t first_bag,
+                                               int64_t last_bag) {
+  pool_bag_range<kWeighted, kMax>(p, first_bag, last_bag);
 }
 
-template <bool kWeighted, typename scalar_t, typename index_t>
-void pool_bag_range_baseline(const BagProblem<scalar_t, index_t>& p, int64_t bag_begin, int64_t bag_end) {
-  pool_bag_range<kWeighted>(p, bag_begin, bag_end);
+template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
+void pool_bag_range_baseline(const BagProblem<scalar_t, index_t>& p, int64_t first_bag, int64_t last_bag) {
+  pool_bag_range<kWeighted, kMax>(p, first_bag, last_bag);
 }
 
 /// Runs fn(begin, end) over [0, n) in chunks of `chunk` items handed out from a shared
@@ -373,15 +427,20 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
 template <typename scalar_t, typename index_t>
 void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
   const bool weighted = p.per_sample_weights != nullptr;
+  const bool max = p.mode == BagMode::kMax;
   const bool avx2 = cpu_has_avx2();
   // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
   const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
   const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
   parallel_chunks(bags, chunk, [&](int64_t begin, int64_t end) {
     if (avx2) {
-      weighted ? pool_bag_range_avx2<true>(p, begin, end) : pool_bag_range_avx2<false>(p, begin, end);
+      max        ? pool_bag_range_avx2<false, true>(p, begin, end)
+      : weighted ? pool_bag_range_avx2<true, false>(p, begin, end)
+                 : pool_bag_range_avx2<false, false>(p, begin, end);
     } else {
-      weighted ? pool_bag_range_baseline<true>(p, begin, end) : pool_bag_range_baseline<false>(p, begin, end);
+      max        ? pool_bag_range_baseline<false, true>(p, begin, end)
+      : weighted ? pool_bag_range_baseline<true, false>(p, begin, end)
+                 : pool_bag_range_baseline<false, false>(p, begin, end);
     }
   });
 }
@@ -410,9 +469,11 @@ void advise_huge_pages(const at::Tensor& out) {
 }  // namespace
 
 at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in, const at::Tensor& offsets_in,
-                             const c10::optional<at::Tensor>& per_sample_weights_in, c10::string_view mode) {
-  check_embedding_bag_args(weight_in, rows_in, offsets_in, per_sample_weights_in);
+                             const c10::optional<at::Tensor>& per_sample_weights_in, c10::string_view mode,
+                             c10::optional<int64_t> padding_idx, bool include_last_offset) {
   const BagMode bag_mode = parse_bag_mode(mode);
+  check_embedding_bag_args(weight_in, rows_in, offsets_in, per_sample_weights_in, bag_mode, include_last_offset);
+  const int64_t padding_row = normalize_padding_idx(padding_idx, weight_in.size(0), "embedding_bag");
   const at::Tensor weight = rows_stride_ready(weight_in);
   const at::Tensor rows = rows_in.contiguous();
   // Offsets are bags + 1 numbers: one int64 copy is cheaper than a second instantiation.
@@ -421,19 +482,17 @@ at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows
   if (per_sample_weights_in.has_value()) per_sample_weights = per_sample_weights_in->contiguous();
 
   const int64_t nnz = rows.size(0);
-  const int64_t bags = offsets.size(0) - 1;
+  const int64_t bags = embedding_bag_count(offsets, include_last_offset);
   const int64_t dim = weight.size(1);
-  const int64_t* offsets_ptr = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(offsets_ptr[0] == 0 && offsets_ptr[bags] == nnz, embedding_offsets_message(nnz), "; got offsets[0] == ",
-              offsets_ptr[0], " and offsets[-1] == ", offsets_ptr[bags]);
-
   at::Tensor out = at::empty({bags, dim}, weight.options());
-  if (bags == 0 || dim == 0) return out;
+  if (bags == 0) {
+    check_offsets_without_bags(offsets, nnz, include_last_offset);
+    return out;
+  }
   advise_huge_pages(out);
 
-  std::atomic<bool> bad_offsets{false};
-  std::atomic<bool> bad_row_seen{false};
-  std::atomic<int64_t> bad_row{0};
+  std::atomic<int64_t> first_bad_bag{kNoBadPosition};
+  std::atomic<int64_t> first_bad_position{kNoBadPosition};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_bag_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_cpu_rows", [&] {
       BagProblem<scalar_t, index_t> problem{
@@ -442,20 +501,109 @@ at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows
           weight.size(0),
           dim,
           rows.const_data_ptr<index_t>(),
-          offsets_ptr,
+          offsets.const_data_ptr<int64_t>(),
+          offsets.size(0),
+          bags,
           nnz,
+          padding_row,
           per_sample_weights.defined() ? per_sample_weights.const_data_ptr<scalar_t>() : nullptr,
-          bag_mode == BagMode::kMean,
+          bag_mode,
           out.mutable_data_ptr<scalar_t>(),
-          &bad_offsets,
-          &bad_row_seen,
-          &bad_row};
+          &first_bad_bag,
+          &first_bad_position};
       run_embedding_bag(problem, bags);
     });
   });
-  TORCH_CHECK(!bad_offsets.load(), embedding_offsets_message(nnz), "; offsets decrease somewhere");
-  TORCH_CHECK(!bad_row_seen.load(), embedding_row_range_message("embedding_bag", bad_row.load(), weight.size(0)));
+  raise_first_bag_error(first_bad_bag.load(), first_bad_position.load(), offsets, rows, bags, weight.size(0),
+                        include_last_offset);
   return out;
+}
+
+namespace {
+
+/// Arg-max positions of bags [first_bag, last_bag): for each column, the lookup (an index
+/// into rows) whose value is the bag's maximum under pool_rows<kMax>'s rule, -1 for a bag
+/// without a valid lookup. Scalar: it serves only max mode's backward.
+template <typename scalar_t, typename index_t>
+void argmax_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t* positions, int64_t first_bag,
+                      int64_t last_bag) {
+  using acc_t = acc_type_t<scalar_t>;
+  const int64_t dim = p.dim;
+  std::vector<acc_t> best(static_cast<size_t>(dim));
+  for (int64_t bag = first_bag; bag < last_bag; ++bag) {
+    const int64_t begin = p.offsets[bag];
+    const int64_t end = bag_end(p.offsets, p.num_offsets, bag, p.nnz);
+    int64_t* out_row = positions + bag * dim;
+    for (int64_t c = 0; c < dim; ++c) out_row[c] = -1;
+    if (bag_offsets_bad(bag, p.bags, begin, end, p.nnz)) {
+      record_first_bad(p.first_bad_bag, bag);
+      continue;
+    }
+    bool first = true;
+    for (int64_t k = begin; k < end; ++k) {
+      const index_t row = p.rows[k];
+      if (!lookup_valid(row, p.num_rows, p.padding_row, k, p.first_bad_position)) continue;
+      const scalar_t* src = p.weight + static_cast<int64_t>(row) * p.row_stride;
+      for (int64_t c = 0; c < dim; ++c) {
+        const acc_t v = load_widened<acc_t>(src + c);
+        if (first || (best[c] == best[c] && (v > best[c] || v != v))) {
+          best[c] = v;
+          out_row[c] = k;
+        }
+      }
+      first = false;
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor embedding_bag_argmax_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in,
+                                    const at::Tensor& offsets_in, c10::optional<int64_t> padding_idx,
+                                    bool include_last_offset) {
+  check_embedding_bag_args(weight_in, rows_in, offsets_in, c10::nullopt, BagMode::kMax, include_last_offset);
+  const int64_t padding_row = normalize_padding_idx(padding_idx, weight_in.size(0), "embedding_bag");
+  const at::Tensor weight = rows_stride_ready(weight_in);
+  const at::Tensor rows = rows_in.contiguous();
+  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
+  const int64_t nnz = rows.size(0);
+  const int64_t bags = embedding_bag_count(offsets, include_last_offset);
+  const int64_t dim = weight.size(1);
+  at::Tensor positions = at::empty({bags, dim}, rows.options().dtype(at::kLong));
+  if (bags == 0) {
+    check_offsets_without_bags(offsets, nnz, include_last_offset);
+    return positions;
+  }
+  std::atomic<int64_t> first_bad_bag{kNoBadPosition};
+  std::atomic<int64_t> first_bad_position{kNoBadPosition};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_bag_argmax_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_argmax_cpu_rows", [&] {
+      BagProblem<scalar_t, index_t> problem{weight.const_data_ptr<scalar_t>(),
+                                            weight.stride(0),
+                                            weight.size(0),
+                                            dim,
+                                            rows.const_data_ptr<index_t>(),
+                                            offsets.const_data_ptr<int64_t>(),
+                                            offsets.size(0),
+                                            bags,
+                                            nnz,
+                                            padding_row,
+                                            nullptr,
+                                            BagMode::kMax,
+                                            nullptr,
+                                            &first_bad_bag,
+                                            &first_bad_position};
+      int64_t* positions_ptr = positions.mutable_data_ptr<int64_t>();
+      const int64_t per_bag = std::max<int64_t>(1, (nnz / bags + 1) * dim);
+      const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
+      parallel_chunks(bags, chunk, [&](int64_t begin, int64_t end) {
+        argmax_bag_range(problem, positions_ptr, begin, end);
+      });
+    });
+  });
+  raise_first_bag_error(first_bad_bag.load(), first_bad_position.load(), offsets, rows, bags, weight.size(0),
+                        include_last_offset);
+  return positions;
 }
 
 namespace {
@@ -463,7 +611,7 @@ namespace {
 template <typename index_t>
 void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_rows, int64_t row_bytes,
                       const index_t* rows, int64_t n, char* out, int64_t begin, int64_t end,
-                      std::atomic<bool>* bad_row_seen, std::atomic<int64_t>* bad_row) {
+                      std::atomic<int64_t>* first_bad_position) {
   const int lines = prefetch_lines(row_bytes);
   for (int64_t i = begin; i < end; ++i) {
     prefetch_ahead(weight, row_stride_bytes, num_rows, rows, i + kPrefetchDistance, n - 1, lines);
@@ -472,7 +620,7 @@ void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_
     if (row_in_range(row, num_rows)) {
       std::memcpy(dst, weight + static_cast<int64_t>(row) * row_stride_bytes, row_bytes);
     } else {
-      if (row != index_t(-1)) record_bad_row(bad_row_seen, bad_row, static_cast<int64_t>(row));
+      if (row != index_t(-1)) record_first_bad(first_bad_position, i);
       std::memset(dst, 0, row_bytes);
     }
   }
@@ -496,22 +644,22 @@ at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& r
   const int64_t row_bytes = dim * element;
   const char* weight_ptr = static_cast<const char*>(weight.const_data_ptr());
   char* out_ptr = static_cast<char*>(out.mutable_data_ptr());
-  std::atomic<bool> bad_row_seen{false};
-  std::atomic<int64_t> bad_row{0};
+  std::atomic<int64_t> first_bad_position{kNoBadPosition};
   const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(row_bytes, 1));
   AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_gather_cpu", [&] {
     const index_t* rows_ptr = rows.const_data_ptr<index_t>();
     parallel_chunks(n, chunk, [&](int64_t begin, int64_t end) {
       gather_row_range(weight_ptr, weight.stride(0) * element, weight.size(0), row_bytes, rows_ptr, n, out_ptr, begin,
-                       end, &bad_row_seen, &bad_row);
+                       end, &first_bad_position);
     });
   });
-  TORCH_CHECK(!bad_row_seen.load(), embedding_row_range_message("embedding_gather", bad_row.load(), weight.size(0)));
+  raise_first_gather_error(first_bad_position.load(), rows, weight.size(0));
   return out;
 }
 
 TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("embedding_bag", &embedding_bag_cpu);
+  m.impl("embedding_bag_argmax", &embedding_bag_argmax_cpu);
   m.impl("embedding_gather", &embedding_gather_cpu);
 }
 

@@ -1,0 +1,240 @@
+"""Property-based tests of embedding_bag and embedding_gather (hypothesis).
+
+Every drawn case runs forward and backward and is compared with a plain-torch float64
+reference (index_add segment sums, nn.functional.embedding_bag for max); on CUDA the CUDA
+kernel is also compared with the CPU kernel. Errors are bounded per element by the same
+computation over absolute values (a sum of n terms in a type with epsilon eps is off by at
+most about n * eps * sum |terms|), so long bags and hot rows get a fair tolerance.
+
+Thresholds crossed (keep in step with the kernels): CPU column blocks of 8..128 lanes and
+a scalar tail (D in {1, 3, 16, 64, 128, 129}), bag chunks handed to threads; CUDA 16-byte
+packets (D a multiple of 4 or 8) or single elements, lane groups up to a warp, bags longer
+than kChunk = 1024 lookups split in pieces (long_bag_len).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparsekit import ops
+from properties import examples, num_threads, sizes, thread_counts
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DIMS = [0, 1, 3, 16, 64, 128, 129]
+# Unit roundoff of the accumulator (float32 for every type but float64) and of the output.
+ACCUMULATOR_EPS = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-24}
+OUTPUT_EPS = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+MAX_NNZ = 40_000
+
+
+@st.composite
+def bag_cases(draw):
+    mode = draw(st.sampled_from(["sum", "mean", "max"]))
+    return dict(
+        mode=mode,
+        weighted=draw(st.booleans()) and mode != "max",
+        dtype=draw(st.sampled_from(DTYPES)),
+        dim=draw(st.sampled_from(DIMS)),
+        bags=draw(sizes(20_000)),
+        max_len=draw(st.sampled_from([0, 1, 3, 8, 40])),
+        long_bag_len=draw(st.sampled_from([0, 0, 1023, 1024, 1025, 2 * 1024 + 7, 5000])),
+        num_rows=draw(st.sampled_from([1, 7, 300, 5000])),
+        missing=draw(st.sampled_from([0.0, 0.1, 1.0])),
+        hot=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        padding=draw(st.sampled_from([None, 0, -1, 3])),
+        include_last_offset=draw(st.booleans()),
+        index_dtype=draw(st.sampled_from([torch.int64, torch.int32])),
+        threads=draw(thread_counts),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def make_bags(case):
+    """rows [nnz], CSR offsets [bags + 1] (int64, CPU) and the table / weights of a case."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    bags = case["bags"]
+    max_len = min(case["max_len"], MAX_NNZ // max(bags, 1))
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
+    if bags and case["long_bag_len"]:
+        lengths[int(torch.randint(0, bags, (1,), generator=gen))] = case["long_bag_len"]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    nnz = int(offsets[-1])
+    num_rows = case["num_rows"]
+    rows = torch.randint(0, num_rows, (nnz,), generator=gen)
+    rows[torch.rand(nnz, generator=gen) < case["hot"]] = num_rows // 2
+    rows[torch.rand(nnz, generator=gen) < case["missing"] * 0.3] = -1
+    if case["padding"] is not None and num_rows > 3:
+        rows[torch.rand(nnz, generator=gen) < 0.1] = case["padding"] % num_rows
+    weight = torch.randn(num_rows, case["dim"], generator=gen, dtype=torch.float64).to(case["dtype"])
+    psw = None
+    if case["weighted"]:
+        psw = (torch.rand(nnz, generator=gen, dtype=torch.float64) + 0.5).to(case["dtype"])
+    grad_out = torch.randn(bags, case["dim"], generator=gen, dtype=torch.float64).to(case["dtype"])
+    return rows, offsets, weight, psw, grad_out
+
+
+def reference_bag(weight, rows, offsets, psw, mode, padding_row):
+    """Float64 pooling with plain torch: -1 and padding rows map to an extra zero row."""
+    num_rows, dim = weight.shape
+    bags = offsets.shape[0] - 1
+    padded = torch.cat([weight, weight.new_zeros(1, dim)])
+    r = torch.where((rows == -1) | (rows == padding_row), num_rows, rows)
+    if mode == "max":
+        if bags == 0 or dim == 0:
+            return padded.new_zeros(bags, dim) + padded.sum() * 0
+        return F.embedding_bag(r, padded, offsets, mode="max", include_last_offset=True, padding_idx=num_rows)
+    bag = torch.repeat_interleave(torch.arange(bags), offsets.diff(), output_size=rows.shape[0])
+    valid = r != num_rows
+    w = torch.ones(rows.shape[0], dtype=torch.float64) if psw is None else psw
+    w = torch.where(valid, w, 0.0)
+    total = padded.new_zeros(bags, dim).index_add(0, bag, padded[r] * w[:, None])
+    if mode == "sum":
+        return total
+    denominator = w.new_zeros(bags).index_add(0, bag, w)
+    return torch.where(denominator[:, None] != 0, total / denominator.clamp_min(1e-300)[:, None], 0.0)
+
+
+def assert_within(ours, expected, bound, dtype, what, terms=1):
+    """|ours - expected| <= (terms * eps_acc + eps_out) * (bound + 1), up to a factor 4, elementwise.
+
+    bound is the same computation over absolute values; terms the most terms any one
+    result sums (a sum of n terms rounds n - 1 times)."""
+    ours, expected, bound = ours.double().cpu(), expected.double().cpu(), bound.double().cpu()
+    slack = (max(terms, 1) * ACCUMULATOR_EPS[dtype] + OUTPUT_EPS[dtype]) * (bound + 1) * 4
+    excess = (ours - expected).abs() - slack
+    assert not (excess > 0).any(), f"{what}: off by {excess.max().item()} over the bound"
+
+
+def first_occurrence(rows, padding_row):
+    return [r for r in dict.fromkeys(rows.tolist()) if r != -1 and r != padding_row]
+
+
+@examples(60)
+@given(case=bag_cases())
+def test_embedding_bag_matches_reference(device, case):
+    rows, offsets, weight, psw, grad_out = make_bags(case)
+    mode, dtype = case["mode"], case["dtype"]
+    num_rows = weight.shape[0]
+    padding_idx = case["padding"] if case["padding"] is None or -num_rows <= case["padding"] < num_rows else None
+    padding_row = -1 if padding_idx is None else padding_idx % num_rows
+    passed_offsets = offsets if case["include_last_offset"] else offsets[:-1]
+    if not case["include_last_offset"] and offsets.shape[0] == 1 and rows.shape[0] > 0:
+        return  # no bag at all: nn.EmbeddingBag-style offsets cannot describe the rows
+
+    def run(dev):
+        leaf = weight.to(dev).requires_grad_()
+        leaf_psw = None if psw is None else psw.to(dev).requires_grad_()
+        out = ops.embedding_bag(leaf, rows.to(dev, case["index_dtype"]), passed_offsets.to(dev, case["index_dtype"]),
+                                leaf_psw, mode, padding_idx, case["include_last_offset"])
+        inputs = (leaf,) if leaf_psw is None else (leaf, leaf_psw)
+        grads = torch.autograd.grad(out, inputs, grad_out.to(dev), allow_unused=True)
+        return out.detach(), grads
+
+    with num_threads(case["threads"]):
+        out, grads = run(torch.device("cpu"))
+    assert out.shape == (offsets.shape[0] - 1, weight.shape[1]) and out.dtype == dtype
+
+    # forward against float64 torch, with a bound from the absolute values
+    w64 = weight.double().requires_grad_()
+    p64 = None if psw is None else psw.double().requires_grad_()
+    expected = reference_bag(w64, rows, offsets, p64, mode, padding_row)
+    bound = reference_bag(weight.double().abs(), rows, offsets, None if psw is None else psw.double().abs(), mode,
+                          padding_row)
+    longest_bag = int(offsets.diff().max()) if offsets.shape[0] > 1 else 0
+    valid_rows = rows[(rows != -1) & (rows != padding_row)]
+    hottest_row = int(torch.bincount(valid_rows).max()) if valid_rows.numel() else 0
+    if mode == "max":
+        assert torch.equal(out, expected.detach().to(dtype)), "max is a selection: exact"
+    else:
+        assert_within(out, expected.detach(), bound, dtype, "forward", longest_bag)
+
+    # backward: the sparse weight gradient, one entry per distinct valid row
+    g64 = grad_out.double()
+    ref_grads = torch.autograd.grad(expected, (w64,) if p64 is None else (w64, p64), g64, allow_unused=True)
+    grad = grads[0]
+    assert grad.layout == torch.sparse_coo and grad.shape == weight.shape and grad.dtype == dtype
+    assert grad._indices()[0].tolist() == first_occurrence(rows, padding_row)
+    w_abs = weight.double().abs().requires_grad_()
+    (grad_bound,) = torch.autograd.grad(
+        reference_bag(w_abs, rows, offsets, None if psw is None else psw.double().abs(),
+                      "sum" if mode == "max" else mode, padding_row), (w_abs,), g64.abs())
+    assert_within(grad.to_dense(), ref_grads[0] if ref_grads[0] is not None else torch.zeros_like(w64), grad_bound,
+                  dtype, "weight gradient", hottest_row)
+    if psw is not None and dtype in (torch.float32, torch.float64) and weight.shape[1] > 0:
+        bag = torch.repeat_interleave(torch.arange(offsets.shape[0] - 1), offsets.diff(), output_size=rows.shape[0])
+        x = torch.cat([weight.double(), weight.new_zeros(1, weight.shape[1]).double()])[rows.clamp_min(0)].abs()
+        psw_bound = (g64.abs()[bag] * (x + bound[bag])).sum(1)
+        assert_within(grads[1], ref_grads[1], psw_bound, dtype, "per_sample_weights gradient",
+                      longest_bag + weight.shape[1])
+
+    if device.type == "cuda":
+        cuda_out, cuda_grads = run(device)
+        if mode == "max":
+            assert torch.equal(cuda_out.cpu(), out), "max: CUDA and CPU select the same values"
+        else:
+            assert_within(cuda_out, out, bound, dtype, "CUDA forward vs CPU", longest_bag)
+        assert torch.equal(cuda_grads[0]._indices().cpu(), grad._indices())
+        assert_within(cuda_grads[0].to_dense(), grad.to_dense(), grad_bound, dtype, "CUDA weight gradient vs CPU",
+                      hottest_row)
+        again_out, again_grads = run(device)
+        assert torch.equal(again_out, cuda_out) and torch.equal(again_grads[0]._values(), cuda_grads[0]._values())
+
+
+@st.composite
+def gather_cases(draw):
+    return dict(
+        dtype=draw(st.sampled_from(DTYPES)),
+        dim=draw(st.sampled_from(DIMS)),
+        n=draw(sizes(60_000)),
+        num_rows=draw(st.sampled_from([1, 7, 300, 5000])),
+        missing=draw(st.sampled_from([0.0, 0.2, 1.0])),
+        hot=draw(st.sampled_from([0.0, 0.9])),
+        shape2d=draw(st.booleans()),
+        misaligned=draw(st.booleans()),
+        threads=draw(thread_counts),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@examples(30)
+@given(case=gather_cases())
+def test_embedding_gather_matches_reference(device, case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    num_rows, dim, n = case["num_rows"], case["dim"], case["n"]
+    big = torch.randn(num_rows, dim + 3, generator=gen, dtype=torch.float64).to(case["dtype"])
+    weight = big[:, 1:dim + 1] if case["misaligned"] else big[:, :dim].contiguous()
+    rows = torch.randint(0, num_rows, (n,), generator=gen)
+    rows[torch.rand(n, generator=gen) < case["hot"]] = 0
+    rows[torch.rand(n, generator=gen) < case["missing"]] = -1
+    if case["shape2d"] and n % 2 == 0:
+        rows = rows.view(2, n // 2)
+    grad_out = torch.randn(*rows.shape, dim, generator=gen, dtype=torch.float64).to(case["dtype"])
+
+    def run(dev):
+        leaf = weight.to(dev).requires_grad_()
+        out = ops.embedding_gather(leaf, rows.to(dev))
+        (grad,) = torch.autograd.grad(out, leaf, grad_out.to(dev))
+        return out.detach(), grad
+
+    with num_threads(case["threads"]):
+        out, grad = run(torch.device("cpu"))
+    padded = torch.cat([weight, weight.new_zeros(1, dim)])
+    assert torch.equal(out, padded[torch.where(rows == -1, num_rows, rows)])
+    flat = rows.reshape(-1)
+    assert grad._indices()[0].tolist() == [r for r in dict.fromkeys(flat.tolist()) if r != -1]
+    expected = torch.zeros(num_rows + 1, dim, dtype=torch.float64).index_add(
+        0, torch.where(flat == -1, num_rows, flat), grad_out.reshape(flat.shape[0], dim).double())[:num_rows]
+    bound = torch.zeros(num_rows + 1, dim, dtype=torch.float64).index_add(
+        0, torch.where(flat == -1, num_rows, flat), grad_out.reshape(flat.shape[0], dim).double().abs())[:num_rows]
+    hottest = int(torch.bincount(flat[flat >= 0]).max()) if (flat >= 0).any() else 0
+    assert_within(grad.to_dense(), expected, bound, case["dtype"], "gather gradient", hottest)
+    if device.type == "cuda":
+        cuda_out, cuda_grad = run(device)
+        assert torch.equal(cuda_out.cpu(), out), "gather copies rows: bit-identical"
+        assert torch.equal(cuda_grad._indices().cpu(), grad._indices())
+        assert_within(cuda_grad.to_dense(), grad.to_dense(), bound, case["dtype"], "CUDA gather gradient vs CPU",
+                      hottest)
