@@ -7,7 +7,7 @@ selection cannot rot between GPU sessions.
     csrc/cuda/unique_cuda.cu       test_unique_kernels
     csrc/cuda/segment_cuda.cu      test_segment_sum_atomic_kernels, test_segment_sum_deterministic_kernels
     csrc/cuda/hashtable_cuda.cu    test_hash_table_kernels
-    csrc/cuda/embedding_cuda.cu    test_embedding_kernels
+    csrc/cuda/embedding_cuda.cu    test_embedding_kernels (bag, long-bag pieces + combine, arg-max, gather)
     csrc/cuda/lazy_adam_cuda.cu    test_lazy_adam_kernels
     csrc/cuda/routing_cuda.cu      test_routing_kernels
     csrc/cuda/initializer_cuda.cu  test_initializer_kernels
@@ -91,14 +91,15 @@ def test_hash_table_kernels(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_embedding_kernels(device, dtype):
-    """Pooled forward (sum, mean, weighted), gather, their sparse backward, and the row check."""
+    """Pooled forward (sum, mean, max, weighted), the long-bag pieces and their combine (a
+    bag of 3000 lookups), the arg-max, gather, their sparse backward, and the row check."""
     g = _seeded(3)
     weight = torch.randn(300, 40, generator=g).to(dtype)
-    rows = torch.randint(-1, 300, (500,), generator=g)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
-                         torch.sort(torch.randint(0, 501, (63,), generator=g)).values, torch.tensor([500])])
-    psw = torch.rand(500, generator=g).to(dtype)
-    for mode, weights in (("sum", None), ("mean", None), ("sum", psw), ("mean", psw)):
+    rows = torch.randint(-1, 300, (3500,), generator=g)
+    offsets = torch.cat([torch.tensor([0, 3000]),
+                         torch.sort(torch.randint(3000, 3501, (63,), generator=g)).values, torch.tensor([3500])])
+    psw = torch.rand(3500, generator=g).to(dtype)
+    for mode, weights in (("sum", None), ("mean", None), ("max", None), ("sum", psw), ("mean", psw)):
         outs = []
         for dev in ("cpu", device):
             w = weight.clone().to(dev).requires_grad_()
