@@ -72,6 +72,9 @@ def _segment_sum_setup_context(ctx, inputs, output) -> None:
 
 def _segment_sum_backward(ctx, grad: Tensor):
     (segment_ids,) = ctx.saved_tensors
+    if grad.shape[0] == 0:
+        # No segments: every row was dropped (all ids negative), so its gradient is zero.
+        return grad.new_zeros((segment_ids.shape[0],) + tuple(grad.shape[1:])), None, None, None
     # d out[s] / d data[i] is 1 exactly when segment_ids[i] == s; dropped rows get zeros.
     valid = segment_ids >= 0
     picked = grad.index_select(0, torch.where(valid, segment_ids, 0))
@@ -93,13 +96,30 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
             ``>= num_segments`` raises.
         num_segments: number of output rows.
         deterministic: bit-identical results run to run. The CPU kernel always is; on CUDA
-            this switches from atomics to a sort-based reduction.
+            this switches from atomics to a sort-based reduction. Also on whenever
+            ``torch.use_deterministic_algorithms(True)`` is in force, as for torch's own
+            ``index_add_``.
 
     Returns:
         ``[num_segments, ...]`` of ``data``'s dtype, zeros for empty segments.
         Differentiable in ``data``.
     """
-    return _ops.segment_sum(data, segment_ids, num_segments, deterministic)
+    return _ops.segment_sum(data, segment_ids, num_segments, _deterministic(deterministic))
+
+
+def _deterministic(requested: bool) -> bool:
+    """The deterministic path when asked for or when torch's global flag demands it."""
+    return bool(requested) or torch.are_deterministic_algorithms_enabled()
+
+
+def _segment_counts(segment_ids: Tensor, num_segments: int) -> Tensor:
+    """int64 ``[num_segments]``: rows per segment, negative ids dropped. Integer atomics
+    are exact, so this is deterministic on every device and exact past 2^24 rows."""
+    ids = segment_ids.long()
+    # Dropped rows count in a spare last bucket, so no data-dependent mask (no host sync).
+    bucket = torch.where(ids >= 0, ids, num_segments)
+    counts = torch.zeros(num_segments + 1, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, bucket, torch.ones_like(bucket))[:num_segments]
 
 
 def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, deterministic: bool = False) -> Tensor:
@@ -107,11 +127,11 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
 
     Args and returns as :func:`segment_sum`. Differentiable in ``data``.
     """
-    totals = _ops.segment_sum(data, segment_ids, num_segments, deterministic)
-    # Counts in float32 at least: float16 cannot count past 2048 exactly.
+    totals = segment_sum(data, segment_ids, num_segments, deterministic)
+    # Exact integer counts (a float count stops growing at 2^24 rows in float32), divided in
+    # float32 at least.
     count_dtype = torch.promote_types(data.dtype, torch.float32)
-    ones = torch.ones(segment_ids.shape[0], dtype=count_dtype, device=data.device)
-    counts = _ops.segment_sum(ones, segment_ids, num_segments, deterministic).clamp_(min=1)
+    counts = _segment_counts(segment_ids, num_segments).clamp_(min=1).to(count_dtype)
     return (totals.to(count_dtype) / counts.view((-1,) + (1,) * (data.dim() - 1))).to(data.dtype)
 
 

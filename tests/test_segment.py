@@ -177,3 +177,54 @@ def test_segment_sum_device_mismatch(device):
         pytest.skip("needs two devices")
     with pytest.raises(RuntimeError, match="segment_ids is on"):
         sk.ops.segment_sum(torch.ones(3, 2, device=device), torch.zeros(3, dtype=torch.int64), 2)
+
+
+@pytest.mark.parametrize("rows_per_segment", [2047, 2048, 2049, 5000, 100_000, 3 * 2048 * 2048])
+def test_deterministic_tree_above_one_level(device, rows_per_segment):
+    """Segments longer than one level of CUDA's deterministic tree (~2048 rows), up to three
+    levels: bit-identical run to run, and within float32 rounding of a float64 sum. The CPU
+    runs the same cases for the reference."""
+    g = torch.Generator().manual_seed(rows_per_segment)
+    dim = 1 if rows_per_segment > 100_000 else 4
+    ids = torch.cat([torch.zeros(rows_per_segment, dtype=torch.int64), torch.randint(-1, 3, (1000,), generator=g)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    data = torch.randn(ids.numel(), dim, generator=g)
+    first = sk.ops.segment_sum(data.to(device), ids.to(device), 3, deterministic=True)
+    again = sk.ops.segment_sum(data.to(device), ids.to(device), 3, deterministic=True)
+    assert torch.equal(first, again)
+    keep = ids >= 0
+    want = torch.zeros(3, dim, dtype=torch.float64).index_add_(0, ids[keep], data[keep].double())
+    bound = 1e-6 * float(data.abs().sum()) + 1e-5
+    assert float((first.cpu().double() - want).abs().max()) <= bound
+
+
+def test_use_deterministic_algorithms_selects_the_deterministic_path(device, monkeypatch):
+    """torch.use_deterministic_algorithms(True) turns deterministic=False into True, in
+    segment_sum, segment_mean and everything built on them, as torch's index_add_ does."""
+    calls = []
+    real = sk.ops._ops
+
+    class Recorder:
+        def __getattr__(self, name):
+            op = getattr(real, name)
+            if name != "segment_sum":
+                return op
+
+            def record(*args):
+                calls.append(args[3])
+                return op(*args)
+            return record
+
+    monkeypatch.setattr(sk.ops, "_ops", Recorder())
+    data = torch.randn(3000, 8, device=device)
+    ids = torch.randint(-1, 7, (3000,), device=device)
+    sk.ops.segment_sum(data, ids, 7)
+    assert calls == [False]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        outs = [sk.ops.segment_sum(data, ids, 7) for _ in range(2)] + [sk.ops.segment_mean(data, ids, 7)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert calls[1:] == [True, True, True]
+    assert torch.equal(outs[0], outs[1])

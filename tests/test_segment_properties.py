@@ -218,13 +218,10 @@ def test_segment_sum_column_blocks_few_segments(device, dim, threads):
     torch.testing.assert_close(got.cpu().double(), reference_sum(data, ids, 1, torch.float64), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="segment_sum backward index_selects row 0 of an empty grad_output when "
-                   "num_segments == 0 (sparsekit/ops.py _segment_sum_backward), handed over")
 @pytest.mark.parametrize("mean", [False, True])
 def test_segment_gradient_no_segments_all_padding(device, mean):
     """Every id is padding and num_segments == 0: the output is [0, D] and the gradient of
-    data is all zeros. Today the backward raises 'index_select(): self indexing axis dim
-    should be positive'."""
+    data is all zeros (regression: the backward index_selected row 0 of the empty gradient)."""
     data = torch.randn(3, 2, device=device, requires_grad=True)
     op = sk.ops.segment_mean if mean else sk.ops.segment_sum
     out = op(data, torch.tensor([-1, -2, -1], device=device), 0)
@@ -233,13 +230,11 @@ def test_segment_gradient_no_segments_all_padding(device, mean):
     assert torch.equal(grad.cpu(), torch.zeros(3, 2))
 
 
-@pytest.mark.xfail(strict=True, reason="segment_mean counts rows with a float32 segment_sum of ones, which stops "
-                   "at 2^24 (sparsekit/ops.py segment_mean), handed over")
 def test_segment_mean_counts_past_2_pow_24():
     """One segment of 2^25 + 1 rows whose float32 sum is exact (alternating +-1, then one
-    2^25): the mean is 2^25 / (2^25 + 1) ~ 1. The count, a float32 sum of ones, stalls at
-    2^24 on the CPU (a left-to-right sum), and the mean comes out 2.0. (CUDA sums the ones
-    in a tree or in runs of 16, which stays within 2^-24 of the count: CPU only.)"""
+    2^25): the mean is 2^25 / (2^25 + 1) ~ 1. Regression: the count was a float32 sum of
+    ones, which stalls at 2^24 on the CPU (a left-to-right sum): the mean came out 2.0.
+    Counts are exact int64 now."""
     device = torch.device("cpu")
     n = 1 << 25
     data = torch.ones(n + 1)
