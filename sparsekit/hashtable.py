@@ -221,6 +221,9 @@ class HashTable:
             ValueError: the state has no ``keys`` or they are not distinct.
             TypeError: the saved keys are int64 and the table's ``key_dtype`` is int32.
         """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"HashTable.load_state_dict: expected the dict HashTable.state_dict() returns, got "
+                            f"{type(state_dict).__name__}")
         if "keys" not in state_dict:
             raise ValueError("HashTable.load_state_dict: the state has no 'keys' entry; pass what "
                              "HashTable.state_dict() returned")

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
+from ._checks import allocation
 
 _ops = torch.ops.sparsekit
 
@@ -104,7 +105,9 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
         ``[num_segments, ...]`` of ``data``'s dtype, zeros for empty segments.
         Differentiable in ``data``.
     """
-    return _ops.segment_sum(data, segment_ids, num_segments, _deterministic(deterministic))
+    with allocation(f"segment_sum: num_segments={num_segments} (the output)",
+                    (num_segments,) + tuple(data.shape[1:]), data.dtype, data.device):
+        return _ops.segment_sum(data, segment_ids, num_segments, _deterministic(deterministic))
 
 
 def _deterministic(requested: bool) -> bool:
@@ -313,7 +316,9 @@ def key_seeded_uniform(
     Returns:
         ``[N, dim]`` tensor of ``dtype`` on the keys' device.
     """
-    return _ops.key_seeded_uniform(keys, dim, seed, low, high, dtype)
+    with allocation(f"key_seeded_uniform: {keys.shape[0] if keys.dim() else 1} keys x dim={dim} (the output)",
+                    (keys.shape[0] if keys.dim() else 1, dim), dtype or torch.float32, keys.device):
+        return _ops.key_seeded_uniform(keys, dim, seed, low, high, dtype)
 
 
 @torch.library.register_fake("sparsekit::key_seeded_uniform")

@@ -228,3 +228,15 @@ def test_use_deterministic_algorithms_selects_the_deterministic_path(device, mon
         torch.use_deterministic_algorithms(previous)
     assert calls[1:] == [True, True, True]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_wrappers_trace_under_torch_compile_fullgraph():
+    """The Python wrappers (deterministic flag, exact mean counts, allocation messages)
+    stay traceable in one graph."""
+    def f(data, ids):
+        return sk.ops.segment_sum(data, ids, 5) + sk.ops.segment_mean(data, ids, 5) \
+            + sk.ops.key_seeded_uniform(torch.arange(5), 2)
+
+    data, ids = torch.randn(6, 2), torch.tensor([0, 1, 1, 4, -1, 0])
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(data, ids), f(data, ids))
