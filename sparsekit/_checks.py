@@ -50,3 +50,34 @@ def allocation(what: str, shape: Sequence[int], dtype: torch.dtype, device) -> I
         where = "the default device" if device is None else str(device)
         raise AllocationError(f"{what}: needs a {list(shape)} {dtype} tensor of {_bytes(needed)} on {where}, "
                               "which cannot be allocated; choose a smaller value") from error
+
+
+# ---- argument checks of the fake (meta) kernels ------------------------------------------
+# The fakes run instead of the C++ kernels whenever an argument is a meta tensor (and under
+# torch.compile); these apply the checks the C++ headers apply, with the same messages, so
+# a mixed-device or ill-typed call raises the same way on every path.
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def same_device(op: str, **tensors) -> None:
+    """Every given tensor (None skipped) is on the device of the first one."""
+    present = [(name, t) for name, t in tensors.items() if t is not None]
+    first_name, first = present[0]
+    for name, tensor in present[1:]:
+        if tensor.device != first.device:
+            raise RuntimeError(f"{op}: {name} is on {tensor.device} but {first_name} is on {first.device}; "
+                               "move every tensor argument to one device")
+
+
+def index_dtype(op: str, name: str, tensor: torch.Tensor, what: str = "tensor") -> None:
+    """``tensor`` is int64 or int32 (the C++ check_key_tensor / check_index_tensor)."""
+    if tensor.dtype not in INDEX_DTYPES:
+        raise RuntimeError(f"{op}: {name} must be an int64 or int32 {what}, got {tensor.dtype}")
+
+
+def float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` is float32, float64, float16 or bfloat16."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise RuntimeError(f"{op}: {name} must be float32, float64, float16 or bfloat16, got {tensor.dtype}")

@@ -7,13 +7,14 @@ let ``torch.compile`` trace them, with data-dependent output sizes taken from
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
-from ._checks import allocation
+from ._checks import allocation, float_dtype, index_dtype, same_device
 
 _ops = torch.ops.sparsekit
 
@@ -25,7 +26,7 @@ _INT_KEY_DTYPES = (torch.int64, torch.int32)
 
 @torch.library.register_fake("sparsekit::unique")
 def _unique_fake(keys: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    torch._check(keys.dtype in _INT_KEY_DTYPES, lambda: f"unique: keys must be int64 or int32, got {keys.dtype}")
+    index_dtype("unique", "keys", keys, "tensor of keys")
     num_unique = torch.library.get_ctx().new_dynamic_size()
     return (
         keys.new_empty(num_unique),
@@ -60,9 +61,14 @@ def unique(
 
 @torch.library.register_fake("sparsekit::segment_sum")
 def _segment_sum_fake(data: Tensor, segment_ids: Tensor, num_segments, deterministic: bool = False) -> Tensor:
+    same_device("segment_sum", data=data, segment_ids=segment_ids)
     torch._check(data.dim() >= 1, lambda: "segment_sum: data must have at least one dimension")
+    if not data.dtype.is_floating_point:
+        raise RuntimeError(f"segment_sum: data must be a floating tensor, got {data.dtype}")
+    index_dtype("segment_sum", "segment_ids", segment_ids)
     torch._check(segment_ids.dim() == 1, lambda: "segment_sum: segment_ids must be 1-D")
     torch._check(segment_ids.shape[0] == data.shape[0], lambda: "segment_sum: segment_ids and data lengths differ")
+    torch._check(num_segments >= 0, lambda: f"segment_sum: num_segments must be >= 0, got {num_segments}")
     return data.new_empty((num_segments,) + tuple(data.shape[1:]))
 
 
@@ -154,6 +160,7 @@ def segment_reduce(
 
 @torch.library.register_fake("sparsekit::hash_table_find")
 def _hash_table_find_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
+    same_device("hash_table_find", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys)
     torch._check(keys.dtype in _INT_KEY_DTYPES, lambda: f"hash_table_find: keys must be int64 or int32, got {keys.dtype}")
     torch._check(slot_keys.dtype == torch.int64 and slot_rows.dtype == torch.int64,
                  lambda: "hash_table_find: slot_keys and slot_rows must be int64")
@@ -162,6 +169,10 @@ def _hash_table_find_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) ->
 
 @torch.library.register_fake("sparsekit::hash_table_insert_absent_")
 def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor) -> None:
+    same_device("hash_table_insert_absent_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys, rows=rows)
+    torch._check(slot_keys.dtype == torch.int64 and slot_rows.dtype == torch.int64,
+                 lambda: "hash_table_insert_absent_: slot_keys and slot_rows must be int64")
+    torch._check(rows.numel() == keys.numel(), lambda: "hash_table_insert_absent_: rows and keys lengths differ")
     torch._check(keys.dtype in _INT_KEY_DTYPES,
                  lambda: f"hash_table_insert_absent_: keys must be int64 or int32, got {keys.dtype}")
     torch._check(rows.dtype == torch.int64, lambda: "hash_table_insert_absent_: rows must be int64")
@@ -203,9 +214,24 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
 @torch.library.register_fake("sparsekit::lazy_adam_")
 def _lazy_adam_fake(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor, step: int,
                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0) -> None:
+    op = "lazy_adam_"
+    same_device(op, weight=weight, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, rows=rows, grad=grad)
+    float_dtype(op, "weight", weight)
+    torch._check(exp_avg.dtype == weight.dtype and exp_avg_sq.dtype == weight.dtype and grad.dtype == weight.dtype,
+                 lambda: "lazy_adam_: exp_avg, exp_avg_sq and grad must have weight's dtype")
+    torch._check(weight.dim() >= 1, lambda: "lazy_adam_: weight must have at least one dimension")
     torch._check(exp_avg.shape == weight.shape and exp_avg_sq.shape == weight.shape,
                  lambda: "lazy_adam_: exp_avg and exp_avg_sq must have the shape of weight")
+    index_dtype(op, "rows", rows)
     torch._check(rows.dim() == 1, lambda: "lazy_adam_: rows must be 1-D")
+    torch._check(grad.dim() == weight.dim() and grad.shape[0] == rows.shape[0]
+                 and tuple(grad.shape[1:]) == tuple(weight.shape[1:]),
+                 lambda: "lazy_adam_: grad must be [u, ...] with u = len(rows) and weight's trailing shape")
+    for name, value, low, high in (("step", step, 1, None), ("lr", lr, 0.0, None), ("eps", eps, 0.0, None),
+                                   ("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0),
+                                   ("weight_decay", weight_decay, 0.0, None)):
+        torch._check(value >= low and (high is None or value < high),
+                     lambda: f"lazy_adam_: {name} must be >= {low}{f' and < {high}' if high else ''}, got {value}")
     return None
 
 
@@ -279,7 +305,10 @@ def partition_by_owner(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, T
 
 @torch.library.register_fake("sparsekit::partition_by_owner")
 def _partition_by_owner_fake(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    index_dtype("partition_by_owner", "keys", keys, "tensor of keys")
     torch._check(keys.dim() == 1, lambda: "partition_by_owner: keys must be 1-D [N]")
+    torch._check(1 <= world_size < 2**31,
+                 lambda: f"partition_by_owner: world_size must be in [1, 2^31), got {world_size}")
     return (
         keys.new_empty(keys.shape),
         keys.new_empty(keys.shape, dtype=torch.int64),
@@ -325,7 +354,13 @@ def key_seeded_uniform(
 def _key_seeded_uniform_fake(
     keys: Tensor, dim: int, seed: int, low: float, high: float, dtype: Optional[torch.dtype] = None
 ) -> Tensor:
+    index_dtype("key_seeded_uniform", "keys", keys, "tensor of keys")
     torch._check(keys.dim() == 1, lambda: "key_seeded_uniform: keys must be 1-D [N]")
+    torch._check(dim >= 0, lambda: f"key_seeded_uniform: dim must be >= 0, got {dim}")
+    torch._check(math.isfinite(low) and math.isfinite(high) and low <= high,
+                 lambda: f"key_seeded_uniform: low and high must be finite with low <= high, got {low}, {high}")
+    torch._check(dtype is None or dtype.is_floating_point,
+                 lambda: f"key_seeded_uniform: dtype must be a floating dtype, got {dtype}")
     return keys.new_empty((keys.shape[0], dim), dtype=dtype if dtype is not None else torch.float32)
 
 
@@ -333,7 +368,11 @@ def _key_seeded_uniform_fake(
 
 
 def _check_embedding_bag_shapes(weight: Tensor, rows: Tensor, offsets: Tensor, include_last_offset: bool):
-    """The shape checks of the fakes; returns the number of bags."""
+    """The checks of the fakes; returns the number of bags."""
+    same_device("embedding_bag", weight=weight, rows=rows, offsets=offsets)
+    float_dtype("embedding_bag", "weight", weight)
+    index_dtype("embedding_bag", "rows", rows)
+    index_dtype("embedding_bag", "offsets", offsets)
     torch._check(weight.dim() == 2, lambda: f"embedding_bag: weight must be 2-D, got {weight.dim()}-D")
     torch._check(rows.dim() == 1, lambda: f"embedding_bag: rows must be 1-D, got {rows.dim()}-D")
     torch._check(offsets.dim() == 1, lambda: f"embedding_bag: offsets must be 1-D, got {offsets.dim()}-D")
@@ -353,6 +392,12 @@ def _embedding_bag_fake(
                  lambda: f"embedding_bag: mode must be 'sum', 'mean' or 'max', got {mode!r}")
     torch._check(per_sample_weights is None or mode != "max",
                  lambda: "embedding_bag: per_sample_weights is only supported for mode='sum' or 'mean'")
+    if per_sample_weights is not None:
+        same_device("embedding_bag", weight=weight, per_sample_weights=per_sample_weights)
+        torch._check(per_sample_weights.dtype == weight.dtype,
+                     lambda: "embedding_bag: per_sample_weights must have weight's dtype")
+        torch._check(per_sample_weights.dim() == 1 and per_sample_weights.shape[0] == rows.shape[0],
+                     lambda: "embedding_bag: per_sample_weights must be 1-D [nnz]")
     return weight.new_empty((bags, weight.shape[1]))
 
 
@@ -366,6 +411,9 @@ def _embedding_bag_argmax_fake(
 
 @torch.library.register_fake("sparsekit::embedding_gather")
 def _embedding_gather_fake(weight: Tensor, rows: Tensor) -> Tensor:
+    same_device("embedding_gather", weight=weight, rows=rows)
+    float_dtype("embedding_gather", "weight", weight)
+    index_dtype("embedding_gather", "rows", rows)
     torch._check(weight.dim() == 2, lambda: f"embedding_gather: weight must be 2-D, got {weight.dim()}-D")
     return weight.new_empty(tuple(rows.shape) + (weight.shape[1],))
 

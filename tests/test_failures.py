@@ -37,3 +37,85 @@ def test_hash_table_load_state_dict_of_the_wrong_type(state):
     with pytest.raises(TypeError, match="HashTable.load_state_dict: expected the dict"):
         table.load_state_dict(state)
     assert table.find(torch.tensor([7])).item() == 0
+
+
+# ---- the fakes apply the kernels' checks ---------------------------------------------------
+
+L = torch.long
+
+
+def _mixed(dev):
+    """Calls with one tensor argument on ``dev`` and the rest on the CPU."""
+    return {
+        "segment_sum data": lambda: sk.ops.segment_sum(torch.ones(3, 2, device=dev), torch.zeros(3, dtype=L), 2),
+        "segment_sum ids": lambda: sk.ops.segment_sum(torch.ones(3, 2), torch.zeros(3, dtype=L, device=dev), 2),
+        "embedding_bag rows": lambda: sk.ops.embedding_bag(torch.ones(3, 2), torch.zeros(3, dtype=L, device=dev),
+                                                           torch.tensor([0, 3])),
+        "embedding_bag offsets": lambda: sk.ops.embedding_bag(torch.ones(3, 2), torch.zeros(3, dtype=L),
+                                                              torch.tensor([0, 3], device=dev)),
+        "embedding_bag weights": lambda: sk.ops.embedding_bag(torch.ones(3, 2), torch.zeros(3, dtype=L),
+                                                              torch.tensor([0, 3]), torch.ones(3, device=dev)),
+        "embedding_gather rows": lambda: sk.ops.embedding_gather(torch.ones(3, 2), torch.zeros(3, dtype=L, device=dev)),
+        "embedding_gather weight": lambda: sk.ops.embedding_gather(torch.ones(3, 2, device=dev), torch.zeros(3, dtype=L)),
+        "lazy_adam_ moment": lambda: sk.ops.lazy_adam_(torch.ones(3, 2), torch.zeros(3, 2), torch.zeros(3, 2, device=dev),
+                                                       torch.tensor([0]), torch.ones(1, 2), 1, 0.1, 0.9, 0.99, 1e-8),
+        "hash_table_insert_absent_ keys": lambda: sk.ops.hash_table_insert_absent_(
+            torch.zeros(16, dtype=L), torch.full((16,), -1), torch.tensor([1], device=dev), torch.tensor([0])),
+        "hash_table_find keys": lambda: sk.ops.hash_table_find(torch.zeros(16, dtype=L), torch.full((16,), -1),
+                                                               torch.tensor([1], device=dev)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mixed("meta")))
+def test_fakes_refuse_mixed_devices(case):
+    """A meta argument routes the call to the fake kernel, which must refuse a mix of
+    devices as the real kernels do, instead of returning uninitialised or meta tensors."""
+    with pytest.raises(RuntimeError, match=r"is on (meta|cpu) but .* is on (cpu|meta)"):
+        _mixed("meta")[case]()
+
+
+def _bad_arguments(dev):
+    """Bad calls that every kernel, real or fake, must refuse."""
+    return {
+        "partition_by_owner world_size": lambda: sk.ops.partition_by_owner(torch.tensor([1], device=dev), 2**40),
+        "partition_by_owner float keys": lambda: sk.ops.partition_by_owner(torch.ones(2, device=dev), 2),
+        "unique float keys": lambda: sk.ops.unique(torch.ones(3, device=dev)),
+        "segment_sum int data": lambda: sk.ops.segment_sum(torch.ones(3, 2, dtype=L, device=dev),
+                                                           torch.zeros(3, dtype=L, device=dev), 2),
+        "segment_sum float ids": lambda: sk.ops.segment_sum(torch.ones(3, 2, device=dev), torch.zeros(3, device=dev), 2),
+        "segment_sum lengths": lambda: sk.ops.segment_sum(torch.ones(3, 2, device=dev),
+                                                          torch.zeros(2, dtype=L, device=dev), 2),
+        "key_seeded_uniform dim": lambda: sk.ops.key_seeded_uniform(torch.tensor([1], device=dev), -1),
+        "key_seeded_uniform bounds": lambda: sk.ops.key_seeded_uniform(torch.tensor([1], device=dev), 2, low=1.0,
+                                                                       high=0.0),
+        "key_seeded_uniform int dtype": lambda: sk.ops.key_seeded_uniform(torch.tensor([1], device=dev), 2,
+                                                                          dtype=torch.int32),
+        "lazy_adam_ step": lambda: sk.ops.lazy_adam_(*_adam_args(dev), 0, 0.1, 0.9, 0.99, 1e-8),
+        "lazy_adam_ beta1": lambda: sk.ops.lazy_adam_(*_adam_args(dev), 1, 0.1, 1.0, 0.99, 1e-8),
+        "lazy_adam_ grad shape": lambda: sk.ops.lazy_adam_(*_adam_args(dev)[:4], torch.ones(1, 3, device=dev),
+                                                           1, 0.1, 0.9, 0.99, 1e-8),
+        "embedding_bag int weight": lambda: sk.ops.embedding_bag(torch.ones(3, 2, dtype=L, device=dev),
+                                                                 torch.zeros(3, dtype=L, device=dev),
+                                                                 torch.tensor([0, 3], device=dev)),
+        "embedding_bag float rows": lambda: sk.ops.embedding_bag(torch.ones(3, 2, device=dev), torch.zeros(3, device=dev),
+                                                                 torch.tensor([0, 3], device=dev)),
+        "embedding_bag max weighted": lambda: sk.ops.embedding_bag(
+            torch.ones(3, 2, device=dev), torch.zeros(3, dtype=L, device=dev), torch.tensor([0, 3], device=dev),
+            torch.ones(3, device=dev), mode="max"),
+        "embedding_gather float rows": lambda: sk.ops.embedding_gather(torch.ones(3, 2, device=dev),
+                                                                       torch.zeros(3, device=dev)),
+    }
+
+
+def _adam_args(dev):
+    return (torch.ones(3, 2, device=dev), torch.zeros(3, 2, device=dev), torch.zeros(3, 2, device=dev),
+            torch.tensor([0], device=dev), torch.ones(1, 2, device=dev))
+
+
+@pytest.mark.parametrize("case", list(_bad_arguments("cpu")))
+@pytest.mark.parametrize("dev", ["cpu", "meta"])
+def test_fakes_apply_the_kernels_checks(case, dev):
+    """The same bad call raises on the real CPU kernel and on the fake (meta)."""
+    op = case.split()[0]
+    with pytest.raises(RuntimeError, match=op):
+        _bad_arguments(dev)[case]()
