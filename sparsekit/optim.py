@@ -41,11 +41,19 @@ class LazyAdam(torch.optim.Optimizer):
     by ``state_dict()``.
 
     Args:
-        params: parameters or parameter groups.
+        params: parameters or parameter groups (dense tensors: sparse *parameters* raise
+            ``ValueError``, as in ``torch.optim.SparseAdam``; non-contiguous ones are fine).
         lr: learning rate (default 1e-3).
         betas: decay of the first and second moment estimates (default (0.9, 0.999)).
         eps: term added to the denominator (default 1e-8).
         weight_decay: L2 penalty (default 0).
+        maximize: maximize the objective instead of minimizing it (default False), as in
+            ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
+
+    A step is all or nothing: every gradient is checked first (layout, shape, and the rows
+    of every sparse gradient, read back in one host read per step on CUDA), and only then
+    is anything updated, so a bad gradient raises with ``step``, weights and moments of
+    every parameter unchanged.
     """
 
     def __init__(
@@ -55,17 +63,46 @@ class LazyAdam(torch.optim.Optimizer):
         betas: Tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        maximize: bool = False,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"LazyAdam: invalid learning rate {lr}; it must be >= 0")
-        if not 0.0 <= eps:
-            raise ValueError(f"LazyAdam: invalid eps {eps}; it must be >= 0")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"LazyAdam: invalid betas {betas}; both must be in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"LazyAdam: invalid weight_decay {weight_decay}; it must be >= 0")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        _check_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "LazyAdam")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults)
+        sparse = [[g, i] for g, group in enumerate(self.param_groups)
+                  for i, param in enumerate(group["params"]) if param.is_sparse]
+        if sparse:
+            raise ValueError(f"LazyAdam: sparse parameters at indices {sparse} (group, index): LazyAdam needs dense "
+                             "parameter tensors; their gradients may be sparse")
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # load_state_dict ends here: states of older versions (a plain number as step, no
+        # maximize) are brought up to date, as torch.optim.Adam does.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("maximize", False)
+            for param in group["params"]:
+                param_state = self.state.get(param, {})
+                if "step" in param_state and not torch.is_tensor(param_state["step"]):
+                    param_state["step"] = torch.tensor(float(param_state["step"]), dtype=_step_dtype())
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state saved by ``LazyAdam.state_dict()`` (or ``torch.optim.Adam``'s).
+
+        Raises:
+            ValueError: the state lacks LazyAdam's settings (it was saved by another
+                optimizer) or holds invalid ones; nothing is changed.
+        """
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list):
+            raise ValueError("LazyAdam.load_state_dict: expected what LazyAdam.state_dict() returns "
+                             f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}")
+        for index, group in enumerate(groups):
+            missing = sorted({"lr", "betas", "eps", "weight_decay"} - set(group))
+            if missing:
+                raise ValueError(f"LazyAdam.load_state_dict: parameter group {index} of the state lacks {missing}: "
+                                 "it was saved by another optimizer")
+            _check_hyperparameters(group, f"LazyAdam.load_state_dict (parameter group {index})")
+        super().load_state_dict(state_dict)
 
     def _init_state(self, param: Tensor) -> Dict[str, Any]:
         state = self.state[param]
@@ -77,12 +114,7 @@ class LazyAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _sparse_rows_and_values(param: Tensor, grad: Tensor) -> Tuple[Tensor, Tensor]:
-        """Distinct rows of a sparse gradient and the summed gradient of each."""
-        if grad.sparse_dim() != 1:
-            raise RuntimeError(
-                f"LazyAdam: a sparse gradient must index the first dimension only (sparse_dim 1, as "
-                f"nn.Embedding(sparse=True) gives), got sparse_dim {grad.sparse_dim()} for a parameter of "
-                f"shape {tuple(param.shape)}")
+        """Distinct rows of a (checked) sparse gradient and the summed gradient of each."""
         indices = grad._indices()[0]
         values = grad._values()
         if grad.is_coalesced() or indices.numel() == 0:
@@ -91,6 +123,44 @@ class LazyAdam(torch.optim.Optimizer):
         # sparsekit's own unique + segment_sum do it without the sort of .coalesce().
         rows, inverse = ops.unique(indices, return_inverse=True)
         return rows, ops.segment_sum(values, inverse, rows.numel())
+
+    def _check_gradients(self) -> None:
+        """Every gradient, before any update: layout, shape, and the rows of sparse ones."""
+        ranges: List[Tensor] = []
+        where: List[Tuple[int, int, Tensor]] = []
+        for g, group in enumerate(self.param_groups):
+            for i, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                name = f"LazyAdam: the gradient of parameter {i} of group {g} (shape {tuple(param.shape)})"
+                if grad.is_sparse:
+                    if torch.is_complex(param):
+                        raise RuntimeError(f"{name}: sparse gradients of complex parameters are not supported")
+                    if grad.sparse_dim() != 1 or grad.shape != param.shape:
+                        raise RuntimeError(
+                            f"{name} must index the first dimension only (sparse_dim 1, as nn.Embedding(sparse=True) "
+                            f"gives) and have the parameter's shape; got sparse_dim {grad.sparse_dim()}, shape "
+                            f"{tuple(grad.shape)}")
+                    indices = grad._indices()[0]
+                    if indices.numel():
+                        low, high = torch.aminmax(indices)
+                        ranges.append(torch.stack([low, high]))
+                        where.append((g, i, param))
+                elif grad.layout != torch.strided:
+                    raise RuntimeError(f"{name}: gradients of layout {grad.layout} are not supported; use dense or "
+                                       "sparse COO gradients")
+                elif grad.shape != param.shape:
+                    raise RuntimeError(f"{name} has shape {tuple(grad.shape)}")
+        if not ranges:
+            return
+        # One host read for every sparse gradient of the step.
+        bounds = torch.stack([r.to(ranges[0].device) for r in ranges]).tolist()
+        for (low, high), (g, i, param) in zip(bounds, where):
+            if low < 0 or high >= param.shape[0]:
+                bad = low if low < 0 else high
+                raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} names row {bad}, "
+                                   f"outside [0, {param.shape[0]}); nothing was updated")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -104,9 +174,11 @@ class LazyAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        self._check_gradients()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = group["lr"]
+            maximize = group.get("maximize", False)
             dense_params: List[Tensor] = []
             dense_grads: List[Tensor] = []
             dense_exp_avgs: List[Tensor] = []
@@ -118,19 +190,16 @@ class LazyAdam(torch.optim.Optimizer):
                 grad = param.grad
                 state = self._init_state(param)
                 if grad.is_sparse:
-                    if torch.is_complex(param):
-                        raise RuntimeError("LazyAdam: sparse gradients of complex parameters are not supported")
                     # Counted even for an empty gradient, as torch.optim.SparseAdam does.
                     state["step"] += 1
                     rows, values = self._sparse_rows_and_values(param, grad)
                     if rows.numel() == 0:
                         continue
-                    ops.lazy_adam_(param, state["exp_avg"], state["exp_avg_sq"], rows, values,
-                                   int(state["step"].item()), float(lr), beta1, beta2, group["eps"],
-                                   group["weight_decay"])
-                elif grad.layout != torch.strided:
-                    raise RuntimeError(f"LazyAdam: gradients of layout {grad.layout} are not supported; "
-                                       "use dense or sparse COO gradients")
+                    if maximize:
+                        values = -values  # exact, as SparseAdam's -grad
+                    _lazy_adam_rows(param, state["exp_avg"], state["exp_avg_sq"], rows, values,
+                                    int(state["step"].item()), float(lr), beta1, beta2, group["eps"],
+                                    group["weight_decay"])
                 else:
                     dense_params.append(param)
                     dense_grads.append(grad)
@@ -145,5 +214,36 @@ class LazyAdam(torch.optim.Optimizer):
                     foreach=None, capturable=False, differentiable=False, fused=None, grad_scale=None,
                     found_inf=None, has_complex=any(torch.is_complex(p) for p in dense_params),
                     amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
-                    eps=group["eps"], maximize=False)
+                    eps=group["eps"], maximize=maximize)
         return loss
+
+
+def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
+    """ValueError naming the first invalid setting."""
+    betas = settings["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2) of floats, got {betas!r}")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"{where}: invalid betas {tuple(betas)}; both must be in [0, 1)")
+    for name, label in (("lr", "learning rate lr"), ("eps", "eps"), ("weight_decay", "weight_decay")):
+        value = settings[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
+            raise ValueError(f"{where}: invalid {label} {value!r}; it must be a number >= 0")
+
+
+def _lazy_adam_rows(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, values: Tensor, step: int,
+                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """:func:`sparsekit.ops.lazy_adam_` on any parameter. The kernel wants contiguous
+    tensors; for a non-contiguous parameter (a column slice of a larger table, say) or
+    moment, the touched rows are gathered into contiguous ``[u, ...]`` tensors, updated
+    there (the same arithmetic, bit for bit) and copied back: O(u * D), never the table."""
+    if param.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous():
+        ops.lazy_adam_(param, exp_avg, exp_avg_sq, rows, values, step, lr, beta1, beta2, eps, weight_decay)
+        return
+    rows = rows.long()
+    local = [t.index_select(0, rows) for t in (param, exp_avg, exp_avg_sq)]
+    ops.lazy_adam_(*local, torch.arange(rows.numel(), device=rows.device), values.contiguous(), step, lr, beta1,
+                   beta2, eps, weight_decay)
+    for target, updated in zip((param, exp_avg, exp_avg_sq), local):
+        target.index_copy_(0, rows, updated)

@@ -350,3 +350,135 @@ def test_lazy_adam_bad_arguments(device):
     param.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.ones(2), (3, 2)).to(device)
     with pytest.raises(RuntimeError, match="sparse_dim 1"):
         opt.step()
+
+
+# ---- parity with torch.optim.SparseAdam / Adam, and all-or-nothing steps --------------------
+
+
+def _sparse_grad(rows, values, shape):
+    return torch.sparse_coo_tensor(torch.tensor([rows]), values, shape).coalesce()
+
+
+def _run_pair(make_param, maximize, steps=3):
+    """LazyAdam and SparseAdam on the same parameter layout and coalesced gradients."""
+    ours, theirs = make_param(), make_param()
+    opt_ours = sk.LazyAdam([ours], lr=0.01, maximize=maximize)
+    opt_theirs = torch.optim.SparseAdam([theirs], lr=0.01, maximize=maximize)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        rows = torch.randperm(ours.shape[0], generator=g)[:7].tolist()
+        values = torch.randn(7, *ours.shape[1:], generator=g)
+        ours.grad = _sparse_grad(rows, values, ours.shape)
+        theirs.grad = _sparse_grad(rows, values, theirs.shape)
+        opt_ours.step()
+        opt_theirs.step()
+    return ours, theirs, opt_ours, opt_theirs
+
+
+@pytest.mark.parametrize("layout", ["column_slice", "transposed", "contiguous"])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_lazy_adam_matches_sparse_adam_on_any_layout(layout, maximize):
+    """Non-contiguous parameters (a column slice of a wider table, a transposed one) are
+    accepted as SparseAdam accepts them; maximize as SparseAdam's; bit for bit."""
+    def make_param():
+        base = torch.randn(40, 50, generator=torch.Generator().manual_seed(1))
+        tensor = {"column_slice": base[:, 1:33], "transposed": base.t()[:, :20], "contiguous": base[:30]}[layout]
+        return torch.nn.Parameter(tensor)
+
+    ours, theirs, opt_ours, opt_theirs = _run_pair(make_param, maximize)
+    assert ours.is_contiguous() == (layout == "contiguous")
+    # Moments bit for bit; weights to an ulp or two (torch's vectorised CPU sqrt is not
+    # correctly rounded, the kernel's is).
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt_ours.state[ours][key], opt_theirs.state[theirs][key])
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+    # The gathered path for a non-contiguous parameter is the contiguous path, bit for bit.
+    same, _, opt_same, _ = _run_pair(lambda: torch.nn.Parameter(make_param().detach().contiguous()), maximize)
+    assert torch.equal(ours.detach(), same.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt_ours.state[ours][key], opt_same.state[same][key])
+
+
+def test_lazy_adam_maximize_dense_matches_adam():
+    ours = torch.nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(2)))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    opt_ours, opt_theirs = sk.LazyAdam([ours], lr=0.01, maximize=True), torch.optim.Adam([theirs], lr=0.01,
+                                                                                          maximize=True)
+    for step in range(3):
+        grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(10 + step))
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(opt_ours.state[ours]["exp_avg"], opt_theirs.state[theirs]["exp_avg"])
+
+
+def test_lazy_adam_refuses_sparse_parameters_at_construction():
+    dense = torch.nn.Parameter(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"sparse parameters at indices \[\[0, 1\]\]"):
+        sk.LazyAdam([dense, torch.zeros(3, 2).to_sparse().requires_grad_()])
+
+
+@pytest.mark.parametrize("betas", [0.9, (0.9,), (0.9, 0.99, 0.5), ("a", 0.9)])
+def test_lazy_adam_betas_must_be_a_pair(betas):
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        sk.LazyAdam([torch.nn.Parameter(torch.zeros(2))], betas=betas)
+
+
+def test_lazy_adam_loads_plain_number_steps_and_old_states():
+    """A state whose step is a plain number (older checkpoints) and without maximize loads
+    and steps on, as torch's optimizers allow."""
+    param = torch.nn.Parameter(torch.zeros(4, 2))
+    opt = sk.LazyAdam([param], lr=0.1)
+    param.grad = _sparse_grad([1], torch.ones(1, 2), param.shape)
+    opt.step()
+    state = opt.state_dict()
+    state["state"][0]["step"] = 1.0
+    del state["param_groups"][0]["maximize"]
+    fresh = sk.LazyAdam([param], lr=0.1)
+    fresh.load_state_dict(state)
+    assert torch.is_tensor(fresh.state[param]["step"]) and fresh.param_groups[0]["maximize"] is False
+    param.grad = _sparse_grad([1], torch.ones(1, 2), param.shape)
+    fresh.step()
+    assert fresh.state[param]["step"].item() == 2
+
+
+def test_lazy_adam_refuses_another_optimizers_state():
+    param = torch.nn.Parameter(torch.zeros(4, 2))
+    sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(4, 2)
+    sgd.step()
+    opt = sk.LazyAdam([param])
+    with pytest.raises(ValueError, match=r"lacks \['betas', 'eps'\]: it was saved by another optimizer"):
+        opt.load_state_dict(sgd.state_dict())
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999) and len(opt.state) == 0
+    with pytest.raises(ValueError, match="expected what LazyAdam.state_dict"):
+        opt.load_state_dict(None)
+
+
+@pytest.mark.parametrize("bad_row", [-1, 4, 2**63 - 1])
+def test_lazy_adam_step_is_all_or_nothing(bad_row):
+    """A bad sparse gradient on the second parameter: nothing is updated, on any parameter,
+    and no step counter moves."""
+    first = torch.nn.Parameter(torch.zeros(4, 2))
+    second = torch.nn.Parameter(torch.zeros(4, 2))
+    dense = torch.nn.Parameter(torch.zeros(3))
+    opt = sk.LazyAdam([first, dense, second], lr=0.1)
+    for step in range(2):
+        first.grad = _sparse_grad([0], torch.ones(1, 2), first.shape)
+        dense.grad = torch.ones(3)
+        second.grad = torch.sparse_coo_tensor(torch.tensor([[1, bad_row]]), torch.ones(2, 2), (4, 2),
+                                              check_invariants=False) if step else _sparse_grad([1], torch.ones(1, 2),
+                                                                                                second.shape)
+        if step == 0:
+            opt.step()
+            before = {id(p): (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+                      for p in (first, dense, second)}
+            continue
+        with pytest.raises(RuntimeError, match=rf"parameter 2 of group 0 names row {bad_row}"):
+            opt.step()
+    for p in (first, dense, second):
+        weight, state = before[id(p)]
+        assert torch.equal(p.detach(), weight)
+        for key, value in state.items():
+            assert torch.equal(opt.state[p][key], value), key
