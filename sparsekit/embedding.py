@@ -202,17 +202,30 @@ class _CoalescedGradMarker:
     stores a sparse gradient as a shallow copy that drops the flag, and LazyAdam would
     then sum the rows again (unique + segment_sum, host syncs on CUDA). When the stored
     gradient still holds exactly the values the lookup produced (nothing was added to it:
-    an addition allocates new values while those are alive), the flag is put back.
+    an addition allocates new values), the flag is put back.
+
+    The marker holds the produced values' storage itself, not its address: while it is
+    held the address cannot be recycled, so a gradient that merely reuses freed memory
+    (after a backward that never reached ``.grad``, e.g. ``torch.autograd.grad``) can
+    never be taken for the lookup's own. The hook releases it.
     """
 
     def __init__(self) -> None:
-        self.values_ptr: Optional[int] = None
+        self.values: Optional[Tensor] = None
+
+    def produced(self, values: Tensor) -> None:
+        """Called by the lookup's backward with the values of the gradient it returns."""
+        self.values = values
 
     def __call__(self, param: Tensor) -> None:
-        grad, produced = param.grad, self.values_ptr
-        self.values_ptr = None
-        if grad is not None and grad.is_sparse and not grad.is_coalesced() and produced is not None \
-                and grad._values().data_ptr() == produced:
+        grad, produced = param.grad, self.values
+        self.values = None
+        if grad is None or not grad.is_sparse or grad.is_coalesced() or produced is None:
+            return
+        values = grad._values()
+        if (values.untyped_storage().data_ptr() == produced.untyped_storage().data_ptr()
+                and values.storage_offset() == produced.storage_offset() and values.shape == produced.shape
+                and values.stride() == produced.stride()):
             grad._coalesced_(True)
 
 
@@ -248,7 +261,7 @@ class _LookupOwned(torch.autograd.Function):
             sorted_rows, values = sorted_rows[found], values[found]
         weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
                                               is_coalesced=True, check_invariants=False)
-        ctx.marker.values_ptr = values.data_ptr()
+        ctx.marker.produced(values)
         return weight_grad, None, None, None, None
 
 

@@ -522,3 +522,51 @@ def test_a_failing_initializer_leaves_the_table_as_it_was():
     out = layer(torch.tensor([[[3, 4, -1]]]))
     want = sk.ops.key_seeded_uniform(torch.tensor([3, 4]), DIM).sum(0)
     torch.testing.assert_close(out[0, 0], want)
+
+
+# ---- the coalesced-gradient mark --------------------------------------------------------------
+
+
+def test_weight_gradient_stays_marked_coalesced_on_the_normal_path(monkeypatch):
+    """One lookup per step: the stored gradient is the lookup's own, marked coalesced, so
+    LazyAdam does not sum its rows again."""
+    layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 3)
+    opt = sk.LazyAdam(layer.parameters(), lr=0.1)
+    layer(torch.tensor([[[1, 2, 1]], [[2, 3, -1]]])).sum().backward()
+    assert layer.weight.grad.is_coalesced()
+    calls = []
+    real_unique = sk.ops.unique
+    monkeypatch.setattr(sk.ops, "unique", lambda *a, **k: calls.append(1) or real_unique(*a, **k))
+    opt.step()
+    assert calls == []
+
+
+def test_weight_gradient_mark_cannot_go_stale():
+    """After a backward that never reaches .grad (torch.autograd.grad), the next backward
+    accumulates into an existing uncoalesced gradient: the sum must not be marked
+    coalesced (with duplicate rows LazyAdam would race), and LazyAdam's update equals
+    SparseAdam's on the coalesced sum. The marker holds the values it produced, so their
+    memory cannot be recycled while it compares."""
+    import gc
+    import weakref
+
+    layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 3)
+    keys = torch.tensor([[[1, 2, 1]], [[2, 3, -1]]])
+    (free_grad,) = torch.autograd.grad(layer(keys).sum(), layer.weight)
+    produced = weakref.ref(layer._grad_marker.values)
+    del free_grad
+    gc.collect()
+    assert produced() is not None  # held by the marker: its address cannot be reused
+    for _ in range(3):
+        torch.empty(64, DIM)  # allocations that would like to reuse freed memory
+
+    duplicate = torch.sparse_coo_tensor(torch.tensor([[5, 5]]), torch.ones(2, DIM), (16, DIM))
+    layer.weight.grad = duplicate
+    layer(keys).sum().backward()
+    assert not layer.weight.grad.is_coalesced()
+    reference = torch.nn.Parameter(layer.weight.detach().clone())
+    reference.grad = layer.weight.grad.coalesce()
+    opt, ref_opt = sk.LazyAdam([layer.weight], lr=0.1), torch.optim.SparseAdam([reference], lr=0.1)
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(layer.weight.detach(), reference.detach(), rtol=1e-6, atol=1e-7)
