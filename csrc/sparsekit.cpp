@@ -21,7 +21,7 @@ TORCH_LIBRARY(sparsekit, m) {
   // every int64 value is a valid key.
   m.def("hash_table_find(Tensor slot_keys, Tensor slot_rows, Tensor keys) -> Tensor");
   // Places keys that are distinct and absent from the table; rows[i] is stored for keys[i].
-  m.def("hash_table_insert_absent_(Tensor(a!) slot_keys, Tensor(b!) slot_rows, Tensor keys, Tensor rows) -> ()");
+  m.def("hash_table_insert_absent_(Tensor(a!) slot_keys, Tensor(b!) slot_rows, Tensor keys, Tensor rows, int? num_occupied=None) -> ()");
   m.def("embedding_bag(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights=None, str mode=\"sum\", "
         "int? padding_idx=None, bool include_last_offset=True) -> Tensor");
   // [bags, D] int64: per column, the lookup (index into rows) holding the bag's maximum as

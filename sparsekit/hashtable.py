@@ -129,9 +129,9 @@ class HashTable:
         """Find-or-insert: rows of ``keys``, giving absent keys new rows.
 
         New keys get consecutive rows ``len(self), len(self) + 1, ...`` in order of first
-        occurrence in ``keys`` (read flattened). On CUDA this syncs with the host: how many
-        keys are new is data-dependent, and the capacity check needs it before anything
-        is written.
+        occurrence in ``keys`` (read flattened). On CUDA this syncs with the host twice
+        (unique's output size, and the count of new keys, which the capacity check needs
+        before anything is written); placing the keys adds none.
 
         Args:
             keys: tensor of ``key_dtype``, any shape, on the table's device.
@@ -158,7 +158,8 @@ class HashTable:
                 "Build the table with a larger capacity")
         if num_new > 0:
             new_rows = torch.arange(self._size, self._size + num_new, dtype=torch.int64, device=self.device)
-            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, new_keys, new_rows)
+            # The table's own size and rows: the op needs no host sync to check them.
+            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, new_keys, new_rows, self._size)
             unique_rows.masked_scatter_(missing, new_rows)
             self._size += num_new
         return unique_rows[inverse].view(keys.shape)

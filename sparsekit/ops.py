@@ -168,7 +168,8 @@ def _hash_table_find_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) ->
 
 
 @torch.library.register_fake("sparsekit::hash_table_insert_absent_")
-def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor) -> None:
+def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor,
+                                   num_occupied: Optional[int] = None) -> None:
     same_device("hash_table_insert_absent_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys, rows=rows)
     torch._check(slot_keys.dtype == torch.int64 and slot_rows.dtype == torch.int64,
                  lambda: "hash_table_insert_absent_: slot_keys and slot_rows must be int64")
@@ -194,21 +195,28 @@ def hash_table_find(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tenso
     return _ops.hash_table_find(slot_keys, slot_rows, keys)
 
 
-def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor) -> None:
+def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor,
+                              num_occupied: Optional[int] = None) -> None:
     """Places keys that are distinct and absent from the table, in place.
 
-    The caller guarantees distinctness and absence (not checked) and that the table stays
-    at most half full (at most ``S / 2`` keys), which keeps probing short and guarantees
-    an empty slot; a table with no empty slot left or a negative row raises. On CUDA this
-    syncs with the host once, to read the error flag.
+    The caller guarantees distinctness and absence (not checked) and should keep the table
+    at most half full (at most ``S / 2`` keys), which keeps probing short. A call whose
+    keys do not all fit in the empty slots, or with a negative row, raises and writes
+    nothing, on every device alike.
+
+    Host syncs on CUDA: without ``num_occupied``, two (counting the occupied slots, and
+    reading the row check); with it, none, and the caller also vouches for ``rows >= 0``
+    (a negative row then makes the call write nothing without raising; the CPU still
+    raises). :class:`sparsekit.HashTable` passes its size and rows it made itself.
 
     Args:
         slot_keys: int64 ``[S]``, written in place.
         slot_rows: int64 ``[S]``, written in place (``-1`` marks an empty slot).
         keys: int64 or int32 ``[n]`` keys, distinct and absent.
         rows: int64 ``[n]`` rows ``>= 0``; the slot of ``keys[i]`` gets ``rows[i]``.
+        num_occupied: the number of occupied slots, when the caller knows it; None: counted.
     """
-    _ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, rows)
+    _ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, rows, num_occupied)
 
 
 @torch.library.register_fake("sparsekit::lazy_adam_")

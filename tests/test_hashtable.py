@@ -110,7 +110,7 @@ def test_ops_bad_inputs(device):
     full_keys, full_rows = empty_slots(16, device)
     sk.ops.hash_table_insert_absent_(full_keys, full_rows, torch.arange(16, device=device),
                                      torch.arange(16, device=device))
-    with pytest.raises(RuntimeError, match="cannot fit|no empty slot"):
+    with pytest.raises(RuntimeError, match="cannot fit|no empty slot|do not fit"):
         sk.ops.hash_table_insert_absent_(full_keys, full_rows, torch.tensor([99], device=device),
                                          torch.tensor([16], device=device))
     # ...and a find of a missing key in that full slot array ends too.
@@ -281,3 +281,49 @@ def test_table_large_load(device):
     in_table = torch.isin(misses, keys)
     found = table.find(misses.to(device)).cpu()
     assert bool((found[~in_table] == -1).all())
+
+
+@pytest.mark.parametrize("pass_occupied", [False, True])
+def test_raw_insert_that_does_not_fit_writes_nothing_on_every_device(device, pass_occupied):
+    """A raw insert whose keys do not all fit in the empty slots raises before writing, so
+    the table is the same (untouched) on CPU and CUDA; so does a negative row."""
+    slot_keys = torch.zeros(16, dtype=torch.int64, device=device)
+    slot_rows = torch.full((16,), -1, dtype=torch.int64, device=device)
+    sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, torch.arange(10, device=device),
+                                     torch.arange(10, device=device), 0 if pass_occupied else None)
+    before = slot_keys.clone(), slot_rows.clone()
+    with pytest.raises(RuntimeError, match="7 keys do not fit in the 6 empty slots"):
+        sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, torch.arange(100, 107, device=device),
+                                         torch.arange(10, 17, device=device), 10 if pass_occupied else None)
+    assert torch.equal(slot_keys, before[0]) and torch.equal(slot_rows, before[1])
+    if not pass_occupied or device.type == "cpu":
+        with pytest.raises(RuntimeError, match="rows must be >= 0"):
+            sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, torch.tensor([200, 201], device=device),
+                                             torch.tensor([11, -1], device=device), 10 if pass_occupied else None)
+        assert torch.equal(slot_keys, before[0]) and torch.equal(slot_rows, before[1])
+    sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, torch.arange(100, 106, device=device),
+                                     torch.arange(10, 16, device=device), 10 if pass_occupied else None)
+    rows = sk.ops.hash_table_find(slot_keys, slot_rows, torch.cat([torch.arange(10), torch.arange(100, 106)]).to(device))
+    assert torch.equal(rows.cpu(), torch.arange(16))
+
+
+def _count_syncs(fn):
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_hash_table_insert_host_syncs_on_cuda():
+    """HashTable.insert syncs exactly as documented: unique's size and the count of new keys."""
+    table = sk.HashTable(1 << 12, device="cuda")
+    table.insert(torch.arange(100, device="cuda"))  # warm up (allocator, CUB temp sizes)
+    assert _count_syncs(lambda: table.insert(torch.arange(50, 300, device="cuda"))) == 2

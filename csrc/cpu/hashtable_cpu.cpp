@@ -1,5 +1,6 @@
 // CPU kernels of the open-addressing hash table (layout in csrc/hashtable.h).
 #include <atomic>
+#include <functional>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -81,13 +82,26 @@ at::Tensor hash_table_find_cpu(const at::Tensor& slot_keys, const at::Tensor& sl
 /// @param slot_rows int64[S], written in place.
 /// @param keys int64 or int32 keys, distinct and absent from the table (not checked).
 /// @param rows int64 rows (>= 0), one per key.
+/// @param num_occupied occupied slots when the caller knows them (sparsekit.HashTable: its
+///        size); None: counted here (one pass over the slots).
 void hash_table_insert_absent_cpu(at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys,
-                                  const at::Tensor& rows) {
+                                  const at::Tensor& rows, c10::optional<int64_t> num_occupied) {
   check_hash_table_insert_args(slot_keys, slot_rows, keys, rows);
   const at::Tensor keys_c = keys.contiguous();
   const at::Tensor rows_c = rows.contiguous();
   const int64_t num_keys = keys_c.numel();
   if (num_keys == 0) return;
+  const int64_t num_slots = slot_rows.size(0);
+  if (!num_occupied.has_value()) {
+    const int64_t* slot_rows_ptr = slot_rows.data_ptr<int64_t>();
+    num_occupied = at::parallel_reduce(0, num_slots, kHashGrain * 4, int64_t{0},
+        [&](int64_t begin, int64_t end, int64_t count) {
+          for (int64_t s = begin; s < end; ++s) count += slot_rows_ptr[s] >= 0;
+          return count;
+        },
+        std::plus<int64_t>());
+  }
+  check_hash_insert_fits(*num_occupied, num_keys, num_slots);
   const int64_t* rows_ptr = rows_c.data_ptr<int64_t>();
   // Validate every row before touching the table, so a bad call leaves it unchanged.
   std::atomic<bool> negative_row{false};

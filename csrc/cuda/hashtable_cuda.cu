@@ -93,21 +93,28 @@ at::Tensor hash_table_find_cuda(const at::Tensor& slot_keys, const at::Tensor& s
 
 /// @brief Places distinct keys that are absent from the table; slot of keys[i] gets rows[i].
 ///
-/// Host sync: one, to read the error flag (a negative row, or a table with no empty slot
-/// left) so that misuse raises instead of corrupting the table or hanging the GPU. The
-/// caller (sparsekit.HashTable.insert) syncs anyway to count the new keys.
+/// Without num_occupied: two host syncs, one to count the occupied slots (so a call that
+/// does not fit raises before anything is written) and one to read the row check's flag.
+/// With num_occupied (sparsekit.HashTable passes its size, and rows it made itself,
+/// arange(size, size + n)): none; the caller then also vouches for rows >= 0 (a negative
+/// row makes the call write nothing, without raising).
 /// @param slot_keys int64[S], written in place.
 /// @param slot_rows int64[S], written in place.
 /// @param keys int64 or int32 keys, distinct and absent from the table (not checked).
 /// @param rows int64 rows (>= 0), one per key.
+/// @param num_occupied occupied slots when the caller knows them; None: counted here.
 void hash_table_insert_absent_cuda(at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys,
-                                   const at::Tensor& rows) {
+                                   const at::Tensor& rows, c10::optional<int64_t> num_occupied) {
   check_hash_table_insert_args(slot_keys, slot_rows, keys, rows);
   const c10::cuda::CUDAGuard device_guard(keys.device());
   const at::Tensor keys_c = keys.contiguous();
   const at::Tensor rows_c = rows.contiguous();
   const int64_t num_keys = keys_c.numel();
   if (num_keys == 0) return;
+  const bool checked = !num_occupied.has_value();
+  // Host sync (only without num_occupied): the count of occupied slots.
+  if (checked) num_occupied = slot_rows.ge(0).sum().item<int64_t>();
+  check_hash_insert_fits(*num_occupied, num_keys, slot_rows.size(0));
   at::Tensor error = at::zeros({1}, keys.options().dtype(at::kInt));
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t blocks = blocks_for(num_keys);
@@ -119,8 +126,9 @@ void hash_table_insert_absent_cuda(at::Tensor& slot_keys, at::Tensor& slot_rows,
         rows_c.data_ptr<int64_t>(), num_keys, error.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  // The documented host sync.
-  raise_hash_insert_error(error.item<int32_t>());
+  // Host sync (only without num_occupied): the row check's flag. With the fit checked
+  // above, kHashInsertTableFull cannot be set.
+  if (checked) raise_hash_insert_error(error.item<int32_t>());
 }
 
 TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {

@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -591,8 +592,8 @@ at::Tensor segment_sum_cuda(const at::Tensor& data_in, const at::Tensor& ids_in,
   // The one host sync of segment_sum: an id >= num_segments must raise on the host (no
   // device assert, so the CUDA context stays usable). The kernels skipped such ids.
   long long bad = -1;
-  C10_CUDA_CHECK(cudaMemcpyAsync(&bad, bad_id_ptr, sizeof(long long), cudaMemcpyDeviceToHost, stream));
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // c10's copy-and-sync, so torch.cuda.set_sync_debug_mode sees it like torch's own syncs.
+  c10::cuda::memcpy_and_sync(&bad, bad_id_ptr, sizeof(long long), cudaMemcpyDeviceToHost, stream);
   TORCH_CHECK(bad < 0, segment_id_range_message(static_cast<int64_t>(bad), num_segments));
   return out;
 }

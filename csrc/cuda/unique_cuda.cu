@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -204,9 +205,8 @@ void unique_launch(const at::Tensor& keys, at::Tensor& unique_keys, at::Tensor& 
 
   // The one host sync of unique: the output sizes depend on the number of unique keys.
   pos_t num_unique = 0;
-  C10_CUDA_CHECK(cudaMemcpyAsync(&num_unique, first_rank_ptr + (n - 1), sizeof(pos_t), cudaMemcpyDeviceToHost,
-                                 stream));
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // c10's copy-and-sync, so torch.cuda.set_sync_debug_mode sees it like torch's own syncs.
+  c10::cuda::memcpy_and_sync(&num_unique, first_rank_ptr + (n - 1), sizeof(pos_t), cudaMemcpyDeviceToHost, stream);
 
   unique_keys = at::empty({static_cast<int64_t>(num_unique)}, keys.options());
   counts = at::zeros({static_cast<int64_t>(num_unique)}, keys.options().dtype(at::kLong));
