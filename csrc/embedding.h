@@ -169,4 +169,34 @@ inline at::Tensor rows_stride_ready(const at::Tensor& weight) {
   return weight.stride(1) == 1 || weight.size(1) <= 1 ? weight : weight.contiguous();
 }
 
+/// @brief The checked inputs of an embedding_bag kernel, laid out as the kernels read them.
+struct BagInputs {
+  at::Tensor weight;              // rows dense in memory (rows_stride_ready)
+  at::Tensor rows;                // contiguous
+  at::Tensor offsets;             // contiguous int64: bags + 1 numbers, one copy is cheaper
+                                  // than a second instantiation
+  at::Tensor per_sample_weights;  // contiguous, or undefined
+  int64_t padding_row;            // in [0, num_rows), or -1 for none
+  int64_t nnz, bags, dim;
+};
+
+/// @brief Checks the arguments of embedding_bag (and its arg-max) and prepares them; the
+/// CPU and CUDA kernels share it (a CUDA caller sets its device guard first).
+inline BagInputs prepare_bag_inputs(const at::Tensor& weight_in, const at::Tensor& rows_in,
+                                    const at::Tensor& offsets_in,
+                                    const c10::optional<at::Tensor>& per_sample_weights_in, BagMode mode,
+                                    c10::optional<int64_t> padding_idx, bool include_last_offset) {
+  check_embedding_bag_args(weight_in, rows_in, offsets_in, per_sample_weights_in, mode, include_last_offset);
+  BagInputs in;
+  in.padding_row = normalize_padding_idx(padding_idx, weight_in.size(0), "embedding_bag");
+  in.weight = rows_stride_ready(weight_in);
+  in.rows = rows_in.contiguous();
+  in.offsets = offsets_in.to(at::kLong).contiguous();
+  if (per_sample_weights_in.has_value()) in.per_sample_weights = per_sample_weights_in->contiguous();
+  in.nnz = in.rows.size(0);
+  in.bags = embedding_bag_count(in.offsets, include_last_offset);
+  in.dim = in.weight.size(1);
+  return in;
+}
+
 }  // namespace sparsekit

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from properties import examples, num_threads, sizes, thread_counts
+from test_lazy_adam import reference_lazy_adam
 
 import sparsekit as sk
 
@@ -81,23 +82,6 @@ def sparse_adam_reference(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, bet
     return param.detach(), state["exp_avg"], state["exp_avg_sq"]
 
 
-def float_reference(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay):
-    """The documented update computed in float32 op by op, rounded to the half type once."""
-    weight, exp_avg, exp_avg_sq = weight.clone(), exp_avg.clone(), exp_avg_sq.clone()
-    r = rows.long()
-    w, g = weight[r].float(), grad.float()
-    if weight_decay != 0.0:
-        g = g + weight_decay * w
-    m_old, v_old = exp_avg[r].float(), exp_avg_sq[r].float()
-    m = m_old + (g - m_old) * (1 - beta1)
-    v = v_old + (g * g - v_old) * (1 - beta2)
-    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    weight[r] = (w + (-step_size) * (m / (v.sqrt() + eps))).to(weight.dtype)
-    exp_avg[r] = m.to(weight.dtype)
-    exp_avg_sq[r] = v.to(weight.dtype)
-    return weight, exp_avg, exp_avg_sq
-
-
 @st.composite
 def adam_problems(draw, max_updates: int = 200_000):
     trailing = draw(TRAILING)
@@ -140,7 +124,8 @@ def test_lazy_adam_property_matches_sparse_adam(device, problem, threads):
         assert same_bits(v, want_v)
         assert_weight_close(w, want_w, weight)
     else:
-        want_w, want_m, want_v = float_reference(weight, exp_avg, exp_avg_sq, rows, grad, *args)
+        # The documented update in float32 op by op, rounded to the half type once.
+        want_w, want_m, want_v = reference_lazy_adam(weight, exp_avg, exp_avg_sq, rows, grad, *args)
         assert same_bits(m, want_m) and same_bits(v, want_v)
         # One ulp of the half type: a last-bit sqrt difference in float32 may flip a rounding.
         ulp = 2**-10 if weight.dtype == torch.float16 else 2**-7

@@ -472,18 +472,11 @@ at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows
                              const c10::optional<at::Tensor>& per_sample_weights_in, c10::string_view mode,
                              c10::optional<int64_t> padding_idx, bool include_last_offset) {
   const BagMode bag_mode = parse_bag_mode(mode);
-  check_embedding_bag_args(weight_in, rows_in, offsets_in, per_sample_weights_in, bag_mode, include_last_offset);
-  const int64_t padding_row = normalize_padding_idx(padding_idx, weight_in.size(0), "embedding_bag");
-  const at::Tensor weight = rows_stride_ready(weight_in);
-  const at::Tensor rows = rows_in.contiguous();
-  // Offsets are bags + 1 numbers: one int64 copy is cheaper than a second instantiation.
-  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
-  at::Tensor per_sample_weights;
-  if (per_sample_weights_in.has_value()) per_sample_weights = per_sample_weights_in->contiguous();
-
-  const int64_t nnz = rows.size(0);
-  const int64_t bags = embedding_bag_count(offsets, include_last_offset);
-  const int64_t dim = weight.size(1);
+  const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, per_sample_weights_in, bag_mode,
+                                          padding_idx, include_last_offset);
+  const at::Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
+  const at::Tensor& per_sample_weights = in.per_sample_weights;
+  const int64_t nnz = in.nnz, bags = in.bags, dim = in.dim, padding_row = in.padding_row;
   at::Tensor out = at::empty({bags, dim}, weight.options());
   if (bags == 0) {
     check_offsets_without_bags(offsets, nnz, include_last_offset);
@@ -561,14 +554,10 @@ void argmax_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t* positions
 at::Tensor embedding_bag_argmax_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in,
                                     const at::Tensor& offsets_in, c10::optional<int64_t> padding_idx,
                                     bool include_last_offset) {
-  check_embedding_bag_args(weight_in, rows_in, offsets_in, c10::nullopt, BagMode::kMax, include_last_offset);
-  const int64_t padding_row = normalize_padding_idx(padding_idx, weight_in.size(0), "embedding_bag");
-  const at::Tensor weight = rows_stride_ready(weight_in);
-  const at::Tensor rows = rows_in.contiguous();
-  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
-  const int64_t nnz = rows.size(0);
-  const int64_t bags = embedding_bag_count(offsets, include_last_offset);
-  const int64_t dim = weight.size(1);
+  const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, c10::nullopt, BagMode::kMax,
+                                          padding_idx, include_last_offset);
+  const at::Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
+  const int64_t nnz = in.nnz, bags = in.bags, dim = in.dim, padding_row = in.padding_row;
   at::Tensor positions = at::empty({bags, dim}, rows.options().dtype(at::kLong));
   if (bags == 0) {
     check_offsets_without_bags(offsets, nnz, include_last_offset);
