@@ -154,7 +154,7 @@ if wants bench; then
   if [ "$dry_run" = 1 ]; then
     b=(--device cpu)
     run_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --keys 20000 --rows 20000 --dim 8 --segments 500 --repeat 1
-    run_stage bench-embedding 60 "$PY" benchmarks/bench_embedding.py "${b[@]}" --rows 5000 --bags 256 --pooling 4 --dims 16 --rounds 1 --repeat 1
+    run_stage bench-embedding 60 "$PY" benchmarks/bench_embedding.py "${b[@]}" --rows 5000 --bags 256 --pooling 4 --dims 16 --rounds 1 --repeat 1 --skew-lookups 4096 --skew-dim 16
     run_stage bench-hashtable 60 "$PY" benchmarks/bench_hashtable.py "${b[@]}" --capacity 4096 --queries 4096 --repeat 1
     run_stage bench-lazy-adam 60 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}" --rows 5000 --dim 8 --unique 500 --repeat 1
     run_stage bench-layers 60 "$PY" benchmarks/bench_layers.py "${b[@]}" --batch 64 --slots 4 --world-sizes 1 --repeat 1

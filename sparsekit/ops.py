@@ -555,7 +555,6 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
     rows, offsets, per_sample_weights, weight, output = ctx.saved_tensors
     nnz = rows.shape[0]
     csr = _csr_offsets(offsets, nnz, ctx.include_last_offset)
-    bags = csr.shape[0] - 1
     # Half-precision gradients are pooled in float32 (grad_output is only [bags, D]).
     acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
     padding_row = _padding_row(ctx.padding_idx, ctx.num_rows)

@@ -14,7 +14,6 @@ than kChunk = 1024 lookups split in pieces (long_bag_len).
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
