@@ -19,6 +19,10 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, store_path: str, 
     torch.set_num_threads(1)  # the ranks share a couple of cores
     fn(rank, world_size, lambda: init_gloo(rank, world_size, store_path), *args)
     if dist.is_initialized():
+        # Tearing gloo down while a peer still finishes its last collective aborts that
+        # peer now and then ("terminate called without an active exception"): wait for
+        # every rank first (as the harness does).
+        dist.barrier()
         dist.destroy_process_group()
 
 
