@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import sys
 import uuid
 from typing import Any, Callable
 
@@ -24,6 +26,14 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, store_path: str, 
         # every rank first (as the harness does).
         dist.barrier()
         dist.destroy_process_group()
+    # A rank that passed is done: leave without the interpreter's finalisation, where
+    # gloo objects that a stray reference kept alive are destroyed with the interpreter
+    # half gone and abort the process now and then. A failing rank raised above, and
+    # spawn reports its traceback as usual.
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def init_gloo(rank: int, world_size: int, store_path: str) -> None:
