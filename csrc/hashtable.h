@@ -3,8 +3,9 @@
 //
 // Layout: open addressing with linear probing over S slots (S a power of two).
 // slot_keys int64[S] holds the key, slot_rows int64[S] the row; slot_rows[s] == -1 marks
-// an empty slot. Rows are >= 0, so emptiness never depends on the key and every int64
-// value (INT64_MIN, INT64_MAX, -1, 0 included) is a valid key. A key's home slot is
+// an empty slot and -2 a tombstone (an erased key: probes go on past it, inserts may
+// reuse it). Rows are >= 0, so emptiness never depends on the key and every int64 value
+// (INT64_MIN, INT64_MAX, -1, 0 included) is a valid key. A key's home slot is
 // mix_key(key) & (S - 1). int32 keys are widened to int64 before hashing, so an int32
 // and an int64 key of equal value land in the same slot.
 //
@@ -17,6 +18,8 @@ namespace sparsekit {
 
 /// Marker of an empty slot in slot_rows.
 constexpr int64_t kEmptySlotRow = -1;
+/// Marker of an erased key's slot: not the end of a probe sequence, free for an insert.
+constexpr int64_t kTombstoneRow = -2;
 
 /// @brief Row of `key` in the table, or kEmptySlotRow when it is absent.
 /// @param slot_mask S - 1 for S slots (a power of two).
@@ -28,10 +31,23 @@ C10_HOST_DEVICE inline int64_t probe_find(const int64_t* slot_keys, const int64_
   for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
     const int64_t row = slot_rows[slot];
     if (row == kEmptySlotRow) return kEmptySlotRow;
-    if (slot_keys[slot] == key) return row;
+    if (row >= 0 && slot_keys[slot] == key) return row;
     slot = (slot + 1) & slot_mask;
   }
   return kEmptySlotRow;
+}
+
+/// @brief Slot of `key`, or -1 when it is absent (for erasing it).
+C10_HOST_DEVICE inline int64_t probe_slot(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask,
+                                          int64_t key) {
+  uint64_t slot = mix_key(key) & slot_mask;
+  for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
+    const int64_t row = slot_rows[slot];
+    if (row == kEmptySlotRow) return -1;
+    if (row >= 0 && slot_keys[slot] == key) return static_cast<int64_t>(slot);
+    slot = (slot + 1) & slot_mask;
+  }
+  return -1;
 }
 
 /// @brief Checks the two slot arrays of a table: int64, 1-D, same length (a power of
@@ -61,6 +77,15 @@ inline void check_hash_table_find_args(const at::Tensor& slot_keys, const at::Te
   check_hash_table_slots(slot_keys, slot_rows, "hash_table_find");
   check_key_tensor(keys, "hash_table_find", "keys");
   TORCH_CHECK(keys.device() == slot_keys.device(), "hash_table_find: keys are on ", keys.device(),
+              " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
+}
+
+/// @brief Checks the arguments of hash_table_erase_.
+inline void check_hash_table_erase_args(const at::Tensor& slot_keys, const at::Tensor& slot_rows,
+                                        const at::Tensor& keys) {
+  check_hash_table_slots(slot_keys, slot_rows, "hash_table_erase_");
+  check_key_tensor(keys, "hash_table_erase_", "keys");
+  TORCH_CHECK(keys.device() == slot_keys.device(), "hash_table_erase_: keys are on ", keys.device(),
               " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
 }
 

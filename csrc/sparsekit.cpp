@@ -22,6 +22,11 @@ TORCH_LIBRARY(sparsekit, m) {
   m.def("hash_table_find(Tensor slot_keys, Tensor slot_rows, Tensor keys) -> Tensor");
   // Places keys that are distinct and absent from the table; rows[i] is stored for keys[i].
   m.def("hash_table_insert_absent_(Tensor(a!) slot_keys, Tensor(b!) slot_rows, Tensor keys, Tensor rows, int? num_occupied=None) -> ()");
+  // Erases keys: their slots become tombstones (-2). Returns the rows they held (-1: absent).
+  m.def("hash_table_erase_(Tensor slot_keys, Tensor(a!) slot_rows, Tensor keys) -> Tensor");
+  // Ascending indices of the k lexicographically smallest eligible entries of the int64
+  // columns (column 0 first; whole-tuple ties by the smaller index): eviction's victims.
+  m.def("select_smallest(Tensor[] columns, Tensor eligible, int k) -> Tensor");
   m.def("embedding_bag(Tensor weight, Tensor rows, Tensor offsets, Tensor? per_sample_weights=None, str mode=\"sum\", "
         "int? padding_idx=None, bool include_last_offset=True) -> Tensor");
   // [bags, D] int64: per column, the lookup (index into rows) holding the bag's maximum as

@@ -1,4 +1,4 @@
-"""A key -> row hash table over plain tensors, on CPU or CUDA.
+"""A key -> row hash table over plain tensors, on CPU or CUDA, optionally dynamic.
 
 The table maps arbitrary int64 (or int32) keys to dense row ids ``0, 1, 2, ...`` of an
 embedding weight. It is open addressing with linear probing over ``S`` slots, ``S`` the
@@ -6,11 +6,22 @@ smallest power of two ``>= 2 * capacity`` (and ``>= 16``): a full table is at mo
 occupied, so probe sequences stay short and always end. ``slot_rows[s] == -1`` marks an
 empty slot, so every key value is valid, including ``INT64_MIN``, ``INT64_MAX``, ``-1``
 and ``0``.
+
+Dynamic tables (``eviction="lru"|"lfu"``) erase keys to make room: an erased key's slot
+becomes a tombstone (``-2``), which probes pass and inserts reuse. Tombstones are bounded:
+once they reach a quarter of the slots the table is rebuilt in place (its live keys
+re-placed into cleared slots, one pass), so live keys plus tombstones never exceed three
+quarters of the slots and probe lengths stay bounded after any number of evictions; the
+rebuild costs ``O(S)`` once per at least ``S / 4 >= capacity / 2`` evictions.
+
+Next to the slots the table keeps, per row, its key (``row_keys``), the clock at which
+the key was last inserted or touched (``last_seen``) and how often (``count``): export,
+eviction and checkpoints read them without touching the slots.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -21,6 +32,7 @@ from ._checks import allocation
 __all__ = ["HashTable", "HashTableFullError"]
 
 _KEY_DTYPES = (torch.int64, torch.int32)
+_EVICTION_POLICIES = (None, "lru", "lfu")
 
 
 class HashTableFullError(RuntimeError):
@@ -34,23 +46,53 @@ def _slot_count(capacity: int) -> int:
     return slots
 
 
+class _InsertPlan(NamedTuple):
+    """What an insert will do, worked out without changing the table (see ``HashTable._plan_insert``)."""
+
+    shape: Tuple[int, ...]
+    inverse: Tensor       # [n]: flattened key -> its entry of unique_keys
+    counts: Tensor        # [U]: occurrences of each unique key in the call
+    rows: Tensor          # [U]: the row of each unique key, -1 where new
+    missing: Tensor       # [U] bool: the key is new
+    new_keys: Tensor      # [N] the new keys, in order of first occurrence
+    new_rows: Tensor      # [N] their rows: the victims' rows ascending, then size, size + 1, ...
+    victims: Tensor       # [E] rows evicted for them, ascending
+    evicted_keys: Tensor  # [E] the keys of those rows (int64)
+
+
 class HashTable:
     """Find-or-insert map from keys to consecutive row ids, stored in plain tensors.
 
     Row ids are deterministic: new keys get ``len(table), len(table) + 1, ...`` in order of
     first occurrence in the inserted batch, on every device.
 
+    Every key carries scores, whether or not eviction is on: ``last_seen`` (the
+    :attr:`clock` when it was last inserted or touched) and ``count`` (how many times it
+    occurred in the calls that inserted or touched it).
+
     Args:
         capacity: the most keys the table may hold (the rows of the embedding it indexes).
         key_dtype: ``torch.int64`` (default) or ``torch.int32``; the dtype of the keys
             :meth:`insert` takes and :meth:`export` returns. Keys are stored as int64.
         device: where the table lives (default: the current default device).
+        eviction: ``None`` (default: a full table raises :class:`HashTableFullError`),
+            ``"lru"`` or ``"lfu"``: an insert that does not fit first evicts exactly as many
+            keys as needed, never one of its own, those with the lowest score (lru:
+            ``last_seen``; lfu: ``count``, then ``last_seen``), ties broken by the smaller
+            key. The new keys, in order of first occurrence, take the freed rows in
+            ascending order, then rows ``len(table), len(table) + 1, ...``.
 
     Example::
 
         table = HashTable(1000)
         rows = table.insert(torch.tensor([42, -7, 42]))   # tensor([0, 1, 0])
         table.find(torch.tensor([-7, 5]))                  # tensor([1, -1])
+
+        lru = HashTable(2, eviction="lru")
+        lru.insert(torch.tensor([1, 2])); lru.tick()
+        lru.insert(torch.tensor([1]));    lru.tick()
+        lru.insert(torch.tensor([3]), return_evicted=True)
+        # (tensor([1]), tensor([2]), tensor([1])): key 2 (last seen at clock 0) made room
     """
 
     def __init__(
@@ -59,18 +101,29 @@ class HashTable:
         *,
         key_dtype: torch.dtype = torch.int64,
         device: Optional[Union[torch.device, str]] = None,
+        eviction: Optional[str] = None,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"HashTable: capacity must be a non-negative int, got {capacity!r}")
         if key_dtype not in _KEY_DTYPES:
             raise TypeError(f"HashTable: key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
+        if eviction not in _EVICTION_POLICIES:
+            raise ValueError(f"HashTable: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
         self._capacity = capacity
         self._key_dtype = key_dtype
+        self._eviction = eviction
         slots = _slot_count(capacity)
         with allocation(f"HashTable: capacity={capacity} ({slots} slots, 2 arrays)", (slots,), torch.int64, device):
             self._slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
             self._slot_rows = torch.full((slots,), -1, dtype=torch.int64, device=device)
+        with allocation(f"HashTable: capacity={capacity} (keys and scores of every row)", (3, capacity),
+                        torch.int64, device):
+            self._row_keys = torch.zeros(capacity, dtype=torch.int64, device=device)
+            self._last_seen = torch.zeros(capacity, dtype=torch.int64, device=device)
+            self._count = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._size = 0
+        self._tombstones = 0
+        self._clock = 0
 
     # -- properties -------------------------------------------------------------------
 
@@ -89,15 +142,30 @@ class HashTable:
         return self._key_dtype
 
     @property
+    def eviction(self) -> Optional[str]:
+        """``None``, ``"lru"`` or ``"lfu"``."""
+        return self._eviction
+
+    @property
     def device(self) -> torch.device:
         return self._slot_keys.device
+
+    @property
+    def clock(self) -> int:
+        """The table's clock: starts at 0, :meth:`tick` adds 1; inserts and touches stamp keys with it."""
+        return self._clock
+
+    def tick(self) -> int:
+        """Advances :attr:`clock` by one (the layers tick once per training forward); returns the new clock."""
+        self._clock += 1
+        return self._clock
 
     def __len__(self) -> int:
         return self._size
 
     def __repr__(self) -> str:
         return (f"HashTable(size={self._size}, capacity={self._capacity}, key_dtype={self._key_dtype}, "
-                f"device={self.device})")
+                f"eviction={self._eviction!r}, clock={self._clock}, device={self.device})")
 
     # -- lookups ----------------------------------------------------------------------
 
@@ -114,7 +182,7 @@ class HashTable:
                                f"{self.device}; move them with .to(table.device)")
 
     def find(self, keys: Tensor) -> Tensor:
-        """Rows of ``keys``; the table is not changed.
+        """Rows of ``keys``; the table (scores included) is not changed.
 
         Args:
             keys: int64 or int32 tensor of any shape, on the table's device.
@@ -125,78 +193,228 @@ class HashTable:
         self._check_keys(keys, "find", exact_dtype=False)
         return ops.hash_table_find(self._slot_keys, self._slot_rows, keys)
 
-    def insert(self, keys: Tensor) -> Tensor:
-        """Find-or-insert: rows of ``keys``, giving absent keys new rows.
+    def touch(self, keys: Tensor) -> Tensor:
+        """A :meth:`find` that also scores the present keys (for training).
+
+        A present key's ``last_seen`` becomes :attr:`clock` and its ``count`` grows by its
+        occurrences in ``keys``; absent keys are not inserted.
+
+        Returns:
+            int64 rows with the shape of ``keys``, ``-1`` where a key is absent.
+        """
+        self._check_keys(keys, "touch", exact_dtype=False)
+        if keys.numel() == 0:
+            return torch.empty(keys.shape, dtype=torch.int64, device=self.device)
+        unique_keys, inverse, counts = ops.unique(keys.reshape(-1), return_inverse=True, return_counts=True)
+        rows = self.find(unique_keys)
+        found = rows >= 0
+        self._score(rows[found], counts[found], torch.zeros_like(found[found]))
+        return rows[inverse].view(keys.shape)
+
+    def scores(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(last_seen, count)`` of ``keys`` (int64, shape of ``keys``), ``-1`` for absent keys."""
+        self._check_keys(keys, "scores", exact_dtype=False)
+        rows = self.find(keys)
+        found = rows >= 0
+        if self._capacity == 0:
+            absent = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
+            return absent, absent.clone()
+        safe = torch.where(found, rows, 0)
+        last_seen = torch.where(found, self._last_seen[safe], -1)
+        count = torch.where(found, self._count[safe], -1)
+        return last_seen, count
+
+    def _score(self, rows: Tensor, counts: Tensor, fresh: Tensor) -> None:
+        """Stamps distinct ``rows`` with the clock and adds ``counts``; ``fresh`` rows start from 0."""
+        if rows.numel() == 0:
+            return
+        self._last_seen.index_fill_(0, rows, self._clock)
+        current = self._count.index_select(0, rows)
+        self._count.index_copy_(0, rows, torch.where(fresh, counts, current + counts))
+
+    # -- inserts and eviction -----------------------------------------------------------
+
+    def insert(self, keys: Tensor, return_evicted: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor, Tensor]]:
+        """Find-or-insert: rows of ``keys``, giving absent keys rows.
 
         New keys get consecutive rows ``len(self), len(self) + 1, ...`` in order of first
-        occurrence in ``keys`` (read flattened). On CUDA this syncs with the host twice
-        (unique's output size, and the count of new keys, which the capacity check needs
-        before anything is written); placing the keys adds none.
+        occurrence in ``keys`` (read flattened). With eviction, when they do not fit, the
+        rows of exactly as many evicted keys are reused first (see the class). Every key of
+        the call is scored: ``last_seen`` = :attr:`clock`, ``count`` += its occurrences (a
+        new key starts from them).
+
+        On CUDA this syncs with the host twice without eviction (unique's output size, and
+        the count of new keys, which the capacity check needs before anything is written);
+        an insert that evicts adds the victim selection's few passes.
 
         Args:
             keys: tensor of ``key_dtype``, any shape, on the table's device.
+            return_evicted: also return the evicted pairs.
 
         Returns:
-            int64 rows with the shape of ``keys``.
+            int64 rows with the shape of ``keys``; with ``return_evicted``, ``(rows,
+            evicted_keys, evicted_rows)``, the evicted pairs in ascending row order
+            (``evicted_keys`` of ``key_dtype``).
 
         Raises:
-            HashTableFullError: the new keys do not fit in ``capacity``; nothing is inserted.
+            HashTableFullError: without eviction, the new keys do not fit in ``capacity``;
+                with it, the call itself holds more than ``capacity`` distinct keys.
+                Nothing is changed (keys, rows, scores, clock).
         """
         self._check_keys(keys, "insert", exact_dtype=True)
-        if keys.numel() == 0:
-            return torch.empty(keys.shape, dtype=torch.int64, device=self.device)
-        unique_keys, inverse = ops.unique(keys.reshape(-1), return_inverse=True)
-        unique_rows = self.find(unique_keys)
-        missing = unique_rows < 0
+        plan = self._plan_insert(keys)
+        rows = self._commit_insert(plan)
+        if return_evicted:
+            return rows, plan.evicted_keys.to(self._key_dtype), plan.victims
+        return rows
+
+    def _plan_insert(self, keys: Tensor) -> _InsertPlan:
+        """Works out an insert without changing anything; raises HashTableFullError when it cannot be done."""
+        device = self.device
+        flat = keys.reshape(-1)
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        if flat.numel() == 0:
+            return _InsertPlan(tuple(keys.shape), empty, empty, empty, empty.bool(), flat, empty, empty, empty)
+        unique_keys, inverse, counts = ops.unique(flat, return_inverse=True, return_counts=True)
+        rows = self.find(unique_keys)
+        missing = rows < 0
         # Boolean indexing keeps order, so new keys stay in order of first occurrence.
         new_keys = unique_keys[missing]
         num_new = new_keys.numel()
-        if self._size + num_new > self._capacity:
+        free = self._capacity - self._size
+        if num_new > free and (self._eviction is None or unique_keys.numel() > self._capacity):
+            if self._eviction is None:
+                raise HashTableFullError(
+                    f"HashTable.insert: {num_new} new keys do not fit: the table holds {self._size} of its "
+                    f"capacity {self._capacity} ({free} free); nothing was inserted. Build the table with a larger "
+                    "capacity or with eviction='lru'|'lfu'")
             raise HashTableFullError(
-                f"HashTable.insert: {num_new} new keys do not fit: the table holds {self._size} of its "
-                f"capacity {self._capacity} ({self._capacity - self._size} free); nothing was inserted. "
-                "Build the table with a larger capacity")
-        if num_new > 0:
-            new_rows = torch.arange(self._size, self._size + num_new, dtype=torch.int64, device=self.device)
-            # The table's own size and rows: the op needs no host sync to check them.
-            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, new_keys, new_rows, self._size)
-            unique_rows.masked_scatter_(missing, new_rows)
-            self._size += num_new
-        return unique_rows[inverse].view(keys.shape)
+                f"HashTable.insert: the call holds {unique_keys.numel()} distinct keys, more than the table's "
+                f"capacity {self._capacity}, so eviction cannot make room (a key of the call is never evicted); "
+                "nothing was inserted. Insert fewer keys per call or build a larger table")
+        num_evict = max(0, num_new - free)
+        victims = empty
+        if num_evict > 0:
+            eligible = torch.ones(self._size, dtype=torch.bool, device=device)
+            eligible[rows[~missing]] = False  # never a key of this call
+            size = self._size
+            columns = [self._last_seen[:size], self._row_keys[:size]] if self._eviction == "lru" else \
+                [self._count[:size], self._last_seen[:size], self._row_keys[:size]]
+            victims = ops.select_smallest(columns, eligible, num_evict)
+        new_rows = torch.cat([victims, torch.arange(self._size, self._size + num_new - num_evict, dtype=torch.int64,
+                                                    device=device)])
+        evicted_keys = self._row_keys[victims] if num_evict > 0 else empty
+        return _InsertPlan(tuple(keys.shape), inverse, counts, rows, missing, new_keys, new_rows, victims,
+                           evicted_keys)
 
-    def export(self) -> Tuple[Tensor, Tensor]:
-        """All entries, ordered by row.
+    def _commit_insert(self, plan: _InsertPlan) -> Tensor:
+        """Carries out a plan of :meth:`_plan_insert` (nothing in it can fail for lack of room)."""
+        if plan.inverse.numel() == 0:
+            return torch.empty(plan.shape, dtype=torch.int64, device=self.device)
+        num_evict = plan.victims.numel()
+        num_new = plan.new_keys.numel()
+        rows = plan.rows
+        if num_evict > 0:
+            ops.hash_table_erase_(self._slot_keys, self._slot_rows, plan.evicted_keys)
+            self._tombstones += num_evict
+            self._size -= num_evict
+        if num_new > 0:
+            # The table's own size and rows: the op needs no host sync to check them.
+            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, plan.new_keys, plan.new_rows, self._size)
+            self._row_keys[plan.new_rows] = plan.new_keys.long()
+            rows = rows.masked_scatter(plan.missing, plan.new_rows)
+            self._size += num_new
+        self._score(rows, plan.counts, plan.missing)
+        if self._tombstones * 4 > self.num_slots:
+            self._rebuild()
+        return rows[plan.inverse].view(plan.shape)
+
+    def _remove(self, keys: Tensor) -> None:
+        """Removes distinct ``keys`` (absent ones are skipped) and moves the keys of the last
+        rows into the freed ones, so rows in use stay ``0 .. len - 1``: rows change. For
+        tables whose rows index nothing else (a layer's pending admissions)."""
+        if keys.numel() == 0 or self._size == 0:
+            return
+        rows = self.find(keys)
+        rows = rows[rows >= 0]
+        removed = rows.numel()
+        if removed == 0:
+            return
+        size, new_size = self._size, self._size - removed
+        gone = torch.zeros(size, dtype=torch.bool, device=self.device)
+        gone[rows] = True
+        holes = gone[:new_size].nonzero().squeeze(1)
+        movers = (~gone[new_size:]).nonzero().squeeze(1) + new_size
+        ops.hash_table_erase_(self._slot_keys, self._slot_rows, self._row_keys[rows])
+        self._tombstones += removed
+        if holes.numel() > 0:
+            moved_keys = self._row_keys[movers]
+            ops.hash_table_erase_(self._slot_keys, self._slot_rows, moved_keys)
+            self._tombstones += holes.numel()
+            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, moved_keys, holes,
+                                          new_size - holes.numel())
+            self._row_keys[holes] = moved_keys
+            self._last_seen[holes] = self._last_seen[movers]
+            self._count[holes] = self._count[movers]
+        self._last_seen[new_size:size] = 0
+        self._count[new_size:size] = 0
+        self._size = new_size
+        if self._tombstones * 4 > self.num_slots:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Re-places every live key into cleared slots: drops the tombstones."""
+        self._slot_rows.fill_(-1)
+        if self._size > 0:
+            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, self._row_keys[:self._size],
+                                          torch.arange(self._size, dtype=torch.int64, device=self.device), 0)
+        self._tombstones = 0
+
+    def export(self, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """The entries, ordered by row.
+
+        Args:
+            min_last_seen: None: every key. An int: only keys last seen at a clock
+                ``>= min_last_seen`` (an incremental dump: pass the :attr:`clock` of the
+                previous dump).
 
         Returns:
-            ``(keys, rows)``: ``keys`` of ``key_dtype`` ``[len(self)]`` with ``keys[i]``
-            the key of row ``i``, and ``rows = arange(len(self))`` (int64).
+            ``(keys, rows)``: keys of ``key_dtype`` and their int64 rows, ascending. Without
+            a bound ``rows = arange(len(self))``.
         """
-        occupied = self._slot_rows >= 0
-        rows = self._slot_rows[occupied]
-        keys = torch.empty(self._size, dtype=torch.int64, device=self.device)
-        # Rows are exactly 0 .. size-1, so a scatter orders the keys without a sort.
-        keys[rows] = self._slot_keys[occupied]
-        return keys.to(self._key_dtype), torch.arange(self._size, dtype=torch.int64, device=self.device)
+        keys = self._row_keys[:self._size]
+        rows = torch.arange(self._size, dtype=torch.int64, device=self.device)
+        if min_last_seen is not None:
+            if isinstance(min_last_seen, bool) or not isinstance(min_last_seen, int):
+                raise TypeError(f"HashTable.export: min_last_seen must be an int or None, got {min_last_seen!r}")
+            recent = self._last_seen[:self._size] >= min_last_seen
+            keys, rows = keys[recent], rows[recent]
+        return keys.to(self._key_dtype), rows
 
     def clear(self) -> None:
-        """Removes every key; capacity, dtype and device stay."""
+        """Removes every key (and its scores); capacity, dtype, policy, clock and device stay."""
         self._slot_keys.zero_()
         self._slot_rows.fill_(-1)
+        self._last_seen.zero_()
+        self._count.zero_()
         self._size = 0
+        self._tombstones = 0
 
     def _truncate(self, size: int) -> None:
         """Removes the keys of rows ``>= size``: undoes every insert since the table held
-        ``size`` keys (the rollback of a step that failed after inserting).
-
-        Clearing their slots is safe without tombstones: a key inserted earlier was placed
-        when those slots were still empty, so no older key's probe passes through them.
-        """
+        ``size`` keys (and evicted nothing). Their slots become tombstones."""
         if not 0 <= size <= self._size:
             raise ValueError(f"HashTable._truncate: size must lie in [0, {self._size}], got {size}")
         if size == self._size:
             return
-        self._slot_rows.masked_fill_(self._slot_rows >= size, -1)
+        removed = self._size - size
+        ops.hash_table_erase_(self._slot_keys, self._slot_rows, self._row_keys[size:self._size])
+        self._last_seen[size:self._size] = 0
+        self._count[size:self._size] = 0
+        self._tombstones += removed
         self._size = size
+        if self._tombstones * 4 > self.num_slots:
+            self._rebuild()
 
     # -- persistence and devices ------------------------------------------------------
 
@@ -205,21 +423,26 @@ class HashTable:
 
         Returns:
             ``{"keys": keys in row order (key_dtype, on the table's device),
-            "capacity": int64 scalar}``. The slot layout is not saved, so a state loads
-            into a table of any capacity that can hold it, on any device.
+            "capacity": int64 scalar, "last_seen": int64 [len], "count": int64 [len]
+            (row order), "clock": int64 scalar}``. The slot layout is not saved, so a state
+            loads into a table of any capacity that can hold it, on any device.
         """
         keys, _ = self.export()
-        return {"keys": keys, "capacity": torch.tensor(self._capacity, dtype=torch.int64)}
+        return {"keys": keys, "capacity": torch.tensor(self._capacity, dtype=torch.int64),
+                "last_seen": self._last_seen[:self._size].clone(), "count": self._count[:self._size].clone(),
+                "clock": torch.tensor(self._clock, dtype=torch.int64)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Replaces the contents with a saved state: key ``keys[i]`` gets row ``i``.
+        """Replaces the contents with a saved state: key ``keys[i]`` gets row ``i`` and its scores.
 
-        The table keeps its own capacity, key dtype and device.
+        The table keeps its own capacity, key dtype, policy and device. A state without
+        scores (an older checkpoint) loads with zero scores and clock 0.
 
         Raises:
             HashTableFullError: the saved keys do not fit in this table's capacity (the
                 table is left unchanged).
-            ValueError: the state has no ``keys`` or they are not distinct.
+            ValueError: the state has no ``keys``, they are not distinct, or the scores do
+                not match them.
             TypeError: the saved keys are int64 and the table's ``key_dtype`` is int32.
         """
         if not isinstance(state_dict, dict):
@@ -239,11 +462,28 @@ class HashTable:
                 f"HashTable.load_state_dict: {keys.numel()} saved keys do not fit in the table's capacity "
                 f"{self._capacity} (it holds {self._size}); nothing was loaded. Build the table with a "
                 "larger capacity")
+        scores = []
+        for name in ("last_seen", "count"):
+            value = state_dict.get(name)
+            if value is None:
+                value = torch.zeros(keys.numel(), dtype=torch.int64)
+            if not isinstance(value, Tensor) or value.dtype != torch.int64 or tuple(value.shape) != (keys.numel(),):
+                raise ValueError(f"HashTable.load_state_dict: '{name}' must be int64 [{keys.numel()}] like 'keys', "
+                                 f"got {getattr(value, 'dtype', type(value).__name__)} "
+                                 f"{tuple(getattr(value, 'shape', ()))}")
+            scores.append(value.to(self.device))
+        clock = state_dict.get("clock", 0)
+        clock = int(clock.item()) if isinstance(clock, Tensor) and clock.numel() == 1 else clock
+        if isinstance(clock, bool) or not isinstance(clock, int) or clock < 0:
+            raise ValueError(f"HashTable.load_state_dict: 'clock' must be a non-negative int64 scalar, got {clock!r}")
         keys = keys.to(device=self.device, dtype=self._key_dtype)
         if keys.numel() > 0 and ops.unique(keys, return_inverse=False).numel() != keys.numel():
             raise ValueError("HashTable.load_state_dict: the saved keys are not distinct")
         self.clear()
         self.insert(keys)
+        self._last_seen[:keys.numel()] = scores[0]
+        self._count[:keys.numel()] = scores[1]
+        self._clock = clock
 
     def to(self, device: Union[torch.device, str]) -> "HashTable":
         """The table on ``device``: ``self`` when already there, else a copy.
@@ -256,9 +496,7 @@ class HashTable:
         if device == self.device:
             return self
         moved = HashTable.__new__(HashTable)
-        moved._capacity = self._capacity
-        moved._key_dtype = self._key_dtype
-        moved._slot_keys = self._slot_keys.to(device)
-        moved._slot_rows = self._slot_rows.to(device)
-        moved._size = self._size
+        moved.__dict__.update(self.__dict__)
+        for name in ("_slot_keys", "_slot_rows", "_row_keys", "_last_seen", "_count"):
+            setattr(moved, name, getattr(self, name).to(device))
         return moved

@@ -8,7 +8,7 @@ let ``torch.compile`` trace them, with data-dependent output sizes taken from
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -217,6 +217,66 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
         num_occupied: the number of occupied slots, when the caller knows it; None: counted.
     """
     _ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, rows, num_occupied)
+
+
+@torch.library.register_fake("sparsekit::hash_table_erase_")
+def _hash_table_erase_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
+    same_device("hash_table_erase_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys)
+    torch._check(keys.dtype in _INT_KEY_DTYPES,
+                 lambda: f"hash_table_erase_: keys must be int64 or int32, got {keys.dtype}")
+    return keys.new_empty(keys.shape, dtype=torch.int64)
+
+
+def hash_table_erase_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
+    """Erases keys from an open-addressing table, in place: their slots become tombstones.
+
+    A tombstone (``slot_rows[s] == -2``) does not end a probe sequence, so the keys placed
+    after an erased one stay reachable, and :func:`hash_table_insert_absent_` reuses it.
+    Tombstones lengthen probes until the table is rebuilt (:class:`sparsekit.HashTable`
+    rebuilds once they reach a quarter of the slots). No host sync on CUDA.
+
+    Args:
+        slot_keys: int64 ``[S]``.
+        slot_rows: int64 ``[S]``, written in place.
+        keys: int64 or int32 keys, distinct; absent keys are skipped.
+
+    Returns:
+        int64 rows the keys held (shape of ``keys``), ``-1`` for an absent key.
+    """
+    return _ops.hash_table_erase_(slot_keys, slot_rows, keys)
+
+
+@torch.library.register_fake("sparsekit::select_smallest")
+def _select_smallest_fake(columns: List[Tensor], eligible: Tensor, k: int) -> Tensor:
+    torch._check(eligible.dtype == torch.bool, lambda: "select_smallest: eligible must be bool")
+    torch._check(k >= 0, lambda: f"select_smallest: k must be >= 0, got {k}")
+    return eligible.new_empty((k,), dtype=torch.int64)
+
+
+def select_smallest(columns: Sequence[Tensor], eligible: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` lexicographically smallest eligible entries (eviction's victims).
+
+    A radix select (no sort of the entries): a few passes over them, each narrowing the
+    bucket that holds the ``k``-th entry, then one compaction. Deterministic on every
+    device and thread count.
+
+    Args:
+        columns: 1 to 4 int64 ``[n]`` tensors compared in order: entry ``i`` is the tuple
+            ``(columns[0][i], columns[1][i], ...)``; ties of whole tuples go to the
+            smaller index.
+        eligible: bool ``[n]``; only these entries may be chosen.
+        k: how many to choose, ``0 <= k <=`` the number of eligible entries.
+
+    Returns:
+        int64 ``[k]``: the chosen indices in ascending order.
+
+    Example::
+
+        last_seen = torch.tensor([5, 1, 3, 1])
+        keys = torch.tensor([10, 20, 30, 5])
+        select_smallest([last_seen, keys], torch.ones(4, dtype=torch.bool), 2)  # tensor([1, 3])
+    """
+    return _ops.select_smallest(list(columns), eligible, k)
 
 
 @torch.library.register_fake("sparsekit::lazy_adam_")

@@ -14,7 +14,8 @@ def test_extension_runs_threads():
 
 
 def test_every_op_has_a_cpu_kernel():
-    ops = ["unique", "segment_sum", "hash_table_find", "hash_table_insert_absent_", "embedding_bag",
-           "embedding_bag_argmax", "embedding_gather", "lazy_adam_", "partition_by_owner", "key_seeded_uniform"]
+    ops = ["unique", "segment_sum", "hash_table_find", "hash_table_insert_absent_", "hash_table_erase_", "embedding_bag",
+           "embedding_bag_argmax", "embedding_gather", "lazy_adam_", "partition_by_owner", "key_seeded_uniform",
+           "select_smallest"]
     missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsekit::{op}", "CPU")]
     assert not missing

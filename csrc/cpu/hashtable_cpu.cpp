@@ -1,6 +1,7 @@
 // CPU kernels of the open-addressing hash table (layout in csrc/hashtable.h).
 #include <atomic>
 #include <functional>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,15 +38,18 @@ int32_t insert_keys(int64_t* slot_keys, int64_t* slot_rows, int64_t num_slots, c
       uint64_t slot = mix_key(key) & slot_mask;
       bool placed = false;
       // At most num_slots probes: a full table must raise, not spin forever.
-      for (int64_t probe = 0; probe < num_slots; ++probe) {
-        int64_t expected = kEmptySlotRow;
-        // Claiming the row field makes the slot ours; the key is written after, which is
-        // safe because finds never run concurrently with an insert.
-        if (__atomic_compare_exchange_n(&slot_rows[slot], &expected, rows[i], /*weak=*/false,
-                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-          slot_keys[slot] = key;
-          placed = true;
-          break;
+      for (int64_t probe = 0; probe < num_slots && !placed; ++probe) {
+        // An empty slot or a tombstone is free. Claiming the row field makes the slot
+        // ours; the key is written after, which is safe because finds never run
+        // concurrently with an insert.
+        int64_t seen = __atomic_load_n(&slot_rows[slot], __ATOMIC_RELAXED);
+        while (seen < 0) {
+          if (__atomic_compare_exchange_n(&slot_rows[slot], &seen, rows[i], /*weak=*/false, __ATOMIC_RELAXED,
+                                          __ATOMIC_RELAXED)) {
+            slot_keys[slot] = key;
+            placed = true;
+            break;
+          }
         }
         slot = (slot + 1) & slot_mask;
       }
@@ -119,8 +123,43 @@ void hash_table_insert_absent_cpu(at::Tensor& slot_keys, at::Tensor& slot_rows, 
   raise_hash_insert_error(error);
 }
 
+/// @brief Erases keys from the table: their slots become tombstones.
+/// @param slot_keys int64[S].
+/// @param slot_rows int64[S], written in place.
+/// @param keys int64 or int32 keys, distinct (absent ones are skipped).
+/// @return int64 rows the keys held, -1 for an absent key.
+at::Tensor hash_table_erase_cpu(const at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys) {
+  check_hash_table_erase_args(slot_keys, slot_rows, keys);
+  const at::Tensor keys_c = keys.contiguous();
+  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
+  const int64_t* skeys = slot_keys.data_ptr<int64_t>();
+  int64_t* srows = slot_rows.data_ptr<int64_t>();
+  int64_t* out = rows.data_ptr<int64_t>();
+  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_erase_cpu", [&] {
+    const index_t* k = keys_c.data_ptr<index_t>();
+    // Every key is probed first, then the slots are marked: a concurrent mark never
+    // changes another key's probe (a tombstone does not end a sequence), but keeping the
+    // phases apart keeps the reads plain.
+    std::vector<int64_t> slots(keys_c.numel());
+    at::parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        slots[i] = probe_slot(skeys, srows, slot_mask, static_cast<int64_t>(k[i]));
+        out[i] = slots[i] < 0 ? kEmptySlotRow : srows[slots[i]];
+      }
+    });
+    at::parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (slots[i] >= 0) srows[slots[i]] = kTombstoneRow;
+      }
+    });
+  });
+  return rows;
+}
+
 TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("hash_table_find", &hash_table_find_cpu);
+  m.impl("hash_table_erase_", &hash_table_erase_cpu);
   m.impl("hash_table_insert_absent_", &hash_table_insert_absent_cpu);
 }
 

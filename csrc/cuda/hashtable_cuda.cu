@@ -52,17 +52,46 @@ __global__ void insert_kernel(int64_t* __restrict__ slot_keys, int64_t* __restri
     // At most num_slots probes: a full table must raise, not hang the GPU.
     for (int64_t probe = 0; probe < num_slots; ++probe) {
       auto* cell = reinterpret_cast<unsigned long long*>(slot_rows + slot);
-      // Claiming the row field makes the slot ours; the key is written after, which is
-      // safe because finds run in later launches, never concurrently.
-      if (atomicCAS(cell, static_cast<unsigned long long>(kEmptySlotRow), row) ==
-          static_cast<unsigned long long>(kEmptySlotRow)) {
-        slot_keys[slot] = key;
-        placed = true;
-        break;
+      // An empty slot or a tombstone is free. Claiming the row field makes the slot ours;
+      // the key is written after, which is safe because finds run in later launches,
+      // never concurrently.
+      auto seen = static_cast<long long>(*reinterpret_cast<volatile long long*>(slot_rows + slot));
+      while (seen < 0) {
+        const auto before = atomicCAS(cell, static_cast<unsigned long long>(seen), row);
+        if (before == static_cast<unsigned long long>(seen)) {
+          slot_keys[slot] = key;
+          placed = true;
+          break;
+        }
+        seen = static_cast<long long>(before);
       }
+      if (placed) break;
       slot = (slot + 1) & slot_mask;
     }
     if (!placed) *error = kHashInsertTableFull;
+  }
+}
+
+template <typename key_t>
+__global__ void erase_kernel(const int64_t* __restrict__ slot_keys, int64_t* __restrict__ slot_rows,
+                             uint64_t slot_mask, const key_t* __restrict__ keys, int64_t* __restrict__ rows_out,
+                             int64_t num_keys) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_keys;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t slot = probe_slot(slot_keys, slot_rows, slot_mask, static_cast<int64_t>(keys[i]));
+    rows_out[i] = slot < 0 ? kEmptySlotRow : slot_rows[slot];
+  }
+}
+
+__global__ void mark_tombstones_kernel(const int64_t* __restrict__ slot_keys, int64_t* __restrict__ slot_rows,
+                                       uint64_t slot_mask, const int64_t* __restrict__ rows, int64_t num_keys,
+                                       const int64_t* __restrict__ keys_as_long) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_keys;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (rows[i] < 0) continue;
+    // The key still sits in its slot with its row (erase_kernel only read): find it again.
+    const int64_t slot = probe_slot(slot_keys, slot_rows, slot_mask, keys_as_long[i]);
+    if (slot >= 0) slot_rows[slot] = kTombstoneRow;
   }
 }
 
@@ -131,8 +160,36 @@ void hash_table_insert_absent_cuda(at::Tensor& slot_keys, at::Tensor& slot_rows,
   if (checked) raise_hash_insert_error(error.item<int32_t>());
 }
 
+/// @brief Erases keys from the table: their slots become tombstones (no host sync).
+/// @param slot_keys int64[S].
+/// @param slot_rows int64[S], written in place.
+/// @param keys int64 or int32 keys, distinct (absent ones are skipped).
+/// @return int64 rows the keys held, -1 for an absent key.
+at::Tensor hash_table_erase_cuda(const at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys) {
+  check_hash_table_erase_args(slot_keys, slot_rows, keys);
+  const c10::cuda::CUDAGuard device_guard(keys.device());
+  const at::Tensor keys_long = keys.contiguous().to(at::kLong);
+  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const int64_t num_keys = keys_long.numel();
+  if (num_keys == 0) return rows;
+  const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  // Two launches: every key is found before any slot is marked, so a mark can never
+  // hide a slot another thread is still probing for.
+  erase_kernel<int64_t><<<blocks_for(num_keys), kThreads, 0, stream>>>(
+      slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask, keys_long.data_ptr<int64_t>(),
+      rows.data_ptr<int64_t>(), num_keys);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  mark_tombstones_kernel<<<blocks_for(num_keys), kThreads, 0, stream>>>(
+      slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask, rows.data_ptr<int64_t>(), num_keys,
+      keys_long.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return rows;
+}
+
 TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
   m.impl("hash_table_find", &hash_table_find_cuda);
+  m.impl("hash_table_erase_", &hash_table_erase_cuda);
   m.impl("hash_table_insert_absent_", &hash_table_insert_absent_cuda);
 }
 
