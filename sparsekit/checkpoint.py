@@ -170,7 +170,23 @@ def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
             "scalars": {key: value.cpu() if isinstance(value, Tensor) else value for key, value in scalars.items()},
             "has_state": bool(state),
         }
+        if layer.hash_table is not None:
+            payload[name]["dynamic"] = _dynamic_payload(layer)
     return payload
+
+
+def _dynamic_payload(layer: _ModelParallelEmbedding) -> Dict[str, Any]:
+    """A hash-table layer's scores (aligned with its saved keys), clock, pending admissions
+    and totals: what resharding hands on with each key."""
+    table = layer.hash_table.state_dict()
+    dynamic: Dict[str, Any] = {"last_seen": table["last_seen"].cpu(), "count": table["count"].cpu(),
+                               "clock": layer.hash_table.clock, "evicted": layer._evicted,
+                               "admitted": layer._admitted}
+    if layer._pending is not None:
+        pending = layer._pending.state_dict()
+        dynamic["pending"] = {"keys": pending["keys"].long().cpu(), "last_seen": pending["last_seen"].cpu(),
+                              "count": pending["count"].cpu(), "clock": layer._pending.clock}
+    return dynamic
 
 
 def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dict[str, Any]:
@@ -348,6 +364,19 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
                       f"{list(weight.shape)}")
         if keys.numel() and ops.unique(keys, return_inverse=False).numel() != keys.numel():
             raise bad(f"layer {name!r}: a key is saved twice")
+        dynamic = part.get("dynamic")
+        if dynamic is not None:
+            if not isinstance(dynamic, dict):
+                raise bad(f"layer {name!r}: 'dynamic' must be a table")
+            for field in ("last_seen", "count"):
+                value = dynamic.get(field)
+                if not isinstance(value, Tensor) or value.dtype != torch.int64 or value.shape != keys.shape:
+                    raise bad(f"layer {name!r}: dynamic '{field}' must be int64 [{keys.numel()}] like 'keys'")
+            pending = dynamic.get("pending")
+            if pending is not None and (not isinstance(pending, dict) or any(
+                    not isinstance(pending.get(field), Tensor) or pending[field].dim() != 1
+                    or pending[field].shape != pending["keys"].shape for field in ("keys", "last_seen", "count"))):
+                raise bad(f"layer {name!r}: dynamic 'pending' must hold 1-D keys, last_seen and count of one length")
 
 
 def _checkpoint_dir(directory: str) -> str:
@@ -366,9 +395,9 @@ class _LayerRestore:
     """What one layer will receive: this rank's keys and their rows, checked before anything changes."""
 
     def __init__(self, layer: _ModelParallelEmbedding, keys: Tensor, weight: Tensor, state: Dict[str, Tensor],
-                 scalars: Dict[str, Any], has_state: bool) -> None:
+                 scalars: Dict[str, Any], has_state: bool, dynamic: Optional[Dict[str, Any]] = None) -> None:
         self.layer, self.keys, self.weight, self.state = layer, keys, weight, state
-        self.scalars, self.has_state = scalars, has_state
+        self.scalars, self.has_state, self.dynamic = scalars, has_state, dynamic
 
 
 def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]],
@@ -385,18 +414,49 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     scalars = next((part["scalars"] for part in parts if part["has_state"]), {})
     has_state = any(part["has_state"] for part in parts)
 
+    # Scores travel with their keys like optimizer state; a checkpoint from before dynamic
+    # tables has none (zero scores).
+    dynamic_parts = [part.get("dynamic") for part in parts]
+    if layer.hash_table is not None:
+        for field in ("last_seen", "count"):
+            state["\0" + field] = torch.cat([
+                d[field] if d is not None else torch.zeros(part["keys"].numel(), dtype=torch.int64)
+                for d, part in zip(dynamic_parts, parts)]) if parts else torch.zeros(0, dtype=torch.int64)
+
     # A layer replicated over several groups was saved once per replica: keep each key once.
+    first = None
     if keys.numel() > 0:
-        unique_keys, inverse = ops.unique(keys)
-        if unique_keys.numel() != keys.numel():
-            first = torch.full((unique_keys.numel(),), keys.numel(), dtype=torch.int64)
-            first.scatter_reduce_(0, inverse, torch.arange(keys.numel()), reduce="amin")
+        first = _first_of_each(keys)
+        if first is not None:
             keys, weight = keys[first], weight[first]
             state = {key: value[first] for key, value in state.items()}
 
     mine = _owners(keys, layer.world_size) == layer.rank
     keys, weight = keys[mine], weight[mine]
     state = {key: value[mine] for key, value in state.items()}
+    dynamic = None
+    if layer.hash_table is not None:
+        present = [d for d in dynamic_parts if d is not None]
+        dynamic = {"last_seen": state.pop("\0last_seen"), "count": state.pop("\0count"),
+                   "clock": max((int(d["clock"]) for d in present), default=0),
+                   # Totals: summed over the saved ranks, kept by rank 0 (stats() sums them back).
+                   "evicted": sum(int(d["evicted"]) for d in present) if layer.rank == 0 and first is None else 0,
+                   "admitted": sum(int(d["admitted"]) for d in present) if layer.rank == 0 and first is None else 0}
+        if layer.rank == 0 and first is not None:
+            # Replicas saved the same totals once each.
+            dynamic["evicted"] = max((int(d["evicted"]) for d in present), default=0)
+            dynamic["admitted"] = max((int(d["admitted"]) for d in present), default=0)
+        pendings = [d["pending"] for d in present if d.get("pending") is not None]
+        if pendings:
+            pending = {field: torch.cat([p[field] for p in pendings]) for field in ("keys", "last_seen", "count")}
+            if pending["keys"].numel() > 0:
+                once = _first_of_each(pending["keys"])
+                if once is not None:
+                    pending = {field: value[once] for field, value in pending.items()}
+            ours = _owners(pending["keys"], layer.world_size) == layer.rank
+            pending = {field: value[ours] for field, value in pending.items()}
+            pending["clock"] = max(int(p["clock"]) for p in pendings)
+            dynamic["pending"] = pending
     capacity = layer.max_vocabulary_size_per_gpu
     if layer.hash_table is not None and keys.numel() > capacity:
         raise HashTableFullError(
@@ -409,7 +469,25 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
                 f"load_checkpoint: layer {name!r} (use_hashtable=False) holds trained key {keys.max().item()} but "
                 f"keys must lie in [0, {layer.num_keys_capacity}) on {layer.world_size} ranks; build it with a "
                 "larger max_vocabulary_size_per_gpu")
-    return _LayerRestore(layer, keys, weight, state, scalars, has_state)
+    if dynamic is not None and layer._pending is not None and "pending" in dynamic:
+        waiting = dynamic["pending"]["keys"].numel()
+        if waiting > layer.admission_capacity:
+            # The least recently seen are forgotten, as in training.
+            keep = torch.sort(dynamic["pending"]["last_seen"], stable=True, descending=True).indices[
+                :layer.admission_capacity].sort().values
+            dynamic["pending"] = {field: (value[keep] if isinstance(value, Tensor) else value)
+                                  for field, value in dynamic["pending"].items()}
+    return _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)
+
+
+def _first_of_each(keys: Tensor) -> Optional[Tensor]:
+    """Index of the first occurrence of each distinct key; None when the keys are distinct."""
+    unique_keys, inverse = ops.unique(keys)
+    if unique_keys.numel() == keys.numel():
+        return None
+    first = torch.full((unique_keys.numel(),), keys.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(keys.numel()), reduce="amin")
+    return first
 
 
 def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
@@ -459,9 +537,22 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
     device = layer.weight.device
     keys = restore.keys.to(device)
     if layer.hash_table is not None:
-        layer.hash_table.clear()
-        rows = layer.hash_table.insert(keys.to(layer.key_dtype))
+        dynamic = restore.dynamic
+        layer.hash_table.load_state_dict({"keys": keys.to(layer.key_dtype), "last_seen": dynamic["last_seen"],
+                                          "count": dynamic["count"], "clock": dynamic["clock"]})
+        rows = torch.arange(keys.numel(), dtype=torch.int64, device=device)
         layer.weight.zero_()
+        layer._evicted, layer._admitted = dynamic["evicted"], dynamic["admitted"]
+        if layer._fresh_rows is not None:
+            layer._fresh_rows.zero_()
+        if layer._pending is not None:
+            pending = dynamic.get("pending")
+            if pending is None:
+                layer._pending.clear()
+            else:
+                layer._pending.load_state_dict({"keys": pending["keys"].to(layer.key_dtype),
+                                                "last_seen": pending["last_seen"], "count": pending["count"],
+                                                "clock": pending["clock"]})
     else:
         layer.weight.copy_(layer.initial_rows(layer.owned_keys()))
         rows = layer._direct_rows(keys)

@@ -300,6 +300,16 @@ class _PoolRows(torch.autograd.Function):
 # ---- the shared machinery of both layers ----------------------------------------------------
 
 
+class _LookupPlan(NamedTuple):
+    """A training lookup worked out on an owner before every rank agrees to go on."""
+
+    keys: Tensor                   # the distinct owned keys asked for
+    plan: object                   # the hash table's insert plan for the keys that get rows
+    initial: Optional[Tensor]      # initial rows of the new keys
+    admitted: Optional[tuple]      # (keys admitted this step, mask of keys that get rows) with admission
+    pending_plan: Optional[object]  # the pending table's insert plan for the keys still waiting
+
+
 class _ModelParallelEmbedding(nn.Module):
     """The shard, its hash table, and the exchange shared by both layers."""
 
@@ -314,6 +324,9 @@ class _ModelParallelEmbedding(nn.Module):
         embedding_initializer: Optional[Initializer],
         process_group: Optional[dist.ProcessGroup],
         device: Optional[Union[torch.device, str]],
+        eviction: Optional[str] = None,
+        admit_after: int = 1,
+        admission_capacity: Optional[int] = None,
     ) -> None:
         super().__init__()
         name = self._layer_name
@@ -328,8 +341,24 @@ class _ModelParallelEmbedding(nn.Module):
         if embedding_initializer is not None and not callable(embedding_initializer):
             raise TypeError(f"{name}: embedding_initializer must be a callable (keys, dim) -> [n, dim] "
                             f"tensor or None, got {type(embedding_initializer).__name__}")
+        if eviction not in (None, "lru", "lfu"):
+            raise ValueError(f"{name}: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
+        if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
+            raise ValueError(f"{name}: admit_after must be an int >= 1, got {admit_after!r}")
+        if admission_capacity is None:
+            admission_capacity = max_vocabulary_size_per_gpu
+        if isinstance(admission_capacity, bool) or not isinstance(admission_capacity, int) or admission_capacity < 1:
+            raise ValueError(f"{name}: admission_capacity must be a positive int or None, got {admission_capacity!r}")
+        if not use_hashtable and (eviction is not None or admit_after != 1):
+            raise ValueError(f"{name}: eviction and admit_after need use_hashtable=True (a direct-mapped shard has "
+                             "a row for every key)")
         self.max_vocabulary_size_per_gpu = max_vocabulary_size_per_gpu
         self.embedding_vec_size = embedding_vec_size
+        self.eviction = eviction
+        self.admit_after = admit_after
+        self.admission_capacity = admission_capacity
+        self._evicted = 0
+        self._admitted = 0
         self.use_hashtable = bool(use_hashtable)
         self.key_dtype = key_dtype
         self.embedding_initializer = embedding_initializer if embedding_initializer is not None \
@@ -348,9 +377,22 @@ class _ModelParallelEmbedding(nn.Module):
         if self.use_hashtable:
             # Rows are initialised when their key is first inserted.
             self.hash_table: Optional[HashTable] = HashTable(max_vocabulary_size_per_gpu, key_dtype=key_dtype,
-                                                             device=self.weight.device)
+                                                             device=self.weight.device, eviction=eviction)
         else:
             self.hash_table = None
+        # Keys seen in training but not admitted yet, with the number of steps they were
+        # seen in (their LFU count); the least recently seen are forgotten beyond
+        # admission_capacity (an LRU table: 5 int64 per pending key, see HashTable).
+        self._pending: Optional[HashTable] = HashTable(admission_capacity, key_dtype=key_dtype,
+                                                        device=self.weight.device, eviction="lru") \
+            if admit_after > 1 else None
+        # Rows given to new keys since the optimizer last updated them: LazyAdam zeroes
+        # their moments first, so a reused row never carries the evicted key's state.
+        self._fresh_rows: Optional[Tensor] = None
+        if eviction is not None:
+            self._fresh_rows = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.bool, device=self.weight.device)
+            self.weight.sparsekit_fresh_rows = self._fresh_rows
+        if self.hash_table is None:
             with torch.no_grad():
                 self.weight.copy_(self.initial_rows(self.owned_keys()))
 
@@ -384,23 +426,92 @@ class _ModelParallelEmbedding(nn.Module):
             return self._direct_rows(keys)
         if not self.training:
             return self.hash_table.find(keys)
-        size_before = len(self.hash_table)
-        rows = self.hash_table.insert(keys)
-        num_new = len(self.hash_table) - size_before
-        if num_new > 0:
-            # Insert + initialise is one transaction: an initializer that raises (or returns
-            # the wrong shape) takes its keys back out, so none is left with an unset row.
+        return self._commit_lookup(self._plan_lookup(keys))
+
+    def _plan_lookup(self, keys: Tensor) -> "_LookupPlan":
+        """Works out a training lookup of distinct owned ``keys`` without changing anything:
+        admissions, the table's insert (and its evictions) and the new keys' initial rows.
+        Raises (HashTableFullError, or the initializer's error) with nothing changed."""
+        table = self.hash_table
+        admitted = pending_plan = None
+        lookup_keys = keys
+        if self._pending is not None and keys.numel() > 0:
+            absent = table.find(keys) < 0
+            waiting = keys[absent]
+            _, seen = self._pending.scores(waiting)  # steps seen before this one, -1: never
+            admit = seen.clamp(min=0) + 1 >= self.admit_after
+            admitted = waiting[admit]
             try:
-                # New keys got rows size_before, size_before + 1, ...: scatter them into row
-                # order (old keys land in a spare last slot), without a host sync.
-                target = torch.where(rows >= size_before, rows - size_before, num_new)
-                new_keys = keys.new_empty(num_new + 1).scatter_(0, target, keys)[:num_new]
-                with torch.no_grad():
-                    self.weight[size_before:size_before + num_new] = self.initial_rows(new_keys.long())
-            except BaseException:
-                self.hash_table._truncate(size_before)
-                raise
+                pending_plan = self._pending._plan_insert(waiting[~admit])
+            except HashTableFullError as error:
+                raise HashTableFullError(
+                    f"{self._layer_name}: {int((~admit).sum())} keys wait for admission in one step on rank "
+                    f"{self.rank}, more than admission_capacity={self.admission_capacity}; nothing was inserted. "
+                    "Build the layer with a larger admission_capacity") from error
+            # The keys that get a row this step, in their order in `keys`.
+            take = ~absent
+            take[absent.nonzero().squeeze(1)[admit]] = True
+            lookup_keys = keys[take]
+            admitted = (admitted, take)
+        try:
+            plan = table._plan_insert(lookup_keys)
+        except HashTableFullError as error:
+            raise HashTableFullError(
+                f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
+                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
+        initial = self.initial_rows(plan.new_keys.long()) if plan.new_keys.numel() > 0 else None
+        return _LookupPlan(keys, plan, initial, admitted, pending_plan)
+
+    @torch.no_grad()
+    def _commit_lookup(self, lookup: "_LookupPlan") -> Tensor:
+        """Carries out a plan of :meth:`_plan_lookup`: rows of its keys (-1: not admitted yet)."""
+        table, plan = self.hash_table, lookup.plan
+        rows = table._commit_insert(plan)
+        num_new = plan.new_keys.numel()
+        if num_new > 0:
+            self.weight[plan.new_rows] = lookup.initial
+            if self._fresh_rows is not None:
+                self._fresh_rows[plan.new_rows] = True
+        self._evicted += plan.victims.numel()
+        self._admitted += num_new
+        table.tick()
+        if self._pending is not None:
+            if lookup.pending_plan is not None:
+                self._pending._commit_insert(lookup.pending_plan)
+                admitted, take = lookup.admitted
+                self._pending._remove(admitted)
+                full = torch.full((lookup.keys.numel(),), -1, dtype=torch.int64, device=rows.device)
+                rows = full.masked_scatter_(take, rows)
+            self._pending.tick()
         return rows
+
+    # -- dynamic tables: stats and export -----------------------------------------------------
+
+    def stats(self) -> Dict[str, int]:
+        """``size``, ``capacity``, ``evicted``, ``admitted`` (totals since construction) and
+        ``pending`` (keys seen but not admitted yet), summed over the ranks of the layer's
+        process group (then a collective: every rank must call it)."""
+        size = len(self.hash_table) if self.hash_table is not None else self.max_vocabulary_size_per_gpu
+        pending = len(self._pending) if self._pending is not None else 0
+        values = [size, self.max_vocabulary_size_per_gpu, self._evicted, self._admitted, pending]
+        if self.world_size > 1:
+            totals = torch.tensor(values, dtype=torch.int64, device=self.weight.device)
+            dist.all_reduce(totals, group=self.process_group)
+            values = totals.tolist()
+        return dict(zip(("size", "capacity", "evicted", "admitted", "pending"), values))
+
+    def export(self, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """This rank's ``(keys, vectors)``: keys of ``key_dtype`` and their rows of the shard
+        (a detached copy), in row order; with ``min_last_seen``, only keys last seen at a
+        table clock ``>= min_last_seen`` (the clock advances once per training forward).
+        With ``use_hashtable=False``: every owned key, and ``min_last_seen`` must be None."""
+        if self.hash_table is None:
+            if min_last_seen is not None:
+                raise ValueError(f"{self._layer_name}: export(min_last_seen=...) needs use_hashtable=True (a "
+                                 "direct-mapped shard keeps no scores)")
+            return self.owned_keys().to(self.key_dtype), self.weight.detach().clone()
+        keys, rows = self.hash_table.export(min_last_seen)
+        return keys, self.weight.detach().index_select(0, rows)
 
     # -- the exchange -----------------------------------------------------------------------
 
@@ -492,7 +603,8 @@ class _ModelParallelEmbedding(nn.Module):
         """What every rank of the group must build alike: the exchange relies on it."""
         return {"layer type": type(self).__name__, "embedding_vec_size": self.embedding_vec_size,
                 "dtype": self.weight.dtype, "max_vocabulary_size_per_gpu": self.max_vocabulary_size_per_gpu,
-                "use_hashtable": self.use_hashtable, "key_dtype": self.key_dtype}
+                "use_hashtable": self.use_hashtable, "key_dtype": self.key_dtype, "eviction": self.eviction,
+                "admit_after": self.admit_after}
 
     def _agree_on_config(self) -> None:
         """On the first exchange: one all-gather of the configuration; a value that differs
@@ -518,17 +630,16 @@ class _ModelParallelEmbedding(nn.Module):
         self._config_agreed = True
 
     def _may_miss(self) -> bool:
-        return self.hash_table is not None and not self.training
+        return self.hash_table is not None and (not self.training or self._pending is not None)
 
     def _agree_on_lookup(self, owned_keys: Tensor) -> Tensor:
         """The owner's lookup; in training with a hash table every rank learns of a failure."""
         if self.hash_table is None or not self.training:
             return self._lookup_rows(owned_keys)
         error: Optional[BaseException] = None
-        rows = None
-        size_before = len(self.hash_table)
+        plan = None
         try:
-            rows = self._lookup_rows(owned_keys)
+            plan = self._plan_lookup(owned_keys)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
             error = exc
         kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
@@ -538,9 +649,8 @@ class _ModelParallelEmbedding(nn.Module):
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
         word = int(status.item())
         if word == 0:
-            return rows
-        # The step fails on every rank: this rank's inserts of the step are taken back too.
-        self.hash_table._truncate(size_before)
+            # Every owner can do its part: only now does any table change.
+            return self._commit_lookup(plan)
         if error is not None:
             raise error
         failed_rank, failed_kind = word // 4 - 1, word % 4
@@ -593,22 +703,47 @@ class _ModelParallelEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
+        device = self.weight.device
         if self.hash_table is not None:
-            self.hash_table = self.hash_table.to(self.weight.device)
+            self.hash_table = self.hash_table.to(device)
+        if self._pending is not None:
+            self._pending = self._pending.to(device)
+        if self._fresh_rows is not None:
+            self._fresh_rows = self._fresh_rows.to(device)
+            self.weight.sparsekit_fresh_rows = self._fresh_rows
         return self
 
     def get_extra_state(self):
-        # The hash table is module state: this rank's keys in row order.
-        return {} if self.hash_table is None else self.hash_table.state_dict()
+        # The hash table is module state: this rank's keys in row order with their scores,
+        # the pending admissions and the eviction / admission totals.
+        if self.hash_table is None:
+            return {}
+        state = self.hash_table.state_dict()
+        if self._pending is not None:
+            state["pending"] = self._pending.state_dict()
+        state["evicted"] = torch.tensor(self._evicted, dtype=torch.int64)
+        state["admitted"] = torch.tensor(self._admitted, dtype=torch.int64)
+        return state
 
     def set_extra_state(self, state) -> None:
-        if self.hash_table is not None and state:
-            self.hash_table.load_state_dict(state)
+        if self.hash_table is None or not state:
+            return
+        pending = state.get("pending")
+        if self._pending is not None and pending is not None:
+            self._pending.load_state_dict(pending)
+        self.hash_table.load_state_dict({key: value for key, value in state.items()
+                                         if key not in ("pending", "evicted", "admitted")})
+        self._evicted = int(state.get("evicted", 0))
+        self._admitted = int(state.get("admitted", 0))
+        if self._fresh_rows is not None:
+            self._fresh_rows.zero_()
 
     def extra_repr(self) -> str:
         return (f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}, "
                 f"embedding_vec_size={self.embedding_vec_size}, use_hashtable={self.use_hashtable}, "
-                f"key_dtype={self.key_dtype}, rank={self.rank}, world_size={self.world_size}")
+                f"key_dtype={self.key_dtype}, rank={self.rank}, world_size={self.world_size}"
+                + (f", eviction={self.eviction!r}" if self.eviction else "")
+                + (f", admit_after={self.admit_after}" if self.admit_after > 1 else ""))
 
 
 def _offsets_error_flags(offsets: Tensor, nnz: int) -> Tensor:
@@ -646,6 +781,18 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         process_group: the group to shard over; None: the default group when
             torch.distributed is initialised, else no group.
         device: where the shard lives (NCCL needs this rank's GPU).
+        eviction: None (a full table raises :class:`HashTableFullError`), ``"lru"`` or
+            ``"lfu"``: each rank's table evicts its least recently / least frequently used
+            keys to make room (see :class:`HashTable`); a reused row starts with the new
+            key's initial vector and, with :class:`sparsekit.LazyAdam`, zero moments. A key's
+            LFU count grows by one per training step in which any rank looks it up. Needs
+            ``use_hashtable=True``.
+        admit_after: a key gets a row from the ``admit_after``-th training step in which it
+            is seen (default 1: at once); until then it reads as a zero vector and gets no
+            update. ``eval()`` never counts.
+        admission_capacity: pending keys counted exactly per rank (default
+            ``max_vocabulary_size_per_gpu``); beyond it the least recently seen pending keys
+            are forgotten. Memory: 5 int64 per pending key (two slots, key, last seen, count).
 
     Forward:
         ``inputs``: a :class:`Ragged` (or ``(values, offsets)`` tuple) with
@@ -671,6 +818,9 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         embedding_initializer: Optional[Initializer] = None,
         process_group: Optional[dist.ProcessGroup] = None,
         device: Optional[Union[torch.device, str]] = None,
+        eviction: Optional[str] = None,
+        admit_after: int = 1,
+        admission_capacity: Optional[int] = None,
     ) -> None:
         if combiner not in ("sum", "mean"):
             raise ValueError(f"DistributedEmbedding: combiner must be 'sum' or 'mean', got {combiner!r}")
@@ -681,7 +831,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             raise ValueError(f"DistributedEmbedding: max_feature_num must be a positive int or None, "
                              f"got {max_feature_num!r}")
         super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
-                         embedding_initializer, process_group, device)
+                         embedding_initializer, process_group, device, eviction, admit_after, admission_capacity)
         self.combiner = combiner
         self.slot_num = slot_num
         self.max_nnz = max_nnz
@@ -762,12 +912,15 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         embedding_initializer: Optional[Initializer] = None,
         process_group: Optional[dist.ProcessGroup] = None,
         device: Optional[Union[torch.device, str]] = None,
+        eviction: Optional[str] = None,
+        admit_after: int = 1,
+        admission_capacity: Optional[int] = None,
     ) -> None:
         for arg, value in (("slot_num", slot_num), ("nnz_per_slot", nnz_per_slot)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"All2AllDenseEmbedding: {arg} must be a positive int, got {value!r}")
         super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
-                         embedding_initializer, process_group, device)
+                         embedding_initializer, process_group, device, eviction, admit_after, admission_capacity)
         self.slot_num = slot_num
         self.nnz_per_slot = nnz_per_slot
         self.dynamic_input = bool(dynamic_input)

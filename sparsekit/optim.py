@@ -197,6 +197,7 @@ class LazyAdam(torch.optim.Optimizer):
                         continue
                     if maximize:
                         values = -values  # exact, as SparseAdam's -grad
+                    _reset_reused_rows(param, state, rows)
                     _lazy_adam_rows(param, state["exp_avg"], state["exp_avg_sq"], rows, values,
                                     int(state["step"].item()), float(lr), beta1, beta2, group["eps"],
                                     group["weight_decay"])
@@ -230,6 +231,21 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
         value = settings[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
             raise ValueError(f"{where}: invalid {label} {value!r}; it must be a number >= 0")
+
+
+def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Tensor) -> None:
+    """Zeroes the moments of ``rows`` that a dynamic layer gave to new keys since their last
+    update (``param.sparsekit_fresh_rows``, a bool flag per row the layer sets when it reuses
+    an evicted key's row), and clears the flags: a new key never inherits the evicted key's
+    moments. No host sync; costs two gathers and two scatters of the gradient's rows."""
+    fresh = getattr(param, "sparsekit_fresh_rows", None)
+    if fresh is None:
+        return
+    keep = (~fresh.index_select(0, rows)).to(param.dtype).view((-1,) + (1,) * (param.dim() - 1))
+    for name in ("exp_avg", "exp_avg_sq"):
+        moments = state[name]
+        moments.index_copy_(0, rows, moments.index_select(0, rows) * keep)
+    fresh.index_fill_(0, rows, False)
 
 
 def _lazy_adam_rows(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, values: Tensor, step: int,

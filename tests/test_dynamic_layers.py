@@ -1,0 +1,204 @@
+"""Dynamic tables in the layers: eviction, admission, stats, export, LazyAdam moments of
+reused rows, checkpoints, and multi-rank runs equal to one process (DESIGN.md section 3a)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparsekit as sk
+from sparsekit.hashtable import HashTableFullError
+
+from _distributed import spawn
+
+DIM = 4
+
+
+def _layer(capacity, **kwargs):
+    return sk.All2AllDenseEmbedding(capacity, DIM, 1, 1, dynamic_input=True, **kwargs)
+
+
+def _step(layer, optimizer, keys):
+    out = layer(torch.tensor(keys))
+    out.sum().backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+    return out.detach()
+
+
+def test_defaults_change_nothing():
+    layer = _layer(4)
+    assert layer.eviction is None and layer.admit_after == 1
+    layer(torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(HashTableFullError):
+        layer(torch.tensor([5]))
+    assert len(layer.hash_table) == 4
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(eviction="fifo"), "eviction"), (dict(admit_after=0), "admit_after"),
+    (dict(admission_capacity=0), "admission_capacity"),
+    (dict(eviction="lru", use_hashtable=False), "use_hashtable"),
+])
+def test_bad_arguments_name_themselves(bad, match):
+    with pytest.raises(ValueError, match=match):
+        _layer(4, **bad)
+
+
+def test_lru_layer_evicts_least_recent_and_reuses_rows_with_initial_vectors():
+    layer = _layer(3, eviction="lru")
+    _step(layer, None, [10, 11, 12])     # clock 0
+    _step(layer, None, [11, 12])          # clock 1: 10 is the least recent
+    out = _step(layer, None, [20])        # evicts 10, 20 takes its row 0
+    keys, vectors = layer.export()
+    assert keys.tolist() == [20, 11, 12]
+    initial = sk.KeySeededUniform()(torch.tensor([20]), DIM)
+    assert torch.equal(out, initial) and torch.equal(vectors[0], initial[0])
+    assert layer.stats() == {"size": 3, "capacity": 3, "evicted": 1, "admitted": 4, "pending": 0}
+    assert layer.hash_table.clock == 3
+    # Incremental export: keys seen at clock >= 1.
+    assert sorted(layer.export(min_last_seen=2)[0].tolist()) == [20]
+
+
+def test_lfu_counts_steps_not_occurrences():
+    layer = sk.DistributedEmbedding("sum", 2, DIM, 1, 8, eviction="lfu")
+    layer(torch.tensor([[[1, 1, 1, 1, 2, -1, -1, -1]]]))   # one step: both counted once
+    layer(torch.tensor([[[2, -1, -1, -1, -1, -1, -1, -1]]]))
+    assert layer.hash_table.scores(torch.tensor([1, 2]))[1].tolist() == [1, 2]
+    layer(torch.tensor([[[3, -1, -1, -1, -1, -1, -1, -1]]]))  # evicts 1 (count 1 < 2)
+    assert sorted(layer.export()[0].tolist()) == [2, 3]
+
+
+def test_reused_row_starts_with_zero_moments():
+    layer = _layer(2, eviction="lru")
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.1)
+    for _ in range(3):
+        _step(layer, optimizer, [1, 2])
+    row_of_1 = layer.hash_table.find(torch.tensor([1])).item()
+    _step(layer, optimizer, [2])
+    _step(layer, optimizer, [3])          # 1 is evicted, 3 takes its row
+    assert layer.hash_table.find(torch.tensor([3])).item() == row_of_1
+    # A fresh layer that only ever saw key 3 for one step gives the same row and moments.
+    fresh = _layer(2, eviction="lru")
+    fresh_optimizer = sk.LazyAdam(fresh.parameters(), lr=0.1)
+    for _ in range(4):
+        fresh.train()
+        fresh(torch.tensor([2])).sum().backward()
+        fresh_optimizer.step()
+        fresh_optimizer.zero_grad()
+    _step(fresh, fresh_optimizer, [3])
+    state, fresh_state = optimizer.state[layer.weight], fresh_optimizer.state[fresh.weight]
+    fresh_row = fresh.hash_table.find(torch.tensor([3])).item()
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[name][row_of_1], fresh_state[name][fresh_row])
+    assert torch.equal(layer.weight[row_of_1], fresh.weight[fresh_row])
+
+
+def test_admission_after_k_steps():
+    layer = _layer(8, admit_after=3)
+    assert torch.equal(_step(layer, None, [5, 6]), torch.zeros(2, DIM))  # seen once
+    assert layer.stats()["pending"] == 2
+    layer.eval()
+    layer(torch.tensor([5]))  # eval never counts
+    layer.train()
+    assert torch.equal(_step(layer, None, [5]), torch.zeros(1, DIM))     # seen twice
+    out = _step(layer, None, [5, 6])                                     # 5: third step
+    assert torch.equal(out[0], sk.KeySeededUniform()(torch.tensor([5]), DIM)[0])
+    assert torch.equal(out[1], torch.zeros(DIM))
+    assert layer.stats() == {"size": 1, "capacity": 8, "evicted": 0, "admitted": 1, "pending": 1}
+    # A key that is not admitted gets no update.
+    layer.weight.grad = None
+    layer(torch.tensor([7, 8])).sum().backward()
+    assert layer.weight.grad._nnz() == 0
+
+
+def test_admission_forgets_least_recent_pending_keys():
+    layer = _layer(8, admit_after=2, admission_capacity=2)
+    _step(layer, None, [1])
+    _step(layer, None, [2])
+    _step(layer, None, [3])   # 1 is forgotten
+    assert layer.stats()["pending"] == 2
+    _step(layer, None, [1])   # counted from scratch: not admitted
+    assert layer.hash_table.find(torch.tensor([1])).item() == -1
+    _step(layer, None, [3])   # second step for 3
+    assert layer.hash_table.find(torch.tensor([3])).item() >= 0
+
+
+def test_one_call_larger_than_capacity_raises_and_changes_nothing():
+    layer = _layer(2, eviction="lru")
+    _step(layer, None, [1, 2])
+    before = layer.hash_table.state_dict()
+    with pytest.raises(HashTableFullError, match="capacity"):
+        layer(torch.tensor([3, 4, 5]))
+    after = layer.hash_table.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert layer.stats()["evicted"] == 0
+
+
+def test_state_dict_round_trip_keeps_scores_pending_and_totals():
+    layer = _layer(3, eviction="lfu", admit_after=2)
+    for keys in ([1, 2], [1, 2, 3], [4], [4, 5], [5, 6, 1]):
+        _step(layer, None, keys)
+    state = layer.state_dict()
+    copy = _layer(3, eviction="lfu", admit_after=2)
+    copy.load_state_dict(state)
+    assert copy.stats() == layer.stats()
+    keys = torch.tensor([1, 2, 3, 4, 5, 6])
+    for a, b in zip(copy.hash_table.scores(keys), layer.hash_table.scores(keys)):
+        assert torch.equal(a, b)
+    assert copy.hash_table.clock == layer.hash_table.clock
+    assert torch.equal(_step(copy, None, [7, 1]), _step(layer, None, [7, 1]))
+
+
+STEPS = [[1, 2, 3, 4], [5, 6, 1, 2], [7, 8, 9, 1], [2, 3, 10, 11], [12, 1, 5, 13], [6, 7, 14, 15]]
+
+
+def _train(layer, optimizer, steps, rank=0, world_size=1):
+    outs = []
+    for keys in steps:
+        mine = keys[rank::world_size]
+        outs.append(_step(layer, optimizer, mine))
+    return outs
+
+
+def _dynamic_worker(rank, world_size, init, policy, tmp_dir):
+    # Per-rank capacity 3 on 2 ranks vs... one process with the same per-owner tables is
+    # not the same model; compare against a one-process run of a layer whose table per
+    # owner has the same capacity: with world_size ranks, owner r holds keys k % world == r.
+    init()
+    layer = _layer(3, eviction=policy, admit_after=2)
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.05)
+    _train(layer, optimizer, STEPS, rank, world_size)
+    stats = layer.stats()
+    sk.save_checkpoint(tmp_dir, layer, optimizer)
+    keys, vectors = layer.export()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (keys.tolist(), vectors.tolist(), layer.hash_table.scores(keys)[0].tolist(),
+                                      layer.hash_table.scores(keys)[1].tolist()))
+    if rank == 0:
+        torch.save({"stats": stats, "tables": gathered}, f"{tmp_dir}/result.pt")
+
+
+def _shard_of(keys, vectors, owner, world_size):
+    return {k: v for k, v in zip(keys, vectors) if k % world_size == owner}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_two_ranks_checkpoint_reshards_scores_to_one(tmp_path, policy):
+    spawn(_dynamic_worker, 2, str(tmp_path), policy, str(tmp_path))
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert result["stats"]["capacity"] == 6
+    # Load the two-rank checkpoint into one process with room for both shards: every
+    # key keeps its vector and scores.
+    layer = _layer(6, eviction=policy, admit_after=2)
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.05)
+    sk.load_checkpoint(str(tmp_path), layer, optimizer)
+    stats = layer.stats()
+    assert {k: stats[k] for k in ("evicted", "admitted", "pending", "size")} == \
+        {k: result["stats"][k] for k in ("evicted", "admitted", "pending", "size")}
+    for keys, vectors, last_seen, count in result["tables"]:
+        rows = layer.hash_table.find(torch.tensor(keys, dtype=torch.int64))
+        assert (rows >= 0).all()
+        assert torch.equal(layer.weight.detach()[rows], torch.tensor(vectors))
+        got_last, got_count = layer.hash_table.scores(torch.tensor(keys, dtype=torch.int64))
+        assert got_last.tolist() == last_seen and got_count.tolist() == count
