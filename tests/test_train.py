@@ -242,6 +242,20 @@ def test_resume_gives_the_uninterrupted_result(tmp_path, embedding):
     assert again["resumed_from_step"] == 12 and again["logloss"] == straight["logloss"]
 
 
+def test_dynamic_table_run_logs_fill_evictions_and_admissions(tmp_path, capsys):
+    """A table far smaller than the data evicts and still learns; the log shows the table."""
+    metrics_path = tmp_path / "metrics.json"
+    result = train(tiny(steps=30, eval_every=15, capacity_per_rank=4000, eviction="lru",
+                        admit_after=2, metrics_json=str(metrics_path), checkpoint_dir=str(tmp_path / "ckpt")))
+    _check_metrics(result, steps=30, world_size=1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step") and "table" in line]
+    assert lines and all("/4,000" in line and "evicted +" in line and "admitted +" in line for line in lines)
+    assert any("evicted +0 " not in line for line in lines)
+    resumed = train(tiny(steps=30, eval_every=15, capacity_per_rank=4000, eviction="lru",
+                         admit_after=2, checkpoint_dir=str(tmp_path / "ckpt"), resume=True))
+    assert resumed["auc"] == result["auc"]
+
+
 def test_resume_refuses_other_settings(tmp_path):
     train(tiny(embedding="torch", steps=2, checkpoint_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="--embedding-dim 8 .now 4."):
@@ -266,6 +280,10 @@ def test_bad_settings_raise():
     (["--timeout", "0"], dict(timeout=0.0), "--timeout must be > 0"),
     (["--checkpoint-every", "5"], dict(checkpoint_every=5), "--checkpoint-every needs --checkpoint-dir"),
     (["--resume"], dict(resume=True), "--resume needs --checkpoint-dir"),
+    (["--capacity-per-rank", "0"], dict(capacity_per_rank=0), "--capacity-per-rank must be an integer >= 1"),
+    (["--admit-after", "0"], dict(admit_after=0), "--admit-after must be an integer >= 1"),
+    (["--embedding", "torch", "--eviction", "lru"], dict(embedding="torch", eviction="lru"),
+     "need --embedding sparsekit"),
 ])
 def test_bad_flags_are_argparse_errors(capsys, flags, fields, message):
     """Out-of-range flags exit with status 2 and a usage message naming the flag, before

@@ -59,6 +59,14 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
                         "torch: rows of the replicated table)")
     parser.add_argument("--vocab-per-slot", type=int, default=defaults.vocab_per_slot,
                         help="distinct values per slot of the synthetic data")
+    parser.add_argument("--capacity-per-rank", type=int, default=None,
+                        help="sparsekit: hash-table rows per rank (default: --table-rows, enough for the "
+                        "synthetic data)")
+    parser.add_argument("--eviction", choices=("lru", "lfu"), default=None,
+                        help="sparsekit: evict least recently / least frequently used keys when a table "
+                        "is full (default: a full table is an error)")
+    parser.add_argument("--admit-after", type=int, default=defaults.admit_after,
+                        help="sparsekit: a key gets a row from the K-th training step it is seen in")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar (log lines only)")
     parser.add_argument("--timeout", type=float, default=defaults.timeout,

@@ -52,6 +52,9 @@ class TrainConfig:
     vocab_per_slot: int = 20_000
     progress: bool = True
     timeout: float = 300.0
+    capacity_per_rank: Optional[int] = None
+    eviction: Optional[str] = None
+    admit_after: int = 1
 
     def validate(self) -> None:
         """Raises ValueError naming the flag of the first value out of range."""
@@ -65,6 +68,17 @@ class TrainConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr!r}")
         if not self.timeout > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.capacity_per_rank is not None and (not isinstance(self.capacity_per_rank, int)
+                                                   or isinstance(self.capacity_per_rank, bool)
+                                                   or self.capacity_per_rank < 1):
+            raise ValueError(f"--capacity-per-rank must be an integer >= 1, got {self.capacity_per_rank!r}")
+        if self.eviction not in (None, "lru", "lfu"):
+            raise ValueError(f"--eviction must be lru or lfu, got {self.eviction!r}")
+        if not isinstance(self.admit_after, int) or isinstance(self.admit_after, bool) or self.admit_after < 1:
+            raise ValueError(f"--admit-after must be an integer >= 1, got {self.admit_after!r}")
+        if self.embedding != "sparsekit" and (self.eviction or self.admit_after != 1
+                                              or self.capacity_per_rank is not None):
+            raise ValueError("--capacity-per-rank, --eviction and --admit-after need --embedding sparsekit")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
@@ -72,7 +86,7 @@ class TrainConfig:
 
     # Fields that must match between a checkpoint and the run resuming from it.
     RESUME_KEYS = ("embedding", "embedding_dim", "batch_size", "seed", "data", "table_rows",
-                   "vocab_per_slot", "lr")
+                   "vocab_per_slot", "lr", "capacity_per_rank", "eviction", "admit_after")
 
 
 @dataclass
@@ -123,14 +137,29 @@ def make_data(config: TrainConfig):
                      hash_seed=config.seed)
 
 
+def _table_stats(model: nn.Module) -> str:
+    """The log's table part: fill, evictions and admissions since the last line (sparsekit
+    embedding with a dynamic table only; a collective under a process group)."""
+    layer = getattr(getattr(model, "embedding", None), "embedding", None)
+    if layer is None or not hasattr(layer, "stats") or (layer.eviction is None and layer.admit_after == 1):
+        return ""
+    stats = layer.stats()
+    last = getattr(layer, "_logged_stats", {"evicted": 0, "admitted": 0})
+    layer._logged_stats = stats
+    return (f"  table {stats['size']:,}/{stats['capacity']:,}  evicted +{stats['evicted'] - last['evicted']:,}"
+            f"  admitted +{stats['admitted'] - last['admitted']:,}  pending {stats['pending']:,}")
+
+
 def build(config: TrainConfig, context: Context):
     """The model (unwrapped), the module to train through (DDP under a process group),
     and the optimizer."""
     # Same seed on every rank: identical dense replicas before DDP even broadcasts.
     torch.manual_seed(config.seed)
     if config.embedding == "sparsekit":
-        embedding = SparsekitSlotEmbedding(config.table_rows, config.embedding_dim, context.device,
-                                           context.world_size, config.seed)
+        capacity = config.capacity_per_rank if config.capacity_per_rank is not None else config.table_rows
+        embedding = SparsekitSlotEmbedding(capacity, config.embedding_dim, context.device,
+                                           context.world_size, config.seed, eviction=config.eviction,
+                                           admit_after=config.admit_after)
     elif config.embedding == "torch":
         if context.world_size > 1 and context.device.type == "cuda":
             raise RuntimeError("--embedding torch replicates nn.EmbeddingBag(sparse=True) under DDP, "
@@ -415,9 +444,10 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
             samples_per_s = interval_steps * config.batch_size / interval_seconds
             train_loss = _global_mean(interval_loss / interval_steps, context)
             metrics = evaluate(model, data, config, context)
+            table = _table_stats(model)  # collective: every rank asks
             if context.is_main:
                 log(f"step {step:>6d}  train_loss {train_loss:.4f}  eval_auc {metrics['auc']:.4f}  "
-                    f"eval_logloss {metrics['logloss']:.4f}  samples/s {samples_per_s:,.0f}")
+                    f"eval_logloss {metrics['logloss']:.4f}  samples/s {samples_per_s:,.0f}" + table)
             interval_loss.zero_()
             interval_steps = 0
             interval_seconds = 0.0

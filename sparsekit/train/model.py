@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -40,17 +40,20 @@ class SparsekitSlotEmbedding(nn.Module):
         world_size: processes of the default group (1 without one).
         seed: seed of the key-seeded initializer (a key's first vector depends on it and
             on the key alone).
+        eviction: None, "lru" or "lfu" (the table's policy when it is full).
+        admit_after: training steps a key must be seen in before it gets a row.
     """
 
     def __init__(self, capacity_per_rank: int, dim: int, device: torch.device, world_size: int = 1,
-                 seed: int = 0):
+                 seed: int = 0, eviction: Optional[str] = None, admit_after: int = 1):
         super().__init__()
         import sparsekit as sk
 
         self._ragged = sk.Ragged
         self.embedding = sk.DistributedEmbedding(
             "sum", capacity_per_rank, dim, NUM_SLOTS, 1, use_hashtable=True,
-            embedding_initializer=sk.KeySeededUniform(seed), device=device)
+            embedding_initializer=sk.KeySeededUniform(seed), device=device, eviction=eviction,
+            admit_after=admit_after)
         self.grad_scale = 1.0 / world_size
 
     def forward(self, keys: Tensor) -> Tensor:
