@@ -67,6 +67,11 @@ CONFIGS = {
     "mean_direct_padded": ("distributed", dict(combiner="mean", use_hashtable=False), "padded_default"),
     "dense_hash": ("dense", dict(use_hashtable=True), "dense"),
     "dense_direct_dynamic": ("dense", dict(use_hashtable=False, dynamic_input=True), "dynamic"),
+    # Admission counts steps per key at its owner, and LFU counts steps too: both are the
+    # same whatever the world size (the table has room, so nothing is evicted).
+    "sum_hash_admit_lfu": ("distributed", dict(combiner="sum", use_hashtable=True, admit_after=2, eviction="lfu"),
+                           "ragged"),
+    "dense_hash_admit_lru": ("dense", dict(use_hashtable=True, admit_after=3, eviction="lru"), "dense"),
 }
 
 
@@ -76,7 +81,8 @@ def build(kind, kwargs, world_size, process_group=None, capacity=None):
         rows = capacity or pool_size + 4  # room for every key even on one rank
     else:
         rows = -(-DIRECT_KEYS // world_size)
-    common = dict(process_group=process_group)
+    common = dict(process_group=process_group, eviction=kwargs.get("eviction"),
+                  admit_after=kwargs.get("admit_after", 1))
     if kind == "distributed":
         return sk.DistributedEmbedding(kwargs["combiner"], rows, DIM, SLOTS, MAX_NNZ,
                                        use_hashtable=kwargs["use_hashtable"], **common)
@@ -177,6 +183,9 @@ def check_matches_reference(name, reference, rank, world_size, process_group=Non
         mine = {k for k in ref_keys.tolist() if (k % 2**64) % world_size == rank}
         assert set(keys.tolist()) == mine, name
         ref_rows = ref.hash_table.find(keys)
+        # Scores (last seen, steps seen) do not depend on the world size either.
+        for score, ref_score in zip(layer.hash_table.scores(keys), ref.hash_table.scores(keys)):
+            assert torch.equal(score, ref_score), name
     else:
         keys = layer.owned_keys()
         rows = torch.arange(len(keys))
