@@ -14,9 +14,10 @@
 // one compaction pass writes the chosen indices in ascending order.
 //
 // The control (step_min_max / step_histogram) runs on the host on both devices; only the
-// passes over the entries are device code. Passes per call: at most two per column (the
-// min/max, then the digits of the bits in which the bucket still differs: clocks and
-// counts span few bits) plus the compaction.
+// passes over the entries are device code. Passes: per column a min/max, then one
+// histogram per digit of the bits in which the bucket still differs (clocks and counts
+// span few bits: usually one), plus the compaction. The CPU kernel also lists the
+// bucket's entries once the bucket is small, and later passes read only that list.
 #include <ATen/core/Tensor.h>
 
 #include "common.h"
@@ -26,6 +27,9 @@ namespace sparsekit {
 constexpr int kSelectMaxColumns = 4;
 constexpr int kSelectDigitBits = 11;
 constexpr int kSelectBins = 1 << kSelectDigitBits;
+// The CPU's histograms are per thread (uint32, 256 KiB at 16 bits): one pass fixes a
+// clock or count column whose bucket spans up to 65536 values.
+constexpr int kSelectCpuDigitBits = 16;
 
 /// int64 -> uint64 with the same order (the sign bit flipped).
 C10_HOST_DEVICE inline uint64_t ordered_bits(int64_t value) {
@@ -65,7 +69,7 @@ struct SelectState {
     return static_cast<int>((v >> (64 - nbits - bits)) & ((uint64_t{1} << bits) - 1));
   }
 
-  C10_HOST_DEVICE int digit_bits() const { return 64 - nbits < kSelectDigitBits ? 64 - nbits : kSelectDigitBits; }
+  C10_HOST_DEVICE int digit_bits() const { return 64 - nbits < max_digit_bits ? 64 - nbits : max_digit_bits; }
 
   /// Whether the next pass is a min/max pass (a fresh column) rather than a histogram.
   bool wants_min_max() const { return fresh_column; }
@@ -114,6 +118,7 @@ struct SelectState {
   }
 
   bool fresh_column = true;  // the next pass over this column is its min/max
+  int max_digit_bits = kSelectDigitBits;  // bits per histogram pass (the CPU takes more)
 };
 
 /// @brief Checks the arguments of select_smallest.

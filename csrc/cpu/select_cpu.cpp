@@ -1,6 +1,12 @@
 // select_smallest on the CPU: the radix select of csrc/select.h, each pass a parallel
-// loop over fixed chunks of the entries (per-chunk histograms, minima and counts, merged
-// in chunk order, so the result never depends on the thread count).
+// loop over fixed chunks (per-chunk histograms, extremes and lists, merged in chunk order,
+// so the result never depends on the thread count).
+//
+// Full passes over the n entries: the first (eligible count and column 0's min/max), the
+// histograms until the bucket is small, the one that lists the small bucket's entries
+// (riding on the next min/max or histogram), and the final compaction; every other pass
+// reads only the listed entries. For a table's LRU or LFU scores that is about four full
+// passes whatever the key width.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -17,10 +23,21 @@ namespace {
 
 constexpr int64_t kSelectGrain = 1 << 14;
 
+// A bucket of at most n / kListBelow entries is listed, so later passes skip the rest.
+constexpr int64_t kListBelow = 2;
+
+/// Fixed chunks of a range of positions: entries 0..n-1, or the listed ones.
 struct Chunks {
   int64_t n;
   int64_t count;
+  const int64_t* list;  // nullptr: position p is entry p
   int64_t begin(int64_t chunk) const { return chunk * n / count; }
+  int64_t entry(int64_t p) const { return list == nullptr ? p : list[p]; }
+
+  static Chunks over(int64_t n, const int64_t* list) {
+    return {n, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, (n + kSelectGrain - 1) / kSelectGrain)),
+            list};
+  }
 
   template <typename F>
   void each(const F& f) const {
@@ -29,6 +46,19 @@ struct Chunks {
     });
   }
 };
+
+/// Per-chunk vectors joined in chunk order.
+std::vector<int64_t> join(std::vector<std::vector<int64_t>>& parts) {
+  size_t total = 0;
+  for (const auto& part : parts) total += part.size();
+  std::vector<int64_t> out;
+  out.reserve(total);
+  for (auto& part : parts) {
+    out.insert(out.end(), part.begin(), part.end());
+    std::vector<int64_t>().swap(part);
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -50,35 +80,82 @@ at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligibl
   }
   const at::Tensor eligible_c = eligible.contiguous();
   const bool* ok = eligible_c.data_ptr<bool>();
-  const Chunks chunks{n, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4,
-                                                                (n + kSelectGrain - 1) / kSelectGrain))};
-  std::vector<int64_t> per_chunk(chunks.count * 2);
 
-  chunks.each([&](int64_t chunk, int64_t begin, int64_t end) {
+  // First pass: the eligible count, and column 0's extremes over the eligible entries
+  // (the whole first bucket).
+  const Chunks all = Chunks::over(n, nullptr);
+  std::vector<int64_t> counts(all.count);
+  std::vector<uint64_t> extremes(all.count * 2);
+  // side[i]: 0 in the bucket, 1 less, 2 greater (or not eligible). A histogram pass
+  // keeps each bucket entry's digit; the next pass splits the bucket by the chosen digit
+  // (`split`) as it reads the entries still marked 0. So a pass reads one byte per entry,
+  // and the column and a 16-bit digit only for the bucket's entries.
+  std::vector<uint8_t> side(n);
+  all.each([&](int64_t chunk, int64_t begin, int64_t end) {
     int64_t count = 0;
-    for (int64_t i = begin; i < end; ++i) count += ok[i];
-    per_chunk[chunk] = count;
+    uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      side[i] = ok[i] ? 0 : 2;
+      if (!ok[i]) continue;
+      ++count;
+      const uint64_t v = ordered_bits(cols.data[0][i]);
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+    counts[chunk] = count;
+    extremes[2 * chunk] = lo;
+    extremes[2 * chunk + 1] = hi;
   });
   int64_t num_eligible = 0;
-  for (int64_t chunk = 0; chunk < chunks.count; ++chunk) num_eligible += per_chunk[chunk];
+  uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
+  for (int64_t chunk = 0; chunk < all.count; ++chunk) {
+    num_eligible += counts[chunk];
+    lo = std::min(lo, extremes[2 * chunk]);
+    hi = std::max(hi, extremes[2 * chunk + 1]);
+  }
   TORCH_CHECK(k <= num_eligible, "select_smallest: k=", k, " but only ", num_eligible, " of ", n,
               " entries are eligible");
   at::Tensor out = at::empty({k}, eligible.options().dtype(at::kLong));
   if (k == 0) return out;
 
   SelectState state;
+  state.max_digit_bits = kSelectCpuDigitBits;
   state.need = k;
   state.bucket = num_eligible;
   state.settle(cols.num_columns);
-  std::vector<int64_t> histograms;
-  std::vector<uint64_t> extremes(chunks.count * 2);
+  if (!state.done) state.step_min_max(lo, hi, cols.num_columns);
+
+  std::vector<uint16_t> digits;
+  struct Split {
+    bool active = false;
+    uint16_t digit = 0;
+  } split;
+  auto in_bucket = [&](const Split& cut, int64_t i) {
+    if (side[i] != 0) return false;
+    if (!cut.active || digits[i] == cut.digit) return true;
+    side[i] = digits[i] < cut.digit ? 1 : 2;
+    return false;
+  };
+
+  std::vector<int64_t> listed;  // the bucket's entries once it is small (a superset later)
+  bool use_list = false;
+  std::vector<uint32_t> histograms;
+  std::vector<int64_t> totals;
   while (!state.done) {
+    const Chunks chunks = use_list ? Chunks::over(static_cast<int64_t>(listed.size()), listed.data()) : all;
+    const bool make_list = !use_list && state.bucket * kListBelow <= n;
+    std::vector<std::vector<int64_t>> parts(make_list ? chunks.count : 0);
+    const SelectState pass = state;
+    const Split cut = split;
+    const int64_t* column = cols.data[pass.column];
     if (state.wants_min_max()) {
       chunks.each([&](int64_t chunk, int64_t begin, int64_t end) {
         uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
-        for (int64_t i = begin; i < end; ++i) {
-          if (!ok[i] || state.classify(cols, i) != 0) continue;
-          const uint64_t v = ordered_bits(cols.data[state.column][i]);
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t i = chunks.entry(p);
+          if (!in_bucket(cut, i)) continue;
+          if (make_list) parts[chunk].push_back(i);
+          const uint64_t v = ordered_bits(column[i]);
           lo = std::min(lo, v);
           hi = std::max(hi, v);
         }
@@ -91,57 +168,72 @@ at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligibl
         hi = std::max(hi, extremes[2 * chunk + 1]);
       }
       state.step_min_max(lo, hi, cols.num_columns);
-      continue;
+      split = Split{};  // every bucket entry shares the fixed prefix: nothing to split
+    } else {
+      const int bits = pass.digit_bits();
+      const int bins = 1 << bits;
+      const int shift = 64 - pass.nbits - bits;
+      if (digits.empty()) digits.resize(n);
+      // One histogram per thread-sized chunk (fewer than the other passes: 2^16 bins each).
+      const Chunks wide{chunks.n, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks.count)),
+                        chunks.list};
+      if (make_list) parts.resize(wide.count);
+      histograms.assign(wide.count * bins, 0);
+      wide.each([&](int64_t chunk, int64_t begin, int64_t end) {
+        uint32_t* histogram = histograms.data() + chunk * bins;
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t i = wide.entry(p);
+          if (!in_bucket(cut, i)) continue;
+          if (make_list) parts[chunk].push_back(i);
+          const auto digit = static_cast<uint16_t>((ordered_bits(column[i]) >> shift) & (bins - 1));
+          digits[i] = digit;
+          ++histogram[digit];
+        }
+      });
+      totals.assign(bins, 0);
+      at::parallel_for(0, bins, 4096, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+          int64_t total = 0;
+          for (int64_t chunk = 0; chunk < wide.count; ++chunk) total += histograms[chunk * bins + b];
+          totals[b] = total;
+        }
+      });
+      state.step_histogram(totals.data(), cols.num_columns);
+      // The bucket is now the entries of the chosen digit: the low bits of the column's new
+      // prefix (moved to `fixed` when the column is whole).
+      const uint64_t prefix = state.column != pass.column ? state.fixed[pass.column] : state.prefix;
+      split = Split{true, static_cast<uint16_t>(prefix & (bins - 1))};
     }
-    const int bins = 1 << state.digit_bits();
-    histograms.assign(chunks.count * bins, 0);
-    chunks.each([&](int64_t chunk, int64_t begin, int64_t end) {
-      int64_t* histogram = histograms.data() + chunk * bins;
-      for (int64_t i = begin; i < end; ++i) {
-        if (ok[i] && state.classify(cols, i) == 0) ++histogram[state.digit(cols, i)];
-      }
-    });
-    for (int64_t chunk = 1; chunk < chunks.count; ++chunk) {
-      for (int b = 0; b < bins; ++b) histograms[b] += histograms[chunk * bins + b];
+    if (make_list) {
+      listed = join(parts);
+      use_list = true;
     }
-    state.step_histogram(histograms.data(), cols.num_columns);
   }
 
-  // Compaction: every less entry, then the first `need` bucket entries by index.
-  chunks.each([&](int64_t chunk, int64_t begin, int64_t end) {
-    int64_t less = 0, bucket = 0;
+  // Compaction, one full pass: every less entry, then the first `need` bucket entries by
+  // index; chunks keep their finds in order and are joined in chunk order.
+  std::vector<std::vector<int64_t>> less(all.count), bucket(all.count);
+  const Split cut = split;
+  all.each([&](int64_t chunk, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (!ok[i]) continue;
-      const int side = state.classify(cols, i);
-      less += side < 0;
-      bucket += side == 0;
+      if (in_bucket(cut, i)) bucket[chunk].push_back(i);
+      else if (side[i] == 1) less[chunk].push_back(i);
     }
-    per_chunk[2 * chunk] = less;
-    per_chunk[2 * chunk + 1] = bucket;
   });
-  int64_t less_before = 0, bucket_before = 0;
-  for (int64_t chunk = 0; chunk < chunks.count; ++chunk) {
-    const int64_t less = per_chunk[2 * chunk], bucket = per_chunk[2 * chunk + 1];
-    per_chunk[2 * chunk] = less_before;
-    per_chunk[2 * chunk + 1] = bucket_before;
-    less_before += less;
-    bucket_before += bucket;
+  int64_t taken = 0;
+  std::vector<int64_t> offsets(all.count + 1, 0), take(all.count);
+  for (int64_t chunk = 0; chunk < all.count; ++chunk) {
+    take[chunk] = std::min<int64_t>(static_cast<int64_t>(bucket[chunk].size()), state.need - taken);
+    taken += take[chunk];
+    offsets[chunk + 1] = offsets[chunk] + static_cast<int64_t>(less[chunk].size()) + take[chunk];
   }
+  TORCH_INTERNAL_ASSERT(offsets[all.count] == k, "select_smallest: chose ", offsets[all.count], " of ", k);
   int64_t* out_ptr = out.data_ptr<int64_t>();
-  const int64_t need = state.need;
-  chunks.each([&](int64_t chunk, int64_t begin, int64_t end) {
-    int64_t less = per_chunk[2 * chunk], bucket = per_chunk[2 * chunk + 1];
-    for (int64_t i = begin; i < end; ++i) {
-      if (!ok[i]) continue;
-      const int side = state.classify(cols, i);
-      if (side < 0) {
-        out_ptr[less + std::min(bucket, need)] = i;
-        ++less;
-      } else if (side == 0) {
-        if (bucket < need) out_ptr[less + bucket] = i;
-        ++bucket;
-      }
-    }
+  all.each([&](int64_t chunk, int64_t, int64_t) {
+    // Merge the chunk's less entries and its taken bucket entries in index order.
+    const auto& a = less[chunk];
+    const auto& b = bucket[chunk];
+    std::merge(a.begin(), a.end(), b.begin(), b.begin() + take[chunk], out_ptr + offsets[chunk]);
   });
   return out;
 }

@@ -125,8 +125,9 @@ at::Tensor select_smallest_cuda(at::TensorList columns, const at::Tensor& eligib
   const at::Tensor in_bucket = side.eq(0);
   const at::Tensor bucket_rank = in_bucket.cumsum(0);  // 1-based among bucket entries
   const at::Tensor take = side.eq(-1).logical_or_(in_bucket.logical_and(bucket_rank.le(state.need)));
-  // nonzero lists indices in ascending order; k of them by construction.
-  return at::nonzero_static(take, k).view({k});
+  // nonzero lists indices in ascending order; k of them by construction (one more host
+  // sync, for its output size).
+  return at::nonzero(take).view({-1});
 }
 
 TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
