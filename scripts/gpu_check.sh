@@ -160,6 +160,7 @@ if wants bench; then
     run_stage bench-layers 60 "$PY" benchmarks/bench_layers.py "${b[@]}" --batch 64 --slots 4 --world-sizes 1 --repeat 1
     run_stage bench-train 90 "$PY" benchmarks/bench_train.py "${b[@]}" --batch-size 64 --table-rows 4096 --vocab-per-slot 100 --warmup 1 --steps 2 --rounds 1
     run_stage bench-criteo-reader 60 "$PY" benchmarks/bench_criteo_reader.py --lines 2000 --batch-size 256
+    run_stage bench-dynamic 60 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --quick --repeat 1
   else
     b=(--device cuda)
     run_stage bench-ops 45 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3
@@ -168,6 +169,7 @@ if wants bench; then
     run_stage bench-lazy-adam 30 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}"
     run_stage bench-layers 30 "$PY" benchmarks/bench_layers.py "${b[@]}" --world-sizes 1
     run_stage bench-train 60 "$PY" benchmarks/bench_train.py "${b[@]}" --rounds 3
+    run_stage bench-dynamic 90 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --repeat 3
   fi
 fi
 
