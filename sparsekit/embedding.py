@@ -41,6 +41,14 @@ offsets and ``use_hashtable=False`` key ranges cost 1 read instead of riding on 
 counts. On the CPU these are plain reads of host memory. The first step with
 ``world_size > 1`` also all-gathers the layer's configuration once (one more sync), so
 ranks built differently all raise one clear error instead of corrupting the exchange.
+
+Dynamic tables (``eviction=``, ``admit_after=``): an owner first plans its lookup (new
+keys, victims, admissions, the new keys' initial rows) without changing anything, every
+rank agrees through the status word, and only then do the tables change, so a failed
+step changes nothing anywhere. A step that evicts adds the victim selection's syncs on
+CUDA (one per radix pass, typically four to six, and the eligible mask); admission adds
+three (the pending table's find, its insert's new-key count, and the split of admitted
+keys). Without them the counts above hold.
 """
 
 from __future__ import annotations
