@@ -8,6 +8,7 @@ from . import hashing, ops
 from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam
 from .checkpoint import load_checkpoint, save_checkpoint
+from .collection import EmbeddingBagCollection, KeyedJagged, TableConfig
 from .embedding import (
     All2AllDenseEmbedding,
     DistributedEmbedding,
@@ -33,4 +34,7 @@ __all__ = [
     "is_embedding_variable",
     "save_checkpoint",
     "load_checkpoint",
+    "TableConfig",
+    "KeyedJagged",
+    "EmbeddingBagCollection",
 ]

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -106,9 +106,10 @@ def _optimizer_param_ids(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
     return ids
 
 
-def _owners(keys: Tensor, world_size: int) -> Tensor:
-    """uint64(key) % world_size for int64 keys, without unsigned tensors."""
-    keys = keys.long()
+def _owners(keys: Tensor, world_size: int, offset: Union[int, Tensor] = 0) -> Tensor:
+    """uint64(key + offset) % world_size for int64 keys (the add wraps; ``offset`` an int or
+    one per key), without unsigned tensors."""
+    keys = keys.long() + offset
     # 2^64 = q * world_size + r: uint64(k) % w == (k + (k < 0) * r) mod w, all in int64 range.
     wrap = (2**64) % world_size
     return torch.remainder(torch.remainder(keys, world_size) + (keys < 0).long() * wrap, world_size)
@@ -431,7 +432,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             keys, weight = keys[first], weight[first]
             state = {key: value[first] for key, value in state.items()}
 
-    mine = _owners(keys, layer.world_size) == layer.rank
+    mine = _owners(keys, layer.world_size, layer.owner_offset) == layer.rank
     keys, weight = keys[mine], weight[mine]
     state = {key: value[mine] for key, value in state.items()}
     dynamic = None
@@ -453,7 +454,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
                 once = _first_of_each(pending["keys"])
                 if once is not None:
                     pending = {field: value[once] for field, value in pending.items()}
-            ours = _owners(pending["keys"], layer.world_size) == layer.rank
+            ours = _owners(pending["keys"], layer.world_size, layer.owner_offset) == layer.rank
             pending = {field: value[ours] for field, value in pending.items()}
             pending["clock"] = max(int(p["clock"]) for p in pendings)
             dynamic["pending"] = pending
@@ -561,7 +562,7 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
         return
     state = {key: (value.clone() if isinstance(value, Tensor) else value) for key, value in restore.scalars.items()}
     for key, value in restore.state.items():
-        full = torch.zeros_like(layer.weight)
+        full = torch.zeros(layer.weight.shape, dtype=value.dtype, device=device)
         full[rows] = value.to(device=device, dtype=full.dtype)
         state[key] = full
     optimizer.state[layer.weight] = state

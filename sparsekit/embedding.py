@@ -335,6 +335,8 @@ class _ModelParallelEmbedding(nn.Module):
         eviction: Optional[str] = None,
         admit_after: int = 1,
         admission_capacity: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        owner_offset: int = 0,
     ) -> None:
         super().__init__()
         name = self._layer_name
@@ -375,9 +377,12 @@ class _ModelParallelEmbedding(nn.Module):
         self._config_agreed = self.world_size == 1
 
         shape = (max_vocabulary_size_per_gpu, embedding_vec_size)
+        # Key k lives on rank uint64(k + owner_offset) % world_size (0 for the SOK layers; a
+        # collection's table index, so its tables' small keys spread over the ranks).
+        self.owner_offset = owner_offset
         with allocation(f"{name}: max_vocabulary_size_per_gpu={max_vocabulary_size_per_gpu} x embedding_vec_size="
-                        f"{embedding_vec_size} (the local shard)", shape, torch.float32, device or "cpu"):
-            self.weight = nn.Parameter(torch.zeros(shape, device=device))
+                        f"{embedding_vec_size} (the local shard)", shape, dtype, device or "cpu"):
+            self.weight = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
         # The flag split_embedding_variable_from_others, the checkpoint and DDP recipes read.
         self.weight.sparsekit_model_parallel = True
         self._grad_marker = _CoalescedGradMarker()
@@ -414,7 +419,7 @@ class _ModelParallelEmbedding(nn.Module):
     def owned_keys(self) -> Tensor:
         """With ``use_hashtable=False``: the key of every local row (int64 ``[max_vocabulary_size_per_gpu]``)."""
         rows = torch.arange(self.max_vocabulary_size_per_gpu, dtype=torch.int64, device=self.weight.device)
-        return rows * self.world_size + self.rank
+        return rows * self.world_size + (self.rank - self.owner_offset) % self.world_size
 
     def initial_rows(self, keys: Tensor) -> Tensor:
         """The initializer's rows for int64 ``keys`` ``[n]``, in the weight's dtype and device."""
@@ -615,26 +620,10 @@ class _ModelParallelEmbedding(nn.Module):
                 "admit_after": self.admit_after}
 
     def _agree_on_config(self) -> None:
-        """On the first exchange: one all-gather of the configuration; a value that differs
-        between ranks raises the same error on every rank, naming it and each rank's value,
-        before any key or vector moves (a dim mismatch would otherwise abort gloo)."""
+        """On the first exchange: one all-gather of the configuration (see :func:`_agree_on_config`)."""
         if self._config_agreed:
             return
-        config = self._config()
-        # Each value's text in a fixed-width field, so every rank can print every rank's value.
-        width = 48
-        text = b"".join(str(value).encode()[:width].ljust(width, b"\0") for value in config.values())
-        mine = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(self.weight.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.process_group)
-        table = [bytes(t.cpu().tolist()) for t in gathered]
-        for column, name in enumerate(config):
-            values = [row[column * width:(column + 1) * width].rstrip(b"\0").decode(errors="replace")
-                      for row in table]
-            if len(set(values)) > 1:
-                per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
-                raise ValueError(f"{self._layer_name}: {name} differs between the ranks of the process group "
-                                 f"({per_rank}); build the layer with the same {name} on every rank")
+        _agree_on_config(self._config(), self.weight.device, self.process_group, self.world_size, self._layer_name)
         self._config_agreed = True
 
     def _may_miss(self) -> bool:
@@ -752,6 +741,25 @@ class _ModelParallelEmbedding(nn.Module):
                 f"key_dtype={self.key_dtype}, rank={self.rank}, world_size={self.world_size}"
                 + (f", eviction={self.eviction!r}" if self.eviction else "")
                 + (f", admit_after={self.admit_after}" if self.admit_after > 1 else ""))
+
+
+def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
+    """One all-gather of ``config``; a value that differs between ranks raises the same
+    error on every rank, naming it and each rank's value, before any key or vector moves
+    (a dim mismatch would otherwise abort gloo)."""
+    # Each value's text in a fixed-width field, so every rank can print every rank's value.
+    width = 48
+    text = b"".join(str(value).encode()[:width].ljust(width, b"\0") for value in config.values())
+    mine = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    table = [bytes(t.cpu().tolist()) for t in gathered]
+    for column, key in enumerate(config):
+        values = [row[column * width:(column + 1) * width].rstrip(b"\0").decode(errors="replace") for row in table]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+            raise ValueError(f"{name}: {key} differs between the ranks of the process group ({per_rank}); build "
+                             f"the layer with the same {key} on every rank")
 
 
 def _offsets_error_flags(offsets: Tensor, nnz: int) -> Tensor:

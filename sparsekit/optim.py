@@ -103,13 +103,25 @@ class LazyAdam(torch.optim.Optimizer):
                                  "it was saved by another optimizer")
             _check_hyperparameters(group, f"LazyAdam.load_state_dict (parameter group {index})")
         super().load_state_dict(state_dict)
+        # torch casts every state tensor to its parameter's dtype; a half embedding shard's
+        # moments stay float32, so take them again from the saved state, uncast.
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict.get("state", {}).items():
+            if isinstance(index, int) and 0 <= index < len(params) and _half_shard(params[index]):
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if isinstance(saved.get(name), Tensor):
+                        self.state[params[index]][name] = saved[name].to(device=params[index].device,
+                                                                         dtype=torch.float32)
 
     def _init_state(self, param: Tensor) -> Dict[str, Any]:
         state = self.state[param]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_step_dtype())
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            # A float16 / bfloat16 embedding shard keeps float32 moments (and is updated in
+            # float32, then rounded to nearest): see _lazy_adam_rows.
+            dtype = torch.float32 if _half_shard(param) else param.dtype
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
         return state
 
     @staticmethod
@@ -241,7 +253,7 @@ def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Tensor) -> No
     fresh = getattr(param, "sparsekit_fresh_rows", None)
     if fresh is None:
         return
-    keep = (~fresh.index_select(0, rows)).to(param.dtype).view((-1,) + (1,) * (param.dim() - 1))
+    keep = (~fresh.index_select(0, rows)).to(state["exp_avg"].dtype).view((-1,) + (1,) * (param.dim() - 1))
     for name in ("exp_avg", "exp_avg_sq"):
         moments = state[name]
         moments.index_copy_(0, rows, moments.index_select(0, rows) * keep)
@@ -254,12 +266,19 @@ def _lazy_adam_rows(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Te
     tensors; for a non-contiguous parameter (a column slice of a larger table, say) or
     moment, the touched rows are gathered into contiguous ``[u, ...]`` tensors, updated
     there (the same arithmetic, bit for bit) and copied back: O(u * D), never the table."""
-    if param.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous():
+    mixed = exp_avg.dtype != param.dtype  # a half shard with float32 moments
+    if not mixed and param.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous():
         ops.lazy_adam_(param, exp_avg, exp_avg_sq, rows, values, step, lr, beta1, beta2, eps, weight_decay)
         return
     rows = rows.long()
-    local = [t.index_select(0, rows) for t in (param, exp_avg, exp_avg_sq)]
-    ops.lazy_adam_(*local, torch.arange(rows.numel(), device=rows.device), values.contiguous(), step, lr, beta1,
-                   beta2, eps, weight_decay)
+    local = [t.index_select(0, rows).to(exp_avg.dtype) for t in (param, exp_avg, exp_avg_sq)]
+    ops.lazy_adam_(*local, torch.arange(rows.numel(), device=rows.device), values.contiguous().to(exp_avg.dtype),
+                   step, lr, beta1, beta2, eps, weight_decay)
     for target, updated in zip((param, exp_avg, exp_avg_sq), local):
-        target.index_copy_(0, rows, updated)
+        # .to() rounds to nearest (even) for the half shard's weight.
+        target.index_copy_(0, rows, updated.to(target.dtype))
+
+
+def _half_shard(param: Tensor) -> bool:
+    """A float16 / bfloat16 model-parallel embedding shard (its moments are float32)."""
+    return param.dtype in (torch.float16, torch.bfloat16) and bool(getattr(param, "sparsekit_model_parallel", False))

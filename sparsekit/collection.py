@@ -1,0 +1,601 @@
+"""Many tables in one lookup: ``EmbeddingBagCollection``, ``TableConfig``, ``KeyedJagged``.
+
+Every table is spread over all ranks of the collection's process group by key: the pair
+``(table, key)`` lives on rank ``uint64(key + table_index) % world_size`` (the add wraps;
+``table_index`` is the table's position in the list given to the collection), so the
+small keys of many direct-mapped tables do not all land on rank 0. Each table is one
+shard module (``ebc.shards[name]``) with the single layers' machinery: hash or direct
+rows, eviction, admission, stats, export and checkpoints (``ebc.shards[i]``, the i-th table;
+checkpoints name them by position, so keep the tables' order).
+
+One forward step on every rank, for all tables together:
+
+1. dedup the ``(table, key)`` pairs of the batch (two :func:`sparsekit.ops.unique` calls:
+   keys, then ``key_id * num_tables + table``) and bucket them by owner;
+2. one ``all_to_all_single`` of a header (per owner: pair count, error flags, train/eval
+   mode, pairs per table), so a bad input anywhere stops every rank before a key moves;
+3. one ``all_to_all_single`` of the pairs;
+4. each owner dedups what it received, looks the keys up table by table (plan, agree
+   through one status ``all_reduce``, commit, as the single layers do) and packs the
+   vectors, in float32 whatever the table's dtype, into one flat buffer (mixed dims
+   side by side);
+5. one ``all_to_all_single`` of the flat buffer back;
+6. per feature: gather its keys' vectors, weight them, and pool them per bag
+   (:func:`sparsekit.ops.segment_sum`, in float32), then cast to the table's dtype.
+
+Backward mirrors 5 with one ``all_to_all_single`` for all tables and leaves each table's
+weight a sparse gradient over the rows this rank owns.
+
+Host synchronisations per training step on CUDA (``world_size > 1``): the two local
+``unique`` calls, the feature boundaries of the input, the header, the two owner
+``unique`` calls, the owner's pairs per table, the status all-reduce, and each table's
+lookup (``HashTable.insert``: two per hash table in training; none for a direct table);
+so everything but the per-table lookups is independent of the number of tables.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import ops
+from .embedding import (
+    _BAD_KEY,
+    _BAD_OFFSETS,
+    _LOCAL_EXCEPTION,
+    _OWNER_EXCEPTION,
+    _TABLE_FULL,
+    KeySeededUniform,
+    _agree_on_config,
+    _AllToAll,
+    _all_to_all_rows,
+    _CoalescedGradMarker,
+    _GatherRows,
+    _ModelParallelEmbedding,
+    _resolve_group,
+)
+from .checkpoint import _owners
+from .hashtable import HashTableFullError
+
+__all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection"]
+
+_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class TableConfig:
+    """One table of an :class:`EmbeddingBagCollection`.
+
+    Args:
+        name: the table's name (unique in the collection).
+        embedding_dim: width of its vectors.
+        capacity: per rank: keys of its hash table, or rows with ``use_hashtable=False``
+            (keys then lie in ``[0, capacity * world_size)``).
+        features: names of the features that read this table (several may share it).
+        combiner: ``"sum"`` or ``"mean"`` (the weighted sum divided by the bag's length).
+        dtype: ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``: the weight's
+            dtype. Pooling and the exchange run in float32; :class:`sparsekit.LazyAdam`
+            keeps float32 moments and rounds the updated rows to nearest.
+        use_hashtable, eviction, admit_after: as for :class:`sparsekit.DistributedEmbedding`.
+        initializer: ``(keys int64 [n], dim) -> [n, dim]``; None: :class:`KeySeededUniform`
+            seeded by the table's name, so the same key in two tables starts with
+            independent vectors.
+    """
+
+    def __init__(self, name: str, embedding_dim: int, capacity: int, features: Sequence[str], combiner: str = "sum",
+                 dtype: torch.dtype = torch.float32, use_hashtable: bool = True, eviction: Optional[str] = None,
+                 admit_after: int = 1, initializer: Optional[Callable[[Tensor, int], Tensor]] = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"TableConfig: name must be a non-empty str, got {name!r}")
+        if not _positive_int(embedding_dim):
+            raise ValueError(f"TableConfig {name!r}: embedding_dim must be a positive int, got {embedding_dim!r}")
+        if not _positive_int(capacity):
+            raise ValueError(f"TableConfig {name!r}: capacity must be a positive int, got {capacity!r}")
+        if isinstance(features, str) or not isinstance(features, (list, tuple)) or not features \
+                or not all(isinstance(f, str) and f for f in features):
+            raise ValueError(f"TableConfig {name!r}: features must be a non-empty list of feature names, "
+                             f"got {features!r}")
+        if len(set(features)) != len(features):
+            raise ValueError(f"TableConfig {name!r}: features names a feature twice: {list(features)}")
+        if combiner not in ("sum", "mean"):
+            raise ValueError(f"TableConfig {name!r}: combiner must be 'sum' or 'mean', got {combiner!r}")
+        if dtype not in _TABLE_DTYPES:
+            raise TypeError(f"TableConfig {name!r}: dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                            f"got {dtype}")
+        if initializer is not None and not callable(initializer):
+            raise TypeError(f"TableConfig {name!r}: initializer must be callable or None")
+        self.name, self.embedding_dim, self.capacity = name, embedding_dim, capacity
+        self.features = list(features)
+        self.combiner, self.dtype, self.use_hashtable = combiner, dtype, bool(use_hashtable)
+        self.eviction, self.admit_after, self.initializer = eviction, admit_after, initializer
+
+    def __repr__(self) -> str:
+        return (f"TableConfig(name={self.name!r}, embedding_dim={self.embedding_dim}, capacity={self.capacity}, "
+                f"features={self.features}, combiner={self.combiner!r}, dtype={self.dtype}, "
+                f"use_hashtable={self.use_hashtable}, eviction={self.eviction!r}, admit_after={self.admit_after})")
+
+
+class KeyedJagged:
+    """TorchRec's ``KeyedJaggedTensor`` layout: bags of keys per feature, feature-major.
+
+    Args:
+        keys: the feature names, in order.
+        values: int64 or int32 ``[nnz]``: every bag's keys one after the other, the bags
+            ordered feature-major (every sample of feature 0, then feature 1, ...).
+        lengths: int ``[len(keys) * B]``, the bag sizes; or
+        offsets: int ``[len(keys) * B + 1]``, ``offsets[0] == 0``, ``offsets[-1] == nnz``.
+        weights: optional float ``[nnz]``, one per value (multiplied into its vector).
+
+    Example::
+
+        kjt = KeyedJagged(["user", "item"], torch.tensor([7, 8, 9, 3]),
+                          lengths=torch.tensor([2, 0, 1, 1]))   # B = 2: user bags [7, 8], [];
+                                                                # item bags [9], [3]
+    """
+
+    def __init__(self, keys: Sequence[str], values: Tensor, lengths: Optional[Tensor] = None,
+                 offsets: Optional[Tensor] = None, weights: Optional[Tensor] = None) -> None:
+        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"KeyedJagged: keys must be a list of feature names, got {keys!r}")
+        if not isinstance(values, Tensor):
+            raise TypeError(f"KeyedJagged: values must be a tensor, got {type(values).__name__}")
+        if lengths is None and offsets is None:
+            raise ValueError("KeyedJagged: give lengths or offsets")
+        for arg, value in (("lengths", lengths), ("offsets", offsets)):
+            if value is not None and (not isinstance(value, Tensor) or value.dim() != 1
+                                      or value.dtype not in (torch.int64, torch.int32)):
+                raise TypeError(f"KeyedJagged: {arg} must be a 1-D int64 or int32 tensor")
+        if weights is not None and (not isinstance(weights, Tensor) or not weights.is_floating_point()):
+            raise TypeError("KeyedJagged: weights must be a float tensor or None")
+        self._keys, self._values, self._lengths, self._offsets, self._weights = \
+            list(keys), values, lengths, offsets, weights
+
+    def keys(self) -> List[str]:
+        return self._keys
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def lengths(self) -> Tensor:
+        if self._lengths is None:
+            self._lengths = self._offsets[1:] - self._offsets[:-1]
+        return self._lengths
+
+    def offsets(self) -> Tensor:
+        if self._offsets is None:
+            offsets = torch.zeros(self._lengths.numel() + 1, dtype=torch.int64, device=self._lengths.device)
+            torch.cumsum(self._lengths.long(), 0, out=offsets[1:])
+            self._offsets = offsets
+        return self._offsets
+
+    def weights_or_none(self) -> Optional[Tensor]:
+        return self._weights
+
+    def stride(self) -> int:
+        """The batch size ``B``."""
+        bags = self.lengths().numel()
+        return bags // len(self._keys) if self._keys else 0
+
+    def __repr__(self) -> str:
+        return f"KeyedJagged(keys={self._keys}, nnz={self._values.numel()}, batch={self.stride()})"
+
+
+def _read_input(kjt: Any) -> Tuple[List[str], Tensor, Tensor, Optional[Tensor]]:
+    """(feature names, values, int64 offsets, weights or None) of a KeyedJagged or any
+    object with TorchRec's KeyedJaggedTensor methods."""
+    for method in ("keys", "values"):
+        if not callable(getattr(kjt, method, None)):
+            raise TypeError(f"EmbeddingBagCollection: the input must be a sk.KeyedJagged (or a TorchRec "
+                            f"KeyedJaggedTensor), got {type(kjt).__name__} without {method}()")
+    features = list(kjt.keys())
+    values = kjt.values()
+    if callable(getattr(kjt, "offsets", None)):
+        offsets = kjt.offsets()
+    elif callable(getattr(kjt, "lengths", None)):
+        lengths = kjt.lengths()
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths.long(), 0, out=offsets[1:])
+    else:
+        raise TypeError("EmbeddingBagCollection: the input has neither offsets() nor lengths()")
+    weights = kjt.weights_or_none() if callable(getattr(kjt, "weights_or_none", None)) else None
+    return features, values, offsets, weights
+
+
+class _TableShard(_ModelParallelEmbedding):
+    """One table of a collection on this rank: its weight shard, hash table, admissions."""
+
+    def __init__(self, config: TableConfig, index: int, process_group, device) -> None:
+        object.__setattr__(self, "_layer_name", f"EmbeddingBagCollection table {config.name!r}")
+        initializer = config.initializer if config.initializer is not None else \
+            KeySeededUniform(seed=zlib.crc32(config.name.encode()))
+        super().__init__(config.capacity, config.embedding_dim, config.use_hashtable, torch.int64, initializer,
+                         process_group, device, config.eviction, config.admit_after, None, config.dtype, index)
+        self.config = config
+
+    def _config(self) -> Dict[str, object]:
+        return {**super()._config(), "table": self.config.name, "features": ",".join(self.config.features),
+                "combiner": self.config.combiner}
+
+    def _plan(self, keys: Tensor) -> Any:
+        """What this table does for its distinct owned keys this step (may raise; changes nothing)."""
+        if self.hash_table is None:
+            return self._direct_rows(keys)
+        if not self.training:
+            return self.hash_table.find(keys)
+        return self._plan_lookup(keys)
+
+    def _commit(self, plan: Any) -> Tensor:
+        return plan if isinstance(plan, Tensor) else self._commit_lookup(plan)
+
+
+class _LookupFloat32(torch.autograd.Function):
+    """Rows of a shard as float32 (any weight dtype), missing rows (-1) read as zeros; the
+    weight gradient is summed in float32, then cast, and arrives coalesced."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, rows: Tensor, marker: _CoalescedGradMarker) -> Tensor:
+        sorted_rows, order = torch.sort(rows)
+        slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+        ctx.save_for_backward(sorted_rows, slot)
+        ctx.weight_shape, ctx.weight_dtype, ctx.marker = weight.shape, weight.dtype, marker
+        found = rows >= 0
+        vectors = weight.index_select(0, torch.where(found, rows, 0)).float()
+        return vectors.masked_fill_(~found.unsqueeze(1), 0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        sorted_rows, slot = ctx.saved_tensors
+        values = ops.segment_sum(grad.float().contiguous(), slot, sorted_rows.numel())
+        found = sorted_rows >= 0
+        sorted_rows, values = sorted_rows[found], values[found].to(ctx.weight_dtype)
+        weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
+                                              is_coalesced=True, check_invariants=False)
+        ctx.marker.produced(values)
+        return weight_grad, None, None
+
+
+def _element_index(starts: Tensor, dims: Tensor, total: int) -> Tensor:
+    """Flat element positions of consecutive vectors: vector j (``dims[j]`` elements) comes
+    from ``starts[j] ..`` of a source buffer; ``total = dims.sum()`` (known on the host)."""
+    out_starts = torch.cumsum(dims, 0) - dims
+    return torch.repeat_interleave(starts - out_starts, dims, output_size=total) + \
+        torch.arange(total, dtype=torch.int64, device=dims.device)
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Many pooled embedding tables behind one fused, model-parallel lookup per step.
+
+    Args:
+        tables: the :class:`TableConfig` of each table (names distinct, each feature read
+            by one table).
+        process_group: the group to shard over; None: the default group when
+            torch.distributed is initialised, else none (one process).
+        device: where the shards live.
+
+    Forward:
+        A :class:`KeyedJagged` (or TorchRec ``KeyedJaggedTensor``-like object) ->
+        ``{feature: [B, embedding_dim]}`` in the table's dtype, in the order of
+        ``kjt.keys()``. Features no table reads raise; tables whose features are absent
+        from a batch are fine. Every rank of the group must call forward (and backward)
+        the same number of times.
+
+    Example::
+
+        ebc = sk.EmbeddingBagCollection([
+            sk.TableConfig("users", 16, 100_000, ["user_id"]),
+            sk.TableConfig("items", 64, 10_000, ["item_id", "last_item"], dtype=torch.bfloat16),
+        ])
+        kjt = sk.KeyedJagged(["user_id", "item_id"], values, lengths=lengths)
+        pooled = ebc(kjt)            # {"user_id": [B, 16] float32, "item_id": [B, 64] bfloat16}
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], process_group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[Union[torch.device, str]] = None) -> None:
+        super().__init__()
+        if isinstance(tables, TableConfig) or not isinstance(tables, (list, tuple)) or not tables \
+                or not all(isinstance(t, TableConfig) for t in tables):
+            raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EmbeddingBagCollection: table names must be distinct, got {names}")
+        self.tables = list(tables)
+        self._feature_table: Dict[str, int] = {}
+        for index, table in enumerate(self.tables):
+            for feature in table.features:
+                if feature in self._feature_table:
+                    raise ValueError(f"EmbeddingBagCollection: feature {feature!r} is read by tables "
+                                     f"{self.tables[self._feature_table[feature]].name!r} and {table.name!r}; "
+                                     "a feature reads one table (several features may share one)")
+                self._feature_table[feature] = index
+        self.process_group, self.world_size, self.rank = _resolve_group(process_group)
+        # A list, not a ModuleDict: a table may be called "items" or "a.b".
+        self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device) for i, t in enumerate(self.tables)])
+        self._shards: List[_TableShard] = list(self.shards)
+        self._by_name = {t.name: shard for t, shard in zip(self.tables, self._shards)}
+        self._config_agreed = self.world_size == 1
+
+    # -- per-table access ----------------------------------------------------------------------
+
+    @property
+    def weights(self) -> Dict[str, nn.Parameter]:
+        """``{table name: its local shard}`` (model-parallel embedding variables)."""
+        return {name: shard.weight for name, shard in self._by_name.items()}
+
+    def _shard(self, table_name: str) -> _TableShard:
+        if table_name not in self._by_name:
+            raise KeyError(f"EmbeddingBagCollection: no table {table_name!r}; tables: {list(self._by_name)}")
+        return self._by_name[table_name]
+
+    def stats(self, table_name: str) -> Dict[str, int]:
+        """The table's ``size``, ``capacity``, ``evicted``, ``admitted`` and ``pending``,
+        summed over ranks (a collective under a process group)."""
+        return self._shard(table_name).stats()
+
+    def export(self, table_name: str, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """This rank's keys of the table and their vectors (in the table's dtype); see
+        :meth:`sparsekit.DistributedEmbedding.export`."""
+        return self._shard(table_name).export(min_last_seen)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, kjt: Any) -> Dict[str, Tensor]:
+        device = self._shards[0].weight.device
+        num_tables = len(self._shards)
+        error: Optional[BaseException] = None
+        prepared = None
+        flags = torch.zeros((), dtype=torch.int64, device=device)
+        try:
+            prepared = self._prepare(kjt, device)
+            flags = prepared["flags"]
+        except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised
+            error = exc
+
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            self._raise_for_flags(int(flags.item()), prepared)
+            pair_keys, pair_tables = prepared["pair_keys"], prepared["pair_tables"]
+            dims = [shard.embedding_vec_size for shard in self._shards]
+            total = sum(n * d for n, d in zip(prepared["pairs_per_table"], dims))
+            received = self._owner_lookup(pair_keys, pair_tables, total)
+            send_positions = torch.arange(pair_keys.numel(), device=device)
+            return self._pool(prepared, received, send_positions, device)
+
+        if not self._config_agreed:
+            config: Dict[str, object] = {"tables": ",".join(t.name for t in self.tables)}
+            for shard in self._shards:
+                config.update({f"{shard.config.name}.{key}": value for key, value in shard._config().items()})
+            _agree_on_config(config, device, self.process_group, self.world_size, "EmbeddingBagCollection")
+            self._config_agreed = True
+        world = self.world_size
+        if error is None:
+            owners = prepared["owners"]
+            # Pairs per (owner, table), and the pairs in owner order (a stable sort).
+            per_table = torch.bincount(owners * num_tables + prepared["pair_tables"],
+                                       minlength=world * num_tables).view(world, num_tables)
+            order = torch.sort(owners, stable=True).indices
+            send_positions = torch.empty_like(order).index_copy_(
+                0, order, torch.arange(order.numel(), device=device))
+            send_pairs = torch.stack([prepared["pair_keys"], prepared["pair_tables"]], dim=1).index_select(0, order)
+        else:
+            per_table = torch.zeros(world, num_tables, dtype=torch.int64, device=device)
+            flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
+        mode = torch.full((world, 1), int(self.training), dtype=torch.int64, device=device)
+        send_header = torch.cat([per_table.sum(1, keepdim=True), flags.expand(world, 1), mode, per_table], dim=1)
+        recv_header = torch.empty_like(send_header)
+        dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
+        header = torch.cat([send_header, recv_header]).tolist()
+        sent, got = header[:world], header[world:]
+        peer_flags = [row[1] for row in got]
+        if any(peer_flags):
+            if error is not None:
+                raise error
+            self._raise_for_flags(peer_flags[self.rank], prepared)
+            failed = [rank for rank, flag in enumerate(peer_flags) if flag]
+            raise RuntimeError(f"EmbeddingBagCollection: rank(s) {failed} of the process group rejected their "
+                               "input (see the error on those ranks); no rank went on with this step")
+        if len({row[2] for row in got}) > 1:
+            evaluating = [rank for rank, row in enumerate(got) if not row[2]]
+            raise RuntimeError(f"EmbeddingBagCollection: rank(s) {evaluating} are in eval() mode and the others "
+                               "in train() mode; switch the collection's mode on every rank alike")
+        dims = [shard.embedding_vec_size for shard in self._shards]
+        send_splits, recv_splits = [row[0] for row in sent], [row[0] for row in got]
+        send_elements = [sum(n * d for n, d in zip(row[3:], dims)) for row in sent]
+        recv_elements = [sum(n * d for n, d in zip(row[3:], dims)) for row in got]
+        recv_pairs = _all_to_all_rows(send_pairs, recv_splits, send_splits, self.process_group)
+        owned = self._owner_lookup(recv_pairs[:, 0], recv_pairs[:, 1], sum(recv_elements))
+        received = _AllToAll.apply(owned, send_elements, recv_elements, self.process_group)
+        return self._pool(prepared, received, send_positions, device)
+
+    def _prepare(self, kjt: Any, device: torch.device) -> Dict[str, Any]:
+        """Reads and checks this rank's input; dedups its (table, key) pairs."""
+        features, values, offsets, weights = _read_input(kjt)
+        unknown = [f for f in features if f not in self._feature_table]
+        if unknown:
+            raise ValueError(f"EmbeddingBagCollection: no table reads feature(s) {unknown}; tables read "
+                             f"{sorted(self._feature_table)}")
+        if len(set(features)) != len(features):
+            raise ValueError(f"EmbeddingBagCollection: the input names a feature twice: {features}")
+        if not isinstance(values, Tensor) or values.dtype not in (torch.int64, torch.int32) or values.dim() != 1:
+            raise TypeError("EmbeddingBagCollection: values must be a 1-D int64 or int32 tensor")
+        if values.device != device or offsets.device != device:
+            raise RuntimeError(f"EmbeddingBagCollection: the input is on {values.device} but the collection is on "
+                               f"{device}; move it with .to()")
+        num_features = len(features)
+        num_bags = offsets.numel() - 1
+        if num_features == 0:
+            if num_bags > 0 or values.numel() > 0:
+                raise ValueError("EmbeddingBagCollection: an input without features must be empty")
+            batch = 0
+        else:
+            if num_bags < 0 or num_bags % num_features != 0:
+                raise ValueError(f"EmbeddingBagCollection: {num_bags} bags do not split into {num_features} "
+                                 "features of equal batch size (lengths must be [len(keys) * B])")
+            batch = num_bags // num_features
+        if weights is not None and (weights.shape != values.shape or weights.device != device):
+            raise ValueError(f"EmbeddingBagCollection: weights must be [nnz] = [{values.numel()}] on {device}, "
+                             f"got {tuple(weights.shape)} on {weights.device}")
+        offsets = offsets.long()
+        nnz = values.numel()
+        bad_offsets = (offsets[0] != 0) | (offsets[-1] != nnz)
+        if num_bags > 0:
+            bad_offsets = bad_offsets | (offsets[1:] < offsets[:-1]).any()
+        flags = bad_offsets.long() * _BAD_OFFSETS
+        # Feature boundaries in the values (one host read for every feature).
+        bounds = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
+        if len(bounds) != num_features + 1 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[0] != 0 \
+                or bounds[-1] != nnz:
+            flags = flags | _BAD_OFFSETS
+            bounds = [0] * (num_features + 1)
+            keys = values.new_empty(0).long()
+        else:
+            keys = values.long()
+        table_of_feature = [self._feature_table[f] for f in features]
+        counts = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.int64)
+        pair_table_of_value = torch.repeat_interleave(torch.tensor(table_of_feature, dtype=torch.int64),
+                                                      counts, output_size=keys.numel()).to(device)
+        num_tables = len(self._shards)
+        if keys.numel() > 0:
+            unique_keys, key_id = ops.unique(keys)
+            pair_ids, pair_of_value = ops.unique(key_id * num_tables + pair_table_of_value)
+            pair_keys = unique_keys.index_select(0, torch.div(pair_ids, num_tables, rounding_mode="floor"))
+            pair_tables = torch.remainder(pair_ids, num_tables)
+        else:
+            pair_keys = pair_tables = pair_of_value = torch.zeros(0, dtype=torch.int64, device=device)
+        # Direct-mapped tables: keys must lie in [0, capacity * world_size).
+        limits = torch.tensor([-1 if s.hash_table is not None else s.num_keys_capacity for s in self._shards],
+                              dtype=torch.int64, device=device)
+        if bool((limits >= 0).any()) and pair_keys.numel() > 0:
+            limit = limits.index_select(0, pair_tables)
+            bad = (limit >= 0) & ((pair_keys < 0) | (pair_keys >= limit))
+            flags = flags | (bad.any().long() * _BAD_KEY)
+        owners = _owners(pair_keys, self.world_size, pair_tables) if self.world_size > 1 else None
+        # One process: the pairs per table size the flat buffer (one host read).
+        pairs_per_table = torch.bincount(pair_tables, minlength=num_tables).tolist() if self.world_size == 1 else None
+        return {"pairs_per_table": pairs_per_table, "features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "weights": weights,
+                "table_of_feature": table_of_feature, "pair_keys": pair_keys, "pair_tables": pair_tables,
+                "pair_of_value": pair_of_value, "flags": flags, "owners": owners}
+
+    def _raise_for_flags(self, flags: int, prepared: Optional[Dict[str, Any]]) -> None:
+        if flags & _BAD_OFFSETS:
+            raise ValueError("EmbeddingBagCollection: offsets must start at 0, never decrease and end at "
+                             "len(values) (lengths must be >= 0 and sum to len(values))")
+        if flags & _BAD_KEY:
+            keys, tables = prepared["pair_keys"], prepared["pair_tables"]
+            for index, shard in enumerate(self._shards):
+                if shard.hash_table is not None:
+                    continue
+                mine = keys[tables == index]
+                bad = mine[(mine < 0) | (mine >= shard.num_keys_capacity)]
+                if bad.numel() > 0:
+                    raise ValueError(
+                        f"EmbeddingBagCollection: key {bad[0].item()} of table {shard.config.name!r} is out of range: "
+                        f"with use_hashtable=False keys must lie in [0, capacity * world_size) = "
+                        f"[0, {shard.num_keys_capacity})")
+
+    def _owner_lookup(self, keys: Tensor, tables: Tensor, total: int) -> Tensor:
+        """The owner's part: float32 vectors of the received (key, table) pairs, packed flat
+        in the order received (each pair's ``embedding_dim`` elements side by side);
+        ``total`` elements in all (known on the host)."""
+        device = keys.device
+        num_tables = len(self._shards)
+        dims = torch.tensor([s.embedding_vec_size for s in self._shards], dtype=torch.int64, device=device)
+        if keys.numel() == 0:
+            owned_keys = owned_tables = owned_of_received = keys.new_zeros(0)
+        else:
+            unique_keys, key_id = ops.unique(keys)
+            pair_ids, owned_of_received = ops.unique(key_id * num_tables + tables)
+            owned_keys = unique_keys.index_select(0, torch.div(pair_ids, num_tables, rounding_mode="floor"))
+            owned_tables = torch.remainder(pair_ids, num_tables)
+        by_table = torch.sort(owned_tables, stable=True).indices
+        counts = torch.bincount(owned_tables, minlength=num_tables).tolist()
+        # Plan every table's lookup, agree across ranks, then commit: a failure anywhere
+        # changes no table on any rank.
+        plans: List[Any] = []
+        error: Optional[BaseException] = None
+        start = 0
+        segments = []
+        for shard, count in zip(self._shards, counts):
+            segment = by_table[start:start + count]
+            segments.append(segment)
+            start += count
+            if error is not None:
+                plans.append(None)
+                continue
+            try:
+                plans.append(shard._plan(owned_keys.index_select(0, segment)) if count > 0 else None)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+                error = exc
+                plans.append(None)
+        training_tables = self.training and any(s.hash_table is not None for s in self._shards)
+        if self.world_size > 1 and training_tables:
+            kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
+            status = torch.tensor([0 if error is None else (self.rank + 1) * 4 + kind], dtype=torch.int64,
+                                  device=device)
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
+            word = int(status.item())
+            if word != 0:
+                if error is not None:
+                    raise error
+                failed_rank, failed_kind = word // 4 - 1, word % 4
+                what = "a hash table is full" if failed_kind == _TABLE_FULL else "the lookup failed"
+                raise (HashTableFullError if failed_kind == _TABLE_FULL else RuntimeError)(
+                    f"EmbeddingBagCollection: on rank {failed_rank} {what} (see the error there); no rank went on "
+                    "with this step")
+        elif error is not None:
+            raise error
+        table_major = []
+        for shard, plan in zip(self._shards, plans):
+            if plan is None:
+                continue
+            rows = shard._commit(plan)
+            table_major.append(_LookupFloat32.apply(shard.weight, rows, shard._grad_marker).reshape(-1))
+        flat = torch.cat(table_major) if table_major else torch.zeros(0, device=device)
+        # Each owned pair's first element in the table-major buffer, then the received order.
+        owned_dims = dims.index_select(0, owned_tables.index_select(0, by_table))
+        sorted_starts = torch.cumsum(owned_dims, 0) - owned_dims
+        starts = torch.empty_like(sorted_starts).index_copy_(0, by_table, sorted_starts)
+        received_dims = dims.index_select(0, tables)
+        index = _element_index(starts.index_select(0, owned_of_received), received_dims, total)
+        return _GatherRows.apply(flat.view(-1, 1), index).view(-1)
+
+    def _pool(self, prepared: Dict[str, Any], received: Tensor, send_positions: Tensor,
+              device: torch.device) -> Dict[str, Tensor]:
+        """Per feature: gather its values' vectors from the flat buffer and pool them per bag."""
+        dims = torch.tensor([s.embedding_vec_size for s in self._shards], dtype=torch.int64, device=device)
+        pair_tables, pair_of_value = prepared["pair_tables"], prepared["pair_of_value"]
+        # Each local pair's first element in the buffer, which holds the pairs in send order.
+        send_dims = torch.empty_like(pair_tables).index_copy_(0, send_positions, dims.index_select(0, pair_tables))
+        send_starts = torch.cumsum(send_dims, 0) - send_dims
+        pair_starts = send_starts.index_select(0, send_positions)
+        batch, bounds, offsets, weights = prepared["batch"], prepared["bounds"], prepared["offsets"], \
+            prepared["weights"]
+        rows = received.view(-1, 1)
+        out: Dict[str, Tensor] = {}
+        for f, feature in enumerate(prepared["features"]):
+            shard = self._shards[prepared["table_of_feature"][f]]
+            dim = shard.embedding_vec_size
+            begin, end = bounds[f], bounds[f + 1]
+            starts = pair_starts.index_select(0, pair_of_value[begin:end])
+            index = (starts.unsqueeze(1) + torch.arange(dim, device=device)).reshape(-1)
+            vectors = _GatherRows.apply(rows, index).view(-1, dim)
+            if weights is not None:
+                vectors = vectors * weights[begin:end].float().unsqueeze(1)
+            feature_offsets = offsets[f * batch:(f + 1) * batch + 1] - begin
+            lengths = feature_offsets[1:] - feature_offsets[:-1]
+            bag = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=end - begin)
+            pooled = ops.segment_sum(vectors, bag, batch)
+            if shard.config.combiner == "mean":
+                pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+            out[feature] = pooled.to(shard.weight.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"tables={[t.name for t in self.tables]}, rank={self.rank}, world_size={self.world_size}"
