@@ -56,6 +56,7 @@ from .embedding import (
     _CoalescedGradMarker,
     _GatherRows,
     _ModelParallelEmbedding,
+    _PoolRows,
     _resolve_group,
 )
 from .checkpoint import _owners
@@ -236,14 +237,14 @@ class _TableShard(_ModelParallelEmbedding):
 
 
 class _LookupFloat32(torch.autograd.Function):
-    """Rows of a shard as float32 (any weight dtype), missing rows (-1) read as zeros; the
-    weight gradient is summed in float32, then cast, and arrives coalesced."""
+    """Rows of a shard as float32 (any weight dtype), missing rows (-1) read as zeros. The
+    rows asked for are distinct (the owner dedups its pairs), so the weight gradient is the
+    output gradient reordered by row: no sum, cast to the weight's dtype, coalesced."""
 
     @staticmethod
     def forward(ctx, weight: Tensor, rows: Tensor, marker: _CoalescedGradMarker) -> Tensor:
         sorted_rows, order = torch.sort(rows)
-        slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-        ctx.save_for_backward(sorted_rows, slot)
+        ctx.save_for_backward(sorted_rows, order)
         ctx.weight_shape, ctx.weight_dtype, ctx.marker = weight.shape, weight.dtype, marker
         found = rows >= 0
         vectors = weight.index_select(0, torch.where(found, rows, 0)).float()
@@ -251,22 +252,13 @@ class _LookupFloat32(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        sorted_rows, slot = ctx.saved_tensors
-        values = ops.segment_sum(grad.float().contiguous(), slot, sorted_rows.numel())
+        sorted_rows, order = ctx.saved_tensors
         found = sorted_rows >= 0
-        sorted_rows, values = sorted_rows[found], values[found].to(ctx.weight_dtype)
-        weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
+        values = grad.index_select(0, order[found]).to(ctx.weight_dtype)
+        weight_grad = torch.sparse_coo_tensor(sorted_rows[found].unsqueeze(0), values, ctx.weight_shape,
                                               is_coalesced=True, check_invariants=False)
         ctx.marker.produced(values)
         return weight_grad, None, None
-
-
-def _element_index(starts: Tensor, dims: Tensor, total: int) -> Tensor:
-    """Flat element positions of consecutive vectors: vector j (``dims[j]`` elements) comes
-    from ``starts[j] ..`` of a source buffer; ``total = dims.sum()`` (known on the host)."""
-    out_starts = torch.cumsum(dims, 0) - dims
-    return torch.repeat_interleave(starts - out_starts, dims, output_size=total) + \
-        torch.arange(total, dtype=torch.int64, device=dims.device)
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -319,6 +311,14 @@ class EmbeddingBagCollection(nn.Module):
         self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device) for i, t in enumerate(self.tables)])
         self._shards: List[_TableShard] = list(self.shards)
         self._by_name = {t.name: shard for t, shard in zip(self.tables, self._shards)}
+        # Tables of one dim are pooled together: one gather + segment_sum per dim, not per table.
+        groups: Dict[int, List[int]] = {}
+        for index, table in enumerate(self.tables):
+            groups.setdefault(table.embedding_dim, []).append(index)
+        self._groups = list(groups.values())
+        self._group_of = {t: g for g, members in enumerate(self._groups) for t in members}
+        sequence = [t for members in self._groups for t in members]
+        self._sequence_position = torch.tensor([sequence.index(t) for t in range(len(self.tables))])
         self._config_agreed = self.world_size == 1
 
     # -- per-table access ----------------------------------------------------------------------
@@ -347,7 +347,7 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         device = self._shards[0].weight.device
-        num_tables = len(self._shards)
+        num_tables, world = len(self._shards), self.world_size
         error: Optional[BaseException] = None
         prepared = None
         flags = torch.zeros((), dtype=torch.int64, device=device)
@@ -357,38 +357,30 @@ class EmbeddingBagCollection(nn.Module):
         except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised
             error = exc
 
-        if self.world_size == 1:
+        if world == 1:
             if error is not None:
                 raise error
             self._raise_for_flags(int(flags.item()), prepared)
-            pair_keys, pair_tables = prepared["pair_keys"], prepared["pair_tables"]
-            dims = [shard.embedding_vec_size for shard in self._shards]
-            total = sum(n * d for n, d in zip(prepared["pairs_per_table"], dims))
-            received = self._owner_lookup(pair_keys, pair_tables, total)
-            send_positions = torch.arange(pair_keys.numel(), device=device)
-            return self._pool(prepared, received, send_positions, device)
+            counts = [prepared["pairs_per_table"]]
+            per_group = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True)
+            return self._pool(prepared, per_group, counts)
 
         if not self._config_agreed:
             config: Dict[str, object] = {"tables": ",".join(t.name for t in self.tables)}
             for shard in self._shards:
                 config.update({f"{shard.config.name}.{key}": value for key, value in shard._config().items()})
-            _agree_on_config(config, device, self.process_group, self.world_size, "EmbeddingBagCollection")
+            _agree_on_config(config, device, self.process_group, world, "EmbeddingBagCollection")
             self._config_agreed = True
-        world = self.world_size
         if error is None:
-            owners = prepared["owners"]
-            # Pairs per (owner, table), and the pairs in owner order (a stable sort).
-            per_table = torch.bincount(owners * num_tables + prepared["pair_tables"],
-                                       minlength=world * num_tables).view(world, num_tables)
-            order = torch.sort(owners, stable=True).indices
-            send_positions = torch.empty_like(order).index_copy_(
-                0, order, torch.arange(order.numel(), device=device))
-            send_pairs = torch.stack([prepared["pair_keys"], prepared["pair_tables"]], dim=1).index_select(0, order)
+            per_owner_table = prepared["per_owner_table"]
         else:
-            per_table = torch.zeros(world, num_tables, dtype=torch.int64, device=device)
+            per_owner_table = torch.zeros(world, num_tables, dtype=torch.int64, device=device)
             flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
+        # Per owner: pair count, error flags, train/eval mode, then pairs per table. One host
+        # read gives every split size and every rank's verdict.
         mode = torch.full((world, 1), int(self.training), dtype=torch.int64, device=device)
-        send_header = torch.cat([per_table.sum(1, keepdim=True), flags.expand(world, 1), mode, per_table], dim=1)
+        send_header = torch.cat([per_owner_table.sum(1, keepdim=True), flags.expand(world, 1), mode,
+                                 per_owner_table], dim=1)
         recv_header = torch.empty_like(send_header)
         dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
         header = torch.cat([send_header, recv_header]).tolist()
@@ -406,13 +398,58 @@ class EmbeddingBagCollection(nn.Module):
             raise RuntimeError(f"EmbeddingBagCollection: rank(s) {evaluating} are in eval() mode and the others "
                                "in train() mode; switch the collection's mode on every rank alike")
         dims = [shard.embedding_vec_size for shard in self._shards]
-        send_splits, recv_splits = [row[0] for row in sent], [row[0] for row in got]
-        send_elements = [sum(n * d for n, d in zip(row[3:], dims)) for row in sent]
-        recv_elements = [sum(n * d for n, d in zip(row[3:], dims)) for row in got]
-        recv_pairs = _all_to_all_rows(send_pairs, recv_splits, send_splits, self.process_group)
-        owned = self._owner_lookup(recv_pairs[:, 0], recv_pairs[:, 1], sum(recv_elements))
-        received = _AllToAll.apply(owned, send_elements, recv_elements, self.process_group)
-        return self._pool(prepared, received, send_positions, device)
+        sent_counts, got_counts = [row[3:] for row in sent], [row[3:] for row in got]
+        send_pairs = torch.stack([prepared["send_keys"], prepared["send_tables"]], dim=1)
+        recv_pairs = _all_to_all_rows(send_pairs, [row[0] for row in got], [row[0] for row in sent],
+                                      self.process_group)
+        per_group = self._owner_lookup(recv_pairs[:, 0], recv_pairs[:, 1], got_counts, unique=False)
+        # The vectors go back in the pairs' order: per source rank, table by table.
+        flat = self._pack(per_group, got_counts)
+        send_elements = [sum(n * d for n, d in zip(row, dims)) for row in sent_counts]
+        recv_elements = [sum(n * d for n, d in zip(row, dims)) for row in got_counts]
+        back = _AllToAll.apply(flat, send_elements, recv_elements, self.process_group)
+        return self._pool(prepared, self._unpack(back, sent_counts), sent_counts)
+
+    def _table_offsets(self, counts: List[List[int]]) -> List[int]:
+        """Row of each table's first pair in its dim group's block (tables of a group
+        stacked in group order, each with ``sum_s counts[s][t]`` rows)."""
+        offsets = [0] * len(self._shards)
+        for members in self._groups:
+            start = 0
+            for t in members:
+                offsets[t] = start
+                start += sum(row[t] for row in counts)
+        return offsets
+
+    def _pack(self, per_group: List[Optional[Tensor]], counts: List[List[int]]) -> Tensor:
+        """One flat float32 buffer: for each rank s, for each table t, the ``counts[s][t]``
+        rows of that rank in table t's part of its dim group's block."""
+        device = self._shards[0].weight.device
+        starts = self._table_offsets(counts)
+        pieces = []
+        for row in counts:
+            for t, n in enumerate(row):
+                if n > 0:
+                    pieces.append(per_group[self._group_of[t]][starts[t]:starts[t] + n].reshape(-1))
+                    starts[t] += n
+        return torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+
+    def _unpack(self, flat: Tensor, counts: List[List[int]]) -> List[Optional[Tensor]]:
+        """The inverse of :meth:`_pack`: per dim group, its tables' rows (table after table
+        in group order, each rank after rank), ``[rows, dim]``."""
+        dims = [shard.embedding_vec_size for shard in self._shards]
+        blocks: List[List[Tensor]] = [[] for _ in dims]
+        start = 0
+        for row in counts:
+            for t, n in enumerate(row):
+                if n > 0:
+                    blocks[t].append(flat[start:start + n * dims[t]].view(n, dims[t]))
+                    start += n * dims[t]
+        out: List[Optional[Tensor]] = []
+        for members in self._groups:
+            parts = [block for t in members for block in blocks[t]]
+            out.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
+        return out
 
     def _prepare(self, kjt: Any, device: torch.device) -> Dict[str, Any]:
         """Reads and checks this rank's input; dedups its (table, key) pairs."""
@@ -450,8 +487,9 @@ class EmbeddingBagCollection(nn.Module):
         flags = bad_offsets.long() * _BAD_OFFSETS
         # Feature boundaries in the values (one host read for every feature).
         bounds = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
-        if len(bounds) != num_features + 1 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[0] != 0 \
-                or bounds[-1] != nnz:
+        flags_bad_bounds = len(bounds) != num_features + 1 or any(b < a for a, b in zip(bounds, bounds[1:])) \
+            or bounds[0] != 0 or bounds[-1] != nnz
+        if flags_bad_bounds:
             flags = flags | _BAD_OFFSETS
             bounds = [0] * (num_features + 1)
             keys = values.new_empty(0).long()
@@ -476,12 +514,31 @@ class EmbeddingBagCollection(nn.Module):
             limit = limits.index_select(0, pair_tables)
             bad = (limit >= 0) & ((pair_keys < 0) | (pair_keys >= limit))
             flags = flags | (bad.any().long() * _BAD_KEY)
-        owners = _owners(pair_keys, self.world_size, pair_tables) if self.world_size > 1 else None
-        # One process: the pairs per table size the flat buffer (one host read).
-        pairs_per_table = torch.bincount(pair_tables, minlength=num_tables).tolist() if self.world_size == 1 else None
-        return {"pairs_per_table": pairs_per_table, "features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "weights": weights,
+        # Send order: by owner, then by table (stable): every (owner, table) block is
+        # contiguous, so vectors travel as per-table 2-D blocks.
+        world = self.world_size
+        owners = _owners(pair_keys, world, pair_tables) if world > 1 else torch.zeros_like(pair_tables)
+        block = owners * num_tables + pair_tables
+        order = torch.sort(block, stable=True).indices
+        block_counts = torch.bincount(block, minlength=world * num_tables)
+        # A pair's row in its table's received block (blocks of a table stacked rank by rank).
+        counts = block_counts.view(world, num_tables)
+        before_in_table = torch.cumsum(counts, 0) - counts              # same table, earlier owners
+        block_starts = torch.cumsum(block_counts, 0) - block_counts      # position of each block in send order
+        shift = (before_in_table.reshape(-1) - block_starts).index_select(0, block.index_select(0, order))
+        send_rank_in_table = torch.arange(order.numel(), device=device) + shift
+        pair_row = torch.empty_like(order).index_copy_(0, order, send_rank_in_table)
+        # All bags' ids at once (per feature: minus f * batch).
+        lengths = offsets[1:] - offsets[:-1] if num_bags > 0 else offsets.new_zeros(0)
+        bag_of_value = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths.clamp(min=0),
+                                               output_size=keys.numel()) if not flags_bad_bounds else keys.new_zeros(0)
+        return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "weights": weights,
                 "table_of_feature": table_of_feature, "pair_keys": pair_keys, "pair_tables": pair_tables,
-                "pair_of_value": pair_of_value, "flags": flags, "owners": owners}
+                "pair_of_value": pair_of_value, "pair_row": pair_row, "bag_of_value": bag_of_value,
+                "send_keys": pair_keys.index_select(0, order), "send_tables": pair_tables.index_select(0, order),
+                "per_owner_table": counts,
+                # One process: the pairs per table (one host read; with a group the header has them).
+                "pairs_per_table": counts[0].tolist() if world == 1 else None, "flags": flags}
 
     def _raise_for_flags(self, flags: int, prepared: Optional[Dict[str, Any]]) -> None:
         if flags & _BAD_OFFSETS:
@@ -500,37 +557,39 @@ class EmbeddingBagCollection(nn.Module):
                         f"with use_hashtable=False keys must lie in [0, capacity * world_size) = "
                         f"[0, {shard.num_keys_capacity})")
 
-    def _owner_lookup(self, keys: Tensor, tables: Tensor, total: int) -> Tensor:
-        """The owner's part: float32 vectors of the received (key, table) pairs, packed flat
-        in the order received (each pair's ``embedding_dim`` elements side by side);
-        ``total`` elements in all (known on the host)."""
+    def _owner_lookup(self, keys: Tensor, tables: Tensor, counts: List[List[int]],
+                      unique: bool) -> List[Optional[Tensor]]:
+        """The owner's part: for each table, float32 vectors ``[n_t, dim_t]`` of the pairs
+        it received, in the order received (grouped by source rank, then table: ``counts[s][t]``
+        pairs of table t from rank s). ``unique``: the pairs are already distinct (one process)."""
         device = keys.device
         num_tables = len(self._shards)
-        dims = torch.tensor([s.embedding_vec_size for s in self._shards], dtype=torch.int64, device=device)
-        if keys.numel() == 0:
+        if unique:
+            owned_keys, owned_tables, owned_of_received = keys, tables, None
+        elif keys.numel() == 0:
             owned_keys = owned_tables = owned_of_received = keys.new_zeros(0)
         else:
             unique_keys, key_id = ops.unique(keys)
             pair_ids, owned_of_received = ops.unique(key_id * num_tables + tables)
             owned_keys = unique_keys.index_select(0, torch.div(pair_ids, num_tables, rounding_mode="floor"))
             owned_tables = torch.remainder(pair_ids, num_tables)
+        # Owned pairs grouped by table; each one's row in its table's group.
         by_table = torch.sort(owned_tables, stable=True).indices
-        counts = torch.bincount(owned_tables, minlength=num_tables).tolist()
+        owned_per_table = [sum(row[t] for row in counts) for t in range(num_tables)] if unique else \
+            torch.bincount(owned_tables, minlength=num_tables).tolist()
         # Plan every table's lookup, agree across ranks, then commit: a failure anywhere
         # changes no table on any rank.
         plans: List[Any] = []
         error: Optional[BaseException] = None
         start = 0
-        segments = []
-        for shard, count in zip(self._shards, counts):
+        for shard, count in zip(self._shards, owned_per_table):
             segment = by_table[start:start + count]
-            segments.append(segment)
             start += count
-            if error is not None:
+            if error is not None or count == 0:
                 plans.append(None)
                 continue
             try:
-                plans.append(shard._plan(owned_keys.index_select(0, segment)) if count > 0 else None)
+                plans.append(shard._plan(owned_keys.index_select(0, segment)))
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
                 error = exc
                 plans.append(None)
@@ -551,48 +610,81 @@ class EmbeddingBagCollection(nn.Module):
                     "with this step")
         elif error is not None:
             raise error
-        table_major = []
-        for shard, plan in zip(self._shards, plans):
-            if plan is None:
+        vectors = [None if plan is None else _LookupFloat32.apply(shard.weight, shard._commit(plan), shard._grad_marker)
+                   for shard, plan in zip(self._shards, plans)]
+        # Per dim group, its tables' owned vectors stacked in group order.
+        owned_offsets = self._table_offsets([owned_per_table])
+        stacked = []
+        for members in self._groups:
+            parts = [vectors[t] for t in members if vectors[t] is not None]
+            stacked.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
+        if unique:
+            return stacked  # the pairs came table by table, each once: already in block order
+        # Each received pair's row in its group's stacked vectors; then the received pairs
+        # in block order (group by group, table by table, each in received order).
+        group_starts = torch.tensor([0] + owned_per_table[:-1], dtype=torch.int64, device=device).cumsum(0)
+        rank_in_table = torch.empty_like(by_table).index_copy_(
+            0, by_table, torch.arange(by_table.numel(), device=device) - group_starts.index_select(
+                0, owned_tables.index_select(0, by_table)))
+        offset_of_table = torch.tensor(owned_offsets, dtype=torch.int64, device=device)
+        row_of_received = rank_in_table.index_select(0, owned_of_received) + offset_of_table.index_select(0, tables)
+        in_block_order = torch.sort(self._sequence_position.to(device).index_select(0, tables), stable=True).indices
+        out: List[Optional[Tensor]] = []
+        start = 0
+        for g, members in enumerate(self._groups):
+            n = sum(row[t] for row in counts for t in members)
+            if n == 0:
+                out.append(None)
                 continue
-            rows = shard._commit(plan)
-            table_major.append(_LookupFloat32.apply(shard.weight, rows, shard._grad_marker).reshape(-1))
-        flat = torch.cat(table_major) if table_major else torch.zeros(0, device=device)
-        # Each owned pair's first element in the table-major buffer, then the received order.
-        owned_dims = dims.index_select(0, owned_tables.index_select(0, by_table))
-        sorted_starts = torch.cumsum(owned_dims, 0) - owned_dims
-        starts = torch.empty_like(sorted_starts).index_copy_(0, by_table, sorted_starts)
-        received_dims = dims.index_select(0, tables)
-        index = _element_index(starts.index_select(0, owned_of_received), received_dims, total)
-        return _GatherRows.apply(flat.view(-1, 1), index).view(-1)
+            out.append(_GatherRows.apply(stacked[g], row_of_received.index_select(0, in_block_order[start:start + n])))
+            start += n
+        return out
 
-    def _pool(self, prepared: Dict[str, Any], received: Tensor, send_positions: Tensor,
-              device: torch.device) -> Dict[str, Tensor]:
-        """Per feature: gather its values' vectors from the flat buffer and pool them per bag."""
-        dims = torch.tensor([s.embedding_vec_size for s in self._shards], dtype=torch.int64, device=device)
-        pair_tables, pair_of_value = prepared["pair_tables"], prepared["pair_of_value"]
-        # Each local pair's first element in the buffer, which holds the pairs in send order.
-        send_dims = torch.empty_like(pair_tables).index_copy_(0, send_positions, dims.index_select(0, pair_tables))
-        send_starts = torch.cumsum(send_dims, 0) - send_dims
-        pair_starts = send_starts.index_select(0, send_positions)
+    def _pool(self, prepared: Dict[str, Any], per_group: List[Optional[Tensor]],
+              counts: List[List[int]]) -> Dict[str, Tensor]:
+        """Per dim group, one gather + segment sum for all its features' bags (in float32);
+        then per feature the mean and the cast to its table's dtype."""
+        device = self._shards[0].weight.device
         batch, bounds, offsets, weights = prepared["batch"], prepared["bounds"], prepared["offsets"], \
             prepared["weights"]
-        rows = received.view(-1, 1)
+        pair_row, pair_of_value, bag_of_value = prepared["pair_row"], prepared["pair_of_value"], \
+            prepared["bag_of_value"]
+        table_offsets = self._table_offsets(counts)
+        features = prepared["features"]
+        pooled_of: Dict[int, Tensor] = {}
+        for g, members in enumerate(self._groups):
+            group_features = [f for f in range(len(features)) if self._group_of[prepared["table_of_feature"][f]] == g]
+            if not group_features:
+                continue
+            dim = self._shards[members[0]].embedding_vec_size
+            indices, bags, scales = [], [], []
+            for k, f in enumerate(group_features):
+                begin, end = bounds[f], bounds[f + 1]
+                if end == begin:
+                    continue
+                t = prepared["table_of_feature"][f]
+                indices.append(pair_row.index_select(0, pair_of_value[begin:end]) + table_offsets[t])
+                bags.append(bag_of_value[begin:end] + (k - f) * batch)
+                if weights is not None:
+                    scales.append(weights[begin:end].float())
+            num_bags = len(group_features) * batch
+            if not indices:
+                pooled = torch.zeros(num_bags, dim, device=device)
+            else:
+                index, bag = torch.cat(indices), torch.cat(bags)
+                if weights is None:
+                    pooled = _PoolRows.apply(per_group[g], index, bag, num_bags)
+                else:
+                    vectors = _GatherRows.apply(per_group[g], index) * torch.cat(scales).unsqueeze(1)
+                    pooled = ops.segment_sum(vectors, bag, num_bags)
+            for k, f in enumerate(group_features):
+                pooled_of[f] = pooled[k * batch:(k + 1) * batch]
         out: Dict[str, Tensor] = {}
-        for f, feature in enumerate(prepared["features"]):
+        for f, feature in enumerate(features):
             shard = self._shards[prepared["table_of_feature"][f]]
-            dim = shard.embedding_vec_size
-            begin, end = bounds[f], bounds[f + 1]
-            starts = pair_starts.index_select(0, pair_of_value[begin:end])
-            index = (starts.unsqueeze(1) + torch.arange(dim, device=device)).reshape(-1)
-            vectors = _GatherRows.apply(rows, index).view(-1, dim)
-            if weights is not None:
-                vectors = vectors * weights[begin:end].float().unsqueeze(1)
-            feature_offsets = offsets[f * batch:(f + 1) * batch + 1] - begin
-            lengths = feature_offsets[1:] - feature_offsets[:-1]
-            bag = torch.repeat_interleave(torch.arange(batch, device=device), lengths, output_size=end - begin)
-            pooled = ops.segment_sum(vectors, bag, batch)
+            pooled = pooled_of[f]
             if shard.config.combiner == "mean":
+                lengths = offsets[f * batch + 1:(f + 1) * batch + 1] - offsets[f * batch:(f + 1) * batch]
                 pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
             out[feature] = pooled.to(shard.weight.dtype)
         return out

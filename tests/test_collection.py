@@ -20,12 +20,13 @@ def tables():
     return [
         sk.TableConfig("users", 4, 64, ["user"]),
         sk.TableConfig("items", 8, 64, ["item", "last_item"], combiner="mean"),           # shared by 2 features
-        sk.TableConfig("ids", 6, 64, ["id"], use_hashtable=False),                        # direct rows
-        sk.TableConfig("half", 5, 64, ["cat"], dtype=torch.bfloat16),
+        sk.TableConfig("ids", 4, 64, ["id"], use_hashtable=False),                        # direct rows
+        sk.TableConfig("half", 8, 64, ["cat"], dtype=torch.bfloat16),
+        sk.TableConfig("odd", 5, 64, ["odd"]),
     ]
 
 
-def batch(step, batch_size=BATCH, features=("user", "item", "last_item", "id", "cat"), weighted=False):
+def batch(step, batch_size=BATCH, features=("user", "item", "last_item", "id", "cat", "odd"), weighted=False):
     """A deterministic KeyedJagged: bag lengths 0..3, keys from small per-feature pools."""
     g = torch.Generator().manual_seed(100 + step)
     lengths = torch.randint(0, 4, (len(features) * batch_size,), generator=g)
@@ -46,13 +47,13 @@ def batch(step, batch_size=BATCH, features=("user", "item", "last_item", "id", "
 
 
 def initial(table, keys):
-    return sk.KeySeededUniform(seed=zlib.crc32(table.encode()))(keys, {"users": 4, "items": 8, "ids": 6,
-                                                                      "half": 5}[table])
+    return sk.KeySeededUniform(seed=zlib.crc32(table.encode()))(keys, {"users": 4, "items": 8, "ids": 4,
+                                                                      "half": 8, "odd": 5}[table])
 
 
 def reference_forward(kjt):
     """Plain torch: every key's first vector (in the table's dtype), pooled in float32."""
-    owner = {"user": "users", "item": "items", "last_item": "items", "id": "ids", "cat": "half"}
+    owner = {"user": "users", "item": "items", "last_item": "items", "id": "ids", "cat": "half", "odd": "odd"}
     dtypes = {"half": torch.bfloat16}
     offsets = kjt.offsets()
     out = {}
