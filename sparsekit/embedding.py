@@ -26,16 +26,17 @@ on every step, possibly with no rows, so ``LazyAdam`` counts the same steps on e
 as a one-process run does. Nothing gathers the global batch.
 
 Host synchronisations per training step on CUDA (``world_size > 1``, hash table, ragged
-input): forward 7 — ``unique`` of the local keys (its output size), the counts exchange
+input): forward 6 — ``unique`` of the local keys (its output size), the counts exchange
 (host split sizes for the next two all-to-alls; every rank's error flags ride along, so
-input checks cost nothing extra), ``unique`` on the owner, ``HashTable.insert`` (2: its
-unique and its count of new keys), the status all-reduce that lets every rank see a full
-table, and ``segment_sum``'s id check in the pooling; backward 2 — the id checks of the
+input checks cost nothing extra), ``unique`` on the owner, the table insert's count of new
+keys (the owner's keys are distinct already, so the table skips its own unique), the
+status all-reduce that lets every rank see a full table, and ``segment_sum``'s id check in
+the pooling; backward 2 — the id checks of the
 two ``segment_sum`` calls (pooling and the owner's gradient rows). Nothing else: split
 sizes are reused for the backward all-to-all, new rows are initialised without reading
 the device, and the weight gradient arrives coalesced so ``LazyAdam`` does not dedup it
 again. ``All2AllDenseEmbedding`` does not pool: one fewer in forward. ``eval()`` or
-``use_hashtable=False``: 3 fewer in forward (no insert, no status word).
+``use_hashtable=False``: 2 fewer in forward (no insert, no status word).
 Padded dense input: +1 (dropping the pad keys). ``world_size == 1``: no exchange; ragged
 offsets and ``use_hashtable=False`` key ranges cost 1 read instead of riding on the
 counts. On the CPU these are plain reads of host memory. The first step with
@@ -455,7 +456,7 @@ class _ModelParallelEmbedding(nn.Module):
             admit = seen.clamp(min=0) + 1 >= self.admit_after
             admitted = waiting[admit]
             try:
-                pending_plan = self._pending._plan_insert(waiting[~admit])
+                pending_plan = self._pending._plan_insert(waiting[~admit], distinct=True)
             except HashTableFullError as error:
                 raise HashTableFullError(
                     f"{self._layer_name}: {int((~admit).sum())} keys wait for admission in one step on rank "
@@ -467,7 +468,7 @@ class _ModelParallelEmbedding(nn.Module):
             lookup_keys = keys[take]
             admitted = (admitted, take)
         try:
-            plan = table._plan_insert(lookup_keys)
+            plan = table._plan_insert(lookup_keys, distinct=True)  # the owner's keys are distinct
         except HashTableFullError as error:
             raise HashTableFullError(
                 f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "

@@ -268,14 +268,20 @@ class HashTable:
             return rows, plan.evicted_keys.to(self._key_dtype), plan.victims
         return rows
 
-    def _plan_insert(self, keys: Tensor) -> _InsertPlan:
-        """Works out an insert without changing anything; raises HashTableFullError when it cannot be done."""
+    def _plan_insert(self, keys: Tensor, distinct: bool = False) -> _InsertPlan:
+        """Works out an insert without changing anything; raises HashTableFullError when it
+        cannot be done. ``distinct``: the caller vouches that the keys are distinct (a
+        layer's owner dedups them already), which saves a unique (and its host sync)."""
         device = self.device
         flat = keys.reshape(-1)
         empty = torch.empty(0, dtype=torch.int64, device=device)
         if flat.numel() == 0:
             return _InsertPlan(tuple(keys.shape), empty, empty, empty, empty.bool(), flat, empty, empty, empty)
-        unique_keys, inverse, counts = ops.unique(flat, return_inverse=True, return_counts=True)
+        if distinct:
+            unique_keys, inverse = flat, torch.arange(flat.numel(), device=device)
+            counts = torch.ones(flat.numel(), dtype=torch.int64, device=device)
+        else:
+            unique_keys, inverse, counts = ops.unique(flat, return_inverse=True, return_counts=True)
         rows = self.find(unique_keys)
         missing = rows < 0
         # Boolean indexing keeps order, so new keys stay in order of first occurrence.
