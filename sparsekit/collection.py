@@ -425,29 +425,29 @@ class EmbeddingBagCollection(nn.Module):
         """One flat float32 buffer: for each rank s, for each table t, the ``counts[s][t]``
         rows of that rank in table t's part of its dim group's block."""
         device = self._shards[0].weight.device
-        starts = self._table_offsets(counts)
-        pieces = []
-        for row in counts:
-            for t, n in enumerate(row):
-                if n > 0:
-                    pieces.append(per_group[self._group_of[t]][starts[t]:starts[t] + n].reshape(-1))
-                    starts[t] += n
-        return torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+        pieces: Dict[Tuple[int, int], Tensor] = {}
+        for g, members in enumerate(self._groups):
+            order = [(s, t) for t in members for s in range(len(counts)) if counts[s][t] > 0]
+            if not order:
+                continue
+            # One split per group (its backward is one cat), in the block's (table, rank) order.
+            for key, part in zip(order, per_group[g].split([counts[s][t] for s, t in order])):
+                pieces[key] = part.reshape(-1)
+        flat = [pieces[(s, t)] for s in range(len(counts)) for t in range(len(self._shards)) if (s, t) in pieces]
+        return torch.cat(flat) if flat else torch.zeros(0, device=device)
 
     def _unpack(self, flat: Tensor, counts: List[List[int]]) -> List[Optional[Tensor]]:
         """The inverse of :meth:`_pack`: per dim group, its tables' rows (table after table
         in group order, each rank after rank), ``[rows, dim]``."""
         dims = [shard.embedding_vec_size for shard in self._shards]
-        blocks: List[List[Tensor]] = [[] for _ in dims]
-        start = 0
-        for row in counts:
-            for t, n in enumerate(row):
-                if n > 0:
-                    blocks[t].append(flat[start:start + n * dims[t]].view(n, dims[t]))
-                    start += n * dims[t]
+        order = [(s, t) for s, row in enumerate(counts) for t, n in enumerate(row) if n > 0]
+        blocks: Dict[Tuple[int, int], Tensor] = {}
+        if order:
+            for (s, t), part in zip(order, flat.split([counts[s][t] * dims[t] for s, t in order])):
+                blocks[(s, t)] = part.view(counts[s][t], dims[t])
         out: List[Optional[Tensor]] = []
         for members in self._groups:
-            parts = [block for t in members for block in blocks[t]]
+            parts = [blocks[(s, t)] for t in members for s in range(len(counts)) if (s, t) in blocks]
             out.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
         return out
 
@@ -677,8 +677,11 @@ class EmbeddingBagCollection(nn.Module):
                 else:
                     vectors = _GatherRows.apply(per_group[g], index) * torch.cat(scales).unsqueeze(1)
                     pooled = ops.segment_sum(vectors, bag, num_bags)
-            for k, f in enumerate(group_features):
-                pooled_of[f] = pooled[k * batch:(k + 1) * batch]
+            # One split (its backward is one cat), not a slice per feature (each slice's
+            # backward would zero-fill the whole block).
+            for f, part in zip(group_features, pooled.split(batch) if batch > 0 else
+                               [pooled] * len(group_features)):
+                pooled_of[f] = part
         out: Dict[str, Tensor] = {}
         for f, feature in enumerate(features):
             shard = self._shards[prepared["table_of_feature"][f]]
