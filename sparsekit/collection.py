@@ -242,10 +242,12 @@ class _LookupFloat32(torch.autograd.Function):
     output gradient reordered by row: no sum, cast to the weight's dtype, coalesced."""
 
     @staticmethod
-    def forward(ctx, weight: Tensor, rows: Tensor, marker: _CoalescedGradMarker) -> Tensor:
+    def forward(ctx, weight: Tensor, rows: Tensor, marker: _CoalescedGradMarker, may_miss: bool) -> Tensor:
         sorted_rows, order = torch.sort(rows)
         ctx.save_for_backward(sorted_rows, order)
-        ctx.weight_shape, ctx.weight_dtype, ctx.marker = weight.shape, weight.dtype, marker
+        ctx.weight_shape, ctx.weight_dtype, ctx.marker, ctx.may_miss = weight.shape, weight.dtype, marker, may_miss
+        if not may_miss:
+            return weight.index_select(0, rows).float()
         found = rows >= 0
         vectors = weight.index_select(0, torch.where(found, rows, 0)).float()
         return vectors.masked_fill_(~found.unsqueeze(1), 0)
@@ -253,12 +255,14 @@ class _LookupFloat32(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         sorted_rows, order = ctx.saved_tensors
-        found = sorted_rows >= 0
-        values = grad.index_select(0, order[found]).to(ctx.weight_dtype)
-        weight_grad = torch.sparse_coo_tensor(sorted_rows[found].unsqueeze(0), values, ctx.weight_shape,
+        if ctx.may_miss:
+            found = sorted_rows >= 0
+            sorted_rows, order = sorted_rows[found], order[found]
+        values = grad.index_select(0, order).to(ctx.weight_dtype)
+        weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
                                               is_coalesced=True, check_invariants=False)
         ctx.marker.produced(values)
-        return weight_grad, None, None
+        return weight_grad, None, None, None
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -610,7 +614,8 @@ class EmbeddingBagCollection(nn.Module):
                     "with this step")
         elif error is not None:
             raise error
-        vectors = [None if plan is None else _LookupFloat32.apply(shard.weight, shard._commit(plan), shard._grad_marker)
+        vectors = [None if plan is None else _LookupFloat32.apply(shard.weight, shard._commit(plan), shard._grad_marker,
+                                                                  shard._may_miss())
                    for shard, plan in zip(self._shards, plans)]
         # Per dim group, its tables' owned vectors stacked in group order.
         owned_offsets = self._table_offsets([owned_per_table])

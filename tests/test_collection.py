@@ -248,6 +248,16 @@ def _rank_slice(kjt, rank, world_size):
 def _world_worker(rank, world_size, init, out_dir):
     init()
     ebc = sk.EmbeddingBagCollection(tables())
+    # A bad input on the last rank: every rank raises, nothing changes, the group stays in step.
+    good = sk.KeyedJagged(["id"], torch.tensor([1]), lengths=torch.tensor([1]))
+    bad = sk.KeyedJagged(["id"], torch.tensor([64 * world_size]), lengths=torch.tensor([1]))
+    if rank == world_size - 1:
+        with pytest.raises(ValueError, match="out of range"):
+            ebc(bad)
+    else:
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{world_size - 1}\] of the process group rejected"):
+            ebc(good)
+    assert ebc.stats("users")["size"] == 0
     outputs, optimizer = _train(ebc, STEPS, rank, world_size, BATCH * world_size, weighted=True)
     sk.save_checkpoint(out_dir, ebc, optimizer)
     torch.save(outputs, f"{out_dir}/outputs-{rank}.pt")
