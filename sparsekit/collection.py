@@ -512,9 +512,9 @@ class EmbeddingBagCollection(nn.Module):
         else:
             pair_keys = pair_tables = pair_of_value = torch.zeros(0, dtype=torch.int64, device=device)
         # Direct-mapped tables: keys must lie in [0, capacity * world_size).
-        limits = torch.tensor([-1 if s.hash_table is not None else s.num_keys_capacity for s in self._shards],
-                              dtype=torch.int64, device=device)
-        if bool((limits >= 0).any()) and pair_keys.numel() > 0:
+        if any(s.hash_table is None for s in self._shards) and pair_keys.numel() > 0:
+            limits = torch.tensor([-1 if s.hash_table is not None else s.num_keys_capacity for s in self._shards],
+                                  dtype=torch.int64, device=device)
             limit = limits.index_select(0, pair_tables)
             bad = (limit >= 0) & ((pair_keys < 0) | (pair_keys >= limit))
             flags = flags | (bad.any().long() * _BAD_KEY)

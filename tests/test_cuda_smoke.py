@@ -6,12 +6,13 @@ selection cannot rot between GPU sessions.
 
     csrc/cuda/unique_cuda.cu       test_unique_kernels
     csrc/cuda/segment_cuda.cu      test_segment_sum_atomic_kernels, test_segment_sum_deterministic_kernels
-    csrc/cuda/hashtable_cuda.cu    test_hash_table_kernels
+    csrc/cuda/hashtable_cuda.cu    test_hash_table_kernels, test_hash_table_eviction_kernels (erase, tombstones)
+    csrc/cuda/select_cuda.cu       test_select_kernels, test_hash_table_eviction_kernels
     csrc/cuda/embedding_cuda.cu    test_embedding_kernels (bag, long-bag pieces + combine, arg-max, gather)
     csrc/cuda/lazy_adam_cuda.cu    test_lazy_adam_kernels
     csrc/cuda/routing_cuda.cu      test_routing_kernels
     csrc/cuda/initializer_cuda.cu  test_initializer_kernels
-    all of them, through a layer   test_layer_step
+    all of them, through a layer   test_layer_step, test_collection_step (dynamic tables, bf16, mixed dims)
 """
 
 import pytest
@@ -87,6 +88,38 @@ def test_hash_table_kernels(device):
     assert len(table) == 906
     exported_keys, exported_rows = table.export()
     assert torch.equal(table.find(exported_keys), exported_rows)
+
+
+def test_select_kernels(device):
+    """Radix select: min/max and histogram passes over 1-3 columns, ties, compaction."""
+    g = _seeded(8)
+    for n, k in ((0, 0), (1, 1), (5000, 700), (70_000, 65_536)):
+        columns = [torch.randint(0, 4, (n,), generator=g), torch.randint(INT64_MIN, INT64_MAX, (n,), generator=g),
+                   torch.randint(-5, 5, (n,), generator=g)]
+        eligible = torch.rand(n, generator=g) < 0.97
+        k = min(k, int(eligible.sum()))
+        for width in (1, 2, 3):
+            want = sk.ops.select_smallest(columns[:width], eligible, k)
+            got = sk.ops.select_smallest([c.to(device) for c in columns[:width]], eligible.to(device), k)
+            assert torch.equal(got.cpu(), want)
+
+
+def test_hash_table_eviction_kernels(device):
+    """Evicting inserts (select, erase to tombstones, inserts into tombstones, the rebuild)
+    give the CPU's rows, victims and scores."""
+    tables = [sk.HashTable(300, eviction=policy, device=dev) for policy in ("lru", "lfu") for dev in ("cpu", device)]
+    g = _seeded(9)
+    for step in range(40):
+        keys = torch.randint(-400, 400, (250,), generator=g)
+        results = [t.insert(keys.to(t.device), return_evicted=True) for t in tables]
+        for t in tables:
+            t.tick()
+        for cpu, other in ((results[0], results[1]), (results[2], results[3])):
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, other))
+    for cpu, other in ((tables[0], tables[1]), (tables[2], tables[3])):
+        keys, rows = cpu.export()
+        assert torch.equal(other.find(keys.to(device)).cpu(), rows)
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu.scores(keys), other.scores(keys.to(device))))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -169,3 +202,32 @@ def test_layer_step(device):
         opt.step()
         opt.zero_grad()
     assert out.shape == (16, 3, 8) and bool(torch.isfinite(out).all())
+
+
+def test_collection_step(device):
+    """An EmbeddingBagCollection + LazyAdam step: mixed dims, a bf16 table, eviction and
+    admission, on this device against the CPU."""
+    def build(dev):
+        torch.manual_seed(0)
+        return sk.EmbeddingBagCollection([
+            sk.TableConfig("a", 8, 40, ["x", "y"], eviction="lru"),
+            sk.TableConfig("b", 4, 100, ["z"], dtype=torch.bfloat16, admit_after=2),
+            sk.TableConfig("c", 8, 64, ["w"], use_hashtable=False),
+        ], device=dev)
+
+    outputs = []
+    for dev in ("cpu", device):
+        ebc = build(dev)
+        opt = sk.LazyAdam(ebc.parameters(), lr=0.01)
+        g = _seeded(10)
+        for _ in range(4):
+            lengths = torch.randint(0, 3, (4 * 16,), generator=g)
+            values = torch.randint(0, 60, (int(lengths.sum()),), generator=g)
+            kjt = sk.KeyedJagged(["x", "y", "z", "w"], values.to(dev), lengths=lengths.to(dev))
+            out = ebc(kjt)
+            sum(v.float().square().sum() for v in out.values()).backward()
+            opt.step()
+            opt.zero_grad()
+        outputs.append({f: v.detach().float().cpu() for f, v in out.items()})
+    for feature in outputs[0]:
+        torch.testing.assert_close(outputs[1][feature], outputs[0][feature], rtol=1e-2, atol=1e-3)
