@@ -21,17 +21,33 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def is_cuda_toolkit(home):
+    """A CUDA toolkit we can build with: nvcc, the runtime headers and the runtime library.
+    (An `nvcc` on PATH may be a wrapper script outside any toolkit: linking against it
+    fails only after minutes of compiling, with "cannot find -lcudart".)"""
+    if not home or not os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return False
+    if not os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+        return False
+    libs = ["lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"), os.path.join("targets", "sbsa-linux", "lib")]
+    return any(glob.glob(os.path.join(home, lib, "libcudart.so*")) for lib in libs)
+
+
 def find_cuda_home():
-    """Where nvcc lives, or None: $CUDA_HOME, $CUDA_PATH, nvcc on PATH, /usr/local/cuda."""
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        home = os.environ.get(var)
-        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-            return home
+    """A complete CUDA toolkit, or None: $CUDA_HOME, $CUDA_PATH, nvcc on PATH, /usr/local/cuda,
+    the first that has nvcc, cuda_runtime.h and libcudart."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    if os.path.exists("/usr/local/cuda/bin/nvcc"):
-        return "/usr/local/cuda"
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if is_cuda_toolkit(home):
+            return home
+    rejected = [home for home in candidates if home and os.path.exists(os.path.join(home, "bin", "nvcc"))]
+    if rejected:
+        print(f"sparsekit setup: ignoring {rejected}: nvcc without the CUDA runtime headers or library "
+              "(set CUDA_HOME to a complete toolkit for the CUDA kernels)", file=sys.stderr)
     return None
 
 
@@ -97,8 +113,32 @@ def extension():
     return CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **common)
 
 
+def torch_requirement():
+    """The torch this build runs under. The extension links against torch's C++ ABI,
+    which changes between minor versions, so the wheel asks for the minor version it was
+    built against, not more."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"torch=={major}.{minor}.*"
+
+
+class BuildWithInfo(BuildExtension):
+    """Writes _build_info.py next to the built library: the torch and CUDA it was built
+    for, so a failed import can say "built for torch X, running Y"."""
+
+    def run(self):
+        super().run()  # builds under build/, then copies the library into the source tree with --inplace
+        for ext in self.extensions:
+            cuda = any(src.endswith(".cu") for src in ext.sources)
+            path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "_build_info.py")
+            with open(path, "w") as out:
+                out.write("# Written by setup.py at build time; not in version control.\n")
+                out.write(f"TORCH_VERSION = {torch.__version__!r}\n")
+                out.write(f"CUDA_VERSION = {(torch.version.cuda if cuda else None)!r}\n")
+
+
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    install_requires=[torch_requirement(), "numpy", "xxhash", "tqdm"],
+    cmdclass={"build_ext": BuildWithInfo.with_options(use_ninja=True)},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
 )

@@ -3,7 +3,9 @@ embedding layers for PyTorch, on CPU and CUDA."""
 
 import torch  # noqa: F401  (loads libtorch before the extension links against it)
 
-from . import _C  # noqa: F401  (registers torch.ops.sparsekit.* kernels)
+from ._loading import load_library
+
+_C = load_library()  # registers torch.ops.sparsekit.* kernels, or says clearly why it cannot
 from . import hashing, ops
 from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam
