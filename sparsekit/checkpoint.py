@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
-from .embedding import _ModelParallelEmbedding, is_embedding_variable
+from .shard import _ModelParallelEmbedding, is_embedding_variable
 from .hashtable import HashTableFullError
 
 __all__ = ["save_checkpoint", "load_checkpoint"]

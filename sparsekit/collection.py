@@ -43,24 +43,23 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
-from .embedding import (
+from .checkpoint import _owners
+from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
     _LOCAL_EXCEPTION,
     _OWNER_EXCEPTION,
     _TABLE_FULL,
-    KeySeededUniform,
     _agree_on_config,
-    _AllToAll,
     _all_to_all_rows,
+    _AllToAll,
     _CoalescedGradMarker,
     _GatherRows,
-    _ModelParallelEmbedding,
     _PoolRows,
     _resolve_group,
 )
-from .checkpoint import _owners
 from .hashtable import HashTableFullError
+from .shard import KeySeededUniform, _ModelParallelEmbedding
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection"]
 

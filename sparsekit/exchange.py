@@ -1,0 +1,179 @@
+"""The exchange's pieces shared by the model-parallel layers and the collection: process
+groups, ``all_to_all_single`` with autograd, the gather / pool / owned-lookup autograd
+functions, the error words every rank folds into the exchange, and the one-time
+configuration agreement.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops
+
+# Bits of the error word each rank folds into the counts exchange.
+_BAD_KEY = 1
+_BAD_OFFSETS = 2
+_LOCAL_EXCEPTION = 4
+# Kinds of the status word all-reduced after the owners' lookups.
+_TABLE_FULL = 1
+_OWNER_EXCEPTION = 2
+
+
+def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
+    """(group, world_size, rank); no group at all when torch.distributed is not initialised."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0
+        process_group = dist.group.WORLD
+    return process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows; its gradient goes back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, output_splits: List[int], input_splits: List[int], group) -> Tensor:
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return _all_to_all_rows(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all_rows(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def _all_to_all_rows(rows: Tensor, output_splits: List[int], input_splits: List[int], group) -> Tensor:
+    out = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _CoalescedGradMarker:
+    """A post-accumulate-grad hook that keeps the weight gradient marked coalesced.
+
+    The lookup's gradient is coalesced (distinct, sorted rows) and says so, but autograd
+    stores a sparse gradient as a shallow copy that drops the flag, and LazyAdam would
+    then sum the rows again (unique + segment_sum, host syncs on CUDA). When the stored
+    gradient still holds exactly the values the lookup produced (nothing was added to it:
+    an addition allocates new values), the flag is put back.
+
+    The marker holds the produced values' storage itself, not its address: while it is
+    held the address cannot be recycled, so a gradient that merely reuses freed memory
+    (after a backward that never reached ``.grad``, e.g. ``torch.autograd.grad``) can
+    never be taken for the lookup's own. The hook releases it.
+    """
+
+    def __init__(self) -> None:
+        self.values: Optional[Tensor] = None
+
+    def produced(self, values: Tensor) -> None:
+        """Called by the lookup's backward with the values of the gradient it returns."""
+        self.values = values
+
+    def __call__(self, param: Tensor) -> None:
+        grad, produced = param.grad, self.values
+        self.values = None
+        if grad is None or not grad.is_sparse or grad.is_coalesced() or produced is None:
+            return
+        values = grad._values()
+        if (values.untyped_storage().data_ptr() == produced.untyped_storage().data_ptr()
+                and values.storage_offset() == produced.storage_offset() and values.shape == produced.shape
+                and values.stride() == produced.stride()):
+            grad._coalesced_(True)
+
+
+class _LookupOwned(torch.autograd.Function):
+    """Rows of the local shard for the keys this rank received, with a sparse weight gradient.
+
+    ``sorted_rows`` are the distinct rows asked for, ascending (``-1``: a key missing in
+    eval), ``slot[j]`` the entry of ``sorted_rows`` received key ``j`` wants. Sorting makes
+    the gradient a truly coalesced COO tensor, so LazyAdam applies it without another
+    unique + segment_sum.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, sorted_rows: Tensor, slot: Tensor, has_missing: bool,
+                marker: _CoalescedGradMarker) -> Tensor:
+        ctx.save_for_backward(sorted_rows, slot)
+        ctx.weight_shape = weight.shape
+        ctx.has_missing = has_missing
+        ctx.marker = marker
+        rows = sorted_rows.index_select(0, slot)
+        if not has_missing:
+            return weight.index_select(0, rows)
+        found = rows >= 0
+        vectors = weight.index_select(0, torch.where(found, rows, 0))
+        return vectors.masked_fill_(~found.unsqueeze(1), 0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        sorted_rows, slot = ctx.saved_tensors
+        values = ops.segment_sum(grad.contiguous(), slot, sorted_rows.numel())
+        if ctx.has_missing:
+            found = sorted_rows >= 0
+            sorted_rows, values = sorted_rows[found], values[found]
+        weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
+                                              is_coalesced=True, check_invariants=False)
+        ctx.marker.produced(values)
+        return weight_grad, None, None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """``rows[index]``, with the gradient summed back by :func:`sparsekit.ops.segment_sum`
+    (``index_select``'s own backward is a single-threaded ``index_add_`` on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return ops.segment_sum(grad.contiguous(), index, ctx.num_rows), None
+
+
+class _PoolRows(torch.autograd.Function):
+    """Bag sums ``out[b] = sum(rows[index[j]] for j with bag[j] == b)``; the gradient of
+    ``rows`` is again one gather and one segment sum."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor, bag: Tensor, num_bags: int) -> Tensor:
+        ctx.save_for_backward(index, bag)
+        ctx.num_rows = rows.shape[0]
+        return ops.segment_sum(rows.index_select(0, index), bag, num_bags)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        index, bag = ctx.saved_tensors
+        return ops.segment_sum(grad.contiguous().index_select(0, bag), index, ctx.num_rows), None, None, None
+
+
+def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
+    """One all-gather of ``config``; a value that differs between ranks raises the same
+    error on every rank, naming it and each rank's value, before any key or vector moves
+    (a dim mismatch would otherwise abort gloo)."""
+    # Each value's text in a fixed-width field, so every rank can print every rank's value.
+    width = 48
+    text = b"".join(str(value).encode()[:width].ljust(width, b"\0") for value in config.values())
+    mine = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    table = [bytes(t.cpu().tolist()) for t in gathered]
+    for column, key in enumerate(config):
+        values = [row[column * width:(column + 1) * width].rstrip(b"\0").decode(errors="replace") for row in table]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+            raise ValueError(f"{name}: {key} differs between the ranks of the process group ({per_rank}); build "
+                             f"the layer with the same {key} on every rank")
+
+
+def _offsets_error_flags(offsets: Tensor, nnz: int) -> Tensor:
+    bad = (offsets[0] != 0) | (offsets[-1] != nnz)
+    if offsets.numel() > 1:
+        bad = bad | (offsets[1:] < offsets[:-1]).any()
+    return bad.long() * _BAD_OFFSETS

@@ -1,0 +1,498 @@
+"""One rank's shard of a model-parallel embedding: its weight, hash table, admissions,
+the plan-then-commit lookup, stats, export and the SOK layers' exchange (see
+:mod:`sparsekit.embedding` for the step by step). The collection's tables are shards too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import ops
+from ._checks import allocation
+from .exchange import (
+    _BAD_KEY,
+    _BAD_OFFSETS,
+    _LOCAL_EXCEPTION,
+    _OWNER_EXCEPTION,
+    _TABLE_FULL,
+    _agree_on_config,
+    _all_to_all_rows,
+    _AllToAll,
+    _CoalescedGradMarker,
+    _LookupOwned,
+    _offsets_error_flags,
+    _resolve_group,
+)
+from .hashtable import HashTable, HashTableFullError
+
+Initializer = Callable[[Tensor, int], Tensor]
+
+
+class KeySeededUniform:
+    """The default initializer: uniform in ``[low, high]``, a pure function of ``(seed, key, column)``.
+
+    A key's first vector is therefore the same whatever the world size, rank, device or
+    insertion order (see :func:`sparsekit.ops.key_seeded_uniform`). Give tables that should
+    start independent different seeds.
+
+    Args:
+        seed: any int64 (default 0).
+        low: lower bound (default -0.05).
+        high: upper bound (default 0.05).
+    """
+
+    def __init__(self, seed: int = 0, low: float = -0.05, high: float = 0.05) -> None:
+        self.seed = int(seed)
+        self.low = float(low)
+        self.high = float(high)
+
+    def __call__(self, keys: Tensor, dim: int) -> Tensor:
+        """Rows for ``keys`` (int64 ``[n]``): float32 ``[n, dim]`` on the keys' device."""
+        return ops.key_seeded_uniform(keys, dim, seed=self.seed, low=self.low, high=self.high)
+
+    def __repr__(self) -> str:
+        return f"KeySeededUniform(seed={self.seed}, low={self.low}, high={self.high})"
+
+
+def is_embedding_variable(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a model-parallel embedding shard (a layer's ``weight``)."""
+    return bool(getattr(tensor, "sparsekit_model_parallel", False))
+
+
+class _LookupPlan(NamedTuple):
+    """A training lookup worked out on an owner before every rank agrees to go on."""
+
+    keys: Tensor                   # the distinct owned keys asked for
+    plan: object                   # the hash table's insert plan for the keys that get rows
+    initial: Optional[Tensor]      # initial rows of the new keys
+    admitted: Optional[tuple]      # (keys admitted this step, mask of keys that get rows) with admission
+    pending_plan: Optional[object]  # the pending table's insert plan for the keys still waiting
+
+
+class _ModelParallelEmbedding(nn.Module):
+    """The shard, its hash table, and the exchange shared by both layers."""
+
+    _layer_name = "embedding"
+
+    def __init__(
+        self,
+        max_vocabulary_size_per_gpu: int,
+        embedding_vec_size: int,
+        use_hashtable: bool,
+        key_dtype: torch.dtype,
+        embedding_initializer: Optional[Initializer],
+        process_group: Optional[dist.ProcessGroup],
+        device: Optional[Union[torch.device, str]],
+        eviction: Optional[str] = None,
+        admit_after: int = 1,
+        admission_capacity: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        owner_offset: int = 0,
+    ) -> None:
+        super().__init__()
+        name = self._layer_name
+        if isinstance(max_vocabulary_size_per_gpu, bool) or not isinstance(max_vocabulary_size_per_gpu, int) \
+                or max_vocabulary_size_per_gpu < 1:
+            raise ValueError(f"{name}: max_vocabulary_size_per_gpu must be a positive int, "
+                             f"got {max_vocabulary_size_per_gpu!r}")
+        if isinstance(embedding_vec_size, bool) or not isinstance(embedding_vec_size, int) or embedding_vec_size < 1:
+            raise ValueError(f"{name}: embedding_vec_size must be a positive int, got {embedding_vec_size!r}")
+        if key_dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
+        if embedding_initializer is not None and not callable(embedding_initializer):
+            raise TypeError(f"{name}: embedding_initializer must be a callable (keys, dim) -> [n, dim] "
+                            f"tensor or None, got {type(embedding_initializer).__name__}")
+        if eviction not in (None, "lru", "lfu"):
+            raise ValueError(f"{name}: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
+        if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
+            raise ValueError(f"{name}: admit_after must be an int >= 1, got {admit_after!r}")
+        if admission_capacity is None:
+            admission_capacity = max_vocabulary_size_per_gpu
+        if isinstance(admission_capacity, bool) or not isinstance(admission_capacity, int) or admission_capacity < 1:
+            raise ValueError(f"{name}: admission_capacity must be a positive int or None, got {admission_capacity!r}")
+        if not use_hashtable and (eviction is not None or admit_after != 1):
+            raise ValueError(f"{name}: eviction and admit_after need use_hashtable=True (a direct-mapped shard has "
+                             "a row for every key)")
+        self.max_vocabulary_size_per_gpu = max_vocabulary_size_per_gpu
+        self.embedding_vec_size = embedding_vec_size
+        self.eviction = eviction
+        self.admit_after = admit_after
+        self.admission_capacity = admission_capacity
+        self._evicted = 0
+        self._admitted = 0
+        self.use_hashtable = bool(use_hashtable)
+        self.key_dtype = key_dtype
+        self.embedding_initializer = embedding_initializer if embedding_initializer is not None \
+            else KeySeededUniform()
+        self.process_group, self.world_size, self.rank = _resolve_group(process_group)
+        self._config_agreed = self.world_size == 1
+
+        shape = (max_vocabulary_size_per_gpu, embedding_vec_size)
+        # Key k lives on rank uint64(k + owner_offset) % world_size (0 for the SOK layers; a
+        # collection's table index, so its tables' small keys spread over the ranks).
+        self.owner_offset = owner_offset
+        with allocation(f"{name}: max_vocabulary_size_per_gpu={max_vocabulary_size_per_gpu} x embedding_vec_size="
+                        f"{embedding_vec_size} (the local shard)", shape, dtype, device or "cpu"):
+            self.weight = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
+        # The flag split_embedding_variable_from_others, the checkpoint and DDP recipes read.
+        self.weight.sparsekit_model_parallel = True
+        self._grad_marker = _CoalescedGradMarker()
+        self.weight.register_post_accumulate_grad_hook(self._grad_marker)
+        if self.use_hashtable:
+            # Rows are initialised when their key is first inserted.
+            self.hash_table: Optional[HashTable] = HashTable(max_vocabulary_size_per_gpu, key_dtype=key_dtype,
+                                                             device=self.weight.device, eviction=eviction)
+        else:
+            self.hash_table = None
+        # Keys seen in training but not admitted yet, with the number of steps they were
+        # seen in (their LFU count); the least recently seen are forgotten beyond
+        # admission_capacity (an LRU table: 5 int64 per pending key, see HashTable).
+        self._pending: Optional[HashTable] = HashTable(admission_capacity, key_dtype=key_dtype,
+                                                        device=self.weight.device, eviction="lru") \
+            if admit_after > 1 else None
+        # Rows given to new keys since the optimizer last updated them: LazyAdam zeroes
+        # their moments first, so a reused row never carries the evicted key's state.
+        self._fresh_rows: Optional[Tensor] = None
+        if eviction is not None:
+            self._fresh_rows = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.bool, device=self.weight.device)
+            self.weight.sparsekit_fresh_rows = self._fresh_rows
+        if self.hash_table is None:
+            with torch.no_grad():
+                self.weight.copy_(self.initial_rows(self.owned_keys()))
+
+    # -- keys, rows and initial values ------------------------------------------------------
+
+    @property
+    def num_keys_capacity(self) -> int:
+        """Keys the layer can hold over all ranks; with ``use_hashtable=False`` keys lie in ``[0, this)``."""
+        return self.max_vocabulary_size_per_gpu * self.world_size
+
+    def owned_keys(self) -> Tensor:
+        """With ``use_hashtable=False``: the key of every local row (int64 ``[max_vocabulary_size_per_gpu]``)."""
+        rows = torch.arange(self.max_vocabulary_size_per_gpu, dtype=torch.int64, device=self.weight.device)
+        return rows * self.world_size + (self.rank - self.owner_offset) % self.world_size
+
+    def initial_rows(self, keys: Tensor) -> Tensor:
+        """The initializer's rows for int64 ``keys`` ``[n]``, in the weight's dtype and device."""
+        rows = self.embedding_initializer(keys, self.embedding_vec_size)
+        if not isinstance(rows, Tensor) or tuple(rows.shape) != (keys.numel(), self.embedding_vec_size):
+            got = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
+            raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
+                             f"return a [{keys.numel()}, {self.embedding_vec_size}] tensor, got {got}")
+        return rows.to(device=self.weight.device, dtype=self.weight.dtype)
+
+    def _direct_rows(self, keys: Tensor) -> Tensor:
+        return torch.div(keys.long(), self.world_size, rounding_mode="floor")
+
+    def _lookup_rows(self, keys: Tensor) -> Tensor:
+        """Rows of distinct owned ``keys``: insert (and initialise) in training, find in eval."""
+        if self.hash_table is None:
+            return self._direct_rows(keys)
+        if not self.training:
+            return self.hash_table.find(keys)
+        return self._commit_lookup(self._plan_lookup(keys))
+
+    def _plan_lookup(self, keys: Tensor) -> "_LookupPlan":
+        """Works out a training lookup of distinct owned ``keys`` without changing anything:
+        admissions, the table's insert (and its evictions) and the new keys' initial rows.
+        Raises (HashTableFullError, or the initializer's error) with nothing changed."""
+        table = self.hash_table
+        admitted = pending_plan = None
+        lookup_keys = keys
+        if self._pending is not None and keys.numel() > 0:
+            absent = table.find(keys) < 0
+            waiting = keys[absent]
+            _, seen = self._pending.scores(waiting)  # steps seen before this one, -1: never
+            admit = seen.clamp(min=0) + 1 >= self.admit_after
+            admitted = waiting[admit]
+            try:
+                pending_plan = self._pending._plan_insert(waiting[~admit], distinct=True)
+            except HashTableFullError as error:
+                raise HashTableFullError(
+                    f"{self._layer_name}: {int((~admit).sum())} keys wait for admission in one step on rank "
+                    f"{self.rank}, more than admission_capacity={self.admission_capacity}; nothing was inserted. "
+                    "Build the layer with a larger admission_capacity") from error
+            # The keys that get a row this step, in their order in `keys`.
+            take = ~absent
+            take[absent.nonzero().squeeze(1)[admit]] = True
+            lookup_keys = keys[take]
+            admitted = (admitted, take)
+        try:
+            plan = table._plan_insert(lookup_keys, distinct=True)  # the owner's keys are distinct
+        except HashTableFullError as error:
+            raise HashTableFullError(
+                f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
+                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
+        initial = self.initial_rows(plan.new_keys.long()) if plan.new_keys.numel() > 0 else None
+        return _LookupPlan(keys, plan, initial, admitted, pending_plan)
+
+    @torch.no_grad()
+    def _commit_lookup(self, lookup: "_LookupPlan") -> Tensor:
+        """Carries out a plan of :meth:`_plan_lookup`: rows of its keys (-1: not admitted yet)."""
+        table, plan = self.hash_table, lookup.plan
+        rows = table._commit_insert(plan)
+        num_new = plan.new_keys.numel()
+        if num_new > 0:
+            self.weight[plan.new_rows] = lookup.initial
+            if self._fresh_rows is not None:
+                self._fresh_rows[plan.new_rows] = True
+        self._evicted += plan.victims.numel()
+        self._admitted += num_new
+        table.tick()
+        if self._pending is not None:
+            if lookup.pending_plan is not None:
+                self._pending._commit_insert(lookup.pending_plan)
+                admitted, take = lookup.admitted
+                self._pending._remove(admitted)
+                full = torch.full((lookup.keys.numel(),), -1, dtype=torch.int64, device=rows.device)
+                rows = full.masked_scatter_(take, rows)
+            self._pending.tick()
+        return rows
+
+    # -- dynamic tables: stats and export -----------------------------------------------------
+
+    def stats(self) -> Dict[str, int]:
+        """``size``, ``capacity``, ``evicted``, ``admitted`` (totals since construction) and
+        ``pending`` (keys seen but not admitted yet), summed over the ranks of the layer's
+        process group (then a collective: every rank must call it)."""
+        size = len(self.hash_table) if self.hash_table is not None else self.max_vocabulary_size_per_gpu
+        pending = len(self._pending) if self._pending is not None else 0
+        values = [size, self.max_vocabulary_size_per_gpu, self._evicted, self._admitted, pending]
+        if self.world_size > 1:
+            totals = torch.tensor(values, dtype=torch.int64, device=self.weight.device)
+            dist.all_reduce(totals, group=self.process_group)
+            values = totals.tolist()
+        return dict(zip(("size", "capacity", "evicted", "admitted", "pending"), values))
+
+    def export(self, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """This rank's ``(keys, vectors)``: keys of ``key_dtype`` and their rows of the shard
+        (a detached copy), in row order; with ``min_last_seen``, only keys last seen at a
+        table clock ``>= min_last_seen`` (the clock advances once per training forward).
+        With ``use_hashtable=False``: every owned key, and ``min_last_seen`` must be None."""
+        if self.hash_table is None:
+            if min_last_seen is not None:
+                raise ValueError(f"{self._layer_name}: export(min_last_seen=...) needs use_hashtable=True (a "
+                                 "direct-mapped shard keeps no scores)")
+            return self.owned_keys().to(self.key_dtype), self.weight.detach().clone()
+        keys, rows = self.hash_table.export(min_last_seen)
+        return keys, self.weight.detach().index_select(0, rows)
+
+    # -- the exchange -----------------------------------------------------------------------
+
+    def _key_error_flags(self, unique_keys: Tensor) -> Optional[Tensor]:
+        """Device int64 scalar: _BAD_KEY when a key is outside the direct-mapped range;
+        None when there is nothing to check."""
+        if self.hash_table is not None or unique_keys.numel() == 0:
+            return None
+        keys = unique_keys.long()
+        bad = ((keys < 0) | (keys >= self.num_keys_capacity)).any()
+        return bad.long() * _BAD_KEY
+
+    def _raise_for_flags(self, flags: int, unique_keys: Optional[Tensor], offsets: Optional[Tensor]) -> None:
+        name = self._layer_name
+        if flags & _BAD_KEY:
+            keys = unique_keys.long()
+            bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
+            raise ValueError(
+                f"{name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of range: "
+                f"with use_hashtable=False keys must lie in [0, max_vocabulary_size_per_gpu * world_size) = "
+                f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
+                "max_vocabulary_size_per_gpu")
+        if flags & _BAD_OFFSETS:
+            raise ValueError(f"{name}: offsets must start at 0, never decrease and end at len(values); "
+                             f"got offsets {offsets.tolist() if offsets.numel() <= 16 else offsets}")
+
+    def _exchange(self, unique_keys: Optional[Tensor], flags: Optional[Tensor], offsets: Optional[Tensor],
+                  local_error: Optional[BaseException]) -> Tuple[Tensor, Optional[Tensor]]:
+        """Vectors for ``unique_keys``: ``(vectors, index)``, row ``index[i]`` of ``vectors``
+        (row ``i`` when ``index`` is None) is the vector of ``unique_keys[i]``.
+
+        Every rank calls this with its local outcome so far; an error anywhere makes every
+        rank raise before any key moves.
+        """
+        if self.world_size == 1:
+            if local_error is not None:
+                raise local_error
+            if flags is not None:
+                self._raise_for_flags(int(flags.item()), unique_keys, offsets)
+            rows = self._lookup_rows(unique_keys)
+            sorted_rows, order = torch.sort(rows)
+            slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+            return _LookupOwned.apply(self.weight, sorted_rows, slot, self._may_miss(), self._grad_marker), None
+
+        self._agree_on_config()
+        device = self.weight.device
+        if local_error is None:
+            keys_by_owner, positions, send_counts = ops.partition_by_owner(unique_keys, self.world_size)
+            if flags is None:
+                flags = torch.zeros((), dtype=torch.int64, device=device)
+        else:
+            send_counts = torch.zeros(self.world_size, dtype=torch.int64, device=device)
+            flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
+        # Counts, error word and train/eval mode travel together; one host read gives both
+        # split-size lists and every rank's verdict.
+        mode = torch.full((self.world_size,), int(self.training), dtype=torch.int64, device=device)
+        send_header = torch.stack([send_counts.to(device), flags.to(device).expand(self.world_size), mode], dim=1)
+        recv_header = torch.empty_like(send_header)
+        dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
+        header = torch.cat([send_header, recv_header]).tolist()
+        send_splits = [row[0] for row in header[:self.world_size]]
+        recv_splits = [row[0] for row in header[self.world_size:]]
+        peer_flags = [row[1] for row in header[self.world_size:]]
+        peer_modes = [row[2] for row in header[self.world_size:]]
+        if any(peer_flags):
+            if local_error is not None:
+                raise local_error
+            self._raise_for_flags(peer_flags[self.rank], unique_keys, offsets)
+            failed = [rank for rank, flag in enumerate(peer_flags) if flag]
+            raise RuntimeError(f"{self._layer_name}: rank(s) {failed} of the process group rejected their input "
+                               "(see the error on those ranks); no rank went on with this step")
+        if len(set(peer_modes)) > 1:
+            # Training ranks would wait for the table-status all-reduce that eval ranks skip.
+            evaluating = [rank for rank, training in enumerate(peer_modes) if not training]
+            raise RuntimeError(f"{self._layer_name}: rank(s) {evaluating} are in eval() mode and the others in "
+                               "train() mode; switch the layer's mode on every rank alike")
+
+        recv_keys = _all_to_all_rows(keys_by_owner, recv_splits, send_splits, self.process_group)
+        owned_keys, owned_inverse = ops.unique(recv_keys)
+        rows = self._agree_on_lookup(owned_keys)
+        sorted_rows, order = torch.sort(rows)
+        rank_in_sorted = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
+        vectors = _LookupOwned.apply(self.weight, sorted_rows, rank_in_sorted.index_select(0, owned_inverse),
+                                     self._may_miss(), self._grad_marker)
+        received = _AllToAll.apply(vectors, send_splits, recv_splits, self.process_group)
+        return received, positions
+
+    def _config(self) -> Dict[str, object]:
+        """What every rank of the group must build alike: the exchange relies on it."""
+        return {"layer type": type(self).__name__, "embedding_vec_size": self.embedding_vec_size,
+                "dtype": self.weight.dtype, "max_vocabulary_size_per_gpu": self.max_vocabulary_size_per_gpu,
+                "use_hashtable": self.use_hashtable, "key_dtype": self.key_dtype, "eviction": self.eviction,
+                "admit_after": self.admit_after}
+
+    def _agree_on_config(self) -> None:
+        """On the first exchange: one all-gather of the configuration (see :func:`_agree_on_config`)."""
+        if self._config_agreed:
+            return
+        _agree_on_config(self._config(), self.weight.device, self.process_group, self.world_size, self._layer_name)
+        self._config_agreed = True
+
+    def _may_miss(self) -> bool:
+        return self.hash_table is not None and (not self.training or self._pending is not None)
+
+    def _agree_on_lookup(self, owned_keys: Tensor) -> Tensor:
+        """The owner's lookup; in training with a hash table every rank learns of a failure."""
+        if self.hash_table is None or not self.training:
+            return self._lookup_rows(owned_keys)
+        error: Optional[BaseException] = None
+        plan = None
+        try:
+            plan = self._plan_lookup(owned_keys)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+            error = exc
+        kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
+        # Highest failing rank and its kind in one word: (rank + 1) * 4 + kind.
+        status = torch.tensor([0 if error is None else (self.rank + 1) * 4 + kind], dtype=torch.int64,
+                              device=self.weight.device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
+        word = int(status.item())
+        if word == 0:
+            # Every owner can do its part: only now does any table change.
+            return self._commit_lookup(plan)
+        if error is not None:
+            raise error
+        failed_rank, failed_kind = word // 4 - 1, word % 4
+        if failed_kind == _TABLE_FULL:
+            raise HashTableFullError(
+                f"{self._layer_name}: the hash table of rank {failed_rank} is full (capacity "
+                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}); nothing was inserted on that "
+                "rank. Build the layer with a larger max_vocabulary_size_per_gpu")
+        raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
+                           "no rank went on with this step")
+
+    def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]]):
+        """Reads the input with ``prepare() -> (keys [n], user CSR offsets to check or None,
+        info)``, dedups the keys and fetches their vectors.
+
+        Returns ``(keys, info, vectors, index)`` with ``vectors[index[j]]`` the vector of
+        ``keys[j]``. An error in ``prepare``, in the dedup or in the checks is shared with
+        every rank first (see :meth:`_exchange`), so no rank is left waiting.
+        """
+        keys = offsets = info = unique_keys = inverse = flags = None
+        error: Optional[BaseException] = None
+        try:
+            keys, offsets, info = prepare()
+            unique_keys, inverse = ops.unique(keys)
+            flags = self._key_error_flags(unique_keys)
+            if offsets is not None:
+                offsets_flags = _offsets_error_flags(offsets, keys.numel())
+                flags = offsets_flags if flags is None else flags | offsets_flags
+        except Exception as exc:  # noqa: BLE001 - folded into the counts exchange, re-raised there
+            error = exc
+        vectors, positions = self._exchange(unique_keys, flags, offsets, error)
+        index = inverse if positions is None else positions.index_select(0, inverse)
+        return keys, info, vectors, index
+
+    def _check_keys_tensor(self, keys: Tensor, what: str) -> Tensor:
+        name = self._layer_name
+        if not isinstance(keys, Tensor):
+            raise TypeError(f"{name}: {what} must be a tensor, got {type(keys).__name__}")
+        if keys.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: {what} must hold int64 or int32 keys, got {keys.dtype}")
+        if keys.dtype == torch.int64 and self.key_dtype == torch.int32:
+            raise TypeError(f"{name}: {what} are int64 but key_dtype is torch.int32; cast them with .int() "
+                            "or build the layer with key_dtype=torch.int64")
+        if keys.device != self.weight.device:
+            raise RuntimeError(f"{name}: {what} are on {keys.device} but the layer is on {self.weight.device}; "
+                               "move them with .to(layer.weight.device)")
+        return keys.to(self.key_dtype)
+
+    # -- module plumbing --------------------------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        device = self.weight.device
+        if self.hash_table is not None:
+            self.hash_table = self.hash_table.to(device)
+        if self._pending is not None:
+            self._pending = self._pending.to(device)
+        if self._fresh_rows is not None:
+            self._fresh_rows = self._fresh_rows.to(device)
+            self.weight.sparsekit_fresh_rows = self._fresh_rows
+        return self
+
+    def get_extra_state(self):
+        # The hash table is module state: this rank's keys in row order with their scores,
+        # the pending admissions and the eviction / admission totals.
+        if self.hash_table is None:
+            return {}
+        state = self.hash_table.state_dict()
+        if self._pending is not None:
+            state["pending"] = self._pending.state_dict()
+        state["evicted"] = torch.tensor(self._evicted, dtype=torch.int64)
+        state["admitted"] = torch.tensor(self._admitted, dtype=torch.int64)
+        return state
+
+    def set_extra_state(self, state) -> None:
+        if self.hash_table is None or not state:
+            return
+        pending = state.get("pending")
+        if self._pending is not None and pending is not None:
+            self._pending.load_state_dict(pending)
+        self.hash_table.load_state_dict({key: value for key, value in state.items()
+                                         if key not in ("pending", "evicted", "admitted")})
+        self._evicted = int(state.get("evicted", 0))
+        self._admitted = int(state.get("admitted", 0))
+        if self._fresh_rows is not None:
+            self._fresh_rows.zero_()
+
+    def extra_repr(self) -> str:
+        return (f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}, "
+                f"embedding_vec_size={self.embedding_vec_size}, use_hashtable={self.use_hashtable}, "
+                f"key_dtype={self.key_dtype}, rank={self.rank}, world_size={self.world_size}"
+                + (f", eviction={self.eviction!r}" if self.eviction else "")
+                + (f", admit_after={self.admit_after}" if self.admit_after > 1 else ""))
