@@ -81,7 +81,7 @@ def test_unique_large_matches_torch(device):
 
 def test_unique_multidim_and_noncontiguous(device):
     keys = torch.tensor([[1, 2, 3], [3, 2, 9]], device=device).t()  # non-contiguous [3, 2]
-    uniq, inverse, counts = torch.ops.sparsekit.unique(keys)
+    uniq, inverse, _counts = torch.ops.sparsekit.unique(keys)
     assert inverse.shape == keys.shape
     assert torch.equal(uniq[inverse], keys)
     check_against_reference(keys)
@@ -120,11 +120,11 @@ def test_unique_cuda_matches_cpu(device):
 def test_unique_wrapper_returns(device):
     keys = torch.tensor([4, 4, 2], device=device)
     assert torch.equal(sk.ops.unique(keys, return_inverse=False).cpu(), torch.tensor([4, 2]))
-    uniq, inverse = sk.ops.unique(keys)
+    _uniq, inverse = sk.ops.unique(keys)
     assert torch.equal(inverse.cpu(), torch.tensor([0, 0, 1]))
-    uniq, counts = sk.ops.unique(keys, return_inverse=False, return_counts=True)
+    _uniq, counts = sk.ops.unique(keys, return_inverse=False, return_counts=True)
     assert torch.equal(counts.cpu(), torch.tensor([2, 1]))
-    uniq, inverse, counts = sk.ops.unique(keys, return_counts=True)
+    _uniq, inverse, counts = sk.ops.unique(keys, return_counts=True)
     assert torch.equal(counts.cpu(), torch.tensor([2, 1]))
 
 
@@ -175,6 +175,24 @@ def test_unique_regression_table_growth_mid_chunk(device, seed):
             got = torch.ops.sparsekit.unique(keys)
         assert got[0].numel() == 13_500
         assert_unique_equal(got, torch_unique_first_occurrence(keys))
+
+
+@pytest.mark.parametrize("slow_first", [True, False])
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_unique_uneven_work_is_split_between_threads(device, slow_first, threads):
+    """One half of the input is slow (distinct wide keys: a table miss each), the other
+    fast (one hot key). The CPU threads on the fast half run out of work first and take
+    the back half of the slow range, again and again, each piece deduped in a table of
+    its own (sized from the input's estimate) and merged in order: the result is still
+    exactly first-occurrence unique."""
+    g = torch.Generator().manual_seed(threads)
+    slow = torch.randint(INT64_MIN, INT64_MAX, (600_000,), generator=g)
+    slow[7::7] = slow[:-7:7].clone()  # repeats inside the slow half, across pieces
+    fast = torch.full((600_000,), -3)
+    keys = torch.cat([slow, fast] if slow_first else [fast, slow]).to(device)
+    with num_threads(threads):
+        got = torch.ops.sparsekit.unique(keys)
+    assert_unique_equal(got, torch_unique_first_occurrence(keys))
 
 
 @examples(12)

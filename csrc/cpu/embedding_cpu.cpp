@@ -27,6 +27,7 @@
 #endif
 
 #include "embedding.h"
+#include "parallel.h"
 
 namespace sparsekit {
 namespace {
@@ -401,27 +402,6 @@ SPARSEKIT_TARGET_AVX2 void pool_bag_range_avx2(const BagProblem<scalar_t, index_
 template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
 void pool_bag_range_baseline(const BagProblem<scalar_t, index_t>& p, int64_t first_bag, int64_t last_bag) {
   pool_bag_range<kWeighted, kMax>(p, first_bag, last_bag);
-}
-
-/// Runs fn(begin, end) over [0, n) in chunks of `chunk` items handed out from a shared
-/// counter: a thread that the OS deschedules (or that drew long bags) then delays only its
-/// current chunk, where at::parallel_for's fixed 1/threads shares would make every op wait
-/// for the slowest thread.
-template <typename F>
-void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  const int64_t threads = at::get_num_threads();
-  if (chunks <= 1 || threads <= 1 || at::in_parallel_region()) {
-    fn(0, n);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(chunks, threads), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(c * chunk, std::min(n, (c + 1) * chunk));
-    }
-  });
 }
 
 template <typename scalar_t, typename index_t>

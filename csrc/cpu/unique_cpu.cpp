@@ -1,21 +1,25 @@
 // Hash-based unique on the CPU, in order of first occurrence.
 //
-// The keys are cut into one contiguous chunk per thread. Each thread dedups its chunk
-// with a private open-addressing table (no atomics, no sharing), numbering the keys in
-// order of first occurrence within the chunk and writing these local ids straight into
-// `inverse`. The chunk tables are then merged in chunk order into chunk 0's table, which
-// becomes the global one: each later chunk's keys, in their local order, take the id the
-// global table has for them or else the next new ids. Appending in (chunk, local id)
-// order is exactly global first-occurrence order, so the output is the same whatever the
-// thread count. Each merge runs on all threads (lookups first, then the new keys, whose
-// ids follow from a prefix count), and a last parallel pass turns the local ids of
-// chunks 1.. in `inverse` into global ids.
+// The keys are cut into contiguous chunks, a few per thread, handed out to the threads
+// from a shared counter. Each chunk is deduped with a private open-addressing table (no
+// atomics, no sharing), numbering the keys in order of first occurrence within the chunk
+// and writing these local ids straight into `inverse`. The chunk tables are then merged
+// in chunk order into chunk 0's table, which becomes the global one: each later chunk's
+// keys, in their local order, take the id the global table has for them or else the next
+// new ids. Appending in (chunk, local id) order is exactly global first-occurrence order,
+// so the output is the same whatever the thread count and whichever thread took which
+// chunk. Each merge runs on all threads (lookups first, then the new keys, whose ids
+// follow from a prefix count), and a last parallel pass turns the local ids of chunks
+// 1.. in `inverse` into global ids.
 //
 // Why this shape: every key costs one probe of a table that is private and, for the hot
 // keys, cached; the merge touches each chunk's distinct keys only. Tables are sized from
 // an estimate of the distinct count taken on a sample of the keys, not from the number
 // of keys: a table sized for every key to be distinct would be mostly empty, and each
-// page of it costs a page fault and each probe a likelier cache miss.
+// page of it costs a page fault and each probe a likelier cache miss. Several chunks per
+// thread, and every parallel pass handed out in pieces (parallel.h), keep a thread whose
+// core is busy with other work from holding up the call: it delays one piece, not a
+// 1/threads share of everything.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -28,16 +32,19 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
 #include "common.h"
+#include "parallel.h"
 
 namespace sparsekit {
 namespace {
 
 // Below this many keys per thread, splitting costs more than it saves.
 constexpr int64_t kMinChunk = 1 << 16;
+
 // Keys ahead whose slot is prefetched: enough to cover a miss to L3/DRAM.
 constexpr int64_t kPrefetchDistance = 64;
 // 2^12 registers give a ~1.6% standard error, far inside the table's slack.
@@ -114,12 +121,21 @@ class SampledDistinct {
   }
 
   double estimate() const {
-    const double d16 = every16_.estimate(), d64 = every64_.estimate();
-    const double growth = d64 < 1 ? 4.0 : std::min(4.0, std::max(1.0, d16 / d64));
-    return d16 * growth * growth;
+    const double growth = growth_per_4x();
+    return every16_.estimate() * growth * growth;
   }
 
+  /// e in "distinct keys ~ length^e" (0: a few keys repeated, 1: all distinct).
+  double exponent() const { return std::log(growth_per_4x()) / std::log(4.0); }
+
+
  private:
+  // How much the distinct count grows when the sample grows 4x, within [1, 4].
+  double growth_per_4x() const {
+    const double d16 = every16_.estimate(), d64 = every64_.estimate();
+    return d64 < 1 ? 4.0 : std::min(4.0, std::max(1.0, d16 / d64));
+  }
+
   DistinctSketch every16_, every64_;
 };
 
@@ -301,7 +317,7 @@ template <typename key_t, typename id_t>
 std::vector<id_t> merge_into(LocalTable<key_t, id_t>& global, std::unique_ptr<LocalTable<key_t, id_t>> chunk) {
   const int64_t num_keys = chunk->size();
   std::vector<id_t> counts(num_keys);
-  at::parallel_for(0, chunk->num_slots(), kScanGrain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(chunk->num_slots(), kScanGrain, [&](int64_t begin, int64_t end) {
     chunk->write_counts(begin, end, counts.data());
   });
   const std::vector<key_t> keys = chunk->take_keys();
@@ -311,7 +327,7 @@ std::vector<id_t> merge_into(LocalTable<key_t, id_t>& global, std::unique_ptr<Lo
   std::vector<id_t> ids(num_keys);
   const int64_t num_blocks = (num_keys + kScanGrain - 1) / kScanGrain;
   std::vector<int64_t> new_before(num_blocks + 1, 0);
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t begin = b * kScanGrain, length = std::min(kScanGrain, num_keys - begin);
       probe_each(global, keys.data() + begin, length, [&](int64_t i, uint64_t hash) {
@@ -325,7 +341,7 @@ std::vector<id_t> merge_into(LocalTable<key_t, id_t>& global, std::unique_ptr<Lo
   // New keys: ids in block order, then in order within the block.
   const int64_t first_new = global.size();
   key_t* new_keys = global.extend(new_before[num_blocks]);
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t begin = b * kScanGrain, length = std::min(kScanGrain, num_keys - begin);
       int64_t next = new_before[b];
@@ -340,63 +356,173 @@ std::vector<id_t> merge_into(LocalTable<key_t, id_t>& global, std::unique_ptr<Lo
   return ids;
 }
 
+/// @brief The contiguous ranges of keys that the threads dedup, one table per range.
+/// Each thread starts on a range of its own (1/threads of the keys) and takes its keys a
+/// block at a time; a thread that runs out takes the back half of the range with the most
+/// keys left, as a new range with a table of its own. A thread slowed down by another
+/// process on its core then holds up the call by a fraction of a block, while on an idle
+/// machine the split stays close to one range per thread (few tables to merge). The
+/// output does not depend on the split: ranges are merged in key order.
+class KeyRanges {
+ public:
+  struct Range {
+    int64_t begin, next, end;  // next: the first key no thread has taken yet
+  };
+
+  KeyRanges(int64_t n, int64_t initial) : initial_(initial) {
+    // Every split leaves both halves at least kMinSplit / 2 keys long.
+    ranges_.reserve(initial + 2 * n / kMinSplit + 1);
+    for (int64_t r = 0; r < initial; ++r) ranges_.push_back({n * r / initial, n * r / initial, n * (r + 1) / initial});
+  }
+
+  /// Splits are only worth it when the keys repeat a lot: a split-off range's distinct
+  /// keys cost two probes of the (large, uncached) global table when it is merged, where
+  /// leaving them to the range's thread costs one probe of its table each.
+  void allow_splits(bool allow) { splits_ = allow; }
+
+  /// The next range to work on (an initial one nobody has started, else a split), or -1.
+  int64_t take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (started_ < initial_) return started_++;
+    if (!splits_) return -1;
+    int64_t fullest = -1;
+    for (int64_t r = 0; r < static_cast<int64_t>(ranges_.size()); ++r) {
+      const Range& range = ranges_[r];
+      if (range.end - range.next >= kMinSplit &&
+          (fullest < 0 || range.end - range.next > ranges_[fullest].end - ranges_[fullest].next)) {
+        fullest = r;
+      }
+    }
+    if (fullest < 0 || static_cast<int64_t>(ranges_.size()) == static_cast<int64_t>(ranges_.capacity())) return -1;
+    Range& victim = ranges_[fullest];
+    const int64_t middle = victim.next + (victim.end - victim.next) / 2;
+    ranges_.push_back({middle, middle, victim.end});
+    ranges_[fullest].end = middle;
+    return static_cast<int64_t>(ranges_.size()) - 1;
+  }
+
+  /// Claims the next block of range r as [begin, end); false once the range is used up.
+  bool claim(int64_t r, int64_t& begin, int64_t& end) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Range& range = ranges_[r];
+    if (range.next >= range.end) return false;
+    begin = range.next;
+    end = std::min(range.end, range.next + kClaimBlock);
+    range.next = end;
+    return true;
+  }
+
+  Range range(int64_t r) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return ranges_[r];
+  }
+  /// Call when no thread works any more.
+  const std::vector<Range>& ranges() const { return ranges_; }
+  int64_t max_ranges() const { return static_cast<int64_t>(ranges_.capacity()); }
+
+  // Keys taken at a time: ~100 us of work, so the lock is taken rarely and a thread
+  // descheduled mid-block holds up little.
+  static constexpr int64_t kClaimBlock = 1 << 13;
+  // Ranges shorter than this are not split: the new table and its merge would cost more.
+  static constexpr int64_t kMinSplit = 1 << 16;
+
+ private:
+  std::mutex mutex_;
+  std::vector<Range> ranges_;
+  const int64_t initial_;
+  int64_t started_ = 0;
+  bool splits_ = false;
+};
+
 template <typename key_t, typename id_t>
 void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_t* inverse, at::Tensor& counts) {
   using table_t = LocalTable<key_t, id_t>;
-  const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kMinChunk));
-  auto chunk_begin = [&](int64_t c) { return n * c / num_chunks; };
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t num_initial = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinChunk));
+  KeyRanges work(n, num_initial);
 
-  // Size every chunk's table from an estimate of its distinct keys; chunk 0's table
-  // becomes the global one, so it is sized for all of them.
-  std::vector<int64_t> expected(num_chunks);
-  std::vector<SampledDistinct> sketches(num_chunks);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+  // Size every initial range's table from an estimate of its distinct keys; range 0's
+  // table becomes the global one, so it is sized for all of them. A range split off
+  // later is sized from the whole input's estimate (its distinct keys grow like a power
+  // of its length; the power comes from the sample too).
+  std::vector<int64_t> expected(num_initial);
+  std::vector<SampledDistinct> sketches(num_initial);
+  parallel_chunks(num_initial, 1, [&](int64_t c_begin, int64_t c_end) {
     for (int64_t c = c_begin; c < c_end; ++c) {
-      const int64_t length = chunk_begin(c + 1) - chunk_begin(c);
+      const KeyRanges::Range range = work.range(c);
+      const int64_t length = range.end - range.begin;
       if (n < kMinSketched) {
         expected[c] = length;
         continue;
       }
-      sketches[c].add(keys, chunk_begin(c), chunk_begin(c + 1));
+      sketches[c].add(keys, range.begin, range.end);
       expected[c] = std::min<int64_t>(length, static_cast<int64_t>(sketches[c].estimate() * 1.05) + 16);
     }
   });
-  if (num_chunks > 1 && n >= kMinSketched) {
-    for (int64_t c = 1; c < num_chunks; ++c) sketches[0].merge(sketches[c]);
+  if (num_initial > 1 && n >= kMinSketched) {
+    for (int64_t c = 1; c < num_initial; ++c) sketches[0].merge(sketches[c]);
     expected[0] = std::min<int64_t>(n, static_cast<int64_t>(sketches[0].estimate() * 1.05) + 16);
   }
+  const double exponent = n >= kMinSketched ? sketches[0].exponent() : 1.0;
+  // Keys that repeat at least 4x on average: the merge of a split-off piece is cheap.
+  work.allow_splits(n >= kMinSketched && 4 * expected[0] <= n);
+  auto expected_for = [&](int64_t r, int64_t length) -> int64_t {
+    if (r < num_initial) return expected[r];
+    const double share = static_cast<double>(length) / static_cast<double>(n);
+    return std::min<int64_t>(length, static_cast<int64_t>(expected[0] * std::pow(share, exponent) * 1.05) + 16);
+  };
 
-  // Each chunk: local ids in order of first occurrence within the chunk.
-  std::vector<std::unique_ptr<table_t>> tables(num_chunks);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
-    for (int64_t c = c_begin; c < c_end; ++c) {
-      tables[c] = std::make_unique<table_t>(expected[c]);
-      table_t& table = *tables[c];
-      const key_t* chunk_keys = keys + chunk_begin(c);
-      int64_t* chunk_inverse = inverse + chunk_begin(c);
-      probe_each(table, chunk_keys, chunk_begin(c + 1) - chunk_begin(c), [&](int64_t i, uint64_t hash) {
-        chunk_inverse[i] = table.add(chunk_keys[i], hash, 1);
-      });
-    }
-  });
+  // Each range: local ids in order of first occurrence within the range.
+  std::vector<std::unique_ptr<table_t>> tables(work.max_ranges());
+  if (num_initial == 1) {
+    tables[0] = std::make_unique<table_t>(expected[0]);
+    table_t& table = *tables[0];
+    probe_each(table, keys, n, [&](int64_t i, uint64_t hash) { inverse[i] = table.add(keys[i], hash, 1); });
+  } else {
+    at::parallel_for(0, num_initial, 1, [&](int64_t, int64_t) {
+      for (int64_t r = work.take(); r >= 0; r = work.take()) {
+        const KeyRanges::Range range = work.range(r);
+        tables[r] = std::make_unique<table_t>(expected_for(r, range.end - range.begin));
+        table_t& table = *tables[r];
+        for (int64_t begin, end; work.claim(r, begin, end);) {
+          // One thread per range, its blocks in order: local ids follow first occurrence.
+          probe_each(table, keys + begin, end - begin, [&](int64_t i, uint64_t hash) {
+            inverse[begin + i] = table.add(keys[begin + i], hash, 1);
+          });
+        }
+      }
+    });
+  }
 
+  // Merge the ranges' tables into range 0's, in key order.
+  const std::vector<KeyRanges::Range>& ranges = work.ranges();
+  std::vector<int64_t> order(ranges.size());
+  for (size_t r = 0; r < ranges.size(); ++r) order[r] = static_cast<int64_t>(r);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ranges[a].begin < ranges[b].begin; });
   table_t& global = *tables[0];
-  std::vector<std::vector<id_t>> global_ids(num_chunks);
-  for (int64_t c = 1; c < num_chunks; ++c) global_ids[c] = merge_into(global, std::move(tables[c]));
+  std::vector<std::vector<id_t>> global_ids(ranges.size());
+  for (size_t o = 1; o < order.size(); ++o) {
+    if (ranges[order[o]].begin == ranges[order[o]].end) continue;
+    global_ids[order[o]] = merge_into(global, std::move(tables[order[o]]));
+  }
 
   const int64_t num_unique = global.size();
   unique_keys = at::empty({num_unique}, unique_keys.options());
   counts = at::empty({num_unique}, counts.options());
   std::memcpy(unique_keys.data_ptr<key_t>(), global.keys().data(), num_unique * sizeof(key_t));
   int64_t* out_counts = counts.data_ptr<int64_t>();
-  at::parallel_for(0, global.num_slots(), kScanGrain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(global.num_slots(), kScanGrain, [&](int64_t begin, int64_t end) {
     global.write_counts(begin, end, out_counts);
   });
-  if (num_chunks > 1) {
-    at::parallel_for(chunk_begin(1), n, kScanGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t c = 1; c < num_chunks; ++c) {
-        const id_t* ids = global_ids[c].data();
-        for (int64_t i = std::max(begin, chunk_begin(c)), e = std::min(end, chunk_begin(c + 1)); i < e; ++i) {
+  if (order.size() > 1) {
+    const int64_t first = ranges[order[1]].begin;
+    parallel_chunks(n - first, kScanGrain, [&](int64_t begin, int64_t end) {
+      begin += first;
+      end += first;
+      for (size_t o = 1; o < order.size(); ++o) {
+        const KeyRanges::Range& range = ranges[order[o]];
+        const id_t* ids = global_ids[order[o]].data();
+        for (int64_t i = std::max(begin, range.begin), e = std::min(end, range.end); i < e; ++i) {
           inverse[i] = ids[inverse[i]];
         }
       }
