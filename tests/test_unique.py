@@ -195,6 +195,35 @@ def test_unique_uneven_work_is_split_between_threads(device, slow_first, threads
     assert_unique_equal(got, torch_unique_first_occurrence(keys))
 
 
+def mostly_distinct_keys(kind: str, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "wide":  # distinct int64 keys, extremes included
+        keys = torch.randint(INT64_MIN, INT64_MAX, (n,), generator=g)
+        keys[:4] = torch.tensor([INT64_MIN, INT64_MAX, -1, 0])
+        return keys
+    if kind == "repeats":  # each key ~2x, repeats near and far
+        return torch.randint(0, n // 2, (n,), generator=g) * 1_000_003
+    if kind == "hot_and_distinct":  # one bucket holds a third of the keys, mostly one key
+        keys = torch.randint(INT64_MIN, INT64_MAX, (n,), generator=g)
+        keys[torch.randperm(n, generator=g)[: n // 3]] = 12345
+        return keys
+    return torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32)  # "int32"
+
+
+@pytest.mark.parametrize("n", [2**18 - 1, 2**18, 300_001, 1_100_000])
+@pytest.mark.parametrize("kind", ["wide", "repeats", "hot_and_distinct", "int32"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_unique_mostly_distinct_keys(device, n, kind, threads):
+    """From 2^18 keys, mostly distinct keys take the CPU's partitioned path (buckets by
+    hash, one cached table per bucket, ids from first occurrences per block): the sizes
+    straddle its threshold and the block and bucket counts; a hot key fills one bucket
+    with few distinct keys (its table sized from a guess, grown when the guess is low)."""
+    keys = mostly_distinct_keys(kind, n, seed=n + threads).to(device)
+    with num_threads(threads):
+        got = torch.ops.sparsekit.unique(keys)
+    assert_unique_equal(got, torch_unique_first_occurrence(keys))
+
+
 @examples(12)
 @given(n=sizes(), distribution=st.sampled_from(KEY_DISTRIBUTIONS), dtype=st.sampled_from([torch.int64, torch.int32]),
        seed=st.integers(0, 2**31 - 1), threads=thread_counts)

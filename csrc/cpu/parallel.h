@@ -8,27 +8,45 @@
 
 namespace sparsekit {
 
-/// @brief Runs fn(begin, end) over [0, n) in chunks of `chunk` items handed out from a
-/// shared counter. A thread that the OS deschedules (its core busy with other work) or
-/// that drew the slow part of the input then delays only its current chunk, where
-/// at::parallel_for's fixed 1/threads shares make the whole call wait for the slowest
-/// thread. Runs inline on one thread, or when already inside a parallel region.
+/// @brief The number of workers parallel_chunks_indexed uses for n items in chunks of
+/// `chunk`: 1 when it runs inline.
+inline int64_t chunk_workers(int64_t n, int64_t chunk) {
+  const int64_t chunks = (n + std::max<int64_t>(chunk, 1) - 1) / std::max<int64_t>(chunk, 1);
+  if (chunks <= 1 || at::in_parallel_region()) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(chunks, at::get_num_threads()));
+}
+
+/// @brief Runs fn(worker, begin, end) over [0, n) in chunks of `chunk` items handed out
+/// from a shared counter; worker in [0, chunk_workers(n, chunk)) names the worker that
+/// runs the chunk (for per-worker scratch or counters), and one worker's calls never
+/// overlap. A thread that the OS deschedules (its core busy with other work) or that drew
+/// the slow part of the input then delays only its current chunk, where at::parallel_for's
+/// fixed 1/threads shares make the whole call wait for the slowest thread. Runs inline on
+/// one thread, or when already inside a parallel region.
 template <typename F>
-void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+void parallel_chunks_indexed(int64_t n, int64_t chunk, const F& fn) {
   chunk = std::max<int64_t>(chunk, 1);
   const int64_t chunks = (n + chunk - 1) / chunk;
-  const int64_t threads = at::get_num_threads();
-  if (chunks <= 1 || threads <= 1 || at::in_parallel_region()) {
-    fn(0, n);
+  const int64_t workers = chunk_workers(n, chunk);
+  if (workers == 1) {
+    fn(int64_t{0}, int64_t{0}, n);
     return;
   }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(chunks, threads), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  at::parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
+    for (int64_t worker = w_begin; worker < w_end; ++worker) {
+      for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+           c = next.fetch_add(1, std::memory_order_relaxed)) {
+        fn(worker, c * chunk, std::min(n, (c + 1) * chunk));
+      }
     }
   });
+}
+
+/// @brief parallel_chunks_indexed without the worker: fn(begin, end).
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+  parallel_chunks_indexed(n, chunk, [&](int64_t, int64_t begin, int64_t end) { fn(begin, end); });
 }
 
 }  // namespace sparsekit

@@ -38,6 +38,7 @@
 
 #include "common.h"
 #include "parallel.h"
+#include "unique_partitioned.h"
 
 namespace sparsekit {
 namespace {
@@ -54,6 +55,9 @@ constexpr int64_t kMinSketched = 1 << 14;
 // Sampled blocks of consecutive keys: long enough to read whole cache lines and to hold
 // any short period of the keys (a [batch, slots] layout, say).
 constexpr int64_t kSampleBlock = 64;
+// From this many keys, mostly distinct keys take the partitioned path (unique_partitioned.h):
+// below it, the tables fit in the caches anyway.
+constexpr int64_t kMinPartitioned = 1 << 18;
 // Grain of the parallel passes (table walks, merge blocks, the inverse remap).
 constexpr int64_t kScanGrain = 1 << 14;
 
@@ -462,6 +466,12 @@ void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_
   if (num_initial > 1 && n >= kMinSketched) {
     for (int64_t c = 1; c < num_initial; ++c) sketches[0].merge(sketches[c]);
     expected[0] = std::min<int64_t>(n, static_cast<int64_t>(sketches[0].estimate() * 1.05) + 16);
+  }
+  // Mostly distinct keys: tables per thread would outgrow the caches, and merging them
+  // would probe every distinct key twice more.
+  if (n >= kMinPartitioned && n < (int64_t{1} << 31) && 4 * expected[0] > n) {
+    partitioned::unique_partitioned(keys, n, expected[0], unique_keys, inverse, counts);
+    return;
   }
   const double exponent = n >= kMinSketched ? sketches[0].exponent() : 1.0;
   // Keys that repeat at least 4x on average: the merge of a split-off piece is cheap.

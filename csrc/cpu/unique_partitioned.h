@@ -1,0 +1,250 @@
+#pragma once
+// unique for keys that are mostly distinct, in order of first occurrence: partitioned by
+// hash so that every table fits in cache.
+//
+// With many distinct keys, one table per thread (unique_cpu.cpp) outgrows the caches:
+// every probe misses, the table's pages fault in on first touch, and merging the threads'
+// tables probes every distinct key twice more. Here the keys are first scattered into
+// buckets by the high bits of their hash (a counting sort that keeps position order within
+// a bucket), each bucket is deduped on its own with a table of a few hundred KiB, and the
+// ids follow from one count of first occurrences per block of positions:
+//
+//   A. per block of positions: how many keys go to each bucket;
+//   B. per block: scatter (key, position) into the buckets, blocks in order, so that a
+//      bucket lists its keys in position order;
+//   C. per bucket: dedup; the entry of a key's first occurrence gets its count, the others
+//      the position of their first occurrence;
+//   D. per block, blocks numbered from the first occurrences in earlier blocks: visit the
+//      keys in position order again, reading each one's entry from its bucket (the same
+//      per-bucket cursors as B); a first occurrence takes the next id (its key and count
+//      go to the outputs), any other occurrence notes where its first occurrence is;
+//   E. each other occurrence takes the id of its first occurrence.
+//
+// Every pass streams through memory or stays in cache, and every pass is handed out in
+// pieces (parallel.h). The entries (16 bytes per key) are scratch memory that the calling
+// thread keeps between calls (up to kMaxKeptScratch), as are the workers' bucket tables:
+// a fresh allocation of that size costs a page fault per 4 KiB, about as much as the work.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "parallel.h"
+
+namespace sparsekit {
+namespace partitioned {
+
+// Keys per bucket aimed at: its table (2 slots of 16 bytes per distinct key, 1 MiB) stays
+// in L2, and passes B and D write and read no more streams than the caches can follow.
+constexpr int64_t kBucketKeys = int64_t{1} << 15;
+constexpr int kMaxBucketBits = 12;
+// Blocks of positions per thread in passes A, B and D (each block has its own cursors).
+constexpr int64_t kBlocksPerThread = 4;
+constexpr int64_t kMaxBlocks = 64;
+// Scratch kept by a thread between calls; above this it is freed after the call.
+constexpr size_t kMaxKeptScratch = size_t{256} << 20;
+
+/// @brief Grow-only memory that a thread keeps between calls (up to kMaxKeptScratch).
+class Scratch {
+ public:
+  ~Scratch() { std::free(data_); }
+  void* get(size_t bytes) {
+    if (bytes > size_) {
+      std::free(data_);
+      data_ = std::malloc(bytes);
+      TORCH_CHECK(data_ != nullptr, "unique: out of memory for ", bytes, " bytes of scratch");
+      size_ = bytes;
+    }
+    return data_;
+  }
+  void trim() {
+    if (size_ > kMaxKeptScratch) {
+      std::free(data_);
+      data_ = nullptr;
+      size_ = 0;
+    }
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+template <typename key_t>
+struct Entry {
+  key_t key;
+  int32_t first;  // the position of the key's first occurrence (its own until pass C)
+  int32_t count;  // occurrences, on the entry of the first occurrence; 0 on the others
+};
+
+template <typename key_t>
+struct BucketSlot {
+  key_t key;
+  int32_t entry;  // 1 + the bucket-relative index of the key's first entry; 0: free
+};
+
+/// @brief Pass C for one bucket: dedups entries[0, m) in order with a table in `table`
+/// (sized for `guess` distinct keys, grown when that was low); adds 1 to
+/// firsts[position >> block_shift] for each first occurrence.
+template <typename key_t>
+void dedup_bucket(Entry<key_t>* entries, int64_t m, int64_t guess, std::vector<BucketSlot<key_t>>& table,
+                  int64_t* firsts, int block_shift) {
+  int64_t slots = 16;
+  while (slots < 2 * std::min(m, guess)) slots <<= 1;
+  table.assign(slots, BucketSlot<key_t>{0, 0});
+  uint64_t mask = slots - 1;
+  int64_t used = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    Entry<key_t>& entry = entries[j];
+    // The bucket took the hash's high bits; the slot takes its low bits.
+    uint64_t s = mix_key(static_cast<int64_t>(entry.key)) & mask;
+    while (table[s].entry != 0 && table[s].key != entry.key) s = (s + 1) & mask;
+    if (table[s].entry != 0) {
+      Entry<key_t>& first = entries[table[s].entry - 1];
+      ++first.count;
+      entry.first = first.first;
+      entry.count = 0;
+      continue;
+    }
+    if (2 * (used + 1) > slots) {
+      // More distinct keys than guessed (the input's estimate spread evenly): double.
+      std::vector<BucketSlot<key_t>> bigger(2 * slots, BucketSlot<key_t>{0, 0});
+      const uint64_t bigger_mask = 2 * slots - 1;
+      for (const BucketSlot<key_t>& slot : table) {
+        if (slot.entry == 0) continue;
+        uint64_t t = mix_key(static_cast<int64_t>(slot.key)) & bigger_mask;
+        while (bigger[t].entry != 0) t = (t + 1) & bigger_mask;
+        bigger[t] = slot;
+      }
+      table.swap(bigger);
+      slots *= 2;
+      mask = bigger_mask;
+      s = mix_key(static_cast<int64_t>(entry.key)) & mask;
+      while (table[s].entry != 0) s = (s + 1) & mask;
+    }
+    table[s] = BucketSlot<key_t>{entry.key, static_cast<int32_t>(j + 1)};
+    entry.count = 1;
+    ++firsts[entry.first >> block_shift];
+    ++used;
+  }
+}
+
+/// @brief unique of keys[0, n) (n < 2^31) with about `expected_distinct` distinct keys;
+/// fills unique_keys, counts (allocated here) and inverse.
+template <typename key_t>
+void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct, at::Tensor& unique_keys,
+                        int64_t* inverse, at::Tensor& counts) {
+  int bits = 1;
+  while (bits < kMaxBucketBits && (n >> bits) > kBucketKeys) ++bits;
+  const int64_t num_buckets = int64_t{1} << bits;
+  auto bucket_of = [bits](key_t key) -> int64_t {
+    return static_cast<int64_t>(mix_key(static_cast<int64_t>(key)) >> (64 - bits));
+  };
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // Blocks of a power-of-two length: a position's block is a shift away.
+  const int64_t wanted_blocks = std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, threads * kBlocksPerThread));
+  int block_shift = 0;
+  while ((int64_t{1} << block_shift) * wanted_blocks < n) ++block_shift;
+  const int64_t block_length = int64_t{1} << block_shift;
+  const int64_t num_blocks = (n + block_length - 1) / block_length;
+  auto block_end = [&](int64_t b) { return std::min(n, (b + 1) * block_length); };
+
+  // A: per block, keys per bucket.
+  std::vector<int64_t> cursor(num_blocks * num_buckets, 0);
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t* histogram = cursor.data() + b * num_buckets;
+      for (int64_t i = b * block_length; i < block_end(b); ++i) ++histogram[bucket_of(keys[i])];
+    }
+  });
+  // Bucket-major, blocks in order within a bucket: cursor[b][p] = where block b's keys of
+  // bucket p start.
+  std::vector<int64_t> bucket_start(num_buckets + 1, 0);
+  {
+    int64_t offset = 0;
+    for (int64_t p = 0; p < num_buckets; ++p) {
+      bucket_start[p] = offset;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t keys_here = cursor[b * num_buckets + p];
+        cursor[b * num_buckets + p] = offset;
+        offset += keys_here;
+      }
+    }
+    bucket_start[num_buckets] = offset;
+  }
+  const std::vector<int64_t> cursor_d = cursor;
+
+  thread_local Scratch entry_scratch;
+  Entry<key_t>* entries = static_cast<Entry<key_t>*>(entry_scratch.get(n * sizeof(Entry<key_t>)));
+
+  // B: scatter.
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t* next = cursor.data() + b * num_buckets;
+      for (int64_t i = b * block_length; i < block_end(b); ++i) {
+        entries[next[bucket_of(keys[i])]++] = Entry<key_t>{keys[i], static_cast<int32_t>(i), 0};
+      }
+    }
+  });
+
+  // C: dedup each bucket; count first occurrences per (worker, block of positions).
+  const int64_t guess = expected_distinct / num_buckets * 5 / 4 + 64;
+  const int64_t workers = chunk_workers(num_buckets, 1);
+  std::vector<int64_t> firsts(workers * num_blocks, 0);
+  parallel_chunks_indexed(num_buckets, 1, [&](int64_t worker, int64_t p_begin, int64_t p_end) {
+    thread_local std::vector<BucketSlot<key_t>> table;
+    int64_t* my_firsts = firsts.data() + worker * num_blocks;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      Entry<key_t>* bucket = entries + bucket_start[p];
+      const int64_t m = bucket_start[p + 1] - bucket_start[p];
+      dedup_bucket(bucket, m, guess, table, my_firsts, block_shift);
+    }
+    if (table.capacity() * sizeof(BucketSlot<key_t>) > kMaxKeptScratch) std::vector<BucketSlot<key_t>>().swap(table);
+  });
+  std::vector<int64_t> first_id(num_blocks + 1, 0);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    first_id[b + 1] = first_id[b];
+    for (int64_t w = 0; w < workers; ++w) first_id[b + 1] += firsts[w * num_blocks + b];
+  }
+
+  // D: ids of the first occurrences, in position order; the others note where theirs is.
+  const int64_t num_unique = first_id[num_blocks];
+  unique_keys = at::empty({num_unique}, unique_keys.options());
+  counts = at::empty({num_unique}, counts.options());
+  key_t* out_keys = unique_keys.data_ptr<key_t>();
+  int64_t* out_counts = counts.data_ptr<int64_t>();
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    std::vector<int64_t> next(num_buckets);
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      std::copy_n(cursor_d.data() + b * num_buckets, num_buckets, next.data());
+      int64_t id = first_id[b];
+      for (int64_t i = b * block_length; i < block_end(b); ++i) {
+        const Entry<key_t>& entry = entries[next[bucket_of(keys[i])]++];
+        if (entry.count != 0) {
+          out_keys[id] = keys[i];
+          out_counts[id] = entry.count;
+          inverse[i] = id++;
+        } else {
+          inverse[i] = ~static_cast<int64_t>(entry.first);
+        }
+      }
+    }
+  });
+
+  // E: the other occurrences take their first occurrence's id (set in D, never negative).
+  parallel_chunks(n, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (inverse[i] < 0) inverse[i] = inverse[~inverse[i]];
+    }
+  });
+  entry_scratch.trim();
+}
+
+}  // namespace partitioned
+}  // namespace sparsekit
