@@ -140,5 +140,7 @@ setup(
     ext_modules=[extension()],
     install_requires=[torch_requirement(), "numpy", "xxhash", "tqdm"],
     cmdclass={"build_ext": BuildWithInfo.with_options(use_ninja=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    # torch's build defines Py_LIMITED_API=0x030A0000 (CPython 3.10) for py_limited_api
+    # extensions: the abi3 tag says the same.
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

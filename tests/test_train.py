@@ -256,6 +256,44 @@ def test_dynamic_table_run_logs_fill_evictions_and_admissions(tmp_path, capsys):
     assert resumed["auc"] == result["auc"]
 
 
+def test_per_slot_tables_follow_the_shared_table():
+    """26 tables in an EmbeddingBagCollection hold the same keys (salted per slot) with
+    the same key-seeded vectors and Adam updates as one shared table: the same run."""
+    shared = train(tiny())
+    per_slot = train(tiny(tables="per-slot"))
+    assert per_slot["tables"] == "per-slot"
+    assert per_slot["auc"] == pytest.approx(shared["auc"], abs=1e-6)
+    assert per_slot["logloss"] == pytest.approx(shared["logloss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_tables_learn_and_resume(tmp_path, dtype):
+    """bf16/fp16 tables (float32 pooling, exchange and Adam moments) learn about as well
+    as float32 ones, and resume to the uninterrupted result."""
+    full = train(tiny(tables="per-slot"))
+    straight = train(tiny(tables="per-slot", embedding_dtype=dtype))
+    assert straight["embedding_dtype"] == dtype
+    assert straight["auc"] == pytest.approx(full["auc"], abs=0.02)
+    train(tiny(tables="per-slot", embedding_dtype=dtype, steps=5, checkpoint_dir=str(tmp_path)))
+    resumed = train(tiny(tables="per-slot", embedding_dtype=dtype, checkpoint_dir=str(tmp_path), resume=True))
+    assert resumed["resumed_from_step"] == 5
+    assert resumed["auc"] == straight["auc"] and resumed["logloss"] == straight["logloss"]
+
+
+def test_default_holdout_of_a_small_file_is_a_tenth(tmp_path):
+    path = str(tmp_path / "small.tsv")
+    write_synthetic_tsv(path, 3000)
+    result = train(tiny(data=path, steps=5, eval_samples=None))
+    assert result["eval_samples"] == 300
+
+
+def test_keep_checkpoints_prunes_the_oldest(tmp_path):
+    train(tiny(steps=6, checkpoint_every=1, keep_checkpoints=3, checkpoint_dir=str(tmp_path)))
+    kept = sorted(name for name in os.listdir(tmp_path) if name.startswith("step_"))
+    assert kept == ["step_000000004", "step_000000005", "step_000000006"]
+    assert (tmp_path / "latest").read_text().strip() == "step_000000006"
+
+
 def test_resume_refuses_other_settings(tmp_path):
     train(tiny(embedding="torch", steps=2, checkpoint_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="--embedding-dim 8 .now 4."):
@@ -284,6 +322,10 @@ def test_bad_settings_raise():
     (["--admit-after", "0"], dict(admit_after=0), "--admit-after must be an integer >= 1"),
     (["--embedding", "torch", "--eviction", "lru"], dict(embedding="torch", eviction="lru"),
      "need --embedding sparsekit"),
+    (["--embedding", "torch", "--tables", "per-slot"], dict(embedding="torch", tables="per-slot"),
+     "--tables per-slot needs --embedding sparsekit"),
+    (["--embedding-dtype", "bf16"], dict(embedding_dtype="bf16"), "needs --tables per-slot"),
+    (["--keep-checkpoints", "0"], dict(keep_checkpoints=0), "--keep-checkpoints must be an integer >= 1"),
 ])
 def test_bad_flags_are_argparse_errors(capsys, flags, fields, message):
     """Out-of-range flags exit with status 2 and a usage message naming the flag, before
@@ -350,6 +392,7 @@ def _torchrun(config: TrainConfig, nproc: int, metrics_path: str) -> dict:
             "--eval-every", str(config.eval_every), "--embedding-dim", str(config.embedding_dim),
             "--table-rows", str(config.table_rows), "--vocab-per-slot", str(config.vocab_per_slot),
             "--lr", str(config.lr), "--no-progress", "--metrics-json", metrics_path]
+    args += ["--tables", config.tables, "--embedding-dtype", config.embedding_dtype]
     if config.checkpoint_dir:
         args += ["--checkpoint-dir", config.checkpoint_dir]
     if config.resume:
@@ -373,6 +416,15 @@ def test_two_processes_match_one_process(tmp_path, embedding):
     double = _torchrun(tiny(embedding=embedding), 2, str(tmp_path / "metrics.json"))
     _check_metrics(double, steps=single["steps"], world_size=2)
     assert double["eval_samples"] == single["eval_samples"]
+    assert double["auc"] == pytest.approx(single["auc"], abs=2e-3)
+    assert double["logloss"] == pytest.approx(single["logloss"], abs=2e-3)
+
+
+def test_per_slot_tables_on_two_processes_match_one_process(tmp_path):
+    """The collection's fused exchange under torchrun: 2 ranks follow the one-process run."""
+    single = train(tiny(tables="per-slot", embedding_dtype="bf16"))
+    double = _torchrun(tiny(tables="per-slot", embedding_dtype="bf16"), 2, str(tmp_path / "metrics.json"))
+    _check_metrics(double, steps=single["steps"], world_size=2)
     assert double["auc"] == pytest.approx(single["auc"], abs=2e-3)
     assert double["logloss"] == pytest.approx(single["logloss"], abs=2e-3)
 

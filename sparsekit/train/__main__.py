@@ -39,8 +39,9 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
                         help="'synthetic' (generated in memory) or the path of a Criteo TSV file")
     parser.add_argument("--eval-data", default=None,
                         help="held-out Criteo TSV file (default: the last --eval-samples lines of --data)")
-    parser.add_argument("--eval-samples", type=int, default=defaults.eval_samples,
-                        help="held-out samples of each evaluation")
+    parser.add_argument("--eval-samples", type=int, default=None,
+                        help="held-out samples of each evaluation (default: 32768; with --data FILE and no "
+                        "--eval-data, at most a tenth of the file's lines)")
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every,
                         help="evaluate every N steps (0: only at the end)")
     parser.add_argument("--checkpoint-dir", default=None, help="where checkpoints go")
@@ -67,6 +68,13 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
                         "is full (default: a full table is an error)")
     parser.add_argument("--admit-after", type=int, default=defaults.admit_after,
                         help="sparsekit: a key gets a row from the K-th training step it is seen in")
+    parser.add_argument("--tables", choices=("shared", "per-slot"), default=defaults.tables,
+                        help="sparsekit: one sk.DistributedEmbedding for all 26 slots, or one table per slot "
+                        "in an sk.EmbeddingBagCollection (each table gets a 26th of the capacity)")
+    parser.add_argument("--embedding-dtype", choices=("fp32", "bf16", "fp16"), default=defaults.embedding_dtype,
+                        help="dtype of the per-slot tables (pooling and the exchange stay float32)")
+    parser.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
+                        help="checkpoints kept in --checkpoint-dir (the newest)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar (log lines only)")
     parser.add_argument("--timeout", type=float, default=defaults.timeout,

@@ -22,11 +22,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .data import SyntheticCriteo
+from .data import NUM_SLOTS, SyntheticCriteo
 from .metrics import all_gather_1d, log_loss, roc_auc
-from .model import DLRM, SparsekitSlotEmbedding, TorchSlotEmbedding
+from .model import DLRM, SparsekitSlotEmbedding, SparsekitTableEmbedding, TorchSlotEmbedding
 
 LATEST = "latest"
+EMBEDDING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Held-out samples when --eval-samples is not given: this many of the synthetic stream, or
+# of a TSV file's last lines, at most a tenth of them (see make_data).
+DEFAULT_EVAL_SAMPLES = 32768
 
 
 @dataclass
@@ -39,7 +43,7 @@ class TrainConfig:
     embedding: str = "sparsekit"
     data: str = "synthetic"
     eval_data: Optional[str] = None
-    eval_samples: int = 32768
+    eval_samples: Optional[int] = None
     eval_every: int = 50
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
@@ -55,13 +59,18 @@ class TrainConfig:
     capacity_per_rank: Optional[int] = None
     eviction: Optional[str] = None
     admit_after: int = 1
+    tables: str = "shared"
+    embedding_dtype: str = "fp32"
+    keep_checkpoints: int = 2
 
     def validate(self) -> None:
         """Raises ValueError naming the flag of the first value out of range."""
         at_least = {"steps": 0, "batch_size": 1, "eval_samples": 1, "eval_every": 0, "checkpoint_every": 0,
-                    "embedding_dim": 1, "table_rows": 1, "vocab_per_slot": 1}
+                    "embedding_dim": 1, "table_rows": 1, "vocab_per_slot": 1, "keep_checkpoints": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
+            if name == "eval_samples" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if not self.lr > 0:
@@ -79,6 +88,14 @@ class TrainConfig:
         if self.embedding != "sparsekit" and (self.eviction or self.admit_after != 1
                                               or self.capacity_per_rank is not None):
             raise ValueError("--capacity-per-rank, --eviction and --admit-after need --embedding sparsekit")
+        if self.tables not in ("shared", "per-slot"):
+            raise ValueError(f"--tables must be shared or per-slot, got {self.tables!r}")
+        if self.embedding_dtype not in EMBEDDING_DTYPES:
+            raise ValueError(f"--embedding-dtype must be one of {sorted(EMBEDDING_DTYPES)}, got {self.embedding_dtype!r}")
+        if self.tables == "per-slot" and self.embedding != "sparsekit":
+            raise ValueError("--tables per-slot needs --embedding sparsekit")
+        if self.embedding_dtype != "fp32" and self.tables != "per-slot":
+            raise ValueError("--embedding-dtype bf16/fp16 needs --tables per-slot (the shared table is float32)")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
@@ -86,7 +103,8 @@ class TrainConfig:
 
     # Fields that must match between a checkpoint and the run resuming from it.
     RESUME_KEYS = ("embedding", "embedding_dim", "batch_size", "seed", "data", "table_rows",
-                   "vocab_per_slot", "lr", "capacity_per_rank", "eviction", "admit_after")
+                   "vocab_per_slot", "lr", "capacity_per_rank", "eviction", "admit_after", "tables",
+                   "embedding_dtype")
 
 
 @dataclass
@@ -133,15 +151,26 @@ def make_data(config: TrainConfig):
         return SyntheticCriteo(config.seed, vocab_per_slot=config.vocab_per_slot)
     from .criteo import CriteoTSV
 
-    return CriteoTSV(config.data, eval_samples=config.eval_samples, eval_path=config.eval_data,
+    eval_samples = config.eval_samples
+    if eval_samples is None:
+        eval_samples = DEFAULT_EVAL_SAMPLES
+        if config.eval_data is None:  # held out from --data: a tenth of a small file
+            from .criteo import LineIndex
+
+            eval_samples = min(eval_samples, max(1, LineIndex(config.data).num_lines // 10))
+    return CriteoTSV(config.data, eval_samples=eval_samples, eval_path=config.eval_data,
                      hash_seed=config.seed)
 
 
-def _table_stats(model: nn.Module) -> str:
+def _table_stats(model: nn.Module, config: TrainConfig) -> str:
     """The log's table part: fill, evictions and admissions since the last line (sparsekit
     embedding with a dynamic table only; a collective under a process group)."""
-    layer = getattr(getattr(model, "embedding", None), "embedding", None)
-    if layer is None or not hasattr(layer, "stats") or (layer.eviction is None and layer.admit_after == 1):
+    layer = getattr(model, "embedding", None)
+    if isinstance(layer, SparsekitSlotEmbedding):
+        layer = layer.embedding
+    elif not isinstance(layer, SparsekitTableEmbedding):
+        return ""
+    if config.eviction is None and config.admit_after == 1:
         return ""
     stats = layer.stats()
     last = getattr(layer, "_logged_stats", {"evicted": 0, "admitted": 0})
@@ -157,9 +186,16 @@ def build(config: TrainConfig, context: Context):
     torch.manual_seed(config.seed)
     if config.embedding == "sparsekit":
         capacity = config.capacity_per_rank if config.capacity_per_rank is not None else config.table_rows
-        embedding = SparsekitSlotEmbedding(capacity, config.embedding_dim, context.device,
-                                           context.world_size, config.seed, eviction=config.eviction,
-                                           admit_after=config.admit_after)
+        if config.tables == "per-slot":
+            # The same rows in all: the capacity split evenly over the 26 tables.
+            embedding = SparsekitTableEmbedding(
+                max(1, capacity // NUM_SLOTS), config.embedding_dim, context.device, context.world_size,
+                config.seed, eviction=config.eviction, admit_after=config.admit_after,
+                dtype=EMBEDDING_DTYPES[config.embedding_dtype])
+        else:
+            embedding = SparsekitSlotEmbedding(capacity, config.embedding_dim, context.device,
+                                               context.world_size, config.seed, eviction=config.eviction,
+                                               admit_after=config.admit_after)
     elif config.embedding == "torch":
         if context.world_size > 1 and context.device.type == "cuda":
             raise RuntimeError("--embedding torch replicates nn.EmbeddingBag(sparse=True) under DDP, "
@@ -224,8 +260,8 @@ def evaluate(model: nn.Module, data, config: TrainConfig, context: Context) -> D
     model.eval()
     probabilities: List[torch.Tensor] = []
     labels: List[torch.Tensor] = []
-    for batch in data.eval_batches(config.eval_samples, config.batch_size, context.rank,
-                                   context.world_size):
+    eval_samples = config.eval_samples if config.eval_samples is not None else DEFAULT_EVAL_SAMPLES
+    for batch in data.eval_batches(eval_samples, config.batch_size, context.rank, context.world_size):
         batch = batch.to(context.device)
         probabilities.append(torch.sigmoid(model(batch.dense, batch.keys)))
         labels.append(batch.labels)
@@ -290,9 +326,9 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
     _barrier(context)
     if context.is_main:
         _atomic_write_text(os.path.join(config.checkpoint_dir, LATEST), os.path.basename(directory) + "\n")
-        # Keep the newest two: the one just written and its predecessor.
+        # Keep the newest --keep-checkpoints (the one just written among them).
         older = sorted(name for name in os.listdir(config.checkpoint_dir) if name.startswith("step_"))
-        for name in older[:-2]:
+        for name in older[:-config.keep_checkpoints]:
             if name != os.path.basename(directory):
                 shutil.rmtree(os.path.join(config.checkpoint_dir, name), ignore_errors=True)
     _barrier(context)
@@ -316,8 +352,10 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
     state = torch.load(own if os.path.exists(own) else os.path.join(directory, "trainer_rank0.pt"),
                        weights_only=True)
     saved = state["config"]
+    # A key an older checkpoint lacks was its default then.
+    saved = {key: saved.get(key, getattr(TrainConfig, key)) for key in TrainConfig.RESUME_KEYS}
     mismatched = {key: (saved[key], getattr(config, key)) for key in TrainConfig.RESUME_KEYS
-                  if saved.get(key) != getattr(config, key)}
+                  if saved[key] != getattr(config, key)}
     if mismatched:
         details = ", ".join(f"--{key.replace('_', '-')} {old!r} (now {new!r})"
                             for key, (old, new) in mismatched.items())
@@ -444,7 +482,7 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
             samples_per_s = interval_steps * config.batch_size / interval_seconds
             train_loss = _global_mean(interval_loss / interval_steps, context)
             metrics = evaluate(model, data, config, context)
-            table = _table_stats(model)  # collective: every rank asks
+            table = _table_stats(model, config)  # collective: every rank asks
             if context.is_main:
                 log(f"step {step:>6d}  train_loss {train_loss:.4f}  eval_auc {metrics['auc']:.4f}  "
                     f"eval_logloss {metrics['logloss']:.4f}  samples/s {samples_per_s:,.0f}" + table)
@@ -470,6 +508,8 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
         "device": str(context.device),
         "batch_size": config.batch_size,
         "embedding_dim": config.embedding_dim,
+        "tables": config.tables,
+        "embedding_dtype": config.embedding_dtype,
         "eval_samples": metrics["eval_samples"],
         "resumed_from_step": start_step,
         "seed": config.seed,

@@ -67,6 +67,52 @@ class SparsekitSlotEmbedding(nn.Module):
         return vectors
 
 
+class SparsekitTableEmbedding(nn.Module):
+    """One table per slot (26 tables) through ``sk.EmbeddingBagCollection``: one fused
+    exchange per step for all of them, tables of any ``dtype`` (the vectors reach the
+    model as float32). The gradient is scaled as in :class:`SparsekitSlotEmbedding`.
+
+    Args:
+        capacity_per_table: hash-table rows of each table on each rank.
+        dim, device, world_size, seed, eviction, admit_after: as for
+            :class:`SparsekitSlotEmbedding` (each table gets the policy).
+        dtype: the tables' dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
+    """
+
+    def __init__(self, capacity_per_table: int, dim: int, device: torch.device, world_size: int = 1,
+                 seed: int = 0, eviction: Optional[str] = None, admit_after: int = 1,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        import sparsekit as sk
+
+        self._keyed_jagged = sk.KeyedJagged
+        self.features = [f"slot{i}" for i in range(NUM_SLOTS)]
+        self.embedding = sk.EmbeddingBagCollection(
+            [sk.TableConfig(feature, dim, capacity_per_table, [feature], dtype=dtype, eviction=eviction,
+                            admit_after=admit_after, initializer=sk.KeySeededUniform(seed))
+             for feature in self.features], device=device)
+        self.grad_scale = 1.0 / world_size
+
+    def forward(self, keys: Tensor) -> Tensor:
+        """int64 keys ``[B, 26]`` -> float32 ``[B, 26, dim]``."""
+        batch = keys.shape[0]
+        # Feature-major, one key per bag.
+        lengths = torch.ones(batch * NUM_SLOTS, dtype=torch.int64, device=keys.device)
+        pooled = self.embedding(self._keyed_jagged(self.features, keys.t().reshape(-1), lengths=lengths))
+        vectors = torch.stack([pooled[feature] for feature in self.features], dim=1).float()
+        if self.grad_scale != 1.0 and torch.is_grad_enabled():
+            vectors = _ScaleGrad.apply(vectors, self.grad_scale)
+        return vectors
+
+    def stats(self) -> dict:
+        """The tables' stats, summed (a collective per table under a process group)."""
+        total: dict = {}
+        for feature in self.features:
+            for key, value in self.embedding.stats(feature).items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+
 class TorchSlotEmbedding(nn.Module):
     """The same layer on stock PyTorch: one ``nn.EmbeddingBag(sparse=True)`` table of
     ``num_rows`` rows shared by all slots, key ``k`` stored in row ``k mod num_rows``
