@@ -86,49 +86,81 @@ struct Entry {
 template <typename key_t>
 struct BucketSlot {
   key_t key;
-  int32_t entry;  // 1 + the bucket-relative index of the key's first entry; 0: free
+  int32_t entry;   // the bucket-relative index of the key's first entry
+  uint32_t stamp;  // the slot is in use for the current bucket iff it holds that bucket's stamp
 };
 
-/// @brief Pass C for one bucket: dedups entries[0, m) in order with a table in `table`
-/// (sized for `guess` distinct keys, grown when that was low); adds 1 to
+/// @brief A worker's bucket table, kept between buckets and calls. Each bucket takes a new
+/// stamp, so slots left by earlier buckets read as free without clearing the table.
+template <typename key_t>
+struct BucketTable {
+  std::vector<BucketSlot<key_t>> slots;
+  uint32_t stamp = 0;
+
+  /// Readies the table for a bucket of about `distinct` keys; returns the mask to use.
+  uint64_t start(int64_t distinct) {
+    int64_t wanted = 16;
+    while (wanted < 2 * distinct) wanted <<= 1;
+    if (static_cast<int64_t>(slots.size()) < wanted) slots.assign(wanted, BucketSlot<key_t>{0, 0, 0});
+    if (++stamp == 0) {  // wrapped: no stale slot may carry the new stamps
+      std::fill(slots.begin(), slots.end(), BucketSlot<key_t>{0, 0, 0});
+      stamp = 1;
+    }
+    return static_cast<uint64_t>(wanted) - 1;
+  }
+
+  /// Doubles the slots in use (mask + 1) and rehashes the current bucket's keys.
+  uint64_t grow(uint64_t mask) {
+    const uint64_t bigger_mask = 2 * mask + 1;
+    std::vector<BucketSlot<key_t>> bigger(bigger_mask + 1, BucketSlot<key_t>{0, 0, 0});
+    for (uint64_t s = 0; s <= mask; ++s) {
+      if (slots[s].stamp != stamp) continue;
+      uint64_t t = mix_key(static_cast<int64_t>(slots[s].key)) & bigger_mask;
+      while (bigger[t].stamp == stamp) t = (t + 1) & bigger_mask;
+      bigger[t] = slots[s];
+    }
+    slots.swap(bigger);
+    return bigger_mask;
+  }
+
+  void trim() {
+    if (slots.capacity() * sizeof(BucketSlot<key_t>) > kMaxKeptScratch) {
+      std::vector<BucketSlot<key_t>>().swap(slots);
+      stamp = 0;
+    }
+  }
+};
+
+/// @brief Pass C for one bucket: dedups entries[0, m) in order (a table sized for
+/// `guess` distinct keys, grown when that was low); adds 1 to
 /// firsts[position >> block_shift] for each first occurrence.
 template <typename key_t>
-void dedup_bucket(Entry<key_t>* entries, int64_t m, int64_t guess, std::vector<BucketSlot<key_t>>& table,
-                  int64_t* firsts, int block_shift) {
-  int64_t slots = 16;
-  while (slots < 2 * std::min(m, guess)) slots <<= 1;
-  table.assign(slots, BucketSlot<key_t>{0, 0});
-  uint64_t mask = slots - 1;
+void dedup_bucket(Entry<key_t>* entries, int64_t m, int64_t guess, BucketTable<key_t>& table, int64_t* firsts,
+                  int block_shift) {
+  uint64_t mask = table.start(std::min(m, guess));
+  const uint32_t stamp = table.stamp;
   int64_t used = 0;
   for (int64_t j = 0; j < m; ++j) {
     Entry<key_t>& entry = entries[j];
     // The bucket took the hash's high bits; the slot takes its low bits.
     uint64_t s = mix_key(static_cast<int64_t>(entry.key)) & mask;
-    while (table[s].entry != 0 && table[s].key != entry.key) s = (s + 1) & mask;
-    if (table[s].entry != 0) {
-      Entry<key_t>& first = entries[table[s].entry - 1];
+    BucketSlot<key_t>* slots = table.slots.data();
+    while (slots[s].stamp == stamp && slots[s].key != entry.key) s = (s + 1) & mask;
+    if (slots[s].stamp == stamp) {
+      Entry<key_t>& first = entries[slots[s].entry];
       ++first.count;
       entry.first = first.first;
       entry.count = 0;
       continue;
     }
-    if (2 * (used + 1) > slots) {
+    if (2 * (used + 1) > static_cast<int64_t>(mask + 1)) {
       // More distinct keys than guessed (the input's estimate spread evenly): double.
-      std::vector<BucketSlot<key_t>> bigger(2 * slots, BucketSlot<key_t>{0, 0});
-      const uint64_t bigger_mask = 2 * slots - 1;
-      for (const BucketSlot<key_t>& slot : table) {
-        if (slot.entry == 0) continue;
-        uint64_t t = mix_key(static_cast<int64_t>(slot.key)) & bigger_mask;
-        while (bigger[t].entry != 0) t = (t + 1) & bigger_mask;
-        bigger[t] = slot;
-      }
-      table.swap(bigger);
-      slots *= 2;
-      mask = bigger_mask;
+      mask = table.grow(mask);
+      slots = table.slots.data();
       s = mix_key(static_cast<int64_t>(entry.key)) & mask;
-      while (table[s].entry != 0) s = (s + 1) & mask;
+      while (slots[s].stamp == stamp) s = (s + 1) & mask;
     }
-    table[s] = BucketSlot<key_t>{entry.key, static_cast<int32_t>(j + 1)};
+    slots[s] = BucketSlot<key_t>{entry.key, static_cast<int32_t>(j), stamp};
     entry.count = 1;
     ++firsts[entry.first >> block_shift];
     ++used;
@@ -198,14 +230,14 @@ void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct,
   const int64_t workers = chunk_workers(num_buckets, 1);
   std::vector<int64_t> firsts(workers * num_blocks, 0);
   parallel_chunks_indexed(num_buckets, 1, [&](int64_t worker, int64_t p_begin, int64_t p_end) {
-    thread_local std::vector<BucketSlot<key_t>> table;
+    thread_local BucketTable<key_t> table;
     int64_t* my_firsts = firsts.data() + worker * num_blocks;
     for (int64_t p = p_begin; p < p_end; ++p) {
       Entry<key_t>* bucket = entries + bucket_start[p];
       const int64_t m = bucket_start[p + 1] - bucket_start[p];
       dedup_bucket(bucket, m, guess, table, my_firsts, block_shift);
     }
-    if (table.capacity() * sizeof(BucketSlot<key_t>) > kMaxKeptScratch) std::vector<BucketSlot<key_t>>().swap(table);
+    table.trim();
   });
   std::vector<int64_t> first_id(num_blocks + 1, 0);
   for (int64_t b = 0; b < num_blocks; ++b) {
