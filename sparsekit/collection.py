@@ -252,6 +252,7 @@ class _LookupFloat32(torch.autograd.Function):
         return vectors.masked_fill_(~found.unsqueeze(1), 0)
 
     @staticmethod
+    @torch.compiler.disable  # as _LookupOwned.backward
     def backward(ctx, grad: Tensor):
         sorted_rows, order = ctx.saved_tensors
         if ctx.may_miss:
@@ -348,6 +349,8 @@ class EmbeddingBagCollection(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
+    # torch.compile runs the lookup eagerly, one graph break per collection (see README, torch.compile).
+    @torch.compiler.disable
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         device = self._shards[0].weight.device
         num_tables, world = len(self._shards), self.world_size

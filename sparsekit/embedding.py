@@ -224,6 +224,8 @@ class DistributedEmbedding(_ModelParallelEmbedding):
     def _config(self) -> Dict[str, object]:
         return {**super()._config(), "combiner": self.combiner, "slot_num": self.slot_num}
 
+    # torch.compile runs the lookup eagerly, one graph break per layer (see README, torch.compile).
+    @torch.compiler.disable
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
         keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
         # The offsets were checked on every rank by now, so the lengths are >= 0.
@@ -313,6 +315,7 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         return {**super()._config(), "slot_num": self.slot_num, "nnz_per_slot": self.nnz_per_slot,
                 "dynamic_input": self.dynamic_input}
 
+    @torch.compiler.disable  # one graph break, as DistributedEmbedding.forward
     def forward(self, inputs: Tensor) -> Tensor:
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs))
         return _GatherRows.apply(vectors, index).view(out_shape)

@@ -109,6 +109,7 @@ class _LookupOwned(torch.autograd.Function):
         return vectors.masked_fill_(~found.unsqueeze(1), 0)
 
     @staticmethod
+    @torch.compiler.disable  # autograd calls it from compiled code too; dynamo cannot build sparse tensors
     def backward(ctx, grad: Tensor):
         sorted_rows, slot = ctx.saved_tensors
         values = ops.segment_sum(grad.contiguous(), slot, sorted_rows.numel())

@@ -174,6 +174,8 @@ class LazyAdam(torch.optim.Optimizer):
                 raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} names row {bad}, "
                                    f"outside [0, {param.shape[0]}); nothing was updated")
 
+    # torch.compile runs the step eagerly (one graph break): dynamo does not trace sparse gradients.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Performs one optimization step.
