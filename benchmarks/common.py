@@ -6,12 +6,15 @@ reports ratios; absolute times from different runs are never compared.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import subprocess
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterator, List, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +43,74 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
         synchronize(device)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def best_of(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Fastest of `repeat` calls of fn() in seconds, the device synchronised around each."""
+    times: List[float] = []
+    for _ in range(repeat):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def time_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, *, rounds: int,
+                repeat: int) -> Dict[str, List[float]]:
+    """Per side, the best of `repeat` calls in each of `rounds` interleaved rounds (round 1:
+    every side in turn, then round 2, ...), so that a noisy spell of a shared machine hits
+    the sides of one round alike. Every side is called twice first (warm-up)."""
+    for fn in fns.values():
+        fn()
+        fn()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(best_of(fn, device, repeat))
+    return times
+
+
+def ratio_stats(base: Sequence[float], ours: Sequence[float]) -> Dict:
+    """base / ours per round, and their min, median and max."""
+    ratios = [round(b / o, 3) for b, o in zip(base, ours)]
+    return {"min": min(ratios), "median": float(np.median(ratios)), "max": max(ratios), "rounds": ratios}
+
+
+def fmt_ratio(stats: Dict) -> str:
+    """``x3.05 (2.81-3.30)``: the median and the range over rounds."""
+    return f"x{stats['median']:.2f} ({stats['min']:.2f}-{stats['max']:.2f})"
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy_core(enabled: bool) -> Iterator[None]:
+    """While active (when enabled), a separate process spins on one core, as other work
+    does on a user's shared machine."""
+    if not enabled:
+        yield
+        return
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        time.sleep(0.2)  # let it get going
+        yield
+    finally:
+        spinner.terminate()
+        spinner.join()
+
+
+def add_round_args(parser: argparse.ArgumentParser, *, rounds: int = 7, repeat: int = 5) -> None:
+    """--rounds, --repeat and --busy-core, with the meaning of time_rounds and busy_core."""
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (ratios: min/median/max)")
+    parser.add_argument("--repeat", type=int, default=repeat, help="calls per side and round (the best counts)")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="measure with a spinning process on one core (started by the benchmark)")
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, *, repeat: int = 5) -> float:

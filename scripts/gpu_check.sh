@@ -153,7 +153,7 @@ fi
 if wants bench; then
   if [ "$dry_run" = 1 ]; then
     b=(--device cpu)
-    run_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --keys 20000 --rows 20000 --dim 8 --segments 500 --repeat 1
+    run_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --keys 20000 --rows 20000 --dim 8 --segments 500 --repeat 1 --rounds 2 --distributions zipf,distinct
     run_stage bench-embedding 60 "$PY" benchmarks/bench_embedding.py "${b[@]}" --rows 5000 --bags 256 --pooling 4 --dims 16 --rounds 1 --repeat 1 --skew-lookups 4096 --skew-dim 16
     run_stage bench-hashtable 60 "$PY" benchmarks/bench_hashtable.py "${b[@]}" --capacity 4096 --queries 4096 --repeat 1
     run_stage bench-lazy-adam 60 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}" --rows 5000 --dim 8 --unique 500 --repeat 1
@@ -161,15 +161,17 @@ if wants bench; then
     run_stage bench-train 90 "$PY" benchmarks/bench_train.py "${b[@]}" --batch-size 64 --table-rows 4096 --vocab-per-slot 100 --warmup 1 --steps 2 --rounds 1
     run_stage bench-criteo-reader 60 "$PY" benchmarks/bench_criteo_reader.py --lines 2000 --batch-size 256
     run_stage bench-dynamic 60 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --quick --repeat 1
+    run_stage bench-collection 90 "$PY" benchmarks/bench_collection.py "${b[@]}" --small --batch 256 --rounds 1 --repeat 1 --world-sizes 1 --configs dim16
   else
     b=(--device cuda)
-    run_stage bench-ops 45 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3
+    run_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3 --distributions zipf,distinct,uniform
     run_stage bench-embedding 60 "$PY" benchmarks/bench_embedding.py "${b[@]}" --rounds 3
     run_stage bench-hashtable 30 "$PY" benchmarks/bench_hashtable.py "${b[@]}"
     run_stage bench-lazy-adam 30 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}"
     run_stage bench-layers 30 "$PY" benchmarks/bench_layers.py "${b[@]}" --world-sizes 1
     run_stage bench-train 60 "$PY" benchmarks/bench_train.py "${b[@]}" --rounds 3
     run_stage bench-dynamic 90 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --repeat 3
+    run_stage bench-collection 60 "$PY" benchmarks/bench_collection.py "${b[@]}" --world-sizes 1 --rounds 2 --repeat 3
   fi
 fi
 
