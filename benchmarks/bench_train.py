@@ -14,8 +14,12 @@ A timed block is ``--steps`` full training steps (forward, backward, optimizer) 
 pre-generated batches, so data generation is not counted. Every step gets a batch of
 its own (global batch ``step`` of the harness's stream), so new keys keep arriving at
 the rate they do in training, and the hash table keeps inserting. Both back ends are timed in
-alternating rounds in this one process; the ratio is the median of the per-round
-ratios. Without --device: the CPU, then the GPU when there is one. Writes
+alternating rounds in this one process; the ratio (torch time / sparsekit time) is given
+per round and as median (min-max). A profile then splits a step of each back end into
+embedding forward, the rest of the forward (MLPs, interaction), backward and optimizer,
+next to the time the harness's synthetic data generation takes per batch (not part of the
+timed steps, but part of a harness run). --busy-core keeps one core busy throughout.
+Without --device: the CPU, then the GPU when there is one. Writes
 benchmarks/results/train_<device>.json.
 """
 
@@ -32,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import synchronize, write_results  # noqa: E402
+from benchmarks.common import busy_core, fmt_ratio, ratio_stats, synchronize, write_results  # noqa: E402
 from sparsekit.train.loop import Context, TrainConfig, build  # noqa: E402
 from sparsekit.train.data import SyntheticCriteo  # noqa: E402
 
@@ -58,14 +62,55 @@ class Runner:
             loss.backward()
             self.optimizer.step()
 
+    def profile(self, steps: int, device: torch.device) -> dict:
+        """Mean seconds per step of each phase over the next `steps` batches."""
+        phases = {"embedding_forward": 0.0, "rest_of_forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        marks = {}
+
+        def before(*_):
+            synchronize(device)
+            marks["embedding"] = time.perf_counter()
+
+        def after(*_):
+            synchronize(device)
+            phases["embedding_forward"] += time.perf_counter() - marks["embedding"]
+
+        embedding = self.model.embedding
+        hooks = [embedding.register_forward_pre_hook(before), embedding.register_forward_hook(after)]
+        try:
+            for _ in range(steps):
+                batch = self.batches[self.position]
+                self.position += 1
+                synchronize(device)
+                start = time.perf_counter()
+                loss = self.loss_fn(self.model(batch.dense, batch.keys), batch.labels)
+                synchronize(device)
+                forward_end = time.perf_counter()
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                synchronize(device)
+                backward_end = time.perf_counter()
+                self.optimizer.step()
+                synchronize(device)
+                phases["rest_of_forward"] += forward_end - start
+                phases["backward"] += backward_end - forward_end
+                phases["optimizer"] += time.perf_counter() - backward_end
+        finally:
+            for hook in hooks:
+                hook.remove()
+        phases["rest_of_forward"] -= phases["embedding_forward"]
+        return {name: seconds / steps for name, seconds in phases.items()}
+
 
 def bench(device: torch.device, args) -> dict:
     config = TrainConfig(batch_size=args.batch_size, embedding_dim=args.embedding_dim,
                          table_rows=args.table_rows, vocab_per_slot=args.vocab_per_slot,
                          device=device.type)
     source = SyntheticCriteo(0, vocab_per_slot=args.vocab_per_slot)
-    total_steps = args.warmup + args.rounds * args.steps
+    total_steps = args.warmup + args.rounds * args.steps + args.profile_steps
+    start = time.perf_counter()
     batches = [source.train_batch(step, args.batch_size).to(device) for step in range(total_steps)]
+    data_seconds = (time.perf_counter() - start) / total_steps
     runners = {name: Runner(name, config, device, batches) for name in EMBEDDINGS}
     for runner in runners.values():  # warm-up: allocator, first inserts, lazy init
         runner.run(args.warmup)
@@ -80,10 +125,14 @@ def bench(device: torch.device, args) -> dict:
             seconds[name].append(time.perf_counter() - start)
     samples = args.steps * args.batch_size
     rate = {name: samples / statistics.median(times) for name, times in seconds.items()}
-    ratio = statistics.median(t / s for s, t in zip(seconds["sparsekit"], seconds["torch"]))
+    stats = ratio_stats(seconds["torch"], seconds["sparsekit"])
     print(f"[{device.type}] batch {args.batch_size}, dim {args.embedding_dim}, {args.steps} steps x "
           f"{args.rounds} rounds: sparsekit {rate['sparsekit']:,.0f} samples/s | torch "
-          f"{rate['torch']:,.0f} samples/s | sparsekit / torch = {ratio:.2f}x")
+          f"{rate['torch']:,.0f} samples/s | sparsekit / torch = {fmt_ratio(stats)}")
+    profile = {name: runner.profile(args.profile_steps, device) for name, runner in runners.items()}
+    for name, phases in profile.items():
+        print(f"  {name:9} ms per step: " + ", ".join(f"{phase} {t * 1e3:.2f}" for phase, t in phases.items())
+              + f" | synthetic data {data_seconds * 1e3:.2f} (not timed above)")
     return {
         "batch_size": args.batch_size,
         "embedding_dim": args.embedding_dim,
@@ -94,7 +143,11 @@ def bench(device: torch.device, args) -> dict:
         "threads": torch.get_num_threads(),
         "sparsekit_samples_per_s": rate["sparsekit"],
         "torch_samples_per_s": rate["torch"],
-        "speedup_vs_torch": ratio,
+        "speedup_vs_torch": stats["median"],
+        "ratio": stats,
+        "seconds_per_round": seconds,
+        "profile_seconds_per_step": profile,
+        "synthetic_data_seconds_per_batch": data_seconds,
     }
 
 
@@ -108,15 +161,19 @@ def main() -> None:
     parser.add_argument("--vocab-per-slot", type=int, default=20_000)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--profile-steps", type=int, default=20, help="steps per back end in the phase profile")
+    parser.add_argument("--busy-core", action="store_true", help="a spinning process on one core throughout")
     args = parser.parse_args()
     if args.device:
         devices = [torch.device(args.device)]
     else:
         devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     for device in devices:
-        row = bench(device, args)
-        print("wrote", write_results("train", device, [row]))
+        with busy_core(args.busy_core):
+            row = bench(device, args)
+        print("wrote", write_results("train_busy" if args.busy_core else "train", device, [row],
+                                     extra={"busy_core": args.busy_core}))
 
 
 if __name__ == "__main__":
