@@ -224,6 +224,44 @@ def test_unique_mostly_distinct_keys(device, n, kind, threads):
     assert_unique_equal(got, torch_unique_first_occurrence(keys))
 
 
+def _unmix(hashes):
+    """Keys whose sparsekit hash (the splitmix64 finalizer, csrc/common.h) is `hashes`."""
+    mask = (1 << 64) - 1
+
+    def unshift(y, s):
+        x = y
+        for _ in range(64 // s + 1):
+            x = y ^ (x >> s)
+        return x
+
+    keys = []
+    for h in hashes:
+        z = unshift(h, 31)
+        z = (z * pow(0x94D049BB133111EB, -1, 1 << 64)) & mask
+        z = unshift(z, 27)
+        z = (z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & mask
+        z = unshift(z, 30)
+        keys.append(z - (1 << 64) if z >= 1 << 63 else z)
+    return torch.tensor(keys, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_unique_keys_whose_hashes_share_their_high_bits(device, threads):
+    """Adversarial keys: every hash has the same top 16 bits, so the partitioned CPU path
+    puts all 300k (distinct, some repeated) keys in one bucket, whose table grows from the
+    even-spread guess to 2^20 slots; the result is still exact."""
+    import random
+
+    rng = random.Random(threads)
+    hashes = [(0xABCD << 48) | rng.getrandbits(48) for _ in range(300_000)]
+    keys = _unmix(hashes)
+    keys = torch.cat([keys, keys[::7]])[torch.randperm(keys.numel() + keys[::7].numel(),
+                                                       generator=torch.Generator().manual_seed(threads))]
+    with num_threads(threads):
+        got = torch.ops.sparsekit.unique(keys.to(device))
+    assert_unique_equal(got, torch_unique_first_occurrence(keys.to(device)))
+
+
 @examples(12)
 @given(n=sizes(), distribution=st.sampled_from(KEY_DISTRIBUTIONS), dtype=st.sampled_from([torch.int64, torch.int32]),
        seed=st.integers(0, 2**31 - 1), threads=thread_counts)
