@@ -100,9 +100,9 @@ def test_segment_sum_bit_identical_run_to_run(device, deterministic):
         assert torch.equal(first, single)
 
 
-def test_segment_sum_cuda_matches_cpu(device):
-    if device.type != "cuda":
-        pytest.skip("CUDA kernel against the CPU kernel")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: compares the CUDA kernel with the CPU kernel")
+def test_segment_sum_cuda_matches_cpu():
+    device = torch.device("cuda")
     data, ids = random_case("cpu", n=100_000, dim=(33,), num_segments=1000, dtype=torch.float64)
     want = sk.ops.segment_sum(data, ids, 1000)
     for deterministic in (False, True):
@@ -172,9 +172,9 @@ def test_segment_sum_bad_inputs(device, case):
         torch.ops.sparsekit.segment_sum(*make(device), False)
 
 
-def test_segment_sum_device_mismatch(device):
-    if device.type != "cuda":
-        pytest.skip("needs two devices")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: needs a CPU and a CUDA tensor")
+def test_segment_sum_device_mismatch():
+    device = torch.device("cuda")
     with pytest.raises(RuntimeError, match="segment_ids is on"):
         sk.ops.segment_sum(torch.ones(3, 2, device=device), torch.zeros(3, dtype=torch.int64), 2)
 
