@@ -52,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
 )
 
 NUM_TABLES = 26
+GOAL = "world 1 CPU: >= 2x 26 layers, >= 1.5x torch"
 
 
 def capacities(small: bool, config: str) -> List[int]:
@@ -157,6 +158,8 @@ def bench_world_one(args, device: torch.device, config: str) -> Dict:
            "batch": args.batch,
            "pooling": args.pooling, "seconds_per_round": times,
            "collection_step_s": float(np.median(times["collection"])),
+           "layers_step_s": float(np.median(times["layers"])), "torch_step_s": float(np.median(times["torch"])),
+           "collection_bf16_step_s": float(np.median(times["collection_bf16"])),
            "speedup_vs_26_layers": vs_layers, "speedup_vs_torch": vs_torch,
            "bf16_speed_vs_fp32": bf16_vs_fp32,
            "table_bytes_fp32": fp32.table_bytes(), "table_bytes_bf16": bf16.table_bytes()}
@@ -198,10 +201,33 @@ def bench_world(args, world_size: int, config: str) -> Dict:
     vs_layers = ratio_stats(times["layers"], times["collection"])
     row = {"world_size": world_size, "config": config, "backend": "gloo", "batch": args.batch,
            "pooling": args.pooling, "seconds_per_round": times,
-           "collection_step_s": float(np.median(times["collection"])), "speedup_vs_26_layers": vs_layers}
+           "collection_step_s": float(np.median(times["collection"])),
+           "layers_step_s": float(np.median(times["layers"])), "speedup_vs_26_layers": vs_layers}
     print(f"world {world_size} {config:10}: collection {row['collection_step_s'] * 1e3:7.2f} ms per step (global "
           f"batch {args.batch}, slowest rank) | vs 26 layers {fmt_ratio(vs_layers)}")
     return row
+
+
+def print_table(rows: list[dict], device: torch.device) -> None:
+    """One line per configuration and world size (step times: medians over rounds, per rank at
+    world > 1), then the goal and whether the world-1 rows meet it."""
+    print(f"\n{'config':<7} {'world':>5} | {'collection':>10} {'26 layers':>10} {'torch':>10} {'bf16':>10} (ms) | "
+          f"{'vs 26 layers':<20} {'vs torch':<20} {'bf16 speed':<20} {'MiB bf16/fp32':>13}")
+    for r in rows:
+        ms = [f"{r[k] * 1e3:10.2f}" if k in r else f"{'-':>10}"
+              for k in ("collection_step_s", "layers_step_s", "torch_step_s", "collection_bf16_step_s")]
+        ratios = [f"{fmt_ratio(r[k]) if k in r else '-':<20}"
+                  for k in ("speedup_vs_26_layers", "speedup_vs_torch", "bf16_speed_vs_fp32")]
+        mib = "-"
+        if "table_bytes_fp32" in r:
+            mib = f"{r['table_bytes_bf16'] / 2**20:.1f}/{r['table_bytes_fp32'] / 2**20:.1f}"
+        print(f"{r['config']:<7} {r['world_size']:>5} | {' '.join(ms)}      | {' '.join(ratios)} {mib:>13}")
+    print(f"goal ({GOAL}, medians):", end="")
+    for r in rows:
+        if r["world_size"] == 1 and device.type == "cpu":
+            met = r["speedup_vs_26_layers"]["median"] >= 2 and r["speedup_vs_torch"]["median"] >= 1.5
+            print(f" {r['config']} {'met' if met else 'NOT met'};", end="")
+    print()
 
 
 def main() -> None:
@@ -227,10 +253,10 @@ def main() -> None:
                     rows.append(bench_world_one(args, device, config))
                 elif device.type == "cpu":
                     rows.append(bench_world(args, world_size, config))
+    print_table(rows, device)
     path = write_results("collection", device, rows, extra={"threads_per_process": args.threads,
                                                             "busy_core": args.busy_core, "rounds": args.rounds,
-                                                            "repeat": args.repeat,
-                                                            "goal": "world 1 CPU: >= 2x 26 layers, >= 1.5x torch"})
+                                                            "repeat": args.repeat, "goal": GOAL})
     print(f"wrote {path}")
 
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_dynamic [--device cpu|cuda] [--capacity N] [--batch B]
                                        [--loads 0.5,0.75,1.0] [--repeat R] [--quick] [--out PATH]
+                                       [--busy-core]
 
 Goal (the dynamic-tables issue): an insert that evicts costs at most 2x a plain insert at
 64k new keys per call.
@@ -46,7 +47,9 @@ rebuild), so its per-call time amortises the rebuild and the longer probes past
 tombstones; its ratio is to the same repeat's plain call.
 
 Ratios are per repeat (evicting / plain of the same repeat), reported min / median /
-max. Writes benchmarks/results/dynamic_<device>.json (or ``--out``).
+max with every repeat's ratio kept. --busy-core keeps one core busy with a spinning
+process throughout. Writes benchmarks/results/dynamic_<device>.json
+(dynamic_busy_<device>.json with --busy-core, or ``--out``).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common
-from benchmarks.common import synchronize, write_results
+from benchmarks.common import busy_core, ratio_stats, synchronize, write_results
 from sparsekit import ops
 from sparsekit.hashtable import HashTable
 
@@ -230,8 +233,6 @@ def bench_load(load: float, args: argparse.Namespace, device: torch.device) -> l
     out = []
     for policy in POLICIES:
         evict = samples[policy]
-        ratio = [e / p for e, p in zip(evict["call_s"], plain["call_s"])]
-        stream_ratio = [e / p for e, p in zip(evict["stream_call_s"], plain["call_s"])]
         row = {
             "load": load,
             "policy": policy,
@@ -251,12 +252,12 @@ def bench_load(load: float, args: argparse.Namespace, device: torch.device) -> l
             "plain_keys_per_s": batch / statistics.median(plain["call_s"]),
             "evict_call_s": spread(evict["call_s"]),
             "evict_keys_per_s": batch / statistics.median(evict["call_s"]),
-            "ratio_evict_vs_plain": spread(ratio),
+            "ratio_evict_vs_plain": ratio_stats(evict["call_s"], plain["call_s"]),
             "stream_calls_per_cycle": calls_per_cycle,
             "stream_rebuilds_per_cycle": statistics.median(evict["stream_rebuilds"]),
             "stream_call_s": spread(evict["stream_call_s"]),
             "stream_keys_per_s": batch / statistics.median(evict["stream_call_s"]),
-            "ratio_stream_vs_plain": spread(stream_ratio),
+            "ratio_stream_vs_plain": ratio_stats(evict["stream_call_s"], plain["call_s"]),
         }
         for phase in ("plan", "commit", "select", "erase", "find", "evict", "insert"):
             row[f"evict_{phase}_s"] = spread(evict[f"{phase}_s"])
@@ -280,13 +281,14 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def save(rows: list[dict], device: torch.device, extra: dict, out: str | None) -> str:
+    name = "dynamic_busy" if extra["busy_core"] else "dynamic"
     if out is None:
-        return write_results("dynamic", device, rows, extra)
+        return write_results(name, device, rows, extra)
     default_dir = common.RESULTS_DIR
     with tempfile.TemporaryDirectory() as tmp:
         common.RESULTS_DIR = tmp
         try:
-            shutil.move(write_results("dynamic", device, rows, extra), out)
+            shutil.move(write_results(name, device, rows, extra), out)
         finally:
             common.RESULTS_DIR = default_dir
     return out
@@ -307,6 +309,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (torch.set_num_threads); default torch's")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/dynamic_<device>.json)")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="measure with a spinning process on one core (started by the benchmark)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -317,7 +321,8 @@ def main() -> None:
         args.capacity = 1 << 16 if args.quick else (1 << 24 if device.type == "cuda" else 1 << 20)
     if args.batch is None:
         args.batch = 4096 if args.quick else 65536
-    rows = [row for load in args.loads for row in bench_load(load, args, device)]
+    with busy_core(args.busy_core):
+        rows = [row for load in args.loads for row in bench_load(load, args, device)]
     print_rows(rows)
     extra = {
         "phases": {
@@ -335,6 +340,8 @@ def main() -> None:
         "score_history_clocks": SCORE_HISTORY,
         "count_zipf_alpha": COUNT_ZIPF_ALPHA,
         "seen_fraction": args.seen_fraction,
+        "busy_core": args.busy_core,
+        "rounds": args.repeat,
     }
     print("wrote", save(rows, device, extra, args.out))
 

@@ -1,11 +1,15 @@
 """embedding_bag forward and backward: sparsekit vs nn.EmbeddingBag(sparse=True) vs FBGEMM.
 
     python benchmarks/bench_embedding.py [--device cpu|cuda] [--rows 1000000] [--dims 64]
-                                         [--bags 16384] [--pooling 20]
+                                         [--bags 16384] [--pooling 20] [--rounds 7] [--repeat 5]
+                                         [--busy-core]
 
 A 1M x 64 float32 table, 16384 bags of 20 rows (sum pooling), rows drawn uniformly or from
-a Zipf law. All candidates run side by side in this process, in alternating rounds (the
-best round counts), and are compared as ratios:
+a Zipf law. All candidates run side by side in this process, in --rounds interleaved
+rounds of the best of --repeat calls each, and are compared as ratios (competitor time /
+sparsekit time), given as median (min-max) over rounds; the JSON keeps every round.
+--busy-core keeps one core busy with a spinning process throughout (JSON:
+embedding_busy_<device>.json).
 
 - forward: ``sparsekit.ops.embedding_bag`` vs ``nn.EmbeddingBag(mode="sum", sparse=True)``
   vs FBGEMM's table-batched embedding (training and inference modules, one table) when
@@ -31,14 +35,23 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import time_fn, write_results, zipf_keys  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_args,
+    busy_core,
+    copy_bandwidth,
+    fmt_ratio,
+    ratio_stats,
+    time_rounds,
+    write_results,
+    zipf_keys,
+)
 from sparsekit import ops  # noqa: E402
 
 
@@ -74,37 +87,10 @@ def make_rows(distribution: str, n: int, num_rows: int, device: torch.device) ->
     return rows.to(device)
 
 
-def thread_cpu_time_fn(fn: Callable[[], object], *, warmup: int, repeat: int) -> float:
-    """Median CPU time of fn() on the calling thread (user + kernel, page faults included).
-
-    For single-threaded CPU runs this is the work itself: unlike wall time it does not grow
-    while other processes of a shared machine hold the core."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.thread_time()
-        fn()
-        times.append(time.thread_time() - start)
-    return float(np.median(times))
-
-
-def best_of_rounds(candidates: Dict[str, Callable[[], object]], device: torch.device, rounds: int,
-                   repeat: int) -> Dict[str, float]:
-    """Median time of each candidate per round, rounds alternating between candidates; best round wins.
-
-    Alternation spreads machine noise (other processes, frequency changes) over every
-    candidate. One CPU thread is timed in thread CPU time, anything else in wall time."""
-    single_cpu_thread = device.type == "cpu" and torch.get_num_threads() == 1
-    best = {name: float("inf") for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            if single_cpu_thread:
-                seconds = thread_cpu_time_fn(fn, warmup=1, repeat=repeat)
-            else:
-                seconds = time_fn(fn, device, warmup=1, repeat=repeat)
-            best[name] = min(best[name], seconds)
-    return best
+def clock_for(device: torch.device) -> Callable[[], float]:
+    """Thread CPU time for one CPU thread (the work itself: unlike wall time it does not grow
+    while other processes of a shared machine hold the core), wall time otherwise."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
 def fbgemm_modules(fbgemm, table: torch.Tensor, device: torch.device):
@@ -136,12 +122,88 @@ def fbgemm_modules(fbgemm, table: torch.Tensor, device: torch.device):
     return training, inference
 
 
-def copy_bandwidth(device: torch.device, nbytes: int, rounds: int, repeat: int) -> float:
-    """Bytes per second of a device-to-device copy (read + write both counted)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    seconds = best_of_rounds({"copy": lambda: dst.copy_(src)}, device, rounds, repeat)["copy"]
-    return 2 * nbytes / seconds
+def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: float | None) -> list[dict]:
+    """Forward and forward + backward rows of every candidate at one embedding dim."""
+    results: list[dict] = []
+    nnz = args.bags * args.pooling
+    offsets = torch.arange(0, nnz + 1, args.pooling, device=device)
+    table = torch.randn(args.rows, dim, device=device)
+    reference = torch.nn.EmbeddingBag(args.rows, dim, mode="sum", sparse=True, include_last_offset=True,
+                                      _weight=table.clone(), device=device)
+    weight = table.clone().requires_grad_()
+    training = inference = None
+    if fbgemm is not None:
+        try:
+            training, inference = fbgemm_modules(fbgemm, table, device)
+        except Exception as error:  # noqa: BLE001
+            print(f"FBGEMM modules could not be built on {device}: {error}")
+    grad_out = torch.randn(args.bags, dim, device=device)
+    for distribution in ("uniform", "zipf"):
+        rows = make_rows(distribution, nnz, args.rows, device)
+        rows32, offsets32 = rows.int(), offsets.int()
+        expected = reference(rows, offsets).detach()
+        torch.testing.assert_close(ops.embedding_bag(table, rows, offsets), expected)
+
+        forward = {
+            "sparsekit": lambda: ops.embedding_bag(table, rows, offsets),
+            "nn.EmbeddingBag": lambda: reference(rows, offsets),
+        }
+        if training is not None:
+            torch.testing.assert_close(training(rows, offsets).detach(), expected, rtol=1e-4, atol=1e-4)
+            forward["fbgemm_training"] = lambda: training(rows, offsets)
+        if inference is not None:
+            torch.testing.assert_close(inference(rows32, offsets32), expected, rtol=1e-4, atol=1e-4)
+            forward["fbgemm_inference"] = lambda: inference(rows32, offsets32)
+
+        def sparsekit_step():
+            weight.grad = None
+            ops.embedding_bag(weight, rows, offsets).backward(grad_out)
+
+        def torch_step():
+            reference.weight.grad = None
+            reference(rows, offsets).backward(grad_out)
+
+        step = {"sparsekit": sparsekit_step, "nn.EmbeddingBag": torch_step}
+        if training is not None:
+            step["fbgemm_training"] = lambda: training(rows, offsets).backward(grad_out)
+
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            clock = clock_for(device)
+            with torch.no_grad():
+                forward_s = time_rounds(forward, device, rounds=args.rounds, repeat=args.repeat, clock=clock)
+            step_s = time_rounds(step, device, rounds=args.rounds, repeat=args.repeat, clock=clock)
+
+            for phase, times in (("forward", forward_s), ("forward+backward", step_s)):
+                ratios = {name: ratio_stats(t, times["sparsekit"]) for name, t in times.items() if name != "sparsekit"}
+                ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+                row = {
+                    "phase": phase,
+                    "distribution": distribution,
+                    "rows": args.rows,
+                    "dim": dim,
+                    "bags": args.bags,
+                    "pooling": args.pooling,
+                    "threads": threads,
+                    "clock": "thread_cpu_time" if clock is time.thread_time else "wall",
+                    "ms": ms,
+                    "speedup": {name: stats["median"] for name, stats in ratios.items()},
+                    "ratio": ratios["nn.EmbeddingBag"],
+                    "ratios": ratios,
+                    "seconds_per_round": times,
+                }
+                if phase == "forward" and copy_bytes_per_s is not None:
+                    moved = nnz * dim * 4 + nnz * 8 + (args.bags + 1) * 8 + args.bags * dim * 4
+                    row["bytes_moved"] = moved
+                    row["fraction_of_copy_bandwidth"] = moved / (ms["sparsekit"] / 1e3) / copy_bytes_per_s
+                results.append(row)
+                shown = "  ".join(f"{name} {t:7.2f} ms" for name, t in ms.items())
+                vs = "  ".join(f"{fmt_ratio(stats)} vs {name}" for name, stats in ratios.items())
+                extra = ""
+                if "fraction_of_copy_bandwidth" in row:
+                    extra = f"  {row['fraction_of_copy_bandwidth']:.0%} of copy bandwidth"
+                print(f"D={dim:<4} {distribution:<8} threads={threads:<3} {phase:<17} {shown}  | sparsekit {vs}{extra}")
+    return results
 
 
 def run(args) -> None:
@@ -153,98 +215,26 @@ def run(args) -> None:
         import fbgemm_gpu
 
         print(f"FBGEMM {getattr(fbgemm_gpu, '__version__', '?')} found: comparing with its table-batched embedding")
-    copy_bytes_per_s: Optional[float] = None
+    copy_bytes_per_s = None
     if device.type == "cuda":
-        copy_bytes_per_s = copy_bandwidth(device, 1 << 30, args.rounds, args.repeat)
+        copy_bytes_per_s = copy_bandwidth(device, 1 << 30, repeat=args.repeat)
         print(f"device-to-device copy: {copy_bytes_per_s / 1e9:.0f} GB/s")
 
-    results: List[Dict] = []
-    nnz = args.bags * args.pooling
-    offsets = torch.arange(0, nnz + 1, args.pooling, device=device)
-    for dim in [] if args.skip_main else args.dims:
-        table = torch.randn(args.rows, dim, device=device)
-        reference = torch.nn.EmbeddingBag(args.rows, dim, mode="sum", sparse=True, include_last_offset=True,
-                                          _weight=table.clone(), device=device)
-        weight = table.clone().requires_grad_()
-        training = inference = None
-        if fbgemm is not None:
-            try:
-                training, inference = fbgemm_modules(fbgemm, table, device)
-            except Exception as error:  # noqa: BLE001
-                print(f"FBGEMM modules could not be built on {device}: {error}")
-        grad_out = torch.randn(args.bags, dim, device=device)
-        for distribution in ("uniform", "zipf"):
-            rows = make_rows(distribution, nnz, args.rows, device)
-            rows32, offsets32 = rows.int(), offsets.int()
-            expected = reference(rows, offsets).detach()
-            torch.testing.assert_close(ops.embedding_bag(table, rows, offsets), expected)
-
-            forward = {
-                "sparsekit": lambda: ops.embedding_bag(table, rows, offsets),
-                "nn.EmbeddingBag": lambda: reference(rows, offsets),
-            }
-            if training is not None:
-                torch.testing.assert_close(training(rows, offsets).detach(), expected, rtol=1e-4, atol=1e-4)
-                forward["fbgemm_training"] = lambda: training(rows, offsets)
-            if inference is not None:
-                torch.testing.assert_close(inference(rows32, offsets32), expected, rtol=1e-4, atol=1e-4)
-                forward["fbgemm_inference"] = lambda: inference(rows32, offsets32)
-
-            def sparsekit_step():
-                weight.grad = None
-                ops.embedding_bag(weight, rows, offsets).backward(grad_out)
-
-            def torch_step():
-                reference.weight.grad = None
-                reference(rows, offsets).backward(grad_out)
-
-            step = {"sparsekit": sparsekit_step, "nn.EmbeddingBag": torch_step}
-            if training is not None:
-                step["fbgemm_training"] = lambda: training(rows, offsets).backward(grad_out)
-
-            for threads in args.threads:
-                torch.set_num_threads(threads)
-                with torch.no_grad():
-                    forward_s = best_of_rounds(forward, device, args.rounds, args.repeat)
-                step_s = best_of_rounds(step, device, args.rounds, args.repeat)
-
-                for phase, seconds in (("forward", forward_s), ("forward+backward", step_s)):
-                    row = {
-                        "phase": phase,
-                        "distribution": distribution,
-                        "rows": args.rows,
-                        "dim": dim,
-                        "bags": args.bags,
-                        "pooling": args.pooling,
-                        "threads": threads,
-                        "clock": "thread_cpu_time" if device.type == "cpu" and threads == 1 else "wall",
-                        "ms": {name: s * 1e3 for name, s in seconds.items()},
-                        "speedup": {name: s / seconds["sparsekit"] for name, s in seconds.items() if name != "sparsekit"},
-                    }
-                    if phase == "forward" and copy_bytes_per_s is not None:
-                        moved = nnz * dim * 4 + nnz * 8 + (args.bags + 1) * 8 + args.bags * dim * 4
-                        row["bytes_moved"] = moved
-                        row["fraction_of_copy_bandwidth"] = moved / seconds["sparsekit"] / copy_bytes_per_s
-                    results.append(row)
-                    times = "  ".join(f"{name} {s * 1e3:7.2f} ms" for name, s in seconds.items())
-                    ratios = "  ".join(f"x{r:.2f} vs {name}" for name, r in row["speedup"].items())
-                    extra = ""
-                    if "fraction_of_copy_bandwidth" in row:
-                        extra = f"  {row['fraction_of_copy_bandwidth']:.0%} of copy bandwidth"
-                    print(f"D={dim:<4} {distribution:<8} threads={threads:<3} {phase:<17} {times}  | sparsekit {ratios}{extra}")
-        del table, reference, weight, training, inference
-
-    if args.skew_lookups > 0:
-        results.extend(run_skew(args, device))
+    results: list[dict] = []
+    with busy_core(args.busy_core):
+        for dim in [] if args.skip_main else args.dims:
+            results.extend(bench_dim(args, dim, fbgemm, device, copy_bytes_per_s))
+        if args.skew_lookups > 0:
+            results.extend(run_skew(args, device))
 
     extra = {"fbgemm": None if fbgemm is None else "fbgemm_gpu", "fbgemm_missing": fbgemm_missing,
-             "threads": args.threads}
+             "threads": args.threads, "busy_core": args.busy_core, "rounds": args.rounds, "repeat": args.repeat}
     if copy_bytes_per_s is not None:
         extra["copy_bytes_per_s"] = copy_bytes_per_s
-    print("wrote", write_results("embedding", device, results, extra))
+    print("wrote", write_results("embedding_busy" if args.busy_core else "embedding", device, results, extra))
 
 
-def run_skew(args, device: torch.device) -> List[Dict]:
+def run_skew(args, device: torch.device) -> list[dict]:
     """Backward time of one hot row (rows = zeros) against all-distinct rows (rows = arange)."""
     n, dim = args.skew_lookups, args.skew_dim
     table = torch.randn(n, dim, device=device)
@@ -265,13 +255,14 @@ def run_skew(args, device: torch.device) -> List[Dict]:
                 return torch.autograd.grad(pooled, weight, grad_out, retain_graph=True)
 
             steps[name] = backward
-        seconds = best_of_rounds(steps, device, args.rounds, args.repeat)
-        ratio = seconds["zeros"] / seconds["arange"]
+        times = time_rounds(steps, device, rounds=args.rounds, repeat=args.repeat, clock=clock_for(device))
+        stats = ratio_stats(times["zeros"], times["arange"])
+        ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
         results.append({"phase": "backward_skew", "lookups": n, "dim": dim, "pooling": args.pooling,
-                        "threads": threads, "ms": {k: v * 1e3 for k, v in seconds.items()},
-                        "zeros_over_arange": ratio})
-        print(f"skew D={dim} lookups={n} threads={threads:<3} backward  zeros {seconds['zeros'] * 1e3:7.2f} ms  "
-              f"arange {seconds['arange'] * 1e3:7.2f} ms  | zeros/arange x{ratio:.2f}")
+                        "threads": threads, "ms": ms, "zeros_over_arange": stats["median"], "ratio": stats,
+                        "seconds_per_round": times})
+        print(f"skew D={dim} lookups={n} threads={threads:<3} backward  zeros {ms['zeros']:7.2f} ms  "
+              f"arange {ms['arange']:7.2f} ms  | zeros/arange {fmt_ratio(stats)}")
     return results
 
 
@@ -289,8 +280,7 @@ def main() -> None:
                         help="lookups of the zeros-vs-arange backward case (0 skips it)")
     parser.add_argument("--skew-dim", type=int, default=128)
     parser.add_argument("--skip-main", action="store_true", help="run only the skew case")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--repeat", type=int, default=5)
+    add_round_args(parser)
     args = parser.parse_args()
     if args.threads is None:
         default = torch.get_num_threads()

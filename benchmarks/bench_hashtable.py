@@ -1,6 +1,7 @@
 """sparsekit.HashTable insert and find throughput, with torch-only competitors side by side.
 
     python benchmarks/bench_hashtable.py [--device cpu|cuda] [--capacity N] [--queries Q]
+                                         [--rounds 7] [--repeat 5] [--busy-core]
 
 A grid of load factor x key distribution (the cuCollections style):
 
@@ -24,7 +25,12 @@ Measured, in keys per second:
 Competitors in the same process: a sorted key array (``torch.sort`` to build,
 ``torch.searchsorted`` + a gather to find, which is what a torch-only lookup does), and on
 the CPU a Python dict for a 100k-key slice of each (build with dict comprehension, find
-with ``dict.get``), scaled to keys/s. Writes benchmarks/results/hashtable_<device>.json.
+with ``dict.get``), scaled to keys/s. The five timed operations run in --rounds
+interleaved rounds of the best of --repeat calls each (keys/s: the median round); the
+ratios find / searchsorted and build / sort are given as median (min-max) over rounds,
+and the JSON keeps every round. --busy-core keeps one core busy with a spinning process
+throughout. Writes benchmarks/results/hashtable_<device>.json (hashtable_busy_<device>.json
+with --busy-core).
 """
 
 from __future__ import annotations
@@ -40,7 +46,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit  # noqa: E402
-from benchmarks.common import synchronize, time_fn, write_results, zipf_keys  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_args,
+    busy_core,
+    fmt_ratio,
+    ratio_stats,
+    time_rounds,
+    write_results,
+    zipf_keys,
+)
 
 ZIPF_ALPHA = 1.2
 DICT_KEYS = 100_000
@@ -64,45 +78,39 @@ def resident_and_queries(dist: str, num_resident: int, num_queries: int) -> tupl
     return resident, zipf_keys(num_queries, alpha=ZIPF_ALPHA, seed=1)
 
 
-def time_build(table: sparsekit.HashTable, keys: torch.Tensor, device: torch.device, repeat: int) -> float:
-    """Median time of one insert into an emptied table (the clear is not timed)."""
-    times = []
-    for _ in range(repeat + 1):
-        table.clear()
-        synchronize(device)
-        start = time.perf_counter()
-        table.insert(keys)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times[1:]))
-
-
 def sorted_array_find(sorted_keys: torch.Tensor, sorted_rows: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     pos = torch.searchsorted(sorted_keys, queries).clamp_(max=sorted_keys.numel() - 1)
     return torch.where(sorted_keys[pos] == queries, sorted_rows[pos], -1)
 
 
 def bench_cell(dist: str, load: float, capacity: int, num_queries: int, device: torch.device,
-               repeat: int) -> dict:
+               rounds: int, repeat: int) -> dict:
     num_resident = int(load * capacity)
     resident, queries = resident_and_queries(dist, num_resident, num_queries)
     resident, queries = resident.to(device), queries.to(device)
     table = sparsekit.HashTable(capacity, device=device)
 
-    build_s = time_build(table, resident, device, repeat)
+    table.insert(resident)
     assert len(table) == num_resident
-    find_s = time_fn(lambda: table.find(queries), device, repeat=repeat)
     rows = table.find(queries)
     hit_rate = float((rows >= 0).float().mean())
-
     # torch-only competitor: a sorted key array, checked against the table.
-    sort_s = time_fn(lambda: torch.sort(resident), device, repeat=repeat)
     sorted_keys, order = torch.sort(resident)
-    search_s = time_fn(lambda: sorted_array_find(sorted_keys, order, queries), device, repeat=repeat)
     assert torch.equal(sorted_array_find(sorted_keys, table.find(resident)[order], queries), rows)
 
-    table.insert(queries)  # Zipf queries hold a few keys outside the resident set
-    insert_s = time_fn(lambda: table.insert(queries), device, repeat=repeat)
+    # build empties the table first and find sees the resident keys alone; insert_existing
+    # first places the few Zipf queries outside the resident set (all untimed).
+    times = time_rounds({
+        "build": lambda: table.insert(resident),
+        "sort": lambda: torch.sort(resident),
+        "find": lambda: table.find(queries),
+        "searchsorted": lambda: sorted_array_find(sorted_keys, order, queries),
+        "insert_existing": lambda: table.insert(queries),
+    }, device, rounds=rounds, repeat=repeat,
+        setup={"build": table.clear, "insert_existing": lambda: table.insert(queries)})
+    median = {name: float(np.median(seconds)) for name, seconds in times.items()}
+    find_stats = ratio_stats(times["searchsorted"], times["find"])
+    build_stats = ratio_stats(times["sort"], times["build"])
 
     row = {
         "distribution": dist,
@@ -113,13 +121,16 @@ def bench_cell(dist: str, load: float, capacity: int, num_queries: int, device: 
         "resident_keys": num_resident,
         "queries": num_queries,
         "query_hit_rate": hit_rate,
-        "build_keys_per_s": num_resident / build_s,
-        "find_keys_per_s": num_queries / find_s,
-        "insert_existing_keys_per_s": num_queries / insert_s,
-        "torch_sort_build_keys_per_s": num_resident / sort_s,
-        "torch_searchsorted_find_keys_per_s": num_queries / search_s,
-        "find_speedup_vs_searchsorted": search_s / find_s,
-        "build_speedup_vs_sort": sort_s / build_s,
+        "build_keys_per_s": num_resident / median["build"],
+        "find_keys_per_s": num_queries / median["find"],
+        "insert_existing_keys_per_s": num_queries / median["insert_existing"],
+        "torch_sort_build_keys_per_s": num_resident / median["sort"],
+        "torch_searchsorted_find_keys_per_s": num_queries / median["searchsorted"],
+        "find_speedup_vs_searchsorted": find_stats["median"],
+        "build_speedup_vs_sort": build_stats["median"],
+        "ratio": find_stats,
+        "build_ratio": build_stats,
+        "seconds_per_round": times,
     }
     dict_note = ""
     if device.type == "cpu":
@@ -138,7 +149,7 @@ def bench_cell(dist: str, load: float, capacity: int, num_queries: int, device: 
     print(f"{dist:<7} load {load:.2f} (slots {row['slot_occupancy']:.3f} occupied): "
           f"build {row['build_keys_per_s'] / 1e6:7.1f} M/s (sort {row['torch_sort_build_keys_per_s'] / 1e6:6.1f}) | "
           f"find {row['find_keys_per_s'] / 1e6:7.1f} M/s (searchsorted "
-          f"{row['torch_searchsorted_find_keys_per_s'] / 1e6:6.1f}, {row['find_speedup_vs_searchsorted']:4.1f}x) | "
+          f"{row['torch_searchsorted_find_keys_per_s'] / 1e6:6.1f}, {fmt_ratio(find_stats)}) | "
           f"insert existing {row['insert_existing_keys_per_s'] / 1e6:6.1f} M/s{dict_note}")
     return row
 
@@ -148,18 +159,20 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--capacity", type=int, default=None, help="default 2^20 on CPU, 2^24 on CUDA")
     parser.add_argument("--queries", type=int, default=None, help="default 2^20 on CPU, 2^24 on CUDA")
-    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for both sides (torch.set_num_threads); default torch's")
+    add_round_args(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     capacity = args.capacity or (1 << 24 if device.type == "cuda" else 1 << 20)
     num_queries = args.queries or (1 << 24 if device.type == "cuda" else 1 << 20)
-    rows = [bench_cell(dist, load, capacity, num_queries, device, args.repeat)
-            for dist in ("uniform", "zipf") for load in (0.25, 0.5, 0.75)]
-    print("wrote", write_results("hashtable", device, rows, {"zipf_alpha": ZIPF_ALPHA}))
+    with busy_core(args.busy_core):
+        rows = [bench_cell(dist, load, capacity, num_queries, device, args.rounds, args.repeat)
+                for dist in ("uniform", "zipf") for load in (0.25, 0.5, 0.75)]
+    extra = {"zipf_alpha": ZIPF_ALPHA, "busy_core": args.busy_core, "rounds": args.rounds, "repeat": args.repeat}
+    print("wrote", write_results("hashtable_busy" if args.busy_core else "hashtable", device, rows, extra))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """DistributedEmbedding + LazyAdam vs nn.EmbeddingBag(sparse=True) + torch.optim.SparseAdam.
 
     python benchmarks/bench_layers.py [--device cpu|cuda] [--batch N] [--slots N] [--nnz N] [--dim N]
-                                      [--world-sizes 1,2]
+                                      [--world-sizes 1,2] [--rounds 7] [--repeat 5] [--busy-core]
 
 One training step = forward + backward + optimizer step of a pooled embedding (combiner
 "sum") on the same Zipf-distributed keys. At world size 1 both run side by side in this
@@ -12,7 +12,11 @@ batch through the model-parallel layer; the figure is the step time of the slowe
 and the exchange's payload is counted: keys to their owners, vectors back, vector
 gradients back again, plus the counts header (bytes leaving a rank for other ranks).
 Each process uses --threads intra-op threads (all processes together: world size x threads).
-Writes benchmarks/results/layers_<device>.json.
+Steps are timed in --rounds rounds of the best of --repeat steps (at world size 1 the two
+sides interleaved; the ratio torch time / sparsekit time is given as median (min-max) over
+rounds); the JSON keeps every round. --busy-core keeps one core busy with a spinning
+process throughout. Writes benchmarks/results/layers_<device>.json (layers_busy_<device>.json
+with --busy-core).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 import tempfile
 from typing import Dict, List
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -31,7 +36,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit as sk  # noqa: E402
-from benchmarks.common import time_fn, write_results, zipf_keys  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_args,
+    busy_core,
+    fmt_ratio,
+    ratio_stats,
+    time_rounds,
+    write_results,
+    zipf_keys,
+)
 from sparsekit import LazyAdam  # noqa: E402
 
 NUM_BATCHES = 8  # the timed steps cycle through these
@@ -90,8 +103,6 @@ def bench_world_one(args, device: torch.device) -> Dict:
     keys = distinct_keys(batches)
     capacity = int(keys.numel()) + 16
     layer = sk.DistributedEmbedding("sum", capacity, args.dim, args.slots, args.nnz, device=device)
-    ours = time_fn(Stepper(sparsekit_step(layer, LazyAdam(layer.parameters(), lr=1e-3), device),
-                           [b.to(device) for b in batches]), device, warmup=2, repeat=args.repeat)
 
     # nn.EmbeddingBag on dense indices; the key -> index map is built here, untimed.
     index_of = {key: i for i, key in enumerate(keys.tolist())}
@@ -112,14 +123,21 @@ def bench_world_one(args, device: torch.device) -> Dict:
         torch_optimizer.step()
         torch_optimizer.zero_grad()
 
-    theirs = time_fn(Stepper(torch_step, bag_inputs), device, warmup=2, repeat=args.repeat)
+    times = time_rounds({
+        "sparsekit": Stepper(sparsekit_step(layer, LazyAdam(layer.parameters(), lr=1e-3), device),
+                             [b.to(device) for b in batches]),
+        "torch": Stepper(torch_step, bag_inputs),
+    }, device, rounds=args.rounds, repeat=args.repeat)
+    stats = ratio_stats(times["torch"], times["sparsekit"])
+    ours, theirs = float(np.median(times["sparsekit"])), float(np.median(times["torch"]))
     nnz = sum(int((b != -1).sum()) for b in batches) / len(batches)
     row = {"world_size": 1, "batch": args.batch, "slots": args.slots, "max_nnz": args.nnz, "dim": args.dim,
            "keys_per_step": nnz, "distinct_keys_total": int(keys.numel()),
            "sparsekit_step_s": ours, "torch_embedding_bag_sparse_adam_step_s": theirs,
-           "speedup_vs_torch": theirs / ours, "exchange_bytes_per_rank_per_step": 0}
+           "speedup_vs_torch": stats["median"], "ratio": stats, "seconds_per_round": times,
+           "exchange_bytes_per_rank_per_step": 0}
     print(f"world 1: sparsekit DistributedEmbedding+LazyAdam {ours * 1e3:8.2f} ms | nn.EmbeddingBag+SparseAdam "
-          f"{theirs * 1e3:8.2f} ms | speed-up {theirs / ours:5.2f}x ({nnz:,.0f} keys/step)")
+          f"{theirs * 1e3:8.2f} ms | {fmt_ratio(stats)} ({nnz:,.0f} keys/step)")
     return row
 
 
@@ -134,13 +152,14 @@ def _rank_main(rank: int, world_size: int, store: str, args, result_path: str) -
     local = [b[rank * per_rank:(rank + 1) * per_rank] for b in batches]
     layer = sk.DistributedEmbedding("sum", capacity, args.dim, args.slots, args.nnz, device=device)
     step = Stepper(sparsekit_step(layer, LazyAdam(layer.parameters(), lr=1e-3), device), local)
-    seconds = torch.tensor([time_fn(step, device, warmup=2, repeat=args.repeat)])
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the step is as slow as the slowest rank
+    times = time_rounds({"sparsekit": step}, device, rounds=args.rounds, repeat=args.repeat)
+    seconds = torch.tensor(times["sparsekit"])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # per round, the step is as slow as the slowest rank
     sent = torch.tensor([sum(exchange_bytes(b, world_size, rank, args.dim, 4) for b in local) / len(local)],
                         dtype=torch.float64)
     dist.all_reduce(sent)
     if rank == 0:
-        torch.save({"seconds": float(seconds), "bytes": float(sent) / world_size}, result_path)
+        torch.save({"seconds": seconds.tolist(), "bytes": float(sent) / world_size}, result_path)
     dist.destroy_process_group()
 
 
@@ -149,10 +168,12 @@ def bench_world(args, world_size: int) -> Dict:
         result_path = os.path.join(tmp, "result.pt")
         mp.spawn(_rank_main, args=(world_size, os.path.join(tmp, "store"), args, result_path), nprocs=world_size)
         result = torch.load(result_path, weights_only=True)
+    seconds = float(np.median(result["seconds"]))
     row = {"world_size": world_size, "batch": args.batch, "slots": args.slots, "max_nnz": args.nnz,
-           "dim": args.dim, "backend": "gloo", "sparsekit_step_s": result["seconds"],
+           "dim": args.dim, "backend": "gloo", "sparsekit_step_s": seconds,
+           "seconds_per_round": {"sparsekit": result["seconds"]},
            "exchange_bytes_per_rank_per_step": result["bytes"]}
-    print(f"world {world_size}: sparsekit DistributedEmbedding+LazyAdam {result['seconds'] * 1e3:8.2f} ms per step "
+    print(f"world {world_size}: sparsekit DistributedEmbedding+LazyAdam {seconds * 1e3:8.2f} ms per step "
           f"(global batch {args.batch}, slowest rank) | {result['bytes'] / 1e3:,.1f} kB sent per rank per step")
     return row
 
@@ -164,24 +185,26 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=26)
     parser.add_argument("--nnz", type=int, default=2)
     parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated; > 1 runs on CPU with gloo")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads per process (0: torch's default); on a machine shared with "
                              "other jobs, 1 avoids the spin-waiting of oversubscribed thread pools")
+    add_round_args(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     device = torch.device(args.device)
-    rows = []
-    for world_size in (int(w) for w in args.world_sizes.split(",")):
-        rows.append(bench_world_one(args, device) if world_size == 1 else bench_world(args, world_size))
+    with busy_core(args.busy_core):
+        rows = [bench_world_one(args, device) if world_size == 1 else bench_world(args, world_size)
+                for world_size in (int(w) for w in args.world_sizes.split(","))]
     if len(rows) > 1 and rows[0]["world_size"] == 1:
         for row in rows[1:]:
             row["step_time_vs_world_1"] = row["sparsekit_step_s"] / rows[0]["sparsekit_step_s"]
             print(f"world {row['world_size']} step time / world 1 step time: {row['step_time_vs_world_1']:.2f}")
-    path = write_results("layers", device, rows, extra={"threads_per_process": args.threads})
+    extra = {"threads_per_process": args.threads, "busy_core": args.busy_core, "rounds": args.rounds,
+             "repeat": args.repeat}
+    path = write_results("layers_busy" if args.busy_core else "layers", device, rows, extra)
     print(f"wrote {path}")
 
 

@@ -1,6 +1,7 @@
 """LazyAdam vs torch.optim.SparseAdam, side by side in one process.
 
     python benchmarks/bench_lazy_adam.py [--device cpu|cuda] [--rows N] [--dim D] [--unique U]
+                                         [--rounds 7] [--repeat 5] [--busy-core]
 
 Default: a 1M x 64 float32 embedding, a gradient touching 100k distinct rows. Timed: one
 optimizer.step() with the gradient already set, in two cases:
@@ -10,9 +11,13 @@ optimizer.step() with the gradient already set, in two cases:
   lookups of the same 100k rows; SparseAdam coalesces (sorts) it, LazyAdam sums the
   duplicates with sparsekit's unique + segment_sum.
 
-On CUDA, bytes moved per second by the fused update (weight and both moments read and
-written, gradient rows read) are also given against a device-to-device copy measured in
-the same run. Writes benchmarks/results/lazy_adam_<device>.json.
+Each of --rounds interleaved rounds times the best of --repeat steps per side; the ratio
+(SparseAdam time / LazyAdam time) is given as its median with the min-max over rounds, and
+the JSON keeps every round. --busy-core keeps one core busy with a spinning process
+throughout. On CUDA, bytes moved per second by the fused update (weight and both moments
+read and written, gradient rows read) are also given against a device-to-device copy
+measured in the same run. Writes benchmarks/results/lazy_adam_<device>.json
+(lazy_adam_busy_<device>.json with --busy-core).
 """
 
 from __future__ import annotations
@@ -21,12 +26,21 @@ import argparse
 import os
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit  # noqa: E402
-from benchmarks.common import copy_bandwidth, time_fn, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_args,
+    busy_core,
+    copy_bandwidth,
+    fmt_ratio,
+    ratio_stats,
+    time_rounds,
+    write_results,
+)
 
 
 def make_gradient(rows: int, dim: int, unique: int, duplicates: int, device: torch.device) -> torch.Tensor:
@@ -42,24 +56,27 @@ def make_gradient(rows: int, dim: int, unique: int, duplicates: int, device: tor
 
 
 def bench_case(name: str, rows: int, dim: int, unique: int, duplicates: int, device: torch.device,
-               bandwidth: float | None, repeat: int) -> dict:
+               bandwidth: float | None, rounds: int, repeat: int) -> dict:
     grad = make_gradient(rows, dim, unique, duplicates, device)
-    results = {}
-    for label, make_opt in (("sparsekit_s", sparsekit.LazyAdam), ("torch_sparse_adam_s", torch.optim.SparseAdam)):
+    steps = {}
+    for label, make_opt in (("sparsekit", sparsekit.LazyAdam), ("torch", torch.optim.SparseAdam)):
         param = torch.nn.Parameter(torch.zeros(rows, dim, device=device))
-        opt = make_opt([param], lr=1e-3)
         param.grad = grad
-        results[label] = time_fn(opt.step, device, warmup=1, repeat=repeat)
-        del opt, param
-    ours, theirs = results["sparsekit_s"], results["torch_sparse_adam_s"]
+        steps[label] = make_opt([param], lr=1e-3).step
+    times = time_rounds(steps, device, rounds=rounds, repeat=repeat)
+    stats = ratio_stats(times["torch"], times["sparsekit"])
+    ours, theirs = float(np.median(times["sparsekit"])), float(np.median(times["torch"]))
     row = {
         "case": name,
         "rows": rows,
         "dim": dim,
         "unique_rows": unique,
         "gradient_entries": grad._nnz(),
-        **results,
-        "speedup_vs_sparse_adam": theirs / ours,
+        "sparsekit_s": ours,
+        "torch_sparse_adam_s": theirs,
+        "speedup_vs_sparse_adam": stats["median"],
+        "ratio": stats,
+        "seconds_per_round": times,
     }
     note = ""
     if bandwidth is not None:
@@ -68,7 +85,7 @@ def bench_case(name: str, rows: int, dim: int, unique: int, duplicates: int, dev
         note = f" | {row['fraction_of_copy_bandwidth']:.0%} of copy bandwidth"
     print(f"{name:<11} {grad._nnz():>9,} entries, {unique:,} rows of {rows:,} x {dim}: "
           f"LazyAdam {ours * 1e3:8.2f} ms | SparseAdam {theirs * 1e3:8.2f} ms | "
-          f"speed-up {theirs / ours:5.2f}x{note}")
+          f"{fmt_ratio(stats)}{note}")
     return row
 
 
@@ -78,20 +95,21 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--unique", type=int, default=100_000)
-    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for both sides (torch.set_num_threads); default torch's")
+    add_round_args(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device, 1 << 28) if device.type == "cuda" else None
-    rows = [
-        bench_case("coalesced", args.rows, args.dim, args.unique, 1, device, bandwidth, args.repeat),
-        bench_case("duplicates", args.rows, args.dim, args.unique, 3, device, bandwidth, args.repeat),
-    ]
-    extra = {"copy_bandwidth_bytes_per_s": bandwidth} if bandwidth is not None else None
-    print("wrote", write_results("lazy_adam", device, rows, extra))
+    with busy_core(args.busy_core):
+        rows = [bench_case(name, args.rows, args.dim, args.unique, duplicates, device, bandwidth, args.rounds,
+                           args.repeat) for name, duplicates in (("coalesced", 1), ("duplicates", 3))]
+    extra = {"busy_core": args.busy_core, "rounds": args.rounds, "repeat": args.repeat}
+    if bandwidth is not None:
+        extra["copy_bandwidth_bytes_per_s"] = bandwidth
+    print("wrote", write_results("lazy_adam_busy" if args.busy_core else "lazy_adam", device, rows, extra))
 
 
 if __name__ == "__main__":

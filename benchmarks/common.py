@@ -45,30 +45,40 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
     return float(np.median(times))
 
 
-def best_of(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Fastest of `repeat` calls of fn() in seconds, the device synchronised around each."""
+def best_of(fn: Callable[[], object], device: torch.device, repeat: int, *,
+            clock: Callable[[], float] = time.perf_counter, setup: Callable[[], object] | None = None) -> float:
+    """Fastest of `repeat` calls of fn() in seconds of `clock`, the device synchronised around
+    each; setup() (untimed) runs before each call when given."""
     times: List[float] = []
     for _ in range(repeat):
+        if setup is not None:
+            setup()
         synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
-def time_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, *, rounds: int,
-                repeat: int) -> Dict[str, List[float]]:
+def time_rounds(fns: dict[str, Callable[[], object]], device: torch.device, *, rounds: int, repeat: int,
+                clock: Callable[[], float] = time.perf_counter,
+                setup: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
     """Per side, the best of `repeat` calls in each of `rounds` interleaved rounds (round 1:
     every side in turn, then round 2, ...), so that a noisy spell of a shared machine hits
-    the sides of one round alike. Every side is called twice first (warm-up)."""
-    for fn in fns.values():
-        fn()
-        fn()
-    times: Dict[str, List[float]] = {name: [] for name in fns}
+    the sides of one round alike. Every side is called twice first (warm-up). `clock` is the
+    timer (time.thread_time for one CPU thread: immune to other processes); setup[name]()
+    runs untimed before each call of that side (e.g. emptying a table an insert fills)."""
+    setup = setup or {}
+    for name, fn in fns.items():
+        for _ in range(2):
+            if name in setup:
+                setup[name]()
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(best_of(fn, device, repeat))
+            times[name].append(best_of(fn, device, repeat, clock=clock, setup=setup.get(name)))
     return times
 
 

@@ -166,9 +166,9 @@ if wants bench; then
     b=(--device cuda)
     run_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3 --distributions zipf,distinct,uniform
     run_stage bench-embedding 60 "$PY" benchmarks/bench_embedding.py "${b[@]}" --rounds 3
-    run_stage bench-hashtable 30 "$PY" benchmarks/bench_hashtable.py "${b[@]}"
-    run_stage bench-lazy-adam 30 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}"
-    run_stage bench-layers 30 "$PY" benchmarks/bench_layers.py "${b[@]}" --world-sizes 1
+    run_stage bench-hashtable 30 "$PY" benchmarks/bench_hashtable.py "${b[@]}" --rounds 3
+    run_stage bench-lazy-adam 30 "$PY" benchmarks/bench_lazy_adam.py "${b[@]}" --rounds 3
+    run_stage bench-layers 30 "$PY" benchmarks/bench_layers.py "${b[@]}" --world-sizes 1 --rounds 3
     run_stage bench-train 60 "$PY" benchmarks/bench_train.py "${b[@]}" --rounds 3
     run_stage bench-dynamic 90 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --repeat 3
     run_stage bench-collection 60 "$PY" benchmarks/bench_collection.py "${b[@]}" --world-sizes 1 --rounds 2 --repeat 3
