@@ -19,10 +19,18 @@ from typing import Callable, Dict, Iterator, List, Sequence
 import numpy as np
 import torch
 
+from sparsekit.allocator import keep_freed_memory
+
 # SPARSEKIT_BENCH_RESULTS_DIR redirects the JSON (scripts/gpu_check.sh writes it into its
 # output folder, so a check run never overwrites the committed results).
 RESULTS_DIR = os.environ.get("SPARSEKIT_BENCH_RESULTS_DIR") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results")
+
+# Every side of every benchmark runs with freed memory kept for reuse (what a training
+# loop should do, see sparsekit.allocator); SPARSEKIT_BENCH_SYSTEM_MALLOC=1 measures glibc's
+# defaults instead. The JSON records which.
+MALLOC = "system" if os.environ.get("SPARSEKIT_BENCH_SYSTEM_MALLOC") == "1" else (
+    "keeps freed memory" if keep_freed_memory() else "system (not glibc)")
 
 
 def synchronize(device: torch.device) -> None:
@@ -166,6 +174,7 @@ def write_results(name: str, device: torch.device, rows: List[Dict], extra: Dict
         "torch": torch.__version__,
         "commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "malloc": MALLOC,
         "results": rows,
     }
     if extra:

@@ -7,6 +7,7 @@ from ._loading import load_library
 
 _C = load_library()  # registers torch.ops.sparsekit.* kernels, or says clearly why it cannot
 from . import hashing, ops
+from .allocator import keep_freed_memory
 from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -39,4 +40,5 @@ __all__ = [
     "TableConfig",
     "KeyedJagged",
     "EmbeddingBagCollection",
+    "keep_freed_memory",
 ]

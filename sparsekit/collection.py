@@ -55,6 +55,7 @@ from .exchange import (
     _AllToAll,
     _CoalescedGradMarker,
     _GatherRows,
+    _one_per_bag,
     _PoolRows,
     _resolve_group,
 )
@@ -544,7 +545,8 @@ class EmbeddingBagCollection(nn.Module):
                 "send_keys": pair_keys.index_select(0, order), "send_tables": pair_tables.index_select(0, order),
                 "per_owner_table": counts,
                 # One process: the pairs per table (one host read; with a group the header has them).
-                "pairs_per_table": counts[0].tolist() if world == 1 else None, "flags": flags}
+                "pairs_per_table": counts[0].tolist() if world == 1 else None, "flags": flags,
+                "one_per_bag": not flags_bad_bounds and _one_per_bag(offsets, keys.numel())}
 
     def _raise_for_flags(self, flags: int, prepared: Optional[Dict[str, Any]]) -> None:
         if flags & _BAD_OFFSETS:
@@ -664,9 +666,13 @@ class EmbeddingBagCollection(nn.Module):
             if not group_features:
                 continue
             dim = self._shards[members[0]].embedding_vec_size
-            indices, bags, scales = [], [], []
+            indices, bags, scales, group_offsets = [], [], [], []
+            nnz = 0
             for k, f in enumerate(group_features):
                 begin, end = bounds[f], bounds[f + 1]
+                # This feature's bags in CSR over the group's positions.
+                group_offsets.append(offsets[f * batch:(f + 1) * batch] + (nnz - begin))
+                nnz += end - begin
                 if end == begin:
                     continue
                 t = prepared["table_of_feature"][f]
@@ -679,8 +685,11 @@ class EmbeddingBagCollection(nn.Module):
                 pooled = torch.zeros(num_bags, dim, device=device)
             else:
                 index, bag = torch.cat(indices), torch.cat(bags)
-                if weights is None:
-                    pooled = _PoolRows.apply(per_group[g], index, bag, num_bags)
+                if weights is None and prepared["one_per_bag"]:
+                    pooled = _GatherRows.apply(per_group[g], index)
+                elif weights is None:
+                    group_offsets.append(offsets.new_full((1,), nnz))
+                    pooled = _PoolRows.apply(per_group[g], index, bag, torch.cat(group_offsets))
                 else:
                     vectors = _GatherRows.apply(per_group[g], index) * torch.cat(scales).unsqueeze(1)
                     pooled = ops.segment_sum(vectors, bag, num_bags)

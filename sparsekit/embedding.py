@@ -18,7 +18,8 @@ One forward step on every rank:
    (missing keys read as zero vectors); in training with a hash table, an ``all_reduce`` of
    a status word tells every rank when an owner's table is full;
 5. ``all_to_all_single`` of the vectors back to the ranks that asked;
-6. gather + pool over the received unique vectors (:func:`sparsekit.ops.segment_sum`).
+6. pool the received unique vectors into bags: one fused gather-and-sum (the kernel of
+   :func:`sparsekit.ops.embedding_bag`), or a plain gather when every bag holds one key.
 
 Backward mirrors 5 (an ``all_to_all_single`` of the vector gradients back to the owners)
 and leaves every rank's ``weight`` a coalesced sparse COO gradient over the rows it owns,
@@ -30,8 +31,8 @@ input): forward 6 — ``unique`` of the local keys (its output size), the counts
 (host split sizes for the next two all-to-alls; every rank's error flags ride along, so
 input checks cost nothing extra), ``unique`` on the owner, the table insert's count of new
 keys (the owner's keys are distinct already, so the table skips its own unique), the
-status all-reduce that lets every rank see a full table, and ``segment_sum``'s id check in
-the pooling; backward 2 — the id checks of the
+status all-reduce that lets every rank see a full table, and the pooling kernel's check of
+its rows and offsets; backward 2 — the id checks of the
 two ``segment_sum`` calls (pooling and the owner's gradient rows). Nothing else: split
 sizes are reused for the backward all-to-all, new rows are initialised without reading
 the device, and the weight gradient arrives coalesced so ``LazyAdam`` does not dedup it
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exchange import _GatherRows, _PoolRows
+from .exchange import _GatherRows, _one_per_bag, _pool
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
     Initializer,
     KeySeededUniform,
@@ -229,12 +230,9 @@ class DistributedEmbedding(_ModelParallelEmbedding):
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
         keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
         # The offsets were checked on every rank by now, so the lengths are >= 0.
-        num_bags = batch * self.slot_num
-        lengths = offsets[1:] - offsets[:-1]
-        bag_of_key = torch.repeat_interleave(torch.arange(num_bags, device=keys.device), lengths,
-                                             output_size=keys.numel())
-        pooled = _PoolRows.apply(vectors, index, bag_of_key, num_bags)
+        pooled = _pool(vectors, index, offsets, _one_per_bag(offsets, keys.numel()))
         if self.combiner == "mean":
+            lengths = offsets[1:] - offsets[:-1]
             pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 

@@ -139,19 +139,44 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _PoolRows(torch.autograd.Function):
-    """Bag sums ``out[b] = sum(rows[index[j]] for j with bag[j] == b)``; the gradient of
-    ``rows`` is again one gather and one segment sum."""
+    """Bag sums ``out[b] = sum(rows[index[j]] for j in offsets[b]:offsets[b+1])`` over CSR
+    ``offsets`` (``bag[j]``: the bag of position ``j``). The forward is one fused gather and
+    sum (:func:`sparsekit.ops.embedding_bag`'s kernel: no ``[n, D]`` intermediate, no
+    zero-filled output); the gradient of ``rows`` is one gather and one segment sum."""
 
     @staticmethod
-    def forward(ctx, rows: Tensor, index: Tensor, bag: Tensor, num_bags: int) -> Tensor:
+    def forward(ctx, rows: Tensor, index: Tensor, bag: Tensor, offsets: Tensor) -> Tensor:
         ctx.save_for_backward(index, bag)
         ctx.num_rows = rows.shape[0]
-        return ops.segment_sum(rows.index_select(0, index), bag, num_bags)
+        return torch.ops.sparsekit.embedding_bag(rows, index, offsets, None, "sum", None, True)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         index, bag = ctx.saved_tensors
         return ops.segment_sum(grad.contiguous().index_select(0, bag), index, ctx.num_rows), None, None, None
+
+
+def _pool(rows: Tensor, index: Tensor, offsets: Tensor, one_per_bag: bool) -> Tensor:
+    """Bag sums of ``rows[index]`` over CSR ``offsets``; ``one_per_bag``: every bag holds
+    exactly one position (offsets ``0, 1, ..., n``; DLRM's one key per slot), so pooling is
+    a gather and its gradient a single segment sum."""
+    if one_per_bag:
+        return _GatherRows.apply(rows, index)
+    num_bags = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    bag = torch.repeat_interleave(torch.arange(num_bags, device=offsets.device), lengths, output_size=index.numel())
+    return _PoolRows.apply(rows, index, bag, offsets)
+
+
+def _one_per_bag(offsets: Tensor, nnz: int) -> bool:
+    """Whether valid CSR ``offsets`` give every bag exactly one position. Decided without a
+    device read: on CUDA only the shapes are looked at (False unless there are no bags)."""
+    num_bags = offsets.numel() - 1
+    if nnz != num_bags:
+        return False
+    if num_bags == 0 or offsets.device.type != "cpu":
+        return num_bags == 0
+    return bool(torch.equal(offsets, torch.arange(num_bags + 1, dtype=offsets.dtype)))
 
 
 def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
