@@ -109,6 +109,32 @@ def test_backward_gives_each_table_a_sparse_gradient_summed_over_its_features():
     torch.testing.assert_close(dense, expected)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_one_key_per_bag_matches_plain_torch_forward_and_backward(weighted):
+    """Every bag holds one key (DLRM's slots): pooling takes its gather path."""
+    g = torch.Generator().manual_seed(7)
+    features = ["user", "item", "last_item", "id", "cat", "odd"]
+    values = torch.randint(0, 40, (len(features) * BATCH,), generator=g)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    kjt = sk.KeyedJagged(features, values, lengths=torch.ones(len(features) * BATCH, dtype=torch.int64),
+                         weights=weights)
+    ebc = sk.EmbeddingBagCollection(tables())
+    out = ebc(kjt)
+    expected = reference_forward(kjt)
+    for feature in out:
+        torch.testing.assert_close(out[feature], expected[feature], rtol=1e-6, atol=1e-7)
+    sum((v.float() * (i + 1)).sum() for i, v in enumerate(out.values())).backward()
+    keys, _ = ebc.export("items")
+    grad = ebc.weights["items"].grad
+    assert grad.is_sparse and grad.is_coalesced()
+    want = torch.zeros(len(keys))
+    for f in (1, 2):  # item, last_item read "items"; output f scaled by f + 1
+        for b in range(BATCH):
+            j = f * BATCH + b
+            want[keys.tolist().index(int(values[j]))] += (f + 1) * (1.0 if weights is None else float(weights[j]))
+    torch.testing.assert_close(grad.to_dense()[:len(keys), 0], want)
+
+
 def test_torchrec_shaped_input_is_accepted():
     class TorchRecLike:  # KeyedJaggedTensor's methods, nothing of sparsekit
         def __init__(self, kjt):

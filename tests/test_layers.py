@@ -238,16 +238,23 @@ def _concat_ragged(parts):
 # ---- one process, no group ----------------------------------------------------------------
 
 
-def test_single_process_matches_embedding_bag():
-    """No process group: a drop-in for nn.EmbeddingBag(sparse=True) + SparseAdam."""
+@pytest.mark.parametrize("one_per_bag", [False, True], ids=["ragged", "one-key-per-bag"])
+@pytest.mark.parametrize("combiner", ["mean", "sum"])
+def test_single_process_matches_embedding_bag(one_per_bag, combiner):
+    """No process group: a drop-in for nn.EmbeddingBag(sparse=True) + SparseAdam (one key
+    per bag, as DLRM's slots: the pooling's gather path)."""
     pool = key_pool()
-    layer = sk.DistributedEmbedding("mean", 64, DIM, SLOTS, MAX_NNZ)
+    layer = sk.DistributedEmbedding(combiner, 64, DIM, SLOTS, MAX_NNZ)
     optimizer = LazyAdam(layer.parameters(), lr=0.01)
-    torch_bag = nn.EmbeddingBag(64, DIM, mode="mean", sparse=True)
+    torch_bag = nn.EmbeddingBag(64, DIM, mode=combiner, sparse=True)
     torch_optimizer = torch.optim.SparseAdam(torch_bag.parameters(), lr=0.01)
     key_to_index = {}
     for step in range(STEPS):
         values, offsets = ragged_batch(step, pool)
+        if one_per_bag:
+            values = values[torch.randint(0, values.numel(), (GLOBAL_BATCH * SLOTS,),
+                                          generator=torch.Generator().manual_seed(step))]
+            offsets = torch.arange(values.numel() + 1)
         out = layer(sk.Ragged(values, offsets))
         # nn.EmbeddingBag over the same vectors: a key gets a row, and its key-seeded
         # first vector, on first sight.
