@@ -58,6 +58,7 @@ from .exchange import (
     _one_per_bag,
     _PoolRows,
     _resolve_group,
+    _sort_rows,
 )
 from .hashtable import HashTableFullError
 from .shard import KeySeededUniform, _ModelParallelEmbedding
@@ -243,7 +244,7 @@ class _LookupFloat32(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: Tensor, rows: Tensor, marker: _CoalescedGradMarker, may_miss: bool) -> Tensor:
-        sorted_rows, order = torch.sort(rows)
+        sorted_rows, order = _sort_rows(rows)
         ctx.save_for_backward(sorted_rows, order)
         ctx.weight_shape, ctx.weight_dtype, ctx.marker, ctx.may_miss = weight.shape, weight.dtype, marker, may_miss
         if not may_miss:

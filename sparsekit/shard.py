@@ -26,6 +26,7 @@ from .exchange import (
     _LookupOwned,
     _offsets_error_flags,
     _resolve_group,
+    _sort_rows,
 )
 from .hashtable import HashTable, HashTableFullError
 
@@ -320,9 +321,10 @@ class _ModelParallelEmbedding(nn.Module):
             if flags is not None:
                 self._raise_for_flags(int(flags.item()), unique_keys, offsets)
             rows = self._lookup_rows(unique_keys)
-            sorted_rows, order = torch.sort(rows)
+            sorted_rows, order = _sort_rows(rows)
             slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-            return _LookupOwned.apply(self.weight, sorted_rows, slot, self._may_miss(), self._grad_marker), None
+            return _LookupOwned.apply(self.weight, sorted_rows, slot, self._may_miss(), self._grad_marker,
+                                      order), None
 
         self._agree_on_config()
         device = self.weight.device
@@ -360,7 +362,7 @@ class _ModelParallelEmbedding(nn.Module):
         recv_keys = _all_to_all_rows(keys_by_owner, recv_splits, send_splits, self.process_group)
         owned_keys, owned_inverse = ops.unique(recv_keys)
         rows = self._agree_on_lookup(owned_keys)
-        sorted_rows, order = torch.sort(rows)
+        sorted_rows, order = _sort_rows(rows)
         rank_in_sorted = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
         vectors = _LookupOwned.apply(self.weight, sorted_rows, rank_in_sorted.index_select(0, owned_inverse),
                                      self._may_miss(), self._grad_marker)
