@@ -16,13 +16,36 @@ namespace {
 // scheduling than working.
 constexpr int64_t kHashGrain = 4096;
 
+// Keys ahead whose home slots are prefetched: a table larger than the cache costs two
+// misses per key (its row and key arrays), which this many lookups in flight hide.
+constexpr int64_t kFindPrefetchDistance = 16;
+// Slots from which the prefetch pays: below, both arrays (16 bytes a slot) sit in a 2 MiB
+// cache and the hints only cost instructions (12% slower at 2^15 slots; 1.6x faster at 2^21).
+constexpr uint64_t kFindPrefetchSlots = uint64_t{1} << 17;
+
+template <bool kPrefetch, typename key_t>
+void find_range(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask, const key_t* keys,
+                int64_t* rows_out, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    if (kPrefetch && i + kFindPrefetchDistance < end) {
+      // Read-only hints: the table does not change during a find.
+      const uint64_t ahead = mix_key(static_cast<int64_t>(keys[i + kFindPrefetchDistance])) & slot_mask;
+      __builtin_prefetch(slot_rows + ahead, 0, 1);
+      __builtin_prefetch(slot_keys + ahead, 0, 1);
+    }
+    rows_out[i] = probe_find(slot_keys, slot_rows, slot_mask, static_cast<int64_t>(keys[i]));
+  }
+}
+
 template <typename key_t>
 void find_keys(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask, const key_t* keys,
                int64_t* rows_out, int64_t num_keys) {
+  const bool prefetch = slot_mask + 1 >= kFindPrefetchSlots;
   at::parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t key = static_cast<int64_t>(keys[i]);
-      rows_out[i] = probe_find(slot_keys, slot_rows, slot_mask, key);
+    if (prefetch) {
+      find_range<true>(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
+    } else {
+      find_range<false>(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
     }
   });
 }
