@@ -50,8 +50,8 @@ class _InsertPlan(NamedTuple):
     """What an insert will do, worked out without changing the table (see ``HashTable._plan_insert``)."""
 
     shape: Tuple[int, ...]
-    inverse: Tensor       # [n]: flattened key -> its entry of unique_keys
-    counts: Tensor        # [U]: occurrences of each unique key in the call
+    inverse: Optional[Tensor]  # [n]: flattened key -> its entry of unique_keys; None: the keys are distinct
+    counts: Optional[Tensor]   # [U]: occurrences of each unique key in the call; None: one each
     rows: Tensor          # [U]: the row of each unique key, -1 where new
     missing: Tensor       # [U] bool: the key is new
     new_keys: Tensor      # [N] the new keys, in order of first occurrence
@@ -224,13 +224,18 @@ class HashTable:
         count = torch.where(found, self._count[safe], -1)
         return last_seen, count
 
-    def _score(self, rows: Tensor, counts: Tensor, fresh: Tensor) -> None:
-        """Stamps distinct ``rows`` with the clock and adds ``counts``; ``fresh`` rows start from 0."""
+    def _score(self, rows: Tensor, counts: Optional[Tensor], fresh: Tensor) -> None:
+        """Stamps distinct ``rows`` with the clock and adds ``counts`` (None: one each);
+        ``fresh`` rows start from 0."""
         if rows.numel() == 0:
             return
         self._last_seen.index_fill_(0, rows, self._clock)
         current = self._count.index_select(0, rows)
-        self._count.index_copy_(0, rows, torch.where(fresh, counts, current + counts))
+        if counts is None:
+            updated = current.add_(1).masked_fill_(fresh, 1)
+        else:
+            updated = torch.where(fresh, counts, current + counts)
+        self._count.index_copy_(0, rows, updated)
 
     # -- inserts and eviction -----------------------------------------------------------
 
@@ -278,8 +283,7 @@ class HashTable:
         if flat.numel() == 0:
             return _InsertPlan(tuple(keys.shape), empty, empty, empty, empty.bool(), flat, empty, empty, empty)
         if distinct:
-            unique_keys, inverse = flat, torch.arange(flat.numel(), device=device)
-            counts = torch.ones(flat.numel(), dtype=torch.int64, device=device)
+            unique_keys, inverse, counts = flat, None, None
         else:
             unique_keys, inverse, counts = ops.unique(flat, return_inverse=True, return_counts=True)
         rows = self.find(unique_keys)
@@ -315,7 +319,7 @@ class HashTable:
 
     def _commit_insert(self, plan: _InsertPlan) -> Tensor:
         """Carries out a plan of :meth:`_plan_insert` (nothing in it can fail for lack of room)."""
-        if plan.inverse.numel() == 0:
+        if plan.rows.numel() == 0:
             return torch.empty(plan.shape, dtype=torch.int64, device=self.device)
         num_evict = plan.victims.numel()
         num_new = plan.new_keys.numel()
@@ -333,7 +337,7 @@ class HashTable:
         self._score(rows, plan.counts, plan.missing)
         if self._tombstones * 4 > self.num_slots:
             self._rebuild()
-        return rows[plan.inverse].view(plan.shape)
+        return (rows if plan.inverse is None else rows[plan.inverse]).view(plan.shape)
 
     def _remove(self, keys: Tensor) -> None:
         """Removes distinct ``keys`` (absent ones are skipped) and moves the keys of the last
