@@ -486,6 +486,11 @@ def _embedding_gather_fake(weight: Tensor, rows: Tensor) -> Tensor:
     return weight.new_empty(tuple(rows.shape) + (weight.shape[1],))
 
 
+# Widest rows (elements) whose sparse gradient the CPU builds by gathering every lookup's
+# row and summing with segment_sum instead of grouping the lookups first.
+_GATHER_THEN_SUM_MAX_DIM = 16
+
+
 def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num_rows: int,
                          scale: Optional[Tensor] = None) -> Tensor:
     """The sparse ``[num_rows, D]`` gradient ``sum_i scale[i] * source[source_index[i]]`` into row ``rows[i]``.
@@ -497,8 +502,10 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
     Sorting them would buy nothing in practice: autograd's AccumulateGrad re-wraps a sparse
     gradient it stores in ``.grad`` without the coalesced flag anyway.
 
-    The per-lookup rows are never materialised (``[nnz, D]`` would cost more than the whole
-    forward): sparsekit's ``unique`` numbers the distinct rows and counts their lookups, a
+    Up to 16 columns on the CPU the per-lookup rows are gathered and summed by
+    ``segment_sum`` over ``unique``'s numbering. Wider, or on CUDA, they are never
+    materialised (``[nnz, D]`` would cost more than the whole forward): sparsekit's
+    ``unique`` numbers the distinct rows and counts their lookups, a
     stable sort of those numbers groups the lookups row by row, and ``embedding_bag`` sums
     each group straight out of ``source`` as one CSR bag per row. Sums run in lookup order
     (on CUDA a long group is cut into fixed chunks combined in a fixed order), so the
@@ -510,6 +517,17 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
     # no extra host sync on CUDA).
     marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
     keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
+    if source.device.type == "cpu" and dim <= _GATHER_THEN_SUM_MAX_DIM:
+        # Narrow rows: gathering every lookup's row ([nnz, D], at most 64 bytes a lookup)
+        # and one segment_sum in lookup order beat grouping the lookups with a stable sort
+        # (327k lookups at D=16: 9.3 vs 11.6 ms; at D=64 the gather costs 2.3x more). The -1
+        # lookups land in group 0, sliced off below.
+        gathered = source.index_select(0, source_index)
+        if scale is not None:
+            gathered = gathered * scale.unsqueeze(1)
+        summed = _ops.segment_sum(gathered, inverse[1:], keys.numel(), False)
+        return torch.sparse_coo_tensor(keys[1:].to(torch.int64).unsqueeze(0), summed[1:], (num_rows, dim),
+                                       is_coalesced=False, check_invariants=False)
     # CSR offsets of the groups over the nnz lookups; the marker counted itself once.
     group_ends = torch.cumsum(counts, 0) - 1
     offsets = torch.cat([group_ends.new_zeros(1), group_ends])
