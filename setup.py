@@ -93,32 +93,47 @@ def want_cuda():
     return possible
 
 
+# The oldest torch the binary supports: its stable ABI has everything csrc/torch_api.h
+# uses (torch_parallel_for, torch_call_dispatcher, the typed data pointers arrived in 2.10).
+TARGET_TORCH = (2, 10)
+
+
+def target_version_macro():
+    """TORCH_TARGET_VERSION for TARGET_TORCH, in torch/headeronly/version.h's layout."""
+    major, minor = TARGET_TORCH
+    return hex((major << 56) | (minor << 48))
+
+
 def extension():
     debug = os.environ.get("SPARSEKIT_DEBUG") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
     sources = ["csrc/sparsekit.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    # -fopenmp: at::parallel_for is an inline template that only runs threads when the
-    # extension itself is compiled with OpenMP (torch's own libgomp is then shared).
-    cxx = opt + ["-fdiagnostics-color=always", "-fopenmp"]
+    # The kernels use torch's stable ABI only (csrc/torch_api.h): TORCH_TARGET_VERSION
+    # hides every stable API newer than TARGET_TORCH, so the binary loads under that torch
+    # and every later one. Threads come from torch's own pool (torch_parallel_for), so the
+    # extension needs no OpenMP of its own.
+    target = ["-DTORCH_TARGET_VERSION=" + target_version_macro()]
+    # Hidden visibility: the library exports PyInit__C alone (the stable ABI's own types
+    # are hidden too, and nothing of sparsekit's is for others to link against).
+    cxx = opt + target + ["-fdiagnostics-color=always", "-fvisibility=hidden"]
     common = dict(
         name="sparsekit._C",
         include_dirs=[os.path.join(ROOT, "csrc")],
         py_limited_api=True,
-        extra_link_args=["-fopenmp"],
     )
     if want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
-        nvcc = opt + ["-lineinfo", "--expt-relaxed-constexpr", "-DSPARSEKIT_CUDA"]
+        nvcc = opt + target + ["-lineinfo", "--expt-relaxed-constexpr", "-DSPARSEKIT_CUDA", "-Xcompiler", "-fvisibility=hidden"]
         return CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **common)
     return CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **common)
 
 
 def torch_requirement():
-    """The torch this build runs under. The extension links against torch's C++ ABI,
-    which changes between minor versions, so the wheel asks for the minor version it was
-    built against, not more."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return f"torch=={major}.{minor}.*"
+    """The torches this build runs under: every one from TARGET_TORCH on (the stable ABI
+    is kept across releases). A CUDA build also needs a torch of the same CUDA major
+    version, which pip cannot express; the README says so."""
+    major, minor = TARGET_TORCH
+    return f"torch>={major}.{minor}"
 
 
 class BuildWithInfo(BuildExtension):

@@ -2,9 +2,7 @@
 // Helpers shared by the CPU and CUDA kernels of sparsekit.
 #include <cstdint>
 
-#include <c10/macros/Macros.h>
-#include <c10/util/Exception.h>
-#include <ATen/core/Tensor.h>
+#include "torch_api.h"
 
 namespace sparsekit {
 
@@ -26,14 +24,14 @@ inline int64_t scratch_table_slots(int64_t n) {
   return slots;
 }
 
-inline void check_key_tensor(const at::Tensor& keys, const char* op, const char* arg) {
-  TORCH_CHECK(keys.scalar_type() == at::kLong || keys.scalar_type() == at::kInt, op, ": ", arg,
+inline void check_key_tensor(const Tensor& keys, const char* op, const char* arg) {
+  SK_CHECK(keys.scalar_type() == kLong || keys.scalar_type() == kInt, op, ": ", arg,
               " must be an int64 or int32 tensor of keys, got ", keys.scalar_type(),
               "; cast it with .long()");
 }
 
-inline void check_index_tensor(const at::Tensor& index, const char* op, const char* arg) {
-  TORCH_CHECK(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt, op, ": ", arg,
+inline void check_index_tensor(const Tensor& index, const char* op, const char* arg) {
+  SK_CHECK(index.scalar_type() == kLong || index.scalar_type() == kInt, op, ": ", arg,
               " must be an int64 or int32 tensor, got ", index.scalar_type());
 }
 

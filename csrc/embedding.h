@@ -12,73 +12,73 @@ namespace sparsekit {
 /// Pooling of embedding_bag.
 enum class BagMode : int { kSum = 0, kMean = 1, kMax = 2 };
 
-inline BagMode parse_bag_mode(c10::string_view mode) {
+inline BagMode parse_bag_mode(std::string mode) {
   if (mode == "sum") return BagMode::kSum;
   if (mode == "mean") return BagMode::kMean;
   if (mode == "max") return BagMode::kMax;
-  TORCH_CHECK(false, "embedding_bag: mode must be \"sum\", \"mean\" or \"max\", got \"", std::string(mode), "\"");
+  SK_CHECK(false, "embedding_bag: mode must be \"sum\", \"mean\" or \"max\", got \"", std::string(mode), "\"");
 }
 
-inline void check_embedding_weight(const at::Tensor& weight, const char* op) {
-  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [num_rows, dim], got shape ", weight.sizes());
+inline void check_embedding_weight(const Tensor& weight, const char* op) {
+  SK_CHECK(weight.dim() == 2, op, ": weight must be 2-D [num_rows, dim], got shape ", weight.sizes());
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
+  SK_CHECK(dtype == kFloat || dtype == kDouble || dtype == kHalf || dtype == kBFloat16, op,
               ": weight must be float32, float64, float16 or bfloat16, got ", dtype);
 }
 
 /// @brief The row that padding_idx names, in [0, num_rows), or -1 for none. Like
 /// nn.EmbeddingBag, a negative padding_idx counts from the end (-1 is the last row).
 /// -1 doubles as "no padding row" for the kernels: rows == -1 are skipped anyway.
-inline int64_t normalize_padding_idx(c10::optional<int64_t> padding_idx, int64_t num_rows, const char* op) {
+inline int64_t normalize_padding_idx(std::optional<int64_t> padding_idx, int64_t num_rows, const char* op) {
   if (!padding_idx.has_value()) return -1;
   const int64_t idx = *padding_idx;
-  TORCH_CHECK(-num_rows <= idx && idx < num_rows, op, ": padding_idx must lie in [-num_rows, num_rows) = [",
+  SK_CHECK(-num_rows <= idx && idx < num_rows, op, ": padding_idx must lie in [-num_rows, num_rows) = [",
               -num_rows, ", ", num_rows, "), got ", idx, "; pass None for no padding row");
   return idx < 0 ? idx + num_rows : idx;
 }
 
-inline void check_embedding_bag_args(const at::Tensor& weight, const at::Tensor& rows, const at::Tensor& offsets,
-                                     const c10::optional<at::Tensor>& per_sample_weights, BagMode mode,
+inline void check_embedding_bag_args(const Tensor& weight, const Tensor& rows, const Tensor& offsets,
+                                     const std::optional<Tensor>& per_sample_weights, BagMode mode,
                                      bool include_last_offset) {
   check_embedding_weight(weight, "embedding_bag");
   check_index_tensor(rows, "embedding_bag", "rows");
   check_index_tensor(offsets, "embedding_bag", "offsets");
-  TORCH_CHECK(rows.dim() == 1, "embedding_bag: rows must be 1-D [nnz], got shape ", rows.sizes(),
+  SK_CHECK(rows.dim() == 1, "embedding_bag: rows must be 1-D [nnz], got shape ", rows.sizes(),
               "; flatten it and describe the bags with offsets");
   if (include_last_offset) {
-    TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) >= 1,
+    SK_CHECK(offsets.dim() == 1 && offsets.size(0) >= 1,
                 "embedding_bag: offsets must be 1-D [bags + 1] (CSR, offsets[0] == 0, offsets[-1] == nnz), got shape ",
                 offsets.sizes(), "; for nn.EmbeddingBag-style [bags] offsets pass include_last_offset=False");
   } else {
-    TORCH_CHECK(offsets.dim() == 1, "embedding_bag: offsets must be 1-D [bags] (include_last_offset=False: ",
+    SK_CHECK(offsets.dim() == 1, "embedding_bag: offsets must be 1-D [bags] (include_last_offset=False: ",
                 "nn.EmbeddingBag-style bag starts), got shape ", offsets.sizes());
   }
-  TORCH_CHECK(rows.device() == weight.device() && offsets.device() == weight.device(), "embedding_bag: weight is on ",
+  SK_CHECK(rows.device() == weight.device() && offsets.device() == weight.device(), "embedding_bag: weight is on ",
               weight.device(), ", rows on ", rows.device(), " and offsets on ", offsets.device(),
               "; move them to the same device");
   if (per_sample_weights.has_value()) {
-    TORCH_CHECK(mode != BagMode::kMax, "embedding_bag: per_sample_weights is only supported for mode=\"sum\" or ",
+    SK_CHECK(mode != BagMode::kMax, "embedding_bag: per_sample_weights is only supported for mode=\"sum\" or ",
                 "\"mean\", got mode=\"max\"; drop per_sample_weights or pool with sum/mean");
-    const at::Tensor& psw = *per_sample_weights;
-    TORCH_CHECK(psw.dim() == 1 && psw.size(0) == rows.size(0), "embedding_bag: per_sample_weights must be 1-D [nnz] ",
+    const Tensor& psw = *per_sample_weights;
+    SK_CHECK(psw.dim() == 1 && psw.size(0) == rows.size(0), "embedding_bag: per_sample_weights must be 1-D [nnz] ",
                 "like rows (", rows.size(0), " entries), got shape ", psw.sizes());
-    TORCH_CHECK(psw.scalar_type() == weight.scalar_type(), "embedding_bag: per_sample_weights is ", psw.scalar_type(),
+    SK_CHECK(psw.scalar_type() == weight.scalar_type(), "embedding_bag: per_sample_weights is ", psw.scalar_type(),
                 " but weight is ", weight.scalar_type(), "; cast per_sample_weights to weight's dtype");
-    TORCH_CHECK(psw.device() == weight.device(), "embedding_bag: per_sample_weights is on ", psw.device(),
+    SK_CHECK(psw.device() == weight.device(), "embedding_bag: per_sample_weights is on ", psw.device(),
                 " but weight is on ", weight.device(), "; move them to the same device");
   }
 }
 
 /// @brief Number of bags that offsets describes: bags + 1 CSR entries with
 /// include_last_offset, nn.EmbeddingBag's [bags] bag starts without it.
-inline int64_t embedding_bag_count(const at::Tensor& offsets, bool include_last_offset) {
+inline int64_t embedding_bag_count(const Tensor& offsets, bool include_last_offset) {
   return include_last_offset ? offsets.size(0) - 1 : offsets.size(0);
 }
 
-inline void check_embedding_gather_args(const at::Tensor& weight, const at::Tensor& rows) {
+inline void check_embedding_gather_args(const Tensor& weight, const Tensor& rows) {
   check_embedding_weight(weight, "embedding_gather");
   check_index_tensor(rows, "embedding_gather", "rows");
-  TORCH_CHECK(rows.device() == weight.device(), "embedding_gather: weight is on ", weight.device(), " but rows on ",
+  SK_CHECK(rows.device() == weight.device(), "embedding_gather: weight is on ", weight.device(), " but rows on ",
               rows.device(), "; move them to the same device");
 }
 
@@ -128,9 +128,9 @@ inline std::string embedding_offsets_message(int64_t nnz, bool include_last_offs
 /// @brief With no bag to carry the check, offsets must be [0] (or empty without
 /// include_last_offset) and rows empty. Reads offsets[0]: a host sync on CUDA, only when
 /// there are no bags.
-inline void check_offsets_without_bags(const at::Tensor& offsets, int64_t nnz, bool include_last_offset) {
-  const int64_t first = include_last_offset ? offsets.cpu()[0].item<int64_t>() : 0;
-  TORCH_CHECK(nnz == 0 && first == 0, embedding_offsets_message(nnz, include_last_offset, 0, -1, first, nnz));
+inline void check_offsets_without_bags(const Tensor& offsets, int64_t nnz, bool include_last_offset) {
+  const int64_t first = include_last_offset ? item_at(offsets, 0) : 0;
+  SK_CHECK(nnz == 0 && first == 0, embedding_offsets_message(nnz, include_last_offset, 0, -1, first, nnz));
 }
 
 /// Sentinel of the "first bad position" slots: no bad bag / row seen.
@@ -140,59 +140,59 @@ constexpr int64_t kNoBadPosition = INT64_MAX;
 /// bad lookup (kNoBadPosition: none). Both devices call this with the same two positions,
 /// so they raise the same text. Reads a few entries of offsets / rows: on CUDA that is a
 /// host sync, on the error path only.
-inline void raise_first_bag_error(int64_t first_bad_bag, int64_t first_bad_position, const at::Tensor& offsets,
-                                  const at::Tensor& rows, int64_t bags, int64_t num_rows, bool include_last_offset) {
+inline void raise_first_bag_error(int64_t first_bad_bag, int64_t first_bad_position, const Tensor& offsets,
+                                  const Tensor& rows, int64_t bags, int64_t num_rows, bool include_last_offset) {
   const int64_t nnz = rows.size(0);
   if (first_bad_bag != kNoBadPosition) {
-    const int64_t begin = offsets[first_bad_bag].item<int64_t>();
-    const int64_t end = first_bad_bag + 1 < offsets.size(0) ? offsets[first_bad_bag + 1].item<int64_t>() : nnz;
-    TORCH_CHECK(false, embedding_offsets_message(nnz, include_last_offset, bags, first_bad_bag, begin, end));
+    const int64_t begin = item_at(offsets, first_bad_bag);
+    const int64_t end = first_bad_bag + 1 < offsets.size(0) ? item_at(offsets, first_bad_bag + 1) : nnz;
+    SK_CHECK(false, embedding_offsets_message(nnz, include_last_offset, bags, first_bad_bag, begin, end));
   }
   if (first_bad_position != kNoBadPosition) {
-    TORCH_CHECK(false, embedding_row_range_message("embedding_bag", rows[first_bad_position].item<int64_t>(),
+    SK_CHECK(false, embedding_row_range_message("embedding_bag", item_at(rows, first_bad_position),
                                                    first_bad_position, num_rows));
   }
 }
 
 /// @brief embedding_gather's counterpart of raise_first_bag_error.
-inline void raise_first_gather_error(int64_t first_bad_position, const at::Tensor& rows, int64_t num_rows) {
+inline void raise_first_gather_error(int64_t first_bad_position, const Tensor& rows, int64_t num_rows) {
   if (first_bad_position != kNoBadPosition) {
-    TORCH_CHECK(false, embedding_row_range_message("embedding_gather",
-                                                   rows.reshape(-1)[first_bad_position].item<int64_t>(),
+    SK_CHECK(false, embedding_row_range_message("embedding_gather",
+                                                   item_at(rows, first_bad_position),
                                                    first_bad_position, num_rows));
   }
 }
 
 /// @brief weight itself when its rows are dense in memory (a row-slice of a bigger table is
 /// fine), else a contiguous copy: the kernels read each row as one run of D values.
-inline at::Tensor rows_stride_ready(const at::Tensor& weight) {
-  return weight.stride(1) == 1 || weight.size(1) <= 1 ? weight : weight.contiguous();
+inline Tensor rows_stride_ready(const Tensor& weight) {
+  return weight.stride(1) == 1 || weight.size(1) <= 1 ? weight : as_contiguous(weight);
 }
 
 /// @brief The checked inputs of an embedding_bag kernel, laid out as the kernels read them.
 struct BagInputs {
-  at::Tensor weight;              // rows dense in memory (rows_stride_ready)
-  at::Tensor rows;                // contiguous
-  at::Tensor offsets;             // contiguous int64: bags + 1 numbers, one copy is cheaper
+  Tensor weight;              // rows dense in memory (rows_stride_ready)
+  Tensor rows;                // contiguous
+  Tensor offsets;             // contiguous int64: bags + 1 numbers, one copy is cheaper
                                   // than a second instantiation
-  at::Tensor per_sample_weights;  // contiguous, or undefined
+  Tensor per_sample_weights;  // contiguous, or undefined
   int64_t padding_row;            // in [0, num_rows), or -1 for none
   int64_t nnz, bags, dim;
 };
 
 /// @brief Checks the arguments of embedding_bag (and its arg-max) and prepares them; the
 /// CPU and CUDA kernels share it (a CUDA caller sets its device guard first).
-inline BagInputs prepare_bag_inputs(const at::Tensor& weight_in, const at::Tensor& rows_in,
-                                    const at::Tensor& offsets_in,
-                                    const c10::optional<at::Tensor>& per_sample_weights_in, BagMode mode,
-                                    c10::optional<int64_t> padding_idx, bool include_last_offset) {
+inline BagInputs prepare_bag_inputs(const Tensor& weight_in, const Tensor& rows_in,
+                                    const Tensor& offsets_in,
+                                    const std::optional<Tensor>& per_sample_weights_in, BagMode mode,
+                                    std::optional<int64_t> padding_idx, bool include_last_offset) {
   check_embedding_bag_args(weight_in, rows_in, offsets_in, per_sample_weights_in, mode, include_last_offset);
   BagInputs in;
   in.padding_row = normalize_padding_idx(padding_idx, weight_in.size(0), "embedding_bag");
   in.weight = rows_stride_ready(weight_in);
-  in.rows = rows_in.contiguous();
-  in.offsets = offsets_in.to(at::kLong).contiguous();
-  if (per_sample_weights_in.has_value()) in.per_sample_weights = per_sample_weights_in->contiguous();
+  in.rows = as_contiguous(rows_in);
+  in.offsets = as_contiguous(to_dtype(offsets_in, kLong));
+  if (per_sample_weights_in.has_value()) in.per_sample_weights = as_contiguous(*per_sample_weights_in);
   in.nnz = in.rows.size(0);
   in.bags = embedding_bag_count(in.offsets, include_last_offset);
   in.dim = in.weight.size(1);

@@ -52,56 +52,56 @@ C10_HOST_DEVICE inline int64_t probe_slot(const int64_t* slot_keys, const int64_
 
 /// @brief Checks the two slot arrays of a table: int64, 1-D, same length (a power of
 /// two), contiguous and on one device.
-inline void check_hash_table_slots(const at::Tensor& slot_keys, const at::Tensor& slot_rows, const char* op) {
-  TORCH_CHECK(slot_keys.scalar_type() == at::kLong, op, ": slot_keys must be int64, got ",
+inline void check_hash_table_slots(const Tensor& slot_keys, const Tensor& slot_rows, const char* op) {
+  SK_CHECK(slot_keys.scalar_type() == kLong, op, ": slot_keys must be int64, got ",
               slot_keys.scalar_type());
-  TORCH_CHECK(slot_rows.scalar_type() == at::kLong, op, ": slot_rows must be int64, got ",
+  SK_CHECK(slot_rows.scalar_type() == kLong, op, ": slot_rows must be int64, got ",
               slot_rows.scalar_type());
-  TORCH_CHECK(slot_keys.dim() == 1 && slot_rows.dim() == 1, op,
+  SK_CHECK(slot_keys.dim() == 1 && slot_rows.dim() == 1, op,
               ": slot_keys and slot_rows must be 1-D [S], got shapes ", slot_keys.sizes(), " and ",
               slot_rows.sizes());
-  TORCH_CHECK(slot_keys.size(0) == slot_rows.size(0), op, ": slot_keys has ", slot_keys.size(0),
+  SK_CHECK(slot_keys.size(0) == slot_rows.size(0), op, ": slot_keys has ", slot_keys.size(0),
               " slots but slot_rows has ", slot_rows.size(0), "; they must match");
   const int64_t slots = slot_keys.size(0);
-  TORCH_CHECK(slots > 0 && (slots & (slots - 1)) == 0, op,
+  SK_CHECK(slots > 0 && (slots & (slots - 1)) == 0, op,
               ": the slot count must be a power of two (index = hash & (S - 1)), got ", slots);
-  TORCH_CHECK(slot_keys.is_contiguous() && slot_rows.is_contiguous(), op,
+  SK_CHECK(slot_keys.is_contiguous() && slot_rows.is_contiguous(), op,
               ": slot_keys and slot_rows must be contiguous");
-  TORCH_CHECK(slot_keys.device() == slot_rows.device(), op, ": slot_keys is on ", slot_keys.device(),
+  SK_CHECK(slot_keys.device() == slot_rows.device(), op, ": slot_keys is on ", slot_keys.device(),
               " but slot_rows is on ", slot_rows.device(), "; keep the table on one device");
 }
 
 /// @brief Checks the arguments of hash_table_find.
-inline void check_hash_table_find_args(const at::Tensor& slot_keys, const at::Tensor& slot_rows,
-                                       const at::Tensor& keys) {
+inline void check_hash_table_find_args(const Tensor& slot_keys, const Tensor& slot_rows,
+                                       const Tensor& keys) {
   check_hash_table_slots(slot_keys, slot_rows, "hash_table_find");
   check_key_tensor(keys, "hash_table_find", "keys");
-  TORCH_CHECK(keys.device() == slot_keys.device(), "hash_table_find: keys are on ", keys.device(),
+  SK_CHECK(keys.device() == slot_keys.device(), "hash_table_find: keys are on ", keys.device(),
               " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
 }
 
 /// @brief Checks the arguments of hash_table_erase_.
-inline void check_hash_table_erase_args(const at::Tensor& slot_keys, const at::Tensor& slot_rows,
-                                        const at::Tensor& keys) {
+inline void check_hash_table_erase_args(const Tensor& slot_keys, const Tensor& slot_rows,
+                                        const Tensor& keys) {
   check_hash_table_slots(slot_keys, slot_rows, "hash_table_erase_");
   check_key_tensor(keys, "hash_table_erase_", "keys");
-  TORCH_CHECK(keys.device() == slot_keys.device(), "hash_table_erase_: keys are on ", keys.device(),
+  SK_CHECK(keys.device() == slot_keys.device(), "hash_table_erase_: keys are on ", keys.device(),
               " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
 }
 
 /// @brief Checks the arguments of hash_table_insert_absent_.
-inline void check_hash_table_insert_args(const at::Tensor& slot_keys, const at::Tensor& slot_rows,
-                                         const at::Tensor& keys, const at::Tensor& rows) {
+inline void check_hash_table_insert_args(const Tensor& slot_keys, const Tensor& slot_rows,
+                                         const Tensor& keys, const Tensor& rows) {
   check_hash_table_slots(slot_keys, slot_rows, "hash_table_insert_absent_");
   check_key_tensor(keys, "hash_table_insert_absent_", "keys");
-  TORCH_CHECK(rows.scalar_type() == at::kLong, "hash_table_insert_absent_: rows must be int64, got ",
+  SK_CHECK(rows.scalar_type() == kLong, "hash_table_insert_absent_: rows must be int64, got ",
               rows.scalar_type(), "; cast it with .long()");
-  TORCH_CHECK(rows.numel() == keys.numel(), "hash_table_insert_absent_: rows has ", rows.numel(),
+  SK_CHECK(rows.numel() == keys.numel(), "hash_table_insert_absent_: rows has ", rows.numel(),
               " entries but keys has ", keys.numel(), "; give one row per key");
-  TORCH_CHECK(keys.device() == slot_keys.device() && rows.device() == slot_keys.device(),
+  SK_CHECK(keys.device() == slot_keys.device() && rows.device() == slot_keys.device(),
               "hash_table_insert_absent_: keys (", keys.device(), ") and rows (", rows.device(),
               ") must be on the table's device (", slot_keys.device(), ")");
-  TORCH_CHECK(keys.numel() <= slot_keys.size(0), "hash_table_insert_absent_: ", keys.numel(),
+  SK_CHECK(keys.numel() <= slot_keys.size(0), "hash_table_insert_absent_: ", keys.numel(),
               " keys cannot fit in a table of ", slot_keys.size(0), " slots");
 }
 
@@ -117,19 +117,19 @@ enum HashInsertError : int32_t {
 /// a call that passes writes every key, and a call that fails writes nothing, on every
 /// device alike.
 inline void check_hash_insert_fits(int64_t num_occupied, int64_t num_keys, int64_t num_slots) {
-  TORCH_CHECK(num_occupied >= 0 && num_occupied <= num_slots,
+  SK_CHECK(num_occupied >= 0 && num_occupied <= num_slots,
               "hash_table_insert_absent_: num_occupied must lie in [0, ", num_slots, "], got ", num_occupied);
-  TORCH_CHECK(num_occupied + num_keys <= num_slots, "hash_table_insert_absent_: ", num_keys,
+  SK_CHECK(num_occupied + num_keys <= num_slots, "hash_table_insert_absent_: ", num_keys,
               " keys do not fit in the ", num_slots - num_occupied, " empty slots of the table (", num_occupied,
               " of ", num_slots, " occupied); nothing was inserted. Keep the table at most half full "
               "(sparsekit.HashTable does)");
 }
 
 inline void raise_hash_insert_error(int32_t code) {
-  TORCH_CHECK(code != kHashInsertNegativeRow,
+  SK_CHECK(code != kHashInsertNegativeRow,
               "hash_table_insert_absent_: rows must be >= 0 (-1 marks an empty slot); nothing valid "
               "can be stored for a negative row");
-  TORCH_CHECK(code != kHashInsertTableFull,
+  SK_CHECK(code != kHashInsertTableFull,
               "hash_table_insert_absent_: the table has no empty slot left; keep the table at most half "
               "full (sparsekit.HashTable does) and insert only keys that are absent");
 }

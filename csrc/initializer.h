@@ -37,14 +37,14 @@ C10_HOST_DEVICE inline double key_seeded_value(uint64_t key_state, int64_t colum
   return ::fma(range.scale, unit * range.unit_factor, range.low);
 }
 
-inline void check_key_seeded_uniform_args(const at::Tensor& keys, int64_t dim, double low, double high,
-                                          at::ScalarType dtype) {
+inline void check_key_seeded_uniform_args(const Tensor& keys, int64_t dim, double low, double high,
+                                          ScalarType dtype) {
   check_key_tensor(keys, "key_seeded_uniform", "keys");
-  TORCH_CHECK(keys.dim() == 1, "key_seeded_uniform: keys must be 1-D [N], got shape ", keys.sizes());
-  TORCH_CHECK(dim >= 0, "key_seeded_uniform: dim must be >= 0, got ", dim);
-  TORCH_CHECK(std::isfinite(low) && std::isfinite(high) && low <= high,
+  SK_CHECK(keys.dim() == 1, "key_seeded_uniform: keys must be 1-D [N], got shape ", keys.sizes());
+  SK_CHECK(dim >= 0, "key_seeded_uniform: dim must be >= 0, got ", dim);
+  SK_CHECK(std::isfinite(low) && std::isfinite(high) && low <= high,
               "key_seeded_uniform: need finite low <= high, got low=", low, " high=", high);
-  TORCH_CHECK(at::isFloatingType(dtype),
+  SK_CHECK(is_floating(dtype),
               "key_seeded_uniform: dtype must be float32, float64, float16 or bfloat16, got ", dtype);
 }
 

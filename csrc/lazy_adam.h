@@ -8,39 +8,39 @@
 namespace sparsekit {
 
 /// @brief Checks everything about a lazy_adam_ call that does not need to read rows.
-inline void check_lazy_adam_args(const at::Tensor& weight, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                 const at::Tensor& rows, const at::Tensor& grad, int64_t step, double lr,
+inline void check_lazy_adam_args(const Tensor& weight, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                                 const Tensor& rows, const Tensor& grad, int64_t step, double lr,
                                  double beta1, double beta2, double eps, double weight_decay) {
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+  SK_CHECK(dtype == kFloat || dtype == kDouble || dtype == kHalf || dtype == kBFloat16,
               "lazy_adam_: weight must be float32, float64, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(weight.dim() >= 1, "lazy_adam_: weight must have at least one dimension [R, ...], got a scalar");
-  TORCH_CHECK(exp_avg.sizes() == weight.sizes() && exp_avg_sq.sizes() == weight.sizes(),
+  SK_CHECK(weight.dim() >= 1, "lazy_adam_: weight must have at least one dimension [R, ...], got a scalar");
+  SK_CHECK(exp_avg.sizes() == weight.sizes() && exp_avg_sq.sizes() == weight.sizes(),
               "lazy_adam_: exp_avg ", exp_avg.sizes(), " and exp_avg_sq ", exp_avg_sq.sizes(),
               " must have the shape of weight ", weight.sizes());
-  TORCH_CHECK(exp_avg.scalar_type() == dtype && exp_avg_sq.scalar_type() == dtype && grad.scalar_type() == dtype,
+  SK_CHECK(exp_avg.scalar_type() == dtype && exp_avg_sq.scalar_type() == dtype && grad.scalar_type() == dtype,
               "lazy_adam_: exp_avg (", exp_avg.scalar_type(), "), exp_avg_sq (", exp_avg_sq.scalar_type(),
               ") and grad (", grad.scalar_type(), ") must have the dtype of weight (", dtype, ")");
-  TORCH_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
+  SK_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
               "lazy_adam_: weight, exp_avg and exp_avg_sq must be contiguous (they are updated in place, "
               "so a .contiguous() copy would not do); allocate the optimizer state with torch.zeros_like");
   check_index_tensor(rows, "lazy_adam_", "rows");
-  TORCH_CHECK(rows.dim() == 1, "lazy_adam_: rows must be 1-D [u], got shape ", rows.sizes());
-  TORCH_CHECK(grad.dim() == weight.dim() && grad.size(0) == rows.size(0) &&
+  SK_CHECK(rows.dim() == 1, "lazy_adam_: rows must be 1-D [u], got shape ", rows.sizes());
+  SK_CHECK(grad.dim() == weight.dim() && grad.size(0) == rows.size(0) &&
                   grad.sizes().slice(1) == weight.sizes().slice(1),
               "lazy_adam_: grad must have shape [u, ...] = [", rows.size(0), ", ", weight.sizes().slice(1),
               "] (one row of gradient per entry of rows), got ", grad.sizes());
   const auto device = weight.device();
-  TORCH_CHECK(exp_avg.device() == device && exp_avg_sq.device() == device && rows.device() == device &&
+  SK_CHECK(exp_avg.device() == device && exp_avg_sq.device() == device && rows.device() == device &&
                   grad.device() == device,
               "lazy_adam_: weight, exp_avg, exp_avg_sq, rows and grad must be on one device (weight is on ", device,
               ")");
-  TORCH_CHECK(step >= 1, "lazy_adam_: step must be >= 1 (the first update is step 1), got ", step);
-  TORCH_CHECK(lr >= 0.0, "lazy_adam_: lr must be >= 0, got ", lr);
-  TORCH_CHECK(eps >= 0.0, "lazy_adam_: eps must be >= 0, got ", eps);
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "lazy_adam_: beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "lazy_adam_: beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(weight_decay >= 0.0, "lazy_adam_: weight_decay must be >= 0, got ", weight_decay);
+  SK_CHECK(step >= 1, "lazy_adam_: step must be >= 1 (the first update is step 1), got ", step);
+  SK_CHECK(lr >= 0.0, "lazy_adam_: lr must be >= 0, got ", lr);
+  SK_CHECK(eps >= 0.0, "lazy_adam_: eps must be >= 0, got ", eps);
+  SK_CHECK(beta1 >= 0.0 && beta1 < 1.0, "lazy_adam_: beta1 must be in [0, 1), got ", beta1);
+  SK_CHECK(beta2 >= 0.0 && beta2 < 1.0, "lazy_adam_: beta2 must be in [0, 1), got ", beta2);
+  SK_CHECK(weight_decay >= 0.0, "lazy_adam_: weight_decay must be >= 0, got ", weight_decay);
 }
 
 /// @brief The bias-corrected step size lr * sqrt(1 - beta2^step) / (1 - beta1^step),

@@ -4,18 +4,18 @@
 
 namespace sparsekit {
 
-inline void check_segment_sum_args(const at::Tensor& data, const at::Tensor& segment_ids,
+inline void check_segment_sum_args(const Tensor& data, const Tensor& segment_ids,
                                    int64_t num_segments) {
-  TORCH_CHECK(data.dim() >= 1, "segment_sum: data must have at least one dimension [N, ...], got a scalar");
-  TORCH_CHECK(at::isFloatingType(data.scalar_type()),
+  SK_CHECK(data.dim() >= 1, "segment_sum: data must have at least one dimension [N, ...], got a scalar");
+  SK_CHECK(is_floating(data.scalar_type()),
               "segment_sum: data must be float32, float64, float16 or bfloat16, got ", data.scalar_type());
   check_index_tensor(segment_ids, "segment_sum", "segment_ids");
-  TORCH_CHECK(segment_ids.dim() == 1, "segment_sum: segment_ids must be 1-D [N], got shape ",
+  SK_CHECK(segment_ids.dim() == 1, "segment_sum: segment_ids must be 1-D [N], got shape ",
               segment_ids.sizes());
-  TORCH_CHECK(segment_ids.size(0) == data.size(0), "segment_sum: segment_ids has ", segment_ids.size(0),
+  SK_CHECK(segment_ids.size(0) == data.size(0), "segment_sum: segment_ids has ", segment_ids.size(0),
               " entries but data has ", data.size(0), " rows; they must match");
-  TORCH_CHECK(num_segments >= 0, "segment_sum: num_segments must be >= 0, got ", num_segments);
-  TORCH_CHECK(segment_ids.device() == data.device(), "segment_sum: segment_ids is on ", segment_ids.device(),
+  SK_CHECK(num_segments >= 0, "segment_sum: num_segments must be >= 0, got ", num_segments);
+  SK_CHECK(segment_ids.device() == data.device(), "segment_sum: segment_ids is on ", segment_ids.device(),
               " but data is on ", data.device(), "; move them to the same device");
 }
 

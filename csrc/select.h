@@ -18,7 +18,7 @@
 // histogram per digit of the bits in which the bucket still differs (clocks and counts
 // span few bits: usually one), plus the compaction. The CPU kernel also lists the
 // bucket's entries once the bucket is small, and later passes read only that list.
-#include <ATen/core/Tensor.h>
+#include "torch_api.h"
 
 #include "common.h"
 
@@ -122,21 +122,21 @@ struct SelectState {
 };
 
 /// @brief Checks the arguments of select_smallest.
-inline void check_select_args(at::TensorList columns, const at::Tensor& eligible, int64_t k) {
-  TORCH_CHECK(!columns.empty() && columns.size() <= static_cast<size_t>(kSelectMaxColumns),
+inline void check_select_args(const std::vector<Tensor>& columns, const Tensor& eligible, int64_t k) {
+  SK_CHECK(!columns.empty() && columns.size() <= static_cast<size_t>(kSelectMaxColumns),
               "select_smallest: columns must hold 1 to ", kSelectMaxColumns, " tensors, got ", columns.size());
-  TORCH_CHECK(eligible.scalar_type() == at::kBool && eligible.dim() == 1,
+  SK_CHECK(eligible.scalar_type() == kBool && eligible.dim() == 1,
               "select_smallest: eligible must be a 1-D bool tensor, got ", eligible.scalar_type(), " with shape ",
               eligible.sizes());
   const int64_t n = eligible.size(0);
   for (size_t c = 0; c < columns.size(); ++c) {
-    TORCH_CHECK(columns[c].scalar_type() == at::kLong && columns[c].dim() == 1 && columns[c].size(0) == n,
+    SK_CHECK(columns[c].scalar_type() == kLong && columns[c].dim() == 1 && columns[c].size(0) == n,
                 "select_smallest: columns[", c, "] must be int64 [", n, "] like eligible, got ",
                 columns[c].scalar_type(), " with shape ", columns[c].sizes());
-    TORCH_CHECK(columns[c].device() == eligible.device(), "select_smallest: columns[", c, "] is on ",
+    SK_CHECK(columns[c].device() == eligible.device(), "select_smallest: columns[", c, "] is on ",
                 columns[c].device(), " but eligible is on ", eligible.device());
   }
-  TORCH_CHECK(k >= 0, "select_smallest: k must be >= 0, got ", k);
+  SK_CHECK(k >= 0, "select_smallest: k must be >= 0, got ", k);
 }
 
 }  // namespace sparsekit

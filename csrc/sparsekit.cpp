@@ -1,21 +1,27 @@
 // The one operator library of sparsekit: every schema lives here, so every build
 // (CPU-only too) knows every op. Device kernels are registered by csrc/cpu/*.cpp and
-// csrc/cuda/*.cu with TORCH_LIBRARY_IMPL; fakes and autograd live in sparsekit/ops.py.
+// csrc/cuda/*.cu with STABLE_TORCH_LIBRARY_IMPL; fakes and autograd live in
+// sparsekit/ops.py. Like every kernel file it uses torch's stable ABI only (see
+// csrc/torch_api.h), so one binary loads under every torch from its target version on.
 #include <Python.h>
-#include <torch/library.h>
+
+#include "torch_api.h"
 
 extern "C" {
 // Importing sparsekit._C runs the static registrations below; the module itself is empty.
-PyObject* PyInit__C(void) {
+// The only exported symbol: the library is compiled with -fvisibility=hidden.
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
 }
 }
 
-TORCH_LIBRARY(sparsekit, m) {
+STABLE_TORCH_LIBRARY(sparsekit, m) {
   // Hash-based unique in order of first occurrence: keys == unique_keys[inverse].
   m.def("unique(Tensor keys) -> (Tensor unique_keys, Tensor inverse, Tensor counts)");
   // TensorFlow unsorted_segment_sum: negative ids are dropped, ids >= num_segments raise.
+  // SymInt keeps torch.compile's symbolic sizes flowing; the stable kernels receive it as
+  // an int64 (a concrete value by the time a kernel runs).
   m.def("segment_sum(Tensor data, Tensor segment_ids, SymInt num_segments, bool deterministic=False) -> Tensor");
   // Open-addressing table over plain tensors: slot_rows[s] == -1 marks an empty slot, so
   // every int64 value is a valid key.

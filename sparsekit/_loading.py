@@ -10,6 +10,8 @@ from types import ModuleType
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# The oldest torch whose stable ABI the library targets (setup.py's TARGET_TORCH).
+TARGET_TORCH = "2.10"
 
 
 def _built_for() -> tuple:
@@ -39,9 +41,14 @@ def explain(error: ImportError) -> str:
                 "it from outside the source tree.")
     text = str(error)
     if "undefined symbol" in text:
-        built = f"torch {built_torch}" if built_torch else "another torch"
-        return (f"sparsekit._C was built for {built} but torch {running} is installed, and a compiled torch "
-                f"extension only loads under the torch minor version it was built against ({text}). Rebuild "
-                "sparsekit against this torch (`pip install --no-build-isolation --force-reinstall --no-deps .`, "
-                "or `bash scripts/test.sh` in a clone), or install the torch it was built for.")
-    return f"sparsekit._C failed to load ({text}); built for torch {built_torch or 'unknown'}, running {running}"
+        return (f"sparsekit._C needs torch >= {TARGET_TORCH} (it calls torch only through the stable ABI of that "
+                f"version and later) but torch {running} is installed ({text}). Install a newer torch "
+                f"(`pip install 'torch>={TARGET_TORCH}'`).")
+    built_cuda = _built_for()[1]
+    if "libcudart" in text or "libcuda" in text:
+        return (f"sparsekit._C was built with CUDA {built_cuda} kernels but torch {running} (CUDA "
+                f"{torch.version.cuda}) does not bring that CUDA runtime ({text}). Install a torch built for CUDA "
+                f"{str(built_cuda).split('.')[0]}, or rebuild sparsekit against this torch "
+                "(`pip install --no-build-isolation --force-reinstall --no-deps .`; `SPARSEKIT_CUDA=0` for the CPU "
+                "kernels only).")
+    return f"sparsekit._C failed to load ({text}); built with torch {built_torch or 'unknown'}, running {running}"

@@ -23,11 +23,16 @@ def test_unbuilt_source_tree_says_so(tmp_path):
     assert "circular import" not in result.stderr.splitlines()[-1]
 
 
-def test_a_library_built_for_another_torch_says_which(monkeypatch):
-    monkeypatch.setattr(_loading, "_built_for", lambda: ("2.99.0", None))
-    message = _loading.explain(ImportError("/x/_C.abi3.so: undefined symbol: _ZN3c1019NotImplementedError"))
-    assert "built for torch 2.99.0" in message and f"torch {torch.__version__} is installed" in message
-    assert "Rebuild" in message
+def test_a_torch_older_than_the_stable_abi_target_says_so():
+    message = _loading.explain(ImportError("/x/_C.abi3.so: undefined symbol: torch_parallel_for"))
+    assert f"needs torch >= {_loading.TARGET_TORCH}" in message and f"torch {torch.__version__} is installed" in message
+
+
+def test_a_torch_without_the_cuda_runtime_of_the_build_says_so(monkeypatch):
+    monkeypatch.setattr(_loading, "_built_for", lambda: ("2.13.0+cu130", "13.0"))
+    message = _loading.explain(ImportError("libcudart.so.13: cannot open shared object file: No such file"))
+    assert "built with CUDA 13.0 kernels" in message and "torch built for CUDA 13" in message
+    assert "SPARSEKIT_CUDA=0" in message
 
 
 def test_a_shadowing_folder_is_named(tmp_path):

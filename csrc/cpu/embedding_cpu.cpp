@@ -8,13 +8,7 @@
 // inside a baseline function for any x86-64 (or other) CPU. The extension is built without
 // -march flags, so this is how the vector units get used without making the .so
 // unportable.
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #include <algorithm>
 #include <atomic>
@@ -81,11 +75,11 @@ SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const double* p) {
   return static_cast<acc_t>(*p);
 }
 template <typename acc_t>
-SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const c10::Half* p) {
+SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const Half* p) {
   return static_cast<acc_t>(static_cast<float>(*p));
 }
 template <typename acc_t>
-SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const c10::BFloat16* p) {
+SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const BFloat16* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -127,7 +121,7 @@ SPARSEKIT_ALWAYS_INLINE double_vec load_vec(const double* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const c10::Half* p) {
+SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const Half* p) {
 #if defined(__FLT16_MAX__)
   half_vec8 h;
   std::memcpy(&h, p, sizeof(h));
@@ -138,7 +132,7 @@ SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const c10::Half* p) {
   return v;
 #endif
 }
-SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const c10::BFloat16* p) {
+SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const BFloat16* p) {
   u16_vec8 bits;
   std::memcpy(&bits, p, sizeof(bits));
   const u32_vec8 wide = __builtin_convertvector(bits, u32_vec8) << 16;
@@ -430,11 +424,11 @@ void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
 /// fault per 4 KiB: for the [unique rows, D] gradient of a large batch those faults took
 /// longer than the pooling itself. (torch's allocator does the same for every large
 /// tensor under THP_MEM_ALLOC_ENABLE=1.) A hint only: any failure is ignored.
-void advise_huge_pages(const at::Tensor& out) {
+void advise_huge_pages(const Tensor& out) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(out.const_data_ptr());
-  const uintptr_t end = begin + static_cast<uintptr_t>(out.nbytes());
+  const uintptr_t end = begin + static_cast<uintptr_t>(out.numel()) * out.element_size();
   const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
   const uintptr_t last = end & ~(kHugePage - 1);
   if (last >= first + 2 * kHugePage) {
@@ -448,16 +442,16 @@ void advise_huge_pages(const at::Tensor& out) {
 
 }  // namespace
 
-at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in, const at::Tensor& offsets_in,
-                             const c10::optional<at::Tensor>& per_sample_weights_in, c10::string_view mode,
-                             c10::optional<int64_t> padding_idx, bool include_last_offset) {
+Tensor embedding_bag_cpu(const Tensor& weight_in, const Tensor& rows_in, const Tensor& offsets_in,
+                             const std::optional<Tensor>& per_sample_weights_in, std::string mode,
+                             std::optional<int64_t> padding_idx, bool include_last_offset) {
   const BagMode bag_mode = parse_bag_mode(mode);
   const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, per_sample_weights_in, bag_mode,
                                           padding_idx, include_last_offset);
-  const at::Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
-  const at::Tensor& per_sample_weights = in.per_sample_weights;
+  const Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
+  const Tensor& per_sample_weights = in.per_sample_weights;
   const int64_t nnz = in.nnz, bags = in.bags, dim = in.dim, padding_row = in.padding_row;
-  at::Tensor out = at::empty({bags, dim}, weight.options());
+  Tensor out = empty({bags, dim}, weight.scalar_type(), weight.device());
   if (bags == 0) {
     check_offsets_without_bags(offsets, nnz, include_last_offset);
     return out;
@@ -466,8 +460,8 @@ at::Tensor embedding_bag_cpu(const at::Tensor& weight_in, const at::Tensor& rows
 
   std::atomic<int64_t> first_bad_bag{kNoBadPosition};
   std::atomic<int64_t> first_bad_position{kNoBadPosition};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_bag_cpu", [&] {
-    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_cpu_rows", [&] {
+  SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "embedding_bag_cpu", [&] {
+    SK_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_cpu_rows", [&] {
       BagProblem<scalar_t, index_t> problem{
           weight.const_data_ptr<scalar_t>(),
           weight.stride(0),
@@ -531,22 +525,22 @@ void argmax_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t* positions
 
 }  // namespace
 
-at::Tensor embedding_bag_argmax_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in,
-                                    const at::Tensor& offsets_in, c10::optional<int64_t> padding_idx,
+Tensor embedding_bag_argmax_cpu(const Tensor& weight_in, const Tensor& rows_in,
+                                    const Tensor& offsets_in, std::optional<int64_t> padding_idx,
                                     bool include_last_offset) {
-  const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, c10::nullopt, BagMode::kMax,
+  const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, std::nullopt, BagMode::kMax,
                                           padding_idx, include_last_offset);
-  const at::Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
+  const Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
   const int64_t nnz = in.nnz, bags = in.bags, dim = in.dim, padding_row = in.padding_row;
-  at::Tensor positions = at::empty({bags, dim}, rows.options().dtype(at::kLong));
+  Tensor positions = empty({bags, dim}, kLong, rows.device());
   if (bags == 0) {
     check_offsets_without_bags(offsets, nnz, include_last_offset);
     return positions;
   }
   std::atomic<int64_t> first_bad_bag{kNoBadPosition};
   std::atomic<int64_t> first_bad_position{kNoBadPosition};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_bag_argmax_cpu", [&] {
-    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_argmax_cpu_rows", [&] {
+  SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "embedding_bag_argmax_cpu", [&] {
+    SK_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_argmax_cpu_rows", [&] {
       BagProblem<scalar_t, index_t> problem{weight.const_data_ptr<scalar_t>(),
                                             weight.stride(0),
                                             weight.size(0),
@@ -597,15 +591,15 @@ void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_
 
 }  // namespace
 
-at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& rows_in) {
+Tensor embedding_gather_cpu(const Tensor& weight_in, const Tensor& rows_in) {
   check_embedding_gather_args(weight_in, rows_in);
-  const at::Tensor weight = rows_stride_ready(weight_in);
-  const at::Tensor rows = rows_in.contiguous();
+  const Tensor weight = rows_stride_ready(weight_in);
+  const Tensor rows = as_contiguous(rows_in);
   const int64_t n = rows.numel();
   const int64_t dim = weight.size(1);
   std::vector<int64_t> out_shape(rows.sizes().begin(), rows.sizes().end());
   out_shape.push_back(dim);
-  at::Tensor out = at::empty(out_shape, weight.options());
+  Tensor out = empty(out_shape, weight.scalar_type(), weight.device());
   if (n == 0) return out;
   advise_huge_pages(out);
 
@@ -615,7 +609,7 @@ at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& r
   char* out_ptr = static_cast<char*>(out.mutable_data_ptr());
   std::atomic<int64_t> first_bad_position{kNoBadPosition};
   const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(row_bytes, 1));
-  AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_gather_cpu", [&] {
+  SK_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_gather_cpu", [&] {
     const index_t* rows_ptr = rows.const_data_ptr<index_t>();
     parallel_chunks(n, chunk, [&](int64_t begin, int64_t end) {
       gather_row_range(weight_ptr, weight.stride(0) * element, weight.size(0), row_bytes, rows_ptr, n, out_ptr, begin,
@@ -626,10 +620,10 @@ at::Tensor embedding_gather_cpu(const at::Tensor& weight_in, const at::Tensor& r
   return out;
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("embedding_bag", &embedding_bag_cpu);
-  m.impl("embedding_bag_argmax", &embedding_bag_argmax_cpu);
-  m.impl("embedding_gather", &embedding_gather_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("embedding_bag", TORCH_BOX(&embedding_bag_cpu));
+  m.impl("embedding_bag_argmax", TORCH_BOX(&embedding_bag_argmax_cpu));
+  m.impl("embedding_gather", TORCH_BOX(&embedding_gather_cpu));
 }
 
 }  // namespace sparsekit

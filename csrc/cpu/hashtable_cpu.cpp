@@ -1,11 +1,10 @@
 // CPU kernels of the open-addressing hash table (layout in csrc/hashtable.h).
 #include <atomic>
 #include <functional>
+#include <numeric>
 #include <vector>
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #include "hashtable.h"
 
@@ -41,7 +40,7 @@ template <typename key_t>
 void find_keys(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask, const key_t* keys,
                int64_t* rows_out, int64_t num_keys) {
   const bool prefetch = slot_mask + 1 >= kFindPrefetchSlots;
-  at::parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
     if (prefetch) {
       find_range<true>(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
     } else {
@@ -55,7 +54,7 @@ int32_t insert_keys(int64_t* slot_keys, int64_t* slot_rows, int64_t num_slots, c
                     const int64_t* rows, int64_t num_keys) {
   const uint64_t slot_mask = static_cast<uint64_t>(num_slots - 1);
   std::atomic<int32_t> error{kHashInsertOk};
-  at::parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t key = static_cast<int64_t>(keys[i]);
       uint64_t slot = mix_key(key) & slot_mask;
@@ -92,14 +91,14 @@ int32_t insert_keys(int64_t* slot_keys, int64_t* slot_rows, int64_t num_slots, c
 /// @param slot_rows int64[S], the row of each slot, -1 where empty.
 /// @param keys int64 or int32 keys of any shape.
 /// @return int64 rows with keys' shape, -1 where a key is absent.
-at::Tensor hash_table_find_cpu(const at::Tensor& slot_keys, const at::Tensor& slot_rows, const at::Tensor& keys) {
+Tensor hash_table_find_cpu(const Tensor& slot_keys, const Tensor& slot_rows, const Tensor& keys) {
   check_hash_table_find_args(slot_keys, slot_rows, keys);
-  const at::Tensor keys_c = keys.contiguous();
-  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const Tensor keys_c = as_contiguous(keys);
+  Tensor rows = empty(keys.sizes(), kLong, keys.device());
   const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
-  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_find_cpu", [&] {
-    find_keys<index_t>(slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask,
-                       keys_c.data_ptr<index_t>(), rows.data_ptr<int64_t>(), keys_c.numel());
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_find_cpu", [&] {
+    find_keys<index_t>(slot_keys.mutable_data_ptr<int64_t>(), slot_rows.mutable_data_ptr<int64_t>(), slot_mask,
+                       keys_c.mutable_data_ptr<index_t>(), rows.mutable_data_ptr<int64_t>(), keys_c.numel());
   });
   return rows;
 }
@@ -111,37 +110,38 @@ at::Tensor hash_table_find_cpu(const at::Tensor& slot_keys, const at::Tensor& sl
 /// @param rows int64 rows (>= 0), one per key.
 /// @param num_occupied occupied slots when the caller knows them (sparsekit.HashTable: its
 ///        size); None: counted here (one pass over the slots).
-void hash_table_insert_absent_cpu(at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys,
-                                  const at::Tensor& rows, c10::optional<int64_t> num_occupied) {
+void hash_table_insert_absent_cpu(Tensor& slot_keys, Tensor& slot_rows, const Tensor& keys,
+                                  const Tensor& rows, std::optional<int64_t> num_occupied) {
   check_hash_table_insert_args(slot_keys, slot_rows, keys, rows);
-  const at::Tensor keys_c = keys.contiguous();
-  const at::Tensor rows_c = rows.contiguous();
+  const Tensor keys_c = as_contiguous(keys);
+  const Tensor rows_c = as_contiguous(rows);
   const int64_t num_keys = keys_c.numel();
   if (num_keys == 0) return;
   const int64_t num_slots = slot_rows.size(0);
   if (!num_occupied.has_value()) {
-    const int64_t* slot_rows_ptr = slot_rows.data_ptr<int64_t>();
-    num_occupied = at::parallel_reduce(0, num_slots, kHashGrain * 4, int64_t{0},
-        [&](int64_t begin, int64_t end, int64_t count) {
-          for (int64_t s = begin; s < end; ++s) count += slot_rows_ptr[s] >= 0;
-          return count;
-        },
-        std::plus<int64_t>());
+    const int64_t* slot_rows_ptr = slot_rows.mutable_data_ptr<int64_t>();
+    std::vector<int64_t> counts(chunk_workers(num_slots, kHashGrain * 16), 0);
+    parallel_chunks_indexed(num_slots, kHashGrain * 16, [&](int64_t worker, int64_t begin, int64_t end) {
+      int64_t count = 0;
+      for (int64_t s = begin; s < end; ++s) count += slot_rows_ptr[s] >= 0;
+      counts[worker] += count;
+    });
+    num_occupied = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   }
   check_hash_insert_fits(*num_occupied, num_keys, num_slots);
-  const int64_t* rows_ptr = rows_c.data_ptr<int64_t>();
+  const int64_t* rows_ptr = rows_c.mutable_data_ptr<int64_t>();
   // Validate every row before touching the table, so a bad call leaves it unchanged.
   std::atomic<bool> negative_row{false};
-  at::parallel_for(0, num_keys, kHashGrain * 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_keys, kHashGrain * 4, [&](int64_t begin, int64_t end) {
     bool bad = false;
     for (int64_t i = begin; i < end; ++i) bad |= rows_ptr[i] < 0;
     if (bad) negative_row.store(true, std::memory_order_relaxed);
   });
   if (negative_row.load()) raise_hash_insert_error(kHashInsertNegativeRow);
   int32_t error = kHashInsertOk;
-  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_insert_absent_cpu", [&] {
-    error = insert_keys<index_t>(slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_keys.size(0),
-                                 keys_c.data_ptr<index_t>(), rows_ptr, num_keys);
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_insert_absent_cpu", [&] {
+    error = insert_keys<index_t>(slot_keys.mutable_data_ptr<int64_t>(), slot_rows.mutable_data_ptr<int64_t>(), slot_keys.size(0),
+                                 keys_c.mutable_data_ptr<index_t>(), rows_ptr, num_keys);
   });
   raise_hash_insert_error(error);
 }
@@ -151,27 +151,27 @@ void hash_table_insert_absent_cpu(at::Tensor& slot_keys, at::Tensor& slot_rows, 
 /// @param slot_rows int64[S], written in place.
 /// @param keys int64 or int32 keys, distinct (absent ones are skipped).
 /// @return int64 rows the keys held, -1 for an absent key.
-at::Tensor hash_table_erase_cpu(const at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys) {
+Tensor hash_table_erase_cpu(const Tensor& slot_keys, Tensor& slot_rows, const Tensor& keys) {
   check_hash_table_erase_args(slot_keys, slot_rows, keys);
-  const at::Tensor keys_c = keys.contiguous();
-  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const Tensor keys_c = as_contiguous(keys);
+  Tensor rows = empty(keys.sizes(), kLong, keys.device());
   const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
-  const int64_t* skeys = slot_keys.data_ptr<int64_t>();
-  int64_t* srows = slot_rows.data_ptr<int64_t>();
-  int64_t* out = rows.data_ptr<int64_t>();
-  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_erase_cpu", [&] {
-    const index_t* k = keys_c.data_ptr<index_t>();
+  const int64_t* skeys = slot_keys.mutable_data_ptr<int64_t>();
+  int64_t* srows = slot_rows.mutable_data_ptr<int64_t>();
+  int64_t* out = rows.mutable_data_ptr<int64_t>();
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_erase_cpu", [&] {
+    const index_t* k = keys_c.mutable_data_ptr<index_t>();
     // Every key is probed first, then the slots are marked: a concurrent mark never
     // changes another key's probe (a tombstone does not end a sequence), but keeping the
     // phases apart keeps the reads plain.
     std::vector<int64_t> slots(keys_c.numel());
-    at::parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         slots[i] = probe_slot(skeys, srows, slot_mask, static_cast<int64_t>(k[i]));
         out[i] = slots[i] < 0 ? kEmptySlotRow : srows[slots[i]];
       }
     });
-    at::parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if (slots[i] >= 0) srows[slots[i]] = kTombstoneRow;
       }
@@ -180,10 +180,10 @@ at::Tensor hash_table_erase_cpu(const at::Tensor& slot_keys, at::Tensor& slot_ro
   return rows;
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("hash_table_find", &hash_table_find_cpu);
-  m.impl("hash_table_erase_", &hash_table_erase_cpu);
-  m.impl("hash_table_insert_absent_", &hash_table_insert_absent_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("hash_table_find", TORCH_BOX(&hash_table_find_cpu));
+  m.impl("hash_table_erase_", TORCH_BOX(&hash_table_erase_cpu));
+  m.impl("hash_table_insert_absent_", TORCH_BOX(&hash_table_insert_absent_cpu));
 }
 
 }  // namespace sparsekit

@@ -1,10 +1,6 @@
 // key_seeded_uniform on the CPU: one row of uniform values per key, a pure function of
 // (seed, key, column), so a key gets the same initial vector on every rank and device.
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #include <algorithm>
 #include <optional>
@@ -20,21 +16,21 @@ namespace sparsekit {
 /// @param low, high bounds of the uniform distribution.
 /// @param dtype floating dtype of the result (float32 when absent).
 /// @return [N, dim] on the keys' device; row i depends only on (seed, keys[i]).
-at::Tensor key_seeded_uniform_cpu(const at::Tensor& keys, int64_t dim, int64_t seed, double low, double high,
-                                  std::optional<at::ScalarType> dtype) {
-  const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
+Tensor key_seeded_uniform_cpu(const Tensor& keys, int64_t dim, int64_t seed, double low, double high,
+                                  std::optional<ScalarType> dtype) {
+  const ScalarType out_dtype = dtype.value_or(kFloat);
   check_key_seeded_uniform_args(keys, dim, low, high, out_dtype);
-  const at::Tensor keys_contig = keys.contiguous();
+  const Tensor keys_contig = as_contiguous(keys);
   const int64_t n = keys_contig.numel();
-  at::Tensor out = at::empty({n, dim}, keys.options().dtype(out_dtype));
+  Tensor out = empty({n, dim}, out_dtype, keys.device());
   if (n == 0 || dim == 0) return out;
   const UniformRange range = make_uniform_range(low, high);
-  AT_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "key_seeded_uniform_cpu", [&] {
+  SK_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "key_seeded_uniform_cpu", [&] {
     const index_t* key_data = keys_contig.const_data_ptr<index_t>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "key_seeded_uniform_cpu", [&] {
+    SK_DISPATCH_FLOATING_TYPES(out_dtype, "key_seeded_uniform_cpu", [&] {
       scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
       const int64_t keys_per_task = std::max<int64_t>(1, 4096 / dim);
-      at::parallel_for(0, n, keys_per_task, [&](int64_t begin, int64_t end) {
+      parallel_for(0, n, keys_per_task, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const uint64_t state = key_seeded_state(static_cast<int64_t>(key_data[i]), seed);
           for (int64_t column = 0; column < dim; ++column) {
@@ -47,8 +43,8 @@ at::Tensor key_seeded_uniform_cpu(const at::Tensor& keys, int64_t dim, int64_t s
   return out;
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("key_seeded_uniform", &key_seeded_uniform_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("key_seeded_uniform", TORCH_BOX(&key_seeded_uniform_cpu));
 }
 
 }  // namespace sparsekit

@@ -3,10 +3,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -133,7 +130,7 @@ template <typename index_t>
 void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
   std::atomic<bool> bad{false};
   std::atomic<int64_t> bad_row{0};
-  at::parallel_for(0, num_rows_given, 1 << 14, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_rows_given, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = static_cast<int64_t>(rows[i]);
       if (row < 0 || row >= num_rows) {
@@ -143,7 +140,7 @@ void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t nu
       }
     }
   });
-  TORCH_CHECK(!bad.load(), lazy_adam_row_range_message(bad_row.load(), num_rows));
+  SK_CHECK(!bad.load(), lazy_adam_row_range_message(bad_row.load(), num_rows));
 }
 
 }  // namespace
@@ -154,34 +151,34 @@ void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t nu
 /// @param rows int64 or int32 [u], distinct row indices in [0, R) (distinctness is not checked).
 /// @param grad [u, ...] gradient rows with weight's dtype.
 /// @param step the step number after incrementing (>= 1), for the bias correction.
-void lazy_adam_cpu(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& rows,
-                   const at::Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
+void lazy_adam_cpu(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& rows,
+                   const Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
                    double weight_decay) {
   check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
   const int64_t num_updates = rows.size(0);
   const int64_t num_rows = weight.size(0);
   const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
-  const at::Tensor rows_c = rows.contiguous();
-  AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_check", [&] {
-    check_rows_in_range(rows_c.data_ptr<index_t>(), num_updates, num_rows);
+  const Tensor rows_c = as_contiguous(rows);
+  SK_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_check", [&] {
+    check_rows_in_range(rows_c.mutable_data_ptr<index_t>(), num_updates, num_rows);
   });
   if (num_updates == 0 || dim == 0) return;
-  const at::Tensor grad_c = grad.contiguous();
+  const Tensor grad_c = as_contiguous(grad);
   const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
   const bool use_weight_decay = weight_decay != 0.0;
   const int64_t row_bytes = dim * static_cast<int64_t>(weight.element_size());
   // About 64 KiB of each state tensor per task.
   const int64_t grain = std::max<int64_t>(1, 16384 / dim);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cpu", [&] {
+  SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "lazy_adam_cpu", [&] {
     using opmath_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto scalars = AdamScalars<opmath_t>::make(step_size, beta1, beta2, eps, weight_decay);
-    scalar_t* weight_ptr = weight.data_ptr<scalar_t>();
-    scalar_t* exp_avg_ptr = exp_avg.data_ptr<scalar_t>();
-    scalar_t* exp_avg_sq_ptr = exp_avg_sq.data_ptr<scalar_t>();
-    const scalar_t* grad_ptr = grad_c.data_ptr<scalar_t>();
-    AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_rows", [&] {
-      const index_t* rows_ptr = rows_c.data_ptr<index_t>();
-      at::parallel_for(0, num_updates, grain, [&](int64_t begin, int64_t end) {
+    scalar_t* weight_ptr = weight.mutable_data_ptr<scalar_t>();
+    scalar_t* exp_avg_ptr = exp_avg.mutable_data_ptr<scalar_t>();
+    scalar_t* exp_avg_sq_ptr = exp_avg_sq.mutable_data_ptr<scalar_t>();
+    const scalar_t* grad_ptr = grad_c.mutable_data_ptr<scalar_t>();
+    SK_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_rows", [&] {
+      const index_t* rows_ptr = rows_c.mutable_data_ptr<index_t>();
+      parallel_for(0, num_updates, grain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           if (i + kPrefetchRows < end) {
             const int64_t ahead = static_cast<int64_t>(rows_ptr[i + kPrefetchRows]) * dim;
@@ -196,8 +193,8 @@ void lazy_adam_cpu(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_
   });
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("lazy_adam_", &lazy_adam_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("lazy_adam_", TORCH_BOX(&lazy_adam_cpu));
 }
 
 }  // namespace sparsekit

@@ -1,19 +1,51 @@
 #pragma once
 // Work sharing of the CPU kernels.
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 
+#include "torch_api.h"
+
 namespace sparsekit {
+
+namespace detail {
+/// Depth of sparsekit's own parallel regions on this thread (the stable ABI has no
+/// at::in_parallel_region): a kernel called from inside one runs inline.
+inline thread_local int parallel_depth = 0;
+struct ParallelRegion {
+  ParallelRegion() { ++parallel_depth; }
+  ~ParallelRegion() { --parallel_depth; }
+};
+}  // namespace detail
+
+/// @brief True inside a sparsekit parallel region (parallel_for or parallel_chunks).
+inline bool in_parallel_region() { return detail::parallel_depth > 0; }
+
+/// @brief torch's intra-op thread count.
+inline int64_t num_threads() { return static_cast<int64_t>(torch::stable::get_num_threads()); }
+
+/// @brief at::parallel_for on the stable ABI: fn(begin, end) over [0, n) split into at most
+/// num_threads() ranges of at least `grain` items (inline when small or nested).
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  if (begin >= end) return;
+  if (end - begin <= grain || in_parallel_region() || num_threads() == 1) {
+    detail::ParallelRegion region;
+    fn(begin, end);
+    return;
+  }
+  torch::stable::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    detail::ParallelRegion region;
+    fn(b, e);
+  });
+}
 
 /// @brief The number of workers parallel_chunks_indexed uses for n items in chunks of
 /// `chunk`: 1 when it runs inline.
 inline int64_t chunk_workers(int64_t n, int64_t chunk) {
   const int64_t chunks = (n + std::max<int64_t>(chunk, 1) - 1) / std::max<int64_t>(chunk, 1);
-  if (chunks <= 1 || at::in_parallel_region()) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>(chunks, at::get_num_threads()));
+  if (chunks <= 1 || in_parallel_region()) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(chunks, num_threads()));
 }
 
 /// @brief Runs fn(worker, begin, end) over [0, n) in chunks of `chunk` items handed out
@@ -33,7 +65,7 @@ void parallel_chunks_indexed(int64_t n, int64_t chunk, const F& fn) {
     return;
   }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
+  parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
     for (int64_t worker = w_begin; worker < w_end; ++worker) {
       for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
            c = next.fetch_add(1, std::memory_order_relaxed)) {

@@ -4,14 +4,7 @@
 // an exclusive prefix over (owner, chunk) turns the counts into the first output slot
 // of every (chunk, owner) pair, and each chunk then scatters its keys in input order;
 // owner-major, chunk-minor slot order is what keeps the sort stable.
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #include <algorithm>
 #include <tuple>
@@ -30,12 +23,12 @@ template <typename key_t>
 void partition_keys(const key_t* keys, int64_t n, int64_t world_size, key_t* keys_by_owner,
                     int64_t* positions, int64_t* counts) {
   const int64_t num_chunks =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + kKeysPerChunk - 1) / kKeysPerChunk));
+      std::max<int64_t>(1, std::min<int64_t>(num_threads(), (n + kKeysPerChunk - 1) / kKeysPerChunk));
   auto chunk_begin = [&](int64_t chunk) { return chunk * n / num_chunks; };
   // next_slot[chunk * world_size + owner]: first a histogram, then the next free output slot.
   std::vector<int64_t> next_slot(num_chunks * world_size, 0);
 
-  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
+  parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
     for (int64_t chunk = first_chunk; chunk < last_chunk; ++chunk) {
       int64_t* histogram = next_slot.data() + chunk * world_size;
       for (int64_t i = chunk_begin(chunk); i < chunk_begin(chunk + 1); ++i) {
@@ -55,7 +48,7 @@ void partition_keys(const key_t* keys, int64_t n, int64_t world_size, key_t* key
     counts[owner] = slot - owner_start;
   }
 
-  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
+  parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
     for (int64_t chunk = first_chunk; chunk < last_chunk; ++chunk) {
       int64_t* chunk_slots = next_slot.data() + chunk * world_size;
       for (int64_t i = chunk_begin(chunk); i < chunk_begin(chunk + 1); ++i) {
@@ -75,20 +68,20 @@ void partition_keys(const key_t* keys, int64_t n, int64_t world_size, key_t* key
 /// @return keys_by_owner (keys' dtype, [N]: rank 0's keys first, each rank's in input
 ///   order), positions (int64 [N], keys_by_owner[positions[i]] == keys[i]) and counts
 ///   (int64 [world_size], keys per owner).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> partition_by_owner_cpu(const at::Tensor& keys,
+std::tuple<Tensor, Tensor, Tensor> partition_by_owner_cpu(const Tensor& keys,
                                                                       int64_t world_size) {
   check_partition_by_owner_args(keys, world_size);
-  const at::Tensor keys_contig = keys.contiguous();
+  const Tensor keys_contig = as_contiguous(keys);
   const int64_t n = keys_contig.numel();
-  at::Tensor counts = at::zeros({world_size}, keys.options().dtype(at::kLong));
+  Tensor counts = zeros({world_size}, kLong, keys.device());
   if (world_size == 1) {
-    counts.fill_(n);
-    return {keys_contig.clone(), at::arange(n, keys.options().dtype(at::kLong)), counts};
+    counts.mutable_data_ptr<int64_t>()[0] = n;
+    return {torch::stable::clone(keys_contig), arange_cpu(n), counts};
   }
-  at::Tensor keys_by_owner = at::empty_like(keys_contig);
-  at::Tensor positions = at::empty({n}, keys.options().dtype(at::kLong));
+  Tensor keys_by_owner = torch::stable::empty_like(keys_contig);
+  Tensor positions = empty({n}, kLong, keys.device());
   if (n == 0) return {keys_by_owner, positions, counts};
-  AT_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "partition_by_owner_cpu", [&] {
+  SK_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "partition_by_owner_cpu", [&] {
     partition_keys<index_t>(keys_contig.const_data_ptr<index_t>(), n, world_size,
                             keys_by_owner.mutable_data_ptr<index_t>(), positions.mutable_data_ptr<int64_t>(),
                             counts.mutable_data_ptr<int64_t>());
@@ -96,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition_by_owner_cpu(const at::
   return {keys_by_owner, positions, counts};
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("partition_by_owner", &partition_by_owner_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("partition_by_owner", TORCH_BOX(&partition_by_owner_cpu));
 }
 
 }  // namespace sparsekit

@@ -18,13 +18,7 @@
 //    prefetched a few rows ahead; the data with a non-temporal hint, so that the stream
 //    does not push the output out of the caches;
 //  - rows are added in fixed blocks of 16 lanes that the compiler turns into vector adds.
-#include <ATen/OpMathType.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -115,7 +109,7 @@ int64_t accumulate_unit(const scalar_t* data, const index_t* ids, int64_t n, int
 template <typename scalar_t, typename index_t>
 int64_t run_unit(const scalar_t* data, const index_t* ids, int64_t n, int64_t dim, int64_t seg_begin,
                  int64_t seg_end, int64_t col_begin, int64_t col_end, scalar_t* out) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
   if constexpr (std::is_same_v<acc_t, scalar_t>) {
     return accumulate_unit<scalar_t, acc_t, index_t>(data, ids, n, dim, seg_begin, seg_end, col_begin, col_end,
                                                      out + seg_begin * dim + col_begin, dim);
@@ -156,29 +150,29 @@ std::vector<int64_t> balanced_segment_edges(const index_t* ids, int64_t n, int64
   return edges;
 }
 
-at::Tensor segment_sum_cpu(const at::Tensor& data_in, const at::Tensor& ids_in, int64_t num_segments,
+Tensor segment_sum_cpu(const Tensor& data_in, const Tensor& ids_in, int64_t num_segments,
                            bool /*deterministic: always true on the CPU*/) {
   check_segment_sum_args(data_in, ids_in, num_segments);
-  TORCH_CHECK(data_in.device().is_cpu(), "segment_sum: expected CPU tensors, got ", data_in.device());
-  const at::Tensor data = data_in.contiguous();
-  const at::Tensor ids = ids_in.contiguous();
+  SK_CHECK(data_in.device().is_cpu(), "segment_sum: expected CPU tensors, got ", data_in.device());
+  const Tensor data = as_contiguous(data_in);
+  const Tensor ids = as_contiguous(ids_in);
   const int64_t n = data.size(0);
   const int64_t dim = n > 0 ? data.numel() / n : 1;
   std::vector<int64_t> out_shape = data.sizes().vec();
   out_shape[0] = num_segments;
-  at::Tensor out = at::zeros(out_shape, data.options());
+  Tensor out = zeros(out_shape, data.scalar_type(), data.device());
   if (n == 0) return out;
 
-  AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "segment_sum_cpu_ids", [&] {
-    const index_t* id_ptr = ids.data_ptr<index_t>();
+  SK_DISPATCH_INDEX_TYPES(ids.scalar_type(), "segment_sum_cpu_ids", [&] {
+    const index_t* id_ptr = ids.mutable_data_ptr<index_t>();
     if (dim == 0 || num_segments == 0) {
       // No unit runs, so the ids are checked here.
       const int64_t max_id = *std::max_element(id_ptr, id_ptr + n);
-      TORCH_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments));
+      SK_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments));
       return;
     }
 
-    const int64_t threads = n * dim < (1 << 15) ? 1 : at::get_num_threads();
+    const int64_t threads = n * dim < (1 << 15) ? 1 : num_threads();
     const std::vector<int64_t> seg_edges =
         threads == 1 ? std::vector<int64_t>{0, num_segments}
                      : balanced_segment_edges(id_ptr, n, num_segments, threads);
@@ -190,10 +184,10 @@ at::Tensor segment_sum_cpu(const at::Tensor& data_in, const at::Tensor& ids_in, 
     const int64_t units = col_blocks * seg_ranges;
 
     std::vector<int64_t> max_ids(units, -1);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "segment_sum_cpu", [&] {
-      const scalar_t* data_ptr = data.data_ptr<scalar_t>();
-      scalar_t* out_ptr = out.data_ptr<scalar_t>();
-      at::parallel_for(0, units, 1, [&](int64_t u_begin, int64_t u_end) {
+    SK_DISPATCH_FLOATING_TYPES(data.scalar_type(), "segment_sum_cpu", [&] {
+      const scalar_t* data_ptr = data.mutable_data_ptr<scalar_t>();
+      scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
+      parallel_for(0, units, 1, [&](int64_t u_begin, int64_t u_end) {
         for (int64_t u = u_begin; u < u_end; ++u) {
           const int64_t cb = u % col_blocks, sr = u / col_blocks;
           max_ids[u] = run_unit<scalar_t, index_t>(data_ptr, id_ptr, n, dim, seg_edges[sr], seg_edges[sr + 1],
@@ -202,15 +196,15 @@ at::Tensor segment_sum_cpu(const at::Tensor& data_in, const at::Tensor& ids_in, 
       });
     });
     const int64_t max_id = *std::max_element(max_ids.begin(), max_ids.end());
-    TORCH_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments));
+    SK_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments));
   });
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("segment_sum", &segment_sum_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("segment_sum", TORCH_BOX(&segment_sum_cpu));
 }
 
 }  // namespace sparsekit

@@ -11,10 +11,7 @@
 #include <limits>
 #include <vector>
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #include "select.h"
 
@@ -35,13 +32,13 @@ struct Chunks {
   int64_t entry(int64_t p) const { return list == nullptr ? p : list[p]; }
 
   static Chunks over(int64_t n, const int64_t* list) {
-    return {n, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, (n + kSelectGrain - 1) / kSelectGrain)),
+    return {n, std::max<int64_t>(1, std::min<int64_t>(num_threads() * 4, (n + kSelectGrain - 1) / kSelectGrain)),
             list};
   }
 
   template <typename F>
   void each(const F& f) const {
-    at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
+    parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
       for (int64_t chunk = first; chunk < last; ++chunk) f(chunk, begin(chunk), begin(chunk + 1));
     });
   }
@@ -68,18 +65,18 @@ std::vector<int64_t> join(std::vector<std::vector<int64_t>>& parts) {
 /// @param eligible bool [n]: only these entries may be chosen.
 /// @param k how many to choose; at most the number of eligible entries.
 /// @return int64 [k], ascending.
-at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligible, int64_t k) {
+Tensor select_smallest_cpu(const std::vector<Tensor>& columns, const Tensor& eligible, int64_t k) {
   check_select_args(columns, eligible, k);
   const int64_t n = eligible.size(0);
-  std::vector<at::Tensor> columns_c;
+  std::vector<Tensor> columns_c;
   SelectColumns cols{};
   cols.num_columns = static_cast<int>(columns.size());
   for (size_t c = 0; c < columns.size(); ++c) {
-    columns_c.push_back(columns[c].contiguous());
-    cols.data[c] = columns_c.back().data_ptr<int64_t>();
+    columns_c.push_back(as_contiguous(columns[c]));
+    cols.data[c] = columns_c.back().mutable_data_ptr<int64_t>();
   }
-  const at::Tensor eligible_c = eligible.contiguous();
-  const bool* ok = eligible_c.data_ptr<bool>();
+  const Tensor eligible_c = as_contiguous(eligible);
+  const bool* ok = eligible_c.mutable_data_ptr<bool>();
 
   // First pass: the eligible count, and column 0's extremes over the eligible entries
   // (the whole first bucket).
@@ -113,9 +110,9 @@ at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligibl
     lo = std::min(lo, extremes[2 * chunk]);
     hi = std::max(hi, extremes[2 * chunk + 1]);
   }
-  TORCH_CHECK(k <= num_eligible, "select_smallest: k=", k, " but only ", num_eligible, " of ", n,
+  SK_CHECK(k <= num_eligible, "select_smallest: k=", k, " but only ", num_eligible, " of ", n,
               " entries are eligible");
-  at::Tensor out = at::empty({k}, eligible.options().dtype(at::kLong));
+  Tensor out = empty({k}, kLong, eligible.device());
   if (k == 0) return out;
 
   SelectState state;
@@ -175,7 +172,7 @@ at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligibl
       const int shift = 64 - pass.nbits - bits;
       if (digits.empty()) digits.resize(n);
       // One histogram per thread-sized chunk (fewer than the other passes: 2^16 bins each).
-      const Chunks wide{chunks.n, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks.count)),
+      const Chunks wide{chunks.n, std::max<int64_t>(1, std::min<int64_t>(num_threads(), chunks.count)),
                         chunks.list};
       if (make_list) parts.resize(wide.count);
       histograms.assign(wide.count * bins, 0);
@@ -191,7 +188,7 @@ at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligibl
         }
       });
       totals.assign(bins, 0);
-      at::parallel_for(0, bins, 4096, [&](int64_t first, int64_t last) {
+      parallel_for(0, bins, 4096, [&](int64_t first, int64_t last) {
         for (int64_t b = first; b < last; ++b) {
           int64_t total = 0;
           for (int64_t chunk = 0; chunk < wide.count; ++chunk) total += histograms[chunk * bins + b];
@@ -227,8 +224,8 @@ at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligibl
     taken += take[chunk];
     offsets[chunk + 1] = offsets[chunk] + static_cast<int64_t>(less[chunk].size()) + take[chunk];
   }
-  TORCH_INTERNAL_ASSERT(offsets[all.count] == k, "select_smallest: chose ", offsets[all.count], " of ", k);
-  int64_t* out_ptr = out.data_ptr<int64_t>();
+  SK_CHECK(offsets[all.count] == k, "select_smallest: chose ", offsets[all.count], " of ", k);
+  int64_t* out_ptr = out.mutable_data_ptr<int64_t>();
   all.each([&](int64_t chunk, int64_t, int64_t) {
     // Merge the chunk's less entries and its taken bucket entries in index order.
     const auto& a = less[chunk];
@@ -238,8 +235,8 @@ at::Tensor select_smallest_cpu(at::TensorList columns, const at::Tensor& eligibl
   return out;
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("select_smallest", &select_smallest_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("select_smallest", TORCH_BOX(&select_smallest_cpu));
 }
 
 }  // namespace sparsekit

@@ -20,11 +20,7 @@
 // thread, and every parallel pass handed out in pieces (parallel.h), keep a thread whose
 // core is busy with other work from holding up the call: it delays one piece, not a
 // 1/threads share of everything.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "cpu/parallel.h"
 
 #include <algorithm>
 #include <array>
@@ -267,7 +263,7 @@ class LocalTable {
   void allocate(int64_t num_slots) {
     // calloc: zeroed (all free) pages straight from the OS, no fill pass.
     slots_.reset(static_cast<slot_t*>(std::calloc(num_slots, sizeof(slot_t))));
-    TORCH_CHECK(slots_ != nullptr, "unique: out of memory for a table of ", num_slots, " slots");
+    SK_CHECK(slots_ != nullptr, "unique: out of memory for a table of ", num_slots, " slots");
     num_slots_ = num_slots;
     mask_ = static_cast<uint64_t>(num_slots) - 1;
   }
@@ -439,9 +435,9 @@ class KeyRanges {
 };
 
 template <typename key_t, typename id_t>
-void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_t* inverse, at::Tensor& counts) {
+void unique_kernel(const key_t* keys, int64_t n, Tensor& unique_keys, int64_t* inverse, Tensor& counts) {
   using table_t = LocalTable<key_t, id_t>;
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t threads = in_parallel_region() ? 1 : num_threads();
   const int64_t num_initial = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinChunk));
   KeyRanges work(n, num_initial);
 
@@ -489,7 +485,7 @@ void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_
     table_t& table = *tables[0];
     probe_each(table, keys, n, [&](int64_t i, uint64_t hash) { inverse[i] = table.add(keys[i], hash, 1); });
   } else {
-    at::parallel_for(0, num_initial, 1, [&](int64_t, int64_t) {
+    parallel_for(0, num_initial, 1, [&](int64_t, int64_t) {
       for (int64_t r = work.take(); r >= 0; r = work.take()) {
         const KeyRanges::Range range = work.range(r);
         tables[r] = std::make_unique<table_t>(expected_for(r, range.end - range.begin));
@@ -517,10 +513,10 @@ void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_
   }
 
   const int64_t num_unique = global.size();
-  unique_keys = at::empty({num_unique}, unique_keys.options());
-  counts = at::empty({num_unique}, counts.options());
-  std::memcpy(unique_keys.data_ptr<key_t>(), global.keys().data(), num_unique * sizeof(key_t));
-  int64_t* out_counts = counts.data_ptr<int64_t>();
+  unique_keys = empty({num_unique}, unique_keys.scalar_type(), unique_keys.device());
+  counts = empty({num_unique}, counts.scalar_type(), counts.device());
+  std::memcpy(unique_keys.mutable_data_ptr<key_t>(), global.keys().data(), num_unique * sizeof(key_t));
+  int64_t* out_counts = counts.mutable_data_ptr<int64_t>();
   parallel_chunks(global.num_slots(), kScanGrain, [&](int64_t begin, int64_t end) {
     global.write_counts(begin, end, out_counts);
   });
@@ -540,23 +536,23 @@ void unique_kernel(const key_t* keys, int64_t n, at::Tensor& unique_keys, int64_
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> unique_cpu(const at::Tensor& keys_in) {
+std::tuple<Tensor, Tensor, Tensor> unique_cpu(const Tensor& keys_in) {
   check_key_tensor(keys_in, "unique", "keys");
-  TORCH_CHECK(keys_in.device().is_cpu(), "unique: expected a CPU tensor, got ", keys_in.device());
-  const at::Tensor keys = keys_in.contiguous();
+  SK_CHECK(keys_in.device().is_cpu(), "unique: expected a CPU tensor, got ", keys_in.device());
+  const Tensor keys = as_contiguous(keys_in);
   const int64_t n = keys.numel();
-  at::Tensor unique_keys = at::empty({0}, keys.options());
-  at::Tensor inverse = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
-  at::Tensor counts = at::empty({0}, keys.options().dtype(at::kLong));
+  Tensor unique_keys = empty({0}, keys.scalar_type(), keys.device());
+  Tensor inverse = empty(keys.sizes(), kLong, keys.device());
+  Tensor counts = empty({0}, kLong, keys.device());
   if (n == 0) return {unique_keys, inverse, counts};
-  int64_t* inv = inverse.data_ptr<int64_t>();
-  AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "unique_cpu", [&] {
+  int64_t* inv = inverse.mutable_data_ptr<int64_t>();
+  SK_DISPATCH_INDEX_TYPES(keys.scalar_type(), "unique_cpu", [&] {
     using key_t = index_t;
     // 32-bit ids and counts halve the slot; they hold any id and count below 2^31.
     if (n < (int64_t{1} << 31)) {
-      unique_kernel<key_t, int32_t>(keys.data_ptr<key_t>(), n, unique_keys, inv, counts);
+      unique_kernel<key_t, int32_t>(keys.mutable_data_ptr<key_t>(), n, unique_keys, inv, counts);
     } else {
-      unique_kernel<key_t, int64_t>(keys.data_ptr<key_t>(), n, unique_keys, inv, counts);
+      unique_kernel<key_t, int64_t>(keys.mutable_data_ptr<key_t>(), n, unique_keys, inv, counts);
     }
   });
   return {unique_keys, inverse, counts};
@@ -564,8 +560,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> unique_cpu(const at::Tensor& keys
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
-  m.impl("unique", &unique_cpu);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("unique", TORCH_BOX(&unique_cpu));
 }
 
 }  // namespace sparsekit

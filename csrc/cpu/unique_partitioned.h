@@ -24,9 +24,7 @@
 // pieces (parallel.h). The entries (16 bytes per key) are scratch memory that the calling
 // thread keeps between calls (up to kMaxKeptScratch), as are the workers' bucket tables:
 // a fresh allocation of that size costs a page fault per 4 KiB, about as much as the work.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -58,7 +56,7 @@ class Scratch {
     if (bytes > size_) {
       std::free(data_);
       data_ = std::malloc(bytes);
-      TORCH_CHECK(data_ != nullptr, "unique: out of memory for ", bytes, " bytes of scratch");
+      SK_CHECK(data_ != nullptr, "unique: out of memory for ", bytes, " bytes of scratch");
       size_ = bytes;
     }
     return data_;
@@ -170,15 +168,15 @@ void dedup_bucket(Entry<key_t>* entries, int64_t m, int64_t guess, BucketTable<k
 /// @brief unique of keys[0, n) (n < 2^31) with about `expected_distinct` distinct keys;
 /// fills unique_keys, counts (allocated here) and inverse.
 template <typename key_t>
-void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct, at::Tensor& unique_keys,
-                        int64_t* inverse, at::Tensor& counts) {
+void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct, Tensor& unique_keys,
+                        int64_t* inverse, Tensor& counts) {
   int bits = 1;
   while (bits < kMaxBucketBits && (n >> bits) > kBucketKeys) ++bits;
   const int64_t num_buckets = int64_t{1} << bits;
   auto bucket_of = [bits](key_t key) -> int64_t {
     return static_cast<int64_t>(mix_key(static_cast<int64_t>(key)) >> (64 - bits));
   };
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t threads = in_parallel_region() ? 1 : num_threads();
   // Blocks of a power-of-two length: a position's block is a shift away.
   const int64_t wanted_blocks = std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, threads * kBlocksPerThread));
   int block_shift = 0;
@@ -247,10 +245,10 @@ void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct,
 
   // D: ids of the first occurrences, in position order; the others note where theirs is.
   const int64_t num_unique = first_id[num_blocks];
-  unique_keys = at::empty({num_unique}, unique_keys.options());
-  counts = at::empty({num_unique}, counts.options());
-  key_t* out_keys = unique_keys.data_ptr<key_t>();
-  int64_t* out_counts = counts.data_ptr<int64_t>();
+  unique_keys = empty({num_unique}, unique_keys.scalar_type(), unique_keys.device());
+  counts = empty({num_unique}, counts.scalar_type(), counts.device());
+  key_t* out_keys = unique_keys.mutable_data_ptr<key_t>();
+  int64_t* out_counts = counts.mutable_data_ptr<int64_t>();
   parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
     std::vector<int64_t> next(num_buckets);
     for (int64_t b = b_begin; b < b_end; ++b) {

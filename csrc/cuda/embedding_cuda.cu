@@ -19,17 +19,7 @@
 // atomicMin in a small device buffer (so the positions do not depend on scheduling),
 // skips them, and the host reads that buffer once after the launches and raises the same
 // TORCH_CHECK error as the CPU kernel. That read is the one host synchronisation of these ops.
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -390,7 +380,7 @@ __global__ void embedding_gather_kernel(const scalar_t* __restrict__ weight, int
 /// Elements per 16-byte packet when the dim, the row stride and both base pointers allow
 /// aligned 16-byte accesses; 1 otherwise (a view such as big[:, 1:33] takes that path).
 template <typename scalar_t>
-int packet_width(const at::Tensor& weight, const at::Tensor& out) {
+int packet_width(const Tensor& weight, const Tensor& out) {
   constexpr int kWide = 16 / sizeof(scalar_t);
   const bool aligned = weight.size(1) % kWide == 0 && weight.stride(0) % kWide == 0 &&
                        reinterpret_cast<uintptr_t>(weight.const_data_ptr()) % 16 == 0 &&
@@ -413,18 +403,18 @@ int64_t grid_for(int64_t items, int group_log2) {
 }
 
 /// The error buffer: [first bad bag, first bad lookup], both kNoBadPosition until set.
-at::Tensor new_error_buffer(const at::Tensor& like) {
-  return at::full({2}, kNoBadPosition, like.options().dtype(at::kLong));
+Tensor new_error_buffer(const Tensor& like) {
+  return full_long_cuda(2, kNoBadPosition, like);
 }
 
-unsigned long long* error_slots(at::Tensor& error) {
+unsigned long long* error_slots(Tensor& error) {
   return reinterpret_cast<unsigned long long*>(error.mutable_data_ptr<int64_t>());
 }
 
 template <typename scalar_t, typename index_t>
-BagArgs<scalar_t, index_t> bag_args(const at::Tensor& weight, const at::Tensor& rows, const at::Tensor& offsets,
-                                    int64_t bags, int64_t padding_row, const at::Tensor& per_sample_weights,
-                                    at::Tensor& error) {
+BagArgs<scalar_t, index_t> bag_args(const Tensor& weight, const Tensor& rows, const Tensor& offsets,
+                                    int64_t bags, int64_t padding_row, const Tensor& per_sample_weights,
+                                    Tensor& error) {
   return BagArgs<scalar_t, index_t>{
       weight.const_data_ptr<scalar_t>(),
       weight.stride(0),
@@ -442,17 +432,17 @@ BagArgs<scalar_t, index_t> bag_args(const at::Tensor& weight, const at::Tensor& 
 
 }  // namespace
 
-at::Tensor embedding_bag_cuda(const at::Tensor& weight_in, const at::Tensor& rows_in, const at::Tensor& offsets_in,
-                              const c10::optional<at::Tensor>& per_sample_weights_in, c10::string_view mode,
-                              c10::optional<int64_t> padding_idx, bool include_last_offset) {
+Tensor embedding_bag_cuda(const Tensor& weight_in, const Tensor& rows_in, const Tensor& offsets_in,
+                              const std::optional<Tensor>& per_sample_weights_in, std::string mode,
+                              std::optional<int64_t> padding_idx, bool include_last_offset) {
   const BagMode bag_mode = parse_bag_mode(mode);
-  c10::cuda::CUDAGuard guard(weight_in.device());
+  DeviceGuard guard(weight_in.get_device_index());
   const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, per_sample_weights_in, bag_mode,
                                           padding_idx, include_last_offset);
-  const at::Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
-  const at::Tensor& per_sample_weights = in.per_sample_weights;
+  const Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
+  const Tensor& per_sample_weights = in.per_sample_weights;
   const int64_t nnz = in.nnz, bags = in.bags, dim = in.dim, padding_row = in.padding_row;
-  at::Tensor out = at::empty({bags, dim}, weight.options());
+  Tensor out = empty({bags, dim}, weight.scalar_type(), weight.device());
   if (bags == 0) {
     check_offsets_without_bags(offsets, nnz, include_last_offset);
     return out;
@@ -462,10 +452,10 @@ at::Tensor embedding_bag_cuda(const at::Tensor& weight_in, const at::Tensor& row
   // Chunks of the flat lookups; only sum/mean split long bags, and only a batch longer
   // than one chunk can hold one.
   const int64_t chunks = !max && nnz > kChunk ? (nnz + kChunk - 1) / kChunk : 0;
-  at::Tensor error = new_error_buffer(weight);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_bag_cuda", [&] {
-    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_cuda_rows", [&] {
+  Tensor error = new_error_buffer(weight);
+  const cudaStream_t stream = current_stream(weight);
+  SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "embedding_bag_cuda", [&] {
+    SK_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_cuda_rows", [&] {
       using acc = acc_t<scalar_t>;
       const auto args = bag_args<scalar_t, index_t>(weight, rows, offsets, bags, padding_row, per_sample_weights,
                                                     error);
@@ -476,7 +466,7 @@ at::Tensor embedding_bag_cuda(const at::Tensor& weight_in, const at::Tensor& row
       constexpr int kWide = 16 / sizeof(scalar_t);
       auto launch_bags = [&](auto kernel) {
         kernel<<<grid_for(bags, group_log2), kThreadsPerBlock, 0, stream>>>(args, mean, out_ptr, group_log2);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        SK_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (max) {
         vec == kWide ? launch_bags(embedding_bag_kernel<scalar_t, index_t, kWide, false, true>)
@@ -489,17 +479,17 @@ at::Tensor embedding_bag_cuda(const at::Tensor& weight_in, const at::Tensor& row
                  : launch_bags(embedding_bag_kernel<scalar_t, index_t, 1, false, false>);
       }
       if (chunks == 0) return;
-      const auto acc_dtype = c10::CppTypeToScalarType<acc>::value;
-      const at::Tensor partial = at::empty({chunks * 2, dim}, weight.options().dtype(acc_dtype));
-      const at::Tensor partial_weight = at::empty({chunks * 2}, partial.options());
-      const at::Tensor partial_valid = at::empty({chunks * 2}, weight.options().dtype(at::kLong));
+      const auto acc_dtype = scalar_type_of<acc>();
+      const Tensor partial = empty({chunks * 2, dim}, acc_dtype, weight.device());
+      const Tensor partial_weight = empty({chunks * 2}, partial.scalar_type(), partial.device());
+      const Tensor partial_valid = empty({chunks * 2}, kLong, weight.device());
       acc* partial_ptr = static_cast<acc*>(partial.data_ptr());
       acc* partial_weight_ptr = static_cast<acc*>(partial_weight.data_ptr());
       int64_t* partial_valid_ptr = partial_valid.mutable_data_ptr<int64_t>();
       auto launch_pieces = [&](auto kernel) {
         kernel<<<grid_for(chunks * 2, group_log2), kThreadsPerBlock, 0, stream>>>(
             args, chunks, partial_ptr, partial_valid_ptr, partial_weight_ptr, group_log2);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        SK_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (vec == kWide) {
         weighted ? launch_pieces(long_bag_pieces_kernel<scalar_t, index_t, kWide, true>)
@@ -511,64 +501,64 @@ at::Tensor embedding_bag_cuda(const at::Tensor& weight_in, const at::Tensor& row
       auto launch_combine = [&](auto kernel) {
         kernel<<<grid_for(chunks, group_log2), kThreadsPerBlock, 0, stream>>>(
             args, chunks, mean, partial_ptr, partial_valid_ptr, partial_weight_ptr, out_ptr, group_log2);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        SK_CUDA_KERNEL_LAUNCH_CHECK();
       };
       weighted ? launch_combine(long_bag_combine_kernel<scalar_t, index_t, true>)
                : launch_combine(long_bag_combine_kernel<scalar_t, index_t, false>);
     });
   });
   // The one host sync of the op (the error path reads a few more entries).
-  const at::Tensor first_bad = error.cpu();
-  raise_first_bag_error(first_bad[0].item<int64_t>(), first_bad[1].item<int64_t>(), offsets, rows, bags,
+  const Tensor first_bad = cpu(error);
+  raise_first_bag_error(first_bad.const_data_ptr<int64_t>()[0], first_bad.const_data_ptr<int64_t>()[1], offsets, rows, bags,
                         weight.size(0), include_last_offset);
   return out;
 }
 
-at::Tensor embedding_bag_argmax_cuda(const at::Tensor& weight_in, const at::Tensor& rows_in,
-                                     const at::Tensor& offsets_in, c10::optional<int64_t> padding_idx,
+Tensor embedding_bag_argmax_cuda(const Tensor& weight_in, const Tensor& rows_in,
+                                     const Tensor& offsets_in, std::optional<int64_t> padding_idx,
                                      bool include_last_offset) {
-  c10::cuda::CUDAGuard guard(weight_in.device());
-  const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, c10::nullopt, BagMode::kMax,
+  DeviceGuard guard(weight_in.get_device_index());
+  const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, std::nullopt, BagMode::kMax,
                                           padding_idx, include_last_offset);
-  const at::Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
+  const Tensor &weight = in.weight, &rows = in.rows, &offsets = in.offsets;
   const int64_t nnz = in.nnz, bags = in.bags, dim = in.dim, padding_row = in.padding_row;
-  at::Tensor positions = at::empty({bags, dim}, rows.options().dtype(at::kLong));
+  Tensor positions = empty({bags, dim}, kLong, rows.device());
   if (bags == 0) {
     check_offsets_without_bags(offsets, nnz, include_last_offset);
     return positions;
   }
-  at::Tensor error = new_error_buffer(weight);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_bag_argmax_cuda", [&] {
-    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_argmax_cuda_rows", [&] {
-      const auto args = bag_args<scalar_t, index_t>(weight, rows, offsets, bags, padding_row, at::Tensor(), error);
+  Tensor error = new_error_buffer(weight);
+  const cudaStream_t stream = current_stream(weight);
+  SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "embedding_bag_argmax_cuda", [&] {
+    SK_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_argmax_cuda_rows", [&] {
+      const auto args = bag_args<scalar_t, index_t>(weight, rows, offsets, bags, padding_row, Tensor(), error);
       const int group_log2 = group_log2_for(std::max<int64_t>(dim, 1));
       embedding_bag_argmax_kernel<scalar_t, index_t><<<grid_for(bags, group_log2), kThreadsPerBlock, 0, stream>>>(
           args, positions.mutable_data_ptr<int64_t>(), group_log2);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      SK_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  const at::Tensor first_bad = error.cpu();  // the one host sync
-  raise_first_bag_error(first_bad[0].item<int64_t>(), first_bad[1].item<int64_t>(), offsets, rows, bags,
+  const Tensor first_bad = cpu(error);  // the one host sync
+  raise_first_bag_error(first_bad.const_data_ptr<int64_t>()[0], first_bad.const_data_ptr<int64_t>()[1], offsets, rows, bags,
                         weight.size(0), include_last_offset);
   return positions;
 }
 
-at::Tensor embedding_gather_cuda(const at::Tensor& weight_in, const at::Tensor& rows_in) {
+Tensor embedding_gather_cuda(const Tensor& weight_in, const Tensor& rows_in) {
   check_embedding_gather_args(weight_in, rows_in);
-  c10::cuda::CUDAGuard guard(weight_in.device());
-  const at::Tensor weight = rows_stride_ready(weight_in);
-  const at::Tensor rows = rows_in.contiguous();
+  DeviceGuard guard(weight_in.get_device_index());
+  const Tensor weight = rows_stride_ready(weight_in);
+  const Tensor rows = as_contiguous(rows_in);
   const int64_t n = rows.numel();
   const int64_t dim = weight.size(1);
   std::vector<int64_t> out_shape(rows.sizes().begin(), rows.sizes().end());
   out_shape.push_back(dim);
-  at::Tensor out = at::empty(out_shape, weight.options());
+  Tensor out = empty(out_shape, weight.scalar_type(), weight.device());
   if (n == 0) return out;
-  at::Tensor error = new_error_buffer(weight);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "embedding_gather_cuda", [&] {
-    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_gather_cuda_rows", [&] {
+  Tensor error = new_error_buffer(weight);
+  const cudaStream_t stream = current_stream(weight);
+  SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "embedding_gather_cuda", [&] {
+    SK_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_gather_cuda_rows", [&] {
       const int vec = packet_width<scalar_t>(weight, out);
       const int group_log2 = group_log2_for(std::max<int64_t>(dim / vec, 1));
       const int64_t grid = grid_for(n, group_log2);
@@ -577,7 +567,7 @@ at::Tensor embedding_gather_cuda(const at::Tensor& weight_in, const at::Tensor& 
                                                       weight.size(0), dim, rows.const_data_ptr<index_t>(), n,
                                                       out.mutable_data_ptr<scalar_t>(), group_log2,
                                                       error_slots(error));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        SK_CUDA_KERNEL_LAUNCH_CHECK();
       };
       constexpr int kWide = 16 / sizeof(scalar_t);
       if (vec == kWide) {
@@ -587,15 +577,15 @@ at::Tensor embedding_gather_cuda(const at::Tensor& weight_in, const at::Tensor& 
       }
     });
   });
-  const at::Tensor first_bad = error.cpu();  // the one host sync
-  raise_first_gather_error(first_bad[1].item<int64_t>(), rows, weight.size(0));
+  const Tensor first_bad = cpu(error);  // the one host sync
+  raise_first_gather_error(first_bad.const_data_ptr<int64_t>()[1], rows, weight.size(0));
   return out;
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("embedding_bag", &embedding_bag_cuda);
-  m.impl("embedding_bag_argmax", &embedding_bag_argmax_cuda);
-  m.impl("embedding_gather", &embedding_gather_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("embedding_bag", TORCH_BOX(&embedding_bag_cuda));
+  m.impl("embedding_bag_argmax", TORCH_BOX(&embedding_bag_argmax_cuda));
+  m.impl("embedding_gather", TORCH_BOX(&embedding_gather_cuda));
 }
 
 }  // namespace sparsekit

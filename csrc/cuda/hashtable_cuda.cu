@@ -1,10 +1,5 @@
 // CUDA kernels of the open-addressing hash table (layout in csrc/hashtable.h).
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include "hashtable.h"
 
@@ -95,6 +90,28 @@ __global__ void mark_tombstones_kernel(const int64_t* __restrict__ slot_keys, in
   }
 }
 
+__global__ void count_occupied_kernel(const int64_t* __restrict__ slot_rows, int64_t num_slots,
+                                      unsigned long long* __restrict__ count) {
+  unsigned long long mine = 0;
+  for (int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; s < num_slots;
+       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    mine += slot_rows[s] >= 0;
+  }
+  if (mine) atomicAdd(count, mine);
+}
+
+/// @brief The number of occupied slots (rows >= 0), on the host: a sync.
+int64_t count_occupied(const Tensor& slot_rows) {
+  const int64_t num_slots = slot_rows.size(0);
+  Tensor count = zeros({1}, kLong, slot_rows.device());
+  const cudaStream_t stream = current_stream(slot_rows);
+  count_occupied_kernel<<<std::min<int64_t>(blocks_for(num_slots), 1024), kThreads, 0, stream>>>(
+      slot_rows.const_data_ptr<int64_t>(), num_slots,
+      reinterpret_cast<unsigned long long*>(count.mutable_data_ptr<int64_t>()));
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
+  return *cpu(count).const_data_ptr<int64_t>();
+}
+
 }  // namespace
 
 /// @brief Looks keys up in the table (no host sync).
@@ -102,20 +119,20 @@ __global__ void mark_tombstones_kernel(const int64_t* __restrict__ slot_keys, in
 /// @param slot_rows int64[S], the row of each slot, -1 where empty.
 /// @param keys int64 or int32 keys of any shape.
 /// @return int64 rows with keys' shape, -1 where a key is absent.
-at::Tensor hash_table_find_cuda(const at::Tensor& slot_keys, const at::Tensor& slot_rows, const at::Tensor& keys) {
+Tensor hash_table_find_cuda(const Tensor& slot_keys, const Tensor& slot_rows, const Tensor& keys) {
   check_hash_table_find_args(slot_keys, slot_rows, keys);
-  const c10::cuda::CUDAGuard device_guard(keys.device());
-  const at::Tensor keys_c = keys.contiguous();
-  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const DeviceGuard device_guard(keys.get_device_index());
+  const Tensor keys_c = as_contiguous(keys);
+  Tensor rows = empty(keys.sizes(), kLong, keys.device());
   const int64_t num_keys = keys_c.numel();
   if (num_keys == 0) return rows;
   const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_find_cuda", [&] {
+  const cudaStream_t stream = current_stream(keys);
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_find_cuda", [&] {
     find_kernel<index_t><<<blocks_for(num_keys), kThreads, 0, stream>>>(
-        slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask, keys_c.data_ptr<index_t>(),
-        rows.data_ptr<int64_t>(), num_keys);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        slot_keys.mutable_data_ptr<int64_t>(), slot_rows.mutable_data_ptr<int64_t>(), slot_mask, keys_c.mutable_data_ptr<index_t>(),
+        rows.mutable_data_ptr<int64_t>(), num_keys);
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return rows;
 }
@@ -132,32 +149,32 @@ at::Tensor hash_table_find_cuda(const at::Tensor& slot_keys, const at::Tensor& s
 /// @param keys int64 or int32 keys, distinct and absent from the table (not checked).
 /// @param rows int64 rows (>= 0), one per key.
 /// @param num_occupied occupied slots when the caller knows them; None: counted here.
-void hash_table_insert_absent_cuda(at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys,
-                                   const at::Tensor& rows, c10::optional<int64_t> num_occupied) {
+void hash_table_insert_absent_cuda(Tensor& slot_keys, Tensor& slot_rows, const Tensor& keys,
+                                   const Tensor& rows, std::optional<int64_t> num_occupied) {
   check_hash_table_insert_args(slot_keys, slot_rows, keys, rows);
-  const c10::cuda::CUDAGuard device_guard(keys.device());
-  const at::Tensor keys_c = keys.contiguous();
-  const at::Tensor rows_c = rows.contiguous();
+  const DeviceGuard device_guard(keys.get_device_index());
+  const Tensor keys_c = as_contiguous(keys);
+  const Tensor rows_c = as_contiguous(rows);
   const int64_t num_keys = keys_c.numel();
   if (num_keys == 0) return;
   const bool checked = !num_occupied.has_value();
   // Host sync (only without num_occupied): the count of occupied slots.
-  if (checked) num_occupied = slot_rows.ge(0).sum().item<int64_t>();
+  if (checked) num_occupied = count_occupied(slot_rows);
   check_hash_insert_fits(*num_occupied, num_keys, slot_rows.size(0));
-  at::Tensor error = at::zeros({1}, keys.options().dtype(at::kInt));
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  Tensor error = zeros({1}, kInt, keys.device());
+  const cudaStream_t stream = current_stream(keys);
   const int64_t blocks = blocks_for(num_keys);
-  check_rows_kernel<<<blocks, kThreads, 0, stream>>>(rows_c.data_ptr<int64_t>(), num_keys, error.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  AT_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_insert_absent_cuda", [&] {
+  check_rows_kernel<<<blocks, kThreads, 0, stream>>>(rows_c.mutable_data_ptr<int64_t>(), num_keys, error.mutable_data_ptr<int32_t>());
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_insert_absent_cuda", [&] {
     insert_kernel<index_t><<<blocks, kThreads, 0, stream>>>(
-        slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_keys.size(0), keys_c.data_ptr<index_t>(),
-        rows_c.data_ptr<int64_t>(), num_keys, error.data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        slot_keys.mutable_data_ptr<int64_t>(), slot_rows.mutable_data_ptr<int64_t>(), slot_keys.size(0), keys_c.mutable_data_ptr<index_t>(),
+        rows_c.mutable_data_ptr<int64_t>(), num_keys, error.mutable_data_ptr<int32_t>());
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
   });
   // Host sync (only without num_occupied): the row check's flag. With the fit checked
   // above, kHashInsertTableFull cannot be set.
-  if (checked) raise_hash_insert_error(error.item<int32_t>());
+  if (checked) raise_hash_insert_error(*cpu(error).const_data_ptr<int32_t>());
 }
 
 /// @brief Erases keys from the table: their slots become tombstones (no host sync).
@@ -165,32 +182,32 @@ void hash_table_insert_absent_cuda(at::Tensor& slot_keys, at::Tensor& slot_rows,
 /// @param slot_rows int64[S], written in place.
 /// @param keys int64 or int32 keys, distinct (absent ones are skipped).
 /// @return int64 rows the keys held, -1 for an absent key.
-at::Tensor hash_table_erase_cuda(const at::Tensor& slot_keys, at::Tensor& slot_rows, const at::Tensor& keys) {
+Tensor hash_table_erase_cuda(const Tensor& slot_keys, Tensor& slot_rows, const Tensor& keys) {
   check_hash_table_erase_args(slot_keys, slot_rows, keys);
-  const c10::cuda::CUDAGuard device_guard(keys.device());
-  const at::Tensor keys_long = keys.contiguous().to(at::kLong);
-  at::Tensor rows = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
+  const DeviceGuard device_guard(keys.get_device_index());
+  const Tensor keys_long = as_contiguous(to_dtype(keys, kLong));
+  Tensor rows = empty(keys.sizes(), kLong, keys.device());
   const int64_t num_keys = keys_long.numel();
   if (num_keys == 0) return rows;
   const uint64_t slot_mask = static_cast<uint64_t>(slot_keys.size(0) - 1);
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(keys);
   // Two launches: every key is found before any slot is marked, so a mark can never
   // hide a slot another thread is still probing for.
   erase_kernel<int64_t><<<blocks_for(num_keys), kThreads, 0, stream>>>(
-      slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask, keys_long.data_ptr<int64_t>(),
-      rows.data_ptr<int64_t>(), num_keys);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      slot_keys.mutable_data_ptr<int64_t>(), slot_rows.mutable_data_ptr<int64_t>(), slot_mask, keys_long.mutable_data_ptr<int64_t>(),
+      rows.mutable_data_ptr<int64_t>(), num_keys);
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
   mark_tombstones_kernel<<<blocks_for(num_keys), kThreads, 0, stream>>>(
-      slot_keys.data_ptr<int64_t>(), slot_rows.data_ptr<int64_t>(), slot_mask, rows.data_ptr<int64_t>(), num_keys,
-      keys_long.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      slot_keys.mutable_data_ptr<int64_t>(), slot_rows.mutable_data_ptr<int64_t>(), slot_mask, rows.mutable_data_ptr<int64_t>(), num_keys,
+      keys_long.mutable_data_ptr<int64_t>());
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
   return rows;
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("hash_table_find", &hash_table_find_cuda);
-  m.impl("hash_table_erase_", &hash_table_erase_cuda);
-  m.impl("hash_table_insert_absent_", &hash_table_insert_absent_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("hash_table_find", TORCH_BOX(&hash_table_find_cuda));
+  m.impl("hash_table_erase_", TORCH_BOX(&hash_table_erase_cuda));
+  m.impl("hash_table_insert_absent_", TORCH_BOX(&hash_table_insert_absent_cuda));
 }
 
 }  // namespace sparsekit

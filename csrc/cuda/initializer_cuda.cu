@@ -1,12 +1,6 @@
 // key_seeded_uniform on the GPU: the same integer hash and fma as the CPU kernel, so the
 // two agree bit for bit.
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include <algorithm>
 #include <optional>
@@ -34,30 +28,30 @@ __global__ void key_seeded_uniform_kernel(const key_t* __restrict__ keys, int64_
 }  // namespace
 
 /// @brief Initial embedding rows seeded by key (see the CPU kernel for the contract).
-at::Tensor key_seeded_uniform_cuda(const at::Tensor& keys, int64_t dim, int64_t seed, double low, double high,
-                                   std::optional<at::ScalarType> dtype) {
-  const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
+Tensor key_seeded_uniform_cuda(const Tensor& keys, int64_t dim, int64_t seed, double low, double high,
+                                   std::optional<ScalarType> dtype) {
+  const ScalarType out_dtype = dtype.value_or(kFloat);
   check_key_seeded_uniform_args(keys, dim, low, high, out_dtype);
-  c10::cuda::CUDAGuard device_guard(keys.device());
-  const at::Tensor keys_contig = keys.contiguous();
+  DeviceGuard device_guard(keys.get_device_index());
+  const Tensor keys_contig = as_contiguous(keys);
   const int64_t n = keys_contig.numel();
-  at::Tensor out = at::empty({n, dim}, keys.options().dtype(out_dtype));
+  Tensor out = empty({n, dim}, out_dtype, keys.device());
   if (n == 0 || dim == 0) return out;
   const int64_t blocks = std::min<int64_t>((n * dim + kThreads - 1) / kThreads, 65535);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "key_seeded_uniform_cuda", [&] {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "key_seeded_uniform_cuda", [&] {
+  cudaStream_t stream = current_stream(keys);
+  SK_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "key_seeded_uniform_cuda", [&] {
+    SK_DISPATCH_FLOATING_TYPES(out_dtype, "key_seeded_uniform_cuda", [&] {
       key_seeded_uniform_kernel<index_t, scalar_t><<<blocks, kThreads, 0, stream>>>(
           keys_contig.const_data_ptr<index_t>(), n, dim, seed, make_uniform_range(low, high),
           out.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      SK_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
   return out;
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("key_seeded_uniform", &key_seeded_uniform_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("key_seeded_uniform", TORCH_BOX(&key_seeded_uniform_cuda));
 }
 
 }  // namespace sparsekit

@@ -1,11 +1,5 @@
 // CUDA kernel of lazy_adam_: Adam on the rows of a sparse gradient only.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include "lazy_adam.h"
 
@@ -82,50 +76,50 @@ __global__ void lazy_adam_kernel(scalar_t* __restrict__ weight, scalar_t* __rest
 /// @param rows int64 or int32 [u], distinct row indices in [0, R) (distinctness is not checked).
 /// @param grad [u, ...] gradient rows with weight's dtype.
 /// @param step the step number after incrementing (>= 1), for the bias correction.
-void lazy_adam_cuda(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& rows,
-                    const at::Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
+void lazy_adam_cuda(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& rows,
+                    const Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
                     double weight_decay) {
   check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
-  const c10::cuda::CUDAGuard device_guard(weight.device());
+  const DeviceGuard device_guard(weight.get_device_index());
   const int64_t num_updates = rows.size(0);
   const int64_t num_rows = weight.size(0);
   const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
   if (num_updates == 0) return;
-  const at::Tensor rows_c = rows.contiguous();
-  const at::Tensor grad_c = grad.contiguous();
+  const Tensor rows_c = as_contiguous(rows);
+  const Tensor grad_c = as_contiguous(grad);
   // [flag, bad row] in one allocation so the host reads both with one copy.
-  at::Tensor bad = at::zeros({2}, rows.options().dtype(at::kLong));
-  int32_t* bad_flag = reinterpret_cast<int32_t*>(bad.data_ptr<int64_t>());
-  auto* bad_row = reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>() + 1);
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  Tensor bad = zeros({2}, kLong, rows.device());
+  int32_t* bad_flag = reinterpret_cast<int32_t*>(bad.mutable_data_ptr<int64_t>());
+  auto* bad_row = reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>() + 1);
+  const cudaStream_t stream = current_stream(weight);
   const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
   const bool use_weight_decay = weight_decay != 0.0;
   const int64_t check_blocks = std::min<int64_t>((num_updates + 255) / 256, int64_t{1} << 16);
   const int64_t update_blocks = std::min<int64_t>((num_updates + kRowsPerBlock - 1) / kRowsPerBlock, int64_t{1} << 20);
-  AT_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cuda_rows", [&] {
-    check_rows_kernel<index_t><<<check_blocks, 256, 0, stream>>>(rows_c.data_ptr<index_t>(), num_updates, num_rows,
+  SK_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cuda_rows", [&] {
+    check_rows_kernel<index_t><<<check_blocks, 256, 0, stream>>>(rows_c.mutable_data_ptr<index_t>(), num_updates, num_rows,
                                                                   bad_flag, bad_row);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
     if (dim == 0) return;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "lazy_adam_cuda", [&] {
-      using opmath_t = at::opmath_type<scalar_t>;
+    SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "lazy_adam_cuda", [&] {
+      using opmath_t = acc_type<scalar_t>;
       const auto scalars = AdamScalars<opmath_t>::make(step_size, beta1, beta2, eps, weight_decay);
       lazy_adam_kernel<scalar_t, opmath_t, index_t><<<update_blocks, dim3(kRowThreads, kRowsPerBlock), 0, stream>>>(
-          weight.data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(), exp_avg_sq.data_ptr<scalar_t>(),
-          rows_c.data_ptr<index_t>(), grad_c.data_ptr<scalar_t>(), num_updates, dim, scalars, use_weight_decay,
+          weight.mutable_data_ptr<scalar_t>(), exp_avg.mutable_data_ptr<scalar_t>(), exp_avg_sq.mutable_data_ptr<scalar_t>(),
+          rows_c.mutable_data_ptr<index_t>(), grad_c.mutable_data_ptr<scalar_t>(), num_updates, dim, scalars, use_weight_decay,
           bad_flag);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      SK_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
   // The documented host sync.
-  const at::Tensor bad_host = bad.cpu();
-  const int64_t* bad_host_ptr = bad_host.data_ptr<int64_t>();
-  TORCH_CHECK(*reinterpret_cast<const int32_t*>(bad_host_ptr) == 0,
+  const Tensor bad_host = cpu(bad);
+  const int64_t* bad_host_ptr = bad_host.const_data_ptr<int64_t>();
+  SK_CHECK(*reinterpret_cast<const int32_t*>(bad_host_ptr) == 0,
               lazy_adam_row_range_message(bad_host_ptr[1], num_rows));
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("lazy_adam_", &lazy_adam_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("lazy_adam_", TORCH_BOX(&lazy_adam_cuda));
 }
 
 }  // namespace sparsekit

@@ -4,16 +4,7 @@
 // radix sort, stable by definition, sorts (owner, input index) pairs over only the
 // ceil(log2(world_size)) low bits; a last kernel moves the keys and writes positions.
 // Every output size is known from the input, so nothing here waits on the device.
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include <cub/cub.cuh>
 
@@ -85,42 +76,41 @@ int bits_for_owners(int64_t world_size) {
 
 /// @brief Stable counting sort of keys by owner rank uint64(key) % world_size (see the
 /// CPU kernel for the contract); outputs live on the keys' device.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> partition_by_owner_cuda(const at::Tensor& keys,
+std::tuple<Tensor, Tensor, Tensor> partition_by_owner_cuda(const Tensor& keys,
                                                                        int64_t world_size) {
   check_partition_by_owner_args(keys, world_size);
-  c10::cuda::CUDAGuard device_guard(keys.device());
-  const at::Tensor keys_contig = keys.contiguous();
+  DeviceGuard device_guard(keys.get_device_index());
+  const Tensor keys_contig = as_contiguous(keys);
   const int64_t n = keys_contig.numel();
-  const auto index_options = keys.options().dtype(at::kLong);
-  at::Tensor counts = at::zeros({world_size}, index_options);
+  Tensor counts = zeros({world_size}, kLong, keys.device());
   if (world_size == 1) {
-    counts.fill_(n);
-    return {keys_contig.clone(), at::arange(n, index_options), counts};
+    counts = full_long_cuda(1, n, keys);
+    return {torch::stable::clone(keys_contig), arange_cuda(n, keys), counts};
   }
-  at::Tensor keys_by_owner = at::empty_like(keys_contig);
-  at::Tensor positions = at::empty({n}, index_options);
+  Tensor keys_by_owner = torch::stable::empty_like(keys_contig);
+  Tensor positions = empty({n}, kLong, keys.device());
   if (n == 0) return {keys_by_owner, positions, counts};
 
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor owners = at::empty({n}, keys.options().dtype(at::kInt));
-  at::Tensor sorted_owners = at::empty({n}, keys.options().dtype(at::kInt));
-  at::Tensor input_order = at::arange(n, index_options);
-  at::Tensor order = at::empty({n}, index_options);
+  cudaStream_t stream = current_stream(keys);
+  Tensor owners = empty({n}, kInt, keys.device());
+  Tensor sorted_owners = empty({n}, kInt, keys.device());
+  Tensor input_order = arange_cuda(n, keys);
+  Tensor order = empty({n}, kLong, keys.device());
   const size_t shared_bytes = world_size <= kSharedHistogramOwners ? world_size * sizeof(unsigned int) : 0;
 
-  AT_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "partition_by_owner_cuda", [&] {
+  SK_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "partition_by_owner_cuda", [&] {
     owners_and_counts_kernel<index_t><<<blocks_for(n), kThreads, shared_bytes, stream>>>(
         keys_contig.const_data_ptr<index_t>(), n, world_size, owners.mutable_data_ptr<int32_t>(),
         reinterpret_cast<unsigned long long*>(counts.mutable_data_ptr<int64_t>()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
 
     const int end_bit = bits_for_owners(world_size);
     size_t temp_bytes = 0;
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+    SK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
         nullptr, temp_bytes, owners.const_data_ptr<int32_t>(), sorted_owners.mutable_data_ptr<int32_t>(),
         input_order.const_data_ptr<int64_t>(), order.mutable_data_ptr<int64_t>(), n, 0, end_bit, stream));
-    at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, keys.options().dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+    Tensor temp = empty({static_cast<int64_t>(temp_bytes)}, kByte, keys.device());
+    SK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
         temp.mutable_data_ptr(), temp_bytes, owners.const_data_ptr<int32_t>(),
         sorted_owners.mutable_data_ptr<int32_t>(), input_order.const_data_ptr<int64_t>(),
         order.mutable_data_ptr<int64_t>(), n, 0, end_bit, stream));
@@ -128,13 +118,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition_by_owner_cuda(const at:
     scatter_by_order_kernel<index_t><<<blocks_for(n), kThreads, 0, stream>>>(
         keys_contig.const_data_ptr<index_t>(), order.const_data_ptr<int64_t>(), n,
         keys_by_owner.mutable_data_ptr<index_t>(), positions.mutable_data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {keys_by_owner, positions, counts};
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("partition_by_owner", &partition_by_owner_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("partition_by_owner", TORCH_BOX(&partition_by_owner_cuda));
 }
 
 }  // namespace sparsekit

@@ -19,16 +19,7 @@
 //
 // Ids >= num_segments are skipped by every kernel (so nothing is written out of bounds) and
 // their maximum is recorded in device memory; the host reads it once at the end and raises.
-#include <ATen/OpMathType.h>
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include <cub/cub.cuh>
 
@@ -418,9 +409,9 @@ int pick_vec(const void* ptr, int64_t dim) {
 }
 
 template <typename scalar_t, typename id_t, int VEC>
-void launch_atomic(const at::Tensor& data, const at::Tensor& ids, at::Tensor& acc, int64_t dim,
+void launch_atomic(const Tensor& data, const Tensor& ids, Tensor& acc, int64_t dim,
                    int64_t num_segments, long long* bad_id, cudaStream_t stream) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
   const int64_t n = data.size(0);
   const int64_t chunks = dim / VEC;
   const int64_t rows_per_run = std::clamp<int64_t>(n * chunks / kTargetThreads, 1, kMaxRowsPerRun);
@@ -428,52 +419,52 @@ void launch_atomic(const at::Tensor& data, const at::Tensor& ids, at::Tensor& ac
   const int64_t runs = (n + rows_per_run - 1) / rows_per_run;
   segment_sum_atomic_kernel<scalar_t, acc_t, id_t, VEC>
       <<<grid_2d(runs, block, chunks), block, 0, stream>>>(
-          data.data_ptr<scalar_t>(), ids.data_ptr<id_t>(), acc.data_ptr<acc_t>(), n, dim, num_segments,
+          data.mutable_data_ptr<scalar_t>(), ids.mutable_data_ptr<id_t>(), acc.mutable_data_ptr<acc_t>(), n, dim, num_segments,
           rows_per_run, bad_id);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, typename id_t>
-void segment_sum_atomic(const at::Tensor& data, const at::Tensor& ids, at::Tensor& out, int64_t dim,
+void segment_sum_atomic(const Tensor& data, const Tensor& ids, Tensor& out, int64_t dim,
                         int64_t num_segments, long long* bad_id, cudaStream_t stream) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
   constexpr int kWide = 16 / sizeof(scalar_t);
   // float16/bfloat16 sum in float32 and round once, as on the CPU.
-  at::Tensor acc = std::is_same_v<acc_t, scalar_t> ? out : at::zeros(out.sizes(), out.options().dtype(at::kFloat));
+  Tensor acc = std::is_same_v<acc_t, scalar_t> ? out : zeros(out.sizes(), kFloat, out.device());
   if (pick_vec<scalar_t>(data.data_ptr(), dim) == kWide) {
     launch_atomic<scalar_t, id_t, kWide>(data, ids, acc, dim, num_segments, bad_id, stream);
   } else {
     launch_atomic<scalar_t, id_t, 1>(data, ids, acc, dim, num_segments, bad_id, stream);
   }
-  if (!std::is_same_v<acc_t, scalar_t>) out.copy_(acc);
+  if (!std::is_same_v<acc_t, scalar_t>) torch::stable::copy_(out, acc);
 }
 
 template <typename scalar_t, typename key_t, typename pos_t, int VEC>
-void launch_tree(const at::Tensor& data, const key_t* sorted_keys, const pos_t* sorted_pos, const pos_t* seg_begin,
-                 const pos_t* seg_end, at::Tensor& out, int64_t dim, int64_t num_segments, cudaStream_t stream) {
-  using acc_t = at::opmath_type<scalar_t>;
+void launch_tree(const Tensor& data, const key_t* sorted_keys, const pos_t* sorted_pos, const pos_t* seg_begin,
+                 const pos_t* seg_end, Tensor& out, int64_t dim, int64_t num_segments, cudaStream_t stream) {
+  using acc_t = acc_type<scalar_t>;
   const int64_t n = data.size(0);
   const int64_t chunks = dim / VEC;
   const dim3 block = block_for(chunks);
-  const auto acc_options = data.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  const ScalarType acc_dtype = scalar_type_of<acc_t>();
 
   TreeLevels<acc_t> levels{};
   levels.span[0] = 1;
-  std::vector<at::Tensor> level_nodes;
+  std::vector<Tensor> level_nodes;
   int64_t span = kTileRows;
   while (levels.count < kMaxLevels && span <= n) {
     const int64_t count = n / span;  // only whole ranges can be full
-    at::Tensor nodes = at::empty({count, dim}, acc_options);
-    acc_t* node_ptr = nodes.data_ptr<acc_t>();
+    Tensor nodes = empty({count, dim}, acc_dtype, data.device());
+    acc_t* node_ptr = nodes.mutable_data_ptr<acc_t>();
     const dim3 grid = grid_2d(count, block, chunks);
     if (levels.count == 0) {
       tile_sums_kernel<scalar_t, acc_t, key_t, pos_t, VEC><<<grid, block, 0, stream>>>(
-          data.data_ptr<scalar_t>(), sorted_keys, sorted_pos, count, dim, num_segments, node_ptr);
+          data.mutable_data_ptr<scalar_t>(), sorted_keys, sorted_pos, count, dim, num_segments, node_ptr);
     } else {
       node_sums_kernel<acc_t, key_t, VEC><<<grid, block, 0, stream>>>(
           sorted_keys, levels.nodes[levels.count - 1], node_ptr, count, span, dim, num_segments);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
     levels.nodes[levels.count] = node_ptr;
     levels.span[levels.count + 1] = span;
     ++levels.count;
@@ -484,51 +475,51 @@ void launch_tree(const at::Tensor& data, const key_t* sorted_keys, const pos_t* 
 
   segment_combine_kernel<scalar_t, acc_t, pos_t, VEC>
       <<<grid_2d(num_segments, block, chunks), block, 0, stream>>>(
-          data.data_ptr<scalar_t>(), sorted_pos, seg_begin, seg_end, num_segments, dim, levels,
-          out.data_ptr<scalar_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+          data.mutable_data_ptr<scalar_t>(), sorted_pos, seg_begin, seg_end, num_segments, dim, levels,
+          out.mutable_data_ptr<scalar_t>());
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
   // level_nodes are freed here: the caching allocator reuses them only in stream order.
 }
 
 template <typename scalar_t, typename id_t, typename key_t, typename pos_t>
-void segment_sum_sorted(const at::Tensor& data, const at::Tensor& ids, at::Tensor& out, int64_t dim,
+void segment_sum_sorted(const Tensor& data, const Tensor& ids, Tensor& out, int64_t dim,
                         int64_t num_segments, long long* bad_id, cudaStream_t stream) {
   const int64_t n = data.size(0);
-  const auto key_options = ids.options().dtype(c10::CppTypeToScalarType<std::make_signed_t<key_t>>::value);
-  const auto pos_options = ids.options().dtype(c10::CppTypeToScalarType<pos_t>::value);
-  at::Tensor keys_a = at::empty({n}, key_options), keys_b = at::empty({n}, key_options);
-  at::Tensor pos_a = at::empty({n}, pos_options), pos_b = at::empty({n}, pos_options);
+  const ScalarType key_dtype = scalar_type_of<std::make_signed_t<key_t>>();
+  const ScalarType pos_dtype = scalar_type_of<pos_t>();
+  Tensor keys_a = empty({n}, key_dtype, ids.device()), keys_b = empty({n}, key_dtype, ids.device());
+  Tensor pos_a = empty({n}, pos_dtype, ids.device()), pos_b = empty({n}, pos_dtype, ids.device());
   key_t* keys_a_ptr = reinterpret_cast<key_t*>(keys_a.data_ptr());
   key_t* keys_b_ptr = reinterpret_cast<key_t*>(keys_b.data_ptr());
 
   make_sort_pairs_kernel<id_t, key_t, pos_t><<<static_cast<unsigned int>(grid_for(n, kThreads)), kThreads, 0, stream>>>(
-      ids.data_ptr<id_t>(), n, num_segments, keys_a_ptr, pos_a.data_ptr<pos_t>(), bad_id);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      ids.mutable_data_ptr<id_t>(), n, num_segments, keys_a_ptr, pos_a.mutable_data_ptr<pos_t>(), bad_id);
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
 
   // LSD radix sort is stable, so equal ids keep position order. Keys are <= num_segments,
   // so only its bit width needs sorting.
   const int end_bit = 64 - __builtin_clzll(static_cast<unsigned long long>(num_segments));
   cub::DoubleBuffer<key_t> sort_keys(keys_a_ptr, keys_b_ptr);
-  cub::DoubleBuffer<pos_t> sort_pos(pos_a.data_ptr<pos_t>(), pos_b.data_ptr<pos_t>());
+  cub::DoubleBuffer<pos_t> sort_pos(pos_a.mutable_data_ptr<pos_t>(), pos_b.mutable_data_ptr<pos_t>());
   const pos_t num_items = static_cast<pos_t>(n);  // n fits pos_t by the choice of pos_t
   size_t temp_bytes = 0;
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, sort_keys, sort_pos, num_items, 0, end_bit,
+  SK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, sort_keys, sort_pos, num_items, 0, end_bit,
                                                  stream));
   // At least one byte: a null temp pointer would make the second call a size query.
-  at::Tensor temp =
-      at::empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))}, ids.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, sort_keys, sort_pos, num_items, 0,
+  Tensor temp =
+      empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))}, kByte, ids.device());
+  SK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, sort_keys, sort_pos, num_items, 0,
                                                  end_bit, stream));
   const key_t* sorted_keys = sort_keys.Current();
   const pos_t* sorted_pos = sort_pos.Current();
 
-  at::Tensor bounds = at::empty({2, num_segments}, pos_options);
-  pos_t* seg_begin = bounds.data_ptr<pos_t>();
+  Tensor bounds = empty({2, num_segments}, pos_dtype, ids.device());
+  pos_t* seg_begin = bounds.mutable_data_ptr<pos_t>();
   pos_t* seg_end = seg_begin + num_segments;
-  C10_CUDA_CHECK(cudaMemsetAsync(seg_begin, 0, 2 * num_segments * sizeof(pos_t), stream));
+  SK_CUDA_CHECK(cudaMemsetAsync(seg_begin, 0, 2 * num_segments * sizeof(pos_t), stream));
   segment_bounds_kernel<key_t, pos_t><<<static_cast<unsigned int>(grid_for(n, kThreads)), kThreads, 0, stream>>>(
       sorted_keys, n, num_segments, seg_begin, seg_end);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
 
   constexpr int kWide = 16 / sizeof(scalar_t);
   if (pick_vec<scalar_t>(data.data_ptr(), dim) == kWide) {
@@ -547,35 +538,35 @@ void segment_sum_sorted(const at::Tensor& data, const at::Tensor& ids, at::Tenso
 /// @param deterministic sort-based and bit-identical run to run (else atomics).
 /// @return [num_segments, ...] of data's dtype, zero for empty segments. Syncs the host
 /// once (to check the ids) when N > 0.
-at::Tensor segment_sum_cuda(const at::Tensor& data_in, const at::Tensor& ids_in, int64_t num_segments,
+Tensor segment_sum_cuda(const Tensor& data_in, const Tensor& ids_in, int64_t num_segments,
                             bool deterministic) {
   check_segment_sum_args(data_in, ids_in, num_segments);
-  TORCH_CHECK(data_in.is_cuda(), "segment_sum: expected CUDA tensors, got ", data_in.device());
-  const c10::cuda::CUDAGuard guard(data_in.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor data = data_in.contiguous();
-  const at::Tensor ids = ids_in.contiguous();
+  SK_CHECK(data_in.is_cuda(), "segment_sum: expected CUDA tensors, got ", data_in.device());
+  const DeviceGuard guard(data_in.get_device_index());
+  const cudaStream_t stream = current_stream(data_in);
+  const Tensor data = as_contiguous(data_in);
+  const Tensor ids = as_contiguous(ids_in);
   const int64_t n = data.size(0);
   int64_t dim = 1;
   for (int64_t d = 1; d < data.dim(); ++d) dim *= data.size(d);
   std::vector<int64_t> out_shape = data.sizes().vec();
   out_shape[0] = num_segments;
-  at::Tensor out = at::zeros(out_shape, data.options());
+  Tensor out = zeros(out_shape, data.scalar_type(), data.device());
   if (n == 0) return out;
 
-  at::Tensor bad_id = at::empty({1}, ids.options().dtype(at::kLong));
-  long long* bad_id_ptr = reinterpret_cast<long long*>(bad_id.data_ptr<int64_t>());
-  C10_CUDA_CHECK(cudaMemsetAsync(bad_id_ptr, 0xFF, sizeof(long long), stream));  // -1: none yet
+  Tensor bad_id = empty({1}, kLong, ids.device());
+  long long* bad_id_ptr = reinterpret_cast<long long*>(bad_id.mutable_data_ptr<int64_t>());
+  SK_CUDA_CHECK(cudaMemsetAsync(bad_id_ptr, 0xFF, sizeof(long long), stream));  // -1: none yet
 
-  AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "segment_sum_cuda_ids", [&] {
+  SK_DISPATCH_INDEX_TYPES(ids.scalar_type(), "segment_sum_cuda_ids", [&] {
     using id_t = index_t;
     if (dim == 0 || num_segments == 0) {
       find_out_of_range_kernel<id_t><<<static_cast<unsigned int>(grid_for(n, kThreads)), kThreads, 0, stream>>>(
-          ids.data_ptr<id_t>(), n, num_segments, bad_id_ptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          ids.mutable_data_ptr<id_t>(), n, num_segments, bad_id_ptr);
+      SK_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, data.scalar_type(), "segment_sum_cuda", [&] {
+    SK_DISPATCH_FLOATING_TYPES(data.scalar_type(), "segment_sum_cuda", [&] {
       if (!deterministic) {
         segment_sum_atomic<scalar_t, id_t>(data, ids, out, dim, num_segments, bad_id_ptr, stream);
       } else if (n <= std::numeric_limits<int32_t>::max() &&
@@ -593,15 +584,15 @@ at::Tensor segment_sum_cuda(const at::Tensor& data_in, const at::Tensor& ids_in,
   // device assert, so the CUDA context stays usable). The kernels skipped such ids.
   long long bad = -1;
   // c10's copy-and-sync, so torch.cuda.set_sync_debug_mode sees it like torch's own syncs.
-  c10::cuda::memcpy_and_sync(&bad, bad_id_ptr, sizeof(long long), cudaMemcpyDeviceToHost, stream);
-  TORCH_CHECK(bad < 0, segment_id_range_message(static_cast<int64_t>(bad), num_segments));
+  memcpy_and_sync(&bad, bad_id_ptr, sizeof(long long), cudaMemcpyDeviceToHost, stream);
+  SK_CHECK(bad < 0, segment_id_range_message(static_cast<int64_t>(bad), num_segments));
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("segment_sum", &segment_sum_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("segment_sum", TORCH_BOX(&segment_sum_cuda));
 }
 
 }  // namespace sparsekit

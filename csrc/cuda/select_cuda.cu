@@ -2,11 +2,7 @@
 // over the entries (shared-memory histograms, or a min/max); the host reads the pass's
 // small result and steps the control (one host sync per pass: at most two per column,
 // usually three or four in all for a table's scores), then one compaction.
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include <vector>
 
@@ -61,6 +57,23 @@ __global__ void classify_kernel(SelectColumns cols, SelectState state, const boo
   }
 }
 
+/// in_bucket[i] = 1 for the entries still tied in the bucket (side 0), else 0.
+__global__ void bucket_flags_kernel(const int8_t* __restrict__ side, int64_t n, int64_t* __restrict__ in_bucket) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    in_bucket[i] = side[i] == 0;
+  }
+}
+
+/// take[i]: entry i is below the bucket (side -1), or among the first `need` of it.
+__global__ void take_kernel(const int8_t* __restrict__ side, const int64_t* __restrict__ bucket_rank, int64_t n,
+                            int64_t need, bool* __restrict__ take) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    take[i] = side[i] == -1 || (side[i] == 0 && bucket_rank[i] <= need);
+  }
+}
+
 }  // namespace
 
 /// @brief Indices (ascending) of the k lexicographically smallest eligible entries of
@@ -69,69 +82,75 @@ __global__ void classify_kernel(SelectColumns cols, SelectState state, const boo
 /// @param eligible bool [n]: only these entries may be chosen.
 /// @param k how many to choose; at most the number of eligible entries.
 /// @return int64 [k], ascending.
-at::Tensor select_smallest_cuda(at::TensorList columns, const at::Tensor& eligible, int64_t k) {
+Tensor select_smallest_cuda(const std::vector<Tensor>& columns, const Tensor& eligible, int64_t k) {
   check_select_args(columns, eligible, k);
-  const c10::cuda::CUDAGuard device_guard(eligible.device());
+  const DeviceGuard device_guard(eligible.get_device_index());
   const int64_t n = eligible.size(0);
-  std::vector<at::Tensor> columns_c;
+  std::vector<Tensor> columns_c;
   SelectColumns cols{};
   cols.num_columns = static_cast<int>(columns.size());
   for (size_t c = 0; c < columns.size(); ++c) {
-    columns_c.push_back(columns[c].contiguous());
-    cols.data[c] = columns_c.back().data_ptr<int64_t>();
+    columns_c.push_back(as_contiguous(columns[c]));
+    cols.data[c] = columns_c.back().mutable_data_ptr<int64_t>();
   }
-  const at::Tensor eligible_c = eligible.contiguous();
-  const bool* ok = eligible_c.data_ptr<bool>();
+  const Tensor eligible_c = as_contiguous(eligible);
+  const bool* ok = eligible_c.mutable_data_ptr<bool>();
   // Host sync: the eligible count bounds k.
-  const int64_t num_eligible = eligible_c.sum().item<int64_t>();
-  TORCH_CHECK(k <= num_eligible, "select_smallest: k=", k, " but only ", num_eligible, " of ", n,
+  const int64_t num_eligible = sum_to_host(eligible_c);
+  SK_CHECK(k <= num_eligible, "select_smallest: k=", k, " but only ", num_eligible, " of ", n,
               " entries are eligible");
-  if (k == 0) return at::empty({0}, eligible.options().dtype(at::kLong));
+  if (k == 0) return empty({0}, kLong, eligible.device());
 
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(eligible);
   const int64_t blocks = blocks_for(n);
   SelectState state;
   state.need = k;
   state.bucket = num_eligible;
   state.settle(cols.num_columns);
-  at::Tensor scratch = at::empty({kSelectBins}, eligible.options().dtype(at::kLong));
-  auto* scratch_ptr = reinterpret_cast<unsigned long long*>(scratch.data_ptr<int64_t>());
+  Tensor scratch = empty({kSelectBins}, kLong, eligible.device());
+  auto* scratch_ptr = reinterpret_cast<unsigned long long*>(scratch.mutable_data_ptr<int64_t>());
   std::vector<int64_t> host(kSelectBins);
   while (!state.done) {
     if (state.wants_min_max()) {
       const int64_t init[2] = {-1, 0};  // all ones (the largest unsigned), zero
-      C10_CUDA_CHECK(cudaMemcpyAsync(scratch_ptr, init, sizeof(init), cudaMemcpyHostToDevice, stream));
+      SK_CUDA_CHECK(cudaMemcpyAsync(scratch_ptr, init, sizeof(init), cudaMemcpyHostToDevice, stream));
       min_max_kernel<<<blocks, kThreads, 0, stream>>>(cols, state, ok, n, scratch_ptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      SK_CUDA_KERNEL_LAUNCH_CHECK();
       // Host sync: the bucket's extremes.
-      C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), scratch_ptr, 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
-      C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+      SK_CUDA_CHECK(cudaMemcpyAsync(host.data(), scratch_ptr, 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+      SK_CUDA_CHECK(cudaStreamSynchronize(stream));
       state.step_min_max(static_cast<uint64_t>(host[0]), static_cast<uint64_t>(host[1]), cols.num_columns);
       continue;
     }
     const int bins = 1 << state.digit_bits();
-    C10_CUDA_CHECK(cudaMemsetAsync(scratch_ptr, 0, bins * sizeof(int64_t), stream));
+    SK_CUDA_CHECK(cudaMemsetAsync(scratch_ptr, 0, bins * sizeof(int64_t), stream));
     histogram_kernel<<<blocks, kThreads, 0, stream>>>(cols, state, ok, n, bins, scratch_ptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
     // Host sync: the histogram of the bucket's next digit.
-    C10_CUDA_CHECK(cudaMemcpyAsync(host.data(), scratch_ptr, bins * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    SK_CUDA_CHECK(cudaMemcpyAsync(host.data(), scratch_ptr, bins * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+    SK_CUDA_CHECK(cudaStreamSynchronize(stream));
     state.step_histogram(host.data(), cols.num_columns);
   }
 
-  at::Tensor side = at::empty({n}, eligible.options().dtype(at::kChar));
-  classify_kernel<<<blocks, kThreads, 0, stream>>>(cols, state, ok, n, side.data_ptr<int8_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor in_bucket = side.eq(0);
-  const at::Tensor bucket_rank = in_bucket.cumsum(0);  // 1-based among bucket entries
-  const at::Tensor take = side.eq(-1).logical_or_(in_bucket.logical_and(bucket_rank.le(state.need)));
+  Tensor side = empty({n}, kChar, eligible.device());
+  classify_kernel<<<blocks, kThreads, 0, stream>>>(cols, state, ok, n, side.mutable_data_ptr<int8_t>());
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
+  Tensor in_bucket = empty({n}, kLong, eligible.device());
+  bucket_flags_kernel<<<blocks, kThreads, 0, stream>>>(side.const_data_ptr<int8_t>(), n,
+                                                       in_bucket.mutable_data_ptr<int64_t>());
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
+  const Tensor bucket_rank = cumsum(in_bucket, 0);  // 1-based among bucket entries
+  Tensor take = empty({n}, kBool, eligible.device());
+  take_kernel<<<blocks, kThreads, 0, stream>>>(side.const_data_ptr<int8_t>(), bucket_rank.const_data_ptr<int64_t>(),
+                                               n, state.need, take.mutable_data_ptr<bool>());
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
   // nonzero lists indices in ascending order; k of them by construction (one more host
   // sync, for its output size).
-  return at::nonzero(take).view({-1});
+  return nonzero_1d(take);
 }
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("select_smallest", &select_smallest_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("select_smallest", TORCH_BOX(&select_smallest_cuda));
 }
 
 }  // namespace sparsekit

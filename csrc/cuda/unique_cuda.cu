@@ -13,15 +13,7 @@
 //               (a Zipf-hot key would otherwise serialise millions of global atomics on
 //               one address).
 // The single host sync reads the unique count back to size the outputs.
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include "cuda/cuda_api.h"
 
 #include <cub/cub.cuh>
 #include <thrust/iterator/counting_iterator.h>
@@ -171,68 +163,67 @@ __global__ void __launch_bounds__(kOutputThreads)
 }
 
 template <typename key_t, typename pos_t>
-void unique_launch(const at::Tensor& keys, at::Tensor& unique_keys, at::Tensor& inverse, at::Tensor& counts) {
+void unique_launch(const Tensor& keys, Tensor& unique_keys, Tensor& inverse, Tensor& counts) {
   const int64_t n = keys.numel();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto byte_options = keys.options().dtype(at::kByte);
-  const auto pos_options = keys.options().dtype(c10::CppTypeToScalarType<pos_t>::value);
-  const key_t* key_ptr = keys.data_ptr<key_t>();
+  const cudaStream_t stream = current_stream(keys);
+  const ScalarType pos_dtype = scalar_type_of<pos_t>();
+  const key_t* key_ptr = keys.mutable_data_ptr<key_t>();
 
   const int64_t num_slots = scratch_table_slots(n);
-  at::Tensor table = at::empty({num_slots}, pos_options);
-  at::Tensor slot_of = at::empty({n}, pos_options);
-  at::Tensor first_rank = at::empty({n}, pos_options);
-  pos_t* table_ptr = table.data_ptr<pos_t>();
-  pos_t* slot_of_ptr = slot_of.data_ptr<pos_t>();
-  pos_t* first_rank_ptr = first_rank.data_ptr<pos_t>();
+  Tensor table = empty({num_slots}, pos_dtype, keys.device());
+  Tensor slot_of = empty({n}, pos_dtype, keys.device());
+  Tensor first_rank = empty({n}, pos_dtype, keys.device());
+  pos_t* table_ptr = table.mutable_data_ptr<pos_t>();
+  pos_t* slot_of_ptr = slot_of.mutable_data_ptr<pos_t>();
+  pos_t* first_rank_ptr = first_rank.mutable_data_ptr<pos_t>();
 
   // All-ones bytes are -1 in two's complement: the empty slot.
-  C10_CUDA_CHECK(cudaMemsetAsync(table_ptr, 0xFF, num_slots * sizeof(pos_t), stream));
+  SK_CUDA_CHECK(cudaMemsetAsync(table_ptr, 0xFF, num_slots * sizeof(pos_t), stream));
   const int64_t insert_blocks = std::min<int64_t>((n + kInsertThreads - 1) / kInsertThreads, kMaxGridBlocks);
   insert_positions_kernel<key_t, pos_t><<<static_cast<unsigned int>(insert_blocks), kInsertThreads, 0, stream>>>(
       key_ptr, n, table_ptr, static_cast<uint64_t>(num_slots - 1), slot_of_ptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
 
   auto is_first = thrust::make_transform_iterator(thrust::make_counting_iterator<int64_t>(0),
                                                   IsFirstOccurrence<pos_t>{table_ptr, slot_of_ptr});
   const pos_t num_items = static_cast<pos_t>(n);  // n fits pos_t by the choice of pos_t
   size_t temp_bytes = 0;
-  C10_CUDA_CHECK(cub::DeviceScan::InclusiveSum(nullptr, temp_bytes, is_first, first_rank_ptr, num_items, stream));
+  SK_CUDA_CHECK(cub::DeviceScan::InclusiveSum(nullptr, temp_bytes, is_first, first_rank_ptr, num_items, stream));
   // At least one byte: a null temp pointer would make the second call a size query.
-  at::Tensor temp = at::empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))}, byte_options);
-  C10_CUDA_CHECK(cub::DeviceScan::InclusiveSum(temp.data_ptr(), temp_bytes, is_first, first_rank_ptr, num_items,
+  Tensor temp = empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))}, kByte, keys.device());
+  SK_CUDA_CHECK(cub::DeviceScan::InclusiveSum(temp.data_ptr(), temp_bytes, is_first, first_rank_ptr, num_items,
                                                stream));
 
   // The one host sync of unique: the output sizes depend on the number of unique keys.
   pos_t num_unique = 0;
   // c10's copy-and-sync, so torch.cuda.set_sync_debug_mode sees it like torch's own syncs.
-  c10::cuda::memcpy_and_sync(&num_unique, first_rank_ptr + (n - 1), sizeof(pos_t), cudaMemcpyDeviceToHost, stream);
+  memcpy_and_sync(&num_unique, first_rank_ptr + (n - 1), sizeof(pos_t), cudaMemcpyDeviceToHost, stream);
 
-  unique_keys = at::empty({static_cast<int64_t>(num_unique)}, keys.options());
-  counts = at::zeros({static_cast<int64_t>(num_unique)}, keys.options().dtype(at::kLong));
+  unique_keys = empty({static_cast<int64_t>(num_unique)}, keys.scalar_type(), keys.device());
+  counts = zeros({static_cast<int64_t>(num_unique)}, kLong, keys.device());
   const int64_t output_blocks = (n + kOutputTile - 1) / kOutputTile;
-  TORCH_INTERNAL_ASSERT(output_blocks <= std::numeric_limits<int32_t>::max());
+  SK_CHECK(output_blocks <= std::numeric_limits<int32_t>::max());
   write_outputs_kernel<key_t, pos_t><<<static_cast<unsigned int>(output_blocks), kOutputThreads, 0, stream>>>(
-      key_ptr, n, table_ptr, slot_of_ptr, first_rank_ptr, unique_keys.data_ptr<key_t>(),
-      inverse.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      key_ptr, n, table_ptr, slot_of_ptr, first_rank_ptr, unique_keys.mutable_data_ptr<key_t>(),
+      inverse.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<int64_t>());
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 /// @brief Hash-based unique of a CUDA tensor of int32/int64 keys (any shape, read flattened).
 /// @param keys_in keys; every int64 value is valid.
 /// @return (unique_keys [U] of keys' dtype in order of first occurrence, inverse int64 of
 /// keys' shape with keys == unique_keys[inverse], counts int64 [U]). Syncs the host once.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> unique_cuda(const at::Tensor& keys_in) {
+std::tuple<Tensor, Tensor, Tensor> unique_cuda(const Tensor& keys_in) {
   check_key_tensor(keys_in, "unique", "keys");
-  TORCH_CHECK(keys_in.is_cuda(), "unique: expected a CUDA tensor, got ", keys_in.device());
-  const c10::cuda::CUDAGuard guard(keys_in.device());
-  const at::Tensor keys = keys_in.contiguous();
+  SK_CHECK(keys_in.is_cuda(), "unique: expected a CUDA tensor, got ", keys_in.device());
+  const DeviceGuard guard(keys_in.get_device_index());
+  const Tensor keys = as_contiguous(keys_in);
   const int64_t n = keys.numel();
-  at::Tensor unique_keys = at::empty({0}, keys.options());
-  at::Tensor inverse = at::empty(keys.sizes(), keys.options().dtype(at::kLong));
-  at::Tensor counts = at::empty({0}, keys.options().dtype(at::kLong));
+  Tensor unique_keys = empty({0}, keys.scalar_type(), keys.device());
+  Tensor inverse = empty(keys.sizes(), kLong, keys.device());
+  Tensor counts = empty({0}, kLong, keys.device());
   if (n == 0) return {unique_keys, inverse, counts};
-  AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "unique_cuda", [&] {
+  SK_DISPATCH_INDEX_TYPES(keys.scalar_type(), "unique_cuda", [&] {
     using key_t = index_t;
     if (n <= kMaxNarrowKeys) {
       unique_launch<key_t, int32_t>(keys, unique_keys, inverse, counts);
@@ -245,8 +236,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> unique_cuda(const at::Tensor& key
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
-  m.impl("unique", &unique_cuda);
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("unique", TORCH_BOX(&unique_cuda));
 }
 
 }  // namespace sparsekit
