@@ -11,6 +11,7 @@ Environment overrides:
   SPARSEKIT_DEBUG=1       -O0 -g host and device code.
 """
 
+import copy
 import glob
 import os
 import shutil
@@ -141,7 +142,15 @@ class BuildWithInfo(BuildExtension):
     for, so a failed import can say "built for torch X, running Y"."""
 
     def run(self):
-        super().run()  # builds under build/, then copies the library into the source tree with --inplace
+        # torch's BuildExtension appends its flags to each extension's compile arguments;
+        # a second run in one process (`build bdist_wheel`) would then compile every file
+        # again with the flags doubled. Restoring them keeps ninja's commands unchanged.
+        saved = [copy.deepcopy(ext.extra_compile_args) for ext in self.extensions]
+        try:
+            super().run()  # builds under build/, then copies the library into the source tree with --inplace
+        finally:
+            for ext, args in zip(self.extensions, saved):
+                ext.extra_compile_args = args
         for ext in self.extensions:
             cuda = any(src.endswith(".cu") for src in ext.sources)
             path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "_build_info.py")

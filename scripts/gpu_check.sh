@@ -7,11 +7,14 @@
 # goes on after a failing stage; everything lands in one folder, which ends with a
 # one-screen summary and summary.json. The whole run fits in 9 minutes on an H100/H200.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--stages build,tests,sanitizer,bench]
+#   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--prebuilt] [--stages build,tests,sanitizer,bench]
 #
 #   OUT_DIR     output folder (default gpu-check-out/); emptied first
 #   --dry-run   the same stages on the CPU at tiny sizes, the sanitizer skipped (CI runs
 #               this so the script cannot rot); builds CPU-only, in place
+#   --prebuilt  do not build: use the library already in sparsekit/ (built on another
+#               machine against another torch >= 2.10: the stable-ABI proof); the build
+#               stage only imports it and lists its kernels
 #   --stages    a comma-separated subset, in the order above
 #
 # Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
@@ -25,10 +28,12 @@ repo=$(pwd)
 
 out=gpu-check-out
 dry_run=0
+prebuilt=0
 stages=build,tests,sanitizer,bench
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
+    --prebuilt) prebuilt=1 ;;
     --stages) stages=$2; shift ;;
     --stages=*) stages=${1#--stages=} ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
@@ -114,9 +119,18 @@ fi
 
 # ---- build ---------------------------------------------------------------------------
 if wants build; then
-  # A persistent build folder per mode, so a second run recompiles only what changed.
-  run_stage build 240 env MAX_JOBS="$jobs" "$PY" setup.py build_ext --inplace \
-    --build-temp "build/gpu-check-$device"
+  if [ "$prebuilt" = 1 ]; then
+    run_stage build 60 "$PY" -c "
+import torch, sparsekit
+from sparsekit import _build_info as info
+cuda = torch._C._dispatch_has_kernel_for_dispatch_key('sparsekit::unique', 'CUDA')
+print('prebuilt library built with torch', info.TORCH_VERSION, 'running under torch', torch.__version__, 'CUDA kernels:', cuda)
+assert cuda or '$device' == 'cpu', 'the prebuilt library has no CUDA kernels'"
+  else
+    # A persistent build folder per mode, so a second run recompiles only what changed.
+    run_stage build 240 env MAX_JOBS="$jobs" "$PY" setup.py build_ext --inplace \
+      --build-temp "build/gpu-check-$device"
+  fi
 fi
 
 # ---- tests -----------------------------------------------------------------------------

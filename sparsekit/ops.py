@@ -517,11 +517,13 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
     # no extra host sync on CUDA).
     marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
     keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
-    if source.device.type == "cpu" and dim <= _GATHER_THEN_SUM_MAX_DIM:
+    if source.device.type == "cpu" and dim <= _GATHER_THEN_SUM_MAX_DIM and isinstance(keys.shape[0], int):
         # Narrow rows: gathering every lookup's row ([nnz, D], at most 64 bytes a lookup)
         # and one segment_sum in lookup order beat grouping the lookups with a stable sort
         # (327k lookups at D=16: 9.3 vs 11.6 ms; at D=64 the gather costs 2.3x more). The -1
-        # lookups land in group 0, sliced off below.
+        # lookups land in group 0, sliced off below. Eager only: traced (a symbolic
+        # distinct count), torch 2.10's sparse_coo_tensor cannot tell that the sums and
+        # the keys have one length, so tracing takes the grouping path below.
         gathered = source.index_select(0, source_index)
         if scale is not None:
             gathered = gathered * scale.unsqueeze(1)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Installs one built sparsekit wheel into a fresh virtual environment holding another
+# torch, without rebuilding it, and runs the op tests there against the installed copy:
+# the proof that one wheel serves every torch from its stable-ABI target on.
+#
+#   bash scripts/check_wheel.sh WHEEL TORCH_VERSION [VENV_DIR]
+#
+# The wheel is installed with its dependencies resolved by pip against the torch already
+# there, so a requirement the wheel could not keep fails here too. The venv is removed
+# afterwards unless KEEP_VENV=1 (a CUDA torch takes ~7 GB).
+set -euo pipefail
+wheel=$(readlink -f "$1")
+torch_version=$2
+venv=${3:-$(mktemp -d)/venv}
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+start=$(date +%s)
+
+echo "== wheel $(basename "$wheel") under torch $torch_version"
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" pytest hypothesis expecttest
+"$venv/bin/pip" install -q --disable-pip-version-check "$wheel"
+"$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$torch_version', torch.__version__"
+
+# Tests only, no source package beside them: `import sparsekit` must find the install.
+work=$(mktemp -d)
+cp -r "$repo/tests" "$repo/pyproject.toml" "$work/"
+cd "$work"
+"$venv/bin/python" - <<'PY'
+import os, torch, sparsekit
+assert "site-packages" in sparsekit.__file__, sparsekit.__file__
+print(f"torch {torch.__version__}: sparsekit from {os.path.dirname(sparsekit.__file__)};",
+      "unique([3, 1, 3]) =", sparsekit.ops.unique(torch.tensor([3, 1, 3]))[0].tolist())
+PY
+set +e
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_unique.py tests/test_segment.py tests/test_hashtable.py \
+  tests/test_hashtable_eviction.py tests/test_lazy_adam.py tests/test_embedding.py tests/test_routing.py \
+  tests/test_initializer.py tests/test_build.py tests/test_compile.py
+status=$?
+set -e
+cd "$repo"
+rm -rf "$work"
+[ "${KEEP_VENV:-0}" = 1 ] || rm -rf "$venv"
+echo "== torch $torch_version: pytest exit $status in $(( $(date +%s) - start )) s"
+[ "$status" -eq 5 ] && { echo "pytest collected no tests" >&2; exit 1; }
+exit "$status"
