@@ -1,9 +1,10 @@
-"""Compile one csrc source file to an object in a temp dir, with the extension's flags.
+"""Compile csrc source files to objects in a temp dir, with the extension's flags.
 
-For checking a single kernel file quickly (e.g. a .cu file on a machine with nvcc but no
-GPU) without rebuilding the whole extension:
+For checking kernel files quickly (e.g. a .cu file on a machine with nvcc but no GPU)
+without rebuilding the whole extension; like setup.py it compiles against torch's stable
+ABI only, pinned to torch 2.10 (TORCH_TARGET_VERSION):
 
-    CUDA_HOME=/usr/local/cuda python scripts/compile_one.py csrc/cuda/unique_cuda.cu
+    CUDA_HOME=/usr/local/cuda python scripts/compile_one.py csrc/cuda/unique_cuda.cu [more files]
 """
 
 import os
@@ -23,7 +24,8 @@ def main(path: str) -> int:
     is_cuda = path.endswith(".cu")
     includes = cpp_extension.include_paths("cuda" if is_cuda else "cpu")
     includes += [os.path.join(ROOT, "csrc"), sysconfig.get_paths()["include"]]
-    defines = ["-DTORCH_EXTENSION_NAME=_C", "-D_GLIBCXX_USE_CXX11_ABI=1", "-DPy_LIMITED_API=0x03090000"]
+    defines = ["-DTORCH_EXTENSION_NAME=_C", "-D_GLIBCXX_USE_CXX11_ABI=1", "-DPy_LIMITED_API=0x030A0000",
+               "-DTORCH_TARGET_VERSION=0x20a000000000000"]
     out = os.path.join(tempfile.mkdtemp(), os.path.basename(path) + ".o")
     inc = [f"-I{p}" for p in includes]
     if is_cuda:
@@ -34,11 +36,11 @@ def main(path: str) -> int:
             gencode += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
         cmd = [os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"), "-c", path, "-o", out,
                "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DSPARSEKIT_CUDA",
-               "--compiler-options", "-fPIC", "-D__CUDA_NO_HALF_OPERATORS__",
+               "--compiler-options", "-fPIC,-fvisibility=hidden", "-D__CUDA_NO_HALF_OPERATORS__",
                "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
                "-D__CUDA_NO_HALF2_OPERATORS__"] + gencode + inc + defines
     else:
-        cmd = ["c++", "-c", path, "-o", out, "-std=c++20", "-O3", "-fPIC", "-Wall"] + inc + defines
+        cmd = ["c++", "-c", path, "-o", out, "-std=c++20", "-O3", "-fPIC", "-fvisibility=hidden", "-Wall"] + inc + defines
     print(" ".join(cmd[:4]), "...", flush=True)
     return subprocess.call(cmd)
 
