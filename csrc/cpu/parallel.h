@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 
 #include "torch_api.h"
 
@@ -34,10 +36,20 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
     fn(begin, end);
     return;
   }
+  // An exception must not cross torch's C shim (it would come back as a bare error code,
+  // its message lost): the first one a worker raises is kept and rethrown here.
+  std::exception_ptr error;
+  std::mutex error_mutex;
   torch::stable::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
     detail::ParallelRegion region;
-    fn(b, e);
+    try {
+      fn(b, e);
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
   });
+  if (error) std::rethrow_exception(error);
 }
 
 /// @brief The number of workers parallel_chunks_indexed uses for n items in chunks of
