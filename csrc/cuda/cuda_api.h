@@ -34,12 +34,6 @@ inline cudaStream_t current_stream(const Tensor& on) {
   return static_cast<cudaStream_t>(stream);
 }
 
-/// @brief Copies to the host on `stream` and waits for it (the host needs the value now).
-inline void memcpy_and_sync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
-  SK_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream));
-  SK_CUDA_CHECK(cudaStreamSynchronize(stream));
-}
-
 template <typename T>
 __global__ void fill_sequence_kernel(T* out, int64_t n, T start, T step) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;

@@ -82,11 +82,10 @@ std::tuple<Tensor, Tensor, Tensor> partition_by_owner_cuda(const Tensor& keys,
   DeviceGuard device_guard(keys.get_device_index());
   const Tensor keys_contig = as_contiguous(keys);
   const int64_t n = keys_contig.numel();
-  Tensor counts = zeros({world_size}, kLong, keys.device());
   if (world_size == 1) {
-    counts = full_long_cuda(1, n, keys);
-    return {torch::stable::clone(keys_contig), arange_cuda(n, keys), counts};
+    return {torch::stable::clone(keys_contig), arange_cuda(n, keys), full_long_cuda(1, n, keys)};
   }
+  Tensor counts = zeros({world_size}, kLong, keys.device());
   Tensor keys_by_owner = torch::stable::empty_like(keys_contig);
   Tensor positions = empty({n}, kLong, keys.device());
   if (n == 0) return {keys_by_owner, positions, counts};

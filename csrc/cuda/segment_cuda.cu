@@ -582,9 +582,9 @@ Tensor segment_sum_cuda(const Tensor& data_in, const Tensor& ids_in, int64_t num
 
   // The one host sync of segment_sum: an id >= num_segments must raise on the host (no
   // device assert, so the CUDA context stays usable). The kernels skipped such ids.
-  long long bad = -1;
-  // c10's copy-and-sync, so torch.cuda.set_sync_debug_mode sees it like torch's own syncs.
-  memcpy_and_sync(&bad, bad_id_ptr, sizeof(long long), cudaMemcpyDeviceToHost, stream);
+  // torch's own device-to-host copy, so torch.cuda.set_sync_debug_mode sees it like
+  // torch's own syncs.
+  const int64_t bad = *cpu(bad_id).const_data_ptr<int64_t>();
   SK_CHECK(bad < 0, segment_id_range_message(static_cast<int64_t>(bad), num_segments));
   return out;
 }

@@ -195,14 +195,15 @@ void unique_launch(const Tensor& keys, Tensor& unique_keys, Tensor& inverse, Ten
                                                stream));
 
   // The one host sync of unique: the output sizes depend on the number of unique keys.
-  pos_t num_unique = 0;
-  // c10's copy-and-sync, so torch.cuda.set_sync_debug_mode sees it like torch's own syncs.
-  memcpy_and_sync(&num_unique, first_rank_ptr + (n - 1), sizeof(pos_t), cudaMemcpyDeviceToHost, stream);
+  // torch's own device-to-host copy, so torch.cuda.set_sync_debug_mode sees it like
+  // torch's own syncs.
+  const pos_t num_unique = *cpu(slice0(first_rank, n - 1, n)).const_data_ptr<pos_t>();
 
   unique_keys = empty({static_cast<int64_t>(num_unique)}, keys.scalar_type(), keys.device());
   counts = zeros({static_cast<int64_t>(num_unique)}, kLong, keys.device());
   const int64_t output_blocks = (n + kOutputTile - 1) / kOutputTile;
-  SK_CHECK(output_blocks <= std::numeric_limits<int32_t>::max());
+  SK_CHECK(output_blocks <= std::numeric_limits<int32_t>::max(), "unique: ", n, " keys need ", output_blocks,
+           " output blocks, more than a CUDA grid holds");
   write_outputs_kernel<key_t, pos_t><<<static_cast<unsigned int>(output_blocks), kOutputThreads, 0, stream>>>(
       key_ptr, n, table_ptr, slot_of_ptr, first_rank_ptr, unique_keys.mutable_data_ptr<key_t>(),
       inverse.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<int64_t>());
