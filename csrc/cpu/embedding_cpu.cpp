@@ -60,9 +60,6 @@ SPARSEKIT_ALWAYS_INLINE bool cpu_has_avx2() {
 #endif
 }
 
-template <typename scalar_t>
-using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-
 // Element loads widened to the accumulator type. float16 goes through the compiler's
 // _Float16 so that, under F16C, it converts with vcvtph2ps; bfloat16 is the top half of a
 // float32, a shift that vectorises everywhere.
@@ -217,7 +214,7 @@ SPARSEKIT_ALWAYS_INLINE bool lookup_valid(index_t row, int64_t num_rows, int64_t
 /// held in registers while the bag's rows stream by.
 template <typename scalar_t, int kVecs>
 struct VectorColumns {
-  using acc_t = acc_type_t<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
   using vec = typename AccVec<acc_t>::type;
   static constexpr int kLanes = AccVec<acc_t>::kLanes;
   vec acc[kVecs];
@@ -258,7 +255,7 @@ struct VectorColumns {
 /// the vector width.
 template <typename scalar_t>
 struct TailColumns {
-  using acc_t = acc_type_t<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
   static constexpr int kMax = AccVec<acc_t>::kLanes;
   acc_t acc[kMax];
   int64_t width;
@@ -292,7 +289,7 @@ struct TailColumns {
 template <bool kWeighted, bool kMax, typename Columns, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
                                        int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
-  using acc_t = acc_type_t<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
   const scalar_t* const weight = p.weight;
   const int64_t row_stride = p.row_stride;
   const int64_t num_rows = p.num_rows;
@@ -340,7 +337,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
 template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t first_bag,
                                             int64_t last_bag) {
-  constexpr int64_t kLanes = AccVec<acc_type_t<scalar_t>>::kLanes;
+  constexpr int64_t kLanes = AccVec<acc_type<scalar_t>>::kLanes;
   // Sixteen accumulator vectors per pass (128 float or 64 double columns) fill the AVX2
   // register file; the adds take the rows straight from memory, so no register is needed
   // for the loads. Wider dims take several passes over a bag, the later ones hitting L1.
@@ -494,7 +491,7 @@ namespace {
 template <typename scalar_t, typename index_t>
 void argmax_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t* positions, int64_t first_bag,
                       int64_t last_bag) {
-  using acc_t = acc_type_t<scalar_t>;
+  using acc_t = acc_type<scalar_t>;
   const int64_t dim = p.dim;
   std::vector<acc_t> best(static_cast<size_t>(dim));
   for (int64_t bag = first_bag; bag < last_bag; ++bag) {

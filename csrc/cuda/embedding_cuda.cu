@@ -35,9 +35,6 @@ constexpr int kRowsInFlight = 4;
 // Bags longer than this are pooled in pieces of (at most) this many lookups.
 constexpr int64_t kChunk = 1024;
 
-template <typename scalar_t>
-using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-
 template <typename scalar_t, int kVec>
 struct alignas(sizeof(scalar_t) * kVec) Packet {
   scalar_t v[kVec];
@@ -108,9 +105,9 @@ __device__ void check_span_rows(const BagArgs<scalar_t, index_t>& a, int64_t beg
 /// makes this call record bad rows (one packet pass per lane suffices).
 template <typename scalar_t, typename index_t, int kVec, bool kWeighted, bool kMax>
 __device__ __forceinline__ void pool_span(const BagArgs<scalar_t, index_t>& a, int64_t begin, int64_t end, int64_t p,
-                                          bool report, acc_t<scalar_t> (&sum)[kVec], acc_t<scalar_t>& weight_sum,
+                                          bool report, acc_type<scalar_t> (&sum)[kVec], acc_type<scalar_t>& weight_sum,
                                           int64_t& valid) {
-  using acc = acc_t<scalar_t>;
+  using acc = acc_type<scalar_t>;
   using packet = Packet<scalar_t, kVec>;
 #pragma unroll
   for (int e = 0; e < kVec; ++e) sum[e] = acc(0);
@@ -172,7 +169,7 @@ __device__ __forceinline__ acc mean_scale(bool mean, bool weighted, acc weight_s
 template <typename scalar_t, typename index_t, int kVec, bool kWeighted, bool kMax>
 __global__ void embedding_bag_kernel(BagArgs<scalar_t, index_t> a, bool mean, scalar_t* __restrict__ out,
                                      int group_log2) {
-  using acc = acc_t<scalar_t>;
+  using acc = acc_type<scalar_t>;
   using packet = Packet<scalar_t, kVec>;
   const int group = 1 << group_log2;
   const int lane = threadIdx.x & (group - 1);
@@ -233,9 +230,9 @@ __device__ bool long_bag_piece(const BagArgs<scalar_t, index_t>& a, int64_t chun
 /// One group per (chunk, slot): pools that piece of a long bag into partial[chunk * 2 + slot].
 template <typename scalar_t, typename index_t, int kVec, bool kWeighted>
 __global__ void long_bag_pieces_kernel(BagArgs<scalar_t, index_t> a, int64_t chunks,
-                                       acc_t<scalar_t>* __restrict__ partial, int64_t* __restrict__ partial_valid,
-                                       acc_t<scalar_t>* __restrict__ partial_weight, int group_log2) {
-  using acc = acc_t<scalar_t>;
+                                       acc_type<scalar_t>* __restrict__ partial, int64_t* __restrict__ partial_valid,
+                                       acc_type<scalar_t>* __restrict__ partial_weight, int group_log2) {
+  using acc = acc_type<scalar_t>;
   const int group = 1 << group_log2;
   const int lane = threadIdx.x & (group - 1);
   const int64_t groups_in_grid = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> group_log2;
@@ -264,11 +261,11 @@ __global__ void long_bag_pieces_kernel(BagArgs<scalar_t, index_t> a, int64_t chu
 /// partials in chunk order and writes its output row.
 template <typename scalar_t, typename index_t, bool kWeighted>
 __global__ void long_bag_combine_kernel(BagArgs<scalar_t, index_t> a, int64_t chunks, bool mean,
-                                        const acc_t<scalar_t>* __restrict__ partial,
+                                        const acc_type<scalar_t>* __restrict__ partial,
                                         const int64_t* __restrict__ partial_valid,
-                                        const acc_t<scalar_t>* __restrict__ partial_weight,
+                                        const acc_type<scalar_t>* __restrict__ partial_weight,
                                         scalar_t* __restrict__ out, int group_log2) {
-  using acc = acc_t<scalar_t>;
+  using acc = acc_type<scalar_t>;
   const int group = 1 << group_log2;
   const int lane = threadIdx.x & (group - 1);
   const int64_t groups_in_grid = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> group_log2;
@@ -310,7 +307,7 @@ __global__ void long_bag_combine_kernel(BagArgs<scalar_t, index_t> a, int64_t ch
 template <typename scalar_t, typename index_t>
 __global__ void embedding_bag_argmax_kernel(BagArgs<scalar_t, index_t> a, int64_t* __restrict__ positions,
                                             int group_log2) {
-  using acc = acc_t<scalar_t>;
+  using acc = acc_type<scalar_t>;
   const int group = 1 << group_log2;
   const int lane = threadIdx.x & (group - 1);
   const int64_t groups_in_grid = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> group_log2;
@@ -456,7 +453,7 @@ Tensor embedding_bag_cuda(const Tensor& weight_in, const Tensor& rows_in, const 
   const cudaStream_t stream = current_stream(weight);
   SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "embedding_bag_cuda", [&] {
     SK_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_cuda_rows", [&] {
-      using acc = acc_t<scalar_t>;
+      using acc = acc_type<scalar_t>;
       const auto args = bag_args<scalar_t, index_t>(weight, rows, offsets, bags, padding_row, per_sample_weights,
                                                     error);
       const bool weighted = per_sample_weights.defined();
