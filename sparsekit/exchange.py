@@ -101,22 +101,23 @@ def _sort_rows(rows: Tensor) -> Tuple[Tensor, Tensor]:
 class _LookupOwned(torch.autograd.Function):
     """Rows of the local shard for the keys this rank received, with a sparse weight gradient.
 
-    ``sorted_rows`` are the distinct rows asked for, ascending (``-1``: a key missing in
-    eval), ``slot[j]`` the entry of ``sorted_rows`` received key ``j`` wants. Sorting makes
-    the gradient a truly coalesced COO tensor, so LazyAdam applies it without another
-    unique + segment_sum. ``order``: given when ``slot`` is the inverse of this permutation
-    (every received key distinct, as in one process): the gradient is then a gather.
+    ``rows[j]`` is the row received key ``j`` reads, ``sorted_rows`` the distinct rows asked
+    for, ascending (``-1``: a key missing in eval). Sorting makes the gradient a truly
+    coalesced COO tensor, so LazyAdam applies it without another unique + segment_sum.
+    ``grad_index`` maps the keys' gradients onto ``sorted_rows``: with ``distinct`` (every
+    received key distinct, as in one process) it is the sort's permutation and the gradient
+    a gather; otherwise ``grad_index[j]`` is the entry of ``sorted_rows`` key ``j`` reads,
+    and the gradient a segment sum.
     """
 
     @staticmethod
-    def forward(ctx, weight: Tensor, sorted_rows: Tensor, slot: Tensor, has_missing: bool,
-                marker: _CoalescedGradMarker, order: Optional[Tensor] = None) -> Tensor:
-        ctx.save_for_backward(sorted_rows, slot if order is None else order)
-        ctx.permutation = order is not None
+    def forward(ctx, weight: Tensor, rows: Tensor, sorted_rows: Tensor, grad_index: Tensor, distinct: bool,
+                has_missing: bool, marker: _CoalescedGradMarker) -> Tensor:
+        ctx.save_for_backward(sorted_rows, grad_index)
+        ctx.distinct = distinct
         ctx.weight_shape = weight.shape
         ctx.has_missing = has_missing
         ctx.marker = marker
-        rows = sorted_rows.index_select(0, slot)
         if not has_missing:
             return weight.index_select(0, rows)
         found = rows >= 0
@@ -126,18 +127,18 @@ class _LookupOwned(torch.autograd.Function):
     @staticmethod
     @torch.compiler.disable  # autograd calls it from compiled code too; dynamo cannot build sparse tensors
     def backward(ctx, grad: Tensor):
-        sorted_rows, slot = ctx.saved_tensors
-        if ctx.permutation:
-            values = grad.index_select(0, slot)  # slot holds `order` here
+        sorted_rows, grad_index = ctx.saved_tensors
+        if ctx.distinct:
+            values = grad.index_select(0, grad_index)
         else:
-            values = ops.segment_sum(grad.contiguous(), slot, sorted_rows.numel())
+            values = ops.segment_sum(grad.contiguous(), grad_index, sorted_rows.numel())
         if ctx.has_missing:
             found = sorted_rows >= 0
             sorted_rows, values = sorted_rows[found], values[found]
         weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
                                               is_coalesced=True, check_invariants=False)
         ctx.marker.produced(values)
-        return weight_grad, None, None, None, None, None
+        return weight_grad, None, None, None, None, None, None
 
 
 class _GatherRows(torch.autograd.Function):

@@ -322,9 +322,8 @@ class _ModelParallelEmbedding(nn.Module):
                 self._raise_for_flags(int(flags.item()), unique_keys, offsets)
             rows = self._lookup_rows(unique_keys)
             sorted_rows, order = _sort_rows(rows)
-            slot = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-            return _LookupOwned.apply(self.weight, sorted_rows, slot, self._may_miss(), self._grad_marker,
-                                      order), None
+            return _LookupOwned.apply(self.weight, rows, sorted_rows, order, True, self._may_miss(),
+                                      self._grad_marker), None
 
         self._agree_on_config()
         device = self.weight.device
@@ -364,8 +363,9 @@ class _ModelParallelEmbedding(nn.Module):
         rows = self._agree_on_lookup(owned_keys)
         sorted_rows, order = _sort_rows(rows)
         rank_in_sorted = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
-        vectors = _LookupOwned.apply(self.weight, sorted_rows, rank_in_sorted.index_select(0, owned_inverse),
-                                     self._may_miss(), self._grad_marker)
+        vectors = _LookupOwned.apply(self.weight, rows.index_select(0, owned_inverse), sorted_rows,
+                                     rank_in_sorted.index_select(0, owned_inverse), False, self._may_miss(),
+                                     self._grad_marker)
         received = _AllToAll.apply(vectors, send_splits, recv_splits, self.process_group)
         return received, positions
 
