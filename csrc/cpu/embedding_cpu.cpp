@@ -44,8 +44,14 @@ namespace {
 #endif
 
 // How many lookups ahead the loops prefetch: far enough to cover DRAM latency, near
-// enough that the lines are still in L1/L2 when used.
+// enough that the lines are still in L1/L2 when used. Rows of one cache line (D <= 16 in
+// float32) look twice as far ahead, which keeps as many lines in flight as the wider
+// rows do: 1M x 16 float32, 16384 bags of 20, one thread, interleaved in one process,
+// nn.EmbeddingBag's time / sparsekit's went from x0.79 (16 ahead) to x0.94 (32 ahead)
+// (median of 7 rounds; 24: x0.90, 48: x0.95, 64: x0.89), while at D = 64 no distance or
+// line count measured better than 16 and 4.
 constexpr int64_t kPrefetchDistance = 16;
+constexpr int64_t kPrefetchDistanceOneLine = 32;
 // Lines of a row prefetched by hand; the hardware's adjacent-line and stream prefetchers
 // take it from there (more lines measured no faster on a 1M x 64 float32 table).
 constexpr int64_t kMaxPrefetchLines = 4;
@@ -141,6 +147,11 @@ SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const BFloat16* p) {
 /// Lines of a row_bytes-long row worth prefetching by hand, 1..kMaxPrefetchLines.
 inline int prefetch_lines(int64_t row_bytes) {
   return static_cast<int>(std::clamp<int64_t>((row_bytes + 63) / 64, 1, kMaxPrefetchLines));
+}
+
+/// Lookups ahead to prefetch for rows of row_bytes bytes.
+inline int64_t prefetch_distance(int64_t row_bytes) {
+  return row_bytes <= 64 ? kPrefetchDistanceOneLine : kPrefetchDistance;
 }
 
 /// Prefetches the row `ahead` lookups ahead without a data-dependent branch: the position
@@ -285,7 +296,7 @@ struct TailColumns {
 
 /// Pools the columns held by `columns` (starting at col) over rows[begin, end) of one bag
 /// and writes them to out_row. The first pass over a bag (prefetch == true) also prefetches
-/// the rows kPrefetchDistance lookups ahead, running on into the next bags.
+/// the rows prefetch_distance() lookups ahead, running on into the next bags.
 template <bool kWeighted, bool kMax, typename Columns, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
                                        int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
@@ -297,7 +308,9 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   const scalar_t* const sample_weights = p.per_sample_weights;
   const char* const base = reinterpret_cast<const char*>(weight);
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-  const int lines = prefetch_lines(p.dim * static_cast<int64_t>(sizeof(scalar_t)));
+  const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int lines = prefetch_lines(row_bytes);
+  const int64_t distance = prefetch_distance(row_bytes);
   const int64_t last = p.nnz - 1;
   // Locals, not loads through p: the cold error call could otherwise force reloads.
   const int64_t padding_row = p.padding_row;
@@ -306,7 +319,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   int64_t valid = 0;
   for (int64_t k = begin; k < end; ++k) {
     // The prefetch runs past the bag into the next ones: the flat rows are read in order.
-    if (prefetch) prefetch_ahead(base, row_stride_bytes, num_rows, rows, k + kPrefetchDistance, last, lines);
+    if (prefetch) prefetch_ahead(base, row_stride_bytes, num_rows, rows, k + distance, last, lines);
     const index_t row = rows[k];
     if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) continue;
     const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
@@ -573,8 +586,9 @@ void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_
                       const index_t* rows, int64_t n, char* out, int64_t begin, int64_t end,
                       std::atomic<int64_t>* first_bad_position) {
   const int lines = prefetch_lines(row_bytes);
+  const int64_t distance = prefetch_distance(row_bytes);
   for (int64_t i = begin; i < end; ++i) {
-    prefetch_ahead(weight, row_stride_bytes, num_rows, rows, i + kPrefetchDistance, n - 1, lines);
+    prefetch_ahead(weight, row_stride_bytes, num_rows, rows, i + distance, n - 1, lines);
     const index_t row = rows[i];
     char* dst = out + i * row_bytes;
     if (row_in_range(row, num_rows)) {
