@@ -19,6 +19,11 @@ PyMODINIT_FUNC PyInit__C(void) {
 STABLE_TORCH_LIBRARY(sparsekit, m) {
   // Hash-based unique in order of first occurrence: keys == unique_keys[inverse].
   m.def("unique(Tensor keys) -> (Tensor unique_keys, Tensor inverse, Tensor counts)");
+  // Internal, CPU only: sorted unique of keys in [-1, bound) (a bitmap of the range), with
+  // keys == unique_keys[inverse]. With group: the positions grouped by key, ascending within
+  // a group (order [nnz]), and the groups' CSR bounds in it (offsets [U + 1]); else both
+  // empty. Numbers embedding rows for their sparse gradient.
+  m.def("unique_bounded(Tensor keys, SymInt bound, bool group=False) -> (Tensor unique_keys, Tensor inverse, Tensor offsets, Tensor order)");
   // TensorFlow unsorted_segment_sum: negative ids are dropped, ids >= num_segments raise.
   // SymInt keeps torch.compile's symbolic sizes flowing; the stable kernels receive it as
   // an int64 (a concrete value by the time a kernel runs).

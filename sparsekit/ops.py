@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -486,9 +487,67 @@ def _embedding_gather_fake(weight: Tensor, rows: Tensor) -> Tensor:
     return weight.new_empty(tuple(rows.shape) + (weight.shape[1],))
 
 
-# Widest rows (elements) whose sparse gradient the CPU builds by gathering every lookup's
-# row and summing with segment_sum instead of grouping the lookups first.
-_GATHER_THEN_SUM_MAX_DIM = 16
+# Bits of bitmap per lookup up to which the CPU numbers the distinct rows with
+# unique_bounded (a bitmap of the table's rows) rather than the hash-based unique: zeroing
+# and scanning a word of the bitmap costs less than hashing one key.
+_BOUNDED_UNIQUE_BITS_PER_KEY = 128
+
+
+@torch.library.register_fake("sparsekit::unique_bounded")
+def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    index_dtype("unique_bounded", "keys", keys, "tensor of keys")
+    torch._check(keys.device.type == "cpu", lambda: "unique_bounded: keys must be on the CPU")
+    num_unique = torch.library.get_ctx().new_dynamic_size()
+    return (keys.new_empty(num_unique), keys.new_empty(keys.shape, dtype=torch.int64),
+            keys.new_empty(num_unique + 1 if group else 0, dtype=torch.int64),
+            keys.new_empty(keys.numel() if group else 0, dtype=torch.int64))
+
+
+def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, object, int,
+                                                                     bool]:
+    """The distinct rows of ``rows`` (values in ``[-1, num_rows)``) for a sparse gradient:
+    ``(keys, inverse, offsets, order, first, skip, coalesced)``, ``rows == keys[inverse]``;
+    ``keys[:skip]`` is the missing row -1 (``skip`` 0 or 1). With ``group``, the lookups
+    grouped by row: ``order[offsets[u]:offsets[u + 1]]`` (ascending) read row ``keys[u]``,
+    and those of row -1 are ``order[:first]`` (``first`` a tensor or int); else
+    ``offsets``, ``order`` and ``first`` are None.
+
+    On the CPU ``keys`` ascend (``coalesced``). Eager, ``unique_bounded`` numbers them with a
+    bitmap of the table's rows and groups the lookups with a counting sort (327k lookups of
+    a 1M-row table: 4x faster than hashing them and sorting); for a table far larger than
+    its lookups, or traced (``skip`` would be a host read of the data), ``unique`` numbers
+    them and a sort of the distinct rows puts them in order. On CUDA ``unique`` numbers
+    them in order of first occurrence. Off the bitmap path a leading -1 marker makes the
+    -1 lookups group 0 whatever the batch holds, sliced off with it without a
+    data-dependent mask (no extra host sync on CUDA), and a stable sort groups them."""
+    nnz = rows.shape[0]
+    eager_cpu = (rows.device.type == "cpu" and isinstance(nnz, int) and isinstance(num_rows, int)
+                 and not torch.compiler.is_compiling())
+    if eager_cpu and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16):
+        keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
+        skip = int(keys.numel() > 0 and bool(keys[0] < 0))
+        if not group:
+            return keys, inverse, None, None, None, skip, True
+        return keys, inverse, offsets, order, int(offsets[skip]), skip, True
+    marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
+    keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
+    inverse = inverse[1:]
+    coalesced = rows.device.type == "cpu"
+    if coalesced:
+        # Ascending, as the bitmap gives them (the same gradient eager and traced); the
+        # marker sorts first, so the -1 group stays group 0.
+        by_key = torch.from_numpy(np.argsort(keys.numpy(), kind="stable")) if eager_cpu else \
+            torch.sort(keys, stable=True).indices
+        rank = torch.empty_like(by_key).index_copy_(0, by_key, torch.arange(by_key.shape[0]))
+        keys, inverse, counts = keys.index_select(0, by_key), rank.index_select(0, inverse), \
+            counts.index_select(0, by_key)
+    if not group:
+        return keys, inverse, None, None, None, 1, coalesced
+    # Group 0 counted the marker once.
+    group_ends = torch.cumsum(counts, 0) - 1
+    sorted_groups, order = torch.sort(inverse, stable=True)
+    return (keys, inverse, torch.cat([group_ends.new_zeros(1), group_ends]), order, (sorted_groups == 0).sum(), 1,
+            coalesced)
 
 
 def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num_rows: int,
@@ -497,52 +556,27 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
 
     Lookup ``i`` of row ``rows[i]`` contributes ``source[source_index[i]]`` (its bag's
     grad_output, or its own), times ``scale[i]`` when given; lookups of row -1 contribute
-    nothing. The result has one entry per distinct row (summed), in order of first
-    occurrence: the indices are unique but not sorted, so ``is_coalesced()`` is False.
-    Sorting them would buy nothing in practice: autograd's AccumulateGrad re-wraps a sparse
-    gradient it stores in ``.grad`` without the coalesced flag anyway.
+    nothing. The result has one entry per distinct row (summed); on the CPU the rows
+    ascend and it is flagged coalesced, on CUDA they are in order of first occurrence (see
+    :func:`_number_rows`).
 
-    Up to 16 columns on the CPU the per-lookup rows are gathered and summed by
-    ``segment_sum`` over ``unique``'s numbering. Wider, or on CUDA, they are never
-    materialised (``[nnz, D]`` would cost more than the whole forward): sparsekit's
-    ``unique`` numbers the distinct rows and counts their lookups, a
-    stable sort of those numbers groups the lookups row by row, and ``embedding_bag`` sums
-    each group straight out of ``source`` as one CSR bag per row. Sums run in lookup order
-    (on CUDA a long group is cut into fixed chunks combined in a fixed order), so the
-    gradient is bit-identical run to run on every device.
+    The per-lookup rows are never materialised (``[nnz, D]`` would cost more than the
+    whole forward): the lookups are grouped row by row, and ``embedding_bag`` sums each
+    group straight out of ``source`` as one CSR bag per row, writing each output row once.
+    Sums run in lookup order (on CUDA a long group is cut into fixed chunks combined in a
+    fixed order), so the gradient is bit-identical run to run on every device.
     """
     dim = source.shape[1]
-    # A leading -1 makes the missing-row marker unique row 0 whatever the batch holds, so
-    # the -1 lookups form group 0 and are sliced off with it (no data-dependent mask, hence
-    # no extra host sync on CUDA).
-    marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
-    keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
-    if source.device.type == "cpu" and dim <= _GATHER_THEN_SUM_MAX_DIM and isinstance(keys.shape[0], int):
-        # Narrow rows: gathering every lookup's row ([nnz, D], at most 64 bytes a lookup)
-        # and one segment_sum in lookup order beat grouping the lookups with a stable sort
-        # (327k lookups at D=16: 9.3 vs 11.6 ms; at D=64 the gather costs 2.3x more). The -1
-        # lookups land in group 0, sliced off below. Eager only: traced (a symbolic
-        # distinct count), torch 2.10's sparse_coo_tensor cannot tell that the sums and
-        # the keys have one length, so tracing takes the grouping path below.
-        gathered = source.index_select(0, source_index)
-        if scale is not None:
-            gathered = gathered * scale.unsqueeze(1)
-        summed = _ops.segment_sum(gathered, inverse[1:], keys.numel(), False)
-        return torch.sparse_coo_tensor(keys[1:].to(torch.int64).unsqueeze(0), summed[1:], (num_rows, dim),
-                                       is_coalesced=False, check_invariants=False)
-    # CSR offsets of the groups over the nnz lookups; the marker counted itself once.
-    group_ends = torch.cumsum(counts, 0) - 1
-    offsets = torch.cat([group_ends.new_zeros(1), group_ends])
-    sorted_groups, lookup_order = torch.sort(inverse[1:], stable=True)
-    grouped_scale = None if scale is None else scale.index_select(0, lookup_order)
-    # The -1 lookups (group 0) read source index -1, which embedding_bag skips without a
-    # load: they are never gathered, only stepped over.
-    grouped_index = torch.where(sorted_groups == 0, -1, source_index.index_select(0, lookup_order))
+    keys, _, offsets, order, first, skip, coalesced = _number_rows(rows, num_rows, group=True)
+    grouped_scale = None if scale is None else scale.index_select(0, order)
+    # The -1 lookups (group 0 when skip is 1) read source index -1, which embedding_bag
+    # skips without a load: they are never gathered, only stepped over.
+    grouped_index = source_index.index_select(0, order)
+    if skip:
+        grouped_index = torch.where(torch.arange(order.shape[0], device=order.device) < first, -1, grouped_index)
     summed = _ops.embedding_bag(source, grouped_index, offsets, grouped_scale, "sum")
-    indices = keys[1:].to(torch.int64).unsqueeze(0)
-    return torch.sparse_coo_tensor(
-        indices, summed[1:], (num_rows, dim), is_coalesced=False, check_invariants=False
-    )
+    return torch.sparse_coo_tensor(keys[skip:].to(torch.int64).unsqueeze(0), summed[skip:], (num_rows, dim),
+                                   is_coalesced=coalesced, check_invariants=False)
 
 
 def _bag_index(offsets: Tensor, nnz: int) -> Tensor:
@@ -612,22 +646,21 @@ def _max_gradient(grad_output: Tensor, weight: Tensor, rows: Tensor, offsets: Te
     ``segment_sum(deterministic=True)``: bit-identical run to run on every device."""
     dim = grad_output.shape[1]
     positions = _ops.embedding_bag_argmax(weight, rows, offsets, ctx.padding_idx, ctx.include_last_offset)
-    marker = torch.full((1,), -1, dtype=lookup_rows.dtype, device=lookup_rows.device)
-    keys, inverse, _ = _ops.unique(torch.cat([marker, lookup_rows]))
+    keys, inverse, _, _, _, skip, coalesced = _number_rows(lookup_rows, ctx.num_rows, group=False)
     groups = keys.shape[0]
-    # Group of each arg-max lookup (0 for the -1 marker, whose entries are dropped).
-    # Position nnz reads a padded 0, so bags without a valid lookup (-1) need no branch.
+    # Group of each arg-max lookup (those of the -1 group, if any, are dropped). Position
+    # nnz reads a padded 0, so bags without a valid lookup (-1) need no branch.
     nnz = lookup_rows.shape[0]
-    group_of_lookup = torch.cat([inverse[1:], inverse.new_zeros(1)])
+    group_of_lookup = torch.cat([inverse, inverse.new_zeros(1)])
     flat_positions = torch.where(positions >= 0, positions, nnz).reshape(-1)
     group = group_of_lookup.index_select(0, flat_positions).view_as(positions)
     column = torch.arange(dim, device=positions.device)
     segment = torch.where(positions >= 0, group * dim + column, -1).reshape(-1)
     acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
     summed = segment_sum(grad_output.to(acc_dtype).reshape(-1, 1), segment, groups * dim, deterministic=True)
-    values = summed.view(groups, dim)[1:].to(grad_output.dtype)
-    indices = keys[1:].to(torch.int64).unsqueeze(0)
-    return torch.sparse_coo_tensor(indices, values, (ctx.num_rows, dim), is_coalesced=False,
+    values = summed.view(groups, dim)[skip:].to(grad_output.dtype)
+    indices = keys[skip:].to(torch.int64).unsqueeze(0)
+    return torch.sparse_coo_tensor(indices, values, (ctx.num_rows, dim), is_coalesced=coalesced,
                                    check_invariants=False)
 
 

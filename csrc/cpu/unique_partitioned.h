@@ -34,6 +34,7 @@
 
 #include "common.h"
 #include "parallel.h"
+#include "scratch.h"
 
 namespace sparsekit {
 namespace partitioned {
@@ -45,35 +46,6 @@ constexpr int kMaxBucketBits = 12;
 // Blocks of positions per thread in passes A, B and D (each block has its own cursors).
 constexpr int64_t kBlocksPerThread = 4;
 constexpr int64_t kMaxBlocks = 64;
-// Scratch kept by a thread between calls; above this it is freed after the call.
-constexpr size_t kMaxKeptScratch = size_t{256} << 20;
-
-/// @brief Grow-only memory that a thread keeps between calls (up to kMaxKeptScratch).
-class Scratch {
- public:
-  ~Scratch() { std::free(data_); }
-  void* get(size_t bytes) {
-    if (bytes > size_) {
-      std::free(data_);
-      data_ = std::malloc(bytes);
-      SK_CHECK(data_ != nullptr, "unique: out of memory for ", bytes, " bytes of scratch");
-      size_ = bytes;
-    }
-    return data_;
-  }
-  void trim() {
-    if (size_ > kMaxKeptScratch) {
-      std::free(data_);
-      data_ = nullptr;
-      size_ = 0;
-    }
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t size_ = 0;
-};
-
 template <typename key_t>
 struct Entry {
   key_t key;

@@ -1,0 +1,232 @@
+// Sorted unique of keys known to lie in a small range [-1, bound): a bitmap of the values
+// present instead of a hash table.
+//
+// The lookups of an embedding table are row numbers, bounded by the table's row count,
+// and their gradient wants exactly this: the distinct rows in ascending order (a truly
+// coalesced sparse gradient) and, for every lookup, the rank of its row among them. With a
+// bound of at most a few dozen times the number of keys, a bitmap of the range beats any
+// hashing: a key costs one bit set and one rank read in a bitmap that stays in the L2
+// cache (1M rows: 128 KiB), where a hash table costs a hash, a probe and a key compare in
+// a table several times that size.
+//
+//   A. per worker: set the bit of every key in its own bitmap (no atomics, no sharing);
+//   B. per block of words: OR the workers' bitmaps; count the block's set bits;
+//   C. per block: the rank of each word (set bits in earlier words), the block's keys;
+//   D. per key: its rank = the rank of its word + the set bits below it in the word;
+//   E. when grouping: the positions sorted by key, stably (a counting sort, parallel over
+//      fixed ranges of positions), which lets the gradient sum each row's lookups as one
+//      bag, writing each output row once.
+//
+// Every pass is handed out in pieces (parallel.h); the bitmaps and ranks are scratch
+// memory the calling thread keeps between calls (scratch.h). The result does not depend on
+// the thread count.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "common.h"
+#include "parallel.h"
+#include "scratch.h"
+
+namespace sparsekit {
+namespace {
+
+// Keys per piece of passes A and D.
+constexpr int64_t kKeyGrain = int64_t{1} << 15;
+// Ranks whose counters pass E prefetches before it counts them.
+constexpr int64_t kCountBlock = 64;
+// Positions ahead whose cursor (twice this) and slot (this) the scatter of pass E prefetches.
+constexpr int64_t kScatterAhead = 16;
+// Words per piece of passes B and C (32 KiB of the merged bitmap).
+constexpr int64_t kWordGrain = int64_t{1} << 12;
+
+/// @brief E: a stable counting sort of positions [0, n) by their rank inv[i] in [0,
+/// num_unique): order lists the positions of rank 0, then of rank 1, ..., each rank's in
+/// increasing order, and offsets ([num_unique + 1]) bounds each rank's run. The positions
+/// are cut into `parts` fixed ranges, each counted and scattered by one thread with cursors
+/// of its own, so no two threads touch one counter (hot keys would make shared counters
+/// bounce between cores) and the result does not depend on the thread count.
+void group_by_key(const int64_t* inv, int64_t n, int64_t num_unique, int64_t parts, Tensor& offsets, Tensor& order) {
+  offsets = empty({num_unique + 1}, kLong, offsets.device());
+  order = empty({n}, kLong, order.device());
+  int64_t* out_offsets = offsets.mutable_data_ptr<int64_t>();
+  int64_t* out_order = order.mutable_data_ptr<int64_t>();
+  thread_local Scratch cursor_scratch;
+  int64_t* cursors = static_cast<int64_t*>(cursor_scratch.get(sizeof(int64_t) * static_cast<size_t>(parts * num_unique)));
+  auto part_begin = [&](int64_t p) { return n * p / parts; };
+
+  // Counts per part, each part's counters in a block of their own. A block of ranks is
+  // prefetched before it is counted: the counters of mostly distinct keys are out of cache.
+  parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      int64_t* count = cursors + p * num_unique;
+      std::memset(count, 0, sizeof(int64_t) * static_cast<size_t>(num_unique));
+      for (int64_t block = part_begin(p); block < part_begin(p + 1); block += kCountBlock) {
+        const int64_t block_end = std::min(part_begin(p + 1), block + kCountBlock);
+        for (int64_t i = block; i < block_end; ++i) __builtin_prefetch(&count[inv[i]], 1);
+        for (int64_t i = block; i < block_end; ++i) ++count[inv[i]];
+      }
+    }
+  });
+
+  // Offsets, and each part's cursors: where its first position of every rank goes.
+  const int64_t num_blocks = (num_unique + kWordGrain - 1) / kWordGrain;
+  std::vector<int64_t> block_first(num_blocks + 1, 0);
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t total = 0;
+      for (int64_t u = b * kWordGrain, e = std::min(num_unique, (b + 1) * kWordGrain); u < e; ++u) {
+        for (int64_t p = 0; p < parts; ++p) total += cursors[p * num_unique + u];
+      }
+      block_first[b + 1] = total;
+    }
+  });
+  for (int64_t b = 0; b < num_blocks; ++b) block_first[b + 1] += block_first[b];
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t next = block_first[b];
+      for (int64_t u = b * kWordGrain, e = std::min(num_unique, (b + 1) * kWordGrain); u < e; ++u) {
+        out_offsets[u] = next;
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t count = cursors[p * num_unique + u];
+          cursors[p * num_unique + u] = next;
+          next += count;
+        }
+      }
+    }
+  });
+  out_offsets[num_unique] = n;
+
+  // The scatter, each part in position order through its own cursors (the cursor and the
+  // slot it points at prefetched ahead, the slot one step after its cursor).
+  parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      int64_t* cursor = cursors + p * num_unique;
+      const int64_t begin = part_begin(p), end = part_begin(p + 1);
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + 2 * kScatterAhead < end) __builtin_prefetch(&cursor[inv[i + 2 * kScatterAhead]], 1);
+        if (i + kScatterAhead < end) __builtin_prefetch(&out_order[cursor[inv[i + kScatterAhead]]], 1);
+        out_order[cursor[inv[i]]++] = i;
+      }
+    }
+  });
+  cursor_scratch.trim();
+}
+
+template <typename key_t>
+void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool group, Tensor& unique_keys,
+                           Tensor& inverse, Tensor& offsets, Tensor& order) {
+  // Bit v + 1 stands for value v, so that -1 is bit 0.
+  const int64_t num_words = (bound + 1 + 63) / 64;
+  const int64_t num_blocks = (num_words + kWordGrain - 1) / kWordGrain;
+  const int64_t workers = chunk_workers(n, kKeyGrain);
+  thread_local Scratch scratch;
+  uint64_t* bitmaps = static_cast<uint64_t*>(
+      scratch.get(sizeof(uint64_t) * static_cast<size_t>((workers + 2) * num_words)));
+  uint64_t* merged = bitmaps + workers * num_words;
+  int64_t* ranks = reinterpret_cast<int64_t*>(merged + num_words);  // set bits in the words before each word
+  std::vector<int64_t> block_first(num_blocks + 1, 0);
+
+  // A: the bits, after zeroing every worker's bitmap; keys out of range are noted.
+  parallel_chunks(workers * num_words, kWordGrain * 4, [&](int64_t begin, int64_t end) {
+    std::memset(bitmaps + begin, 0, sizeof(uint64_t) * static_cast<size_t>(end - begin));
+  });
+  std::atomic<bool> out_of_range{false};
+  parallel_chunks_indexed(n, kKeyGrain, [&](int64_t worker, int64_t begin, int64_t end) {
+    uint64_t* bits = bitmaps + worker * num_words;
+    bool bad = false;
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t bit = static_cast<uint64_t>(static_cast<int64_t>(keys[i]) + 1);
+      // One unsigned compare catches both ends: a key below -1 wraps to a huge bit.
+      if (C10_UNLIKELY(bit > static_cast<uint64_t>(bound))) {
+        bad = true;
+        continue;
+      }
+      bits[bit >> 6] |= uint64_t{1} << (bit & 63);
+    }
+    if (bad) out_of_range.store(true, std::memory_order_relaxed);
+  });
+  if (out_of_range.load()) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t key = static_cast<int64_t>(keys[i]);
+      SK_CHECK(key >= -1 && key < bound, "unique_bounded: keys must lie in [-1, bound) = [-1, ", bound, "), got ",
+               key, " at position ", i);
+    }
+  }
+
+  // B: the merged bitmap and each block's count of set bits.
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t set = 0;
+      for (int64_t w = b * kWordGrain, e = std::min(num_words, (b + 1) * kWordGrain); w < e; ++w) {
+        uint64_t word = bitmaps[w];
+        for (int64_t k = 1; k < workers; ++k) word |= bitmaps[k * num_words + w];
+        merged[w] = word;
+        set += __builtin_popcountll(word);
+      }
+      block_first[b + 1] = set;
+    }
+  });
+  for (int64_t b = 0; b < num_blocks; ++b) block_first[b + 1] += block_first[b];
+  const int64_t num_unique = block_first[num_blocks];
+
+  // C: the rank of every word and the distinct keys, ascending.
+  unique_keys = empty({num_unique}, unique_keys.scalar_type(), unique_keys.device());
+  key_t* out_keys = unique_keys.mutable_data_ptr<key_t>();
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t rank = block_first[b];
+      for (int64_t w = b * kWordGrain, e = std::min(num_words, (b + 1) * kWordGrain); w < e; ++w) {
+        ranks[w] = rank;
+        for (uint64_t word = merged[w]; word != 0; word &= word - 1) {
+          out_keys[rank++] = static_cast<key_t>(w * 64 + __builtin_ctzll(word) - 1);
+        }
+      }
+    }
+  });
+
+  // D: every key's rank.
+  int64_t* inv = inverse.mutable_data_ptr<int64_t>();
+  parallel_chunks(n, kKeyGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t bit = static_cast<uint64_t>(static_cast<int64_t>(keys[i]) + 1);
+      const uint64_t below = merged[bit >> 6] & ((uint64_t{1} << (bit & 63)) - 1);
+      inv[i] = ranks[bit >> 6] + __builtin_popcountll(below);
+    }
+  });
+  if (group) group_by_key(inv, n, num_unique, workers, offsets, order);
+  scratch.trim();
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> unique_bounded_cpu(const Tensor& keys_in, int64_t bound, bool group) {
+  check_key_tensor(keys_in, "unique_bounded", "keys");
+  SK_CHECK(keys_in.device().is_cpu(), "unique_bounded: expected a CPU tensor, got ", keys_in.device());
+  // The bitmaps take bound / 8 bytes per worker: a bound far above the key count is the
+  // caller's mistake (sparsekit.ops picks the hash-based unique then).
+  SK_CHECK(bound >= 0 && bound < (int64_t{1} << 40), "unique_bounded: bound must lie in [0, 2^40), got ", bound);
+  const Tensor keys = as_contiguous(keys_in);
+  Tensor unique_keys = empty({0}, keys.scalar_type(), keys.device());
+  Tensor inverse = empty(keys.sizes(), kLong, keys.device());
+  Tensor offsets = empty({group ? 1 : 0}, kLong, keys.device());
+  Tensor order = empty({0}, kLong, keys.device());
+  const int64_t n = keys.numel();
+  if (n == 0) {
+    if (group) offsets.mutable_data_ptr<int64_t>()[0] = 0;
+    return {unique_keys, inverse, offsets, order};
+  }
+  SK_DISPATCH_INDEX_TYPES(keys.scalar_type(), "unique_bounded_cpu", [&] {
+    unique_bounded_kernel<index_t>(keys.const_data_ptr<index_t>(), n, bound, group, unique_keys, inverse, offsets,
+                                   order);
+  });
+  return {unique_keys, inverse, offsets, order};
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("unique_bounded", TORCH_BOX(&unique_bounded_cpu));
+}
+
+}  // namespace sparsekit
