@@ -503,14 +503,13 @@ def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tens
             keys.new_empty(keys.numel() if group else 0, dtype=torch.int64))
 
 
-def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, object, int,
-                                                                     bool]:
+def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Optional[Tensor],
+                                                                     Optional[Tensor], int, bool]:
     """The distinct rows of ``rows`` (values in ``[-1, num_rows)``) for a sparse gradient:
-    ``(keys, inverse, offsets, order, first, skip, coalesced)``, ``rows == keys[inverse]``;
+    ``(keys, inverse, offsets, order, skip, coalesced)``, ``rows == keys[inverse]``;
     ``keys[:skip]`` is the missing row -1 (``skip`` 0 or 1). With ``group``, the lookups
-    grouped by row: ``order[offsets[u]:offsets[u + 1]]`` (ascending) read row ``keys[u]``,
-    and those of row -1 are ``order[:first]`` (``first`` a tensor or int); else
-    ``offsets``, ``order`` and ``first`` are None.
+    grouped by row: ``order[offsets[u]:offsets[u + 1]]`` (ascending) read row ``keys[u]``;
+    else ``offsets`` and ``order`` are None.
 
     On the CPU ``keys`` ascend (``coalesced``). Eager, ``unique_bounded`` numbers them with a
     bitmap of the table's rows and groups the lookups with a counting sort (327k lookups of
@@ -526,9 +525,7 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
     if eager_cpu and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16):
         keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
         skip = int(keys.numel() > 0 and bool(keys[0] < 0))
-        if not group:
-            return keys, inverse, None, None, None, skip, True
-        return keys, inverse, offsets, order, int(offsets[skip]), skip, True
+        return (keys, inverse, offsets, order, skip, True) if group else (keys, inverse, None, None, skip, True)
     marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
     keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
     inverse = inverse[1:]
@@ -542,12 +539,11 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
         keys, inverse, counts = keys.index_select(0, by_key), rank.index_select(0, inverse), \
             counts.index_select(0, by_key)
     if not group:
-        return keys, inverse, None, None, None, 1, coalesced
+        return keys, inverse, None, None, 1, coalesced
     # Group 0 counted the marker once.
     group_ends = torch.cumsum(counts, 0) - 1
-    sorted_groups, order = torch.sort(inverse, stable=True)
-    return (keys, inverse, torch.cat([group_ends.new_zeros(1), group_ends]), order, (sorted_groups == 0).sum(), 1,
-            coalesced)
+    order = torch.sort(inverse, stable=True).indices
+    return keys, inverse, torch.cat([group_ends.new_zeros(1), group_ends]), order, 1, coalesced
 
 
 def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num_rows: int,
@@ -567,13 +563,14 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
     fixed order), so the gradient is bit-identical run to run on every device.
     """
     dim = source.shape[1]
-    keys, _, offsets, order, first, skip, coalesced = _number_rows(rows, num_rows, group=True)
+    keys, _, offsets, order, skip, coalesced = _number_rows(rows, num_rows, group=True)
     grouped_scale = None if scale is None else scale.index_select(0, order)
-    # The -1 lookups (group 0 when skip is 1) read source index -1, which embedding_bag
-    # skips without a load: they are never gathered, only stepped over.
+    # The -1 lookups (group 0, order[:offsets[1]], when skip is 1) read source index -1,
+    # which embedding_bag skips without a load: they are never gathered, only stepped over.
     grouped_index = source_index.index_select(0, order)
     if skip:
-        grouped_index = torch.where(torch.arange(order.shape[0], device=order.device) < first, -1, grouped_index)
+        grouped_index = torch.where(torch.arange(order.shape[0], device=order.device) < offsets[1], -1,
+                                    grouped_index)
     summed = _ops.embedding_bag(source, grouped_index, offsets, grouped_scale, "sum")
     return torch.sparse_coo_tensor(keys[skip:].to(torch.int64).unsqueeze(0), summed[skip:], (num_rows, dim),
                                    is_coalesced=coalesced, check_invariants=False)
@@ -646,7 +643,7 @@ def _max_gradient(grad_output: Tensor, weight: Tensor, rows: Tensor, offsets: Te
     ``segment_sum(deterministic=True)``: bit-identical run to run on every device."""
     dim = grad_output.shape[1]
     positions = _ops.embedding_bag_argmax(weight, rows, offsets, ctx.padding_idx, ctx.include_last_offset)
-    keys, inverse, _, _, _, skip, coalesced = _number_rows(lookup_rows, ctx.num_rows, group=False)
+    keys, inverse, _, _, skip, coalesced = _number_rows(lookup_rows, ctx.num_rows, group=False)
     groups = keys.shape[0]
     # Group of each arg-max lookup (those of the -1 group, if any, are dropped). Position
     # nnz reads a padded 0, so bags without a valid lookup (-1) need no branch.

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <vector>
 
 #include "torch_api.h"
 
@@ -91,6 +92,42 @@ void parallel_chunks_indexed(int64_t n, int64_t chunk, const F& fn) {
 template <typename F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
   parallel_chunks_indexed(n, chunk, [&](int64_t, int64_t begin, int64_t end) { fn(begin, end); });
+}
+
+/// @brief The exclusive scan of a counting sort with several counting threads, in place:
+/// counts is a [rows, columns] row-major matrix (row r: the counts of one thread or block
+/// of positions, column c: one key or bucket); each entry becomes the number of items before
+/// it when the columns are laid out one after another, rows in order within a column, i.e.
+/// where row r's items of column c start. column_starts ([columns + 1]) gets where each
+/// column starts, and the total last. Parallel over blocks of columns.
+inline void scan_counts_by_column(int64_t* counts, int64_t rows, int64_t columns, int64_t* column_starts) {
+  constexpr int64_t kColumnGrain = int64_t{1} << 12;
+  const int64_t num_blocks = (columns + kColumnGrain - 1) / kColumnGrain;
+  std::vector<int64_t> block_start(num_blocks + 1, 0);
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t total = 0;
+      for (int64_t c = b * kColumnGrain, e = std::min(columns, (b + 1) * kColumnGrain); c < e; ++c) {
+        for (int64_t r = 0; r < rows; ++r) total += counts[r * columns + c];
+      }
+      block_start[b + 1] = total;
+    }
+  });
+  for (int64_t b = 0; b < num_blocks; ++b) block_start[b + 1] += block_start[b];
+  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      int64_t next = block_start[b];
+      for (int64_t c = b * kColumnGrain, e = std::min(columns, (b + 1) * kColumnGrain); c < e; ++c) {
+        column_starts[c] = next;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t count = counts[r * columns + c];
+          counts[r * columns + c] = next;
+          next += count;
+        }
+      }
+    }
+  });
+  column_starts[columns] = block_start[num_blocks];
 }
 
 }  // namespace sparsekit

@@ -72,32 +72,7 @@ void group_by_key(const int64_t* inv, int64_t n, int64_t num_unique, int64_t par
   });
 
   // Offsets, and each part's cursors: where its first position of every rank goes.
-  const int64_t num_blocks = (num_unique + kWordGrain - 1) / kWordGrain;
-  std::vector<int64_t> block_first(num_blocks + 1, 0);
-  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      int64_t total = 0;
-      for (int64_t u = b * kWordGrain, e = std::min(num_unique, (b + 1) * kWordGrain); u < e; ++u) {
-        for (int64_t p = 0; p < parts; ++p) total += cursors[p * num_unique + u];
-      }
-      block_first[b + 1] = total;
-    }
-  });
-  for (int64_t b = 0; b < num_blocks; ++b) block_first[b + 1] += block_first[b];
-  parallel_chunks(num_blocks, 1, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      int64_t next = block_first[b];
-      for (int64_t u = b * kWordGrain, e = std::min(num_unique, (b + 1) * kWordGrain); u < e; ++u) {
-        out_offsets[u] = next;
-        for (int64_t p = 0; p < parts; ++p) {
-          const int64_t count = cursors[p * num_unique + u];
-          cursors[p * num_unique + u] = next;
-          next += count;
-        }
-      }
-    }
-  });
-  out_offsets[num_unique] = n;
+  scan_counts_by_column(cursors, parts, num_unique, out_offsets);
 
   // The scatter, each part in position order through its own cursors (the cursor and the
   // slot it points at prefetched ahead, the slot one step after its cursor).

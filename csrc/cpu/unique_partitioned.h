@@ -168,18 +168,7 @@ void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct,
   // Bucket-major, blocks in order within a bucket: cursor[b][p] = where block b's keys of
   // bucket p start.
   std::vector<int64_t> bucket_start(num_buckets + 1, 0);
-  {
-    int64_t offset = 0;
-    for (int64_t p = 0; p < num_buckets; ++p) {
-      bucket_start[p] = offset;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t keys_here = cursor[b * num_buckets + p];
-        cursor[b * num_buckets + p] = offset;
-        offset += keys_here;
-      }
-    }
-    bucket_start[num_buckets] = offset;
-  }
+  scan_counts_by_column(cursor.data(), num_blocks, num_buckets, bucket_start.data());
   const std::vector<int64_t> cursor_d = cursor;
 
   thread_local Scratch entry_scratch;
