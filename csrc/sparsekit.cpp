@@ -33,6 +33,13 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   m.def("hash_table_find(Tensor slot_keys, Tensor slot_rows, Tensor keys) -> Tensor");
   // Places keys that are distinct and absent from the table; rows[i] is stored for keys[i].
   m.def("hash_table_insert_absent_(Tensor(a!) slot_keys, Tensor(b!) slot_rows, Tensor keys, Tensor rows, int? num_occupied=None) -> ()");
+  // Internal, CPU only: hash_table_find over several tables in one call, keys[offsets[t]
+  // : offsets[t + 1]] looked up in table t (an EmbeddingBagCollection's owner step).
+  m.def("hash_table_find_tables(Tensor[] slot_keys, Tensor[] slot_rows, Tensor keys, int[] offsets) -> Tensor");
+  // Internal, CPU only: scores the rows of several tables, rows[offsets[t] : offsets[t + 1]]
+  // of table t: last_seen[t][row] = clocks[t], count[t][row] += 1 per occurrence; -1 skipped.
+  m.def("hash_table_score_tables_(Tensor(a!)[] last_seen, Tensor(b!)[] count, Tensor rows, int[] offsets, "
+        "int[] clocks) -> ()");
   // Erases keys: their slots become tombstones (-2). Returns the rows they held (-1: absent).
   m.def("hash_table_erase_(Tensor slot_keys, Tensor(a!) slot_rows, Tensor keys) -> Tensor");
   // Ascending indices of the k lexicographically smallest eligible entries of the int64

@@ -15,10 +15,12 @@ One forward step on every rank, for all tables together:
 2. one ``all_to_all_single`` of a header (per owner: pair count, error flags, train/eval
    mode, pairs per table), so a bad input anywhere stops every rank before a key moves;
 3. one ``all_to_all_single`` of the pairs;
-4. each owner dedups what it received, looks the keys up table by table (plan, agree
-   through one status ``all_reduce``, commit, as the single layers do) and packs the
-   vectors, in float32 whatever the table's dtype, into one flat buffer (mixed dims
-   side by side);
+4. each owner dedups what it received and looks the keys up: its hash tables searched
+   together (one op on the CPU), then, in training, only a table that meets new keys plans
+   its insert as the single layers do; every rank agrees through one status
+   ``all_reduce`` before any table changes; then the present keys of every table are
+   scored together and the vectors of each dim are read into one float32 block (one
+   autograd node per dim, mixed dims side by side in the flat buffer);
 5. one ``all_to_all_single`` of the flat buffer back;
 6. per feature: gather its keys' vectors, weight them, and pool them per bag
    (:func:`sparsekit.ops.segment_sum`, in float32), then cast to the table's dtype.
@@ -28,15 +30,16 @@ weight a sparse gradient over the rows this rank owns.
 
 Host synchronisations per training step on CUDA (``world_size > 1``): the two local
 ``unique`` calls, the feature boundaries of the input, the header, the two owner
-``unique`` calls, the owner's pairs per table, the status all-reduce, and each table's
-lookup (``HashTable.insert``: two per hash table in training; none for a direct table);
-so everything but the per-table lookups is independent of the number of tables.
+``unique`` calls, the owner's pairs per table, one read of every hash table's count of
+new keys, and the status all-reduce: independent of the number of tables. Only a table
+that meets new keys in a step adds its insert's two (``HashTable.insert``); a direct
+table adds none.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -60,7 +63,7 @@ from .exchange import (
     _resolve_group,
     _sort_rows,
 )
-from .hashtable import HashTableFullError
+from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import KeySeededUniform, _ModelParallelEmbedding
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection"]
@@ -237,34 +240,75 @@ class _TableShard(_ModelParallelEmbedding):
         return plan if isinstance(plan, Tensor) else self._commit_lookup(plan)
 
 
-class _LookupFloat32(torch.autograd.Function):
-    """Rows of a shard as float32 (any weight dtype), missing rows (-1) read as zeros. The
-    rows asked for are distinct (the owner dedups its pairs), so the weight gradient is the
-    output gradient reordered by row: no sum, cast to the weight's dtype, coalesced."""
+class _PresentRows(NamedTuple):
+    """A training plan of a hash table whose keys are all present: their rows, scored at commit."""
+
+    rows: Tensor
+
+
+class _LookupTables(torch.autograd.Function):
+    """Rows of several shards of one dim as one float32 block (table after table), missing
+    rows (-1) read as zeros. The rows asked of each table are distinct (the owner dedups its
+    pairs), so each weight's gradient is the output gradient reordered by row: no sum, cast
+    to the weight's dtype, coalesced. One node for all the tables: one sort of every table's
+    rows, one gather of the gradient, then a sparse gradient per table over its slice."""
 
     @staticmethod
-    def forward(ctx, weight: Tensor, rows: Tensor, marker: _CoalescedGradMarker, may_miss: bool) -> Tensor:
-        sorted_rows, order = _sort_rows(rows)
-        ctx.save_for_backward(sorted_rows, order)
-        ctx.weight_shape, ctx.weight_dtype, ctx.marker, ctx.may_miss = weight.shape, weight.dtype, marker, may_miss
-        if not may_miss:
-            return weight.index_select(0, rows).float()
-        found = rows >= 0
-        vectors = weight.index_select(0, torch.where(found, rows, 0)).float()
-        return vectors.masked_fill_(~found.unsqueeze(1), 0)
+    def forward(ctx, rows: List[Tensor], markers: List[_CoalescedGradMarker], may_miss: List[bool],
+                *weights: Tensor) -> Tensor:
+        device, dim = weights[0].device, weights[0].shape[1]
+        sizes = [r.numel() for r in rows]
+        out = torch.empty(sum(sizes), dim, dtype=torch.float32, device=device)
+        start = 0
+        for weight, table_rows, miss in zip(weights, rows, may_miss):
+            part = out[start:start + table_rows.numel()]
+            start += table_rows.numel()
+            found = table_rows >= 0 if miss else None
+            index = torch.where(found, table_rows, 0) if miss else table_rows
+            if weight.dtype == torch.float32:
+                torch.index_select(weight, 0, index, out=part)
+            else:
+                part.copy_(weight.index_select(0, index))
+            if miss:
+                part.masked_fill_(~found.unsqueeze(1), 0)
+        # Each table's rows in a block of codes above the previous table's: one sort orders
+        # every table's rows and keeps the tables apart (-1 sorts first in its table).
+        bases = [0]
+        for weight in weights[:-1]:
+            bases.append(bases[-1] + weight.shape[0] + 1)
+        flat = torch.cat(rows) if len(rows) > 1 else rows[0]
+        base_of = torch.repeat_interleave(torch.tensor(bases, dtype=torch.int64, device=device),
+                                          torch.tensor(sizes, dtype=torch.int64, device=device),
+                                          output_size=flat.numel())
+        sorted_codes, order = _sort_rows(flat + base_of + 1)
+        ctx.save_for_backward(sorted_codes, order)
+        ctx.sizes, ctx.bases, ctx.markers, ctx.may_miss = sizes, bases, markers, may_miss
+        ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
+        return out
 
     @staticmethod
     @torch.compiler.disable  # as _LookupOwned.backward
     def backward(ctx, grad: Tensor):
-        sorted_rows, order = ctx.saved_tensors
-        if ctx.may_miss:
-            found = sorted_rows >= 0
-            sorted_rows, order = sorted_rows[found], order[found]
-        values = grad.index_select(0, order).to(ctx.weight_dtype)
-        weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
-                                              is_coalesced=True, check_invariants=False)
-        ctx.marker.produced(values)
-        return weight_grad, None, None, None
+        sorted_codes, order = ctx.saved_tensors
+        values_all = grad.index_select(0, order)
+        grads = []
+        start = 0
+        for j, (size, base, marker, miss, (shape, dtype)) in enumerate(zip(ctx.sizes, ctx.bases, ctx.markers,
+                                                                           ctx.may_miss, ctx.weight_meta)):
+            rows = sorted_codes[start:start + size] - (base + 1)
+            values = values_all[start:start + size]
+            start += size
+            if not ctx.needs_input_grad[3 + j]:
+                grads.append(None)
+                continue
+            if miss:
+                found = rows >= 0
+                rows, values = rows[found], values[found]
+            values = values.to(dtype)
+            grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
+                                                 check_invariants=False))
+            marker.produced(values)
+        return (None, None, None, *grads)
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -588,20 +632,12 @@ class EmbeddingBagCollection(nn.Module):
             torch.bincount(owned_tables, minlength=num_tables).tolist()
         # Plan every table's lookup, agree across ranks, then commit: a failure anywhere
         # changes no table on any rank.
-        plans: List[Any] = []
+        plans: List[Any] = [None] * num_tables
         error: Optional[BaseException] = None
-        start = 0
-        for shard, count in zip(self._shards, owned_per_table):
-            segment = by_table[start:start + count]
-            start += count
-            if error is not None or count == 0:
-                plans.append(None)
-                continue
-            try:
-                plans.append(shard._plan(owned_keys.index_select(0, segment)))
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
-                error = exc
-                plans.append(None)
+        try:
+            self._plan_tables(owned_keys.index_select(0, by_table), owned_per_table, plans)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+            error = exc
         training_tables = self.training and any(s.hash_table is not None for s in self._shards)
         if self.world_size > 1 and training_tables:
             kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
@@ -619,15 +655,16 @@ class EmbeddingBagCollection(nn.Module):
                     "with this step")
         elif error is not None:
             raise error
-        vectors = [None if plan is None else _LookupFloat32.apply(shard.weight, shard._commit(plan), shard._grad_marker,
-                                                                  shard._may_miss())
-                   for shard, plan in zip(self._shards, plans)]
+        rows = self._commit_tables(plans)
         # Per dim group, its tables' owned vectors stacked in group order.
         owned_offsets = self._table_offsets([owned_per_table])
         stacked = []
         for members in self._groups:
-            parts = [vectors[t] for t in members if vectors[t] is not None]
-            stacked.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
+            members = [t for t in members if rows[t] is not None]
+            shards = [self._shards[t] for t in members]
+            stacked.append(_LookupTables.apply([rows[t] for t in members], [s._grad_marker for s in shards],
+                                               [s._may_miss() for s in shards], *[s.weight for s in shards])
+                           if members else None)
         if unique:
             return stacked  # the pairs came table by table, each once: already in block order
         # Each received pair's row in its group's stacked vectors; then the received pairs
@@ -649,6 +686,55 @@ class EmbeddingBagCollection(nn.Module):
             out.append(_GatherRows.apply(stacked[g], row_of_received.index_select(0, in_block_order[start:start + n])))
             start += n
         return out
+
+    def _plan_tables(self, keys: Tensor, per_table: List[int], plans: List[Any]) -> None:
+        """Fills ``plans[t]``, what table t does for its distinct owned keys
+        ``keys[start_t:start_t + per_table[t]]`` this step (None: no keys), changing
+        nothing; may raise. The hash tables are searched together (one op on the CPU): in
+        eval all of them, in training those without admission; a table all of whose keys
+        are present then only needs its rows scored (:class:`_PresentRows`), the others
+        plan an insert as the single layers do."""
+        starts = [0]
+        for count in per_table:
+            starts.append(starts[-1] + count)
+        searched = [t for t, shard in enumerate(self._shards) if per_table[t] > 0 and shard.hash_table is not None
+                    and (not self.training or shard._pending is None)]
+        if searched:
+            every = len(searched) == sum(1 for count in per_table if count > 0)
+            segments = [0]
+            for t in searched:
+                segments.append(segments[-1] + per_table[t])
+            part = keys if every else torch.cat([keys[starts[t]:starts[t + 1]] for t in searched])
+            found = _find_in_tables([self._shards[t].hash_table for t in searched], part, segments)
+            if self.training:
+                misses = (found < 0).long().cumsum(0).index_select(
+                    0, torch.tensor(segments[1:], device=found.device) - 1).tolist()
+                misses = [b - a for a, b in zip([0] + misses, misses)]
+            for i, t in enumerate(searched):
+                rows = found[segments[i]:segments[i + 1]]
+                if not self.training:
+                    plans[t] = rows
+                elif misses[i] == 0:
+                    plans[t] = _PresentRows(rows)
+        for t, shard in enumerate(self._shards):
+            if per_table[t] > 0 and plans[t] is None:
+                plans[t] = shard._plan(keys[starts[t]:starts[t + 1]])
+
+    def _commit_tables(self, plans: List[Any]) -> List[Optional[Tensor]]:
+        """Carries out the plans of :meth:`_plan_tables`: each table's rows (None: no keys)."""
+        present = [t for t, plan in enumerate(plans) if isinstance(plan, _PresentRows)]
+        if present:
+            offsets = [0]
+            for t in present:
+                offsets.append(offsets[-1] + plans[t].rows.numel())
+            tables = [self._shards[t].hash_table for t in present]
+            rows = plans[present[0]].rows
+            flat = rows if len(present) == 1 else torch.cat([plans[t].rows for t in present])
+            _touch_tables(tables, flat, offsets)
+            for table in tables:
+                table.tick()
+        return [None if plan is None else plan.rows if isinstance(plan, _PresentRows) else shard._commit(plan)
+                for shard, plan in zip(self._shards, plans)]
 
     def _pool(self, prepared: Dict[str, Any], per_group: List[Optional[Tensor]],
               counts: List[List[int]]) -> Dict[str, Tensor]:

@@ -21,7 +21,7 @@ eviction and checkpoints read them without touching the slots.
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -58,6 +58,32 @@ class _InsertPlan(NamedTuple):
     new_rows: Tensor      # [N] their rows: the victims' rows ascending, then size, size + 1, ...
     victims: Tensor       # [E] rows evicted for them, ascending
     evicted_keys: Tensor  # [E] the keys of those rows (int64)
+
+
+def _find_in_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]) -> Tensor:
+    """Rows of ``keys[offsets[t]:offsets[t + 1]]`` in ``tables[t]`` for every t (-1: absent);
+    nothing is changed. On the CPU one op for all tables (an EmbeddingBagCollection's owner
+    step would otherwise pay a dispatch and its Python per table); elsewhere table by table."""
+    if keys.device.type == "cpu":
+        return torch.ops.sparsekit.hash_table_find_tables([t._slot_keys for t in tables],
+                                                          [t._slot_rows for t in tables], keys, offsets)
+    parts = [ops.hash_table_find(t._slot_keys, t._slot_rows, keys[a:b])
+             for t, a, b in zip(tables, offsets, offsets[1:])]
+    return torch.cat(parts) if parts else keys.new_empty(0, dtype=torch.int64)
+
+
+def _touch_tables(tables: Sequence["HashTable"], rows: Tensor, offsets: List[int]) -> None:
+    """Scores distinct present rows, ``rows[offsets[t]:offsets[t + 1]]`` of ``tables[t]``
+    (-1 skipped), as an insert of keys already present would: ``last_seen`` becomes each
+    table's clock and ``count`` grows by one."""
+    if rows.device.type == "cpu":
+        torch.ops.sparsekit.hash_table_score_tables_([t._last_seen for t in tables], [t._count for t in tables],
+                                                     rows, offsets, [t._clock for t in tables])
+        return
+    for table, a, b in zip(tables, offsets, offsets[1:]):
+        part = rows[a:b]
+        part = part[part >= 0]
+        table._score(part, None, torch.zeros_like(part, dtype=torch.bool))
 
 
 class HashTable:

@@ -181,6 +181,23 @@ def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: T
     return None
 
 
+@torch.library.register_fake("sparsekit::hash_table_find_tables")
+def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor,
+                                 offsets: List[int]) -> Tensor:
+    torch._check(keys.dim() == 1, lambda: "hash_table_find_tables: keys must be 1-D")
+    torch._check(len(slot_keys) == len(slot_rows) and len(offsets) == len(slot_keys) + 1,
+                 lambda: "hash_table_find_tables: one slot_keys, slot_rows and offsets entry per table")
+    return keys.new_empty(keys.shape, dtype=torch.int64)
+
+
+@torch.library.register_fake("sparsekit::hash_table_score_tables_")
+def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], rows: Tensor, offsets: List[int],
+                                  clocks: List[int]) -> None:
+    torch._check(len(last_seen) == len(count) == len(clocks) and len(offsets) == len(count) + 1,
+                 lambda: "hash_table_score_tables_: one last_seen, count, clock and offsets entry per table")
+    return None
+
+
 def hash_table_find(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
     """Rows of ``keys`` in an open-addressing table (see :class:`sparsekit.HashTable`).
 

@@ -1,4 +1,5 @@
 // CPU kernels of the open-addressing hash table (layout in csrc/hashtable.h).
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <numeric>
@@ -180,10 +181,139 @@ Tensor hash_table_erase_cpu(const Tensor& slot_keys, Tensor& slot_rows, const Te
   return rows;
 }
 
+namespace {
+
+/// @brief Checks the CSR `offsets` of `num_tables` tables over `n` entries: offsets[0] == 0,
+/// never decreasing, offsets[num_tables] == n.
+void check_table_offsets(const std::vector<int64_t>& offsets, size_t num_tables, int64_t n, const char* op) {
+  SK_CHECK(offsets.size() == num_tables + 1, op, ": offsets must hold one more entry than there are tables (",
+           num_tables + 1, "), got ", offsets.size());
+  SK_CHECK(offsets.front() == 0 && offsets.back() == n, op, ": offsets must run from 0 to ", n, ", got ",
+           offsets.front(), " .. ", offsets.back());
+  for (size_t t = 0; t < num_tables; ++t) {
+    SK_CHECK(offsets[t] <= offsets[t + 1], op, ": offsets must never decrease, got offsets[", t, "] = ", offsets[t],
+             " > offsets[", t + 1, "] = ", offsets[t + 1]);
+  }
+}
+
+/// @brief fn(t, begin, end) for each table's part of the entries in [begin, end): the
+/// parallel ranges of a multi-table op ignore table boundaries, so small tables share a task.
+template <typename F>
+void for_each_table_range(const std::vector<int64_t>& offsets, int64_t begin, int64_t end, const F& fn) {
+  int64_t t = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+  for (int64_t i = begin; i < end; ++t) {
+    const int64_t stop = std::min(end, offsets[t + 1]);
+    if (stop > i) fn(t, i, stop);
+    i = std::max(i, stop);
+  }
+}
+
+}  // namespace
+
+/// @brief hash_table_find over several tables: keys[offsets[t] : offsets[t + 1]] in table t.
+/// @param slot_keys, slot_rows the tables' slot arrays (one pair per table).
+/// @param keys int64 or int32 [n], grouped by table.
+/// @param offsets [T + 1] CSR bounds of each table's keys.
+/// @return int64 [n] rows, -1 where a key is absent from its table.
+Tensor hash_table_find_tables_cpu(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows,
+                                  const Tensor& keys, const std::vector<int64_t>& offsets) {
+  SK_CHECK(slot_keys.size() == slot_rows.size(), "hash_table_find_tables: slot_keys holds ", slot_keys.size(),
+           " tables but slot_rows ", slot_rows.size(), "; give both arrays of every table");
+  SK_CHECK(keys.dim() == 1, "hash_table_find_tables: keys must be 1-D, got shape ", keys.sizes());
+  for (size_t t = 0; t < slot_keys.size(); ++t) check_hash_table_find_args(slot_keys[t], slot_rows[t], keys);
+  check_key_tensor(keys, "hash_table_find_tables", "keys");
+  check_table_offsets(offsets, slot_keys.size(), keys.numel(), "hash_table_find_tables");
+  const Tensor keys_c = as_contiguous(keys);
+  Tensor rows = empty(keys.sizes(), kLong, keys.device());
+  std::vector<const int64_t*> skeys, srows;
+  std::vector<uint64_t> masks;
+  for (size_t t = 0; t < slot_keys.size(); ++t) {
+    skeys.push_back(slot_keys[t].const_data_ptr<int64_t>());
+    srows.push_back(slot_rows[t].const_data_ptr<int64_t>());
+    masks.push_back(static_cast<uint64_t>(slot_keys[t].size(0) - 1));
+  }
+  int64_t* out = rows.mutable_data_ptr<int64_t>();
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_find_tables_cpu", [&] {
+    const index_t* k = keys_c.const_data_ptr<index_t>();
+    parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+      for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+        if (masks[t] + 1 >= kFindPrefetchSlots) {
+          find_range<true>(skeys[t], srows[t], masks[t], k, out, b, e);
+        } else {
+          find_range<false>(skeys[t], srows[t], masks[t], k, out, b, e);
+        }
+      });
+    });
+  });
+  return rows;
+}
+
+/// @brief Scores the rows several tables were asked for: for rows[i] of table t (i in
+/// [offsets[t], offsets[t + 1])), last_seen[t][rows[i]] = clocks[t] and count[t][rows[i]]
+/// += 1; -1 (an absent key) is skipped. Every row is checked before anything is written.
+void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std::vector<Tensor>& count, const Tensor& rows,
+                                 const std::vector<int64_t>& offsets, const std::vector<int64_t>& clocks) {
+  const char* op = "hash_table_score_tables_";
+  SK_CHECK(last_seen.size() == count.size() && clocks.size() == count.size(), op, ": last_seen (",
+           last_seen.size(), "), count (", count.size(), ") and clocks (", clocks.size(),
+           ") must hold one entry per table");
+  SK_CHECK(rows.scalar_type() == kLong && rows.dim() == 1, op, ": rows must be 1-D int64, got ",
+           rows.scalar_type(), " with shape ", rows.sizes());
+  for (size_t t = 0; t < count.size(); ++t) {
+    SK_CHECK(last_seen[t].scalar_type() == kLong && count[t].scalar_type() == kLong && last_seen[t].dim() == 1 &&
+                 count[t].dim() == 1 && last_seen[t].size(0) == count[t].size(0) && last_seen[t].is_contiguous() &&
+                 count[t].is_contiguous(),
+             op, ": last_seen[", t, "] and count[", t, "] must be contiguous 1-D int64 tensors of one length");
+    SK_CHECK(last_seen[t].device() == rows.device() && count[t].device() == rows.device(), op,
+             ": table ", t, "'s scores are not on the rows' device (", rows.device(), ")");
+  }
+  check_table_offsets(offsets, count.size(), rows.numel(), op);
+  const Tensor rows_c = as_contiguous(rows);
+  const int64_t* r = rows_c.const_data_ptr<int64_t>();
+  std::atomic<int64_t> bad{rows_c.numel()};
+  parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+      const int64_t size = count[t].size(0);
+      for (int64_t i = b; i < e; ++i) {
+        if (r[i] < -1 || r[i] >= size) {
+          int64_t seen = bad.load(std::memory_order_relaxed);
+          while (i < seen && !bad.compare_exchange_weak(seen, i, std::memory_order_relaxed)) {
+          }
+          return;
+        }
+      }
+    });
+  });
+  const int64_t first_bad = bad.load();
+  if (first_bad < rows_c.numel()) {
+    const int64_t t =
+        std::upper_bound(offsets.begin(), offsets.end(), first_bad) - offsets.begin() - 1;
+    SK_CHECK(false, op, ": rows[", first_bad, "] = ", r[first_bad], " of table ", t,
+             " is outside its scores [-1, ", count[t].size(0), ")");
+  }
+  std::vector<int64_t*> seen_ptr, count_ptr;
+  for (size_t t = 0; t < count.size(); ++t) {
+    seen_ptr.push_back(last_seen[t].mutable_data_ptr<int64_t>());
+    count_ptr.push_back(count[t].mutable_data_ptr<int64_t>());
+  }
+  parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        if (r[i] < 0) continue;
+        // A row repeated across two tasks: the stamp is the same value, the count atomic.
+        __atomic_store_n(&seen_ptr[t][r[i]], clocks[t], __ATOMIC_RELAXED);
+        __atomic_fetch_add(&count_ptr[t][r[i]], 1, __ATOMIC_RELAXED);
+      }
+    });
+  });
+}
+
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("hash_table_find", TORCH_BOX(&hash_table_find_cpu));
   m.impl("hash_table_erase_", TORCH_BOX(&hash_table_erase_cpu));
   m.impl("hash_table_insert_absent_", TORCH_BOX(&hash_table_insert_absent_cpu));
+  m.impl("hash_table_find_tables", TORCH_BOX(&hash_table_find_tables_cpu));
+  m.impl("hash_table_score_tables_", TORCH_BOX(&hash_table_score_tables_cpu));
 }
 
 }  // namespace sparsekit
