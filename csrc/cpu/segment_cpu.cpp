@@ -139,11 +139,19 @@ std::vector<int64_t> balanced_segment_edges(const index_t* ids, int64_t n, int64
     const int64_t id = static_cast<int64_t>(ids[i]);
     if (id >= 0) sample.push_back(std::min(id, num_segments - 1));
   }
-  std::sort(sample.begin(), sample.end());
   std::vector<int64_t> edges{0};
+  // The quantiles by selection, each in what the previous one left above it: O(parts * n)
+  // instead of a sort, and the same edges. The sort cost more than the sum on small inputs:
+  // 4096 rows of 16 float32 into 4000 segments on 2 threads took 200-220 us with it,
+  // 90-96 us without (70-80 us on one thread); a DistributedEmbedding slot of 4096 one-key
+  // bags sums its gradient in one such call.
+  auto rest = sample.begin();
   for (int64_t p = 1; p < parts && !sample.empty(); ++p) {
     // A range starts at the segment holding its first quantile.
-    const int64_t edge = sample[sample.size() * p / parts];
+    const auto quantile = sample.begin() + static_cast<int64_t>(sample.size()) * p / parts;
+    std::nth_element(rest, quantile, sample.end());
+    rest = quantile;
+    const int64_t edge = *quantile;
     if (edge > edges.back()) edges.push_back(edge);
   }
   edges.push_back(num_segments);
