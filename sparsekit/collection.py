@@ -38,6 +38,7 @@ table adds none.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -273,9 +274,7 @@ class _LookupTables(torch.autograd.Function):
                 part.masked_fill_(~found.unsqueeze(1), 0)
         # Each table's rows in a block of codes above the previous table's: one sort orders
         # every table's rows and keeps the tables apart (-1 sorts first in its table).
-        bases = [0]
-        for weight in weights[:-1]:
-            bases.append(bases[-1] + weight.shape[0] + 1)
+        bases = list(itertools.accumulate((w.shape[0] + 1 for w in weights[:-1]), initial=0))
         flat = torch.cat(rows) if len(rows) > 1 else rows[0]
         base_of = torch.repeat_interleave(torch.tensor(bases, dtype=torch.int64, device=device),
                                           torch.tensor(sizes, dtype=torch.int64, device=device),
@@ -694,16 +693,12 @@ class EmbeddingBagCollection(nn.Module):
         eval all of them, in training those without admission; a table all of whose keys
         are present then only needs its rows scored (:class:`_PresentRows`), the others
         plan an insert as the single layers do."""
-        starts = [0]
-        for count in per_table:
-            starts.append(starts[-1] + count)
+        starts = list(itertools.accumulate(per_table, initial=0))
         searched = [t for t, shard in enumerate(self._shards) if per_table[t] > 0 and shard.hash_table is not None
                     and (not self.training or shard._pending is None)]
         if searched:
             every = len(searched) == sum(1 for count in per_table if count > 0)
-            segments = [0]
-            for t in searched:
-                segments.append(segments[-1] + per_table[t])
+            segments = list(itertools.accumulate((per_table[t] for t in searched), initial=0))
             part = keys if every else torch.cat([keys[starts[t]:starts[t + 1]] for t in searched])
             found = _find_in_tables([self._shards[t].hash_table for t in searched], part, segments)
             if self.training:
@@ -724,13 +719,10 @@ class EmbeddingBagCollection(nn.Module):
         """Carries out the plans of :meth:`_plan_tables`: each table's rows (None: no keys)."""
         present = [t for t, plan in enumerate(plans) if isinstance(plan, _PresentRows)]
         if present:
-            offsets = [0]
-            for t in present:
-                offsets.append(offsets[-1] + plans[t].rows.numel())
+            rows = [plans[t].rows for t in present]
             tables = [self._shards[t].hash_table for t in present]
-            rows = plans[present[0]].rows
-            flat = rows if len(present) == 1 else torch.cat([plans[t].rows for t in present])
-            _touch_tables(tables, flat, offsets)
+            _touch_tables(tables, torch.cat(rows) if len(rows) > 1 else rows[0],
+                          list(itertools.accumulate((r.numel() for r in rows), initial=0)))
             for table in tables:
                 table.tick()
         return [None if plan is None else plan.rows if isinstance(plan, _PresentRows) else shard._commit(plan)

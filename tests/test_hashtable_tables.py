@@ -127,7 +127,7 @@ def test_find_tables_rejects_decreasing_offsets_and_mismatched_lists():
         find_tables(slot_keys, slot_rows, torch.tensor([1, 2]), [0, 2, 1, 2])
     with pytest.raises(RuntimeError, match="slot_keys holds 3 tables but slot_rows 2"):
         find_tables(slot_keys, slot_rows[:2], torch.tensor([1, 2]), [0, 1, 2, 2])
-    with pytest.raises(RuntimeError, match="keys must be an int64 or int32 tensor"):
+    with pytest.raises(RuntimeError, match="hash_table_find_tables: keys must be an int64 or int32 tensor"):
         find_tables(slot_keys, slot_rows, torch.tensor([1.0, 2.0]), [0, 1, 2, 2])
 
 

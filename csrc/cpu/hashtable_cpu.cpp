@@ -37,16 +37,22 @@ void find_range(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slo
   }
 }
 
+/// @brief find_range with the prefetching loop where the table is large enough to pay for it.
+template <typename key_t>
+void find_range_in(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask, const key_t* keys,
+                   int64_t* rows_out, int64_t begin, int64_t end) {
+  if (slot_mask + 1 >= kFindPrefetchSlots) {
+    find_range<true>(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
+  } else {
+    find_range<false>(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
+  }
+}
+
 template <typename key_t>
 void find_keys(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask, const key_t* keys,
                int64_t* rows_out, int64_t num_keys) {
-  const bool prefetch = slot_mask + 1 >= kFindPrefetchSlots;
   parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
-    if (prefetch) {
-      find_range<true>(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
-    } else {
-      find_range<false>(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
-    }
+    find_range_in(slot_keys, slot_rows, slot_mask, keys, rows_out, begin, end);
   });
 }
 
@@ -219,9 +225,9 @@ Tensor hash_table_find_tables_cpu(const std::vector<Tensor>& slot_keys, const st
                                   const Tensor& keys, const std::vector<int64_t>& offsets) {
   SK_CHECK(slot_keys.size() == slot_rows.size(), "hash_table_find_tables: slot_keys holds ", slot_keys.size(),
            " tables but slot_rows ", slot_rows.size(), "; give both arrays of every table");
+  check_key_tensor(keys, "hash_table_find_tables", "keys");
   SK_CHECK(keys.dim() == 1, "hash_table_find_tables: keys must be 1-D, got shape ", keys.sizes());
   for (size_t t = 0; t < slot_keys.size(); ++t) check_hash_table_find_args(slot_keys[t], slot_rows[t], keys);
-  check_key_tensor(keys, "hash_table_find_tables", "keys");
   check_table_offsets(offsets, slot_keys.size(), keys.numel(), "hash_table_find_tables");
   const Tensor keys_c = as_contiguous(keys);
   Tensor rows = empty(keys.sizes(), kLong, keys.device());
@@ -237,11 +243,7 @@ Tensor hash_table_find_tables_cpu(const std::vector<Tensor>& slot_keys, const st
     const index_t* k = keys_c.const_data_ptr<index_t>();
     parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
       for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
-        if (masks[t] + 1 >= kFindPrefetchSlots) {
-          find_range<true>(skeys[t], srows[t], masks[t], k, out, b, e);
-        } else {
-          find_range<false>(skeys[t], srows[t], masks[t], k, out, b, e);
-        }
+        find_range_in(skeys[t], srows[t], masks[t], k, out, b, e);
       });
     });
   });
