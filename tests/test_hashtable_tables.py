@@ -14,9 +14,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from _distributed import spawn
 
 import sparsekit as sk
-from sparsekit.hashtable import HashTable, _find_in_tables, _touch_tables
+from sparsekit.hashtable import HashTable, HashTableFullError, _find_in_tables, _touch_tables
 from properties import examples, num_threads, thread_counts
 
 find_tables = torch.ops.sparsekit.hash_table_find_tables
@@ -261,3 +262,35 @@ def test_a_full_table_among_many_changes_no_table():
         table = shard.hash_table
         assert torch.equal(table._last_seen, seen) and torch.equal(table._count, count)
         assert len(table) == size and table.clock == clock
+
+
+def _full_on_one_rank_worker(rank, world_size, init):
+    """Rank 0 owns the odd keys of table "small" (owner uint64(key + 1) % 2): its second
+    step brings three new ones to a table of two, while every table's other keys are
+    present (scored together). Every rank raises and no table changes anywhere."""
+    init()
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 64, ["fa"]), sk.TableConfig("small", 4, 2, ["fs"])])
+
+    def step(a_keys, small_keys):
+        return ebc(sk.KeyedJagged(["fa", "fs"], torch.tensor(a_keys + small_keys),
+                                  lengths=torch.ones(len(a_keys) + len(small_keys), dtype=torch.int64)))
+
+    step([0, 1, 2, 3], [0, 1, 0, 1])  # every owner holds one key of "small"
+    state = [(s.hash_table._last_seen.clone(), s.hash_table._count.clone(), len(s.hash_table), s.hash_table.clock)
+             for s in ebc.shards]
+    if rank == 0:
+        with pytest.raises(HashTableFullError, match="table 'small'.*full"):
+            step([0, 1, 2, 3], [3, 5, 7, 0])
+    else:
+        with pytest.raises(HashTableFullError, match="on rank 0 a hash table is full"):
+            step([0, 1, 2, 3], [1, 0, 1, 0])
+    for shard, (seen, count, size, clock) in zip(ebc.shards, state):
+        table = shard.hash_table
+        assert torch.equal(table._last_seen, seen) and torch.equal(table._count, count)
+        assert len(table) == size and table.clock == clock
+    step([0, 1, 2, 3], [0, 1, 0, 1])  # the group is still in step
+    assert ebc.stats("small")["size"] == 2 and ebc.stats("a")["size"] == 4
+
+
+def test_a_full_table_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path):
+    spawn(_full_on_one_rank_worker, 2, str(tmp_path))
