@@ -19,6 +19,11 @@ PyMODINIT_FUNC PyInit__C(void) {
 STABLE_TORCH_LIBRARY(sparsekit, m) {
   // Hash-based unique in order of first occurrence: keys == unique_keys[inverse].
   m.def("unique(Tensor keys) -> (Tensor unique_keys, Tensor inverse, Tensor counts)");
+  // Internal, CPU only: unique per table. Segment s (keys[offsets[s]:offsets[s+1]]) belongs
+  // to table tables[s]; the distinct keys come table after table, each table's in order of
+  // first occurrence over its segments, with keys == unique_keys[inverse] and per_table
+  // the distinct count of each table. Dedups an EmbeddingBagCollection's (table, key) pairs.
+  m.def("unique_tables(Tensor keys, int[] offsets, int[] tables, int num_tables) -> (Tensor unique_keys, Tensor inverse, Tensor per_table)");
   // Internal, CPU only: sorted unique of keys in [-1, bound) (a bitmap of the range), with
   // keys == unique_keys[inverse]. With group: the positions grouped by key, ascending within
   // a group (order [nnz]), and the groups' CSR bounds in it (offsets [U + 1]); else both
@@ -54,6 +59,9 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
         "bool include_last_offset=True) -> Tensor");
   m.def("embedding_gather(Tensor weight, Tensor rows) -> Tensor");
   m.def("lazy_adam_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, Tensor grad, int step, float lr, float beta1, float beta2, float eps, float weight_decay=0.0) -> ()");
+  // Internal, CPU only: lazy_adam_ over several float32 tables at once (hyper: lr, beta1,
+  // beta2, eps, weight_decay per table); every row is checked before anything is written.
+  m.def("lazy_adam_tables_(Tensor(a!)[] weights, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor[] rows, Tensor[] grads, int[] steps, float[] hyper) -> ()");
   // Stable counting sort of keys by owner rank uint64(key) % world_size:
   // keys_by_owner[positions[i]] == keys[i], counts[r] keys go to rank r.
   m.def("partition_by_owner(Tensor keys, int world_size) -> (Tensor keys_by_owner, Tensor positions, Tensor counts)");

@@ -10,12 +10,14 @@ checkpoints name them by position, so keep the tables' order).
 
 One forward step on every rank, for all tables together:
 
-1. dedup the ``(table, key)`` pairs of the batch (two :func:`sparsekit.ops.unique` calls:
-   keys, then ``key_id * num_tables + table``) and bucket them by owner;
+1. dedup the ``(table, key)`` pairs of the batch, table after table (on the CPU one op
+   that dedups every table in a small table of its own, in parallel over tables; on CUDA
+   two :func:`sparsekit.ops.unique` calls: keys, then ``key_id * num_tables + table``)
+   and bucket them by owner;
 2. one ``all_to_all_single`` of a header (per owner: pair count, error flags, train/eval
    mode, pairs per table), so a bad input anywhere stops every rank before a key moves;
 3. one ``all_to_all_single`` of the pairs;
-4. each owner dedups what it received and looks the keys up: its hash tables searched
+4. each owner dedups what it received (as in 1) and looks the keys up: its hash tables searched
    together (one op on the CPU), then, in training, only a table that meets new keys plans
    its insert as the single layers do; every rank agrees through one status
    ``all_reduce`` before any table changes; then the present keys of every table are
@@ -63,6 +65,7 @@ from .exchange import (
     _PoolRows,
     _resolve_group,
     _sort_rows,
+    _unique_tables,
 )
 from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import KeySeededUniform, _ModelParallelEmbedding
@@ -547,17 +550,16 @@ class EmbeddingBagCollection(nn.Module):
         else:
             keys = values.long()
         table_of_feature = [self._feature_table[f] for f in features]
-        counts = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.int64)
-        pair_table_of_value = torch.repeat_interleave(torch.tensor(table_of_feature, dtype=torch.int64),
-                                                      counts, output_size=keys.numel()).to(device)
         num_tables = len(self._shards)
+        # The distinct (table, key) pairs, table after table: feature f's values are
+        # bounds[f]:bounds[f + 1], a segment of its table.
         if keys.numel() > 0:
-            unique_keys, key_id = ops.unique(keys)
-            pair_ids, pair_of_value = ops.unique(key_id * num_tables + pair_table_of_value)
-            pair_keys = unique_keys.index_select(0, torch.div(pair_ids, num_tables, rounding_mode="floor"))
-            pair_tables = torch.remainder(pair_ids, num_tables)
+            pair_keys, pair_of_value, per_table = _unique_tables(keys, bounds, table_of_feature, num_tables)
         else:
-            pair_keys = pair_tables = pair_of_value = torch.zeros(0, dtype=torch.int64, device=device)
+            pair_keys = pair_of_value = torch.zeros(0, dtype=torch.int64, device=device)
+            per_table = torch.zeros(num_tables, dtype=torch.int64, device=device)
+        pair_tables = torch.repeat_interleave(torch.arange(num_tables, device=device), per_table,
+                                              output_size=pair_keys.numel())
         # Direct-mapped tables: keys must lie in [0, capacity * world_size).
         if any(s.hash_table is None for s in self._shards) and pair_keys.numel() > 0:
             limits = torch.tensor([-1 if s.hash_table is not None else s.num_keys_capacity for s in self._shards],
@@ -566,31 +568,41 @@ class EmbeddingBagCollection(nn.Module):
             bad = (limit >= 0) & ((pair_keys < 0) | (pair_keys >= limit))
             flags = flags | (bad.any().long() * _BAD_KEY)
         # Send order: by owner, then by table (stable): every (owner, table) block is
-        # contiguous, so vectors travel as per-table 2-D blocks.
+        # contiguous, so vectors travel as per-table 2-D blocks. One owner: the pairs are
+        # in that order already.
         world = self.world_size
-        owners = _owners(pair_keys, world, pair_tables) if world > 1 else torch.zeros_like(pair_tables)
-        block = owners * num_tables + pair_tables
-        order = torch.sort(block, stable=True).indices
-        block_counts = torch.bincount(block, minlength=world * num_tables)
+        if world == 1:
+            order, block, block_counts = None, pair_tables, per_table
+        else:
+            block = _owners(pair_keys, world, pair_tables) * num_tables + pair_tables
+            order = torch.sort(block, stable=True).indices
+            block = block.index_select(0, order)
+            block_counts = torch.bincount(block, minlength=world * num_tables)
         # A pair's row in its table's received block (blocks of a table stacked rank by rank).
         counts = block_counts.view(world, num_tables)
         before_in_table = torch.cumsum(counts, 0) - counts              # same table, earlier owners
         block_starts = torch.cumsum(block_counts, 0) - block_counts      # position of each block in send order
-        shift = (before_in_table.reshape(-1) - block_starts).index_select(0, block.index_select(0, order))
-        send_rank_in_table = torch.arange(order.numel(), device=device) + shift
-        pair_row = torch.empty_like(order).index_copy_(0, order, send_rank_in_table)
-        # All bags' ids at once (per feature: minus f * batch).
-        lengths = offsets[1:] - offsets[:-1] if num_bags > 0 else offsets.new_zeros(0)
-        bag_of_value = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths.clamp(min=0),
-                                               output_size=keys.numel()) if not flags_bad_bounds else keys.new_zeros(0)
+        send_rank_in_table = torch.arange(block.numel(), device=device) + \
+            (before_in_table.reshape(-1) - block_starts).index_select(0, block)
+        pair_row = send_rank_in_table if order is None else \
+            torch.empty_like(order).index_copy_(0, order, send_rank_in_table)
+        # All bags' ids at once (per feature: minus f * batch), when pooling needs them.
+        one_per_bag = not flags_bad_bounds and _one_per_bag(offsets, keys.numel())
+        bag_of_value = None
+        if weights is not None or not one_per_bag:
+            lengths = offsets[1:] - offsets[:-1] if num_bags > 0 else offsets.new_zeros(0)
+            bag_of_value = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths.clamp(min=0),
+                                                   output_size=keys.numel()) if not flags_bad_bounds \
+                else keys.new_zeros(0)
         return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "weights": weights,
                 "table_of_feature": table_of_feature, "pair_keys": pair_keys, "pair_tables": pair_tables,
                 "pair_of_value": pair_of_value, "pair_row": pair_row, "bag_of_value": bag_of_value,
-                "send_keys": pair_keys.index_select(0, order), "send_tables": pair_tables.index_select(0, order),
+                "send_keys": pair_keys if order is None else pair_keys.index_select(0, order),
+                "send_tables": pair_tables if order is None else pair_tables.index_select(0, order),
                 "per_owner_table": counts,
                 # One process: the pairs per table (one host read; with a group the header has them).
                 "pairs_per_table": counts[0].tolist() if world == 1 else None, "flags": flags,
-                "one_per_bag": not flags_bad_bounds and _one_per_bag(offsets, keys.numel())}
+                "one_per_bag": one_per_bag}
 
     def _raise_for_flags(self, flags: int, prepared: Optional[Dict[str, Any]]) -> None:
         if flags & _BAD_OFFSETS:
@@ -616,25 +628,21 @@ class EmbeddingBagCollection(nn.Module):
         pairs of table t from rank s). ``unique``: the pairs are already distinct (one process)."""
         device = keys.device
         num_tables = len(self._shards)
+        # The distinct owned pairs, table after table.
         if unique:
-            owned_keys, owned_tables, owned_of_received = keys, tables, None
-        elif keys.numel() == 0:
-            owned_keys = owned_tables = owned_of_received = keys.new_zeros(0)
+            owned_keys, owned_of_received = keys, None
+            owned_per_table = [sum(row[t] for row in counts) for t in range(num_tables)]
         else:
-            unique_keys, key_id = ops.unique(keys)
-            pair_ids, owned_of_received = ops.unique(key_id * num_tables + tables)
-            owned_keys = unique_keys.index_select(0, torch.div(pair_ids, num_tables, rounding_mode="floor"))
-            owned_tables = torch.remainder(pair_ids, num_tables)
-        # Owned pairs grouped by table; each one's row in its table's group.
-        by_table = torch.sort(owned_tables, stable=True).indices
-        owned_per_table = [sum(row[t] for row in counts) for t in range(num_tables)] if unique else \
-            torch.bincount(owned_tables, minlength=num_tables).tolist()
+            sizes = [n for row in counts for n in row]
+            owned_keys, owned_of_received, per_table = _unique_tables(
+                keys, list(itertools.accumulate(sizes, initial=0)), list(range(num_tables)) * len(counts), num_tables)
+            owned_per_table = per_table.tolist()
         # Plan every table's lookup, agree across ranks, then commit: a failure anywhere
         # changes no table on any rank.
         plans: List[Any] = [None] * num_tables
         error: Optional[BaseException] = None
         try:
-            self._plan_tables(owned_keys.index_select(0, by_table), owned_per_table, plans)
+            self._plan_tables(owned_keys, owned_per_table, plans)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
             error = exc
         training_tables = self.training and any(s.hash_table is not None for s in self._shards)
@@ -666,14 +674,12 @@ class EmbeddingBagCollection(nn.Module):
                            if members else None)
         if unique:
             return stacked  # the pairs came table by table, each once: already in block order
-        # Each received pair's row in its group's stacked vectors; then the received pairs
-        # in block order (group by group, table by table, each in received order).
-        group_starts = torch.tensor([0] + owned_per_table[:-1], dtype=torch.int64, device=device).cumsum(0)
-        rank_in_table = torch.empty_like(by_table).index_copy_(
-            0, by_table, torch.arange(by_table.numel(), device=device) - group_starts.index_select(
-                0, owned_tables.index_select(0, by_table)))
-        offset_of_table = torch.tensor(owned_offsets, dtype=torch.int64, device=device)
-        row_of_received = rank_in_table.index_select(0, owned_of_received) + offset_of_table.index_select(0, tables)
+        # Each received pair's row in its group's stacked vectors (its owned pair's rank in
+        # its table plus the table's offset in the group); then the received pairs in block
+        # order (group by group, table by table, each in received order).
+        table_starts = itertools.accumulate(owned_per_table, initial=0)
+        shift = torch.tensor([o - s for o, s in zip(owned_offsets, table_starts)], dtype=torch.int64, device=device)
+        row_of_received = owned_of_received + shift.index_select(0, tables)
         in_block_order = torch.sort(self._sequence_position.to(device).index_select(0, tables), stable=True).indices
         out: List[Optional[Tensor]] = []
         start = 0
@@ -735,9 +741,11 @@ class EmbeddingBagCollection(nn.Module):
         device = self._shards[0].weight.device
         batch, bounds, offsets, weights = prepared["batch"], prepared["bounds"], prepared["offsets"], \
             prepared["weights"]
-        pair_row, pair_of_value, bag_of_value = prepared["pair_row"], prepared["pair_of_value"], \
-            prepared["bag_of_value"]
-        table_offsets = self._table_offsets(counts)
+        bag_of_value = prepared["bag_of_value"]
+        shift = torch.tensor(self._table_offsets(counts), dtype=torch.int64, device=device)
+        # Each value's row in its dim group's block (its pair's row in its table's part).
+        value_row = (prepared["pair_row"] + shift.index_select(0, prepared["pair_tables"])).index_select(
+            0, prepared["pair_of_value"])
         features = prepared["features"]
         pooled_of: Dict[int, Tensor] = {}
         for g, members in enumerate(self._groups):
@@ -745,32 +753,39 @@ class EmbeddingBagCollection(nn.Module):
             if not group_features:
                 continue
             dim = self._shards[members[0]].embedding_vec_size
-            indices, bags, scales, group_offsets = [], [], [], []
-            nnz = 0
+            # Runs of consecutive features, (first, last, position in the group): a run's
+            # values are contiguous, and its bags are the run's bags shifted by one amount.
+            runs: List[Tuple[int, int, int]] = []
             for k, f in enumerate(group_features):
-                begin, end = bounds[f], bounds[f + 1]
-                # This feature's bags in CSR over the group's positions.
-                group_offsets.append(offsets[f * batch:(f + 1) * batch] + (nnz - begin))
-                nnz += end - begin
-                if end == begin:
-                    continue
-                t = prepared["table_of_feature"][f]
-                indices.append(pair_row.index_select(0, pair_of_value[begin:end]) + table_offsets[t])
-                bags.append(bag_of_value[begin:end] + (k - f) * batch)
-                if weights is not None:
-                    scales.append(weights[begin:end].float())
-            num_bags = len(group_features) * batch
-            if not indices:
-                pooled = torch.zeros(num_bags, dim, device=device)
-            else:
-                index, bag = torch.cat(indices), torch.cat(bags)
-                if weights is None and prepared["one_per_bag"]:
-                    pooled = _GatherRows.apply(per_group[g], index)
-                elif weights is None:
-                    group_offsets.append(offsets.new_full((1,), nnz))
-                    pooled = _PoolRows.apply(per_group[g], index, bag, torch.cat(group_offsets))
+                if runs and runs[-1][1] == f - 1:
+                    runs[-1] = (runs[-1][0], f, runs[-1][2])
                 else:
-                    vectors = _GatherRows.apply(per_group[g], index) * torch.cat(scales).unsqueeze(1)
+                    runs.append((f, f, k))
+
+            def cut(values: Tensor, shifts: Optional[List[int]] = None) -> Tensor:
+                parts = [values[bounds[first]:bounds[last + 1]] for first, last, _ in runs]
+                if shifts is not None:
+                    parts = [part + amount for part, amount in zip(parts, shifts)]
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+            nnz = sum(bounds[f + 1] - bounds[f] for f in group_features)
+            num_bags = len(group_features) * batch
+            if nnz == 0:
+                pooled = torch.zeros(num_bags, dim, device=device)
+            elif weights is None and prepared["one_per_bag"]:
+                pooled = _GatherRows.apply(per_group[g], cut(value_row))
+            else:
+                bag = cut(bag_of_value, [(k - first) * batch for first, _, k in runs])
+                if weights is None:
+                    # The runs' bags in CSR over the group's positions.
+                    starts = itertools.accumulate((bounds[last + 1] - bounds[first] for first, last, _ in runs),
+                                                  initial=0)
+                    group_offsets = [offsets[first * batch:(last + 1) * batch] + (start - bounds[first])
+                                     for (first, last, _), start in zip(runs, starts)]
+                    pooled = _PoolRows.apply(per_group[g], cut(value_row), bag,
+                                             torch.cat(group_offsets + [offsets.new_full((1,), nnz)]))
+                else:
+                    vectors = _GatherRows.apply(per_group[g], cut(value_row)) * cut(weights).float().unsqueeze(1)
                     pooled = ops.segment_sum(vectors, bag, num_bags)
             # One split (its backward is one cat), not a slice per feature (each slice's
             # backward would zero-fill the whole block).

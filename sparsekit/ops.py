@@ -36,6 +36,17 @@ def _unique_fake(keys: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     )
 
 
+@torch.library.register_fake("sparsekit::unique_tables")
+def _unique_tables_fake(keys: Tensor, offsets: List[int], tables: List[int],
+                        num_tables: int) -> Tuple[Tensor, Tensor, Tensor]:
+    index_dtype("unique_tables", "keys", keys, "tensor of keys")
+    torch._check(keys.dim() == 1, lambda: "unique_tables: keys must be 1-D")
+    torch._check(len(offsets) == len(tables) + 1, lambda: "unique_tables: offsets must hold one more entry than tables")
+    num_unique = torch.library.get_ctx().new_dynamic_size()
+    return (keys.new_empty(num_unique), keys.new_empty(keys.shape, dtype=torch.int64),
+            keys.new_empty(num_tables, dtype=torch.int64))
+
+
 def unique(
     keys: Tensor, return_inverse: bool = True, return_counts: bool = False
 ) -> Union[Tensor, Tuple[Tensor, ...]]:
@@ -295,6 +306,15 @@ def select_smallest(columns: Sequence[Tensor], eligible: Tensor, k: int) -> Tens
         select_smallest([last_seen, keys], torch.ones(4, dtype=torch.bool), 2)  # tensor([1, 3])
     """
     return _ops.select_smallest(list(columns), eligible, k)
+
+
+@torch.library.register_fake("sparsekit::lazy_adam_tables_")
+def _lazy_adam_tables_fake(weights: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+                           rows: List[Tensor], grads: List[Tensor], steps: List[int], hyper: List[float]) -> None:
+    torch._check(len(weights) == len(exp_avgs) == len(exp_avg_sqs) == len(rows) == len(grads) == len(steps)
+                 and len(hyper) == 5 * len(weights),
+                 lambda: "lazy_adam_tables_: one weight, moment pair, rows, grad and step per table, five hyper")
+    return None
 
 
 @torch.library.register_fake("sparsekit::lazy_adam_")

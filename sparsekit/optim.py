@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -27,7 +27,8 @@ class LazyAdam(torch.optim.Optimizer):
       :func:`sparsekit.ops.lazy_adam_` kernel: only the rows in the gradient change, their
       moments included; every other row keeps its weight and moments bit for bit. An
       uncoalesced gradient (duplicate rows) is summed per row first with
-      :func:`sparsekit.ops.unique` and :func:`sparsekit.ops.segment_sum`.
+      :func:`sparsekit.ops.unique` and :func:`sparsekit.ops.segment_sum`. The float32 CPU
+      tables of a step are updated together, in one multi-table call of the kernel.
     * A parameter with a dense gradient gets ordinary Adam, computed by
       ``torch.optim.adam.adam`` with the same settings ``torch.optim.Adam`` would use, so
       the results are those of ``torch.optim.Adam``.
@@ -136,8 +137,10 @@ class LazyAdam(torch.optim.Optimizer):
         rows, inverse = ops.unique(indices, return_inverse=True)
         return rows, ops.segment_sum(values, inverse, rows.numel())
 
-    def _check_gradients(self) -> None:
-        """Every gradient, before any update: layout, shape, and the rows of sparse ones."""
+    def _check_gradients(self, rows_checked_later: Optional[Set[int]] = None) -> None:
+        """Every gradient, before any update: layout, shape, and the rows of sparse ones
+        (except the parameters whose ``id`` is in ``rows_checked_later``: the fused update
+        checks their rows itself before it writes anything)."""
         ranges: List[Tensor] = []
         where: List[Tuple[int, int, Tensor]] = []
         for g, group in enumerate(self.param_groups):
@@ -155,7 +158,7 @@ class LazyAdam(torch.optim.Optimizer):
                             f"gives) and have the parameter's shape; got sparse_dim {grad.sparse_dim()}, shape "
                             f"{tuple(grad.shape)}")
                     indices = grad._indices()[0]
-                    if indices.numel():
+                    if indices.numel() and (rows_checked_later is None or id(param) not in rows_checked_later):
                         low, high = torch.aminmax(indices)
                         ranges.append(torch.stack([low, high]))
                         where.append((g, i, param))
@@ -174,6 +177,49 @@ class LazyAdam(torch.optim.Optimizer):
                 raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} names row {bad}, "
                                    f"outside [0, {param.shape[0]}); nothing was updated")
 
+    def _fusable(self, param: Tensor) -> bool:
+        """Whether the sparse update of ``param`` can go through the one multi-table CPU
+        kernel (float32, contiguous, no rows handed to new keys to reset)."""
+        grad = param.grad
+        if grad is None or not grad.is_sparse or param.device.type != "cpu" or param.dtype != torch.float32 \
+                or not param.is_contiguous() or grad.sparse_dim() != 1 or grad.shape != param.shape \
+                or getattr(param, "sparsekit_fresh_rows", None) is not None:
+            return False
+        state = self.state[param]
+        return len(state) == 0 or all(state[name].dtype == torch.float32 and state[name].is_contiguous()
+                                      for name in ("exp_avg", "exp_avg_sq"))
+
+    def _fused_sparse_step(self, fused: Set[int]) -> None:
+        """The sparse updates of the ``fused`` parameters (ids), every group at once: one
+        multi-table call of the lazy Adam kernel (the arithmetic of
+        :func:`sparsekit.ops.lazy_adam_`), which checks every row of every table before it
+        writes; then their step counters."""
+        tables: List[List[Any]] = [[] for _ in range(5)]
+        steps: List[int] = []
+        hyper: List[float] = []
+        states = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in fused:
+                    continue
+                state = self._init_state(param)
+                rows, values = self._sparse_rows_and_values(param, param.grad)
+                if group.get("maximize", False):
+                    values = -values  # exact, as SparseAdam's -grad
+                for column, value in zip(tables, (param, state["exp_avg"], state["exp_avg_sq"], rows, values)):
+                    column.append(value)
+                steps.append(int(state["step"].item()) + 1)
+                hyper.extend((float(group["lr"]), *group["betas"], group["eps"], group["weight_decay"]))
+                states.append(state)
+        try:
+            torch.ops.sparsekit.lazy_adam_tables_(*tables, steps, hyper)
+        except RuntimeError:
+            self._check_gradients()  # LazyAdam's own message for a bad row
+            raise
+        for state in states:
+            # Counted even for an empty gradient, as torch.optim.SparseAdam does.
+            state["step"] += 1
+
     # torch.compile runs the step eagerly (one graph break): dynamo does not trace sparse gradients.
     @torch.compiler.disable
     @torch.no_grad()
@@ -188,7 +234,10 @@ class LazyAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        self._check_gradients()
+        fused = {id(p) for group in self.param_groups for p in group["params"] if self._fusable(p)}
+        self._check_gradients(fused)
+        if fused:
+            self._fused_sparse_step(fused)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = group["lr"]
@@ -199,7 +248,7 @@ class LazyAdam(torch.optim.Optimizer):
             dense_exp_avg_sqs: List[Tensor] = []
             dense_steps: List[Tensor] = []
             for param in group["params"]:
-                if param.grad is None:
+                if param.grad is None or id(param) in fused:
                     continue
                 grad = param.grad
                 state = self._init_state(param)

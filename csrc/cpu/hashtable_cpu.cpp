@@ -202,18 +202,6 @@ void check_table_offsets(const std::vector<int64_t>& offsets, size_t num_tables,
   }
 }
 
-/// @brief fn(t, begin, end) for each table's part of the entries in [begin, end): the
-/// parallel ranges of a multi-table op ignore table boundaries, so small tables share a task.
-template <typename F>
-void for_each_table_range(const std::vector<int64_t>& offsets, int64_t begin, int64_t end, const F& fn) {
-  int64_t t = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
-  for (int64_t i = begin; i < end; ++t) {
-    const int64_t stop = std::min(end, offsets[t + 1]);
-    if (stop > i) fn(t, i, stop);
-    i = std::max(i, stop);
-  }
-}
-
 }  // namespace
 
 /// @brief hash_table_find over several tables: keys[offsets[t] : offsets[t + 1]] in table t.

@@ -1,7 +1,9 @@
 // CPU kernel of lazy_adam_: Adam on the rows of a sparse gradient only.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "cpu/parallel.h"
 
@@ -193,8 +195,105 @@ void lazy_adam_cpu(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Te
   });
 }
 
+/// @brief lazy_adam_ over several float32 tables in one call: table t updates weights[t],
+/// exp_avgs[t], exp_avg_sqs[t] at rows[t] (int64, distinct) with grads[t], step steps[t]
+/// and hyper[5t : 5t + 5] = (lr, beta1, beta2, eps, weight_decay). Every argument and
+/// every row of every table is checked before anything is written, so a bad row in one
+/// table changes no table. The rows of all tables are updated in one parallel loop
+/// (small tables share a task), the same arithmetic as lazy_adam_ row for row.
+void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<Tensor>& exp_avgs,
+                          const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& rows,
+                          const std::vector<Tensor>& grads, const std::vector<int64_t>& steps,
+                          const std::vector<double>& hyper) {
+  const char* op = "lazy_adam_tables_";
+  const size_t num_tables = weights.size();
+  SK_CHECK(exp_avgs.size() == num_tables && exp_avg_sqs.size() == num_tables && rows.size() == num_tables &&
+               grads.size() == num_tables && steps.size() == num_tables && hyper.size() == 5 * num_tables,
+           op, ": weights (", num_tables, "), exp_avgs (", exp_avgs.size(), "), exp_avg_sqs (", exp_avg_sqs.size(),
+           "), rows (", rows.size(), "), grads (", grads.size(), ") and steps (", steps.size(),
+           ") must hold one entry per table and hyper five (", hyper.size(), ")");
+  std::vector<Tensor> grads_c;
+  std::vector<int64_t> offsets(num_tables + 1, 0);
+  int64_t max_dim = 1;
+  for (size_t t = 0; t < num_tables; ++t) {
+    const double* h = hyper.data() + 5 * t;
+    check_lazy_adam_args(weights[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t], steps[t], h[0], h[1], h[2],
+                         h[3], h[4]);
+    SK_CHECK(weights[t].scalar_type() == kFloat && weights[t].device().is_cpu(), op, ": weights[", t,
+             "] must be a float32 CPU tensor, got ", weights[t].scalar_type(), " on ", weights[t].device());
+    SK_CHECK(rows[t].scalar_type() == kLong && rows[t].is_contiguous(), op, ": rows[", t,
+             "] must be a contiguous int64 tensor");
+    grads_c.push_back(as_contiguous(grads[t]));
+    offsets[t + 1] = offsets[t] + rows[t].size(0);
+    const int64_t num_rows = weights[t].size(0);
+    if (num_rows > 0) max_dim = std::max(max_dim, weights[t].numel() / num_rows);
+  }
+  const int64_t total = offsets[num_tables];
+  // Every row of every table first: nothing is written unless all are in range.
+  std::atomic<int64_t> bad_at{total};
+  parallel_for(0, total, 1 << 14, [&](int64_t begin, int64_t end) {
+    for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+      const int64_t* r = rows[t].const_data_ptr<int64_t>();
+      const int64_t num_rows = weights[t].size(0);
+      for (int64_t i = b - offsets[t]; i < e - offsets[t]; ++i) {
+        if (r[i] < 0 || r[i] >= num_rows) {
+          const int64_t at = offsets[t] + i;
+          int64_t seen = bad_at.load(std::memory_order_relaxed);
+          while (at < seen && !bad_at.compare_exchange_weak(seen, at, std::memory_order_relaxed)) {
+          }
+          return;
+        }
+      }
+    });
+  });
+  if (bad_at.load() < total) {
+    const int64_t i = bad_at.load();
+    const int64_t t = std::upper_bound(offsets.begin(), offsets.end(), i) - offsets.begin() - 1;
+    SK_CHECK(false, op, ": rows[", t, "] holds ", rows[t].const_data_ptr<int64_t>()[i - offsets[t]],
+             ", outside [0, ", weights[t].size(0), ") (the rows of weights[", t, "]); nothing was updated");
+  }
+  struct Table {
+    float *weight, *exp_avg, *exp_avg_sq;
+    const float* grad;
+    const int64_t* rows;
+    int64_t dim, row_bytes;
+    AdamScalars<float> scalars;
+    bool use_weight_decay;
+  };
+  std::vector<Table> tables(num_tables);
+  for (size_t t = 0; t < num_tables; ++t) {
+    const double* h = hyper.data() + 5 * t;
+    const int64_t num_rows = weights[t].size(0);
+    const int64_t dim = num_rows == 0 ? 0 : weights[t].numel() / num_rows;
+    tables[t] = Table{weights[t].mutable_data_ptr<float>(), exp_avgs[t].mutable_data_ptr<float>(),
+                      exp_avg_sqs[t].mutable_data_ptr<float>(), grads_c[t].const_data_ptr<float>(),
+                      rows[t].const_data_ptr<int64_t>(), dim, dim * static_cast<int64_t>(sizeof(float)),
+                      AdamScalars<float>::make(lazy_adam_step_size(steps[t], h[0], h[1], h[2]), h[1], h[2], h[3],
+                                               h[4]),
+                      h[4] != 0.0};
+  }
+  // About 64 KiB of each state tensor per task, as lazy_adam_.
+  parallel_for(0, total, std::max<int64_t>(1, 16384 / max_dim), [&](int64_t begin, int64_t end) {
+    for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+      const Table& table = tables[t];
+      if (table.dim == 0) return;
+      const int64_t* r = table.rows;
+      for (int64_t i = b - offsets[t], stop = e - offsets[t]; i < stop; ++i) {
+        if (i + kPrefetchRows < stop) {
+          const int64_t ahead = r[i + kPrefetchRows] * table.dim;
+          prefetch_row(table.weight + ahead, table.exp_avg + ahead, table.exp_avg_sq + ahead, table.row_bytes);
+        }
+        const int64_t offset = r[i] * table.dim;
+        adam_row<float, float>(table.weight + offset, table.exp_avg + offset, table.exp_avg_sq + offset,
+                               table.grad + i * table.dim, table.dim, table.scalars, table.use_weight_decay);
+      }
+    });
+  });
+}
+
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("lazy_adam_", TORCH_BOX(&lazy_adam_cpu));
+  m.impl("lazy_adam_tables_", TORCH_BOX(&lazy_adam_tables_cpu));
 }
 
 }  // namespace sparsekit

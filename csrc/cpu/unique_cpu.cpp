@@ -34,6 +34,7 @@
 
 #include "common.h"
 #include "parallel.h"
+#include "scratch.h"
 #include "unique_partitioned.h"
 
 namespace sparsekit {
@@ -558,10 +559,137 @@ std::tuple<Tensor, Tensor, Tensor> unique_cpu(const Tensor& keys_in) {
   return {unique_keys, inverse, counts};
 }
 
+/// @brief An open-addressing table of one dedup at a time in a thread's scratch memory,
+/// sized for every key to be distinct (it never grows): unique_tables dedups many small
+/// key sets, where a fresh calloc'd table each would cost its page faults every call.
+template <typename key_t>
+class ScratchTable {
+ public:
+  struct Slot {
+    key_t key;
+    int64_t id;  // local id + 1; 0 marks a free slot
+  };
+
+  ScratchTable(Scratch& scratch, int64_t max_keys) {
+    int64_t num_slots = 16;
+    while (3 * num_slots < 5 * max_keys) num_slots <<= 1;
+    slots_ = static_cast<Slot*>(scratch.get(num_slots * sizeof(Slot)));
+    std::memset(static_cast<void*>(slots_), 0, num_slots * sizeof(Slot));
+    mask_ = static_cast<uint64_t>(num_slots) - 1;
+  }
+
+  static uint64_t hash_key(key_t key) { return mix_key(static_cast<int64_t>(key)); }
+  uint64_t slot_of(uint64_t hash) const { return hash & mask_; }
+  void prefetch_slot(uint64_t slot) const { __builtin_prefetch(&slots_[slot], 1); }
+
+  /// The id of key; a new key takes the next id and is appended to `keys`.
+  int64_t add(key_t key, uint64_t hash, std::vector<key_t>& keys) {
+    uint64_t slot = slot_of(hash);
+    while (slots_[slot].id != 0) {
+      if (slots_[slot].key == key) return slots_[slot].id - 1;
+      slot = (slot + 1) & mask_;
+    }
+    const int64_t id = static_cast<int64_t>(keys.size());
+    slots_[slot] = Slot{key, id + 1};
+    keys.push_back(key);
+    return id;
+  }
+
+ private:
+  Slot* slots_ = nullptr;
+  uint64_t mask_ = 0;
+};
+
+/// @brief Distinct keys per table: segment s, keys[offsets[s] : offsets[s + 1]], belongs to
+/// table tables[s]. Returns the distinct keys table after table (table 0 first), each
+/// table's in order of first occurrence over its segments in segment order; inverse with
+/// keys[i] == unique_keys[inverse[i]]; and each table's distinct count. Segments that
+/// cover the keys in order (the usual call) make that each table's first occurrence in
+/// the keys, so this equals unique of the (table, key) pairs grouped stably by table.
+/// Each table is deduped by one thread with a table in its scratch memory, tables handed
+/// out largest first, so many small tables cost one pass and no merge.
+std::tuple<Tensor, Tensor, Tensor> unique_tables_cpu(const Tensor& keys_in, const std::vector<int64_t>& offsets,
+                                                     const std::vector<int64_t>& tables, int64_t num_tables) {
+  const char* op = "unique_tables";
+  check_key_tensor(keys_in, op, "keys");
+  SK_CHECK(keys_in.device().is_cpu(), op, ": expected a CPU tensor, got ", keys_in.device());
+  SK_CHECK(keys_in.dim() == 1, op, ": keys must be 1-D, got shape ", keys_in.sizes());
+  SK_CHECK(num_tables >= 0, op, ": num_tables must be >= 0, got ", num_tables);
+  const int64_t n = keys_in.numel();
+  const int64_t num_segments = static_cast<int64_t>(tables.size());
+  SK_CHECK(static_cast<int64_t>(offsets.size()) == num_segments + 1, op,
+           ": offsets must hold one more entry than tables (", num_segments + 1, "), got ", offsets.size());
+  SK_CHECK(offsets.front() == 0 && offsets.back() == n, op, ": offsets must run from 0 to ", n, ", got ",
+           offsets.front(), " .. ", offsets.back());
+  std::vector<std::vector<int64_t>> segments_of(num_tables);
+  std::vector<int64_t> keys_of(num_tables, 0);
+  for (int64_t s = 0; s < num_segments; ++s) {
+    SK_CHECK(offsets[s] <= offsets[s + 1], op, ": offsets must never decrease, got offsets[", s, "] = ",
+             offsets[s], " > offsets[", s + 1, "] = ", offsets[s + 1]);
+    SK_CHECK(tables[s] >= 0 && tables[s] < num_tables, op, ": tables[", s, "] = ", tables[s],
+             " is not a table in [0, ", num_tables, ")");
+    if (offsets[s + 1] == offsets[s]) continue;
+    segments_of[tables[s]].push_back(s);
+    keys_of[tables[s]] += offsets[s + 1] - offsets[s];
+  }
+  const Tensor keys = as_contiguous(keys_in);
+  Tensor inverse = empty({n}, kLong, keys.device());
+  Tensor per_table = empty({num_tables}, kLong, keys.device());
+  int64_t* inv = inverse.mutable_data_ptr<int64_t>();
+  std::vector<int64_t> work;
+  for (int64_t t = 0; t < num_tables; ++t) {
+    if (keys_of[t] > 0) work.push_back(t);
+  }
+  // Largest first: the last tables handed out are the short ones.
+  std::stable_sort(work.begin(), work.end(), [&](int64_t a, int64_t b) { return keys_of[a] > keys_of[b]; });
+  Tensor unique_keys;
+  SK_DISPATCH_INDEX_TYPES(keys.scalar_type(), "unique_tables_cpu", [&] {
+    using key_t = index_t;
+    const key_t* k = keys.const_data_ptr<key_t>();
+    std::vector<std::vector<key_t>> distinct(num_tables);
+    parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t w_begin, int64_t w_end) {
+      thread_local Scratch scratch;
+      for (int64_t w = w_begin; w < w_end; ++w) {
+        const int64_t t = work[w];
+        ScratchTable<key_t> table(scratch, keys_of[t]);
+        std::vector<key_t>& out = distinct[t];
+        for (const int64_t s : segments_of[t]) {
+          const int64_t begin = offsets[s];
+          probe_each(table, k + begin, offsets[s + 1] - begin, [&](int64_t i, uint64_t hash) {
+            inv[begin + i] = table.add(k[begin + i], hash, out);
+          });
+        }
+      }
+      scratch.trim();
+    });
+    // Table t's ids start after the distinct keys of tables 0 .. t-1.
+    std::vector<int64_t> base(num_tables + 1, 0);
+    int64_t* counts = per_table.mutable_data_ptr<int64_t>();
+    for (int64_t t = 0; t < num_tables; ++t) {
+      counts[t] = static_cast<int64_t>(distinct[t].size());
+      base[t + 1] = base[t] + counts[t];
+    }
+    unique_keys = empty({base[num_tables]}, keys.scalar_type(), keys.device());
+    key_t* u = unique_keys.mutable_data_ptr<key_t>();
+    for (int64_t t = 0; t < num_tables; ++t) {
+      std::copy(distinct[t].begin(), distinct[t].end(), u + base[t]);
+    }
+    std::vector<int64_t> segment_base(num_segments);
+    for (int64_t s = 0; s < num_segments; ++s) segment_base[s] = base[tables[s]];
+    parallel_chunks(n, kScanGrain, [&](int64_t begin, int64_t end) {
+      for_each_table_range(offsets, begin, end, [&](int64_t s, int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) inv[i] += segment_base[s];
+      });
+    });
+  });
+  return {unique_keys, inverse, per_table};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("unique", TORCH_BOX(&unique_cpu));
+  m.impl("unique_tables", TORCH_BOX(&unique_tables_cpu));
 }
 
 }  // namespace sparsekit

@@ -1,0 +1,249 @@
+"""The multi-table CPU ops of an EmbeddingBagCollection step and of LazyAdam:
+unique_tables against a dedup table by table in plain Python and against the
+two-unique path the collection takes on other devices; lazy_adam_tables_ against
+lazy_adam_ table by table, bit for bit; and LazyAdam, whose float32 CPU tables go
+through lazy_adam_tables_, against its one-table path.
+
+Thresholds crossed (keep in step with csrc/cpu/unique_cpu.cpp and lazy_adam_cpu.cpp):
+the inverse remap's tasks of 2^14 keys (kScanGrain) that start inside a segment, span
+several or skip empty ones; tables of 0, 1 and 70,000 keys; the update's tasks of
+16384 / dim rows that span several tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.library import opcheck
+
+import sparsekit as sk
+from sparsekit.exchange import _unique_tables, _unique_tables_by_pairs
+from properties import examples, make_keys, num_threads, thread_counts
+
+unique_tables = torch.ops.sparsekit.unique_tables
+lazy_adam_tables = torch.ops.sparsekit.lazy_adam_tables_
+
+
+def reference_unique_tables(keys, offsets, tables, num_tables):
+    """Table by table in Python: each table's keys in order of first occurrence over its segments."""
+    distinct = [dict() for _ in range(num_tables)]
+    local = []
+    for s, t in enumerate(tables):
+        for key in keys[offsets[s]:offsets[s + 1]].tolist():
+            local.append((t, distinct[t].setdefault(key, len(distinct[t]))))
+    base = [0]
+    for d in distinct:
+        base.append(base[-1] + len(d))
+    unique_keys = torch.tensor([k for d in distinct for k in d], dtype=keys.dtype)
+    inverse = torch.tensor([base[t] + i for t, i in local], dtype=torch.int64)
+    return unique_keys, inverse, torch.tensor([len(d) for d in distinct], dtype=torch.int64)
+
+
+def segments(sizes, tables_of):
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    return offsets, tables_of
+
+
+@examples(20)
+@given(sizes=st.lists(st.sampled_from([0, 1, 5, 300, 16383, 16384, 16385, 40_000]), min_size=0, max_size=6),
+       num_tables=st.integers(1, 4), distribution=st.sampled_from(["zipf", "extremes", "small_range",
+                                                                      "all_distinct", "all_equal"]),
+       dtype=st.sampled_from([torch.int64, torch.int32]), threads=thread_counts, data=st.data())
+def test_unique_tables_matches_a_dedup_table_by_table(sizes, num_tables, distribution, dtype, threads, data):
+    tables = data.draw(st.lists(st.integers(0, num_tables - 1), min_size=len(sizes), max_size=len(sizes)))
+    offsets, tables = segments(sizes, tables)
+    keys = make_keys(offsets[-1], distribution, data.draw(st.integers(0, 2**31 - 1)), dtype)
+    with num_threads(threads):
+        got = unique_tables(keys, offsets, tables, num_tables)
+    want = reference_unique_tables(keys, offsets, tables, num_tables)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert torch.equal(got[0][got[1]], keys)
+
+
+@examples(10)
+@given(sizes=st.lists(st.sampled_from([0, 1, 17, 4096, 70_000]), min_size=1, max_size=5),
+       num_tables=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_unique_tables_matches_the_two_unique_path_of_other_devices(sizes, num_tables, seed):
+    """Segments in key order, as the collection passes them (features of a shared table
+    apart): the CPU op and the path the collection takes on CUDA agree exactly."""
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.randint(0, num_tables, (len(sizes),), generator=g).tolist()
+    offsets, tables = segments(sizes, tables)
+    keys = make_keys(offsets[-1], "zipf", seed)
+    got = _unique_tables(keys, offsets, tables, num_tables)
+    want = _unique_tables_by_pairs(keys, offsets, tables, num_tables)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_unique_tables_empty_and_tableless():
+    keys = torch.zeros(0, dtype=torch.int64)
+    u, inv, per = unique_tables(keys, [0], [], 3)
+    assert u.numel() == 0 and inv.numel() == 0 and per.tolist() == [0, 0, 0]
+    u, inv, per = unique_tables(keys, [0], [], 0)
+    assert per.numel() == 0
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda k: unique_tables(k.float(), [0, 4], [0], 1), "keys must be an int64 or int32"),
+    (lambda k: unique_tables(k.view(2, 2), [0, 4], [0], 1), "keys must be 1-D"),
+    (lambda k: unique_tables(k, [0, 4], [0], -1), "num_tables must be >= 0"),
+    (lambda k: unique_tables(k, [0, 2, 4], [0], 1), "offsets must hold one more entry than tables"),
+    (lambda k: unique_tables(k, [0, 3], [0], 1), "offsets must run from 0 to 4"),
+    (lambda k: unique_tables(k, [0, 3, 2, 4], [0, 0, 0], 1), r"offsets must never decrease"),
+    (lambda k: unique_tables(k, [0, 2, 4], [0, 2], 2), r"tables\[1\] = 2 is not a table in \[0, 2\)"),
+])
+def test_unique_tables_rejects_bad_arguments_by_name(call, match):
+    with pytest.raises(RuntimeError, match=match):
+        call(torch.arange(4))
+
+
+def test_unique_tables_opcheck():
+    keys = make_keys(5000, "zipf", 3)
+    opcheck(unique_tables, (keys, [0, 1000, 1000, 5000], [1, 0, 1], 2))
+
+
+def adam_tables(num_tables, seed, dims=None, counts=None, dtype=torch.float32):
+    """Per table (weight, exp_avg, exp_avg_sq, rows, grad, step, hyper) with distinct rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(num_tables):
+        dim = dims[t] if dims else int(torch.randint(1, 40, (1,), generator=g))
+        num_rows = int(torch.randint(1, 3000, (1,), generator=g))
+        count = min(num_rows, counts[t] if counts else int(torch.randint(0, num_rows + 1, (1,), generator=g)))
+        weight = torch.randn(num_rows, dim, generator=g, dtype=dtype)
+        exp_avg = 0.1 * torch.randn(num_rows, dim, generator=g, dtype=dtype)
+        exp_avg_sq = 0.01 * torch.rand(num_rows, dim, generator=g, dtype=dtype)
+        rows = torch.randperm(num_rows, generator=g)[:count]
+        grad = torch.randn(count, dim, generator=g, dtype=dtype)
+        step = int(torch.randint(1, 50, (1,), generator=g))
+        hyper = [float(torch.rand(1, generator=g)) * 0.1, 0.9 - 0.1 * t % 0.5, 0.999 - 0.01 * t % 0.1,
+                 10.0 ** -(4 + t % 5), 0.0 if t % 2 else 0.01]
+        out.append((weight, exp_avg, exp_avg_sq, rows, grad, step, hyper))
+    return out
+
+
+def run_tables(tables):
+    columns = [[t[i] for t in tables] for i in range(5)]
+    lazy_adam_tables(*columns, [t[5] for t in tables], [h for t in tables for h in t[6]])
+
+
+@examples(15)
+@given(num_tables=st.integers(1, 6), counts=st.lists(st.sampled_from([0, 1, 3, 1023, 1024, 1025, 2999]),
+                                                    min_size=6, max_size=6),
+       dims=st.lists(st.sampled_from([1, 3, 4, 16, 17, 64]), min_size=6, max_size=6),
+       threads=thread_counts, seed=st.integers(0, 2**31 - 1))
+def test_lazy_adam_tables_matches_lazy_adam_table_by_table_bit_for_bit(num_tables, counts, dims, threads, seed):
+    fused = adam_tables(num_tables, seed, dims, counts)
+    alone = [tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in t) for t in fused]
+    with num_threads(threads):
+        run_tables(fused)
+    for weight, exp_avg, exp_avg_sq, rows, grad, step, hyper in alone:
+        sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, step, *hyper)
+    for a, b in zip(fused, alone):
+        for x, y in zip(a[:3], b[:3]):
+            assert torch.equal(x, y)
+
+
+def test_lazy_adam_tables_bad_row_in_one_table_changes_no_table():
+    tables = adam_tables(4, 5, counts=[50, 50, 50, 50])
+    before = [[x.clone() for x in t[:3]] for t in tables]
+    tables[2][3][7] = tables[2][0].shape[0]  # one past the end
+    with pytest.raises(RuntimeError, match=r"rows\[2\] holds .* outside \[0, .*nothing was updated"):
+        run_tables(tables)
+    for t, saved in zip(tables, before):
+        for x, y in zip(t[:3], saved):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t[1].__setitem__(0, torch.zeros(2, 3)), "exp_avg .* must have the shape of weight"),
+    (lambda t: t[5].__setitem__(0, 0), "step must be >= 1"),
+    (lambda t: t[6].__setitem__(1, 1.0), r"beta1 must be in \[0, 1\)"),
+    (lambda t: [t[i].__setitem__(0, t[i][0].double()) for i in (0, 1, 2, 4)], r"weights\[0\] must be a float32"),
+])
+def test_lazy_adam_tables_rejects_bad_arguments(change, match):
+    tables = adam_tables(2, 9, dims=[3, 3], counts=[4, 4])
+    columns = [[t[i] for t in tables] for i in range(5)] + [[t[5] for t in tables], [h for t in tables for h in t[6]]]
+    # Columns: 0 weights, 1 exp_avgs, ..., 5 steps, 6 hyper (flat).
+    change(columns)
+    with pytest.raises(RuntimeError, match=match):
+        lazy_adam_tables(*columns)
+
+
+def test_lazy_adam_tables_opcheck():
+    tables = adam_tables(3, 11, counts=[10, 0, 20])
+    opcheck(lazy_adam_tables, ([[t[i] for t in tables] for i in range(5)]
+                               + [[t[5] for t in tables], [h for t in tables for h in t[6]]]))
+
+
+def sparse_grads(params, seed, coalesced=True):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        n = int(torch.randint(0, p.shape[0] + 1, (1,), generator=g))
+        rows = torch.randperm(p.shape[0], generator=g)[:n] if coalesced else \
+            torch.randint(0, p.shape[0], (n,), generator=g)
+        values = torch.randn(n, *p.shape[1:], generator=g, dtype=p.dtype)
+        grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, p.shape)
+        p.grad = grad.coalesce() if coalesced else grad
+
+
+def one_table_path(optimizer):
+    """Makes ``optimizer`` update every parameter through its one-table path."""
+    optimizer._fusable = lambda param: False
+    return optimizer
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_lazy_adam_fused_tables_match_its_one_table_path(maximize):
+    """Two groups with their own settings; float32 tables (fused), a float64 table and a
+    column slice (one table at a time), uncoalesced gradients and a dense parameter."""
+    def model(seed):
+        g = torch.Generator().manual_seed(seed)
+        big = torch.randn(300, 8, generator=g)
+        return [torch.nn.Parameter(torch.randn(200, 16, generator=g)),
+                torch.nn.Parameter(torch.randn(50, 3, generator=g)),
+                torch.nn.Parameter(torch.randn(100, 4, generator=g, dtype=torch.float64)),
+                torch.nn.Parameter(big[:, :5]),
+                torch.nn.Parameter(torch.randn(7, 7, generator=g))]
+
+    def run(optimizer_of):
+        params = model(0)
+        opt = optimizer_of([{"params": params[:3], "lr": 0.01},
+                            {"params": params[3:], "lr": 0.003, "betas": (0.8, 0.99), "weight_decay": 0.1}])
+        for step in range(4):
+            sparse_grads(params[:4], step, coalesced=step % 2 == 0)
+            params[4].grad = torch.full_like(params[4], 0.1 * step)
+            opt.step()
+        return params, opt
+
+    fused, fused_opt = run(lambda groups: sk.LazyAdam(groups, maximize=maximize))
+    alone, alone_opt = run(lambda groups: one_table_path(sk.LazyAdam(groups, maximize=maximize)))
+    for a, b in zip(fused, alone):
+        assert torch.equal(a, b)
+    for a, b in zip(fused, alone):
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(fused_opt.state[a][name], alone_opt.state[b][name])
+
+
+def test_lazy_adam_bad_row_in_a_fused_table_changes_nothing():
+    params = [torch.nn.Parameter(torch.randn(20, 4)) for _ in range(3)] + \
+        [torch.nn.Parameter(torch.randn(5, 5, dtype=torch.float64))]
+    opt = sk.LazyAdam(params, lr=0.1)
+    sparse_grads(params, 1)
+    opt.step()
+    sparse_grads(params, 2)
+    params[1].grad = torch.sparse_coo_tensor(torch.tensor([[3, 20]]), torch.ones(2, 4), (20, 4))
+    before = [p.detach().clone() for p in params]
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    with pytest.raises(RuntimeError, match=r"parameter 1 of group 0 names row 20, outside \[0, 20\); nothing was"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, state[id(p)][k])
