@@ -33,6 +33,9 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // SymInt keeps torch.compile's symbolic sizes flowing; the stable kernels receive it as
   // an int64 (a concrete value by the time a kernel runs).
   m.def("segment_sum(Tensor data, Tensor segment_ids, SymInt num_segments, bool deterministic=False) -> Tensor");
+  // Internal, CPU only: segment_sum of the rows of several tensors one after the other
+  // (segment_ids spans them all), without concatenating them.
+  m.def("segment_sum_parts(Tensor[] data, Tensor segment_ids, int num_segments) -> Tensor");
   // Open-addressing table over plain tensors: slot_rows[s] == -1 marks an empty slot, so
   // every int64 value is a valid key.
   m.def("hash_table_find(Tensor slot_keys, Tensor slot_rows, Tensor keys) -> Tensor");

@@ -60,6 +60,7 @@ from .exchange import (
     _all_to_all_rows,
     _AllToAll,
     _CoalescedGradMarker,
+    _GatherPieces,
     _GatherRows,
     _one_per_bag,
     _PoolRows,
@@ -773,7 +774,11 @@ class EmbeddingBagCollection(nn.Module):
             if nnz == 0:
                 pooled = torch.zeros(num_bags, dim, device=device)
             elif weights is None and prepared["one_per_bag"]:
-                pooled = _GatherRows.apply(per_group[g], cut(value_row))
+                # One output per feature, and a backward that reads their gradients in place.
+                for f, part in zip(group_features, _GatherPieces.apply(per_group[g], cut(value_row),
+                                                                      [batch] * len(group_features))):
+                    pooled_of[f] = part
+                continue
             else:
                 bag = cut(bag_of_value, [(k - first) * batch for first, _, k in runs])
                 if weights is None:

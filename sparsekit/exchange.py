@@ -190,6 +190,28 @@ class _GatherRows(torch.autograd.Function):
         return ops.segment_sum(grad.contiguous(), index, ctx.num_rows), None
 
 
+class _GatherPieces(torch.autograd.Function):
+    """``rows[index]`` cut into consecutive pieces of ``sizes`` rows (views of one gather),
+    one output per piece: the gradient of ``rows`` is one segment sum over the pieces'
+    gradients, read where they lie on the CPU (``segment_sum_parts``), where a split's
+    backward would first concatenate them."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, index: Tensor, sizes: List[int]) -> Tuple[Tensor, ...]:
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return tuple(rows.index_select(0, index).split(sizes))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        (index,) = ctx.saved_tensors
+        if index.device.type == "cpu":
+            grad = torch.ops.sparsekit.segment_sum_parts(list(grads), index, ctx.num_rows)
+        else:
+            grad = ops.segment_sum(torch.cat(grads), index, ctx.num_rows)
+        return grad, None, None
+
+
 class _PoolRows(torch.autograd.Function):
     """Bag sums ``out[b] = sum(rows[index[j]] for j in offsets[b]:offsets[b+1])`` over CSR
     ``offsets`` (``bag[j]``: the bag of position ``j``). The forward is one fused gather and

@@ -308,6 +308,14 @@ def select_smallest(columns: Sequence[Tensor], eligible: Tensor, k: int) -> Tens
     return _ops.select_smallest(list(columns), eligible, k)
 
 
+@torch.library.register_fake("sparsekit::segment_sum_parts")
+def _segment_sum_parts_fake(data: List[Tensor], segment_ids: Tensor, num_segments: int) -> Tensor:
+    torch._check(len(data) > 0, lambda: "segment_sum_parts: data must hold at least one tensor")
+    torch._check(segment_ids.dim() == 1 and segment_ids.shape[0] == sum(d.shape[0] for d in data),
+                 lambda: "segment_sum_parts: one segment id per row of data")
+    return data[0].new_empty((num_segments, *data[0].shape[1:]))
+
+
 @torch.library.register_fake("sparsekit::lazy_adam_tables_")
 def _lazy_adam_tables_fake(weights: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                            rows: List[Tensor], grads: List[Tensor], steps: List[int], hyper: List[float]) -> None:

@@ -1,8 +1,9 @@
 """The multi-table CPU ops of an EmbeddingBagCollection step and of LazyAdam:
 unique_tables against a dedup table by table in plain Python and against the
 two-unique path the collection takes on other devices; lazy_adam_tables_ against
-lazy_adam_ table by table, bit for bit; and LazyAdam, whose float32 CPU tables go
-through lazy_adam_tables_, against its one-table path.
+lazy_adam_ table by table, bit for bit; LazyAdam, whose float32 CPU tables go
+through lazy_adam_tables_, against its one-table path; segment_sum_parts (the pooled
+features' gradients summed where they lie) against segment_sum of their concatenation.
 
 Thresholds crossed (keep in step with csrc/cpu/unique_cpu.cpp and lazy_adam_cpu.cpp):
 the inverse remap's tasks of 2^14 keys (kScanGrain) that start inside a segment, span
@@ -247,3 +248,43 @@ def test_lazy_adam_bad_row_in_a_fused_table_changes_nothing():
         assert torch.equal(p, b)
         for k, v in opt.state[p].items():
             assert torch.equal(v, state[id(p)][k])
+
+
+segment_sum_parts = torch.ops.sparsekit.segment_sum_parts
+
+
+@examples(15)
+@given(sizes=st.lists(st.sampled_from([0, 1, 7, 2048, 2049, 5000]), min_size=1, max_size=5),
+       dim=st.sampled_from([1, 3, 16, 17, 128]), num_segments=st.sampled_from([1, 5, 3000]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       threads=thread_counts, seed=st.integers(0, 2**31 - 1))
+def test_segment_sum_parts_matches_segment_sum_of_the_concatenation_bit_for_bit(sizes, dim, num_segments, dtype,
+                                                                                 threads, seed):
+    """Rows of kListRows (2048) blocks that straddle the parts' edges, empty parts,
+    padding ids (-1) and every dtype."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, dim, generator=g).to(dtype) for n in sizes]
+    ids = torch.randint(-1, num_segments, (sum(sizes),), generator=g)
+    with num_threads(threads):
+        got = segment_sum_parts(parts, ids, num_segments)
+        want = sk.ops.segment_sum(torch.cat(parts), ids, num_segments)
+    assert got.dtype == dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p, i: segment_sum_parts([], i[:0], 4), "data must hold at least one tensor"),
+    (lambda p, i: segment_sum_parts([p, p[:, :2]], i.repeat(2), 4), r"data\[1\] .* row shape of data\[0\]"),
+    (lambda p, i: segment_sum_parts([p, p.double()], i.repeat(2), 4), r"data\[1\] .* dtype"),
+    (lambda p, i: segment_sum_parts([p, p], i, 4), "one entry per row of data"),
+    (lambda p, i: segment_sum_parts([p], i.float(), 4), "segment_ids must be an int64 or int32"),
+    (lambda p, i: segment_sum_parts([p], i, 3), "segment_ids holds 3 but num_segments is 3"),
+    (lambda p, i: segment_sum_parts([p.long()], i, 4), "must be float32"),
+])
+def test_segment_sum_parts_rejects_bad_arguments_by_name(call, match):
+    with pytest.raises(RuntimeError, match=match):
+        call(torch.randn(4, 3), torch.tensor([0, 3, 1, -1]))
+
+
+def test_segment_sum_parts_opcheck():
+    parts = [torch.randn(n, 4) for n in (3, 0, 10)]
+    opcheck(segment_sum_parts, (parts, torch.randint(0, 6, (13,)), 6))

@@ -103,21 +103,38 @@ int64_t accumulate_unit(const scalar_t* data, const index_t* ids, int64_t n, int
   return max_id;
 }
 
-/// @brief One unit of work: segments [seg_begin, seg_end) x columns [col_begin, col_end).
+/// @brief The rows of data as consecutive parts: rows [starts[p], starts[p + 1]) are the
+/// rows of parts[p] (a list of gradients summed as if concatenated, with no copy).
+template <typename scalar_t>
+struct RowParts {
+  std::vector<const scalar_t*> parts;
+  std::vector<int64_t> starts;
+};
+
+/// @brief One unit of work: segments [seg_begin, seg_end) x columns [col_begin, col_end),
+/// the parts in order (so rows are added in position order whatever the split).
 /// float32/float64 accumulate in the output; float16/bfloat16 in a float32 scratch slice.
 /// @return the largest id seen.
 template <typename scalar_t, typename index_t>
-int64_t run_unit(const scalar_t* data, const index_t* ids, int64_t n, int64_t dim, int64_t seg_begin,
+int64_t run_unit(const RowParts<scalar_t>& data, const index_t* ids, int64_t dim, int64_t seg_begin,
                  int64_t seg_end, int64_t col_begin, int64_t col_end, scalar_t* out) {
   using acc_t = acc_type<scalar_t>;
+  auto each_part = [&](acc_t* acc, int64_t acc_stride) {
+    int64_t max_id = -1;
+    for (size_t p = 0; p < data.parts.size(); ++p) {
+      const int64_t begin = data.starts[p];
+      max_id = std::max(max_id, accumulate_unit<scalar_t, acc_t, index_t>(
+                                    data.parts[p], ids + begin, data.starts[p + 1] - begin, dim, seg_begin, seg_end,
+                                    col_begin, col_end, acc, acc_stride));
+    }
+    return max_id;
+  };
   if constexpr (std::is_same_v<acc_t, scalar_t>) {
-    return accumulate_unit<scalar_t, acc_t, index_t>(data, ids, n, dim, seg_begin, seg_end, col_begin, col_end,
-                                                     out + seg_begin * dim + col_begin, dim);
+    return each_part(out + seg_begin * dim + col_begin, dim);
   } else {
     const int64_t width = col_end - col_begin;
     std::vector<acc_t> acc((seg_end - seg_begin) * width, acc_t(0));
-    const int64_t max_id = accumulate_unit<scalar_t, acc_t, index_t>(data, ids, n, dim, seg_begin, seg_end,
-                                                                     col_begin, col_end, acc.data(), width);
+    const int64_t max_id = each_part(acc.data(), width);
     for (int64_t s = seg_begin; s < seg_end; ++s) {
       for (int64_t c = 0; c < width; ++c) {
         out[s * dim + col_begin + c] = static_cast<scalar_t>(acc[(s - seg_begin) * width + c]);
@@ -158,17 +175,16 @@ std::vector<int64_t> balanced_segment_edges(const index_t* ids, int64_t n, int64
   return edges;
 }
 
-Tensor segment_sum_cpu(const Tensor& data_in, const Tensor& ids_in, int64_t num_segments,
-                           bool /*deterministic: always true on the CPU*/) {
-  check_segment_sum_args(data_in, ids_in, num_segments);
-  SK_CHECK(data_in.device().is_cpu(), "segment_sum: expected CPU tensors, got ", data_in.device());
-  const Tensor data = as_contiguous(data_in);
+/// @brief The sum of rows data[i] into out[ids[i]], data given as parts of consecutive
+/// rows (contiguous, one dtype and row shape; `shape` is the row shape with any first size).
+Tensor segment_sum_rows(const std::vector<Tensor>& data, const Tensor& ids_in, int64_t num_segments,
+                        std::vector<int64_t> shape) {
   const Tensor ids = as_contiguous(ids_in);
-  const int64_t n = data.size(0);
-  const int64_t dim = n > 0 ? data.numel() / n : 1;
-  std::vector<int64_t> out_shape = data.sizes().vec();
-  out_shape[0] = num_segments;
-  Tensor out = zeros(out_shape, data.scalar_type(), data.device());
+  const int64_t n = ids.numel();
+  int64_t dim = 1;
+  for (size_t d = 1; d < shape.size(); ++d) dim *= shape[d];
+  shape[0] = num_segments;
+  Tensor out = zeros(shape, data.empty() ? kFloat : data[0].scalar_type(), ids.device());
   if (n == 0) return out;
 
   SK_DISPATCH_INDEX_TYPES(ids.scalar_type(), "segment_sum_cpu_ids", [&] {
@@ -192,13 +208,18 @@ Tensor segment_sum_cpu(const Tensor& data_in, const Tensor& ids_in, int64_t num_
     const int64_t units = col_blocks * seg_ranges;
 
     std::vector<int64_t> max_ids(units, -1);
-    SK_DISPATCH_FLOATING_TYPES(data.scalar_type(), "segment_sum_cpu", [&] {
-      const scalar_t* data_ptr = data.mutable_data_ptr<scalar_t>();
+    SK_DISPATCH_FLOATING_TYPES(data[0].scalar_type(), "segment_sum_cpu", [&] {
+      RowParts<scalar_t> parts;
+      parts.starts.push_back(0);
+      for (const Tensor& part : data) {
+        parts.parts.push_back(part.const_data_ptr<scalar_t>());
+        parts.starts.push_back(parts.starts.back() + part.size(0));
+      }
       scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
       parallel_for(0, units, 1, [&](int64_t u_begin, int64_t u_end) {
         for (int64_t u = u_begin; u < u_end; ++u) {
           const int64_t cb = u % col_blocks, sr = u / col_blocks;
-          max_ids[u] = run_unit<scalar_t, index_t>(data_ptr, id_ptr, n, dim, seg_edges[sr], seg_edges[sr + 1],
+          max_ids[u] = run_unit<scalar_t, index_t>(parts, id_ptr, dim, seg_edges[sr], seg_edges[sr + 1],
                                                    col_edge(cb), col_edge(cb + 1), out_ptr);
         }
       });
@@ -209,10 +230,46 @@ Tensor segment_sum_cpu(const Tensor& data_in, const Tensor& ids_in, int64_t num_
   return out;
 }
 
+Tensor segment_sum_cpu(const Tensor& data_in, const Tensor& ids_in, int64_t num_segments,
+                       bool /*deterministic: always true on the CPU*/) {
+  check_segment_sum_args(data_in, ids_in, num_segments);
+  SK_CHECK(data_in.device().is_cpu(), "segment_sum: expected CPU tensors, got ", data_in.device());
+  return segment_sum_rows({as_contiguous(data_in)}, ids_in, num_segments, data_in.sizes().vec());
+}
+
+/// @brief segment_sum of the rows of several tensors taken one after the other, without
+/// concatenating them: data[0]'s rows are positions 0.., data[1]'s follow, ... The same
+/// sums in the same order as segment_sum(torch.cat(data), ...), bit for bit.
+Tensor segment_sum_parts_cpu(const std::vector<Tensor>& data_in, const Tensor& ids, int64_t num_segments) {
+  const char* op = "segment_sum_parts";
+  SK_CHECK(!data_in.empty(), op, ": data must hold at least one tensor");
+  std::vector<Tensor> data;
+  int64_t rows = 0;
+  for (size_t p = 0; p < data_in.size(); ++p) {
+    const Tensor& part = data_in[p];
+    SK_CHECK(part.dim() == data_in[0].dim() && part.scalar_type() == data_in[0].scalar_type() &&
+                 part.sizes().slice(1) == data_in[0].sizes().slice(1) && part.device().is_cpu(),
+             op, ": data[", p, "] (", part.scalar_type(), " ", part.sizes(), " on ", part.device(),
+             ") must be a CPU tensor with the dtype and row shape of data[0] (", data_in[0].scalar_type(), " ",
+             data_in[0].sizes(), ")");
+    data.push_back(as_contiguous(part));
+    rows += part.size(0);
+  }
+  check_index_tensor(ids, op, "segment_ids");
+  SK_CHECK(ids.dim() == 1 && ids.size(0) == rows, op, ": segment_ids must be 1-D with one entry per row of data (",
+           rows, "), got shape ", ids.sizes());
+  SK_CHECK(ids.device().is_cpu(), op, ": segment_ids must be a CPU tensor, got ", ids.device());
+  SK_CHECK(num_segments >= 0, op, ": num_segments must be >= 0, got ", num_segments);
+  SK_CHECK(is_floating(data[0].scalar_type()), op, ": data must be float32, float64, float16 or bfloat16, got ",
+           data[0].scalar_type());
+  return segment_sum_rows(data, ids, num_segments, data[0].sizes().vec());
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("segment_sum", TORCH_BOX(&segment_sum_cpu));
+  m.impl("segment_sum_parts", TORCH_BOX(&segment_sum_parts_cpu));
 }
 
 }  // namespace sparsekit
