@@ -251,6 +251,57 @@ class _PresentRows(NamedTuple):
     rows: Tensor
 
 
+def _sort_table_rows(rows: List[Tensor], weights: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(sorted_rows, order)`` of several tables' distinct rows, ``torch.cat(rows)``: each
+    table's rows ascending (-1, a missing key, first) in the table's own block, blocks in
+    table order (the blocks keep their places, so table j's sorted rows are where its rows
+    were). One sort: each table's rows become codes above the previous table's."""
+    device = weights[0].device
+    sizes = [r.numel() for r in rows]
+    bases = list(itertools.accumulate((w.shape[0] + 1 for w in weights[:-1]), initial=0))
+    flat = torch.cat(rows) if len(rows) > 1 else rows[0]
+    base_of = torch.repeat_interleave(torch.tensor(bases, dtype=torch.int64, device=device),
+                                      torch.tensor(sizes, dtype=torch.int64, device=device), output_size=flat.numel())
+    sorted_codes, order = _sort_rows(flat + (base_of + 1))
+    return sorted_codes - (base_of + 1), order
+
+
+def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight: int) -> List[Optional[Tensor]]:
+    """Each table's coalesced sparse gradient from ``values_all``, the gradient of every
+    table's distinct rows in ``sorted_rows``' order (``ctx``: ``sizes``, ``markers``,
+    ``may_miss``, ``weight_meta``; the weights are inputs ``first_weight`` on)."""
+    grads: List[Optional[Tensor]] = []
+    start = 0
+    for j, (size, marker, miss, (shape, dtype)) in enumerate(zip(ctx.sizes, ctx.markers, ctx.may_miss,
+                                                                  ctx.weight_meta)):
+        rows, values = sorted_rows[start:start + size], values_all[start:start + size]
+        start += size
+        if not ctx.needs_input_grad[first_weight + j]:
+            grads.append(None)
+            continue
+        if miss:
+            found = rows >= 0
+            rows, values = rows[found], values[found]
+        values = values.to(dtype)
+        grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
+                                             check_invariants=False))
+        marker.produced(values)
+    return grads
+
+
+def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] = None) -> Tensor:
+    """float32 ``weight[rows]``, rows of -1 (``miss``) read as zeros; into ``out`` if given."""
+    found = rows >= 0 if miss else None
+    index = torch.where(found, rows, 0) if miss else rows
+    if out is None:
+        out = weight.index_select(0, index).float()
+    elif weight.dtype == torch.float32:
+        torch.index_select(weight, 0, index, out=out)
+    else:
+        out.copy_(weight.index_select(0, index))
+    return out.masked_fill_(~found.unsqueeze(1), 0) if miss else out
+
+
 class _LookupTables(torch.autograd.Function):
     """Rows of several shards of one dim as one float32 block (table after table), missing
     rows (-1) read as zeros. The rows asked of each table are distinct (the owner dedups its
@@ -261,57 +312,49 @@ class _LookupTables(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: List[Tensor], markers: List[_CoalescedGradMarker], may_miss: List[bool],
                 *weights: Tensor) -> Tensor:
-        device, dim = weights[0].device, weights[0].shape[1]
         sizes = [r.numel() for r in rows]
-        out = torch.empty(sum(sizes), dim, dtype=torch.float32, device=device)
-        start = 0
-        for weight, table_rows, miss in zip(weights, rows, may_miss):
-            part = out[start:start + table_rows.numel()]
-            start += table_rows.numel()
-            found = table_rows >= 0 if miss else None
-            index = torch.where(found, table_rows, 0) if miss else table_rows
-            if weight.dtype == torch.float32:
-                torch.index_select(weight, 0, index, out=part)
-            else:
-                part.copy_(weight.index_select(0, index))
-            if miss:
-                part.masked_fill_(~found.unsqueeze(1), 0)
-        # Each table's rows in a block of codes above the previous table's: one sort orders
-        # every table's rows and keeps the tables apart (-1 sorts first in its table).
-        bases = list(itertools.accumulate((w.shape[0] + 1 for w in weights[:-1]), initial=0))
-        flat = torch.cat(rows) if len(rows) > 1 else rows[0]
-        base_of = torch.repeat_interleave(torch.tensor(bases, dtype=torch.int64, device=device),
-                                          torch.tensor(sizes, dtype=torch.int64, device=device),
-                                          output_size=flat.numel())
-        sorted_codes, order = _sort_rows(flat + base_of + 1)
-        ctx.save_for_backward(sorted_codes, order)
-        ctx.sizes, ctx.bases, ctx.markers, ctx.may_miss = sizes, bases, markers, may_miss
+        out = torch.empty(sum(sizes), weights[0].shape[1], dtype=torch.float32, device=weights[0].device)
+        for weight, part, table_rows, miss in zip(weights, out.split(sizes), rows, may_miss):
+            _read_rows(weight, table_rows, miss, part)
+        sorted_rows, order = _sort_table_rows(rows, weights)
+        ctx.save_for_backward(sorted_rows, order)
+        ctx.sizes, ctx.markers, ctx.may_miss = sizes, markers, may_miss
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         return out
 
     @staticmethod
     @torch.compiler.disable  # as _LookupOwned.backward
     def backward(ctx, grad: Tensor):
-        sorted_codes, order = ctx.saved_tensors
-        values_all = grad.index_select(0, order)
-        grads = []
-        start = 0
-        for j, (size, base, marker, miss, (shape, dtype)) in enumerate(zip(ctx.sizes, ctx.bases, ctx.markers,
-                                                                           ctx.may_miss, ctx.weight_meta)):
-            rows = sorted_codes[start:start + size] - (base + 1)
-            values = values_all[start:start + size]
-            start += size
-            if not ctx.needs_input_grad[3 + j]:
-                grads.append(None)
-                continue
-            if miss:
-                found = rows >= 0
-                rows, values = rows[found], values[found]
-            values = values.to(dtype)
-            grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
-                                                 check_invariants=False))
-            marker.produced(values)
-        return (None, None, None, *grads)
+        sorted_rows, order = ctx.saved_tensors
+        return (None, None, None, *_table_gradients(ctx, grad.index_select(0, order), sorted_rows, 3))
+
+
+class _LookupPieces(torch.autograd.Function):
+    """One process, one key per bag: each feature's float32 vectors read straight from its
+    table's weight, one output per feature (``value_rows[k]`` of ``weights[tables[k]]``).
+    The backward sums the features' gradients where they lie straight into every table's
+    distinct rows in sorted order (one ``segment_sum_parts``; ``sorted_position`` is each
+    value's place there) and gives each table its coalesced sparse gradient: no float32
+    block of the tables' rows in between, and no reordering of one."""
+
+    @staticmethod
+    def forward(ctx, value_rows: List[Tensor], tables: List[int], sorted_position: Tensor, sorted_rows: Tensor,
+                sizes: List[int], markers: List[_CoalescedGradMarker], may_miss: List[bool],
+                *weights: Tensor) -> Tuple[Tensor, ...]:
+        ctx.save_for_backward(sorted_position, sorted_rows)
+        ctx.sizes, ctx.markers, ctx.may_miss = sizes, markers, may_miss
+        ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
+        return tuple(_read_rows(weights[t], rows, may_miss[t]) for rows, t in zip(value_rows, tables))
+
+    @staticmethod
+    @torch.compiler.disable  # as _LookupOwned.backward
+    def backward(ctx, *grads: Tensor):
+        sorted_position, sorted_rows = ctx.saved_tensors
+        if sorted_position.device.type == "cpu":
+            values_all = torch.ops.sparsekit.segment_sum_parts(list(grads), sorted_position, sorted_rows.numel())
+        else:
+            values_all = ops.segment_sum(torch.cat(grads), sorted_position, sorted_rows.numel())
+        return (None,) * 7 + tuple(_table_gradients(ctx, values_all, sorted_rows, 7))
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -417,6 +460,11 @@ class EmbeddingBagCollection(nn.Module):
                 raise error
             self._raise_for_flags(int(flags.item()), prepared)
             counts = [prepared["pairs_per_table"]]
+            if prepared["one_per_bag"] and prepared["weights"] is None and prepared["pair_keys"].numel() > 0:
+                # One key per bag: the features read their vectors straight from the weights.
+                rows = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True,
+                                          vectors=False)
+                return self._pool(prepared, None, counts, rows)
             per_group = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True)
             return self._pool(prepared, per_group, counts)
 
@@ -622,11 +670,13 @@ class EmbeddingBagCollection(nn.Module):
                         f"with use_hashtable=False keys must lie in [0, capacity * world_size) = "
                         f"[0, {shard.num_keys_capacity})")
 
-    def _owner_lookup(self, keys: Tensor, tables: Tensor, counts: List[List[int]],
-                      unique: bool) -> List[Optional[Tensor]]:
-        """The owner's part: for each table, float32 vectors ``[n_t, dim_t]`` of the pairs
-        it received, in the order received (grouped by source rank, then table: ``counts[s][t]``
-        pairs of table t from rank s). ``unique``: the pairs are already distinct (one process)."""
+    def _owner_lookup(self, keys: Tensor, tables: Tensor, counts: List[List[int]], unique: bool,
+                      vectors: bool = True) -> List[Optional[Tensor]]:
+        """The owner's part: per dim group, float32 vectors ``[n, dim]`` of the pairs it
+        received, its tables' pairs one table after another, each in the order received
+        (grouped by source rank, then table: ``counts[s][t]`` pairs of table t from rank s).
+        ``unique``: the pairs are already distinct and grouped by table (one process); then
+        with ``vectors=False`` the rows of each table's pairs instead (None: no pairs)."""
         device = keys.device
         num_tables = len(self._shards)
         # The distinct owned pairs, table after table.
@@ -664,6 +714,8 @@ class EmbeddingBagCollection(nn.Module):
         elif error is not None:
             raise error
         rows = self._commit_tables(plans)
+        if not vectors:
+            return rows
         # Per dim group, its tables' owned vectors stacked in group order.
         owned_offsets = self._table_offsets([owned_per_table])
         stacked = []
@@ -735,10 +787,12 @@ class EmbeddingBagCollection(nn.Module):
         return [None if plan is None else plan.rows if isinstance(plan, _PresentRows) else shard._commit(plan)
                 for shard, plan in zip(self._shards, plans)]
 
-    def _pool(self, prepared: Dict[str, Any], per_group: List[Optional[Tensor]],
-              counts: List[List[int]]) -> Dict[str, Tensor]:
-        """Per dim group, one gather + segment sum for all its features' bags (in float32);
-        then per feature the mean and the cast to its table's dtype."""
+    def _pool(self, prepared: Dict[str, Any], per_group: Optional[List[Optional[Tensor]]],
+              counts: List[List[int]], rows: Optional[List[Optional[Tensor]]] = None) -> Dict[str, Tensor]:
+        """Per dim group, one gather + segment sum for all its features' bags (in float32)
+        from the group's block of vectors ``per_group[g]``, or, given every table's ``rows``
+        (one process, one key per bag), one read straight from the weights; then per
+        feature the mean and the cast to its table's dtype."""
         device = self._shards[0].weight.device
         batch, bounds, offsets, weights = prepared["batch"], prepared["bounds"], prepared["offsets"], \
             prepared["weights"]
@@ -775,8 +829,10 @@ class EmbeddingBagCollection(nn.Module):
                 pooled = torch.zeros(num_bags, dim, device=device)
             elif weights is None and prepared["one_per_bag"]:
                 # One output per feature, and a backward that reads their gradients in place.
-                for f, part in zip(group_features, _GatherPieces.apply(per_group[g], cut(value_row),
-                                                                      [batch] * len(group_features))):
+                parts = self._lookup_pieces(rows, members, cut(value_row), group_features, prepared, batch) \
+                    if rows is not None else \
+                    _GatherPieces.apply(per_group[g], cut(value_row), [batch] * len(group_features))
+                for f, part in zip(group_features, parts):
                     pooled_of[f] = part
                 continue
             else:
@@ -806,6 +862,25 @@ class EmbeddingBagCollection(nn.Module):
                 pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
             out[feature] = pooled.to(shard.weight.dtype)
         return out
+
+    def _lookup_pieces(self, rows: List[Optional[Tensor]], members: List[int], value_row: Tensor,
+                       group_features: List[int], prepared: Dict[str, Any], batch: int) -> Tuple[Tensor, ...]:
+        """One process, one key per bag: the vectors of a dim group's features (``value_row``:
+        each of their values' row in the group's block, feature after feature) read straight
+        from the tables' weights (:class:`_LookupPieces`)."""
+        members = [t for t in members if rows[t] is not None]
+        shards = [self._shards[t] for t in members]
+        weights = [shard.weight for shard in shards]
+        member_rows = [rows[t] for t in members]
+        block_rows = torch.cat(member_rows) if len(member_rows) > 1 else member_rows[0]
+        sorted_rows, order = _sort_table_rows(member_rows, weights)
+        position = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+        member_of = {t: j for j, t in enumerate(members)}
+        return _LookupPieces.apply(list(block_rows.index_select(0, value_row).split(batch)),
+                                   [member_of[prepared["table_of_feature"][f]] for f in group_features],
+                                   position.index_select(0, value_row), sorted_rows,
+                                   [r.numel() for r in member_rows], [s._grad_marker for s in shards],
+                                   [s._may_miss() for s in shards], *weights)
 
     def extra_repr(self) -> str:
         return f"tables={[t.name for t in self.tables]}, rank={self.rank}, world_size={self.world_size}"
