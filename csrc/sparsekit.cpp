@@ -62,8 +62,9 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
         "bool include_last_offset=True) -> Tensor");
   m.def("embedding_gather(Tensor weight, Tensor rows) -> Tensor");
   m.def("lazy_adam_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, Tensor grad, int step, float lr, float beta1, float beta2, float eps, float weight_decay=0.0) -> ()");
-  // Internal, CPU only: lazy_adam_ over several float32 tables at once (hyper: lr, beta1,
-  // beta2, eps, weight_decay per table); every row is checked before anything is written.
+  // Internal, CPU only: lazy_adam_ over several tables at once (float32 moments and
+  // gradients; float32 weights, or float16 / bfloat16 ones updated in float32 and rounded;
+  // hyper: lr, beta1, beta2, eps, weight_decay per table); every row is checked first.
   m.def("lazy_adam_tables_(Tensor(a!)[] weights, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor[] rows, Tensor[] grads, int[] steps, float[] hyper) -> ()");
   // Stable counting sort of keys by owner rank uint64(key) % world_size:
   // keys_by_owner[positions[i]] == keys[i], counts[r] keys go to rank r.

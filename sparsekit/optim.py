@@ -27,8 +27,9 @@ class LazyAdam(torch.optim.Optimizer):
       :func:`sparsekit.ops.lazy_adam_` kernel: only the rows in the gradient change, their
       moments included; every other row keeps its weight and moments bit for bit. An
       uncoalesced gradient (duplicate rows) is summed per row first with
-      :func:`sparsekit.ops.unique` and :func:`sparsekit.ops.segment_sum`. The float32 CPU
-      tables of a step are updated together, in one multi-table call of the kernel.
+      :func:`sparsekit.ops.unique` and :func:`sparsekit.ops.segment_sum`. The CPU tables
+      of a step (float32, and half-precision embedding shards) are updated together, in
+      one multi-table call of the kernel.
     * A parameter with a dense gradient gets ordinary Adam, computed by
       ``torch.optim.adam.adam`` with the same settings ``torch.optim.Adam`` would use, so
       the results are those of ``torch.optim.Adam``.
@@ -179,9 +180,11 @@ class LazyAdam(torch.optim.Optimizer):
 
     def _fusable(self, param: Tensor) -> bool:
         """Whether the sparse update of ``param`` can go through the one multi-table CPU
-        kernel (float32, contiguous, no rows handed to new keys to reset)."""
+        kernel (float32, or a float16 / bfloat16 embedding shard with float32 moments;
+        contiguous; no rows handed to new keys to reset)."""
         grad = param.grad
-        if grad is None or not grad.is_sparse or param.device.type != "cpu" or param.dtype != torch.float32 \
+        if grad is None or not grad.is_sparse or param.device.type != "cpu" \
+                or not (param.dtype == torch.float32 or _half_shard(param)) \
                 or not param.is_contiguous() or grad.sparse_dim() != 1 or grad.shape != param.shape \
                 or getattr(param, "sparsekit_fresh_rows", None) is not None:
             return False
@@ -206,6 +209,7 @@ class LazyAdam(torch.optim.Optimizer):
                 rows, values = self._sparse_rows_and_values(param, param.grad)
                 if group.get("maximize", False):
                     values = -values  # exact, as SparseAdam's -grad
+                values = values.float()  # a half shard's gradient, widened as _lazy_adam_rows does
                 for column, value in zip(tables, (param, state["exp_avg"], state["exp_avg_sq"], rows, values)):
                     column.append(value)
                 steps.append(int(state["step"].item()) + 1)

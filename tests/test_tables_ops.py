@@ -151,6 +151,26 @@ def test_lazy_adam_tables_matches_lazy_adam_table_by_table_bit_for_bit(num_table
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lazy_adam_tables_half_weights_match_lazy_adams_float32_copies_bit_for_bit(dtype):
+    """A half weight with float32 moments and gradient (a half embedding shard), beside
+    float32 tables: as LazyAdam's one-table path for such a shard (float32 copies of the
+    rows through lazy_adam_, rounded back to nearest)."""
+    fused = adam_tables(4, 21, dims=[16, 5, 33, 1], counts=[300, 7, 2000, 1])
+    for j in (0, 2, 3):
+        fused[j] = (fused[j][0].to(dtype),) + fused[j][1:]
+    alone = [tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in t) for t in fused]
+    run_tables(fused)
+    for weight, exp_avg, exp_avg_sq, rows, grad, step, hyper in alone:
+        local = [t.index_select(0, rows).float() for t in (weight, exp_avg, exp_avg_sq)]
+        sk.ops.lazy_adam_(*local, torch.arange(rows.numel()), grad, step, *hyper)
+        for target, updated in zip((weight, exp_avg, exp_avg_sq), local):
+            target.index_copy_(0, rows, updated.to(target.dtype))
+    for a, b in zip(fused, alone):
+        for x, y in zip(a[:3], b[:3]):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
 def test_lazy_adam_tables_bad_row_in_one_table_changes_no_table():
     tables = adam_tables(4, 5, counts=[50, 50, 50, 50])
     before = [[x.clone() for x in t[:3]] for t in tables]
@@ -163,10 +183,12 @@ def test_lazy_adam_tables_bad_row_in_one_table_changes_no_table():
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda t: t[1].__setitem__(0, torch.zeros(2, 3)), "exp_avg .* must have the shape of weight"),
+    (lambda t: t[1].__setitem__(0, torch.zeros(2, 3)), r"must be contiguous with the shape of exp_avgs\[0\]"),
+    (lambda t: t[2].__setitem__(0, torch.zeros(2, 3)), "exp_avg_sq .* must have the shape of weight"),
+    (lambda t: t[1].__setitem__(0, t[1][0].double()), r"exp_avgs\[0\] must be float32"),
     (lambda t: t[5].__setitem__(0, 0), "step must be >= 1"),
     (lambda t: t[6].__setitem__(1, 1.0), r"beta1 must be in \[0, 1\)"),
-    (lambda t: [t[i].__setitem__(0, t[i][0].double()) for i in (0, 1, 2, 4)], r"weights\[0\] must be a float32"),
+    (lambda t: [t[i].__setitem__(0, t[i][0].double()) for i in (0, 1, 2, 4)], r"weights\[0\] must be a float32, float16 or bfloat16"),
 ])
 def test_lazy_adam_tables_rejects_bad_arguments(change, match):
     tables = adam_tables(2, 9, dims=[3, 3], counts=[4, 4])
@@ -224,6 +246,7 @@ def test_lazy_adam_fused_tables_match_its_one_table_path(maximize):
         return params, opt
 
     fused, fused_opt = run(lambda groups: sk.LazyAdam(groups, maximize=maximize))
+    assert fused_opt.state[fused[0]]["step"] == 4
     alone, alone_opt = run(lambda groups: one_table_path(sk.LazyAdam(groups, maximize=maximize)))
     for a, b in zip(fused, alone):
         assert torch.equal(a, b)
@@ -288,3 +311,27 @@ def test_segment_sum_parts_rejects_bad_arguments_by_name(call, match):
 def test_segment_sum_parts_opcheck():
     parts = [torch.randn(n, 4) for n in (3, 0, 10)]
     opcheck(segment_sum_parts, (parts, torch.randint(0, 6, (13,)), 6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lazy_adam_fused_half_shards_match_its_one_table_path(dtype):
+    """Half-precision embedding shards (float32 moments) go through the fused kernel next
+    to float32 tables; the same weights and moments as one table at a time."""
+    def run(optimizer_of):
+        g = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(100, 16, generator=g).to(dtype)),
+                  torch.nn.Parameter(torch.randn(40, 8, generator=g))]
+        params[0].sparsekit_model_parallel = True
+        opt = optimizer_of(params)
+        for step in range(3):
+            sparse_grads(params, step)
+            opt.step()
+        return params, opt
+
+    fused, fused_opt = run(lambda params: sk.LazyAdam(params, lr=0.01))
+    assert fused_opt._fusable(fused[0]) and fused_opt.state[fused[0]]["exp_avg"].dtype == torch.float32
+    alone, alone_opt = run(lambda params: one_table_path(sk.LazyAdam(params, lr=0.01)))
+    for a, b in zip(fused, alone):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(fused_opt.state[a][name], alone_opt.state[b][name])

@@ -195,12 +195,43 @@ void lazy_adam_cpu(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Te
   });
 }
 
-/// @brief lazy_adam_ over several float32 tables in one call: table t updates weights[t],
+/// @brief Updates rows [begin, end) of one table of lazy_adam_tables_ (local positions).
+/// A float32 weight is updated in place; a float16 / bfloat16 one (float32 moments and
+/// gradient) is widened row by row into `scratch`, updated there with the same float32
+/// arithmetic and rounded back to nearest: what LazyAdam does for such a shard with
+/// index_select, lazy_adam_ on float32 copies and index_copy_, bit for bit.
+template <typename weight_t>
+void adam_table_rows(weight_t* weight, float* exp_avg, float* exp_avg_sq, const float* grad, const int64_t* rows,
+                     int64_t dim, int64_t begin, int64_t end, const AdamScalars<float>& scalars, bool use_weight_decay,
+                     std::vector<float>& scratch) {
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(float));
+  for (int64_t i = begin; i < end; ++i) {
+    if (i + kPrefetchRows < end) {
+      const int64_t ahead = rows[i + kPrefetchRows] * dim;
+      prefetch_row(weight + ahead, exp_avg + ahead, exp_avg_sq + ahead, row_bytes);
+    }
+    const int64_t offset = rows[i] * dim;
+    if constexpr (std::is_same_v<weight_t, float>) {
+      adam_row<float, float>(weight + offset, exp_avg + offset, exp_avg_sq + offset, grad + i * dim, dim, scalars,
+                             use_weight_decay);
+    } else {
+      scratch.resize(dim);
+      for (int64_t j = 0; j < dim; ++j) scratch[j] = static_cast<float>(weight[offset + j]);
+      adam_row<float, float>(scratch.data(), exp_avg + offset, exp_avg_sq + offset, grad + i * dim, dim, scalars,
+                             use_weight_decay);
+      for (int64_t j = 0; j < dim; ++j) weight[offset + j] = static_cast<weight_t>(scratch[j]);
+    }
+  }
+}
+
+/// @brief lazy_adam_ over several tables in one call: table t updates weights[t],
 /// exp_avgs[t], exp_avg_sqs[t] at rows[t] (int64, distinct) with grads[t], step steps[t]
-/// and hyper[5t : 5t + 5] = (lr, beta1, beta2, eps, weight_decay). Every argument and
-/// every row of every table is checked before anything is written, so a bad row in one
-/// table changes no table. The rows of all tables are updated in one parallel loop
-/// (small tables share a task), the same arithmetic as lazy_adam_ row for row.
+/// and hyper[5t : 5t + 5] = (lr, beta1, beta2, eps, weight_decay). Moments and gradients
+/// are float32; a weight is float32, or float16 / bfloat16 (a half shard: updated in
+/// float32, rounded to nearest). Every argument and every row of every table is checked
+/// before anything is written, so a bad row in one table changes no table. The rows of
+/// all tables are updated in one parallel loop (small tables share a task), the same
+/// arithmetic as lazy_adam_ row for row.
 void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<Tensor>& exp_avgs,
                           const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& rows,
                           const std::vector<Tensor>& grads, const std::vector<int64_t>& steps,
@@ -217,10 +248,18 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
   int64_t max_dim = 1;
   for (size_t t = 0; t < num_tables; ++t) {
     const double* h = hyper.data() + 5 * t;
-    check_lazy_adam_args(weights[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t], steps[t], h[0], h[1], h[2],
-                         h[3], h[4]);
-    SK_CHECK(weights[t].scalar_type() == kFloat && weights[t].device().is_cpu(), op, ": weights[", t,
-             "] must be a float32 CPU tensor, got ", weights[t].scalar_type(), " on ", weights[t].device());
+    const auto dtype = weights[t].scalar_type();
+    SK_CHECK((dtype == kFloat || dtype == kHalf || dtype == kBFloat16) && weights[t].device().is_cpu(), op,
+             ": weights[", t, "] must be a float32, float16 or bfloat16 CPU tensor, got ", dtype, " on ",
+             weights[t].device());
+    SK_CHECK(exp_avgs[t].scalar_type() == kFloat, op, ": exp_avgs[", t, "] must be float32 (a half weight keeps "
+             "float32 moments), got ", exp_avgs[t].scalar_type());
+    SK_CHECK(weights[t].is_contiguous() && weights[t].sizes() == exp_avgs[t].sizes(), op, ": weights[", t,
+             "] ", weights[t].sizes(), " must be contiguous with the shape of exp_avgs[", t, "] ",
+             exp_avgs[t].sizes());
+    // The moments stand in for a half weight: the rest must match them.
+    check_lazy_adam_args(dtype == kFloat ? weights[t] : exp_avgs[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t],
+                         steps[t], h[0], h[1], h[2], h[3], h[4]);
     SK_CHECK(rows[t].scalar_type() == kLong && rows[t].is_contiguous(), op, ": rows[", t,
              "] must be a contiguous int64 tensor");
     grads_c.push_back(as_contiguous(grads[t]));
@@ -253,10 +292,12 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
              ", outside [0, ", weights[t].size(0), ") (the rows of weights[", t, "]); nothing was updated");
   }
   struct Table {
-    float *weight, *exp_avg, *exp_avg_sq;
+    void* weight;
+    ScalarType dtype;
+    float *exp_avg, *exp_avg_sq;
     const float* grad;
     const int64_t* rows;
-    int64_t dim, row_bytes;
+    int64_t dim;
     AdamScalars<float> scalars;
     bool use_weight_decay;
   };
@@ -265,27 +306,29 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
     const double* h = hyper.data() + 5 * t;
     const int64_t num_rows = weights[t].size(0);
     const int64_t dim = num_rows == 0 ? 0 : weights[t].numel() / num_rows;
-    tables[t] = Table{weights[t].mutable_data_ptr<float>(), exp_avgs[t].mutable_data_ptr<float>(),
+    tables[t] = Table{weights[t].mutable_data_ptr(), weights[t].scalar_type(), exp_avgs[t].mutable_data_ptr<float>(),
                       exp_avg_sqs[t].mutable_data_ptr<float>(), grads_c[t].const_data_ptr<float>(),
-                      rows[t].const_data_ptr<int64_t>(), dim, dim * static_cast<int64_t>(sizeof(float)),
+                      rows[t].const_data_ptr<int64_t>(), dim,
                       AdamScalars<float>::make(lazy_adam_step_size(steps[t], h[0], h[1], h[2]), h[1], h[2], h[3],
                                                h[4]),
                       h[4] != 0.0};
   }
   // About 64 KiB of each state tensor per task, as lazy_adam_.
   parallel_for(0, total, std::max<int64_t>(1, 16384 / max_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
       const Table& table = tables[t];
       if (table.dim == 0) return;
-      const int64_t* r = table.rows;
-      for (int64_t i = b - offsets[t], stop = e - offsets[t]; i < stop; ++i) {
-        if (i + kPrefetchRows < stop) {
-          const int64_t ahead = r[i + kPrefetchRows] * table.dim;
-          prefetch_row(table.weight + ahead, table.exp_avg + ahead, table.exp_avg_sq + ahead, table.row_bytes);
-        }
-        const int64_t offset = r[i] * table.dim;
-        adam_row<float, float>(table.weight + offset, table.exp_avg + offset, table.exp_avg_sq + offset,
-                               table.grad + i * table.dim, table.dim, table.scalars, table.use_weight_decay);
+      auto run = [&](auto* weight) {
+        adam_table_rows(weight, table.exp_avg, table.exp_avg_sq, table.grad, table.rows, table.dim, b - offsets[t],
+                        e - offsets[t], table.scalars, table.use_weight_decay, scratch);
+      };
+      if (table.dtype == kFloat) {
+        run(static_cast<float*>(table.weight));
+      } else if (table.dtype == kHalf) {
+        run(static_cast<Half*>(table.weight));
+      } else {
+        run(static_cast<BFloat16*>(table.weight));
       }
     });
   });
