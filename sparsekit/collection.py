@@ -244,6 +244,22 @@ class _TableShard(_ModelParallelEmbedding):
     def _commit(self, plan: Any) -> Tensor:
         return plan if isinstance(plan, Tensor) else self._commit_lookup(plan)
 
+    @torch.no_grad()
+    def _place_new_keys(self, plan: "_GrowRows") -> Tensor:
+        """Gives the new keys of a :class:`_GrowRows` plan the next rows and their initial
+        vectors, as the insert of a single layer would, and returns every key's row. The
+        rows are scored by the caller (a new row's count starts from 0)."""
+        table, count = self.hash_table, plan.new_keys.numel()
+        start = len(table)
+        new_rows = torch.arange(start, start + count, dtype=torch.int64, device=plan.rows.device)
+        ops.hash_table_insert_absent_(table._slot_keys, table._slot_rows, plan.new_keys, new_rows, start)
+        table._row_keys[start:start + count] = plan.new_keys.long()
+        table._count[start:start + count] = 0
+        table._size += count
+        self.weight[start:start + count] = plan.initial
+        self._admitted += count
+        return plan.rows.masked_scatter(plan.rows < 0, new_rows)
+
 
 class _PresentRows(NamedTuple):
     """A training plan of a hash table whose keys are all present: their rows, scored at commit."""
@@ -300,6 +316,17 @@ def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] =
     else:
         out.copy_(weight.index_select(0, index))
     return out.masked_fill_(~found.unsqueeze(1), 0) if miss else out
+
+
+class _GrowRows(NamedTuple):
+    """A training plan of a hash table without eviction or admission whose new keys fit:
+    its keys' rows (-1: new), the new keys in order and their initial vectors. At commit
+    the new keys take rows ``len(table), len(table) + 1, ...``, as ``HashTable.insert``
+    gives them."""
+
+    rows: Tensor
+    new_keys: Tensor
+    initial: Tensor
 
 
 class _LookupTables(torch.autograd.Function):
@@ -750,8 +777,9 @@ class EmbeddingBagCollection(nn.Module):
         ``keys[start_t:start_t + per_table[t]]`` this step (None: no keys), changing
         nothing; may raise. The hash tables are searched together (one op on the CPU): in
         eval all of them, in training those without admission; a table all of whose keys
-        are present then only needs its rows scored (:class:`_PresentRows`), the others
-        plan an insert as the single layers do."""
+        are present then only needs its rows scored (:class:`_PresentRows`), one without
+        eviction whose new keys fit only its new keys placed (:class:`_GrowRows`); the
+        others plan an insert as the single layers do."""
         starts = list(itertools.accumulate(per_table, initial=0))
         searched = [t for t, shard in enumerate(self._shards) if per_table[t] > 0 and shard.hash_table is not None
                     and (not self.training or shard._pending is None)]
@@ -764,28 +792,41 @@ class EmbeddingBagCollection(nn.Module):
                 misses = (found < 0).long().cumsum(0).index_select(
                     0, torch.tensor(segments[1:], device=found.device) - 1).tolist()
                 misses = [b - a for a, b in zip([0] + misses, misses)]
+                new_keys = part[found < 0].split(misses) if sum(misses) > 0 else ()
             for i, t in enumerate(searched):
                 rows = found[segments[i]:segments[i + 1]]
                 if not self.training:
                     plans[t] = rows
                 elif misses[i] == 0:
                     plans[t] = _PresentRows(rows)
+                else:
+                    shard, keys_of_table = self._shards[t], new_keys[i]
+                    table = shard.hash_table
+                    if table._eviction is None and shard._fresh_rows is None \
+                            and misses[i] <= table.capacity - len(table):
+                        plans[t] = _GrowRows(rows, keys_of_table, shard.initial_rows(keys_of_table.long()))
         for t, shard in enumerate(self._shards):
             if per_table[t] > 0 and plans[t] is None:
                 plans[t] = shard._plan(keys[starts[t]:starts[t + 1]])
 
     def _commit_tables(self, plans: List[Any]) -> List[Optional[Tensor]]:
-        """Carries out the plans of :meth:`_plan_tables`: each table's rows (None: no keys)."""
-        present = [t for t, plan in enumerate(plans) if isinstance(plan, _PresentRows)]
-        if present:
-            rows = [plans[t].rows for t in present]
-            tables = [self._shards[t].hash_table for t in present]
+        """Carries out the plans of :meth:`_plan_tables`: each table's rows (None: no keys).
+        The tables that only score rows or place new keys are scored together in one op."""
+        found: Dict[int, Tensor] = {}
+        for t, plan in enumerate(plans):
+            if isinstance(plan, _PresentRows):
+                found[t] = plan.rows
+            elif isinstance(plan, _GrowRows):
+                found[t] = self._shards[t]._place_new_keys(plan)
+        if found:
+            rows = list(found.values())
+            tables = [self._shards[t].hash_table for t in found]
             _touch_tables(tables, torch.cat(rows) if len(rows) > 1 else rows[0],
                           list(itertools.accumulate((r.numel() for r in rows), initial=0)))
             for table in tables:
                 table.tick()
-        return [None if plan is None else plan.rows if isinstance(plan, _PresentRows) else shard._commit(plan)
-                for shard, plan in zip(self._shards, plans)]
+        return [None if plan is None else found[t] if t in found else shard._commit(plan)
+                for t, (shard, plan) in enumerate(zip(self._shards, plans))]
 
     def _pool(self, prepared: Dict[str, Any], per_group: Optional[List[Optional[Tensor]]],
               counts: List[List[int]], rows: Optional[List[Optional[Tensor]]] = None) -> Dict[str, Tensor]:

@@ -170,9 +170,20 @@ def _batch(num_tables, batch, high, seed):
                           lengths=torch.ones(num_tables * batch, dtype=torch.int64))
 
 
-def test_tables_with_and_without_new_keys_in_one_step_score_like_single_tables():
+class _NoGrowPlan(tuple):
+    """Stands in for the collection's _GrowRows: every table plans its insert on its own."""
+
+    def __new__(cls, *args):
+        return None
+
+
+def test_tables_with_and_without_new_keys_in_one_step_score_like_single_tables(monkeypatch):
     """Steps where some tables meet only known keys (scored together) and others new ones
-    (planned one by one), against one table per collection fed the same keys."""
+    (placed together), against one table per collection fed the same keys that inserts
+    them as a single layer does (HashTable's own insert plan)."""
+    import sparsekit.collection as collection
+
+    grow_rows = collection._GrowRows
     num_tables, batch = 5, 24
     together = _collection(num_tables)
     alone = [sk.EmbeddingBagCollection([sk.TableConfig(f"t{i}", 4 + 4 * (i % 2), 64, [f"f{i}"])])
@@ -183,13 +194,18 @@ def test_tables_with_and_without_new_keys_in_one_step_score_like_single_tables()
         values = kjt.values().view(num_tables, batch).clone()
         values[1::2] += 3 * step
         kjt = sk.KeyedJagged(kjt.keys(), values.reshape(-1), lengths=kjt.lengths())
+        monkeypatch.setattr(collection, "_GrowRows", grow_rows)
         out = together(kjt)
+        monkeypatch.setattr(collection, "_GrowRows", _NoGrowPlan)  # the single layers' insert
         for i, single in enumerate(alone):
             mine = single(sk.KeyedJagged([f"f{i}"], values[i], lengths=torch.ones(batch, dtype=torch.int64)))
             torch.testing.assert_close(out[f"f{i}"], mine[f"f{i}"], rtol=0, atol=0)
     for i, single in enumerate(alone):
         a, b = together.shards[i].hash_table, single.shards[0].hash_table
         assert len(a) == len(b) and a.clock == b.clock == 6
+        assert together.stats(f"t{i}") == single.stats(f"t{i}")
+        assert torch.equal(together.shards[i].weight, single.shards[0].weight)
+        assert torch.equal(a._slot_keys, b._slot_keys) and torch.equal(a._slot_rows, b._slot_rows)
         keys_a, _ = together.export(f"t{i}")
         keys_b, _ = single.export(f"t{i}")
         assert torch.equal(keys_a, keys_b)
