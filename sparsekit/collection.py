@@ -18,11 +18,12 @@ One forward step on every rank, for all tables together:
    mode, pairs per table), so a bad input anywhere stops every rank before a key moves;
 3. one ``all_to_all_single`` of the pairs;
 4. each owner dedups what it received (as in 1) and looks the keys up: its hash tables searched
-   together (one op on the CPU), then, in training, only a table that meets new keys plans
-   its insert as the single layers do; every rank agrees through one status
-   ``all_reduce`` before any table changes; then the present keys of every table are
-   scored together and the vectors of each dim are read into one float32 block (one
-   autograd node per dim, mixed dims side by side in the flat buffer);
+   together (one op on the CPU); in training a table without eviction or admission
+   whose new keys fit only places them, the others that meet new keys plan their insert
+   as the single layers do; every rank agrees through one status ``all_reduce`` before
+   any table changes; then the keys of the tables that only score or place are scored
+   together and the vectors of each dim are read into one float32 block (one autograd
+   node per dim, mixed dims side by side in the flat buffer);
 5. one ``all_to_all_single`` of the flat buffer back;
 6. per feature: gather its keys' vectors, weight them, and pool them per bag
    (:func:`sparsekit.ops.segment_sum`, in float32), then cast to the table's dtype.
@@ -33,9 +34,10 @@ weight a sparse gradient over the rows this rank owns.
 Host synchronisations per training step on CUDA (``world_size > 1``): the two local
 ``unique`` calls, the feature boundaries of the input, the header, the two owner
 ``unique`` calls, the owner's pairs per table, one read of every hash table's count of
-new keys, and the status all-reduce: independent of the number of tables. Only a table
-that meets new keys in a step adds its insert's two (``HashTable.insert``); a direct
-table adds none.
+new keys, and the status all-reduce: independent of the number of tables. The tables
+that place new keys without eviction or admission add one for all of them (their new
+keys, picked out of the search at once); a table with eviction or admission that meets
+new keys adds its insert's two (``HashTable.insert``); a direct table adds none.
 """
 
 from __future__ import annotations
