@@ -67,6 +67,7 @@ from .exchange import (
     _one_per_bag,
     _PoolRows,
     _resolve_group,
+    _segment_sum_pieces,
     _sort_rows,
     _unique_tables,
 )
@@ -254,10 +255,8 @@ class _TableShard(_ModelParallelEmbedding):
         table, count = self.hash_table, plan.new_keys.numel()
         start = len(table)
         new_rows = torch.arange(start, start + count, dtype=torch.int64, device=plan.rows.device)
-        ops.hash_table_insert_absent_(table._slot_keys, table._slot_rows, plan.new_keys, new_rows, start)
-        table._row_keys[start:start + count] = plan.new_keys.long()
+        table._place(plan.new_keys, new_rows)
         table._count[start:start + count] = 0
-        table._size += count
         self.weight[start:start + count] = plan.initial
         self._admitted += count
         return plan.rows.masked_scatter(plan.rows < 0, new_rows)
@@ -379,10 +378,7 @@ class _LookupPieces(torch.autograd.Function):
     @torch.compiler.disable  # as _LookupOwned.backward
     def backward(ctx, *grads: Tensor):
         sorted_position, sorted_rows = ctx.saved_tensors
-        if sorted_position.device.type == "cpu":
-            values_all = torch.ops.sparsekit.segment_sum_parts(list(grads), sorted_position, sorted_rows.numel())
-        else:
-            values_all = ops.segment_sum(torch.cat(grads), sorted_position, sorted_rows.numel())
+        values_all = _segment_sum_pieces(grads, sorted_position, sorted_rows.numel())
         return (None,) * 7 + tuple(_table_gradients(ctx, values_all, sorted_rows, 7))
 
 
@@ -791,10 +787,11 @@ class EmbeddingBagCollection(nn.Module):
             part = keys if every else torch.cat([keys[starts[t]:starts[t + 1]] for t in searched])
             found = _find_in_tables([self._shards[t].hash_table for t in searched], part, segments)
             if self.training:
-                misses = (found < 0).long().cumsum(0).index_select(
+                missing = found < 0
+                misses = missing.long().cumsum(0).index_select(
                     0, torch.tensor(segments[1:], device=found.device) - 1).tolist()
                 misses = [b - a for a, b in zip([0] + misses, misses)]
-                new_keys = part[found < 0].split(misses) if sum(misses) > 0 else ()
+                new_keys = part[missing].split(misses) if sum(misses) > 0 else ()
             for i, t in enumerate(searched):
                 rows = found[segments[i]:segments[i + 1]]
                 if not self.training:

@@ -6,7 +6,7 @@ configuration agreement.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -205,11 +205,15 @@ class _GatherPieces(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Tensor):
         (index,) = ctx.saved_tensors
-        if index.device.type == "cpu":
-            grad = torch.ops.sparsekit.segment_sum_parts(list(grads), index, ctx.num_rows)
-        else:
-            grad = ops.segment_sum(torch.cat(grads), index, ctx.num_rows)
-        return grad, None, None
+        return _segment_sum_pieces(grads, index, ctx.num_rows), None, None
+
+
+def _segment_sum_pieces(pieces: Sequence[Tensor], index: Tensor, num_rows: int) -> Tensor:
+    """:func:`sparsekit.ops.segment_sum` of the rows of ``pieces`` taken one after the
+    other: read where they lie on the CPU (``segment_sum_parts``), concatenated elsewhere."""
+    if index.device.type == "cpu":
+        return torch.ops.sparsekit.segment_sum_parts(list(pieces), index, num_rows)
+    return ops.segment_sum(torch.cat(list(pieces)), index, num_rows)
 
 
 class _PoolRows(torch.autograd.Function):

@@ -355,15 +355,20 @@ class HashTable:
             self._tombstones += num_evict
             self._size -= num_evict
         if num_new > 0:
-            # The table's own size and rows: the op needs no host sync to check them.
-            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, plan.new_keys, plan.new_rows, self._size)
-            self._row_keys[plan.new_rows] = plan.new_keys.long()
+            self._place(plan.new_keys, plan.new_rows)
             rows = rows.masked_scatter(plan.missing, plan.new_rows)
-            self._size += num_new
         self._score(rows, plan.counts, plan.missing)
         if self._tombstones * 4 > self.num_slots:
             self._rebuild()
         return (rows if plan.inverse is None else rows[plan.inverse]).view(plan.shape)
+
+    def _place(self, keys: Tensor, rows: Tensor) -> None:
+        """Stores distinct absent ``keys`` at ``rows`` that no key holds (never used, or
+        freed by an erase this step) and counts them in ``len(self)``; scores untouched."""
+        # The table's own size and rows: the op needs no host sync to check them.
+        ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, keys, rows, self._size)
+        self._row_keys[rows] = keys.long()
+        self._size += keys.numel()
 
     def _remove(self, keys: Tensor) -> None:
         """Removes distinct ``keys`` (absent ones are skipped) and moves the keys of the last
