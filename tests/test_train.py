@@ -13,9 +13,10 @@ import torch
 from sparsekit import hashing
 from sparsekit.train.criteo import (CriteoFormatError, CriteoParser, CriteoTSV, LineIndex,
                                     benchmark_reader, write_synthetic_tsv)
-from sparsekit.train.data import NUM_DENSE, NUM_SLOTS, SyntheticCriteo, rank_slice
+from sparsekit.train.data import NUM_DENSE, NUM_SLOTS, SyntheticCriteo, rank_slice, zipf_draws
 from sparsekit.train.loop import TrainConfig, train
 from sparsekit.train.metrics import log_loss, roc_auc
+from sparsekit.train.model import DLRM, TorchSlotEmbedding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDINGS = ["sparsekit", "torch"]
@@ -48,6 +49,20 @@ def test_synthetic_is_deterministic_and_world_size_independent():
     assert not torch.equal(held_out.keys, whole.keys)
 
 
+@pytest.mark.parametrize("alpha", [1.01, 1.2, 1.5, 2.0, 7.0, 2000.0])
+@pytest.mark.parametrize("size", [(0, 26), (1,), (7, 3), (1024, 26), (5000,)])
+def test_zipf_draws_are_numpys_values_and_leave_the_generator_where_numpy_does(alpha, size):
+    for seed in range(4):
+        ours, numpys = np.random.default_rng([seed, 9]), np.random.default_rng([seed, 9])
+        values = zipf_draws(ours, alpha, size)
+        expected = numpys.zipf(alpha, size=size)
+        assert values.shape == expected.shape and values.dtype == expected.dtype
+        assert np.array_equal(values, expected)
+        # The next draws agree too: the generator is exactly as far on.
+        assert np.array_equal(ours.random(3), numpys.random(3))
+        assert ours.zipf(alpha) == numpys.zipf(alpha)
+
+
 def test_synthetic_keys_are_salted_per_slot_and_zipf_skewed():
     source = SyntheticCriteo(0, vocab_per_slot=1000)
     ranks = np.zeros((1, NUM_SLOTS), dtype=np.int64)
@@ -64,6 +79,28 @@ def test_rank_slice_partitions():
             rows = [rank_slice(size, rank, world_size) for rank in range(world_size)]
             covered = [i for part in rows for i in range(size)[part]]
             assert covered == list(range(size))
+
+
+# ---- model ----
+
+def test_dlrm_interactions_are_the_upper_triangle_dot_products_in_order():
+    torch.manual_seed(0)
+    dim = 4
+    model = DLRM(TorchSlotEmbedding(1000, dim, torch.device("cpu")), dim)
+    dense = torch.randn(5, NUM_DENSE)
+    keys = torch.randint(-(1 << 62), 1 << 62, (5, NUM_SLOTS))
+    seen = {}
+    model.top.register_forward_hook(lambda module, args, out: seen.update(top_in=args[0]))
+    logits = model(dense, keys)
+    bottom = model.bottom(dense)
+    vectors = torch.cat([bottom.unsqueeze(1), model.embedding(keys)], dim=1)
+    expected = [vectors[:, i] @ vectors[:, j].T for i in range(NUM_SLOTS + 1) for j in range(i + 1, NUM_SLOTS + 1)]
+    expected = torch.stack([e.diagonal() for e in expected], dim=1)
+    assert seen["top_in"].shape == (5, dim + expected.shape[1])
+    torch.testing.assert_close(seen["top_in"][:, dim:], expected)
+    # Gradients reach every vector of every sample.
+    logits.sum().backward()
+    assert model.embedding.bag.weight.grad is not None and model.bottom[0].weight.grad.abs().sum() > 0
 
 
 # ---- metrics ----

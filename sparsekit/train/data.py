@@ -66,6 +66,46 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
+_INT64_MAX = float(np.iinfo(np.int64).max)
+
+
+def zipf_draws(rng: np.random.Generator, alpha: float, size: Tuple[int, ...]) -> np.ndarray:
+    """``rng.zipf(alpha, size)``, the same values and the same generator state after, drawn
+    vectorised: about twice as fast as numpy's one-at-a-time rejection loop.
+
+    numpy draws each value by Devroye's rejection method, a pair of uniforms per try, until
+    a try is accepted. The values are therefore the accepted tries in order: this draws the
+    pairs in bulk, keeps the first ``n`` accepted, and leaves ``rng`` exactly as far on as
+    numpy's loop would (the pairs after the last accepted one are given back).
+    """
+    n = int(np.prod(size))
+    if not 1.0 < alpha < 1025.0:  # numpy's own fast paths and errors
+        return rng.zipf(alpha, size=size)
+    am1 = alpha - 1.0
+    b = 2.0 ** am1
+    u_min = _INT64_MAX ** -am1
+    out = np.empty(n, dtype=np.int64)
+    bit_generator = rng.bit_generator
+    start = bit_generator.state
+    filled = consumed = 0
+    while filled < n:
+        need = n - filled
+        tries = need + need // 2 + 64  # about 72 % of tries are accepted at alpha 1.2
+        pairs = rng.random(2 * tries).reshape(tries, 2)
+        u = pairs[:, 0] * u_min + (1.0 - pairs[:, 0])
+        x = np.floor(np.power(u, -1.0 / am1))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            t = np.power(1.0 + 1.0 / x, am1)
+            accepted = (x <= _INT64_MAX) & (x >= 1.0) & (pairs[:, 1] * x * (t - 1.0) / (b - 1.0) <= t / b)
+        taken = np.flatnonzero(accepted)[:need]
+        out[filled:filled + taken.size] = x[taken]
+        filled += taken.size
+        consumed += 2 * (int(taken[-1]) + 1) if filled == n else 2 * tries
+    bit_generator.state = start
+    bit_generator.advance(consumed)
+    return out.reshape(size)
+
+
 class SyntheticCriteo:
     """Criteo-shaped samples drawn from a hidden logistic model, generated in memory.
 
@@ -115,7 +155,7 @@ class SyntheticCriteo:
             labels float32 [size], probabilities float32 [size])``.
         """
         rng = np.random.default_rng([self.seed, stream, index])
-        ranks = (rng.zipf(self.zipf_alpha, size=(size, NUM_SLOTS)) - 1) % self.vocab_per_slot
+        ranks = (zipf_draws(rng, self.zipf_alpha, (size, NUM_SLOTS)) - 1) % self.vocab_per_slot
         raw_dense = np.floor(np.exp(rng.standard_normal((size, NUM_DENSE)) * 1.2
                                     + self._dense_log_mean)).astype(np.int64)
         raw_dense[rng.random((size, NUM_DENSE)) < 0.1] = -1

@@ -168,8 +168,10 @@ class DLRM(nn.Module):
         self.bottom = _mlp((NUM_DENSE, *bottom, dim), last_activation=True).to(device)
         num_vectors = NUM_SLOTS + 1
         pairs = torch.triu_indices(num_vectors, num_vectors, offset=1, device=device)
-        self.register_buffer("pair_rows", pairs[0], persistent=False)
-        self.register_buffer("pair_cols", pairs[1], persistent=False)
+        # Each pair's position in a flattened [27 * 27] products row. A gather along that
+        # row (backward: a scatter-add per row) costs a quarter of products[:, rows, cols],
+        # whose backward is an accumulating index_put with a sort; the values are the same.
+        self.register_buffer("pair_index", (pairs[0] * num_vectors + pairs[1]).unsqueeze(0), persistent=False)
         self.top = _mlp((dim + pairs.shape[1], *top, 1), last_activation=False).to(device)
 
     def forward(self, dense: Tensor, keys: Tensor) -> Tensor:
@@ -177,5 +179,5 @@ class DLRM(nn.Module):
         bottom = self.bottom(dense)
         vectors = torch.cat([bottom.unsqueeze(1), self.embedding(keys)], dim=1)
         products = torch.bmm(vectors, vectors.transpose(1, 2))
-        interactions = products[:, self.pair_rows, self.pair_cols]
+        interactions = torch.gather(products.flatten(1), 1, self.pair_index.expand(products.shape[0], -1))
         return self.top(torch.cat([bottom, interactions], dim=1)).squeeze(1)
