@@ -75,11 +75,17 @@ class DistinctSketch {
   }
 
   double estimate() const {
+    // 2^-rank by table: std::ldexp per register cost ~10% of a unique of 26k keys.
+    static const std::array<double, 66> kInversePowers = [] {
+      std::array<double, 66> powers{};
+      for (size_t r = 0; r < powers.size(); ++r) powers[r] = std::ldexp(1.0, -static_cast<int>(r));
+      return powers;
+    }();
     const double m = static_cast<double>(registers_.size());
     double harmonic = 0;
     int64_t zeros = 0;
     for (uint8_t r : registers_) {
-      harmonic += std::ldexp(1.0, -r);
+      harmonic += kInversePowers[r];
       zeros += r == 0;
     }
     const double raw = 0.7213 / (1 + 1.079 / m) * m * m / harmonic;
