@@ -259,10 +259,10 @@ struct VectorColumns {
     for (int i = 0; i < kVecs; ++i) acc[i] += w * load_vec(src + i * kLanes);
   }
   /// add(src), with the prefetches of the first `lines` lines at `ahead` issued between
-  /// the loads of the lines of src they stand for (the rest after them). Spread out like
-  /// this, the prefetches wait less for free miss buffers than in a burst before the
-  /// adds: on 1M x 64 float32, Zipf rows, one thread, x0.85 -> x1.05 against
-  /// at::embedding_bag in benchmarks/cpp/embedding_bag_loops.cpp.
+  /// the loads of the lines of src they stand for (the rest after them), not in a burst
+  /// before the adds. In benchmarks/cpp/embedding_bag_loops.cpp's hand-written loops (1M x
+  /// 64 float32, Zipf rows, one thread, 16 ahead) that took x0.84 to x1.05 against
+  /// at::embedding_bag; see kPrefetchDistanceSpread for what the op gained.
   SPARSEKIT_ALWAYS_INLINE void add_prefetching(const scalar_t* src, const char* ahead, int lines) {
     constexpr int kVecBytes = kLanes * static_cast<int>(sizeof(scalar_t));
     for (int i = 0; i < kVecs; ++i) {
