@@ -357,7 +357,14 @@ class HashTable:
         if num_new > 0:
             self._place(plan.new_keys, plan.new_rows)
             rows = rows.masked_scatter(plan.missing, plan.new_rows)
-        self._score(rows, plan.counts, plan.missing)
+        if plan.counts is None and rows.device.type == "cpu":
+            # Distinct keys: one pass stamps and counts every row (five passes in _score);
+            # new rows count from 0, as _score's fresh rows do.
+            if num_new > 0:
+                self._count.index_fill_(0, plan.new_rows, 0)
+            _touch_tables([self], rows, [0, rows.numel()])
+        else:
+            self._score(rows, plan.counts, plan.missing)
         if self._tombstones * 4 > self.num_slots:
             self._rebuild()
         return (rows if plan.inverse is None else rows[plan.inverse]).view(plan.shape)

@@ -237,6 +237,32 @@ def test_random_streams_match_the_model_property(capacity, universe, seed, evict
     run_stream(table, DynamicModel(capacity, eviction), random.Random(seed), 40, universe, "cpu")
 
 
+@pytest.mark.parametrize("eviction", ["lru", "lfu", None])
+@pytest.mark.parametrize("capacity, universe", [(1, 3), (4, 10), (16, 40)])
+def test_distinct_inserts_of_the_layers_match_the_model(device, eviction, capacity, universe):
+    # The layers insert their owner's distinct keys through _plan_insert(distinct=True) and
+    # _commit_insert, whose scoring differs from insert()'s: a row an evicted key freed must
+    # count its new key from 1, not go on from the old key's count.
+    rng = random.Random(capacity * 17 + universe)
+    table = sk.HashTable(capacity, eviction=eviction, device=device)
+    model = DynamicModel(capacity, eviction)
+    for _ in range(60):
+        if rng.random() < 0.25:
+            table.tick()
+            model.clock += 1
+            continue
+        keys = list(dict.fromkeys(rng.randint(-universe, universe) for _ in range(rng.randint(0, capacity + 1))))
+        try:
+            expected, _ = model.insert(keys)
+        except HashTableFullError:
+            with pytest.raises(HashTableFullError):
+                table._plan_insert(torch.tensor(keys, dtype=torch.int64, device=device), distinct=True)
+            continue
+        plan = table._plan_insert(torch.tensor(keys, dtype=torch.int64, device=device), distinct=True)
+        assert table._commit_insert(plan).tolist() == expected
+        assert_matches(table, model)
+
+
 def _big_stream(eviction, threads, device="cpu"):
     """Evicting inserts on a table large enough for several select chunks and a list."""
     torch.manual_seed(0)
