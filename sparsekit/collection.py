@@ -251,12 +251,11 @@ class _TableShard(_ModelParallelEmbedding):
     def _place_new_keys(self, plan: "_GrowRows") -> Tensor:
         """Gives the new keys of a :class:`_GrowRows` plan the next rows and their initial
         vectors, as the insert of a single layer would, and returns every key's row. The
-        rows are scored by the caller (a new row's count starts from 0)."""
+        rows are scored by the caller."""
         table, count = self.hash_table, plan.new_keys.numel()
         start = len(table)
         new_rows = torch.arange(start, start + count, dtype=torch.int64, device=plan.rows.device)
         table._place(plan.new_keys, new_rows)
-        table._count[start:start + count] = 0
         self.weight[start:start + count] = plan.initial
         self._admitted += count
         return plan.rows.masked_scatter(plan.rows < 0, new_rows)

@@ -83,7 +83,7 @@ def _touch_tables(tables: Sequence["HashTable"], rows: Tensor, offsets: List[int
     for table, a, b in zip(tables, offsets, offsets[1:]):
         part = rows[a:b]
         part = part[part >= 0]
-        table._score(part, None, torch.zeros_like(part, dtype=torch.bool))
+        table._score(part, None)
 
 
 class HashTable:
@@ -234,7 +234,7 @@ class HashTable:
         unique_keys, inverse, counts = ops.unique(keys.reshape(-1), return_inverse=True, return_counts=True)
         rows = self.find(unique_keys)
         found = rows >= 0
-        self._score(rows[found], counts[found], torch.zeros_like(found[found]))
+        self._score(rows[found], counts[found])
         return rows[inverse].view(keys.shape)
 
     def scores(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
@@ -250,18 +250,19 @@ class HashTable:
         count = torch.where(found, self._count[safe], -1)
         return last_seen, count
 
-    def _score(self, rows: Tensor, counts: Optional[Tensor], fresh: Tensor) -> None:
-        """Stamps distinct ``rows`` with the clock and adds ``counts`` (None: one each);
-        ``fresh`` rows start from 0."""
+    def _score(self, rows: Tensor, counts: Optional[Tensor]) -> None:
+        """Stamps distinct ``rows`` with the clock and adds ``counts`` (None: one each). A
+        row given a key this step counts from 0 (:meth:`_place` cleared it)."""
         if rows.numel() == 0:
+            return
+        if counts is None and rows.device.type == "cpu":
+            # One pass stamps and counts every row, where the ops below take four.
+            torch.ops.sparsekit.hash_table_score_tables_([self._last_seen], [self._count], rows,
+                                                         [0, rows.numel()], [self._clock])
             return
         self._last_seen.index_fill_(0, rows, self._clock)
         current = self._count.index_select(0, rows)
-        if counts is None:
-            updated = current.add_(1).masked_fill_(fresh, 1)
-        else:
-            updated = torch.where(fresh, counts, current + counts)
-        self._count.index_copy_(0, rows, updated)
+        self._count.index_copy_(0, rows, current.add_(1) if counts is None else current.add_(counts))
 
     # -- inserts and eviction -----------------------------------------------------------
 
@@ -357,24 +358,19 @@ class HashTable:
         if num_new > 0:
             self._place(plan.new_keys, plan.new_rows)
             rows = rows.masked_scatter(plan.missing, plan.new_rows)
-        if plan.counts is None and rows.device.type == "cpu":
-            # Distinct keys: one pass stamps and counts every row (five passes in _score);
-            # new rows count from 0, as _score's fresh rows do.
-            if num_new > 0:
-                self._count.index_fill_(0, plan.new_rows, 0)
-            _touch_tables([self], rows, [0, rows.numel()])
-        else:
-            self._score(rows, plan.counts, plan.missing)
+        self._score(rows, plan.counts)
         if self._tombstones * 4 > self.num_slots:
             self._rebuild()
         return (rows if plan.inverse is None else rows[plan.inverse]).view(plan.shape)
 
     def _place(self, keys: Tensor, rows: Tensor) -> None:
         """Stores distinct absent ``keys`` at ``rows`` that no key holds (never used, or
-        freed by an erase this step) and counts them in ``len(self)``; scores untouched."""
+        freed by an erase this step) and counts them in ``len(self)``. Their counts start
+        from 0 (an evicted key's count is cleared); the caller scores them."""
         # The table's own size and rows: the op needs no host sync to check them.
         ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, keys, rows, self._size)
         self._row_keys[rows] = keys.long()
+        self._count.index_fill_(0, rows, 0)
         self._size += keys.numel()
 
     def _remove(self, keys: Tensor) -> None:

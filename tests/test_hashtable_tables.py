@@ -88,7 +88,7 @@ def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, 
         offsets.append(offsets[-1] + rows.numel())
         present = rows[rows >= 0]
         distinct, counts = torch.unique(present, return_counts=True)
-        reference._score(distinct, counts, torch.zeros_like(distinct, dtype=torch.bool))
+        reference._score(distinct, counts)
     with num_threads(threads):
         score_tables([t._last_seen for t in tables], [t._count for t in tables], torch.cat(parts), offsets,
                      [t.clock for t in tables])
