@@ -119,15 +119,29 @@ def _unique_tables_by_pairs(keys: Tensor, offsets: List[int], tables: List[int],
     return out, position.index_select(0, pair_of_key), torch.bincount(pair_tables, minlength=num_tables)
 
 
+# Above this many rows torch's CPU sort beats numpy's (453 vs 524 us for 50,000 rows on the
+# 2-core development machine; 1.0 vs 1.5 ms for 120,000).
+_NUMPY_SORT_MAX_ROWS = 50_000
+
+
 def _sort_rows(rows: Tensor) -> Tuple[Tensor, Tensor]:
     """``(sorted, order)`` of int64 ``rows`` that are distinct apart from repeats of -1 (a
     missing key, whose relative order no caller cares about), so any sort gives the stable
-    result. On the CPU numpy's sort (AVX-512 where the CPU has it): torch's CPU sort of
-    int64 slows down ~5x per element between 4,000 and 11,000 values (431 vs 96 us for
-    11,000 rows on the 2-core development machine)."""
-    if rows.device.type == "cpu" and rows.numel() > 1:
-        order = torch.from_numpy(np.argsort(rows.detach().contiguous().numpy()))
-        return rows.index_select(0, order), order
+    result.
+
+    On the CPU, up to ``_NUMPY_SORT_MAX_ROWS`` rows, one numpy sort of ``row << b | position``
+    (``b`` bits hold a position) gives both: numpy sorts plain int64 with SIMD where the
+    CPU has it, 2.3x faster than its argsort (99 vs 226 us for 11,000 rows on the 2-core
+    development machine), and torch's CPU sort of int64 slows down ~5x per element
+    between 4,000 and 11,000 values (543 us for 11,000)."""
+    n = rows.numel()
+    if rows.device.type == "cpu" and 1 < n <= _NUMPY_SORT_MAX_ROWS:
+        values = rows.detach().contiguous().numpy()
+        bits = (n - 1).bit_length()
+        limit = 1 << (62 - bits)
+        if -limit < int(values.min()) and int(values.max()) < limit:
+            packed = np.sort((values << bits) | np.arange(n, dtype=np.int64))
+            return torch.from_numpy(packed >> bits), torch.from_numpy(packed & ((1 << bits) - 1))
     return torch.sort(rows)
 
 

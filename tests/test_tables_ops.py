@@ -3,12 +3,14 @@ unique_tables against a dedup table by table in plain Python and against the
 two-unique path the collection takes on other devices; lazy_adam_tables_ against
 lazy_adam_ table by table, bit for bit; LazyAdam, whose float32 CPU tables go
 through lazy_adam_tables_, against its one-table path; segment_sum_parts (the pooled
-features' gradients summed where they lie) against segment_sum of their concatenation.
+features' gradients summed where they lie) against segment_sum of their concatenation;
+_sort_rows (the owners' rows in order for a coalesced gradient) against a stable sort.
 
 Thresholds crossed (keep in step with csrc/cpu/unique_cpu.cpp and lazy_adam_cpu.cpp):
 the inverse remap's tasks of 2^14 keys (kScanGrain) that start inside a segment, span
 several or skip empty ones; tables of 0, 1 and 70,000 keys; the update's tasks of
-16384 / dim rows that span several tables.
+16384 / dim rows that span several tables; _sort_rows' switch from numpy's packed
+sort to torch's at 50,000 rows, and rows too large to pack.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 from torch.library import opcheck
 
 import sparsekit as sk
-from sparsekit.exchange import _unique_tables, _unique_tables_by_pairs
+from sparsekit.exchange import _NUMPY_SORT_MAX_ROWS, _sort_rows, _unique_tables, _unique_tables_by_pairs
 from properties import examples, make_keys, num_threads, thread_counts
 
 unique_tables = torch.ops.sparsekit.unique_tables
@@ -335,3 +337,25 @@ def test_lazy_adam_fused_half_shards_match_its_one_table_path(dtype):
         assert a.dtype == b.dtype and torch.equal(a, b)
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(fused_opt.state[a][name], alone_opt.state[b][name])
+
+
+@examples(20)
+@given(n=st.sampled_from([0, 1, 2, 3, 1023, 1024, 1025, 11_000, _NUMPY_SORT_MAX_ROWS, _NUMPY_SORT_MAX_ROWS + 1]),
+       missing=st.sampled_from([0.0, 0.1, 1.0]),
+       bound=st.sampled_from([1 << 20, 1 << 40, (1 << 62) - 1]), seed=st.integers(0, 2**31 - 1))
+def test_sort_rows_matches_a_stable_sort(n, missing, bound, seed):
+    """Distinct rows (any int64 up to 2^62, too large to pack among them) with repeats of
+    -1: the rows ascending and the permutation that reads them, -1 first."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.unique(torch.randint(0, bound, (n,), generator=generator))  # distinct (a few fewer at most)
+    n = rows.numel()
+    rows = rows[torch.randperm(n, generator=generator)]
+    rows = torch.where(torch.rand(n, generator=generator) < missing, -1, rows)
+    sorted_rows, order = _sort_rows(rows)
+    expected, expected_order = torch.sort(rows, stable=True)
+    assert sorted_rows.dtype == order.dtype == torch.int64
+    assert torch.equal(sorted_rows, expected)
+    assert torch.equal(torch.sort(order).values, torch.arange(n))
+    assert torch.equal(rows[order], expected)
+    found = expected >= 0
+    assert torch.equal(order[found], expected_order[found])
