@@ -48,6 +48,11 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // of table t: last_seen[t][row] = clocks[t], count[t][row] += 1 per occurrence; -1 skipped.
   m.def("hash_table_score_tables_(Tensor(a!)[] last_seen, Tensor(b!)[] count, Tensor rows, int[] offsets, "
         "int[] clocks) -> ()");
+  // Internal, CPU only: places the new keys of several growing tables, keys[offsets[t] :
+  // offsets[t + 1]] (distinct, absent) of table t at rows sizes[t], sizes[t] + 1, ...: their
+  // slots, row_keys[t][row] = key, count[t][row] = 0.
+  m.def("hash_table_place_tables_(Tensor(a!)[] slot_keys, Tensor(b!)[] slot_rows, Tensor(c!)[] row_keys, "
+        "Tensor(d!)[] count, Tensor keys, int[] offsets, int[] sizes) -> ()");
   // Erases keys: their slots become tombstones (-2). Returns the rows they held (-1: absent).
   m.def("hash_table_erase_(Tensor slot_keys, Tensor(a!) slot_rows, Tensor keys) -> Tensor");
   // Ascending indices of the k lexicographically smallest eligible entries of the int64

@@ -71,7 +71,7 @@ from .exchange import (
     _sort_rows,
     _unique_tables,
 )
-from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
+from .hashtable import HashTableFullError, _find_in_tables, _grow_tables, _touch_tables
 from .shard import KeySeededUniform, _ModelParallelEmbedding
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection"]
@@ -246,19 +246,6 @@ class _TableShard(_ModelParallelEmbedding):
 
     def _commit(self, plan: Any) -> Tensor:
         return plan if isinstance(plan, Tensor) else self._commit_lookup(plan)
-
-    @torch.no_grad()
-    def _place_new_keys(self, plan: "_GrowRows") -> Tensor:
-        """Gives the new keys of a :class:`_GrowRows` plan the next rows and their initial
-        vectors, as the insert of a single layer would, and returns every key's row. The
-        rows are scored by the caller."""
-        table, count = self.hash_table, plan.new_keys.numel()
-        start = len(table)
-        new_rows = torch.arange(start, start + count, dtype=torch.int64, device=plan.rows.device)
-        table._place(plan.new_keys, new_rows)
-        self.weight[start:start + count] = plan.initial
-        self._admitted += count
-        return plan.rows.masked_scatter(plan.rows < 0, new_rows)
 
 
 class _PresentRows(NamedTuple):
@@ -780,6 +767,7 @@ class EmbeddingBagCollection(nn.Module):
         starts = list(itertools.accumulate(per_table, initial=0))
         searched = [t for t, shard in enumerate(self._shards) if per_table[t] > 0 and shard.hash_table is not None
                     and (not self.training or shard._pending is None)]
+        growing: List[Tuple[int, Tensor, Tensor]] = []  # (table, its keys' rows, its new keys)
         if searched:
             every = len(searched) == sum(1 for count in per_table if count > 0)
             segments = list(itertools.accumulate((per_table[t] for t in searched), initial=0))
@@ -798,24 +786,26 @@ class EmbeddingBagCollection(nn.Module):
                 elif misses[i] == 0:
                     plans[t] = _PresentRows(rows)
                 else:
-                    shard, keys_of_table = self._shards[t], new_keys[i]
+                    shard = self._shards[t]
                     table = shard.hash_table
                     if table._eviction is None and shard._fresh_rows is None \
                             and misses[i] <= table.capacity - len(table):
-                        plans[t] = _GrowRows(rows, keys_of_table, shard.initial_rows(keys_of_table.long()))
+                        growing.append((t, rows, new_keys[i]))
+            for (t, rows, keys_of_table), initial in zip(growing, self._initial_rows(growing)):
+                plans[t] = _GrowRows(rows, keys_of_table, initial)
         for t, shard in enumerate(self._shards):
             if per_table[t] > 0 and plans[t] is None:
                 plans[t] = shard._plan(keys[starts[t]:starts[t + 1]])
 
     def _commit_tables(self, plans: List[Any]) -> List[Optional[Tensor]]:
         """Carries out the plans of :meth:`_plan_tables`: each table's rows (None: no keys).
-        The tables that only score rows or place new keys are scored together in one op."""
+        The tables that place new keys do it together (one op on the CPU), and with those
+        that only score rows they are scored together in one op."""
         found: Dict[int, Tensor] = {}
-        for t, plan in enumerate(plans):
-            if isinstance(plan, _PresentRows):
-                found[t] = plan.rows
-            elif isinstance(plan, _GrowRows):
-                found[t] = self._shards[t]._place_new_keys(plan)
+        growing = [t for t, plan in enumerate(plans) if isinstance(plan, _GrowRows)]
+        if growing:
+            found.update(zip(growing, self._grow([self._shards[t] for t in growing], [plans[t] for t in growing])))
+        found.update((t, plan.rows) for t, plan in enumerate(plans) if isinstance(plan, _PresentRows))
         if found:
             rows = list(found.values())
             tables = [self._shards[t].hash_table for t in found]
@@ -825,6 +815,53 @@ class EmbeddingBagCollection(nn.Module):
                 table.tick()
         return [None if plan is None else found[t] if t in found else shard._commit(plan)
                 for t, (shard, plan) in enumerate(zip(self._shards, plans))]
+
+    @torch.no_grad()
+    def _grow(self, shards: List[_TableShard], plans: List["_GrowRows"]) -> List[Tensor]:
+        """Gives the new keys of each shard's :class:`_GrowRows` plan the table's next rows
+        and their initial vectors, as the insert of a single layer would, and returns every
+        key's row per shard; the caller scores them. One op places every table's keys (on
+        the CPU) and the rows are numbered for all tables at once: nothing here runs per
+        table but the weights' writes."""
+        tables = [shard.hash_table for shard in shards]
+        sizes = [len(table) for table in tables]
+        counts = [plan.new_keys.numel() for plan in plans]
+        _grow_tables(tables, torch.cat([plan.new_keys for plan in plans]) if len(plans) > 1 else plans[0].new_keys,
+                     list(itertools.accumulate(counts, initial=0)))
+        for shard, plan, start, count in zip(shards, plans, sizes, counts):
+            shard.weight[start:start + count] = plan.initial
+            shard._admitted += count
+        # A new key's row: its table's old size plus its rank among the table's new keys,
+        # i.e. its rank among all new keys (a running count) shifted per table.
+        lengths = [plan.rows.numel() for plan in plans]
+        rows = torch.cat([plan.rows for plan in plans]) if len(plans) > 1 else plans[0].rows
+        missing = rows < 0
+        shift = torch.tensor([size - before for size, before in zip(sizes, itertools.accumulate(counts, initial=0))],
+                             dtype=torch.int64, device=rows.device)
+        shift = torch.repeat_interleave(shift, torch.tensor(lengths, device=rows.device), output_size=rows.numel())
+        new_rows = missing.cumsum(0).sub_(1).add_(shift)
+        return list(torch.where(missing, new_rows, rows).split(lengths))
+
+    def _initial_rows(self, new: List[Tuple[int, Tensor, Tensor]]) -> List[Tensor]:
+        """The initial vectors of the new keys of each ``(table, rows, new keys)``: one
+        initializer call for every group of tables whose initializers are one
+        :class:`KeySeededUniform` (same seed and range, a pure function of the key) of one
+        dim and dtype, one per table otherwise."""
+        groups: Dict[Any, List[int]] = {}
+        for i, (t, _, _) in enumerate(new):
+            shard = self._shards[t]
+            init = shard.embedding_initializer
+            group = (init.seed, init.low, init.high, shard.embedding_vec_size, shard.weight.dtype) \
+                if type(init) is KeySeededUniform else t
+            groups.setdefault(group, []).append(i)
+        out: List[Optional[Tensor]] = [None] * len(new)
+        for members in groups.values():
+            keys = [new[i][2] for i in members]
+            initial = self._shards[new[members[0]][0]].initial_rows(
+                torch.cat(keys).long() if len(keys) > 1 else keys[0].long())
+            for i, part in zip(members, initial.split([k.numel() for k in keys])):
+                out[i] = part
+        return out
 
     def _pool(self, prepared: Dict[str, Any], per_group: Optional[List[Optional[Tensor]]],
               counts: List[List[int]], rows: Optional[List[Optional[Tensor]]] = None) -> Dict[str, Tensor]:

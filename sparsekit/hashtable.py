@@ -86,6 +86,24 @@ def _touch_tables(tables: Sequence["HashTable"], rows: Tensor, offsets: List[int
         table._score(part, None)
 
 
+def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]) -> None:
+    """Gives the distinct absent ``keys[offsets[t]:offsets[t + 1]]`` of ``tables[t]`` the
+    table's next rows, ``len(table), len(table) + 1, ...`` in order, as :meth:`HashTable._place`
+    would (the caller checked they fit and scores them). On the CPU one op for all tables
+    (a collection step meets new keys in most of its tables); elsewhere table by table."""
+    if keys.device.type == "cpu":
+        torch.ops.sparsekit.hash_table_place_tables_(
+            [t._slot_keys for t in tables], [t._slot_rows for t in tables], [t._row_keys for t in tables],
+            [t._count for t in tables], keys, offsets, [t._size for t in tables])
+        for table, a, b in zip(tables, offsets, offsets[1:]):
+            table._size += b - a
+        return
+    for table, a, b in zip(tables, offsets, offsets[1:]):
+        if b > a:
+            table._place(keys[a:b], torch.arange(table._size, table._size + b - a, dtype=torch.int64,
+                                                 device=keys.device))
+
+
 class HashTable:
     """Find-or-insert map from keys to consecutive row ids, stored in plain tensors.
 

@@ -209,6 +209,16 @@ def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], 
     return None
 
 
+@torch.library.register_fake("sparsekit::hash_table_place_tables_")
+def _hash_table_place_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], row_keys: List[Tensor],
+                                  count: List[Tensor], keys: Tensor, offsets: List[int], sizes: List[int]) -> None:
+    torch._check(len(slot_keys) == len(slot_rows) == len(row_keys) == len(count) == len(sizes)
+                 and len(offsets) == len(sizes) + 1,
+                 lambda: "hash_table_place_tables_: one slot_keys, slot_rows, row_keys, count, sizes and offsets "
+                         "entry per table")
+    return None
+
+
 def hash_table_find(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
     """Rows of ``keys`` in an open-addressing table (see :class:`sparsekit.HashTable`).
 

@@ -1,6 +1,7 @@
 """The multi-table hash ops of an EmbeddingBagCollection's owner step (CPU):
 hash_table_find_tables against hash_table_find table by table, hash_table_score_tables_
-against HashTable's own scoring; and the collection built on them, whose tables' rows,
+against HashTable's own scoring, hash_table_place_tables_ (and _grow_tables, its
+fallback elsewhere) against HashTable's own insert; and the collection built on them, whose tables' rows,
 scores and gradients must not depend on how many tables share a step.
 
 Thresholds crossed (keep in step with csrc/cpu/hashtable_cpu.cpp): tasks of 4096 keys
@@ -17,11 +18,12 @@ from hypothesis import strategies as st
 from _distributed import spawn
 
 import sparsekit as sk
-from sparsekit.hashtable import HashTable, HashTableFullError, _find_in_tables, _touch_tables
+from sparsekit.hashtable import HashTable, HashTableFullError, _find_in_tables, _grow_tables, _touch_tables
 from properties import examples, num_threads, thread_counts
 
 find_tables = torch.ops.sparsekit.hash_table_find_tables
 score_tables = torch.ops.sparsekit.hash_table_score_tables_
+place_tables = torch.ops.sparsekit.hash_table_place_tables_
 
 
 def make_tables(capacities, seed):
@@ -108,6 +110,95 @@ def test_score_tables_rejects_a_row_outside_its_table_and_changes_nothing():
                      [1, 1])
     for t, (seen, count) in zip(tables, before):
         assert torch.equal(t._last_seen, seen) and torch.equal(t._count, count)
+
+
+def _table_state(table):
+    return (len(table), table._slot_keys.clone(), table._slot_rows.clone(), table._row_keys.clone(),
+            table._count.clone(), table._last_seen.clone())
+
+
+@examples(15)
+@given(capacities=st.lists(st.sampled_from([1, 16, 100, 5_000, 70_000]), min_size=1, max_size=6),
+       fill=st.sampled_from([0.0, 0.3, 1.0]), erase=st.booleans(), dtype=st.sampled_from([torch.int64, torch.int32]),
+       threads=thread_counts, seed=st.integers(0, 2**31 - 1), cpu_op=st.booleans())
+def test_place_tables_matches_the_tables_own_insert(capacities, fill, erase, dtype, threads, seed, cpu_op):
+    """New keys of several tables (some none, some filling the table to capacity, some
+    into tombstones left by an erase) take the rows and scores HashTable.insert gives them."""
+    tables, g = make_tables(capacities, seed)
+    references, _ = make_tables(capacities, seed)
+    if erase:  # tombstones, and counts of freed rows to clear (the collection's truncate path)
+        for table, reference in zip(tables, references):
+            for t in (table, reference):
+                t._count[:len(t)] += 5
+                t._remove(t._row_keys[:len(t) // 3].clone())
+    for table, reference in zip(tables, references):  # stale counts in free rows: placing clears them, as _place does
+        table._count[len(table):] += 7
+        reference._count[len(reference):] += 7
+    parts = []
+    for table in tables:
+        room = table.capacity - len(table)
+        candidates = torch.unique(torch.randint(-4 * table.capacity - 8, 4 * table.capacity + 8,
+                                                (4 * table.capacity + 16,), generator=g))
+        candidates = candidates[table.find(candidates) < 0]
+        candidates = candidates[torch.randperm(candidates.numel(), generator=g)]
+        parts.append(candidates[:int(room * fill)])
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + part.numel())
+    keys = torch.cat(parts).to(dtype)
+    for reference, part in zip(references, parts):
+        reference.insert(part.to(reference.key_dtype))
+        if part.numel() > 0:  # insert scores what it places; the collection scores after placing
+            rows = reference.find(part)
+            reference._count[rows] = 0
+            reference._last_seen[rows] = 0
+    with num_threads(threads):
+        if cpu_op:
+            _grow_tables(tables, keys, offsets)
+        else:  # the fallback other devices take
+            for table, a, b in zip(tables, offsets, offsets[1:]):
+                if b > a:
+                    table._place(keys[a:b], torch.arange(len(table), len(table) + b - a))
+    for table, reference, part in zip(tables, references, parts):
+        assert len(table) == len(reference)
+        assert torch.equal(table.find(part), reference.find(part))
+        assert torch.equal(table._row_keys[:len(table)], reference._row_keys[:len(reference)])
+        assert torch.equal(table._count, reference._count) and torch.equal(table._last_seen, reference._last_seen)
+        everything = torch.cat([reference._row_keys[:len(reference)], part])
+        assert torch.equal(table.find(everything), reference.find(everything))
+
+
+def test_place_tables_rejects_a_table_without_room_and_changes_no_table():
+    tables, _ = make_tables([100, 16, 100], 3)
+    before = [_table_state(t) for t in tables]
+    lists = ([t._slot_keys for t in tables], [t._slot_rows for t in tables], [t._row_keys for t in tables],
+             [t._count for t in tables])
+    keys = torch.arange(1000, 1000 + 3 + 9 + 2)
+    sizes = [len(t) for t in tables]
+    with pytest.raises(RuntimeError, match=rf"table 1 holds {sizes[1]} of its 16 rows, so its 9 new keys do not fit; "
+                                           "nothing was inserted"):
+        place_tables(*lists, keys, [0, 3, 12, 14], sizes)
+    with pytest.raises(RuntimeError, match="table 0 holds -1 of its 100 rows"):
+        place_tables(*lists, keys[:5], [0, 3, 4, 5], [-1] + sizes[1:])
+    with pytest.raises(RuntimeError, match=r"one entry per table"):
+        place_tables(*lists, keys[:5], [0, 3, 4, 5], sizes[:2])
+    with pytest.raises(RuntimeError, match=r"offsets must run from 0 to 5"):
+        place_tables(*lists, keys[:5], [0, 3, 4, 4], sizes)
+    with pytest.raises(RuntimeError, match=r"row_keys\[2\] and count\[2\] must be contiguous 1-D int64"):
+        place_tables(*lists[:3], lists[3][:2] + [lists[3][2].int()], keys[:5], [0, 3, 4, 5], sizes)
+    with pytest.raises(RuntimeError, match="keys must be an int64 or int32 tensor"):
+        place_tables(*lists, keys[:5].float(), [0, 3, 4, 5], sizes)
+    for table, state in zip(tables, before):
+        after = _table_state(table)
+        assert after[0] == state[0] and all(torch.equal(a, b) for a, b in zip(after[1:], state[1:]))
+
+
+def test_place_tables_opcheck():
+    tables, _ = make_tables([100, 5_000], 4)
+    keys = torch.arange(10**6, 10**6 + 40)
+    torch.library.opcheck(place_tables, ([t._slot_keys for t in tables], [t._slot_rows for t in tables],
+                                         [t._row_keys for t in tables], [t._count for t in tables], keys,
+                                         [0, 10, 40], [len(t) for t in tables]))
 
 
 @pytest.mark.parametrize("offsets, message", [
@@ -213,6 +304,34 @@ def test_tables_with_and_without_new_keys_in_one_step_score_like_single_tables(m
         assert torch.equal(a._count[:len(a)], b._count[:len(b)])
         recent = together.export(f"t{i}", min_last_seen=6)[0]
         assert torch.equal(recent, single.export(f"t{i}", min_last_seen=6)[0])
+
+
+def test_new_keys_of_tables_sharing_an_initializer_start_as_the_initializer_gives_them():
+    """Tables whose initializers are one KeySeededUniform (shared or equal, any dim and
+    dtype) get their new keys' vectors from one call per group; each table's new rows must
+    still be exactly its initializer's rows for its keys, as a table alone would get."""
+    shared = sk.KeySeededUniform(seed=7)
+    calls = []
+
+    def custom(keys, dim):
+        calls.append(keys.numel())
+        return keys.double().unsqueeze(1).expand(-1, dim) / 1000
+
+    inits = [shared, shared, sk.KeySeededUniform(seed=7), shared, sk.KeySeededUniform(seed=8), custom, custom, None]
+    dtypes = [torch.float16, torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.float32,
+              torch.float16, torch.float32]
+    configs = [sk.TableConfig(f"t{i}", (4, 8, 4, 4, 4, 8, 8, 4)[i], 500, [f"f{i}"], dtype=dtypes[i],
+                              initializer=init) for i, init in enumerate(inits)]
+    ebc = sk.EmbeddingBagCollection(configs)
+    for step in range(3):
+        kjt = _batch(len(configs), 40, 300, step)
+        ebc(kjt)
+    assert len(calls) == 2 * 3  # the custom initializer: once per table per step, never merged
+    for i, (config, shard) in enumerate(zip(configs, ebc.shards)):
+        keys, vectors = ebc.export(config.name)
+        init = config.initializer if config.initializer is not None else shard.embedding_initializer
+        expected = init(keys, config.embedding_dim).to(config.dtype)
+        assert vectors.dtype == config.dtype and torch.equal(vectors, expected), config.name
 
 
 def test_gradients_of_many_tables_match_a_dense_reference():

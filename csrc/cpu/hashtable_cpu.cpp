@@ -56,6 +56,28 @@ void find_keys(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot
   });
 }
 
+/// @brief Stores `key` with `row` in the first free slot (empty or tombstone) of its probe
+/// sequence; false when every slot was visited without one.
+inline bool place_key(int64_t* slot_keys, int64_t* slot_rows, uint64_t slot_mask, int64_t key, int64_t row) {
+  uint64_t slot = mix_key(key) & slot_mask;
+  // At most num_slots probes: a full table must raise, not spin forever.
+  for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
+    // An empty slot or a tombstone is free. Claiming the row field makes the slot ours;
+    // the key is written after, which is safe because finds never run concurrently with
+    // an insert.
+    int64_t seen = __atomic_load_n(&slot_rows[slot], __ATOMIC_RELAXED);
+    while (seen < 0) {
+      if (__atomic_compare_exchange_n(&slot_rows[slot], &seen, row, /*weak=*/false, __ATOMIC_RELAXED,
+                                      __ATOMIC_RELAXED)) {
+        slot_keys[slot] = key;
+        return true;
+      }
+    }
+    slot = (slot + 1) & slot_mask;
+  }
+  return false;
+}
+
 template <typename key_t>
 int32_t insert_keys(int64_t* slot_keys, int64_t* slot_rows, int64_t num_slots, const key_t* keys,
                     const int64_t* rows, int64_t num_keys) {
@@ -63,26 +85,7 @@ int32_t insert_keys(int64_t* slot_keys, int64_t* slot_rows, int64_t num_slots, c
   std::atomic<int32_t> error{kHashInsertOk};
   parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t key = static_cast<int64_t>(keys[i]);
-      uint64_t slot = mix_key(key) & slot_mask;
-      bool placed = false;
-      // At most num_slots probes: a full table must raise, not spin forever.
-      for (int64_t probe = 0; probe < num_slots && !placed; ++probe) {
-        // An empty slot or a tombstone is free. Claiming the row field makes the slot
-        // ours; the key is written after, which is safe because finds never run
-        // concurrently with an insert.
-        int64_t seen = __atomic_load_n(&slot_rows[slot], __ATOMIC_RELAXED);
-        while (seen < 0) {
-          if (__atomic_compare_exchange_n(&slot_rows[slot], &seen, rows[i], /*weak=*/false, __ATOMIC_RELAXED,
-                                          __ATOMIC_RELAXED)) {
-            slot_keys[slot] = key;
-            placed = true;
-            break;
-          }
-        }
-        slot = (slot + 1) & slot_mask;
-      }
-      if (!placed) {
+      if (!place_key(slot_keys, slot_rows, slot_mask, static_cast<int64_t>(keys[i]), rows[i])) {
         error.store(kHashInsertTableFull, std::memory_order_relaxed);
         return;
       }
@@ -298,12 +301,79 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
   });
 }
 
+/// @brief Gives several tables' new keys their rows in one call (an EmbeddingBagCollection
+/// step whose tables grow without eviction): keys[offsets[t] : offsets[t + 1]], distinct and
+/// absent from table t (not checked), take rows sizes[t], sizes[t] + 1, ... in order; each
+/// is stored in its slot and in row_keys[t] at its row, and count[t] at its row is cleared.
+/// Every table is checked (arrays, room for its rows and slots) before anything is written.
+/// @param sizes the keys each table holds (HashTable's len): its first free row.
+void hash_table_place_tables_cpu(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows,
+                                 const std::vector<Tensor>& row_keys, const std::vector<Tensor>& count,
+                                 const Tensor& keys, const std::vector<int64_t>& offsets,
+                                 const std::vector<int64_t>& sizes) {
+  const char* op = "hash_table_place_tables_";
+  const size_t num_tables = slot_keys.size();
+  SK_CHECK(slot_rows.size() == num_tables && row_keys.size() == num_tables && count.size() == num_tables &&
+               sizes.size() == num_tables,
+           op, ": slot_keys (", num_tables, "), slot_rows (", slot_rows.size(), "), row_keys (", row_keys.size(),
+           "), count (", count.size(), ") and sizes (", sizes.size(), ") must hold one entry per table");
+  check_key_tensor(keys, op, "keys");
+  SK_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
+  check_table_offsets(offsets, num_tables, keys.numel(), op);
+  for (size_t t = 0; t < num_tables; ++t) {
+    check_hash_table_find_args(slot_keys[t], slot_rows[t], keys);
+    SK_CHECK(row_keys[t].scalar_type() == kLong && count[t].scalar_type() == kLong && row_keys[t].dim() == 1 &&
+                 count[t].dim() == 1 && row_keys[t].size(0) == count[t].size(0) && row_keys[t].is_contiguous() &&
+                 count[t].is_contiguous() && row_keys[t].device() == keys.device() &&
+                 count[t].device() == keys.device(),
+             op, ": row_keys[", t, "] and count[", t, "] must be contiguous 1-D int64 tensors of one length on ",
+             keys.device());
+    const int64_t num_new = offsets[t + 1] - offsets[t];
+    const int64_t capacity = row_keys[t].size(0);
+    SK_CHECK(sizes[t] >= 0 && sizes[t] <= capacity - num_new, op, ": table ", t, " holds ", sizes[t], " of its ",
+             capacity, " rows, so its ", num_new, " new keys do not fit; nothing was inserted");
+    check_hash_insert_fits(sizes[t], num_new, slot_keys[t].size(0));
+  }
+  std::vector<int64_t*> skeys, srows, rkeys, counts;
+  std::vector<uint64_t> masks;
+  for (size_t t = 0; t < num_tables; ++t) {
+    skeys.push_back(slot_keys[t].mutable_data_ptr<int64_t>());
+    srows.push_back(slot_rows[t].mutable_data_ptr<int64_t>());
+    rkeys.push_back(row_keys[t].mutable_data_ptr<int64_t>());
+    counts.push_back(count[t].mutable_data_ptr<int64_t>());
+    masks.push_back(static_cast<uint64_t>(slot_keys[t].size(0) - 1));
+  }
+  const Tensor keys_c = as_contiguous(keys);
+  std::atomic<bool> full{false};
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_place_tables_cpu", [&] {
+    const index_t* k = keys_c.const_data_ptr<index_t>();
+    parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+      for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t key = static_cast<int64_t>(k[i]);
+          const int64_t row = sizes[t] + (i - offsets[t]);
+          if (!place_key(skeys[t], srows[t], masks[t], key, row)) {
+            full.store(true, std::memory_order_relaxed);
+            return;
+          }
+          rkeys[t][row] = key;
+          counts[t][row] = 0;
+        }
+      });
+    });
+  });
+  // Unreachable after the room check above (every probe ends on a free slot), kept as
+  // the single-table insert keeps it.
+  raise_hash_insert_error(full.load() ? kHashInsertTableFull : kHashInsertOk);
+}
+
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("hash_table_find", TORCH_BOX(&hash_table_find_cpu));
   m.impl("hash_table_erase_", TORCH_BOX(&hash_table_erase_cpu));
   m.impl("hash_table_insert_absent_", TORCH_BOX(&hash_table_insert_absent_cpu));
   m.impl("hash_table_find_tables", TORCH_BOX(&hash_table_find_tables_cpu));
   m.impl("hash_table_score_tables_", TORCH_BOX(&hash_table_score_tables_cpu));
+  m.impl("hash_table_place_tables_", TORCH_BOX(&hash_table_place_tables_cpu));
 }
 
 }  // namespace sparsekit
