@@ -6,7 +6,8 @@ scores and gradients must not depend on how many tables share a step.
 
 Thresholds crossed (keep in step with csrc/cpu/hashtable_cpu.cpp): tasks of 4096 keys
 (kHashGrain) that start inside a table, span several small tables or skip empty ones, and
-tables of 2^17 slots and more (the prefetching find).
+tables of 2^17 slots and more (the prefetching find) and of 2^16 rows and more (the
+prefetching scoring).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def test_find_tables_with_a_large_table_prefetches_and_agrees():
 
 
 @examples(15)
-@given(capacities=st.lists(st.sampled_from([1, 16, 100, 5_000]), min_size=1, max_size=5),
+@given(capacities=st.lists(st.sampled_from([1, 16, 100, 5_000, 70_000]), min_size=1, max_size=5),
        threads=thread_counts, seed=st.integers(0, 2**31 - 1), repeat=st.booleans())
 def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, repeat):
     tables, g = make_tables(capacities, seed)
