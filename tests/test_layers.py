@@ -410,6 +410,54 @@ def test_model_parallel_matches_one_process(tmp_path, world_size):
     spawn(_layers_worker, world_size, str(tmp_path))
 
 
+def _large_lookup_worker(rank, world_size, init, dim):
+    """Lookups of thousands of rows (above the size from which a CPU shard reads its rows
+    with sparsekit's gather, 256 KiB), in training and in eval with unseen keys, against the
+    layer's own exported table: pooled sums, zeros for unseen keys, and the gradient."""
+    from sparsekit.exchange import _GATHER_MIN_BYTES
+
+    if world_size > 1:
+        init()
+    g = torch.Generator().manual_seed(11)
+    keys_per_rank = 3 * _GATHER_MIN_BYTES // (dim * 4)  # well above the threshold
+    layer = sk.DistributedEmbedding("sum", 2 * keys_per_rank, dim, 1, 2)
+    pool = torch.randint(-2**62, 2**62, (keys_per_rank * world_size,), generator=g)
+    batches = [pool[torch.randperm(pool.numel(), generator=g)].view(world_size, -1, 1, 2)[rank] for _ in range(2)]
+    unseen = torch.randint(-2**62, 2**62, batches[0].shape, generator=g)
+    # eval: half the keys of each bag unseen (found + missing rows, the gather's zeros)
+    for step, keys in enumerate(batches + [torch.cat([batches[0][..., :1], unseen[..., 1:]], -1)]):
+        if step == 2:
+            layer.eval()
+        out = layer(keys)
+        exported = [layer.export()] if world_size == 1 else [None] * world_size
+        if world_size > 1:
+            dist.all_gather_object(exported, layer.export())
+        table = {}
+        for owned_keys, vectors in exported:
+            table.update(zip(owned_keys.tolist(), vectors.float()))
+        zero = torch.zeros(dim)
+        expected = torch.stack([sum((table.get(k, zero) for k in bag.tolist()), zero)
+                                for bag in keys.view(-1, 2)]).view(out.shape)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+        if step < 2:
+            target = torch.randn(out.shape, generator=torch.Generator().manual_seed(step + rank))
+            (out * target).sum().backward()
+            if world_size == 1:  # (over ranks the owner sums every rank's lookups)
+                rows = layer.hash_table.find(keys.reshape(-1))
+                dense = torch.zeros(layer.weight.shape).index_add_(0, rows, target.view(-1, dim).repeat_interleave(2, 0))
+                torch.testing.assert_close(layer.weight.grad.to_dense(), dense, rtol=0, atol=1e-5)
+            layer.weight.grad = None
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+def test_large_lookups_match_the_exported_table(dim):
+    _large_lookup_worker(0, 1, None, dim)
+
+
+def test_large_lookups_over_two_ranks_match_the_exported_tables(tmp_path):
+    spawn(_large_lookup_worker, 2, str(tmp_path), 16)
+
+
 # ---- DDP on the dense part -----------------------------------------------------------------
 
 
