@@ -17,6 +17,11 @@ backward of the sum of squares of every pooled output, optimizer step) of:
 2. 26 ``sk.DistributedEmbedding`` layers (one slot each) + one ``sk.LazyAdam``;
 3. 26 ``nn.EmbeddingBag(mode="sum", sparse=True)`` + ``torch.optim.SparseAdam`` (world 1).
 
+The loss all three share is also timed on its own (forward and backward on outputs of the
+same shapes): with dims up to 128 it is a third of the collection's step, and the ratio
+against the 26 layers with it taken off both sides is reported beside the plain one (an
+estimate, and not the goal's measure).
+
 Also (1) with bfloat16 tables: its step time and the tables' bytes against float32 (the
 weights; LazyAdam's moments stay float32 either way). Ratios are competitor time /
 collection time per interleaved round, given as median (min-max). World 2 runs (1) and
@@ -117,6 +122,16 @@ class Steps:
         self.bags_opt.step()
         self.bags_opt.zero_grad()
 
+    def loss_step(self) -> None:
+        """The loss the sides above share (sum of squares of every pooled output, forward
+        and backward) alone, on float32 outputs of the same shapes: what no embedding can
+        save. Run as a side of its own so that its time can be set against the steps'."""
+        if not hasattr(self, "_outputs"):
+            self._outputs = [torch.randn(self.batch, d, device=self.device, requires_grad=True) for d in self.dims]
+        for v in self._outputs:
+            v.grad = None
+        sum((v.float() ** 2).sum() for v in self._outputs).backward()
+
     def table_bytes(self) -> int:
         return sum(shard.weight.numel() * shard.weight.element_size() for shard in self.collection.shards)
 
@@ -150,8 +165,13 @@ def bench_world_one(args, device: torch.device, config: str) -> Dict:
         "layers": cycling(fp32.layers_step, batches),
         "torch": cycling(fp32.torch_step, batches),
         "collection_bf16": cycling(bf16.collection_step, batches),
+        "loss": fp32.loss_step,
     }, device, rounds=args.rounds, repeat=args.repeat)
     vs_layers = ratio_stats(times["layers"], times["collection"])
+    # The same ratio with the shared loss's own time taken off both sides (an estimate:
+    # the loss is timed apart from the steps, in the same rounds).
+    vs_layers_less_loss = ratio_stats([t - loss for t, loss in zip(times["layers"], times["loss"])],
+                                      [t - loss for t, loss in zip(times["collection"], times["loss"])])
     vs_torch = ratio_stats(times["torch"], times["collection"])
     bf16_vs_fp32 = ratio_stats(times["collection"], times["collection_bf16"])
     row = {"world_size": 1, "config": config, "dims": dims, "capacities": caps, "distinct_keys": distinct,
@@ -160,13 +180,16 @@ def bench_world_one(args, device: torch.device, config: str) -> Dict:
            "collection_step_s": float(np.median(times["collection"])),
            "layers_step_s": float(np.median(times["layers"])), "torch_step_s": float(np.median(times["torch"])),
            "collection_bf16_step_s": float(np.median(times["collection_bf16"])),
+           "loss_s": float(np.median(times["loss"])),
            "speedup_vs_26_layers": vs_layers, "speedup_vs_torch": vs_torch,
+           "speedup_vs_26_layers_less_loss": vs_layers_less_loss,
            "bf16_speed_vs_fp32": bf16_vs_fp32,
            "table_bytes_fp32": fp32.table_bytes(), "table_bytes_bf16": bf16.table_bytes()}
     print(f"world 1 {config:10}: collection {row['collection_step_s'] * 1e3:7.2f} ms | vs 26 layers "
           f"{fmt_ratio(vs_layers)} | vs 26 nn.EmbeddingBag+SparseAdam {fmt_ratio(vs_torch)} | bf16 tables: "
           f"{fmt_ratio(bf16_vs_fp32)} the fp32 speed, {row['table_bytes_bf16'] / 2**20:,.0f} MiB vs "
-          f"{row['table_bytes_fp32'] / 2**20:,.0f} MiB")
+          f"{row['table_bytes_fp32'] / 2**20:,.0f} MiB | the shared loss alone {row['loss_s'] * 1e3:.2f} ms; "
+          f"without it, vs 26 layers {fmt_ratio(vs_layers_less_loss)}")
     return row
 
 
