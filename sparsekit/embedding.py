@@ -21,6 +21,14 @@ One forward step on every rank:
 6. pool the received unique vectors into bags: one fused gather-and-sum (the kernel of
    :func:`sparsekit.ops.embedding_bag`), or a plain gather when every bag holds one key.
 
+One process training a CPU hash table without eviction or admission turns 1 and 4 around:
+the keys are looked up as they come (absent ones inserted, in order of first occurrence,
+as the owner's insert would), and their rows, bounded by the table's size, are
+deduplicated and sorted by a bitmap (``unique_bounded``), which also gives the coalesced
+gradient its order: one hash pass over the keys instead of a hash dedup, a table probe of
+the distinct keys and a sort of their rows. The tables, scores, weights and gradients end
+alike.
+
 Backward mirrors 5 (an ``all_to_all_single`` of the vector gradients back to the owners)
 and leaves every rank's ``weight`` a coalesced sparse COO gradient over the rows it owns,
 on every step, possibly with no rows, so ``LazyAdam`` counts the same steps on every rank

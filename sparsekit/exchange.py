@@ -158,9 +158,9 @@ class _LookupOwned(torch.autograd.Function):
     ``rows[j]`` is the row received key ``j`` reads, ``sorted_rows`` the distinct rows asked
     for, ascending (``-1``: a key missing in eval). Sorting makes the gradient a truly
     coalesced COO tensor, so LazyAdam applies it without another unique + segment_sum.
-    ``grad_index`` maps the keys' gradients onto ``sorted_rows``: with ``distinct`` (every
-    received key distinct, as in one process) it is the sort's permutation and the gradient
-    a gather; otherwise ``grad_index[j]`` is the entry of ``sorted_rows`` key ``j`` reads,
+    ``grad_index`` maps the keys' gradients onto ``sorted_rows``: None when ``rows`` are
+    ``sorted_rows``; with ``distinct`` (every received key distinct, as in one process) it
+    is the sort's permutation and the gradient a gather; otherwise ``grad_index[j]`` is the entry of ``sorted_rows`` key ``j`` reads,
     and the gradient a segment sum.
     """
 
@@ -184,7 +184,9 @@ class _LookupOwned(torch.autograd.Function):
     @torch.compiler.disable  # autograd calls it from compiled code too; dynamo cannot build sparse tensors
     def backward(ctx, grad: Tensor):
         sorted_rows, grad_index = ctx.saved_tensors
-        if ctx.distinct:
+        if grad_index is None:  # the rows were sorted already
+            values = grad.contiguous()
+        elif ctx.distinct:
             values = grad.index_select(0, grad_index)
         else:
             values = ops.segment_sum(grad.contiguous(), grad_index, sorted_rows.numel())

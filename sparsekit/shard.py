@@ -424,6 +424,12 @@ class _ModelParallelEmbedding(nn.Module):
         ``keys[j]``. An error in ``prepare``, in the dedup or in the checks is shared with
         every rank first (see :meth:`_exchange`), so no rank is left waiting.
         """
+        if self._rows_first():
+            keys, offsets, info = prepare()
+            if offsets is not None:
+                self._raise_for_flags(int(_offsets_error_flags(offsets, keys.numel()).item()), None, offsets)
+            vectors, index = self._lookup_rows_first(keys)
+            return keys, info, vectors, index
         keys = offsets = info = unique_keys = inverse = flags = None
         error: Optional[BaseException] = None
         try:
@@ -438,6 +444,51 @@ class _ModelParallelEmbedding(nn.Module):
         vectors, positions = self._exchange(unique_keys, flags, offsets, error)
         index = inverse if positions is None else positions.index_select(0, inverse)
         return keys, info, vectors, index
+
+    def _rows_first(self) -> bool:
+        """Whether a step looks its keys up before deduplicating them (see
+        :meth:`_lookup_rows_first`): one process, a CPU hash table, training, and neither
+        eviction nor admission (the plans of those need the call's distinct keys)."""
+        return self.world_size == 1 and self.hash_table is not None and self.training and self._pending is None \
+            and self.hash_table.eviction is None and self.weight.device.type == "cpu"
+
+    @torch.no_grad()
+    def _rows_of_new_keys(self, keys: Tensor, rows: Tensor) -> Tensor:
+        """``rows`` (the table's, -1 for an absent key) with the absent keys inserted, as the
+        owner's insert of the call's distinct keys would: new keys take the next rows in
+        order of first occurrence, with their initial vectors. Raises with nothing changed."""
+        missing = rows < 0
+        if not bool(missing.any()):
+            return rows
+        table = self.hash_table
+        new_keys, new_of_missing = ops.unique(keys[missing])
+        try:
+            plan = table._plan_insert(new_keys, distinct=True)
+        except HashTableFullError as error:
+            raise HashTableFullError(
+                f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
+                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
+        initial = self.initial_rows(plan.new_keys.long())
+        table._place(plan.new_keys, plan.new_rows)
+        self.weight[plan.new_rows] = initial
+        self._admitted += plan.new_keys.numel()
+        return rows.masked_scatter(missing, plan.new_rows.index_select(0, new_of_missing))
+
+    def _lookup_rows_first(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
+        """The vectors of ``keys`` [n] as ``(vectors, index)``, ``vectors[index[j]]`` that of
+        ``keys[j]``, for a step of :meth:`_rows_first`: the keys are found in the table as
+        they come, the absent ones inserted, and the rows (bounded by the table's size)
+        deduplicated and sorted by a bitmap of the rows (``unique_bounded``) instead of
+        deduplicating the keys by hashing and sorting their rows after. The table, its
+        scores and clock, the weight and the gradient end as the general path leaves them."""
+        table = self.hash_table
+        rows = self._rows_of_new_keys(keys, table.find(keys))
+        # Rows in use lie below the table's size: a bitmap of those, not of the whole shard.
+        unique_rows, inverse, _, _ = torch.ops.sparsekit.unique_bounded(rows, len(table), False)
+        table._score(unique_rows, None)
+        table.tick()
+        vectors = _LookupOwned.apply(self.weight, unique_rows, unique_rows, None, True, False, self._grad_marker)
+        return vectors, inverse
 
     def _check_keys_tensor(self, keys: Tensor, what: str) -> Tensor:
         name = self._layer_name

@@ -458,6 +458,24 @@ def test_large_lookups_over_two_ranks_match_the_exported_tables(tmp_path):
     spawn(_large_lookup_worker, 2, str(tmp_path), 16)
 
 
+@pytest.mark.parametrize("layer_type", ["DistributedEmbedding", "All2AllDenseEmbedding"])
+def test_one_process_full_table_raises_naming_the_layer_and_changes_nothing(layer_type):
+    layer = sk.DistributedEmbedding("sum", 4, DIM, 1, 3) if layer_type == "DistributedEmbedding" else \
+        sk.All2AllDenseEmbedding(4, DIM, 1, 3)
+    shape = (1, 1, 3)
+    layer(torch.tensor([10, 11, 10]).view(shape)).sum().backward()
+    table = layer.hash_table
+    before = (len(table), table.clock, table.export(), layer.weight.detach().clone(), table._count.clone())
+    with pytest.raises(HashTableFullError, match=rf"{layer_type}: the hash table of rank 0 is full \(capacity "
+                                                 r"max_vocabulary_size_per_gpu=4\)"):
+        layer(torch.tensor([12, 13, 14]).view(shape))
+    after = (len(table), table.clock, table.export(), layer.weight.detach(), table._count)
+    assert after[:2] == before[:2]
+    assert all(torch.equal(a, b) for a, b in zip(after[2] + after[3:], before[2] + before[3:]))
+    layer(torch.tensor([12, 11, 13]).view(shape))  # two new keys fit: the step goes on
+    assert len(table) == 4 and table.clock == before[1] + 1
+
+
 # ---- DDP on the dense part -----------------------------------------------------------------
 
 
