@@ -478,13 +478,20 @@ class _ModelParallelEmbedding(nn.Module):
         """The vectors of ``keys`` [n] as ``(vectors, index)``, ``vectors[index[j]]`` that of
         ``keys[j]``, for a step of :meth:`_rows_first`: the keys are found in the table as
         they come, the absent ones inserted, and the rows (bounded by the table's size)
-        deduplicated and sorted by a bitmap of the rows (``unique_bounded``) instead of
+        deduplicated and sorted by a bitmap of the rows (``unique_bounded``; for a table
+        far larger than the call, by hashing the rows and sorting the distinct ones) instead of
         deduplicating the keys by hashing and sorting their rows after. The table, its
         scores and clock, the weight and the gradient end as the general path leaves them."""
         table = self.hash_table
         rows = self._rows_of_new_keys(keys, table.find(keys))
-        # Rows in use lie below the table's size: a bitmap of those, not of the whole shard.
-        unique_rows, inverse, _, _ = torch.ops.sparsekit.unique_bounded(rows, len(table), False)
+        if len(table) <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * rows.numel() + (1 << 16):
+            # Rows in use lie below the table's size: a bitmap of those, not of the whole shard.
+            unique_rows, inverse, _, _ = torch.ops.sparsekit.unique_bounded(rows, len(table), False)
+        else:  # a table far larger than the call: hash the rows, then sort the distinct ones
+            distinct_rows, distinct_of_row = ops.unique(rows)
+            unique_rows, order = _sort_rows(distinct_rows)
+            rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
+            inverse = rank.index_select(0, distinct_of_row)
         table._score(unique_rows, None)
         table.tick()
         vectors = _LookupOwned.apply(self.weight, unique_rows, unique_rows, None, True, False, self._grad_marker)

@@ -476,6 +476,46 @@ def test_one_process_full_table_raises_naming_the_layer_and_changes_nothing(laye
     assert len(table) == 4 and table.clock == before[1] + 1
 
 
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+def test_rows_first_lookup_leaves_everything_as_the_general_path(monkeypatch, key_dtype):
+    """One process training a CPU hash table looks keys up before deduplicating them; a
+    twin layer forced onto the general path (dedup, owner insert, row sort) must end every
+    step with the same outputs, gradients, table (rows, scores, clock) and weights: small
+    and empty batches, repeats, a table far larger than the call (the hash fallback of the
+    row dedup) and batches of mostly new keys (the bitmap)."""
+    from sparsekit.shard import _ModelParallelEmbedding
+
+    general = _ModelParallelEmbedding._rows_first
+    layers = [sk.DistributedEmbedding("sum", 90_000, DIM, 1, 2, key_dtype=key_dtype) for _ in range(2)]
+    optimizers = [LazyAdam(layer.parameters(), lr=0.01) for layer in layers]
+    g = torch.Generator().manual_seed(3)
+    high = 2**31 - 1 if key_dtype == torch.int32 else 2**62
+    batches = [torch.randint(-high, high, (35_000, 1, 2), generator=g), torch.randint(0, 9, (3, 1, 2), generator=g),
+               torch.zeros(0, 1, 2, dtype=torch.int64), torch.randint(-high, high, (4, 1, 2), generator=g)]
+    batches.append(torch.cat([batches[3], batches[0][:5], batches[1]]).flip(0))  # rows out of order, repeats
+    for keys in batches:
+        keys = keys.to(key_dtype)
+        outs = []
+        for layer, optimizer, rows_first in zip(layers, optimizers, (True, False)):
+            monkeypatch.setattr(_ModelParallelEmbedding, "_rows_first",
+                                general if rows_first else (lambda self: False))
+            out = layer(keys)
+            target = torch.randn(out.shape, generator=torch.Generator().manual_seed(keys.numel()))
+            (out * target).sum().backward()
+            outs.append((out.detach(), layer.weight.grad.coalesce()))
+            optimizer.step()
+            optimizer.zero_grad()
+        (out_a, grad_a), (out_b, grad_b) = outs
+        assert torch.equal(out_a, out_b)
+        assert torch.equal(grad_a.indices(), grad_b.indices()) and torch.equal(grad_a.values(), grad_b.values())
+        a, b = layers[0].hash_table, layers[1].hash_table
+        assert len(a) == len(b) and a.clock == b.clock
+        assert all(torch.equal(x, y) for x, y in zip(a.export(), b.export()))
+        assert torch.equal(a._last_seen, b._last_seen) and torch.equal(a._count, b._count)
+        assert torch.equal(layers[0].weight, layers[1].weight)
+        assert layers[0].stats() == layers[1].stats()
+
+
 # ---- DDP on the dense part -----------------------------------------------------------------
 
 
