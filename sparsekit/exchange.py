@@ -160,8 +160,8 @@ class _LookupOwned(torch.autograd.Function):
     coalesced COO tensor, so LazyAdam applies it without another unique + segment_sum.
     ``grad_index`` maps the keys' gradients onto ``sorted_rows``: None when ``rows`` are
     ``sorted_rows``; with ``distinct`` (every received key distinct, as in one process) it
-    is the sort's permutation and the gradient a gather; otherwise ``grad_index[j]`` is the entry of ``sorted_rows`` key ``j`` reads,
-    and the gradient a segment sum.
+    is the sort's permutation and the gradient a gather; otherwise ``grad_index[j]`` is
+    the entry of ``sorted_rows`` key ``j`` reads, and the gradient a segment sum.
     """
 
     @staticmethod
