@@ -8,6 +8,7 @@ A *global batch* is what one optimizer step consumes over all ranks; rank ``r`` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Tuple
 
@@ -76,7 +77,9 @@ def zipf_draws(rng: np.random.Generator, alpha: float, size: Tuple[int, ...]) ->
     numpy draws each value by Devroye's rejection method, a pair of uniforms per try, until
     a try is accepted. The values are therefore the accepted tries in order: this draws the
     pairs in bulk, keeps the first ``n`` accepted, and leaves ``rng`` exactly as far on as
-    numpy's loop would (the pairs after the last accepted one are given back).
+    numpy's loop would (the pairs after the last accepted one are given back). numpy's loop
+    takes its powers from the C library's ``pow``; the few whose last bits matter are taken
+    from it here too (``math.pow``), the rest from numpy's vectorised ``power``.
     """
     n = int(np.prod(size))
     if not 1.0 < alpha < 1025.0:  # numpy's own fast paths and errors
@@ -92,11 +95,23 @@ def zipf_draws(rng: np.random.Generator, alpha: float, size: Tuple[int, ...]) ->
         need = n - filled
         tries = need + need // 2 + 64  # about 72 % of tries are accepted at alpha 1.2
         pairs = rng.random(2 * tries).reshape(tries, 2)
-        u = pairs[:, 0] * u_min + (1.0 - pairs[:, 0])
-        x = np.floor(np.power(u, -1.0 / am1))
+        u, v = pairs[:, 0] * u_min + (1.0 - pairs[:, 0]), pairs[:, 1]
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            power = np.power(u, -1.0 / am1)
+            x = np.floor(power)
+            # numpy's loop calls the C library's pow, its vectorised power may differ in the
+            # last bits (numpy >= 2.4): where those bits could move floor() (a power near an
+            # integer, or above 2^52 where every bit is in the value), pow decides.
+            near = np.flatnonzero(np.minimum(power - x, x + 1.0 - power) <= power * 1e-13)
+            x[near] = [math.floor(math.pow(float(value), -1.0 / am1)) for value in u[near]]
             t = np.power(1.0 + 1.0 / x, am1)
-            accepted = (x <= _INT64_MAX) & (x >= 1.0) & (pairs[:, 1] * x * (t - 1.0) / (b - 1.0) <= t / b)
+            lhs, rhs = v * x * (t - 1.0) / (b - 1.0), t / b
+            accepted = (x <= _INT64_MAX) & (x >= 1.0) & (lhs <= rhs)
+            close = np.flatnonzero((np.abs(lhs - rhs) <= np.abs(rhs) * 1e-13) & (x <= _INT64_MAX) & (x >= 1.0))
+        for i in close:  # a test that the last bits of t could turn: with pow's t, as numpy does
+            xi = float(x[i])
+            ti = math.pow(1.0 + 1.0 / xi, am1)
+            accepted[i] = float(v[i]) * xi * (ti - 1.0) / (b - 1.0) <= ti / b
         taken = np.flatnonzero(accepted)[:need]
         out[filled:filled + taken.size] = x[taken]
         filled += taken.size
