@@ -38,6 +38,13 @@ new keys, and the status all-reduce: independent of the number of tables. The ta
 that place new keys without eviction or admission add one for all of them (their new
 keys, picked out of the search at once); a table with eviction or admission that meets
 new keys adds its insert's two (``HashTable.insert``); a direct table adds none.
+
+One process training CPU hash tables without eviction or admission on one key per bag
+without weights (Criteo's shape) skips the pairs' dedup: every value is found in its
+feature's table first (one op), only the absent keys are deduplicated and placed, and
+each dim group's rows are deduplicated and sorted by one bitmap of the rows in use
+(``EmbeddingBagCollection._lookup_rows_first``); the tables, scores and gradients end as
+above.
 """
 
 from __future__ import annotations
@@ -316,6 +323,20 @@ class _GrowRows(NamedTuple):
     initial: Tensor
 
 
+@torch.no_grad()
+def _place_new_keys(shards: List[_TableShard], keys: Tensor, counts: List[int], initial: List[Tensor]) -> List[int]:
+    """Gives shard j's ``counts[j]`` distinct absent keys (``keys``, shard after shard; they
+    fit) its hash table's next rows in order, as ``HashTable.insert`` would, and writes their
+    ``initial`` vectors there (one op places every table's keys on the CPU). Returns each
+    table's size before; the caller scores the new rows."""
+    sizes = [len(shard.hash_table) for shard in shards]
+    _grow_tables([shard.hash_table for shard in shards], keys, list(itertools.accumulate(counts, initial=0)))
+    for shard, vectors, start, count in zip(shards, initial, sizes, counts):
+        shard.weight[start:start + count] = vectors
+        shard._admitted += count
+    return sizes
+
+
 class _LookupTables(torch.autograd.Function):
     """Rows of several shards of one dim as one float32 block (table after table), missing
     rows (-1) read as zeros. The rows asked of each table are distinct (the owner dedups its
@@ -461,7 +482,7 @@ class EmbeddingBagCollection(nn.Module):
         prepared = None
         flags = torch.zeros((), dtype=torch.int64, device=device)
         try:
-            prepared = self._prepare(kjt, device)
+            prepared = self._prepare(kjt, device, rows_first=self._rows_first())
             flags = prepared["flags"]
         except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised
             error = exc
@@ -470,6 +491,11 @@ class EmbeddingBagCollection(nn.Module):
             if error is not None:
                 raise error
             self._raise_for_flags(int(flags.item()), prepared)
+            if "pair_keys" not in prepared:
+                pooled = self._lookup_rows_first(prepared)
+                if pooled is not None:
+                    return pooled
+                prepared = self._prepare(kjt, device)  # a table's new keys do not fit: its error comes from there
             counts = [prepared["pairs_per_table"]]
             if prepared["one_per_bag"] and prepared["weights"] is None and prepared["pair_keys"].numel() > 0:
                 # One key per bag: the features read their vectors straight from the weights.
@@ -565,8 +591,10 @@ class EmbeddingBagCollection(nn.Module):
             out.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
         return out
 
-    def _prepare(self, kjt: Any, device: torch.device) -> Dict[str, Any]:
-        """Reads and checks this rank's input; dedups its (table, key) pairs."""
+    def _prepare(self, kjt: Any, device: torch.device, rows_first: bool = False) -> Dict[str, Any]:
+        """Reads and checks this rank's input; dedups its (table, key) pairs. With
+        ``rows_first``, an input of one key per bag without weights stops before the dedup
+        (``"keys"`` and no ``"pair_keys"``: see :meth:`_lookup_rows_first`)."""
         features, values, offsets, weights = _read_input(kjt)
         unknown = [f for f in features if f not in self._feature_table]
         if unknown:
@@ -610,6 +638,10 @@ class EmbeddingBagCollection(nn.Module):
         else:
             keys = values.long()
         table_of_feature = [self._feature_table[f] for f in features]
+        if rows_first and weights is None and not flags_bad_bounds and keys.numel() > 0 \
+                and _one_per_bag(offsets, keys.numel()):
+            return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "keys": keys,
+                    "table_of_feature": table_of_feature, "flags": flags}
         num_tables = len(self._shards)
         # The distinct (table, key) pairs, table after table: feature f's values are
         # bounds[f]:bounds[f + 1], a segment of its table.
@@ -823,14 +855,9 @@ class EmbeddingBagCollection(nn.Module):
         key's row per shard; the caller scores them. One op places every table's keys (on
         the CPU) and the rows are numbered for all tables at once: nothing here runs per
         table but the weights' writes."""
-        tables = [shard.hash_table for shard in shards]
-        sizes = [len(table) for table in tables]
         counts = [plan.new_keys.numel() for plan in plans]
-        _grow_tables(tables, torch.cat([plan.new_keys for plan in plans]) if len(plans) > 1 else plans[0].new_keys,
-                     list(itertools.accumulate(counts, initial=0)))
-        for shard, plan, start, count in zip(shards, plans, sizes, counts):
-            shard.weight[start:start + count] = plan.initial
-            shard._admitted += count
+        sizes = _place_new_keys(shards, torch.cat([plan.new_keys for plan in plans]) if len(plans) > 1
+                                else plans[0].new_keys, counts, [plan.initial for plan in plans])
         # A new key's row: its table's old size plus its rank among the table's new keys,
         # i.e. its rank among all new keys (a running count) shifted per table.
         lengths = [plan.rows.numel() for plan in plans]
@@ -929,8 +956,96 @@ class EmbeddingBagCollection(nn.Module):
             for f, part in zip(group_features, pooled.split(batch) if batch > 0 else
                                [pooled] * len(group_features)):
                 pooled_of[f] = part
+        return self._finish(prepared, pooled_of)
+
+    def _rows_first(self) -> bool:
+        """Whether a one-process training step looks its keys up before deduplicating them
+        (:meth:`_lookup_rows_first`): CPU hash tables without eviction or admission."""
+        return self.world_size == 1 and self.training and all(
+            s.hash_table is not None and s.hash_table.eviction is None and s._pending is None
+            and s.weight.device.type == "cpu" for s in self._shards)
+
+    def _lookup_rows_first(self, prepared: Dict[str, Any]) -> Optional[Dict[str, Tensor]]:
+        """One process, one key per bag, CPU hash tables without eviction or admission: every
+        value is found in its feature's table as it comes (one op), the absent keys of each
+        table placed together in order of first occurrence (as the pairs' dedup and
+        :meth:`_grow` would number them), and each dim group's rows deduplicated and sorted
+        by one bitmap of the tables' rows in use (``unique_bounded`` over row + the table's
+        offset), which also orders each table's coalesced gradient: no dedup of the pairs
+        by hashing, no second search, no sort. The tables, scores, clocks, weights and
+        gradients end as the general path leaves them. None, with nothing changed, when a
+        table's new keys do not fit (the general path then raises its error)."""
+        keys, bounds = prepared["keys"], prepared["bounds"]
+        table_of_feature = prepared["table_of_feature"]
+        shards, num_tables = self._shards, len(self._shards)
+        rows = _find_in_tables([shards[t].hash_table for t in table_of_feature], keys, bounds)
+        missing = rows < 0
+        if bool(missing.any()):
+            misses = missing.long().cumsum(0).index_select(0, torch.tensor(bounds[1:]) - 1).tolist()
+            new_keys, new_of_missing, per_table = _unique_tables(
+                keys[missing], [0] + misses, table_of_feature, num_tables)
+            per_table = per_table.tolist()
+            if any(n > s.hash_table.capacity - len(s.hash_table) for n, s in zip(per_table, shards)):
+                return None
+            growing = [t for t in range(num_tables) if per_table[t] > 0]
+            starts = list(itertools.accumulate(per_table, initial=0))
+            new = [(t, None, new_keys[starts[t]:starts[t + 1]]) for t in growing]
+            initial = self._initial_rows(new)  # may raise: nothing has changed yet
+            sizes = [len(s.hash_table) for s in shards]
+            _place_new_keys([shards[t] for t in growing], new_keys, [per_table[t] for t in growing], initial)
+            # A new key's row: its table's old size plus its rank among the table's new keys.
+            shift = torch.tensor([sizes[t] - starts[t] for t in range(num_tables)])
+            new_rows = torch.arange(new_keys.numel()) + shift.repeat_interleave(torch.tensor(per_table),
+                                                                                 output_size=new_keys.numel())
+            rows = rows.masked_scatter(missing, new_rows.index_select(0, new_of_missing))
+        features = prepared["features"]
+        pooled_of: Dict[int, Tensor] = {}
+        scored: List[Tuple[int, Tensor]] = []
+        for members in self._groups:
+            group_features = [f for f in range(len(features)) if table_of_feature[f] in members]
+            if not group_features:
+                continue
+            # Each table's rows in use, one after the other: a row's code is its row plus
+            # the sizes of the group's tables before its own.
+            base = dict(zip(members, itertools.accumulate((len(shards[t].hash_table) for t in members), initial=0)))
+            total = base[members[-1]] + len(shards[members[-1]].hash_table)
+            lengths = [bounds[f + 1] - bounds[f] for f in group_features]
+            value_rows = [rows[bounds[f]:bounds[f + 1]] for f in group_features]
+            codes = torch.cat(value_rows) + torch.tensor([base[table_of_feature[f]] for f in group_features]) \
+                .repeat_interleave(torch.tensor(lengths), output_size=sum(lengths))
+            if total <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * codes.numel() + (1 << 16):
+                sorted_codes, position, _, _ = torch.ops.sparsekit.unique_bounded(codes, total, False)
+            else:  # tables far larger than the step: hash the codes, then sort the distinct ones
+                distinct, distinct_of_code = ops.unique(codes)
+                sorted_codes, order = _sort_rows(distinct)
+                rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
+                position = rank.index_select(0, distinct_of_code)
+            used = [t for t in members if any(table_of_feature[f] == t for f in group_features)]
+            ends = torch.searchsorted(sorted_codes, torch.tensor([base[t] + len(shards[t].hash_table)
+                                                                  for t in used])).tolist()
+            sizes_used = [b - a for a, b in zip([0] + ends, ends)]
+            sorted_rows = sorted_codes - torch.tensor([base[t] for t in used]).repeat_interleave(
+                torch.tensor(sizes_used), output_size=sorted_codes.numel())
+            scored.extend(zip(used, sorted_rows.split(sizes_used)))
+            member_of = {t: j for j, t in enumerate(used)}
+            parts = _LookupPieces.apply(value_rows, [member_of[table_of_feature[f]] for f in group_features],
+                                        position, sorted_rows, sizes_used, [shards[t]._grad_marker for t in used],
+                                        [False] * len(used), *[shards[t].weight for t in used])
+            pooled_of.update(zip(group_features, parts))
+        scored.sort(key=lambda pair: pair[0])
+        tables = [shards[t].hash_table for t, _ in scored]
+        _touch_tables(tables, torch.cat([r for _, r in scored]),
+                      list(itertools.accumulate((r.numel() for _, r in scored), initial=0)))
+        for table in tables:
+            table.tick()
+        return self._finish(prepared, pooled_of)
+
+    def _finish(self, prepared: Dict[str, Any], pooled_of: Dict[int, Tensor]) -> Dict[str, Tensor]:
+        """Per feature its pooled float32 vectors ``pooled_of[f]``: the mean (combiner
+        "mean") and the cast to its table's dtype."""
+        batch, offsets = prepared["batch"], prepared["offsets"]
         out: Dict[str, Tensor] = {}
-        for f, feature in enumerate(features):
+        for f, feature in enumerate(prepared["features"]):
             shard = self._shards[prepared["table_of_feature"][f]]
             pooled = pooled_of[f]
             if shard.config.combiner == "mean":

@@ -335,6 +335,82 @@ def test_new_keys_of_tables_sharing_an_initializer_start_as_the_initializer_give
         assert vectors.dtype == config.dtype and torch.equal(vectors, expected), config.name
 
 
+def _twin_collections():
+    shared = sk.KeySeededUniform(seed=5)
+    configs = [sk.TableConfig("a", 4, 300, ["fa", "fa2"]),  # two features read one table
+               sk.TableConfig("b", 8, 300, ["fb"], combiner="mean", initializer=shared),
+               sk.TableConfig("c", 4, 300, ["fc"], dtype=torch.bfloat16, initializer=shared),
+               sk.TableConfig("d", 8, 300, ["fd"], dtype=torch.float16, combiner="mean"),
+               sk.TableConfig("big", 12, 80_000, ["fbig"]),
+               sk.TableConfig("small", 4, 40, ["fsmall"])]
+    return [sk.EmbeddingBagCollection(configs) for _ in range(2)]
+
+
+def _twin_batch(batch, step, big_range, small_range):
+    g = torch.Generator().manual_seed(step)
+    features = ["fa", "fb", "fsmall", "fa2", "fbig", "fc", "fd"]  # not in table order
+    values = [torch.randint(0, 60, (batch,), generator=g) for _ in features]
+    values[2] = torch.randint(0, small_range, (batch,), generator=g)
+    values[4] = torch.randint(-big_range, big_range, (batch,), generator=g)
+    return sk.KeyedJagged(features, torch.cat(values), lengths=torch.ones(batch * len(features), dtype=torch.int64))
+
+
+def test_rows_first_collection_leaves_everything_as_the_general_path(monkeypatch):
+    """One process training CPU hash tables looks every value up before deduplicating the
+    pairs; a twin collection forced onto the general path (pairs deduplicated by hashing,
+    searched, placed, sorted) must end every step with the same outputs, gradients, tables
+    (rows, scores, clocks), weights and stats: mixed dims and dtypes, mean and sum, a table
+    read by two features, tables sharing an initializer, a table far larger than the step
+    (the hashed dedup of the rows), steps with no value, and a table whose new keys do not
+    fit (both raise, nothing changes)."""
+    ebcs = _twin_collections()
+    optimizers = [sk.LazyAdam(ebc.parameters(), lr=0.01) for ebc in ebcs]
+    rows_first = sk.EmbeddingBagCollection._rows_first
+    # (batch, range of the big table's keys, range of the small one's: 90 overflows it)
+    steps = [(25_000, 2**62, 30)] * 3 + [(7, 2**62, 30), (0, 1, 30), (5, 10, 30), (6, 10, 30), (40, 2**62, 90),
+                                         (9, 2**62, 90)]
+    raised = 0
+    for step, (batch, big_range, small_range) in enumerate(steps):
+        kjt = _twin_batch(batch, step, big_range, small_range)
+        results = []
+        for ebc, optimizer, first in zip(ebcs, optimizers, (True, False)):
+            monkeypatch.setattr(sk.EmbeddingBagCollection, "_rows_first",
+                                rows_first if first else (lambda self: False))
+            try:
+                out = ebc(kjt)
+            except HashTableFullError as error:
+                results.append(str(error))
+                continue
+            loss = sum((v.float() * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in out.values())
+            if loss.requires_grad:  # (a step without values has nothing to differentiate)
+                loss.backward()
+            grads = [s.weight.grad.coalesce() if s.weight.grad is not None else None for s in ebc.shards]
+            results.append((out, grads))
+            optimizer.step()
+            optimizer.zero_grad()
+        if isinstance(results[0], str):
+            assert results[0] == results[1] and "table 'small'" in results[0]
+            raised += 1
+        else:
+            (out_a, grads_a), (out_b, grads_b) = results
+            assert list(out_a) == list(out_b)
+            for feature in out_a:
+                assert out_a[feature].dtype == out_b[feature].dtype
+                assert torch.equal(out_a[feature], out_b[feature]), feature
+            for ga, gb in zip(grads_a, grads_b):
+                assert (ga is None) == (gb is None)
+                if ga is not None:
+                    assert torch.equal(ga.indices(), gb.indices()) and torch.equal(ga.values(), gb.values())
+        for name, a, b in zip(["a", "b", "c", "d", "big", "small"], ebcs[0].shards, ebcs[1].shards):
+            ta, tb = a.hash_table, b.hash_table
+            assert len(ta) == len(tb) and ta.clock == tb.clock, (step, name)
+            assert all(torch.equal(x, y) for x, y in zip(ta.export(), tb.export())), (step, name)
+            assert torch.equal(ta._last_seen, tb._last_seen) and torch.equal(ta._count, tb._count), (step, name)
+            assert torch.equal(a.weight, b.weight), (step, name)
+            assert ebcs[0].stats(name) == ebcs[1].stats(name)
+    assert raised >= 1 and len(ebcs[0].shards[4].hash_table) > 70_000
+
+
 def test_gradients_of_many_tables_match_a_dense_reference():
     num_tables, batch = 7, 33
     ebc = _collection(num_tables)
