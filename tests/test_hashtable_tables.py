@@ -12,6 +12,8 @@ prefetching scoring).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
@@ -20,7 +22,7 @@ from _distributed import spawn
 
 import sparsekit as sk
 from sparsekit.hashtable import HashTable, HashTableFullError, _find_in_tables, _grow_tables, _touch_tables
-from properties import examples, num_threads, thread_counts
+from properties import KEY_DISTRIBUTIONS, examples, make_keys, num_threads, thread_counts
 
 find_tables = torch.ops.sparsekit.hash_table_find_tables
 score_tables = torch.ops.sparsekit.hash_table_score_tables_
@@ -352,63 +354,104 @@ def _twin_batch(batch, step, big_range, small_range):
     values = [torch.randint(0, 60, (batch,), generator=g) for _ in features]
     values[2] = torch.randint(0, small_range, (batch,), generator=g)
     values[4] = torch.randint(-big_range, big_range, (batch,), generator=g)
+    # The hash tables' own sentinels are keys like any other.
+    sentinels = torch.tensor([-2**63, 2**63 - 1, -1, 0, -2**63, 2**63 - 1])[:batch]
+    values[4][:sentinels.numel()] = sentinels
     return sk.KeyedJagged(features, torch.cat(values), lengths=torch.ones(batch * len(features), dtype=torch.int64))
 
 
-def test_rows_first_collection_leaves_everything_as_the_general_path(monkeypatch):
-    """One process training CPU hash tables looks every value up before deduplicating the
-    pairs; a twin collection forced onto the general path (pairs deduplicated by hashing,
-    searched, placed, sorted) must end every step with the same outputs, gradients, tables
-    (rows, scores, clocks), weights and stats: mixed dims and dtypes, mean and sum, a table
-    read by two features, tables sharing an initializer, a table far larger than the step
-    (the hashed dedup of the rows), steps with no value, and a table whose new keys do not
-    fit (both raise, nothing changes)."""
-    ebcs = _twin_collections()
-    optimizers = [sk.LazyAdam(ebc.parameters(), lr=0.01) for ebc in ebcs]
-    rows_first = sk.EmbeddingBagCollection._rows_first
-    # (batch, range of the big table's keys, range of the small one's: 90 overflows it)
-    steps = [(25_000, 2**62, 30)] * 3 + [(7, 2**62, 30), (0, 1, 30), (5, 10, 30), (6, 10, 30), (40, 2**62, 90),
-                                         (9, 2**62, 90)]
-    raised = 0
-    for step, (batch, big_range, small_range) in enumerate(steps):
-        kjt = _twin_batch(batch, step, big_range, small_range)
-        results = []
-        for ebc, optimizer, first in zip(ebcs, optimizers, (True, False)):
-            monkeypatch.setattr(sk.EmbeddingBagCollection, "_rows_first",
-                                rows_first if first else (lambda self: False))
+def _step_twins(ebcs, optimizers, kjt, step):
+    """One training step of twin collections on ``kjt``, the first on its own path, the
+    second forced onto the general one; asserts that they end it alike (outputs, gradients,
+    tables with rows, scores and clocks, weights, stats, or the same error). Returns the
+    error's message, or None."""
+    results = []
+    for ebc, optimizer, first in zip(ebcs, optimizers, (True, False)):
+        with mock.patch.object(sk.EmbeddingBagCollection, "_rows_first",
+                               _ROWS_FIRST if first else (lambda self: False)):
             try:
                 out = ebc(kjt)
             except HashTableFullError as error:
                 results.append(str(error))
                 continue
-            loss = sum((v.float() * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in out.values())
-            if loss.requires_grad:  # (a step without values has nothing to differentiate)
-                loss.backward()
-            grads = [s.weight.grad.coalesce() if s.weight.grad is not None else None for s in ebc.shards]
-            results.append((out, grads))
-            optimizer.step()
-            optimizer.zero_grad()
-        if isinstance(results[0], str):
-            assert results[0] == results[1] and "table 'small'" in results[0]
+        loss = sum((v.float() * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in out.values())
+        if loss.requires_grad:  # (a step without values has nothing to differentiate)
+            loss.backward()
+        grads = [s.weight.grad.coalesce() if s.weight.grad is not None else None for s in ebc.shards]
+        results.append((out, grads))
+        optimizer.step()
+        optimizer.zero_grad()
+    error = None
+    if isinstance(results[0], str):
+        assert results[0] == results[1]
+        error = results[0]
+    else:
+        (out_a, grads_a), (out_b, grads_b) = results
+        assert list(out_a) == list(out_b)
+        for feature in out_a:
+            assert out_a[feature].dtype == out_b[feature].dtype
+            assert torch.equal(out_a[feature], out_b[feature]), feature
+        for ga, gb in zip(grads_a, grads_b):
+            assert (ga is None) == (gb is None)
+            if ga is not None:
+                assert torch.equal(ga.indices(), gb.indices()) and torch.equal(ga.values(), gb.values())
+    for config, a, b in zip(ebcs[0].tables, ebcs[0].shards, ebcs[1].shards):
+        ta, tb, name = a.hash_table, b.hash_table, config.name
+        assert len(ta) == len(tb) and ta.clock == tb.clock, (step, name)
+        assert all(torch.equal(x, y) for x, y in zip(ta.export(), tb.export())), (step, name)
+        assert torch.equal(ta._last_seen, tb._last_seen) and torch.equal(ta._count, tb._count), (step, name)
+        assert torch.equal(a.weight, b.weight), (step, name)
+        assert ebcs[0].stats(name) == ebcs[1].stats(name)
+    return error
+
+
+_ROWS_FIRST = sk.EmbeddingBagCollection._rows_first
+
+
+def test_rows_first_collection_leaves_everything_as_the_general_path():
+    """One process training CPU hash tables looks every value up before deduplicating the
+    pairs; a twin collection forced onto the general path (pairs deduplicated by hashing,
+    searched, placed, sorted) must end every step with the same outputs, gradients, tables
+    (rows, scores, clocks), weights and stats: mixed dims and dtypes, mean and sum, a table
+    read by two features, tables sharing an initializer, a table far larger than the step
+    (the hashed dedup of the rows), the hash tables' sentinels as keys, steps with no value,
+    and a table whose new keys do not fit (both raise, nothing changes)."""
+    ebcs = _twin_collections()
+    optimizers = [sk.LazyAdam(ebc.parameters(), lr=0.01) for ebc in ebcs]
+    # (batch, range of the big table's keys, range of the small one's: 90 overflows it)
+    steps = [(25_000, 2**62, 30)] * 3 + [(7, 2**62, 30), (0, 1, 30), (5, 10, 30), (6, 10, 30), (40, 2**62, 90),
+                                         (9, 2**62, 90)]
+    raised = 0
+    for step, (batch, big_range, small_range) in enumerate(steps):
+        error = _step_twins(ebcs, optimizers, _twin_batch(batch, step, big_range, small_range), step)
+        if error is not None:
+            assert "table 'small'" in error
             raised += 1
-        else:
-            (out_a, grads_a), (out_b, grads_b) = results
-            assert list(out_a) == list(out_b)
-            for feature in out_a:
-                assert out_a[feature].dtype == out_b[feature].dtype
-                assert torch.equal(out_a[feature], out_b[feature]), feature
-            for ga, gb in zip(grads_a, grads_b):
-                assert (ga is None) == (gb is None)
-                if ga is not None:
-                    assert torch.equal(ga.indices(), gb.indices()) and torch.equal(ga.values(), gb.values())
-        for name, a, b in zip(["a", "b", "c", "d", "big", "small"], ebcs[0].shards, ebcs[1].shards):
-            ta, tb = a.hash_table, b.hash_table
-            assert len(ta) == len(tb) and ta.clock == tb.clock, (step, name)
-            assert all(torch.equal(x, y) for x, y in zip(ta.export(), tb.export())), (step, name)
-            assert torch.equal(ta._last_seen, tb._last_seen) and torch.equal(ta._count, tb._count), (step, name)
-            assert torch.equal(a.weight, b.weight), (step, name)
-            assert ebcs[0].stats(name) == ebcs[1].stats(name)
     assert raised >= 1 and len(ebcs[0].shards[4].hash_table) > 70_000
+
+
+@given(num_tables=st.integers(1, 5), dims=st.lists(st.sampled_from([1, 4, 16, 33]), min_size=5, max_size=5),
+       capacities=st.lists(st.sampled_from([1, 7, 300, 20_000, 100_000]), min_size=5, max_size=5),
+       batches=st.lists(st.sampled_from([0, 1, 3, 64, 1000, 4097]), min_size=1, max_size=3),
+       distribution=st.sampled_from(KEY_DISTRIBUTIONS), shared=st.booleans(), seed=st.integers(0, 2**31))
+@examples(10)
+def test_rows_first_property_matches_the_general_path(num_tables, dims, capacities, batches, distribution, shared,
+                                                      seed):
+    """Drawn collections (1-5 hash tables of drawn dims, capacities from 1 key up, a table
+    read by two features, float32 / bfloat16, sum / mean) on one key per bag with keys of
+    every distribution (extremes and sentinels included), over several steps: the
+    rows-first path and the general one end each step alike, full tables included."""
+    configs = [sk.TableConfig(f"t{t}", dims[t], capacities[t], [f"f{t}"] + ([f"g{t}"] if shared and t == 0 else []),
+                              combiner=("sum", "mean")[(seed >> t) & 1],
+                              dtype=(torch.float32, torch.bfloat16)[(seed >> (t + 8)) & 1])
+               for t in range(num_tables)]
+    ebcs = [sk.EmbeddingBagCollection(configs) for _ in range(2)]
+    optimizers = [sk.LazyAdam(ebc.parameters(), lr=0.01) for ebc in ebcs]
+    features = [f for config in configs for f in config.features][::-1]
+    for step, batch in enumerate(batches):
+        keys = make_keys(batch * len(features), distribution, seed + step)
+        kjt = sk.KeyedJagged(features, keys, lengths=torch.ones(batch * len(features), dtype=torch.int64))
+        _step_twins(ebcs, optimizers, kjt, step)
 
 
 def test_gradients_of_many_tables_match_a_dense_reference():
