@@ -682,10 +682,18 @@ class EmbeddingBagCollection(nn.Module):
         one_per_bag = not flags_bad_bounds and _one_per_bag(offsets, keys.numel())
         bag_of_value = None
         if weights is not None or not one_per_bag:
-            lengths = offsets[1:] - offsets[:-1] if num_bags > 0 else offsets.new_zeros(0)
-            bag_of_value = torch.repeat_interleave(torch.arange(num_bags, device=device), lengths.clamp(min=0),
-                                                   output_size=keys.numel()) if not flags_bad_bounds \
-                else keys.new_zeros(0)
+            if flags_bad_bounds or num_bags == 0:
+                bag_of_value = keys.new_zeros(0 if flags_bad_bounds else keys.numel())
+            else:
+                # Bad offsets are only flagged so far (raised once every rank knows): the bags
+                # are counted from offsets made valid (in [0, nnz], non-decreasing, ending at
+                # nnz; valid ones unchanged), so that no length is negative and they sum to
+                # exactly nnz (repeat_interleave would raise an unclear error here, or on CUDA
+                # write past its output).
+                safe = torch.cummax(offsets.clamp(0, nnz), 0).values
+                safe[-1] = nnz
+                bag_of_value = torch.repeat_interleave(torch.arange(num_bags, device=device), safe[1:] - safe[:-1],
+                                                       output_size=keys.numel())
         return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "weights": weights,
                 "table_of_feature": table_of_feature, "pair_keys": pair_keys, "pair_tables": pair_tables,
                 "pair_of_value": pair_of_value, "pair_row": pair_row, "bag_of_value": bag_of_value,

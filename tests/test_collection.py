@@ -180,6 +180,14 @@ def test_errors_name_what_is_wrong():
         ebc(sk.KeyedJagged(["id"], torch.tensor([64]), lengths=torch.tensor([1])))
     with pytest.raises(ValueError, match="offsets must start at 0"):
         ebc(sk.KeyedJagged(["user"], torch.tensor([1, 2]), offsets=torch.tensor([0, 3])))
+    # Lengths that sum to len(values) but one is negative, or offsets past the end in the
+    # middle: the same clear error (not repeat_interleave's), with or without weights.
+    for weights in (None, torch.ones(2)):
+        with pytest.raises(ValueError, match="offsets must start at 0, never decrease"):
+            ebc(sk.KeyedJagged(["user"], torch.tensor([1, 2]), lengths=torch.tensor([2, 1, -1]), weights=weights))
+        with pytest.raises(ValueError, match="offsets must start at 0, never decrease"):
+            ebc(sk.KeyedJagged(["user"], torch.tensor([1, 2]), offsets=torch.tensor([0, 7, 1, 2]), weights=weights))
+    assert ebc.stats("users")["size"] == 0
     with pytest.raises(TypeError, match="sk.KeyedJagged"):
         ebc(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="read by tables 'a' and 'b'"):
@@ -279,6 +287,14 @@ def _world_worker(rank, world_size, init, out_dir):
     bad = sk.KeyedJagged(["id"], torch.tensor([64 * world_size]), lengths=torch.tensor([1]))
     if rank == world_size - 1:
         with pytest.raises(ValueError, match="out of range"):
+            ebc(bad)
+    else:
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{world_size - 1}\] of the process group rejected"):
+            ebc(good)
+    # Lengths with a negative one that still sum to len(values), on the last rank only.
+    bad = sk.KeyedJagged(["user"], torch.tensor([1, 2]), lengths=torch.tensor([2, 1, -1]))
+    if rank == world_size - 1:
+        with pytest.raises(ValueError, match="offsets must start at 0, never decrease"):
             ebc(bad)
     else:
         with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{world_size - 1}\] of the process group rejected"):
