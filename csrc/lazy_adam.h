@@ -75,4 +75,11 @@ inline std::string lazy_adam_row_range_message(int64_t bad_row, int64_t num_rows
          ") (the rows of weight); nothing was updated. Pass row indices of weight, not keys";
 }
 
+/// Message of the error raised for a row that rows holds more than once.
+inline std::string lazy_adam_repeated_row_message(int64_t row) {
+  return "lazy_adam_: rows holds row " + std::to_string(row) +
+         " more than once; rows must be distinct (sum the gradient rows of a row first, as sk.LazyAdam does); "
+         "nothing was updated";
+}
+
 }  // namespace sparsekit

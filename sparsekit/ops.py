@@ -384,14 +384,15 @@ def lazy_adam_(
     the update of ``torch.optim.SparseAdam`` (plus weight decay). float32 and float64
     compute in the parameter dtype, one rounding per operation as SparseAdam does, so the
     moments match it bit for bit; float16 and bfloat16 compute in float32. A row outside
-    ``[0, R)`` raises and nothing is written (on CUDA: one host sync to read the check).
+    ``[0, R)`` or given twice raises and nothing is written (on CUDA: one host sync to read
+    the check).
 
     Args:
         weight: ``[R, ...]`` contiguous float32/float64/float16/bfloat16, updated in place.
         exp_avg: first moment, weight's shape and dtype, updated in place.
         exp_avg_sq: second moment, weight's shape and dtype, updated in place.
-        rows: int64 or int32 ``[u]`` **distinct** row indices (distinctness is not checked;
-            aggregate duplicates first, as :class:`sparsekit.LazyAdam` does).
+        rows: int64 or int32 ``[u]`` **distinct** row indices (checked: sum the gradient
+            rows of a repeated row first, as :class:`sparsekit.LazyAdam` does).
         grad: ``[u, ...]`` gradient rows, weight's dtype.
         step: the step number after incrementing (``>= 1``), for the bias correction.
         lr: learning rate ``>= 0``.

@@ -3,6 +3,9 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from properties import examples, num_threads, thread_counts
 
 import sparsekit as sk
 
@@ -113,6 +116,49 @@ def test_op_empty(device):
     empty_table = torch.empty(0, 4, device=device)
     sk.ops.lazy_adam_(empty_table, empty_table.clone(), empty_table.clone(), empty_rows,
                       torch.empty(0, 4, device=device), 1, 0.1, 0.9, 0.999, 1e-8)
+
+
+@pytest.mark.parametrize("num_rows", [20, 1_000_000])  # the bitmap of weight's rows, the sorted copy
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_op_repeated_row_names_it(device, num_rows, index_dtype):
+    weight, exp_avg, exp_avg_sq = (torch.zeros(num_rows, 3, device=device) for _ in range(3))
+    rows = torch.tensor([5, num_rows - 1, 0, 5], dtype=index_dtype, device=device)
+    with pytest.raises(RuntimeError, match=r"rows holds row 5 more than once; rows must be distinct"):
+        sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, torch.ones(4, 3, device=device), 1, 0.1, 0.9, 0.999,
+                          1e-8)
+    assert not weight.any() and not exp_avg.any() and not exp_avg_sq.any()
+
+
+@given(num_rows=st.sampled_from([1, 2, 64, 1000, 70_000, 300_000, 1_000_000]), num_updates=st.integers(2, 3000),
+       repeat=st.booleans(), index_dtype=st.sampled_from([torch.int64, torch.int32]), threads=thread_counts,
+       seed=st.integers(0, 2**31))
+@examples(10)
+def test_op_repeated_rows_raise_and_write_nothing(device, num_rows, num_updates, repeat, index_dtype, threads, seed):
+    """A row given twice raises (it would be updated twice, by racing threads) and nothing
+    changes; distinct rows update. Tables up to 128 rows per update (+ 2^16) are checked
+    with a bitmap of their rows, larger ones with a sorted copy: both are crossed."""
+    g = torch.Generator().manual_seed(seed)
+    num_updates = min(num_updates, num_rows + int(repeat))
+    if num_updates < 2:
+        return
+    rows = torch.randperm(num_rows, generator=g)[:num_updates - int(repeat)]
+    if repeat:
+        position = int(torch.randint(0, rows.numel() + 1, (1,), generator=g))
+        rows = torch.cat([rows[:position], rows[int(torch.randint(0, rows.numel(), (1,), generator=g))].view(1),
+                          rows[position:]])
+    weight, exp_avg, exp_avg_sq = (torch.zeros(num_rows, 2, device=device) for _ in range(3))
+    grad = torch.ones(rows.numel(), 2, device=device)
+    with num_threads(threads):
+        if repeat:
+            row = int(torch.nonzero(torch.bincount(rows) > 1).view(-1)[0])  # the one row given twice
+            with pytest.raises(RuntimeError, match=rf"rows holds row {row} more than once.*nothing was updated"):
+                sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows.to(device, index_dtype), grad, 1, 0.1, 0.9,
+                                  0.999, 1e-8)
+            assert not weight.any() and not exp_avg.any() and not exp_avg_sq.any()
+        else:
+            sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows.to(device, index_dtype), grad, 1, 0.1, 0.9, 0.999,
+                              1e-8)
+            assert int(torch.count_nonzero(exp_avg.any(dim=1))) == rows.numel()
 
 
 def test_op_opcheck(device):

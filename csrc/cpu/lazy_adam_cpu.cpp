@@ -128,8 +128,14 @@ inline void prefetch_row(const void* weight, const void* exp_avg, const void* ex
   }
 }
 
+// Rows of weight per row given up to which distinctness is checked with a bitmap of
+// weight's rows (zeroing a word costs less than sorting a row); above, a sorted copy.
+constexpr int64_t kBitmapRowsPerUpdate = 128;
+
+/// @brief Raises unless every row lies in [0, num_rows) and no row appears twice (a
+/// repeated row would be updated twice, by racing threads). Reads rows only.
 template <typename index_t>
-void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
+void check_rows(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
   std::atomic<bool> bad{false};
   std::atomic<int64_t> bad_row{0};
   parallel_for(0, num_rows_given, 1 << 14, [&](int64_t begin, int64_t end) {
@@ -143,6 +149,29 @@ void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t nu
     }
   });
   SK_CHECK(!bad.load(), lazy_adam_row_range_message(bad_row.load(), num_rows));
+  if (num_rows_given < 2) return;
+  int64_t repeated = -1;
+  if (num_rows <= kBitmapRowsPerUpdate * num_rows_given + (int64_t{1} << 16)) {
+    std::vector<uint64_t> seen((num_rows + 63) / 64, 0);
+    std::atomic<int64_t> found{-1};
+    parallel_for(0, num_rows_given, 1 << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = static_cast<int64_t>(rows[i]);
+        const uint64_t bit = uint64_t{1} << (row & 63);
+        if (__atomic_fetch_or(&seen[row >> 6], bit, __ATOMIC_RELAXED) & bit) {
+          found.store(row, std::memory_order_relaxed);
+          return;
+        }
+      }
+    });
+    repeated = found.load();
+  } else {
+    std::vector<int64_t> sorted(rows, rows + num_rows_given);
+    std::sort(sorted.begin(), sorted.end());
+    const auto at = std::adjacent_find(sorted.begin(), sorted.end());
+    if (at != sorted.end()) repeated = *at;
+  }
+  SK_CHECK(repeated < 0, lazy_adam_repeated_row_message(repeated));
 }
 
 }  // namespace
@@ -150,7 +179,7 @@ void check_rows_in_range(const index_t* rows, int64_t num_rows_given, int64_t nu
 /// @brief In-place lazy Adam: updates weight, exp_avg and exp_avg_sq at `rows` only.
 /// @param weight [R, ...] parameter, contiguous, updated in place.
 /// @param exp_avg, exp_avg_sq [R, ...] moments with weight's dtype and shape, updated in place.
-/// @param rows int64 or int32 [u], distinct row indices in [0, R) (distinctness is not checked).
+/// @param rows int64 or int32 [u], distinct row indices in [0, R) (both checked first).
 /// @param grad [u, ...] gradient rows with weight's dtype.
 /// @param step the step number after incrementing (>= 1), for the bias correction.
 void lazy_adam_cpu(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& rows,
@@ -162,7 +191,7 @@ void lazy_adam_cpu(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Te
   const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
   const Tensor rows_c = as_contiguous(rows);
   SK_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cpu_check", [&] {
-    check_rows_in_range(rows_c.mutable_data_ptr<index_t>(), num_updates, num_rows);
+    check_rows(rows_c.mutable_data_ptr<index_t>(), num_updates, num_rows);
   });
   if (num_updates == 0 || dim == 0) return;
   const Tensor grad_c = as_contiguous(grad);

@@ -25,15 +25,28 @@ __device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 constexpr int kRowThreads = 32;
 constexpr int kRowsPerBlock = 8;
 
+// Flag bits of check_rows_kernel.
+constexpr int32_t kRowOutOfRange = 1;
+constexpr int32_t kRowRepeated = 2;
+
+/// Flags a row outside [0, num_rows) (kRowOutOfRange, the row in bad_rows[0]) and a row
+/// seen twice (kRowRepeated, the row in bad_rows[1]), marking each row in `seen`, a zeroed
+/// bitmap of num_rows bits.
 template <typename index_t>
 __global__ void check_rows_kernel(const index_t* __restrict__ rows, int64_t num_updates, int64_t num_rows,
-                                  int32_t* bad_flag, unsigned long long* bad_row) {
+                                  unsigned int* __restrict__ seen, int32_t* bad_flag, unsigned long long* bad_rows) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_updates;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = static_cast<int64_t>(rows[i]);
     if (row < 0 || row >= num_rows) {
-      *bad_flag = 1;
-      atomicExch(bad_row, static_cast<unsigned long long>(row));
+      atomicOr(bad_flag, kRowOutOfRange);
+      atomicExch(bad_rows, static_cast<unsigned long long>(row));
+      continue;
+    }
+    const unsigned int bit = 1u << (row & 31);
+    if (atomicOr(seen + (row >> 5), bit) & bit) {
+      atomicOr(bad_flag, kRowRepeated);
+      atomicExch(bad_rows + 1, static_cast<unsigned long long>(row));
     }
   }
 }
@@ -43,7 +56,7 @@ __global__ void lazy_adam_kernel(scalar_t* __restrict__ weight, scalar_t* __rest
                                  scalar_t* __restrict__ exp_avg_sq, const index_t* __restrict__ rows,
                                  const scalar_t* __restrict__ grad, int64_t num_updates, int64_t dim,
                                  AdamScalars<opmath_t> s, bool use_weight_decay, const int32_t* bad_flag) {
-  // A row out of range seen by check_rows_kernel: update nothing.
+  // A row out of range or repeated, seen by check_rows_kernel: update nothing.
   if (*bad_flag != 0) return;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + threadIdx.y; i < num_updates;
        i += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
@@ -69,11 +82,11 @@ __global__ void lazy_adam_kernel(scalar_t* __restrict__ weight, scalar_t* __rest
 
 /// @brief In-place lazy Adam: updates weight, exp_avg and exp_avg_sq at `rows` only.
 ///
-/// Host sync: one, to read the out-of-range flag after the launches; the update kernel
+/// Host sync: one, to read the bad-row flags after the launches; the update kernel
 /// itself skips all work when the flag is set, so a bad call writes nothing.
 /// @param weight [R, ...] parameter, contiguous, updated in place.
 /// @param exp_avg, exp_avg_sq [R, ...] moments with weight's dtype and shape, updated in place.
-/// @param rows int64 or int32 [u], distinct row indices in [0, R) (distinctness is not checked).
+/// @param rows int64 or int32 [u], distinct row indices in [0, R) (both checked first).
 /// @param grad [u, ...] gradient rows with weight's dtype.
 /// @param step the step number after incrementing (>= 1), for the bias correction.
 void lazy_adam_cuda(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& rows,
@@ -87,18 +100,21 @@ void lazy_adam_cuda(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const T
   if (num_updates == 0) return;
   const Tensor rows_c = as_contiguous(rows);
   const Tensor grad_c = as_contiguous(grad);
-  // [flag, bad row] in one allocation so the host reads both with one copy.
-  Tensor bad = zeros({2}, kLong, rows.device());
+  // [flag, row out of range, repeated row] in one allocation so the host reads them with
+  // one copy; a bitmap of weight's rows to find a repeated row.
+  Tensor bad = zeros({3}, kLong, rows.device());
   int32_t* bad_flag = reinterpret_cast<int32_t*>(bad.mutable_data_ptr<int64_t>());
-  auto* bad_row = reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>() + 1);
+  auto* bad_rows = reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>() + 1);
+  Tensor seen = zeros({(num_rows + 31) / 32}, kInt, rows.device());
   const cudaStream_t stream = current_stream(weight);
   const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
   const bool use_weight_decay = weight_decay != 0.0;
   const int64_t check_blocks = std::min<int64_t>((num_updates + 255) / 256, int64_t{1} << 16);
   const int64_t update_blocks = std::min<int64_t>((num_updates + kRowsPerBlock - 1) / kRowsPerBlock, int64_t{1} << 20);
   SK_DISPATCH_INDEX_TYPES(rows_c.scalar_type(), "lazy_adam_cuda_rows", [&] {
-    check_rows_kernel<index_t><<<check_blocks, 256, 0, stream>>>(rows_c.mutable_data_ptr<index_t>(), num_updates, num_rows,
-                                                                  bad_flag, bad_row);
+    check_rows_kernel<index_t><<<check_blocks, 256, 0, stream>>>(
+        rows_c.mutable_data_ptr<index_t>(), num_updates, num_rows,
+        reinterpret_cast<unsigned int*>(seen.mutable_data_ptr<int32_t>()), bad_flag, bad_rows);
     SK_CUDA_KERNEL_LAUNCH_CHECK();
     if (dim == 0) return;
     SK_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "lazy_adam_cuda", [&] {
@@ -114,8 +130,9 @@ void lazy_adam_cuda(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const T
   // The documented host sync.
   const Tensor bad_host = cpu(bad);
   const int64_t* bad_host_ptr = bad_host.const_data_ptr<int64_t>();
-  SK_CHECK(*reinterpret_cast<const int32_t*>(bad_host_ptr) == 0,
-              lazy_adam_row_range_message(bad_host_ptr[1], num_rows));
+  const int32_t flag = *reinterpret_cast<const int32_t*>(bad_host_ptr);
+  SK_CHECK((flag & kRowOutOfRange) == 0, lazy_adam_row_range_message(bad_host_ptr[1], num_rows));
+  SK_CHECK((flag & kRowRepeated) == 0, lazy_adam_repeated_row_message(bad_host_ptr[2]));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
