@@ -219,6 +219,9 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         The path of the checkpoint written.
     """
     group, world_size, rank = _world()
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(f"save_checkpoint: directory {directory!r} is a file; give a directory (it is "
+                                 "created when missing)")
     model = _unwrap(model)
     layers = _embedding_layers(model)
     index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it

@@ -218,6 +218,9 @@ def test_round_trip_is_exact_and_failed_saves_keep_the_previous_checkpoint(tmp_p
     directory = str(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         sk.load_checkpoint(directory, *make())
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="save_checkpoint: directory .*a_file' is a file"):
+        sk.save_checkpoint(str(tmp_path / "a_file"), *make())
     model, optimizer = make()
     train(model, optimizer, range(2))
     sk.save_checkpoint(directory, model, optimizer)
