@@ -28,7 +28,7 @@ from .exchange import (
     _resolve_group,
     _sort_rows,
 )
-from .hashtable import HashTable, HashTableFullError
+from .hashtable import HashTable, HashTableFullError, _grow_tables
 
 Initializer = Callable[[Tensor, int], Tensor]
 
@@ -462,17 +462,20 @@ class _ModelParallelEmbedding(nn.Module):
             return rows
         table = self.hash_table
         new_keys, new_of_missing = ops.unique(keys[missing])
-        try:
-            plan = table._plan_insert(new_keys, distinct=True)
-        except HashTableFullError as error:
-            raise HashTableFullError(
-                f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
-                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
-        initial = self.initial_rows(plan.new_keys.long())
-        table._place(plan.new_keys, plan.new_rows)
-        self.weight[plan.new_rows] = initial
-        self._admitted += plan.new_keys.numel()
-        return rows.masked_scatter(missing, plan.new_rows.index_select(0, new_of_missing))
+        size, count = len(table), new_keys.numel()
+        if count > table.capacity - size:
+            try:
+                table._plan_insert(new_keys, distinct=True)  # raises the table's own message
+            except HashTableFullError as error:
+                raise HashTableFullError(
+                    f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
+                    f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
+        initial = self.initial_rows(new_keys.long())
+        # Absent and distinct, without eviction: the next rows, as the table's insert gives them.
+        _grow_tables([table], new_keys, [0, count])
+        self.weight[size:size + count] = initial
+        self._admitted += count
+        return rows.masked_scatter(missing, new_of_missing.add_(size))
 
     def _lookup_rows_first(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
         """The vectors of ``keys`` [n] as ``(vectors, index)``, ``vectors[index[j]]`` that of
