@@ -236,9 +236,11 @@ class DistributedEmbedding(_ModelParallelEmbedding):
     # torch.compile runs the lookup eagerly, one graph break per layer (see README, torch.compile).
     @torch.compiler.disable
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
-        keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key))
-        # The offsets were checked on every rank by now, so the lengths are >= 0.
-        pooled = _pool(vectors, index, offsets, _one_per_bag(offsets, keys.numel()))
+        keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key),
+                                                             lambda keys, info: _one_per_bag(info[1], keys.numel()))
+        # The offsets were checked on every rank by now, so the lengths are >= 0. No index:
+        # one key per bag, each bag's vector its key's.
+        pooled = vectors if index is None else _pool(vectors, index, offsets, _one_per_bag(offsets, keys.numel()))
         if self.combiner == "mean":
             lengths = offsets[1:] - offsets[:-1]
             pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
@@ -323,8 +325,8 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
 
     @torch.compiler.disable  # one graph break, as DistributedEmbedding.forward
     def forward(self, inputs: Tensor) -> Tensor:
-        _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs))
-        return _GatherRows.apply(vectors, index).view(out_shape)
+        _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs), lambda keys, info: True)
+        return (vectors if index is None else _GatherRows.apply(vectors, index)).view(out_shape)
 
     def _flatten(self, inputs: Tensor) -> Tuple[Tensor, None, Tuple[int, ...]]:
         """(keys [n], no offsets, the output shape)."""

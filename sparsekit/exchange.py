@@ -241,6 +241,67 @@ def _segment_sum_pieces(pieces: Sequence[Tensor], index: Tensor, num_rows: int) 
     return ops.segment_sum(torch.cat(list(pieces)), index, num_rows)
 
 
+def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight: int) -> List[Optional[Tensor]]:
+    """Each table's coalesced sparse gradient from ``values_all``, the gradient of every
+    table's distinct rows in ``sorted_rows``' order (``ctx``: ``sizes``, ``markers``,
+    ``may_miss``, ``weight_meta``; the weights are inputs ``first_weight`` on)."""
+    grads: List[Optional[Tensor]] = []
+    start = 0
+    for j, (size, marker, miss, (shape, dtype)) in enumerate(zip(ctx.sizes, ctx.markers, ctx.may_miss,
+                                                                  ctx.weight_meta)):
+        rows, values = sorted_rows[start:start + size], values_all[start:start + size]
+        start += size
+        if not ctx.needs_input_grad[first_weight + j]:
+            grads.append(None)
+            continue
+        if miss:
+            found = rows >= 0
+            rows, values = rows[found], values[found]
+        values = values.to(dtype)
+        grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
+                                             check_invariants=False))
+        marker.produced(values)
+    return grads
+
+
+def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] = None) -> Tensor:
+    """float32 ``weight[rows]``, rows of -1 (``miss``) read as zeros; into ``out`` if given."""
+    found = rows >= 0 if miss else None
+    index = torch.where(found, rows, 0) if miss else rows
+    if out is None:
+        out = weight.index_select(0, index).float()
+    elif weight.dtype == torch.float32:
+        torch.index_select(weight, 0, index, out=out)
+    else:
+        out.copy_(weight.index_select(0, index))
+    return out.masked_fill_(~found.unsqueeze(1), 0) if miss else out
+
+
+class _LookupPieces(torch.autograd.Function):
+    """One process, one key per bag: each feature's float32 vectors read straight from its
+    table's weight, one output per feature (``value_rows[k]`` of ``weights[tables[k]]``).
+    The backward sums the features' gradients where they lie straight into every table's
+    distinct rows in sorted order (one ``segment_sum_parts``; ``sorted_position`` is each
+    value's place there) and gives each table its coalesced sparse gradient: no float32
+    block of the tables' rows in between, and no reordering of one."""
+
+    @staticmethod
+    def forward(ctx, value_rows: List[Tensor], tables: List[int], sorted_position: Tensor, sorted_rows: Tensor,
+                sizes: List[int], markers: List[_CoalescedGradMarker], may_miss: List[bool],
+                *weights: Tensor) -> Tuple[Tensor, ...]:
+        ctx.save_for_backward(sorted_position, sorted_rows)
+        ctx.sizes, ctx.markers, ctx.may_miss = sizes, markers, may_miss
+        ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
+        return tuple(_read_rows(weights[t], rows, may_miss[t]) for rows, t in zip(value_rows, tables))
+
+    @staticmethod
+    @torch.compiler.disable  # as _LookupOwned.backward
+    def backward(ctx, *grads: Tensor):
+        sorted_position, sorted_rows = ctx.saved_tensors
+        values_all = _segment_sum_pieces(grads, sorted_position, sorted_rows.numel())
+        return (None,) * 7 + tuple(_table_gradients(ctx, values_all, sorted_rows, 7))
+
+
 class _PoolRows(torch.autograd.Function):
     """Bag sums ``out[b] = sum(rows[index[j]] for j in offsets[b]:offsets[b+1])`` over CSR
     ``offsets`` (``bag[j]``: the bag of position ``j``). The forward is one fused gather and

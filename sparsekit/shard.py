@@ -24,6 +24,7 @@ from .exchange import (
     _AllToAll,
     _CoalescedGradMarker,
     _LookupOwned,
+    _LookupPieces,
     _offsets_error_flags,
     _resolve_group,
     _sort_rows,
@@ -416,19 +417,22 @@ class _ModelParallelEmbedding(nn.Module):
         raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
                            "no rank went on with this step")
 
-    def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]]):
+    def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]],
+               every_value: Callable[[Tensor, object], bool]):
         """Reads the input with ``prepare() -> (keys [n], user CSR offsets to check or None,
         info)``, dedups the keys and fetches their vectors.
 
         Returns ``(keys, info, vectors, index)`` with ``vectors[index[j]]`` the vector of
-        ``keys[j]``. An error in ``prepare``, in the dedup or in the checks is shared with
-        every rank first (see :meth:`_exchange`), so no rank is left waiting.
+        ``keys[j]``; ``index`` None: ``vectors[j]`` is (one process may give that when
+        ``every_value(keys, info)`` says the caller reads every key's vector). An error in
+        ``prepare``, in the dedup or in the checks is shared with every rank first (see
+        :meth:`_exchange`), so no rank is left waiting.
         """
         if self._rows_first():
             keys, offsets, info = prepare()
             if offsets is not None:
                 self._raise_for_flags(int(_offsets_error_flags(offsets, keys.numel()).item()), None, offsets)
-            vectors, index = self._lookup_rows_first(keys)
+            vectors, index = self._lookup_rows_first(keys, every_value(keys, info))
             return keys, info, vectors, index
         keys = offsets = info = unique_keys = inverse = flags = None
         error: Optional[BaseException] = None
@@ -477,14 +481,18 @@ class _ModelParallelEmbedding(nn.Module):
         self._admitted += count
         return rows.masked_scatter(missing, new_of_missing.add_(size))
 
-    def _lookup_rows_first(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
+    def _lookup_rows_first(self, keys: Tensor, every_value: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """The vectors of ``keys`` [n] as ``(vectors, index)``, ``vectors[index[j]]`` that of
         ``keys[j]``, for a step of :meth:`_rows_first`: the keys are found in the table as
         they come, the absent ones inserted, and the rows (bounded by the table's size)
         deduplicated and sorted by a bitmap of the rows (``unique_bounded``; for a table
         far larger than the call, by hashing the rows and sorting the distinct ones) instead of
-        deduplicating the keys by hashing and sorting their rows after. The table, its
-        scores and clock, the weight and the gradient end as the general path leaves them."""
+        deduplicating the keys by hashing and sorting their rows after. With ``every_value``
+        (the caller reads every key's vector: one key per bag) the vectors are the keys' own,
+        ``[n, D]`` read straight from the weight, and ``index`` is None: no block of the
+        distinct rows in between, and the backward sums the keys' gradients straight into the
+        sorted rows (:class:`_LookupPieces`, as the collection's). The table, its scores and
+        clock, the weight and the gradient end as the general path leaves them."""
         table = self.hash_table
         rows = self._rows_of_new_keys(keys, table.find(keys))
         if len(table) <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * rows.numel() + (1 << 16):
@@ -497,6 +505,9 @@ class _ModelParallelEmbedding(nn.Module):
             inverse = rank.index_select(0, distinct_of_row)
         table._score(unique_rows, None)
         table.tick()
+        if every_value:
+            return _LookupPieces.apply([rows], [0], inverse, unique_rows, [unique_rows.numel()], [self._grad_marker],
+                                       [False], self.weight)[0], None
         vectors = _LookupOwned.apply(self.weight, unique_rows, unique_rows, None, True, False, self._grad_marker)
         return vectors, inverse
 
