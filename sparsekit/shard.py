@@ -460,12 +460,14 @@ class _ModelParallelEmbedding(nn.Module):
     def _rows_of_new_keys(self, keys: Tensor, rows: Tensor) -> Tensor:
         """``rows`` (the table's, -1 for an absent key) with the absent keys inserted, as the
         owner's insert of the call's distinct keys would: new keys take the next rows in
-        order of first occurrence, with their initial vectors. Raises with nothing changed."""
-        missing = rows < 0
-        if not bool(missing.any()):
+        order of first occurrence, with their initial vectors. Raises with nothing changed.
+        CPU only (the masks are numpy's: a fraction of torch's small ops' cost)."""
+        host_rows = rows.numpy()
+        missing = host_rows < 0
+        if not missing.any():
             return rows
         table = self.hash_table
-        new_keys, new_of_missing = ops.unique(keys[missing])
+        new_keys, new_of_missing = ops.unique(torch.from_numpy(keys.detach().numpy()[missing]))
         size, count = len(table), new_keys.numel()
         if count > table.capacity - size:
             try:
@@ -479,7 +481,8 @@ class _ModelParallelEmbedding(nn.Module):
         _grow_tables([table], new_keys, [0, count])
         self.weight[size:size + count] = initial
         self._admitted += count
-        return rows.masked_scatter(missing, new_of_missing.add_(size))
+        host_rows[missing] = new_of_missing.add_(size).numpy()  # rows is the find's own tensor
+        return rows
 
     def _lookup_rows_first(self, keys: Tensor, every_value: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """The vectors of ``keys`` [n] as ``(vectors, index)``, ``vectors[index[j]]`` that of
