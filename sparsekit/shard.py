@@ -5,6 +5,8 @@ the plan-then-commit lookup, stats, export and the SOK layers' exchange (see
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -48,6 +50,15 @@ class KeySeededUniform:
     """
 
     def __init__(self, seed: int = 0, low: float = -0.05, high: float = 0.05) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= int(seed) < 2**63:
+            raise TypeError(f"KeySeededUniform: seed must be an int in the int64 range, got {seed!r}")
+        for name, value in (("low", low), ("high", high)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"KeySeededUniform: {name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"KeySeededUniform: {name} must be finite, got {value!r}")
+        if low > high:
+            raise ValueError(f"KeySeededUniform: low must be <= high, got low={low!r} high={high!r}")
         self.seed = int(seed)
         self.low = float(low)
         self.high = float(high)

@@ -104,3 +104,25 @@ def test_bad_input_raises(device):
         sk.ops.key_seeded_uniform(keys, 2, low=1.0, high=0.0)
     with pytest.raises(RuntimeError, match="key_seeded_uniform: dtype must be"):
         sk.ops.key_seeded_uniform(keys, 2, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(seed=1.5), TypeError, "seed must be an int in the int64 range"),
+    (dict(seed=True), TypeError, "seed must be an int in the int64 range"),
+    (dict(seed=2**63), TypeError, "seed must be an int in the int64 range"),
+    (dict(low="0"), TypeError, "low must be a number"),
+    (dict(high=float("nan")), ValueError, "high must be finite"),
+    (dict(low=float("-inf")), ValueError, "low must be finite"),
+    (dict(low=0.5, high=0.1), ValueError, "low must be <= high"),
+])
+def test_key_seeded_uniform_initializer_checks_its_arguments_when_built(kwargs, error, message):
+    """A bad initializer is refused where it is made, not at a layer's first lookup."""
+    with pytest.raises(error, match=f"KeySeededUniform: {message}"):
+        sk.KeySeededUniform(**kwargs)
+
+
+def test_key_seeded_uniform_initializer_takes_numpy_numbers():
+    np = pytest.importorskip("numpy")
+    init = sk.KeySeededUniform(np.int64(-2**63), np.float32(-0.25), 0.25)
+    assert init.seed == -2**63 and init.low == -0.25
+    assert torch.equal(init(torch.tensor([3]), 2), sk.KeySeededUniform(-2**63, -0.25, 0.25)(torch.tensor([3]), 2))
