@@ -363,6 +363,9 @@ def test_bad_settings_raise():
      "--tables per-slot needs --embedding sparsekit"),
     (["--embedding-dtype", "bf16"], dict(embedding_dtype="bf16"), "needs --tables per-slot"),
     (["--keep-checkpoints", "0"], dict(keep_checkpoints=0), "--keep-checkpoints must be an integer >= 1"),
+    (["--data", "/no/such/file.tsv"], dict(data="/no/such/file.tsv"), "--data '/no/such/file.tsv': no such file"),
+    (["--eval-data", "/no/such/eval.tsv"], dict(eval_data="/no/such/eval.tsv"),
+     "--eval-data '/no/such/eval.tsv': no such file"),
 ])
 def test_bad_flags_are_argparse_errors(capsys, flags, fields, message):
     """Out-of-range flags exit with status 2 and a usage message naming the flag, before

@@ -100,6 +100,10 @@ class TrainConfig:
             raise ValueError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
+        for flag, path in (("--data", self.data if self.data != "synthetic" else None),
+                           ("--eval-data", self.eval_data)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path!r}: no such file (a Criteo TSV file, or --data synthetic)")
 
     # Fields that must match between a checkpoint and the run resuming from it.
     RESUME_KEYS = ("embedding", "embedding_dim", "batch_size", "seed", "data", "table_rows",
