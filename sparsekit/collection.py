@@ -76,13 +76,12 @@ from .exchange import (
     _PoolRows,
     _read_rows,
     _resolve_group,
-    _segment_sum_pieces,
     _sort_rows,
     _table_gradients,
     _unique_tables,
 )
-from .hashtable import HashTableFullError, _find_in_tables, _grow_tables, _touch_tables
-from .shard import KeySeededUniform, _ModelParallelEmbedding
+from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
+from .shard import KeySeededUniform, _distinct_sorted_rows, _ModelParallelEmbedding, _place_new_keys
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection"]
 
@@ -288,20 +287,6 @@ class _GrowRows(NamedTuple):
     rows: Tensor
     new_keys: Tensor
     initial: Tensor
-
-
-@torch.no_grad()
-def _place_new_keys(shards: List[_TableShard], keys: Tensor, counts: List[int], initial: List[Tensor]) -> List[int]:
-    """Gives shard j's ``counts[j]`` distinct absent keys (``keys``, shard after shard; they
-    fit) its hash table's next rows in order, as ``HashTable.insert`` would, and writes their
-    ``initial`` vectors there (one op places every table's keys on the CPU). Returns each
-    table's size before; the caller scores the new rows."""
-    sizes = [len(shard.hash_table) for shard in shards]
-    _grow_tables([shard.hash_table for shard in shards], keys, list(itertools.accumulate(counts, initial=0)))
-    for shard, vectors, start, count in zip(shards, initial, sizes, counts):
-        shard.weight[start:start + count] = vectors
-        shard._admitted += count
-    return sizes
 
 
 class _LookupTables(torch.autograd.Function):
@@ -963,13 +948,7 @@ class EmbeddingBagCollection(nn.Module):
             value_rows = [rows[bounds[f]:bounds[f + 1]] for f in group_features]
             codes = torch.cat(value_rows) + torch.tensor([base[table_of_feature[f]] for f in group_features]) \
                 .repeat_interleave(torch.tensor(lengths), output_size=sum(lengths))
-            if total <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * codes.numel() + (1 << 16):
-                sorted_codes, position, _, _ = torch.ops.sparsekit.unique_bounded(codes, total, False)
-            else:  # tables far larger than the step: hash the codes, then sort the distinct ones
-                distinct, distinct_of_code = ops.unique(codes)
-                sorted_codes, order = _sort_rows(distinct)
-                rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
-                position = rank.index_select(0, distinct_of_code)
+            sorted_codes, position = _distinct_sorted_rows(codes, total)
             used = [t for t in members if any(table_of_feature[f] == t for f in group_features)]
             ends = torch.searchsorted(sorted_codes, torch.tensor([base[t] + len(shards[t].hash_table)
                                                                   for t in used])).tolist()

@@ -5,9 +5,10 @@ the plan-then-commit lookup, stats, export and the SOK layers' exchange (see
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,35 @@ class KeySeededUniform:
 def is_embedding_variable(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a model-parallel embedding shard (a layer's ``weight``)."""
     return bool(getattr(tensor, "sparsekit_model_parallel", False))
+
+
+def _distinct_sorted_rows(rows: Tensor, bound: int) -> Tuple[Tensor, Tensor]:
+    """``(distinct, position)`` of CPU int64 ``rows`` in ``[0, bound)``: the distinct rows
+    ascending and each row's place among them. A bitmap of the ``bound`` rows
+    (``unique_bounded``) while it costs less than hashing, else hashing then a sort of the
+    distinct rows (a table far larger than the call)."""
+    if bound <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * rows.numel() + (1 << 16):
+        distinct, position, _, _ = torch.ops.sparsekit.unique_bounded(rows, bound, False)
+        return distinct, position
+    distinct, distinct_of_row = ops.unique(rows)
+    distinct, order = _sort_rows(distinct)
+    rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
+    return distinct, rank.index_select(0, distinct_of_row)
+
+
+@torch.no_grad()
+def _place_new_keys(shards: List["_ModelParallelEmbedding"], keys: Tensor, counts: List[int],
+                    initial: List[Tensor]) -> List[int]:
+    """Gives shard j's ``counts[j]`` distinct absent keys (``keys``, shard after shard; they
+    fit) its hash table's next rows in order, as ``HashTable.insert`` would, and writes their
+    ``initial`` vectors there (one op places every table's keys on the CPU). Returns each
+    table's size before; the caller scores the new rows."""
+    sizes = [len(shard.hash_table) for shard in shards]
+    _grow_tables([shard.hash_table for shard in shards], keys, list(itertools.accumulate(counts, initial=0)))
+    for shard, vectors, start, count in zip(shards, initial, sizes, counts):
+        shard.weight[start:start + count] = vectors
+        shard._admitted += count
+    return sizes
 
 
 class _LookupPlan(NamedTuple):
@@ -487,11 +517,8 @@ class _ModelParallelEmbedding(nn.Module):
                 raise HashTableFullError(
                     f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
                     f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
-        initial = self.initial_rows(new_keys.long())
         # Absent and distinct, without eviction: the next rows, as the table's insert gives them.
-        _grow_tables([table], new_keys, [0, count])
-        self.weight[size:size + count] = initial
-        self._admitted += count
+        _place_new_keys([self], new_keys, [count], [self.initial_rows(new_keys.long())])
         host_rows[missing] = new_of_missing.add_(size).numpy()  # rows is the find's own tensor
         return rows
 
@@ -509,14 +536,8 @@ class _ModelParallelEmbedding(nn.Module):
         clock, the weight and the gradient end as the general path leaves them."""
         table = self.hash_table
         rows = self._rows_of_new_keys(keys, table.find(keys))
-        if len(table) <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * rows.numel() + (1 << 16):
-            # Rows in use lie below the table's size: a bitmap of those, not of the whole shard.
-            unique_rows, inverse, _, _ = torch.ops.sparsekit.unique_bounded(rows, len(table), False)
-        else:  # a table far larger than the call: hash the rows, then sort the distinct ones
-            distinct_rows, distinct_of_row = ops.unique(rows)
-            unique_rows, order = _sort_rows(distinct_rows)
-            rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
-            inverse = rank.index_select(0, distinct_of_row)
+        # Rows in use lie below the table's size: bounded by that, not by the whole shard.
+        unique_rows, inverse = _distinct_sorted_rows(rows, len(table))
         table._score(unique_rows, None)
         table.tick()
         if every_value:
