@@ -13,9 +13,12 @@ builds it, one process:
 A timed block is ``--steps`` full training steps (forward, backward, optimizer) on
 pre-generated batches, so data generation is not counted. Every step gets a batch of
 its own (global batch ``step`` of the harness's stream), so new keys keep arriving at
-the rate they do in training, and the hash table keeps inserting. Both back ends are timed in
-alternating rounds in this one process; the ratio (torch time / sparsekit time) is given
-per round and as median (min-max). A profile then splits a step of each back end into
+the rate they do in training, and the hash table keeps inserting. A *harness* block is
+the same steps with each batch generated right before its step, as ``python -m
+sparsekit.train`` does: its ratio is the harness's samples/s ratio, measured without the
+run-to-run noise of two separate harness runs. Both back ends are timed in alternating
+rounds (a plain block each, then a harness block each) in this one process; the ratio
+(torch time / sparsekit time) is given per round and as median (min-max). A profile then splits a step of each back end into
 embedding forward, the rest of the forward (MLPs, interaction), backward and optimizer,
 next to the time the harness's synthetic data generation takes per batch (not part of the
 timed steps, but part of a harness run). --busy-core keeps one core busy throughout.
@@ -37,8 +40,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import busy_core, fmt_ratio, ratio_stats, synchronize, write_results  # noqa: E402
-from sparsekit.train.loop import Context, TrainConfig, build  # noqa: E402
 from sparsekit.train.data import SyntheticCriteo  # noqa: E402
+from sparsekit.train.loop import Context, TrainConfig, build  # noqa: E402
 
 EMBEDDINGS = ("sparsekit", "torch")
 
@@ -46,16 +49,22 @@ EMBEDDINGS = ("sparsekit", "torch")
 class Runner:
     """One back end's model and optimizer, stepping through a list of batches."""
 
-    def __init__(self, embedding: str, config: TrainConfig, device: torch.device, batches):
+    def __init__(self, embedding: str, config: TrainConfig, device: torch.device, batches, source):
         config = TrainConfig(**{**config.__dict__, "embedding": embedding})
         _, self.model, self.optimizer = build(config, Context(0, 1, device))
-        self.batches = batches
+        self.batches, self.source = batches, source
+        self.batch_size, self.device = config.batch_size, device
         self.position = 0
         self.loss_fn = nn.BCEWithLogitsLoss()
 
-    def run(self, steps: int) -> None:
+    def run(self, steps: int, generate: bool = False) -> None:
+        """``steps`` training steps on the next batches: pre-generated ones, or (``generate``)
+        each made from the harness's data source right before its step."""
         for _ in range(steps):
-            batch = self.batches[self.position]
+            if generate:
+                batch = self.source.train_batch(self.position, self.batch_size).to(self.device)
+            else:
+                batch = self.batches[self.position]
             self.position += 1
             loss = self.loss_fn(self.model(batch.dense, batch.keys), batch.labels)
             self.optimizer.zero_grad(set_to_none=True)
@@ -107,28 +116,35 @@ def bench(device: torch.device, args) -> dict:
                          table_rows=args.table_rows, vocab_per_slot=args.vocab_per_slot,
                          device=device.type)
     source = SyntheticCriteo(0, vocab_per_slot=args.vocab_per_slot)
-    total_steps = args.warmup + args.rounds * args.steps + args.profile_steps
+    total_steps = args.warmup + 2 * args.rounds * args.steps + args.profile_steps
     start = time.perf_counter()
     batches = [source.train_batch(step, args.batch_size).to(device) for step in range(total_steps)]
     data_seconds = (time.perf_counter() - start) / total_steps
-    runners = {name: Runner(name, config, device, batches) for name in EMBEDDINGS}
+    runners = {name: Runner(name, config, device, batches, source) for name in EMBEDDINGS}
     for runner in runners.values():  # warm-up: allocator, first inserts, lazy init
         runner.run(args.warmup)
     synchronize(device)
     seconds = {name: [] for name in EMBEDDINGS}
+    harness_seconds = {name: [] for name in EMBEDDINGS}
     for _ in range(args.rounds):
-        for name, runner in runners.items():
-            synchronize(device)
-            start = time.perf_counter()
-            runner.run(args.steps)
-            synchronize(device)
-            seconds[name].append(time.perf_counter() - start)
+        for timed, generate in ((seconds, False), (harness_seconds, True)):
+            for name, runner in runners.items():
+                synchronize(device)
+                start = time.perf_counter()
+                runner.run(args.steps, generate)
+                synchronize(device)
+                timed[name].append(time.perf_counter() - start)
     samples = args.steps * args.batch_size
     rate = {name: samples / statistics.median(times) for name, times in seconds.items()}
+    harness_rate = {name: samples / statistics.median(times) for name, times in harness_seconds.items()}
     stats = ratio_stats(seconds["torch"], seconds["sparsekit"])
+    harness_stats = ratio_stats(harness_seconds["torch"], harness_seconds["sparsekit"])
     print(f"[{device.type}] batch {args.batch_size}, dim {args.embedding_dim}, {args.steps} steps x "
           f"{args.rounds} rounds: sparsekit {rate['sparsekit']:,.0f} samples/s | torch "
           f"{rate['torch']:,.0f} samples/s | sparsekit / torch = {fmt_ratio(stats)}")
+    print(f"  with each batch generated before its step, as the harness does: sparsekit "
+          f"{harness_rate['sparsekit']:,.0f} samples/s | torch {harness_rate['torch']:,.0f} samples/s | "
+          f"sparsekit / torch = {fmt_ratio(harness_stats)}")
     profile = {name: runner.profile(args.profile_steps, device) for name, runner in runners.items()}
     for name, phases in profile.items():
         print(f"  {name:9} ms per step: " + ", ".join(f"{phase} {t * 1e3:.2f}" for phase, t in phases.items())
@@ -146,6 +162,11 @@ def bench(device: torch.device, args) -> dict:
         "speedup_vs_torch": stats["median"],
         "ratio": stats,
         "seconds_per_round": seconds,
+        "harness_sparsekit_samples_per_s": harness_rate["sparsekit"],
+        "harness_torch_samples_per_s": harness_rate["torch"],
+        "harness_speedup_vs_torch": harness_stats["median"],
+        "harness_ratio": harness_stats,
+        "harness_seconds_per_round": harness_seconds,
         "profile_seconds_per_step": profile,
         "synthetic_data_seconds_per_batch": data_seconds,
     }

@@ -11,9 +11,22 @@ import pytest
 import torch
 
 from sparsekit import hashing
-from sparsekit.train.criteo import (CriteoFormatError, CriteoParser, CriteoTSV, LineIndex,
-                                    benchmark_reader, write_synthetic_tsv)
-from sparsekit.train.data import NUM_DENSE, NUM_SLOTS, SyntheticCriteo, rank_slice, zipf_draws
+from sparsekit.train.criteo import (
+    CriteoFormatError,
+    CriteoParser,
+    CriteoTSV,
+    LineIndex,
+    benchmark_reader,
+    write_synthetic_tsv,
+)
+from sparsekit.train.data import (
+    NUM_DENSE,
+    NUM_SLOTS,
+    FoldedZipf,
+    SyntheticCriteo,
+    hurwitz_zeta,
+    rank_slice,
+)
 from sparsekit.train.loop import TrainConfig, train
 from sparsekit.train.metrics import log_loss, roc_auc
 from sparsekit.train.model import DLRM, TorchSlotEmbedding
@@ -49,18 +62,68 @@ def test_synthetic_is_deterministic_and_world_size_independent():
     assert not torch.equal(held_out.keys, whole.keys)
 
 
-@pytest.mark.parametrize("alpha", [1.01, 1.2, 1.5, 2.0, 7.0, 2000.0])
-@pytest.mark.parametrize("size", [(0, 26), (1,), (7, 3), (1024, 26), (5000,)])
-def test_zipf_draws_are_numpys_values_and_leave_the_generator_where_numpy_does(alpha, size):
-    for seed in range(4):
-        ours, numpys = np.random.default_rng([seed, 9]), np.random.default_rng([seed, 9])
-        values = zipf_draws(ours, alpha, size)
-        expected = numpys.zipf(alpha, size=size)
-        assert values.shape == expected.shape and values.dtype == expected.dtype
-        assert np.array_equal(values, expected)
-        # The next draws agree too: the generator is exactly as far on.
-        assert np.array_equal(ours.random(3), numpys.random(3))
-        assert ours.zipf(alpha) == numpys.zipf(alpha)
+@pytest.mark.parametrize("s", [1.01, 1.2, 2.0, 7.5])
+def test_hurwitz_zeta_matches_mpmath(s):
+    mpmath = pytest.importorskip("mpmath")
+    q = np.array([1e-4, 0.3, 1.0, 2.5, 17.0, 1e4])
+    expected = np.array([float(mpmath.zeta(s, float(x))) for x in q])
+    np.testing.assert_allclose(hurwitz_zeta(s, q), expected, rtol=1e-13)
+
+
+@pytest.mark.parametrize("alpha", [1.01, 1.2, 2.0, 5.0])
+@pytest.mark.parametrize("vocab", [1, 2, 7, 1000])
+def test_folded_zipf_has_the_law_of_numpys_zipf_folded(alpha, vocab):
+    mpmath = pytest.importorskip("mpmath")
+    sampler = FoldedZipf(alpha, vocab)
+    # P(rank k) ~ sum over j of (k + 1 + j vocab)^-alpha, terms up to 2^63 - 1 (numpy's largest).
+    mpmath.mp.dps = 40
+    weights = []
+    for k in range(vocab):
+        q, terms = mpmath.mpf(k + 1) / vocab, ((1 << 63) - 2 - k) // vocab + 1
+        weights.append(mpmath.zeta(alpha, q) - mpmath.zeta(alpha, q + terms))
+    exact = np.array([float(w / sum(weights)) for w in weights])
+    np.testing.assert_allclose(sampler.probabilities, exact, rtol=1e-12, atol=1e-300)
+    # The alias table holds exactly that mass: column k's own part, plus the parts of the
+    # columns whose alias is k.
+    mass = sampler.keep / vocab
+    np.add.at(mass, sampler.alias, (1.0 - sampler.keep) / vocab)
+    np.testing.assert_allclose(mass, sampler.probabilities, rtol=1e-9, atol=1e-15)
+    assert np.all((sampler.keep >= 0) & (sampler.keep <= 1))
+    # Draws: a column from the uniform's integer part, then the column's rank or its alias.
+    ranks = sampler.draw(np.random.default_rng(5), (400_000,))
+    assert ranks.dtype == np.int64 and ranks.min() >= 0 and ranks.max() < vocab
+    frequencies = np.bincount(ranks, minlength=vocab) / ranks.size
+    # Total variation to the law: within sampling noise.
+    assert 0.5 * np.abs(frequencies - sampler.probabilities).sum() < 0.02
+    if alpha >= 1.2:
+        # And to numpy's own draws. Not at alpha 1.01, where a tenth of numpy's values lie
+        # above 2^53 and are doubles, all even: its folded frequencies lean to even values.
+        numpys = np.bincount((np.random.default_rng(6).zipf(alpha, ranks.size) - 1) % vocab,
+                             minlength=vocab) / ranks.size
+        assert 0.5 * np.abs(frequencies - numpys).sum() < 0.03
+
+
+def test_folded_zipf_draws_map_uniforms_through_the_alias_table():
+    sampler = FoldedZipf(1.2, 50)
+
+    class Fixed:
+        def random(self, size):
+            return np.array([0.0, 0.999999999999, 0.5, 0.123456]).reshape(size)
+
+    scaled = Fixed().random((4,)) * 50
+    column = np.minimum(scaled.astype(np.int64), 49)
+    expected = np.where(scaled - column < sampler.keep[column], column, sampler.alias[column])
+    assert np.array_equal(sampler.draw(Fixed(), (4,)), expected)
+    assert sampler.draw(np.random.default_rng(0), (3, 0)).shape == (3, 0)
+
+
+@pytest.mark.parametrize("alpha, vocab, message", [(1.0, 10, "alpha must be > 1"), (float("nan"), 10, "alpha"),
+                                                    (1.2, 0, "vocab must be >= 1")])
+def test_folded_zipf_rejects_bad_arguments(alpha, vocab, message):
+    with pytest.raises(ValueError, match=message):
+        FoldedZipf(alpha, vocab)
+    with pytest.raises(ValueError, match="SyntheticCriteo"):
+        SyntheticCriteo(0, vocab_per_slot=vocab, zipf_alpha=alpha)
 
 
 def test_synthetic_keys_are_salted_per_slot_and_zipf_skewed():

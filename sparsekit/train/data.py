@@ -67,58 +67,72 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
-_INT64_MAX = float(np.iinfo(np.int64).max)
+def hurwitz_zeta(s: float, q: np.ndarray) -> np.ndarray:
+    """``sum(n >= 0) (q + n)^-s`` for ``s > 1`` and each ``q > 0``, float64: 24 terms summed,
+    the rest by Euler-Maclaurin to the ninth derivative (relative error ~1e-15)."""
+    q = np.asarray(q, dtype=np.float64)
+    head = 24
+    total = np.zeros_like(q)
+    for n in range(head):
+        total += (q + n) ** -s
+    x = q + head
+    total += x ** (1.0 - s) / (s - 1.0) + 0.5 * x ** -s
+    # - B_2k / (2k)! * f^(2k-1)(x) for f(n) = (q + n)^-s: rising products of s times powers.
+    rising, term_power = s, -s - 1.0
+    for k, bernoulli in enumerate((1.0 / 6.0, -1.0 / 30.0, 1.0 / 42.0, -1.0 / 30.0, 5.0 / 66.0), start=1):
+        total += bernoulli / math.factorial(2 * k) * rising * x ** term_power
+        rising *= (s + 2 * k - 1) * (s + 2 * k)
+        term_power -= 2.0
+    return total
 
 
-def zipf_draws(rng: np.random.Generator, alpha: float, size: Tuple[int, ...]) -> np.ndarray:
-    """``rng.zipf(alpha, size)``, the same values and the same generator state after, drawn
-    vectorised: about twice as fast as numpy's one-at-a-time rejection loop.
+class FoldedZipf:
+    """Draws of ``(Z - 1) mod vocab`` for numpy's Zipf-distributed ``Z = rng.zipf(alpha)``
+    (``P(Z = z) ~ z^-alpha`` for ``1 <= z <= 2^63 - 1``: numpy draws again above): the
+    rank ``k`` in ``[0, vocab)`` has a probability proportional to
+    ``sum(j >= 0, k + 1 + j vocab < 2^63) (k + 1 + j vocab)^-alpha``, a difference of two
+    Hurwitz zeta values. Drawn by Walker's alias method from one uniform per draw, where
+    numpy's rejection loop spends two or more and a power each. (numpy's own values above
+    2^53 are doubles, all even: at an ``alpha`` near 1, where a good part of its draws lie
+    there, its folded frequencies lean to even values; this law does not.)
 
-    numpy draws each value by Devroye's rejection method, a pair of uniforms per try, until
-    a try is accepted. The values are therefore the accepted tries in order: this draws the
-    pairs in bulk, keeps the first ``n`` accepted, and leaves ``rng`` exactly as far on as
-    numpy's loop would (the pairs after the last accepted one are given back). numpy's loop
-    takes its powers from the C library's ``pow``; the few whose last bits matter are taken
-    from it here too (``math.pow``), the rest from numpy's vectorised ``power``.
+    Args:
+        alpha: the Zipf exponent, > 1.
+        vocab: the ranks' count, >= 1.
     """
-    n = int(np.prod(size))
-    if not 1.0 < alpha < 1025.0:  # numpy's own fast paths and errors
-        return rng.zipf(alpha, size=size)
-    am1 = alpha - 1.0
-    b = 2.0 ** am1
-    u_min = _INT64_MAX ** -am1
-    out = np.empty(n, dtype=np.int64)
-    bit_generator = rng.bit_generator
-    start = bit_generator.state
-    filled = consumed = 0
-    while filled < n:
-        need = n - filled
-        tries = need + need // 2 + 64  # about 72 % of tries are accepted at alpha 1.2
-        pairs = rng.random(2 * tries).reshape(tries, 2)
-        u, v = pairs[:, 0] * u_min + (1.0 - pairs[:, 0]), pairs[:, 1]
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            power = np.power(u, -1.0 / am1)
-            x = np.floor(power)
-            # numpy's loop calls the C library's pow, its vectorised power may differ in the
-            # last bits (numpy >= 2.4): where those bits could move floor() (a power near an
-            # integer, or above 2^52 where every bit is in the value), pow decides.
-            near = np.flatnonzero(np.minimum(power - x, x + 1.0 - power) <= power * 1e-13)
-            x[near] = [math.floor(math.pow(float(value), -1.0 / am1)) for value in u[near]]
-            t = np.power(1.0 + 1.0 / x, am1)
-            lhs, rhs = v * x * (t - 1.0) / (b - 1.0), t / b
-            accepted = (x <= _INT64_MAX) & (x >= 1.0) & (lhs <= rhs)
-            close = np.flatnonzero((np.abs(lhs - rhs) <= np.abs(rhs) * 1e-13) & (x <= _INT64_MAX) & (x >= 1.0))
-        for i in close:  # a test that the last bits of t could turn: with pow's t, as numpy does
-            xi = float(x[i])
-            ti = math.pow(1.0 + 1.0 / xi, am1)
-            accepted[i] = float(v[i]) * xi * (ti - 1.0) / (b - 1.0) <= ti / b
-        taken = np.flatnonzero(accepted)[:need]
-        out[filled:filled + taken.size] = x[taken]
-        filled += taken.size
-        consumed += 2 * (int(taken[-1]) + 1) if filled == n else 2 * tries
-    bit_generator.state = start
-    bit_generator.advance(consumed)
-    return out.reshape(size)
+
+    def __init__(self, alpha: float, vocab: int):
+        if not alpha > 1.0:
+            raise ValueError(f"FoldedZipf: alpha must be > 1, got {alpha}")
+        if vocab < 1:
+            raise ValueError(f"FoldedZipf: vocab must be >= 1, got {vocab}")
+        self.vocab = vocab
+        first = np.arange(1, vocab + 1, dtype=np.float64) / vocab
+        # Terms per rank up to 2^63 - 1, the largest value numpy's zipf returns.
+        terms = np.array([((1 << 63) - 1 - k) // vocab + 1 for k in range(1, vocab + 1)], dtype=np.float64)
+        weights = hurwitz_zeta(alpha, first) - hurwitz_zeta(alpha, first + terms)
+        self.probabilities = weights / weights.sum()
+        # Vose's construction: every column of height 1 holds its own rank up to ``keep``
+        # and the rank ``alias`` above it.
+        scaled = self.probabilities * vocab
+        self.keep = np.ones(vocab)
+        self.alias = np.arange(vocab, dtype=np.int64)
+        small = [int(i) for i in np.flatnonzero(scaled < 1.0)]
+        large = [int(i) for i in np.flatnonzero(scaled >= 1.0)]
+        while small and large:
+            low, high = small.pop(), large[-1]
+            self.keep[low], self.alias[low] = scaled[low], high
+            scaled[high] -= 1.0 - scaled[low]
+            if scaled[high] < 1.0:
+                small.append(large.pop())
+        # What is left holds (up to rounding) exactly one column's mass: keeps its rank.
+
+    def draw(self, rng: np.random.Generator, size: Tuple[int, ...]) -> np.ndarray:
+        """int64 ranks of shape ``size``: a column from a uniform's integer part, its own
+        rank or its alias from the fractional part."""
+        scaled = rng.random(size) * self.vocab
+        column = np.minimum(scaled.astype(np.int64), self.vocab - 1)
+        return np.where(scaled - column < self.keep[column], column, self.alias[column])
 
 
 class SyntheticCriteo:
@@ -126,7 +140,8 @@ class SyntheticCriteo:
 
     Each of the 26 slots holds one categorical value whose rank within the slot is Zipf
     distributed (``P(rank = k) ~ (k + 1)^-zipf_alpha``, folded into ``vocab_per_slot``
-    values); the value's key is a 64-bit mix of ``(seed, slot, rank)`` spread over the
+    values: :class:`FoldedZipf`, the law of numpy's ``(rng.zipf(zipf_alpha) - 1) %
+    vocab_per_slot``); the value's key is a 64-bit mix of ``(seed, slot, rank)`` spread over the
     whole int64 range, as hashed ids are. Dense features are log-normal counts, 10 %
     missing (0), transformed like Criteo's. The label is Bernoulli(sigmoid(logit)) with
 
@@ -143,8 +158,10 @@ class SyntheticCriteo:
     """
 
     def __init__(self, seed: int = 0, *, vocab_per_slot: int = 20_000, zipf_alpha: float = 1.2):
-        if zipf_alpha <= 1.0:
+        if not zipf_alpha > 1.0:
             raise ValueError(f"SyntheticCriteo: zipf_alpha must be > 1, got {zipf_alpha}")
+        if vocab_per_slot < 1:
+            raise ValueError(f"SyntheticCriteo: vocab_per_slot must be >= 1, got {vocab_per_slot}")
         self.seed = seed
         self.vocab_per_slot = vocab_per_slot
         self.zipf_alpha = zipf_alpha
@@ -157,6 +174,9 @@ class SyntheticCriteo:
         self._bias = np.float32(-1.5)
         seed_salt = np.uint64((seed * 0x9E3779B97F4A7C15) % (1 << 64))
         self._slot_salt = _mix64(np.arange(NUM_SLOTS, dtype=np.uint64) ^ seed_salt).reshape(1, NUM_SLOTS)
+        self._ranks = FoldedZipf(zipf_alpha, vocab_per_slot)
+        # Where each slot's effects start in the flat table.
+        self._effect_base = np.arange(NUM_SLOTS, dtype=np.int64) * vocab_per_slot
 
     def keys_of(self, ranks: np.ndarray) -> np.ndarray:
         """int64 keys ``[N, 26]`` of value ranks ``[N, 26]``."""
@@ -170,11 +190,11 @@ class SyntheticCriteo:
             labels float32 [size], probabilities float32 [size])``.
         """
         rng = np.random.default_rng([self.seed, stream, index])
-        ranks = (zipf_draws(rng, self.zipf_alpha, (size, NUM_SLOTS)) - 1) % self.vocab_per_slot
+        ranks = self._ranks.draw(rng, (size, NUM_SLOTS))
         raw_dense = np.floor(np.exp(rng.standard_normal((size, NUM_DENSE)) * 1.2
                                     + self._dense_log_mean)).astype(np.int64)
         raw_dense[rng.random((size, NUM_DENSE)) < 0.1] = -1
-        logit = self._bias + self._effects[np.arange(NUM_SLOTS), ranks].sum(axis=1)
+        logit = self._bias + self._effects.ravel()[ranks + self._effect_base].sum(axis=1)
         logit += (dense_transform(raw_dense) - 1.5) @ self._dense_weight
         probabilities = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
         labels = (rng.random(size) < probabilities).astype(np.float32)
