@@ -1,6 +1,7 @@
 #pragma once
 // The key-seeded uniform initializer shared bit for bit by the CPU and CUDA kernels.
 #include <cmath>
+#include <limits>
 
 #include "common.h"
 
@@ -46,6 +47,14 @@ inline void check_key_seeded_uniform_args(const Tensor& keys, int64_t dim, doubl
               "key_seeded_uniform: need finite low <= high, got low=", low, " high=", high);
   SK_CHECK(is_floating(dtype),
               "key_seeded_uniform: dtype must be float32, float64, float16 or bfloat16, got ", dtype);
+  // Every value lies in [low, high], so bounds the dtype holds keep the rows finite (rounding
+  // to nearest never passes the largest finite value); float16 rows of low=1e5 would be inf.
+  const double largest = dtype == kHalf       ? 65504.0
+                         : dtype == kBFloat16 ? 3.3895313892515355e38
+                         : dtype == kFloat    ? 3.4028234663852886e38
+                                              : std::numeric_limits<double>::max();
+  SK_CHECK(std::fabs(low) <= largest && std::fabs(high) <= largest, "key_seeded_uniform: low and high must lie in ",
+           dtype, "'s finite range [", -largest, ", ", largest, "], got low=", low, " high=", high);
 }
 
 }  // namespace sparsekit

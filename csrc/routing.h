@@ -1,7 +1,5 @@
 #pragma once
 // Argument checks and the owner rule shared by the CPU and CUDA partition_by_owner kernels.
-#include <limits>
-
 #include "common.h"
 
 namespace sparsekit {
@@ -15,13 +13,18 @@ C10_HOST_DEVICE inline int64_t owner_of_key(int64_t key, int64_t world_size) {
   return static_cast<int64_t>(static_cast<uint64_t>(key) % static_cast<uint64_t>(world_size));
 }
 
+/// Most ranks partition_by_owner takes: 2^24 (16,777,216), beyond any cluster. The counts
+/// (and on the CPU a histogram per thread) hold world_size int64: near 2^31 ranks they
+/// would take 16 GiB, which a machine that overcommits memory hands out and then kills
+/// the process for touching, instead of failing the allocation.
+constexpr int64_t kMaxWorldSize = int64_t{1} << 24;
+
 inline void check_partition_by_owner_args(const Tensor& keys, int64_t world_size) {
   check_key_tensor(keys, "partition_by_owner", "keys");
   SK_CHECK(keys.dim() == 1, "partition_by_owner: keys must be 1-D [N], got shape ", keys.sizes(),
               "; flatten them first");
-  // Owners are sorted as 32-bit ints on the GPU.
-  SK_CHECK(world_size >= 1 && world_size <= std::numeric_limits<int32_t>::max(),
-              "partition_by_owner: world_size must be in [1, 2^31), got ", world_size);
+  SK_CHECK(world_size >= 1 && world_size <= kMaxWorldSize,
+              "partition_by_owner: world_size must be in [1, 2^24], got ", world_size);
 }
 
 }  // namespace sparsekit

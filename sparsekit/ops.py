@@ -417,7 +417,7 @@ def partition_by_owner(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, T
     Args:
         keys: int64 or int32 ``[N]``; every value is a valid key (negative ones own by
             their unsigned value, so ``-1 % 2 == 1``).
-        world_size: number of ranks, ``>= 1``.
+        world_size: number of ranks, in ``[1, 2^24]``.
 
     Returns:
         ``(keys_by_owner, positions, counts)``: ``keys_by_owner`` (keys' dtype, ``[N]``)
@@ -432,8 +432,8 @@ def partition_by_owner(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, T
 def _partition_by_owner_fake(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, Tensor]:
     index_dtype("partition_by_owner", "keys", keys, "tensor of keys")
     torch._check(keys.dim() == 1, lambda: "partition_by_owner: keys must be 1-D [N]")
-    torch._check(1 <= world_size < 2**31,
-                 lambda: f"partition_by_owner: world_size must be in [1, 2^31), got {world_size}")
+    torch._check(1 <= world_size <= 2**24,
+                 lambda: f"partition_by_owner: world_size must be in [1, 2^24], got {world_size}")
     return (
         keys.new_empty(keys.shape),
         keys.new_empty(keys.shape, dtype=torch.int64),
@@ -464,7 +464,8 @@ def key_seeded_uniform(
         dim: columns per row, ``>= 0``.
         seed: any int64; different seeds give independent tables.
         low: lower bound.
-        high: upper bound, ``>= low``.
+        high: upper bound, ``>= low``; both finite in ``dtype`` (``|low|, |high| <=
+            torch.finfo(dtype).max``), so every value is.
         dtype: floating dtype of the result, float32 when None.
 
     Returns:
@@ -486,6 +487,10 @@ def _key_seeded_uniform_fake(
                  lambda: f"key_seeded_uniform: low and high must be finite with low <= high, got {low}, {high}")
     torch._check(dtype is None or dtype.is_floating_point,
                  lambda: f"key_seeded_uniform: dtype must be a floating dtype, got {dtype}")
+    largest = torch.finfo(dtype or torch.float32).max
+    torch._check(abs(low) <= largest and abs(high) <= largest,
+                 lambda: f"key_seeded_uniform: low and high must lie in {dtype or torch.float32}'s finite range "
+                         f"[{-largest}, {largest}], got low={low} high={high}")
     return keys.new_empty((keys.shape[0], dim), dtype=dtype if dtype is not None else torch.float32)
 
 

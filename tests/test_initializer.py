@@ -106,6 +106,20 @@ def test_bad_input_raises(device):
         sk.ops.key_seeded_uniform(keys, 2, dtype=torch.int64)
 
 
+@pytest.mark.parametrize("dtype, low, high", [(torch.float16, 1e5, 2e5), (torch.float16, -7e4, 0.0),
+                                             (torch.bfloat16, 0.0, 1e39), (torch.float32, -1.7e308, 1.7e308)])
+def test_bounds_the_dtype_cannot_hold_raise(device, dtype, low, high):
+    """Bounds outside the dtype's finite range would give inf rows."""
+    keys = torch.arange(4, device=device)
+    for where in (keys, keys.to("meta")):
+        with pytest.raises(RuntimeError, match="key_seeded_uniform: low and high must lie in"):
+            sk.ops.key_seeded_uniform(where, 2, low=low, high=high, dtype=dtype)
+    # The dtype's whole finite range is allowed, and every value stays finite.
+    largest = torch.finfo(dtype).max
+    rows = sk.ops.key_seeded_uniform(torch.arange(4096, device=device), 64, low=-largest, high=largest, dtype=dtype)
+    assert torch.isfinite(rows).all() and rows.dtype == dtype
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(seed=1.5), TypeError, "seed must be an int in the int64 range"),
     (dict(seed=True), TypeError, "seed must be an int in the int64 range"),

@@ -98,5 +98,16 @@ def test_bad_input_raises(device):
         sk.ops.partition_by_owner(keys.view(2, 3), 2)
     with pytest.raises(RuntimeError, match="partition_by_owner: world_size must be in"):
         sk.ops.partition_by_owner(keys, 0)
-    with pytest.raises(RuntimeError, match="partition_by_owner: world_size must be in"):
-        sk.ops.partition_by_owner(keys, 2**31)
+    # Near 2^31 ranks the counts alone would take 16 GiB (on an overcommitting machine, a
+    # process killed for touching them): the bound is 2^24.
+    for world_size in (2**24 + 1, 2**31 - 1, 2**31):
+        with pytest.raises(RuntimeError, match=r"partition_by_owner: world_size must be in \[1, 2\^24\]"):
+            sk.ops.partition_by_owner(keys, world_size)
+
+
+@pytest.mark.parametrize("world_size, n", [(2**24, 5), (100_000, 40_000), (30_000, 70_000)])
+def test_many_ranks_few_keys(device, world_size, n):
+    # More ranks than keys: fewer histogram chunks than threads, the same sort.
+    generator = torch.Generator().manual_seed(n)
+    keys = torch.randint(INT64_MIN, INT64_MAX, (n,), generator=generator)
+    check_against_reference(keys.to(device), world_size)

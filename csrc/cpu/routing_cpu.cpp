@@ -22,8 +22,10 @@ constexpr int64_t kKeysPerChunk = 1 << 14;
 template <typename key_t>
 void partition_keys(const key_t* keys, int64_t n, int64_t world_size, key_t* keys_by_owner,
                     int64_t* positions, int64_t* counts) {
-  const int64_t num_chunks =
-      std::max<int64_t>(1, std::min<int64_t>(num_threads(), (n + kKeysPerChunk - 1) / kKeysPerChunk));
+  // A chunk's histogram holds world_size counts: with many ranks and few keys, fewer chunks,
+  // so the histograms never outweigh the keys (scratch of O(n + world_size)).
+  const int64_t num_chunks = std::max<int64_t>(
+      1, std::min<int64_t>({num_threads(), (n + kKeysPerChunk - 1) / kKeysPerChunk, 4 * n / world_size}));
   auto chunk_begin = [&](int64_t chunk) { return chunk * n / num_chunks; };
   // next_slot[chunk * world_size + owner]: first a histogram, then the next free output slot.
   std::vector<int64_t> next_slot(num_chunks * world_size, 0);
