@@ -49,6 +49,25 @@ def _seed(slot: int, seed: int, kind: int) -> int:
     return _digest(_SEED_LAYOUT.pack(seed % _TWO_64, slot, kind))
 
 
+def _integer(value, name: str, where: str) -> int:
+    """``value`` as a Python int: any integer type but bool (TypeError otherwise)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}: {name} must be an int, got {value!r}") from None
+
+
+def _slot_and_seed(slot, seed, where: str):
+    """``(slot, seed % 2**64)`` checked: ints, the slot in the int64 range."""
+    if type(slot) is not int or type(seed) is not int:  # plain ints skip the slow path
+        slot, seed = _integer(slot, "slot", where), _integer(seed, "seed", where)
+    if not -_TWO_63 <= slot < _TWO_63:
+        raise ValueError(f"{where}: slot must be in the int64 range, got {slot}")
+    return slot, seed % _TWO_64
+
+
 def slot_seed(slot: int, seed: int = 0) -> int:
     """The XXH3-64 seed with which text values of ``slot`` are hashed.
 
@@ -58,8 +77,12 @@ def slot_seed(slot: int, seed: int = 0) -> int:
 
     Returns:
         An unsigned 64-bit integer.
+
+    Raises:
+        TypeError: ``slot`` or ``seed`` not an int (bool included).
+        ValueError: ``slot`` outside the int64 range.
     """
-    return _seed(operator.index(slot), operator.index(seed) % _TWO_64, _TEXT)
+    return _seed(*_slot_and_seed(slot, seed, "sparsekit.hashing.slot_seed"), _TEXT)
 
 
 def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
@@ -75,13 +98,16 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
         A Python int in ``[-2**63, 2**63)``.
 
     Raises:
-        TypeError: for any other type (floats included: hash ``repr`` or a rounded int).
-        OverflowError: for an integer outside the int64 range.
+        TypeError: for a value of any other type (floats included: hash ``repr`` or a
+            rounded int), or a ``slot`` or ``seed`` that is not an int.
+        OverflowError: for an integer value outside the int64 range.
+        ValueError: a ``slot`` outside the int64 range.
     """
+    slot, seed = _slot_and_seed(slot, seed, "sparsekit.hashing")
     if isinstance(value, str):
-        return _to_int64(_digest(value.encode("utf-8"), _seed(slot, seed % _TWO_64, _TEXT)))
+        return _to_int64(_digest(value.encode("utf-8"), _seed(slot, seed, _TEXT)))
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return _to_int64(_digest(value, _seed(slot, seed % _TWO_64, _TEXT)))
+        return _to_int64(_digest(value, _seed(slot, seed, _TEXT)))
     try:
         integer = operator.index(value)
     except TypeError:
@@ -94,7 +120,7 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
         raise OverflowError(
             f"sparsekit.hashing: integer {integer} is outside the int64 range; "
             "pass it as a string instead") from None
-    return _to_int64(_digest(packed, _seed(slot, seed % _TWO_64, _INT)))
+    return _to_int64(_digest(packed, _seed(slot, seed, _INT)))
 
 
 def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: int = 0, *,
@@ -109,7 +135,15 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
 
     Returns:
         int64 tensor ``[len(values)]`` with ``out[i] == hash_value(values[i], slot, seed=seed)``.
+
+    Raises:
+        TypeError: ``values`` is one str or bytes (it would be hashed character by
+            character: use :func:`hash_value`), a float array, or holds a value
+            :func:`hash_value` refuses.
     """
+    if isinstance(values, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"sparsekit.hashing.hash_values: values must be a sequence of values, got one "
+                        f"{type(values).__name__}; hash a single value with hash_value")
     if isinstance(values, (np.ndarray, torch.Tensor)):
         if values.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or (
                 isinstance(values, np.ndarray) and values.dtype.kind not in "iub"):

@@ -95,6 +95,33 @@ def test_bad_values_raise():
         hashing.hash_values(torch.tensor([1.0]))
     with pytest.raises(TypeError, match="dtype"):
         hashing.hash_values(np.array([1.0]))
+    # One string is not a list of values (it would be hashed character by character).
+    for one in ("abc", b"abc"):
+        with pytest.raises(TypeError, match="hash_values: values must be a sequence"):
+            hashing.hash_values(one)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(slot=1.5), TypeError, "slot must be an int, got 1.5"),
+    (dict(slot=None), TypeError, "slot must be an int, got None"),
+    (dict(slot=True), TypeError, "slot must be an int, got True"),
+    (dict(slot=2**63), ValueError, "slot must be in the int64 range"),
+    (dict(slot=-2**63 - 1), ValueError, "slot must be in the int64 range"),
+    (dict(seed=1.5), TypeError, "seed must be an int, got 1.5"),
+    (dict(seed=False), TypeError, "seed must be an int, got False"),
+])
+def test_bad_slot_or_seed_raise_naming_it(kwargs, error, message):
+    for call in (lambda: hashing.hash_value("a", **kwargs), lambda: hashing.hash_value(7, **kwargs),
+                 lambda: hashing.hash_values(["a"], **kwargs), lambda: hashing.slot_seed(**{"slot": 0, **kwargs})):
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_slot_and_seed_take_any_integer_type():
+    assert hashing.hash_value("a", np.int32(3), seed=np.uint64(5)) == hashing.hash_value("a", 3, seed=5)
+    # Seeds are taken modulo 2**64, slots anywhere in the int64 range.
+    assert hashing.hash_value("a", seed=-1) == hashing.hash_value("a", seed=2**64 - 1)
+    assert hashing.hash_value("a", slot=-2**63) != hashing.hash_value("a", slot=2**63 - 1)
 
 
 def test_hash_values_matches_hash_value():
