@@ -63,6 +63,7 @@ keys). Without them the counts above hold.
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Iterable, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -272,8 +273,14 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             raise ValueError(f"{name}: dense inputs must be [B, slot_num={self.slot_num}, n <= max_nnz="
                              f"{self.max_nnz}] padded with pad_key, got shape {tuple(keys.shape)}; "
                              "or pass sk.Ragged(values, offsets)")
+        if isinstance(pad_key, bool) or not isinstance(pad_key, numbers.Integral):
+            raise TypeError(f"{name}: pad_key must be an int, got {pad_key!r}")
+        info = torch.iinfo(keys.dtype)
+        if not info.min <= int(pad_key) <= info.max:
+            raise ValueError(f"{name}: pad_key must be in the {keys.dtype} range of the keys "
+                             f"[{info.min}, {info.max}], got {pad_key}")
         batch = keys.shape[0]
-        valid = keys != pad_key
+        valid = keys != int(pad_key)
         lengths = valid.sum(dim=2).view(-1)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=keys.device)
         torch.cumsum(lengths, 0, out=offsets[1:])

@@ -338,6 +338,22 @@ def test_single_process_errors():
         sk.All2AllDenseEmbedding(5, DIM, 2, 2, dynamic_input=True)(torch.tensor([[1, 2]]))
 
 
+@pytest.mark.parametrize("pad_key, error, message", [
+    (None, TypeError, "pad_key must be an int, got None"), (1.5, TypeError, "pad_key must be an int, got 1.5"),
+    (True, TypeError, "pad_key must be an int, got True"), (2**63, ValueError, "pad_key must be in the torch.int64"),
+    (2**31, ValueError, "pad_key must be in the torch.int32")])
+def test_bad_pad_key_raises_naming_it_and_changes_nothing(pad_key, error, message):
+    key_dtype = torch.int32 if "int32" in message else torch.int64
+    layer = sk.DistributedEmbedding("sum", 8, DIM, 1, 2, key_dtype=key_dtype)
+    keys = torch.tensor([[[1, 2]], [[3, -1]]], dtype=key_dtype)
+    layer(keys)
+    before = layer.hash_table.export()
+    with pytest.raises(error, match=f"DistributedEmbedding: {message}"):
+        layer(torch.tensor([[[4, 5]]], dtype=key_dtype), pad_key=pad_key)
+    after = layer.hash_table.export()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 def test_int32_keys_and_empty_batches():
     layer = sk.DistributedEmbedding("mean", 10, DIM, 2, 3, key_dtype=torch.int32)
     out = layer(torch.tensor([[[4, -1, -1], [-1, -1, -1]]], dtype=torch.int32))
