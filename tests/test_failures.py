@@ -119,3 +119,43 @@ def test_fakes_apply_the_kernels_checks(case, dev):
     op = case.split()[0]
     with pytest.raises(RuntimeError, match=op):
         _bad_arguments(dev)[case]()
+
+
+def _update_args(weight, exp_avg, exp_avg_sq, rows, grad):
+    return (weight, exp_avg, exp_avg_sq, rows, grad, 1, 0.1, 0.9, 0.999, 1e-8, 0.0)
+
+
+@pytest.mark.parametrize("alias", ["exp_avg is weight", "exp_avg_sq is exp_avg", "grad is a view of weight",
+                                   "grad overlaps exp_avg_sq"])
+def test_lazy_adam_refuses_arguments_that_share_memory(alias):
+    """The update writes weight and the moments in place while it reads grad: shared memory
+    would be read after it was written (a silently wrong step). Nothing is written."""
+    weight, exp_avg, exp_avg_sq = torch.randn(6, 4), torch.zeros(6, 4), torch.zeros(6, 4)
+    rows, grad = torch.tensor([1, 3]), torch.randn(2, 4)
+    if alias == "exp_avg is weight":
+        exp_avg = weight
+    elif alias == "exp_avg_sq is exp_avg":
+        exp_avg_sq = exp_avg
+    elif alias == "grad is a view of weight":
+        grad = weight[2:4]
+    else:
+        grad = exp_avg_sq[4:6]
+    before = [t.clone() for t in (weight, exp_avg, exp_avg_sq)]
+    with pytest.raises(RuntimeError, match="lazy_adam_: .* share memory"):
+        torch.ops.sparsekit.lazy_adam_(*_update_args(weight, exp_avg, exp_avg_sq, rows, grad))
+    assert all(torch.equal(a, b) for a, b in zip(before, (weight, exp_avg, exp_avg_sq)))
+    # Disjoint slices of one buffer are fine.
+    buffer = torch.zeros(3, 6, 4)
+    buffer[0] = torch.randn(6, 4)
+    torch.ops.sparsekit.lazy_adam_(*_update_args(buffer[0], buffer[1], buffer[2], rows, torch.randn(2, 4)))
+
+
+def test_lazy_adam_tables_refuses_moments_that_share_memory():
+    weight = torch.randn(6, 4).half()
+    exp_avg, exp_avg_sq = torch.zeros(6, 4), torch.zeros(6, 4)
+    grad = weight[1:2].float()
+    torch.ops.sparsekit.lazy_adam_tables_([weight], [exp_avg], [exp_avg_sq], [torch.tensor([1])], [grad], [1],
+                                          [0.1, 0.9, 0.999, 1e-8, 0.0])
+    with pytest.raises(RuntimeError, match="share memory"):
+        torch.ops.sparsekit.lazy_adam_tables_([weight], [exp_avg], [exp_avg], [torch.tensor([1])], [grad], [2],
+                                              [0.1, 0.9, 0.999, 1e-8, 0.0])

@@ -186,6 +186,7 @@ void lazy_adam_cpu(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Te
                    const Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
                    double weight_decay) {
   check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
+  check_lazy_adam_disjoint("lazy_adam_", weight, exp_avg, exp_avg_sq, grad);
   const int64_t num_updates = rows.size(0);
   const int64_t num_rows = weight.size(0);
   const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
@@ -289,6 +290,7 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
     // The moments stand in for a half weight: the rest must match them.
     check_lazy_adam_args(dtype == kFloat ? weights[t] : exp_avgs[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t],
                          steps[t], h[0], h[1], h[2], h[3], h[4]);
+    check_lazy_adam_disjoint(op, weights[t], exp_avgs[t], exp_avg_sqs[t], grads[t]);
     SK_CHECK(rows[t].scalar_type() == kLong && rows[t].is_contiguous(), op, ": rows[", t,
              "] must be a contiguous int64 tensor");
     grads_c.push_back(as_contiguous(grads[t]));
