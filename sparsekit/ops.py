@@ -246,7 +246,10 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
     Host syncs on CUDA: without ``num_occupied``, two (counting the occupied slots, and
     reading the row check); with it, none, and the caller also vouches for ``rows >= 0``
     (a negative row then makes the call write nothing without raising; the CPU still
-    raises). :class:`sparsekit.HashTable` passes its size and rows it made itself.
+    raises) and for the count itself: the fit is checked against ``num_occupied``, so a
+    count below the real one can let a call that does not fit run out of empty slots after
+    writing some keys (it then raises "no empty slot left"). :class:`sparsekit.HashTable`
+    passes its size and rows it made itself.
 
     Args:
         slot_keys: int64 ``[S]``, written in place.
