@@ -11,7 +11,7 @@ from .allocator import keep_freed_memory
 from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam
 from .checkpoint import load_checkpoint, save_checkpoint
-from .collection import EmbeddingBagCollection, KeyedJagged, TableConfig
+from .collection import EmbeddingBagCollection, KeyedJagged, TableConfig, UnknownTableError
 from .embedding import (
     All2AllDenseEmbedding,
     DistributedEmbedding,
@@ -40,5 +40,6 @@ __all__ = [
     "TableConfig",
     "KeyedJagged",
     "EmbeddingBagCollection",
+    "UnknownTableError",
     "keep_freed_memory",
 ]

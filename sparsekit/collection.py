@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Iterable
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -58,7 +59,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
-from .checkpoint import _owners
+from .checkpoint import _agree_or_raise, _owners
 from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
@@ -83,13 +84,72 @@ from .exchange import (
 from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import KeySeededUniform, _distinct_sorted_rows, _ModelParallelEmbedding, _place_new_keys
 
-__all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection"]
+__all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection", "UnknownTableError"]
 
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class UnknownTableError(KeyError, ValueError):
+    """A table name the collection does not have: a ``KeyError`` (a failed look-up by
+    name) and a ``ValueError`` (a bad argument, as the contract's errors are)."""
+
+    def __str__(self) -> str:
+        # KeyError's own str() is the repr of its argument (quoted); the message reads better plain.
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: Any, combiner: Any, dtype: Any,
+                        use_hashtable: Any, eviction: Any, admit_after: Any, initializer: Any) -> None:
+    """The rules of a :class:`TableConfig`'s fields, in one place: its constructor checks
+    its arguments with them and :class:`EmbeddingBagCollection` its tables' attributes
+    (a config changed after it was built).
+
+    Raises:
+        TypeError: a field of the wrong type (``dtype``; ``use_hashtable`` not a bool;
+            ``eviction`` not None or a str; ``admit_after`` not an int, or a bool;
+            ``initializer`` not callable).
+        ValueError: a field out of range, naming the field and the table.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"TableConfig: name must be a non-empty str, got {name!r}")
+    if not _positive_int(embedding_dim):
+        raise ValueError(f"TableConfig {name!r}: embedding_dim must be a positive int, got {embedding_dim!r}")
+    if not _positive_int(capacity):
+        raise ValueError(f"TableConfig {name!r}: capacity must be a positive int, got {capacity!r}")
+    if isinstance(features, str) or not isinstance(features, (list, tuple)) or not features \
+            or not all(isinstance(f, str) and f for f in features):
+        raise ValueError(f"TableConfig {name!r}: features must be a non-empty list of feature names, "
+                         f"got {features!r}")
+    if len(set(features)) != len(features):
+        raise ValueError(f"TableConfig {name!r}: features names a feature twice: {list(features)}")
+    if combiner not in ("sum", "mean"):
+        raise ValueError(f"TableConfig {name!r}: combiner must be 'sum' or 'mean', got {combiner!r}")
+    if dtype not in _TABLE_DTYPES:
+        raise TypeError(f"TableConfig {name!r}: dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                        f"got {dtype}")
+    # A bool, not anything truthy: use_hashtable="no" would otherwise mean True.
+    if not isinstance(use_hashtable, bool):
+        raise TypeError(f"TableConfig {name!r}: use_hashtable must be True or False, got {use_hashtable!r}")
+    if eviction is not None and not isinstance(eviction, str):
+        raise TypeError(f"TableConfig {name!r}: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
+    if eviction not in (None, "lru", "lfu"):
+        raise ValueError(f"TableConfig {name!r}: eviction must be None, 'lru' or 'lfu' (lower case), "
+                         f"got {eviction!r}")
+    # bool is an int subclass: admit_after=True would read as 1.
+    if isinstance(admit_after, bool) or not isinstance(admit_after, int):
+        raise TypeError(f"TableConfig {name!r}: admit_after must be an int >= 1, got {admit_after!r}")
+    if admit_after < 1:
+        raise ValueError(f"TableConfig {name!r}: admit_after must be an int >= 1, got {admit_after!r}")
+    if not use_hashtable and (eviction is not None or admit_after != 1):
+        raise ValueError(f"TableConfig {name!r}: eviction and admit_after need use_hashtable=True (a "
+                         f"direct-mapped table has a row for every key), got eviction={eviction!r}, "
+                         f"admit_after={admit_after!r}")
+    if initializer is not None and not callable(initializer):
+        raise TypeError(f"TableConfig {name!r}: initializer must be callable or None")
 
 
 class TableConfig:
@@ -105,43 +165,53 @@ class TableConfig:
         dtype: ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``: the weight's
             dtype. Pooling and the exchange run in float32; :class:`sparsekit.LazyAdam`
             keeps float32 moments and rounds the updated rows to nearest.
-        use_hashtable, eviction, admit_after: as for :class:`sparsekit.DistributedEmbedding`.
+        use_hashtable, eviction, admit_after: as for :class:`sparsekit.DistributedEmbedding`:
+            a bool; None, ``"lru"`` or ``"lfu"``; an int >= 1 (eviction and admission need
+            ``use_hashtable=True``).
         initializer: ``(keys int64 [n], dim) -> [n, dim]``; None: :class:`KeySeededUniform`
             seeded by the table's name, so the same key in two tables starts with
             independent vectors.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or out of range, naming the field
+            and the table (checked here, not first when the collection is built).
     """
 
     def __init__(self, name: str, embedding_dim: int, capacity: int, features: Sequence[str], combiner: str = "sum",
                  dtype: torch.dtype = torch.float32, use_hashtable: bool = True, eviction: Optional[str] = None,
                  admit_after: int = 1, initializer: Optional[Callable[[Tensor, int], Tensor]] = None) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"TableConfig: name must be a non-empty str, got {name!r}")
-        if not _positive_int(embedding_dim):
-            raise ValueError(f"TableConfig {name!r}: embedding_dim must be a positive int, got {embedding_dim!r}")
-        if not _positive_int(capacity):
-            raise ValueError(f"TableConfig {name!r}: capacity must be a positive int, got {capacity!r}")
-        if isinstance(features, str) or not isinstance(features, (list, tuple)) or not features \
-                or not all(isinstance(f, str) and f for f in features):
-            raise ValueError(f"TableConfig {name!r}: features must be a non-empty list of feature names, "
-                             f"got {features!r}")
-        if len(set(features)) != len(features):
-            raise ValueError(f"TableConfig {name!r}: features names a feature twice: {list(features)}")
-        if combiner not in ("sum", "mean"):
-            raise ValueError(f"TableConfig {name!r}: combiner must be 'sum' or 'mean', got {combiner!r}")
-        if dtype not in _TABLE_DTYPES:
-            raise TypeError(f"TableConfig {name!r}: dtype must be torch.float32, torch.float16 or torch.bfloat16, "
-                            f"got {dtype}")
-        if initializer is not None and not callable(initializer):
-            raise TypeError(f"TableConfig {name!r}: initializer must be callable or None")
+        _check_table_fields(name, embedding_dim, capacity, features, combiner, dtype, use_hashtable, eviction,
+                            admit_after, initializer)
         self.name, self.embedding_dim, self.capacity = name, embedding_dim, capacity
         self.features = list(features)
-        self.combiner, self.dtype, self.use_hashtable = combiner, dtype, bool(use_hashtable)
+        self.combiner, self.dtype, self.use_hashtable = combiner, dtype, use_hashtable
         self.eviction, self.admit_after, self.initializer = eviction, admit_after, initializer
+
+    def _check(self) -> None:
+        """Checks the fields as they are now (see :func:`_check_table_fields`)."""
+        _check_table_fields(self.name, self.embedding_dim, self.capacity, self.features, self.combiner, self.dtype,
+                            self.use_hashtable, self.eviction, self.admit_after, self.initializer)
 
     def __repr__(self) -> str:
         return (f"TableConfig(name={self.name!r}, embedding_dim={self.embedding_dim}, capacity={self.capacity}, "
                 f"features={self.features}, combiner={self.combiner!r}, dtype={self.dtype}, "
                 f"use_hashtable={self.use_hashtable}, eviction={self.eviction!r}, admit_after={self.admit_after})")
+
+
+def _kind(value: Any) -> str:
+    """A short description of a bad argument for an error message."""
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+_KEY_DTYPES = (torch.int64, torch.int32)
+# How the errors call each part: the constructor's arguments, or the methods of a
+# TorchRec-like input (read by the collection).
+_ARGUMENT_LABELS = {arg: arg for arg in ("keys", "values", "lengths", "offsets", "weights")}
+_METHOD_LABELS = {"keys": "keys()", "values": "values()", "lengths": "lengths()", "offsets": "offsets()",
+                  "weights": "weights_or_none()"}
+_INPUT = "EmbeddingBagCollection: the input's "
 
 
 class KeyedJagged:
@@ -151,9 +221,21 @@ class KeyedJagged:
         keys: the feature names, in order.
         values: int64 or int32 ``[nnz]``: every bag's keys one after the other, the bags
             ordered feature-major (every sample of feature 0, then feature 1, ...).
-        lengths: int ``[len(keys) * B]``, the bag sizes; or
-        offsets: int ``[len(keys) * B + 1]``, ``offsets[0] == 0``, ``offsets[-1] == nnz``.
-        weights: optional float ``[nnz]``, one per value (multiplied into its vector).
+        lengths: int64 or int32 ``[len(keys) * B]``, the bag sizes; or
+        offsets: int64 or int32 ``[len(keys) * B + 1]``, ``offsets[0] == 0``,
+            ``offsets[-1] == nnz``. Both may be given when they agree (``offsets == [0,
+            cumsum(lengths)]``).
+        weights: optional float ``[nnz]`` (float32, float64, float16 or bfloat16), one per
+            value (multiplied into its vector).
+
+    Raises:
+        TypeError: ``keys`` not a list of str; a tensor argument that is no tensor or of the
+            wrong dtype (``weights`` not floating point: no int, bool or complex).
+        ValueError: neither ``lengths`` nor ``offsets``; a tensor of the wrong shape
+            (not 1-D, empty ``offsets``, ``weights`` not ``[nnz]``); ``lengths`` and
+            ``offsets`` that disagree. The values of ``lengths`` / ``offsets`` (>= 0,
+            summing to ``nnz``) are checked by the collection, which reads them on every
+            rank.
 
     Example::
 
@@ -164,20 +246,86 @@ class KeyedJagged:
 
     def __init__(self, keys: Sequence[str], values: Tensor, lengths: Optional[Tensor] = None,
                  offsets: Optional[Tensor] = None, weights: Optional[Tensor] = None) -> None:
-        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-            raise TypeError(f"KeyedJagged: keys must be a list of feature names, got {keys!r}")
-        if not isinstance(values, Tensor):
-            raise TypeError(f"KeyedJagged: values must be a tensor, got {type(values).__name__}")
         if lengths is None and offsets is None:
             raise ValueError("KeyedJagged: give lengths or offsets")
-        for arg, value in (("lengths", lengths), ("offsets", offsets)):
-            if value is not None and (not isinstance(value, Tensor) or value.dim() != 1
-                                      or value.dtype not in (torch.int64, torch.int32)):
-                raise TypeError(f"KeyedJagged: {arg} must be a 1-D int64 or int32 tensor")
-        if weights is not None and (not isinstance(weights, Tensor) or not weights.is_floating_point()):
-            raise TypeError("KeyedJagged: weights must be a float tensor or None")
+        self._set_checked(keys, values, lengths, offsets, weights, "KeyedJagged: ", _ARGUMENT_LABELS)
+
+    @classmethod
+    def _from_methods(cls, kjt: Any) -> "KeyedJagged":
+        """A KeyedJagged of any object with TorchRec's ``KeyedJaggedTensor`` methods
+        (``keys()``, ``values()``, ``offsets()`` or ``lengths()``, optionally
+        ``weights_or_none()``), checked exactly as the constructor checks its arguments;
+        the errors name the input's methods. Reads ``offsets()`` when there is one (and
+        it returns a tensor), else ``lengths()``.
+
+        Raises:
+            TypeError, ValueError: as the constructor.
+        """
+        for method in ("keys", "values"):
+            if not callable(getattr(kjt, method, None)):
+                raise TypeError(f"EmbeddingBagCollection: the input must be a sk.KeyedJagged (or a TorchRec "
+                                f"KeyedJaggedTensor), got {type(kjt).__name__} without {method}()")
+        has_offsets, has_lengths = callable(getattr(kjt, "offsets", None)), callable(getattr(kjt, "lengths", None))
+        if not (has_offsets or has_lengths):
+            raise TypeError(f"EmbeddingBagCollection: the input ({type(kjt).__name__}) has neither offsets() nor "
+                            "lengths()")
+        # One of the two, as the input's own offsets() usually derives from its lengths().
+        lengths, offsets = None, kjt.offsets() if has_offsets else None
+        if offsets is None and has_lengths:
+            lengths = kjt.lengths()
+        if offsets is None and lengths is None:
+            called = " and ".join(m for m, has in (("offsets()", has_offsets), ("lengths()", has_lengths)) if has)
+            raise TypeError(f"{_INPUT}{called} returned None; one of them must return an int64 or int32 tensor")
+        weights = kjt.weights_or_none() if callable(getattr(kjt, "weights_or_none", None)) else None
+        out = cls.__new__(cls)
+        out._set_checked(kjt.keys(), kjt.values(), lengths, offsets, weights, _INPUT, _METHOD_LABELS)
+        return out
+
+    def _set_checked(self, keys: Any, values: Any, lengths: Any, offsets: Any, weights: Any, owner: str,
+                     labels: Dict[str, str]) -> None:
+        """The one set of checks of an input (the constructor's and a TorchRec-like
+        object's); an error reads ``owner + labels[arg] + " must be ..."``."""
+        names = {arg: owner + label for arg, label in labels.items()}
+        if isinstance(keys, (str, bytes, Tensor)) or not isinstance(keys, Iterable):
+            raise TypeError(f"{names['keys']} must be a list of feature names (str), got {_kind(keys)}")
+        keys = list(keys)  # once: an iterator would be empty after the check below
+        if not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"{names['keys']} must be a list of feature names (str), got {keys!r}")
+        if not isinstance(values, Tensor) or values.dtype not in _KEY_DTYPES:
+            raise TypeError(f"{names['values']} must be an int64 or int32 tensor [nnz], got {_kind(values)}")
+        if values.dim() != 1:
+            raise ValueError(f"{names['values']} must be 1-D [nnz], got shape {tuple(values.shape)}")
+        for arg, value, shape in (("lengths", lengths, "[len(keys) * B]"), ("offsets", offsets,
+                                                                           "[len(keys) * B + 1]")):
+            if value is None:
+                continue
+            # Not cast: a float, bool, uint8 or int16 tensor would be truncated or wrap silently.
+            if not isinstance(value, Tensor) or value.dtype not in _KEY_DTYPES:
+                raise TypeError(f"{names[arg]} must be an int64 or int32 tensor {shape}, got {_kind(value)}")
+            if value.dim() != 1:
+                raise ValueError(f"{names[arg]} must be 1-D {shape}, got shape {tuple(value.shape)}")
+        if offsets is not None and offsets.numel() == 0:
+            raise ValueError(f"{names['offsets']} must hold len(keys) * B + 1 >= 1 entries (at least [0]), "
+                             "got an empty tensor")
+        if lengths is not None and offsets is not None:
+            agree = offsets.numel() == lengths.numel() + 1 and offsets.device == lengths.device
+            if agree:
+                expected = torch.zeros(offsets.numel(), dtype=torch.int64, device=offsets.device)
+                torch.cumsum(lengths.long(), 0, out=expected[1:])
+                agree = torch.equal(offsets.long(), expected)  # a host read on a GPU, only when both are given
+            if not agree:
+                raise ValueError(f"{names['lengths']} and {labels['offsets']} disagree: offsets must be [0, "
+                                 "cumsum(lengths)] on the same device (or give only one of them)")
+        if weights is not None:
+            # is_floating_point excludes complex, int and bool: none of them is a weight.
+            if not isinstance(weights, Tensor) or not weights.is_floating_point():
+                raise TypeError(f"{names['weights']} must be a float tensor [nnz] or None, got {_kind(weights)}")
+            if weights.shape != values.shape:
+                raise ValueError(f"{names['weights']} must be [nnz] = [{values.numel()}] (one per value), got shape "
+                                 f"{tuple(weights.shape)}")
         self._keys, self._values, self._lengths, self._offsets, self._weights = \
-            list(keys), values, lengths, offsets, weights
+            keys, values, lengths, offsets, weights
+        self._labels = labels
 
     def keys(self) -> List[str]:
         return self._keys
@@ -209,25 +357,11 @@ class KeyedJagged:
         return f"KeyedJagged(keys={self._keys}, nnz={self._values.numel()}, batch={self.stride()})"
 
 
-def _read_input(kjt: Any) -> Tuple[List[str], Tensor, Tensor, Optional[Tensor]]:
-    """(feature names, values, int64 offsets, weights or None) of a KeyedJagged or any
-    object with TorchRec's KeyedJaggedTensor methods."""
-    for method in ("keys", "values"):
-        if not callable(getattr(kjt, method, None)):
-            raise TypeError(f"EmbeddingBagCollection: the input must be a sk.KeyedJagged (or a TorchRec "
-                            f"KeyedJaggedTensor), got {type(kjt).__name__} without {method}()")
-    features = list(kjt.keys())
-    values = kjt.values()
-    if callable(getattr(kjt, "offsets", None)):
-        offsets = kjt.offsets()
-    elif callable(getattr(kjt, "lengths", None)):
-        lengths = kjt.lengths()
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-        torch.cumsum(lengths.long(), 0, out=offsets[1:])
-    else:
-        raise TypeError("EmbeddingBagCollection: the input has neither offsets() nor lengths()")
-    weights = kjt.weights_or_none() if callable(getattr(kjt, "weights_or_none", None)) else None
-    return features, values, offsets, weights
+def _as_keyed_jagged(kjt: Any) -> KeyedJagged:
+    """The collection's input as a checked :class:`KeyedJagged`: itself, or a TorchRec-like
+    object converted by :meth:`KeyedJagged._from_methods` (one set of checks for both)."""
+    # Not isinstance: a subclass may override the methods, so it is read through them.
+    return kjt if type(kjt) is KeyedJagged else KeyedJagged._from_methods(kjt)
 
 
 class _TableShard(_ModelParallelEmbedding):
@@ -333,6 +467,15 @@ class EmbeddingBagCollection(nn.Module):
         from a batch are fine. Every rank of the group must call forward (and backward)
         the same number of times.
 
+    Raises (forward; under a process group on every rank, the others a RuntimeError naming
+    the rank that failed, with no table changed anywhere):
+        TypeError, ValueError: a malformed input, checked as :class:`KeyedJagged`'s
+            constructor checks its arguments (for a TorchRec-like object, naming its method,
+            e.g. ``lengths()``); features no table reads; offsets or lengths that do not
+            fit the values; a key out of range of a direct-mapped table.
+        RuntimeError: a part of the input on another device than the collection (named).
+        HashTableFullError: a table without eviction cannot take the batch's new keys.
+
     Example::
 
         ebc = sk.EmbeddingBagCollection([
@@ -349,6 +492,8 @@ class EmbeddingBagCollection(nn.Module):
         if isinstance(tables, TableConfig) or not isinstance(tables, (list, tuple)) or not tables \
                 or not all(isinstance(t, TableConfig) for t in tables):
             raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig")
+        for table in tables:
+            table._check()  # again: a config may have been changed since it was built
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"EmbeddingBagCollection: table names must be distinct, got {names}")
@@ -384,18 +529,43 @@ class EmbeddingBagCollection(nn.Module):
         return {name: shard.weight for name, shard in self._by_name.items()}
 
     def _shard(self, table_name: str) -> _TableShard:
-        if table_name not in self._by_name:
-            raise KeyError(f"EmbeddingBagCollection: no table {table_name!r}; tables: {list(self._by_name)}")
+        # A str check first: an unhashable name (a list) would raise TypeError from the dict.
+        if not isinstance(table_name, str) or table_name not in self._by_name:
+            raise UnknownTableError(f"EmbeddingBagCollection: no table {table_name!r}; tables: "
+                                    f"{list(self._by_name)}")
         return self._by_name[table_name]
 
     def stats(self, table_name: str) -> Dict[str, int]:
         """The table's ``size``, ``capacity``, ``evicted``, ``admitted`` and ``pending``,
-        summed over ranks (a collective under a process group)."""
-        return self._shard(table_name).stats()
+        summed over ranks (a collective under a process group: every rank calls it with
+        the same name).
+
+        Raises:
+            UnknownTableError: (a ``KeyError`` and a ``ValueError``) no table of that name,
+                listing the tables. Under a process group every rank raises when any rank
+                names no table: that rank this error, the others a ``RuntimeError``.
+        """
+        error: Optional[UnknownTableError] = None
+        try:
+            shard = self._shard(table_name)
+        except UnknownTableError as exc:
+            error = exc
+        if self.world_size > 1:
+            # Agree on the name before the stats' all-reduce, or the ranks with a good name
+            # would wait in it until the group's timeout.
+            _agree_or_raise(self.process_group, error, f"EmbeddingBagCollection.stats({table_name!r})")
+        elif error is not None:
+            raise error
+        return shard.stats()
 
     def export(self, table_name: str, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
         """This rank's keys of the table and their vectors (in the table's dtype); see
-        :meth:`sparsekit.DistributedEmbedding.export`."""
+        :meth:`sparsekit.DistributedEmbedding.export`. Not a collective.
+
+        Raises:
+            UnknownTableError: (a ``KeyError`` and a ``ValueError``) no table of that name.
+            ValueError: ``min_last_seen`` with a direct-mapped table.
+        """
         return self._shard(table_name).export(min_last_seen)
 
     # -- forward ------------------------------------------------------------------------------
@@ -522,18 +692,20 @@ class EmbeddingBagCollection(nn.Module):
         """Reads and checks this rank's input; dedups its (table, key) pairs. With
         ``rows_first``, an input of one key per bag without weights stops before the dedup
         (``"keys"`` and no ``"pair_keys"``: see :meth:`_lookup_rows_first`)."""
-        features, values, offsets, weights = _read_input(kjt)
+        kjt = _as_keyed_jagged(kjt)  # raises TypeError / ValueError for a malformed input
+        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
         unknown = [f for f in features if f not in self._feature_table]
         if unknown:
             raise ValueError(f"EmbeddingBagCollection: no table reads feature(s) {unknown}; tables read "
                              f"{sorted(self._feature_table)}")
         if len(set(features)) != len(features):
             raise ValueError(f"EmbeddingBagCollection: the input names a feature twice: {features}")
-        if not isinstance(values, Tensor) or values.dtype not in (torch.int64, torch.int32) or values.dim() != 1:
-            raise TypeError("EmbeddingBagCollection: values must be a 1-D int64 or int32 tensor")
-        if values.device != device or offsets.device != device:
-            raise RuntimeError(f"EmbeddingBagCollection: the input is on {values.device} but the collection is on "
-                               f"{device}; move it with .to()")
+        for arg, tensor in (("values", values), ("lengths", kjt._lengths), ("offsets", kjt._offsets),
+                            ("weights", weights)):
+            if tensor is not None and tensor.device != device:
+                raise RuntimeError(f"{_INPUT}{kjt._labels[arg]} is on {tensor.device} but the collection is on "
+                                   f"{device}; move it there with .to({str(device)!r})")
+        offsets = kjt.offsets()
         num_features = len(features)
         num_bags = offsets.numel() - 1
         if num_features == 0:
@@ -545,9 +717,6 @@ class EmbeddingBagCollection(nn.Module):
                 raise ValueError(f"EmbeddingBagCollection: {num_bags} bags do not split into {num_features} "
                                  "features of equal batch size (lengths must be [len(keys) * B])")
             batch = num_bags // num_features
-        if weights is not None and (weights.shape != values.shape or weights.device != device):
-            raise ValueError(f"EmbeddingBagCollection: weights must be [nnz] = [{values.numel()}] on {device}, "
-                             f"got {tuple(weights.shape)} on {weights.device}")
         offsets = offsets.long()
         nnz = values.numel()
         bad_offsets = (offsets[0] != 0) | (offsets[-1] != nnz)

@@ -1,15 +1,20 @@
 """EmbeddingBagCollection, TableConfig and KeyedJagged (DESIGN.md section 3b): pooled
 lookups against plain torch, mixed dims and dtypes, shared tables, empty features,
-weights, TorchRec-shaped input, errors, per-table dynamic tables and checkpoints, and
-world sizes 1, 2 and 4 equal to one process."""
+weights, TorchRec-shaped input, errors (bad inputs, TorchRec-like or not, get the same
+checks and change nothing; bad table configs and names), per-table dynamic tables and
+checkpoints, and world sizes 1, 2 and 4 equal to one process."""
 
+import datetime
+import time
 import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from _distributed import spawn
 
 import sparsekit as sk
+from sparsekit.collection import UnknownTableError
 from sparsekit.hashtable import HashTableFullError
 
 BATCH = 8
@@ -200,6 +205,200 @@ def test_errors_name_what_is_wrong():
         ebc.stats("nope")
 
 
+# -- bad input: the same checks for sk.KeyedJagged and TorchRec-like objects ------------------
+
+
+def torchrec_like(**methods):
+    """An object with only the given KeyedJaggedTensor methods, each returning its value."""
+    return type("TorchRecLike", (), {name: (lambda self, value=value: value) for name, value in methods.items()})()
+
+
+def snapshot(ebc):
+    """Everything a failed call must leave as it was: weights, every table's stats and export."""
+    names = [t.name for t in ebc.tables]
+    return ({name: w.detach().clone() for name, w in ebc.weights.items()}, {name: ebc.stats(name) for name in names},
+            {name: tuple(t.clone() for t in ebc.export(name)) for name in names})
+
+
+def assert_unchanged(ebc, before):
+    weights, stats, exports = snapshot(ebc)
+    assert stats == before[1]
+    for name in weights:
+        assert torch.equal(weights[name], before[0][name]), name
+        assert all(torch.equal(a, b) for a, b in zip(exports[name], before[2][name])), name
+
+
+def trained_collection():
+    """A collection after one training step (tables not empty, clocks advanced)."""
+    ebc = sk.EmbeddingBagCollection(tables())
+    ebc(batch(0))
+    return ebc
+
+
+VALUES = torch.tensor([1, 2])
+GOOD = {"keys": ["user"], "values": VALUES, "offsets": torch.tensor([0, 1, 2])}  # B = 2
+# (the KeyedJagged argument, a bad value, the error, its message after the argument's name)
+BAD_PARTS = [
+    ("weights", torch.tensor([1 + 1j, 2 + 0j]), TypeError, "must be a float tensor"),
+    ("weights", torch.tensor([1, 2]), TypeError, "must be a float tensor"),
+    ("weights", torch.tensor([True, False]), TypeError, "must be a float tensor"),
+    ("weights", [1.0, 2.0], TypeError, "must be a float tensor .* got a list"),
+    ("weights", torch.ones(3), ValueError, r"must be \[nnz\] = \[2\]"),
+    ("weights", torch.ones(2, 1), ValueError, r"must be \[nnz\] = \[2\]"),
+    ("offsets", torch.tensor([0.0, 1.7, 2.0]), TypeError, "must be an int64 or int32 tensor"),
+    ("offsets", torch.tensor([False, True, True]), TypeError, "must be an int64 or int32 tensor"),
+    ("offsets", torch.tensor([0, 1, 2], dtype=torch.uint8), TypeError, "must be an int64 or int32 tensor"),
+    ("offsets", torch.tensor([0, 1, 2], dtype=torch.int16), TypeError, "must be an int64 or int32 tensor"),
+    ("offsets", [0, 1, 2], TypeError, "must be an int64 or int32 tensor .* got a list"),
+    ("offsets", torch.tensor([0, 1, 2, 2, 2]).view(5, 1), ValueError, r"must be 1-D .* got shape \(5, 1\)"),
+    ("offsets", torch.tensor(0), ValueError, r"must be 1-D .* got shape \(\)"),
+    ("offsets", torch.zeros(0, dtype=torch.int64), ValueError, "must hold .* got an empty tensor"),
+    ("lengths", torch.tensor([1.0, 1.0]), TypeError, "must be an int64 or int32 tensor"),
+    ("lengths", torch.tensor([True, True]), TypeError, "must be an int64 or int32 tensor"),
+    ("lengths", torch.tensor([1, 1], dtype=torch.uint8), TypeError, "must be an int64 or int32 tensor"),
+    ("lengths", torch.tensor([1, 1], dtype=torch.int16), TypeError, "must be an int64 or int32 tensor"),
+    ("lengths", [1, 1], TypeError, "must be an int64 or int32 tensor .* got a list"),
+    ("lengths", torch.tensor([[1, 1]]), ValueError, r"must be 1-D .* got shape \(1, 2\)"),
+    ("values", torch.tensor([1.0, 2.0]), TypeError, "must be an int64 or int32 tensor"),
+    ("values", [1, 2], TypeError, "must be an int64 or int32 tensor"),
+    ("values", torch.tensor([[1, 2]]), ValueError, r"must be 1-D \[nnz\]"),
+    ("keys", "user", TypeError, "must be a list of feature names"),
+    ("keys", [0], TypeError, "must be a list of feature names"),
+]
+METHOD = {"keys": "keys", "values": "values", "lengths": "lengths", "offsets": "offsets",
+          "weights": "weights_or_none"}
+
+
+def _parts(arg, bad):
+    parts = dict(GOOD, **{arg: bad})
+    if arg == "lengths":
+        del parts["offsets"]
+    return parts
+
+
+@pytest.mark.parametrize("arg, bad, error, message", BAD_PARTS)
+def test_keyed_jagged_rejects_a_bad_part_naming_it(arg, bad, error, message):
+    with pytest.raises(error, match=f"^KeyedJagged: {arg} {message}"):
+        sk.KeyedJagged(**_parts(arg, bad))
+
+
+@pytest.mark.parametrize("arg, bad, error, message", BAD_PARTS)
+def test_torchrec_like_input_gets_the_same_checks_and_changes_nothing(arg, bad, error, message):
+    """Not cast (complex weights lost their imaginary part, float offsets were truncated),
+    no AttributeError or IndexError: the error names the input's method."""
+    ebc = trained_collection()
+    before = snapshot(ebc)
+    parts = _parts(arg, bad)
+    duck = torchrec_like(**{METHOD[name]: value for name, value in parts.items()})
+    with pytest.raises(error, match=rf"^EmbeddingBagCollection: the input's {METHOD[arg]}\(\) {message}"):
+        ebc(duck)
+    assert_unchanged(ebc, before)
+
+
+def test_torchrec_like_input_of_every_accepted_kind_matches_keyed_jagged():
+    ebc = sk.EmbeddingBagCollection(tables())
+    kjt = batch(5, weighted=True)
+    expected = ebc(kjt)
+    keys, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
+    for duck in (torchrec_like(keys=tuple(keys), values=values, offsets=kjt.offsets().int(),
+                               weights_or_none=weights.double()),
+                 torchrec_like(keys=keys, values=values, lengths=kjt.lengths().int(), weights_or_none=weights),
+                 # offsets() that returns None (TorchRec's offsets_or_none style): lengths() is read
+                 torchrec_like(keys=keys, values=values, offsets=None, lengths=kjt.lengths(),
+                               weights_or_none=weights)):
+        out = ebc(duck)
+        assert list(out) == keys
+        for feature in out:
+            torch.testing.assert_close(out[feature], expected[feature], rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match=r"the input's offsets\(\) and lengths\(\) returned None"):
+        ebc(torchrec_like(keys=keys, values=values, offsets=None, lengths=None))
+    with pytest.raises(TypeError, match=r"has neither offsets\(\) nor lengths\(\)"):
+        ebc(torchrec_like(keys=keys, values=values))
+
+
+def test_keyed_jagged_lengths_and_offsets_must_agree():
+    lengths = torch.tensor([2, 0, 1])
+    both = sk.KeyedJagged(["user"], torch.tensor([1, 2, 3]), lengths=lengths, offsets=torch.tensor([0, 2, 2, 3]))
+    assert torch.equal(both.lengths(), lengths) and both.stride() == 3
+    ebc = sk.EmbeddingBagCollection(tables())
+    alone = sk.KeyedJagged(["user"], torch.tensor([1, 2, 3]), lengths=lengths)
+    assert torch.equal(ebc(both)["user"], ebc(alone)["user"])
+    for offsets in (torch.tensor([0, 1, 2, 3]),           # other lengths, same total
+                    torch.tensor([0, 2, 2]),              # one bag short
+                    torch.tensor([1, 3, 3, 4]),           # the same differences, not from 0
+                    torch.tensor([0, 2, 2, 3], dtype=torch.int32) + 1):
+        with pytest.raises(ValueError, match="KeyedJagged: lengths and offsets disagree"):
+            sk.KeyedJagged(["user"], torch.tensor([1, 2, 3]), lengths=lengths, offsets=offsets)
+    # int32 and int64 that agree are fine.
+    sk.KeyedJagged(["user"], torch.tensor([1, 2, 3]), lengths=lengths.int(), offsets=torch.tensor([0, 2, 2, 3]))
+
+
+def test_an_input_on_the_wrong_device_is_named():
+    """The error names the tensor on the wrong device and its device (it named values')."""
+    ebc = trained_collection()
+    before = snapshot(ebc)
+    meta = torch.device("meta")
+    cases = [(sk.KeyedJagged(["user"], VALUES.to(meta), lengths=torch.tensor([1, 1])), "values"),
+             (sk.KeyedJagged(["user"], VALUES, lengths=torch.tensor([1, 1], device=meta)), "lengths"),
+             (sk.KeyedJagged(["user"], VALUES, offsets=torch.tensor([0, 1, 2], device=meta)), "offsets"),
+             (sk.KeyedJagged(["user"], VALUES, lengths=torch.tensor([1, 1]), weights=torch.ones(2, device=meta)),
+              "weights"),
+             (torchrec_like(keys=["user"], values=VALUES, offsets=torch.tensor([0, 1, 2], device=meta)),
+              r"offsets\(\)"),
+             (torchrec_like(keys=["user"], values=VALUES, offsets=torch.tensor([0, 1, 2]),
+                            weights_or_none=torch.ones(2, device=meta)), r"weights_or_none\(\)")]
+    for kjt, name in cases:
+        with pytest.raises(RuntimeError, match=f"the input's {name} is on meta but the collection is on cpu"):
+            ebc(kjt)
+    assert_unchanged(ebc, before)
+
+
+def test_unknown_table_name_is_a_key_error_and_a_value_error():
+    ebc = trained_collection()
+    before = snapshot(ebc)
+    for call in (lambda name: ebc.stats(name), lambda name: ebc.export(name), lambda name: ebc.export(name, 0)):
+        for name in ("nope", "Users", ["users"], None):
+            with pytest.raises(UnknownTableError,
+                               match=r"^EmbeddingBagCollection: no table .*; tables: \['users', 'items', 'ids', "
+                                     r"'half', 'odd'\]$") as info:
+                call(name)
+            assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
+    assert_unchanged(ebc, before)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"eviction": "LRU"}, ValueError, r"eviction must be None, 'lru' or 'lfu' \(lower case\), got 'LRU'"),
+    ({"eviction": 1}, TypeError, "eviction must be None, 'lru' or 'lfu', got 1"),
+    ({"admit_after": 0}, ValueError, "admit_after must be an int >= 1, got 0"),
+    ({"admit_after": -3}, ValueError, "admit_after must be an int >= 1, got -3"),
+    ({"admit_after": 1.5}, TypeError, "admit_after must be an int >= 1, got 1.5"),
+    ({"admit_after": True}, TypeError, "admit_after must be an int >= 1, got True"),
+    ({"admit_after": "2"}, TypeError, "admit_after must be an int >= 1, got '2'"),
+    ({"use_hashtable": "no"}, TypeError, "use_hashtable must be True or False, got 'no'"),
+    ({"use_hashtable": 0}, TypeError, "use_hashtable must be True or False, got 0"),
+    ({"use_hashtable": None}, TypeError, "use_hashtable must be True or False, got None"),
+    ({"use_hashtable": False, "eviction": "lru"}, ValueError, "eviction and admit_after need use_hashtable=True"),
+    ({"use_hashtable": False, "admit_after": 2}, ValueError, "eviction and admit_after need use_hashtable=True"),
+])
+def test_table_config_checks_its_fields_where_it_is_built(kwargs, error, message):
+    with pytest.raises(error, match="^TableConfig 't': " + message):
+        sk.TableConfig("t", 4, 8, ["x"], **kwargs)
+
+
+def test_a_table_config_changed_after_it_was_built_is_checked_by_the_collection():
+    for field, value, error in (("admit_after", 0, ValueError), ("admit_after", True, TypeError),
+                                ("eviction", "LRU", ValueError), ("use_hashtable", "no", TypeError)):
+        config = sk.TableConfig("t", 4, 8, ["x"])
+        setattr(config, field, value)
+        with pytest.raises(error, match=f"^TableConfig 't': {field} must be"):
+            sk.EmbeddingBagCollection([config])
+    good = [sk.TableConfig("a", 4, 8, ["x"], eviction="lfu", admit_after=3),
+            sk.TableConfig("b", 4, 8, ["y"], use_hashtable=False)]
+    ebc = sk.EmbeddingBagCollection(good)
+    assert ebc.shards[0].hash_table.eviction == "lfu" and ebc.shards[0].admit_after == 3
+    assert ebc.shards[1].hash_table is None
+
+
 def test_per_table_eviction_stats_and_export():
     ebc = sk.EmbeddingBagCollection([sk.TableConfig("small", 4, 3, ["a"], eviction="lru"),
                                      sk.TableConfig("big", 4, 100, ["b"], admit_after=2)])
@@ -331,3 +530,34 @@ def test_world_sizes_match_one_process_and_checkpoints_reshard(tmp_path, world_s
     reference.eval()
     a, b = restored(kjt), reference(kjt)
     torch.testing.assert_close(a["user"], b["user"], rtol=1e-5, atol=1e-6)
+
+
+def _bad_name_worker(rank, world_size, init, store_path):
+    # Not init(): a short timeout, so a rank left waiting fails the test in seconds, not minutes.
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=15))
+    ebc = sk.EmbeddingBagCollection(tables())
+    ebc(_rank_slice(batch(0, BATCH * world_size), rank, world_size))
+    before = snapshot(ebc)
+    # Rank 1 names no table; rank 0 a good one: both raise at once, neither waits in the stats' all-reduce.
+    started = time.monotonic()
+    if rank == 1:
+        with pytest.raises(UnknownTableError, match=r"no table 'nope'; tables: \['users'"):
+            ebc.stats("nope")
+    else:
+        with pytest.raises(RuntimeError, match=r"EmbeddingBagCollection.stats\('users'\) failed on another rank"):
+            ebc.stats("users")
+    assert time.monotonic() - started < 10
+    # A TorchRec-like input with float offsets on rank 1: every rank raises, nothing changes.
+    if rank == 1:
+        with pytest.raises(TypeError, match=r"the input's offsets\(\) must be an int64 or int32 tensor"):
+            ebc(torchrec_like(keys=["user"], values=VALUES, offsets=torch.tensor([0.0, 1.7, 2.0])))
+    else:
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of the process group rejected"):
+            ebc(sk.KeyedJagged(["user"], VALUES, lengths=torch.tensor([1, 1])))
+    # The group is still in step: the same stats on every rank.
+    assert_unchanged(ebc, before)
+
+
+def test_an_unknown_table_name_on_one_rank_raises_on_every_rank(tmp_path):
+    spawn(_bad_name_worker, 2, str(tmp_path), str(tmp_path / "store"))
