@@ -150,6 +150,13 @@ def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: 
                          f"admit_after={admit_after!r}")
     if initializer is not None and not callable(initializer):
         raise TypeError(f"TableConfig {name!r}: initializer must be callable or None")
+    if isinstance(initializer, KeySeededUniform):
+        # Its float32 rows are rounded into the table's dtype: bounds past the dtype's largest
+        # finite value would give inf rows (float16 ends at 65504).
+        largest = torch.finfo(dtype).max
+        if max(abs(initializer.low), abs(initializer.high)) > largest:
+            raise ValueError(f"TableConfig {name!r}: the initializer's bounds (low={initializer.low}, "
+                             f"high={initializer.high}) must lie in {dtype}'s finite range [{-largest}, {largest}]")
 
 
 class TableConfig:

@@ -379,10 +379,21 @@ def test_unknown_table_name_is_a_key_error_and_a_value_error():
     ({"use_hashtable": None}, TypeError, "use_hashtable must be True or False, got None"),
     ({"use_hashtable": False, "eviction": "lru"}, ValueError, "eviction and admit_after need use_hashtable=True"),
     ({"use_hashtable": False, "admit_after": 2}, ValueError, "eviction and admit_after need use_hashtable=True"),
+    ({"dtype": torch.float16, "initializer": sk.KeySeededUniform(0, 1e5, 2e5)}, ValueError,
+     r"the initializer's bounds \(low=100000.0, high=200000.0\) must lie in torch.float16's finite range"),
+    ({"dtype": torch.bfloat16, "initializer": sk.KeySeededUniform(0, -1e39, 0.0)}, ValueError,
+     "the initializer's bounds .* must lie in torch.bfloat16's finite range"),
 ])
 def test_table_config_checks_its_fields_where_it_is_built(kwargs, error, message):
     with pytest.raises(error, match="^TableConfig 't': " + message):
         sk.TableConfig("t", 4, 8, ["x"], **kwargs)
+
+
+def test_half_tables_take_a_key_seeded_uniform_up_to_their_largest_value():
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 8, 16, ["x"], dtype=torch.float16,
+                                                    initializer=sk.KeySeededUniform(0, -65504.0, 65504.0))])
+    out = ebc(sk.KeyedJagged(["x"], torch.arange(10), lengths=torch.ones(10, dtype=torch.int64)))["x"]
+    assert torch.isfinite(out).all() and torch.isfinite(ebc.shards[0].weight).all()
 
 
 def test_a_table_config_changed_after_it_was_built_is_checked_by_the_collection():
