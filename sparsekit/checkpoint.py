@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .shard import _ModelParallelEmbedding, is_embedding_variable
-from .hashtable import HashTableFullError
+from .hashtable import HashTable, HashTableFullError
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -116,6 +116,27 @@ def _owners(keys: Tensor, world_size: int, offset: Union[int, Tensor] = 0) -> Te
 
 
 # ---- save -----------------------------------------------------------------------------------
+
+
+def _file_in_the_way(directory: str) -> Optional[str]:
+    """The file that ``directory`` is, or lies under, so that it cannot be a directory; None if none."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):  # False under a file too (ENOTDIR): look at the parents
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
+def _check_not_a_file(directory: str, caller: str, fix: str) -> None:
+    """Raises NotADirectoryError naming ``directory`` (and the file in the way) when it
+    cannot be a directory; the OS error would name only ``LATEST`` under it."""
+    blocker = _file_in_the_way(directory)
+    if blocker is None:
+        return
+    where = "is a file" if blocker == os.path.abspath(directory) else f"lies under {blocker!r}, which is a file"
+    raise NotADirectoryError(f"{caller}: directory {directory!r} {where}; {fix}")
 
 
 def _latest_index(directory: str) -> int:
@@ -217,11 +238,12 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
 
     Returns:
         The path of the checkpoint written.
+
+    Raises:
+        NotADirectoryError: ``directory`` is a file or lies under one.
     """
     group, world_size, rank = _world()
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise NotADirectoryError(f"save_checkpoint: directory {directory!r} is a file; give a directory (it is "
-                                 "created when missing)")
+    _check_not_a_file(directory, "save_checkpoint", "give a directory (it is created when missing)")
     model = _unwrap(model)
     layers = _embedding_layers(model)
     index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
@@ -368,6 +390,9 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
                       f"{list(weight.shape)}")
         if keys.numel() and ops.unique(keys, return_inverse=False).numel() != keys.numel():
             raise bad(f"layer {name!r}: a key is saved twice")
+        # The load writes these without further checks: a bad one must fail here, before anything changes.
+        if not isinstance(part.get("scalars"), dict) or not isinstance(part.get("has_state"), bool):
+            raise bad(f"layer {name!r}: 'scalars' must be a table and 'has_state' a bool")
         dynamic = part.get("dynamic")
         if dynamic is not None:
             if not isinstance(dynamic, dict):
@@ -376,14 +401,29 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
                 value = dynamic.get(field)
                 if not isinstance(value, Tensor) or value.dtype != torch.int64 or value.shape != keys.shape:
                     raise bad(f"layer {name!r}: dynamic '{field}' must be int64 [{keys.numel()}] like 'keys'")
+            for field in ("clock", "evicted", "admitted"):
+                if not _is_count(dynamic.get(field)):
+                    raise bad(f"layer {name!r}: dynamic '{field}' must be a non-negative int, got "
+                              f"{dynamic.get(field)!r}")
             pending = dynamic.get("pending")
             if pending is not None and (not isinstance(pending, dict) or any(
                     not isinstance(pending.get(field), Tensor) or pending[field].dim() != 1
                     or pending[field].shape != pending["keys"].shape for field in ("keys", "last_seen", "count"))):
                 raise bad(f"layer {name!r}: dynamic 'pending' must hold 1-D keys, last_seen and count of one length")
+            if pending is not None and (pending["keys"].dtype not in (torch.int64, torch.int32) or any(
+                    pending[field].dtype != torch.int64 for field in ("last_seen", "count"))
+                    or not _is_count(pending.get("clock"))):
+                raise bad(f"layer {name!r}: dynamic 'pending' must hold int64 keys, last_seen and count and a "
+                          "non-negative int clock")
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative Python int (a clock or a total), not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _checkpoint_dir(directory: str) -> str:
+    _check_not_a_file(directory, "load_checkpoint", "give the directory that save_checkpoint was given")
     try:
         with open(os.path.join(directory, _LATEST)) as latest:
             name = latest.read().strip()
@@ -396,12 +436,20 @@ def _checkpoint_dir(directory: str) -> str:
 
 
 class _LayerRestore:
-    """What one layer will receive: this rank's keys and their rows, checked before anything changes."""
+    """What one layer will receive: this rank's keys and their rows, checked before anything changes.
+
+    ``table`` / ``pending`` are the hash table's and the pending admissions' states as
+    ``HashTable._check_state`` accepted them, ``initial`` a direct layer's initial rows: all
+    worked out before any rank writes, so that writing them cannot fail.
+    """
 
     def __init__(self, layer: _ModelParallelEmbedding, keys: Tensor, weight: Tensor, state: Dict[str, Tensor],
                  scalars: Dict[str, Any], has_state: bool, dynamic: Optional[Dict[str, Any]] = None) -> None:
         self.layer, self.keys, self.weight, self.state = layer, keys, weight, state
         self.scalars, self.has_state, self.dynamic = scalars, has_state, dynamic
+        self.table: Any = None
+        self.pending: Any = None
+        self.initial: Optional[Tensor] = None
 
 
 def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]],
@@ -412,6 +460,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
                          f"{saved_meta['embedding_vec_size']} but has {layer.embedding_vec_size}")
     parts = [shard["layers"][name] for shard in shards]
     keys = torch.cat([part["keys"] for part in parts])
+    _check_key_range(name, layer, keys, "key")
     weight = torch.cat([part["weight"] for part in parts])
     state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
     state = {key: torch.cat([part["state"][key] for part in parts]) for key in state_names}
@@ -453,6 +502,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
         pendings = [d["pending"] for d in present if d.get("pending") is not None]
         if pendings:
             pending = {field: torch.cat([p[field] for p in pendings]) for field in ("keys", "last_seen", "count")}
+            _check_key_range(name, layer, pending["keys"], "pending key")
             if pending["keys"].numel() > 0:
                 once = _first_of_each(pending["keys"])
                 if once is not None:
@@ -481,7 +531,53 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
                 :layer.admission_capacity].sort().values
             dynamic["pending"] = {field: (value[keep] if isinstance(value, Tensor) else value)
                                   for field, value in dynamic["pending"].items()}
-    return _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)
+    restore = _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)
+    _check_restore(name, restore)
+    return restore
+
+
+def _check_key_range(name: str, layer: _ModelParallelEmbedding, keys: Tensor, what: str) -> None:
+    """ValueError unless the saved ``keys`` fit the layer's key dtype: an int32 layer would
+    otherwise keep a truncated key (2**32 + 7 as 7) carrying another key's row."""
+    if layer.key_dtype == torch.int64 or keys.numel() == 0:
+        return
+    bounds = torch.iinfo(layer.key_dtype)
+    outside = (keys < bounds.min) | (keys > bounds.max)
+    if outside.any():
+        more = int(outside.sum()) - 1
+        raise ValueError(
+            f"load_checkpoint: layer {name!r} has key_dtype={layer.key_dtype} but the checkpoint holds {what} "
+            f"{keys[outside][0].item()}{f' (and {more} more)' if more else ''} outside its range "
+            f"[{bounds.min}, {bounds.max}]; build the layer with key_dtype=torch.int64")
+
+
+def _check_restore(name: str, restore: _LayerRestore) -> None:
+    """Works out, before any rank writes, everything :func:`_apply_layer` writes that could
+    fail: the tables' states (distinct keys of the layer's key dtype, capacity, scores,
+    clocks) and a direct layer's initial rows (the user's initializer may raise)."""
+    layer, dynamic = restore.layer, restore.dynamic
+    if layer.hash_table is None:
+        # Held until the write: one weight-sized tensor per direct layer for the load's length.
+        with torch.no_grad():
+            restore.initial = layer.initial_rows(layer.owned_keys())
+        return
+    # The keys fit key_dtype (checked above), so the cast is exact.
+    restore.table = _check_table(name, "hash table", layer.hash_table, {
+        "keys": restore.keys.to(layer.key_dtype), "last_seen": dynamic["last_seen"], "count": dynamic["count"],
+        "clock": dynamic["clock"]})
+    pending = dynamic.get("pending")
+    if layer._pending is not None and pending is not None:
+        restore.pending = _check_table(name, "pending admissions", layer._pending, {
+            "keys": pending["keys"].to(layer.key_dtype), "last_seen": pending["last_seen"],
+            "count": pending["count"], "clock": pending["clock"]})
+
+
+def _check_table(name: str, what: str, table: HashTable, state: Dict[str, Any]) -> Any:
+    """``table._check_state(state)``, its error naming the layer and which of its tables."""
+    try:
+        return table._check_state(state)
+    except (ValueError, TypeError, HashTableFullError) as error:
+        raise type(error)(f"load_checkpoint: layer {name!r} ({what}): {error}") from error
 
 
 def _first_of_each(keys: Tensor) -> Optional[Tensor]:
@@ -540,25 +636,22 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
     layer = restore.layer
     device = layer.weight.device
     keys = restore.keys.to(device)
+    # Everything that could fail was worked out by _check_restore before any rank wrote.
     if layer.hash_table is not None:
         dynamic = restore.dynamic
-        layer.hash_table.load_state_dict({"keys": keys.to(layer.key_dtype), "last_seen": dynamic["last_seen"],
-                                          "count": dynamic["count"], "clock": dynamic["clock"]})
+        layer.hash_table._load_checked(restore.table)
         rows = torch.arange(keys.numel(), dtype=torch.int64, device=device)
         layer.weight.zero_()
         layer._evicted, layer._admitted = dynamic["evicted"], dynamic["admitted"]
         if layer._fresh_rows is not None:
             layer._fresh_rows.zero_()
         if layer._pending is not None:
-            pending = dynamic.get("pending")
-            if pending is None:
+            if restore.pending is None:
                 layer._pending.clear()
             else:
-                layer._pending.load_state_dict({"keys": pending["keys"].to(layer.key_dtype),
-                                                "last_seen": pending["last_seen"], "count": pending["count"],
-                                                "clock": pending["clock"]})
+                layer._pending._load_checked(restore.pending)
     else:
-        layer.weight.copy_(layer.initial_rows(layer.owned_keys()))
+        layer.weight.copy_(restore.initial)
         rows = layer._direct_rows(keys)
     layer.weight[rows] = restore.weight.to(device=device, dtype=layer.weight.dtype)
     if optimizer is None or not restore.has_state:
@@ -577,7 +670,9 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     The world size may differ from the one that saved: embedding rows go to the rank that
     owns their key now, hash tables are rebuilt, weights, optimizer moments and the step
     come back, so training continues as if it had not stopped. Nothing changes on any rank
-    unless every rank's part checks out (sizes, capacities, key ranges).
+    unless every rank's part checks out (sizes, capacities, key ranges, the tables' states,
+    a direct layer's initial rows): whatever raises, on any rank, every rank raises with its
+    model and optimizer unchanged.
 
     Args:
         directory: what :func:`save_checkpoint` was given.
@@ -589,8 +684,13 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
 
     Raises:
         FileNotFoundError: no checkpoint in ``directory``.
+        NotADirectoryError: ``directory`` is a file or lies under one.
         HashTableFullError: a rank's share of a layer's keys exceeds its capacity.
-        ValueError: the model does not match the checkpoint.
+        ValueError: the model does not match the checkpoint (among others: a saved key
+            outside the range of a layer's ``key_dtype``), or the checkpoint is damaged.
+        RuntimeError: another rank raised (its error names the cause).
+        Exception: whatever a direct layer's ``embedding_initializer`` raises (it gives
+            the rows the checkpoint does not hold).
     """
     group, _, _ = _world()
     model = _unwrap(model)
@@ -618,13 +718,16 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     # Nothing has been written on any rank yet: every rank raises, or every rank loads.
     _agree_or_raise(group, error, "load_checkpoint")
 
-    model.load_state_dict(dense["model"], strict=False)
+    # The optimizer first: its own load_state_dict checks the saved state (LazyAdam: the
+    # hyperparameters) before it replaces anything, so if it still refuses, nothing has
+    # changed; every rank reads the same dense.pt into an optimizer built alike (checked
+    # above), so they refuse alike. What follows was checked above and cannot fail.
     if optimizer is not None and dense.get("optimizer") is not None:
-        optimizer_state = dense["optimizer"]
-        optimizer.load_state_dict(optimizer_state)
+        optimizer.load_state_dict(dense["optimizer"])
         # load_state_dict rebuilt the dense state; embedding shards get theirs by key.
         for restore in restores:
             optimizer.state.pop(restore.layer.weight, None)
+    model.load_state_dict(dense["model"], strict=False)
     for restore in restores:
         _apply_layer(restore, optimizer)
     return path

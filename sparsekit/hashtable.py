@@ -60,6 +60,15 @@ class _InsertPlan(NamedTuple):
     evicted_keys: Tensor  # [E] the keys of those rows (int64)
 
 
+class _CheckedState(NamedTuple):
+    """A saved state that ``HashTable._check_state`` found loadable, ready for ``_load_checked``."""
+
+    keys: Tensor       # [n] distinct, of the table's key_dtype, on its device
+    last_seen: Tensor  # [n] int64, on its device
+    count: Tensor      # [n] int64, on its device
+    clock: int
+
+
 def _find_in_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]) -> Tensor:
     """Rows of ``keys[offsets[t]:offsets[t + 1]]`` in ``tables[t]`` for every t (-1: absent);
     nothing is changed. On the CPU one op for all tables (an EmbeddingBagCollection's owner
@@ -498,21 +507,32 @@ class HashTable:
         """Replaces the contents with a saved state: key ``keys[i]`` gets row ``i`` and its scores.
 
         The table keeps its own capacity, key dtype, policy and device. A state without
-        scores (an older checkpoint) loads with zero scores and clock 0.
+        scores (an older checkpoint) loads with zero scores and clock 0. Everything is
+        checked before the table changes: a state that raises leaves it as it was.
 
         Raises:
-            HashTableFullError: the saved keys do not fit in this table's capacity (the
-                table is left unchanged).
-            ValueError: the state has no ``keys``, they are not distinct, or the scores do
-                not match them.
-            TypeError: the saved keys are int64 and the table's ``key_dtype`` is int32.
+            HashTableFullError: the saved keys do not fit in this table's capacity.
+            ValueError: the state has no ``keys``, an entry is a meta tensor (no data), the
+                keys are not distinct, or the scores or clock do not match them.
+            TypeError: the state is not a dict, or the saved keys are int64 and the table's
+                ``key_dtype`` is int32.
         """
+        self._load_checked(self._check_state(state_dict))
+
+    def _check_state(self, state_dict: Dict[str, Any]) -> _CheckedState:
+        """Every check of :meth:`load_state_dict`, nothing written: the state ready to load
+        on this table. A layer checks all its tables' states this way before it changes any."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"HashTable.load_state_dict: expected the dict HashTable.state_dict() returns, got "
                             f"{type(state_dict).__name__}")
         if "keys" not in state_dict:
             raise ValueError("HashTable.load_state_dict: the state has no 'keys' entry; pass what "
                              "HashTable.state_dict() returned")
+        for name in ("keys", "last_seen", "count", "clock"):
+            # A meta tensor passes the dtype and shape checks but fails deep inside the first copy.
+            if isinstance(state_dict.get(name), Tensor) and state_dict[name].is_meta:
+                raise ValueError(f"HashTable.load_state_dict: '{name}' is a meta tensor, which holds no data; "
+                                 "pass a state with real tensors (e.g. torch.load(..., map_location='cpu'))")
         keys = state_dict["keys"]
         if not isinstance(keys, Tensor) or keys.dim() != 1 or keys.dtype not in _KEY_DTYPES:
             raise ValueError("HashTable.load_state_dict: 'keys' must be a 1-D int64 or int32 tensor")
@@ -541,11 +561,16 @@ class HashTable:
         keys = keys.to(device=self.device, dtype=self._key_dtype)
         if keys.numel() > 0 and ops.unique(keys, return_inverse=False).numel() != keys.numel():
             raise ValueError("HashTable.load_state_dict: the saved keys are not distinct")
+        return _CheckedState(keys, scores[0], scores[1], clock)
+
+    def _load_checked(self, checked: _CheckedState) -> None:
+        """Replaces the contents with a state of :meth:`_check_state`; nothing here can fail
+        for the state's sake (its keys are distinct, of ``key_dtype``, and fit)."""
         self.clear()
-        self.insert(keys)
-        self._last_seen[:keys.numel()] = scores[0]
-        self._count[:keys.numel()] = scores[1]
-        self._clock = clock
+        self.insert(checked.keys)
+        self._last_seen[:checked.keys.numel()] = checked.last_seen
+        self._count[:checked.keys.numel()] = checked.count
+        self._clock = checked.clock
 
     def to(self, device: Union[torch.device, str]) -> "HashTable":
         """The table on ``device``: ``self`` when already there, else a copy.

@@ -586,18 +586,75 @@ class _ModelParallelEmbedding(nn.Module):
         state["admitted"] = torch.tensor(self._admitted, dtype=torch.int64)
         return state
 
-    def set_extra_state(self, state) -> None:
-        if self.hash_table is None or not state:
-            return
+    def _check_extra_state(self, state) -> Optional[Tuple[object, Optional[object], int, int]]:
+        """What :meth:`set_extra_state` would load, every part checked and nothing written:
+        ``(table state, pending state or None, evicted, admitted)``; None: nothing to load."""
+        if self.hash_table is None or state is None or (isinstance(state, dict) and not state):
+            return None
+        name = self._layer_name
+        if not isinstance(state, dict):
+            raise TypeError(f"{name}: load_state_dict: '_extra_state' must be the dict get_extra_state() "
+                            f"returns, got {type(state).__name__}")
+        totals = []
+        for total in ("evicted", "admitted"):
+            value = state.get(total, 0)
+            if isinstance(value, Tensor) and value.numel() == 1 and not value.is_meta \
+                    and not value.is_floating_point() and not value.is_complex():
+                value = int(value.item())
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: load_state_dict: '_extra_state'['{total}'] must be a non-negative "
+                                 f"int, got {value!r}")
+            totals.append(value)
+        # Both tables' states are checked before either table changes: a bad main table must
+        # not leave the pending admissions replaced.
+        checked_pending = None
         pending = state.get("pending")
         if self._pending is not None and pending is not None:
-            self._pending.load_state_dict(pending)
-        self.hash_table.load_state_dict({key: value for key, value in state.items()
-                                         if key not in ("pending", "evicted", "admitted")})
-        self._evicted = int(state.get("evicted", 0))
-        self._admitted = int(state.get("admitted", 0))
+            checked_pending = self._check_table_state(self._pending, pending,
+                                                      "'_extra_state'['pending'] (the pending admissions)")
+        table = {key: value for key, value in state.items() if key not in ("pending", "evicted", "admitted")}
+        checked_table = self._check_table_state(self.hash_table, table, "'_extra_state' (the hash table)")
+        return checked_table, checked_pending, totals[0], totals[1]
+
+    def _check_table_state(self, table: HashTable, state: object, what: str) -> object:
+        """``table._check_state(state)``, its error naming the layer and which table."""
+        try:
+            return table._check_state(state)
+        except (ValueError, TypeError, HashTableFullError) as error:
+            raise type(error)(f"{self._layer_name}: load_state_dict: {what}: {error}") from error
+
+    def set_extra_state(self, state) -> None:
+        """Loads what :meth:`get_extra_state` returned: the hash table, the pending
+        admissions and the totals. Everything is checked first; a state that raises leaves
+        the layer as it was.
+
+        Raises:
+            ValueError, TypeError, HashTableFullError: as ``HashTable.load_state_dict`` for
+                the table's or the pending admissions' state, or a bad total.
+        """
+        self._load_extra_state(self._check_extra_state(state))
+
+    def _load_extra_state(self, checked: Optional[Tuple[object, Optional[object], int, int]]) -> None:
+        if checked is None:
+            return
+        checked_table, checked_pending, evicted, admitted = checked
+        if checked_pending is not None:
+            self._pending._load_checked(checked_pending)
+        self.hash_table._load_checked(checked_table)
+        self._evicted, self._admitted = evicted, admitted
         if self._fresh_rows is not None:
             self._fresh_rows.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # nn.Module copies the weight before it calls set_extra_state: the extra state is
+        # checked first, so a bad hash table state raises with the weight untouched too
+        # (set_extra_state checks it again: one more unique of the keys, on a rare call).
+        extra_state_key = prefix + "_extra_state"
+        if extra_state_key in state_dict:
+            self._check_extra_state(state_dict[extra_state_key])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         return (f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}, "

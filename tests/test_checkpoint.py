@@ -3,6 +3,7 @@ atomic writes, weights_only files."""
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -346,6 +347,10 @@ def _no_layer_entry(part, shard):
     del shard["layers"]["pooled"]
 
 
+def _negative_clock(part, shard):
+    part["dynamic"]["clock"] = -1
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda folder: open(os.path.join(folder, "shard-00000-of-00001.pt"), "w").close(),
      r"shard-00000-of-00001.pt \(it is empty\)"),
@@ -360,6 +365,8 @@ def _no_layer_entry(part, shard):
     (lambda folder: _rewrite_shard(folder, _duplicate_a_key), r"a key is saved twice"),
     (lambda folder: _rewrite_shard(folder, _wrong_width), r"keys need weight rows"),
     (lambda folder: _rewrite_shard(folder, _no_layer_entry), r"no entry for layer 'pooled'"),
+    # Found by the hash table's own load, after the dense state had been loaded.
+    (lambda folder: _rewrite_shard(folder, _negative_clock), r"dynamic 'clock' must be a non-negative int"),
 ])
 def test_damaged_checkpoints_name_the_file_and_change_nothing(tmp_path, damage, message):
     """Each kind of damage raises an error naming the file and what is wrong, and the model
@@ -420,3 +427,220 @@ def _dense_mismatch_on_rank_1_worker(rank, world_size, init, directory):
 def test_a_mismatch_on_one_rank_raises_on_every_rank(tmp_path):
     directory, _, _ = _saved(tmp_path)
     spawn(_dense_mismatch_on_rank_1_worker, 2, str(tmp_path), directory)
+
+
+def test_an_optimizer_state_the_optimizer_refuses_changes_nothing(tmp_path):
+    """LazyAdam's load refuses a saved learning rate < 0; the model's dense state was loaded before it."""
+    directory, folder, _ = _saved(tmp_path)
+    dense_path = os.path.join(folder, "dense.pt")
+    dense = torch.load(dense_path, weights_only=True)
+    dense["optimizer"]["param_groups"][0]["lr"] = -1.0
+    torch.save(dense, dense_path)
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=r"invalid learning rate lr -1.0"):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+
+
+def test_a_direct_layer_initializer_that_raises_changes_nothing(tmp_path):
+    """A direct layer's rows the checkpoint lacks come from its initializer: it runs before
+    anything is written, not after the dense state and the layers before it were loaded."""
+    directory, _, _ = _saved(tmp_path)
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+
+    def broken(keys, dim):
+        raise RuntimeError("simulated initializer failure")
+
+    model.direct.embedding_initializer = broken
+    with pytest.raises(RuntimeError, match="simulated initializer failure"):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+
+
+def test_a_file_in_place_of_the_directory_is_named(tmp_path):
+    """Both calls name their argument and the file in the way, not the LATEST file under it."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    model, optimizer = make()
+    train(model, optimizer, range(1))
+    before = snapshot(model, optimizer)
+    with pytest.raises(NotADirectoryError, match=r"load_checkpoint: directory .*a_file' is a file; give the directory"):
+        sk.load_checkpoint(str(a_file), model, optimizer)
+    with pytest.raises(NotADirectoryError,
+                       match=r"load_checkpoint: directory .*a_file/sub' lies under .*a_file', which is a file"):
+        sk.load_checkpoint(str(a_file / "sub"), model, optimizer)
+    with pytest.raises(NotADirectoryError,
+                       match=r"save_checkpoint: directory .*a_file/sub/deeper' lies under .*a_file', which is a file"):
+        sk.save_checkpoint(str(a_file / "sub" / "deeper"), model, optimizer)
+    assert a_file.read_text() == "x"
+    assert_same(model, optimizer, before)
+
+
+# ---- key dtypes: int64 keys do not load into int32 layers ------------------------------------
+
+
+def _keyed_model(key_dtype=torch.int64, admit_after=1):
+    """A hash-table layer of ``key_dtype`` beside a dense layer, under one LazyAdam."""
+    model = nn.ModuleDict({"emb": sk.DistributedEmbedding("sum", 8, DIM, 1, 1, key_dtype=key_dtype,
+                                                          admit_after=admit_after),
+                           "lin": nn.Linear(2, 2)})
+    return model, LazyAdam(model.parameters(), lr=0.1)
+
+
+def _keyed_step(model, optimizer, keys):
+    emb = model["emb"]
+    out = emb(torch.tensor([[[key]] for key in keys], dtype=emb.key_dtype)).sum() + model["lin"](torch.ones(1, 2)).sum()
+    out.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _keyed_snapshot(model, optimizer):
+    """Everything a load could change: parameters, the layer's tables and totals, the optimizer."""
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "stats": model["emb"].stats()})
+
+
+def assert_equal_nested(now, before, where="state"):
+    assert type(now) is type(before), where
+    if isinstance(before, torch.Tensor):
+        assert now.dtype == before.dtype and torch.equal(now, before), where
+    elif isinstance(before, dict):
+        assert set(now) == set(before), where
+        for key in before:
+            assert_equal_nested(now[key], before[key], f"{where}[{key!r}]")
+    elif isinstance(before, (list, tuple)):
+        assert len(now) == len(before), where
+        for index, (a, b) in enumerate(zip(now, before)):
+            assert_equal_nested(a, b, f"{where}[{index}]")
+    else:
+        assert now == before, where
+
+
+@pytest.mark.parametrize("saved_keys, named", [
+    ([2**32 + 7], 2**32 + 7),         # loaded as key 7 with the vector of 2**32 + 7
+    ([2**32 + 7, 7], 2**32 + 7),      # collide once truncated: raised after the dense state was loaded
+    ([5, -(2**31) - 1], -(2**31) - 1),
+])
+def test_int64_keys_outside_int32_do_not_load_into_an_int32_layer(tmp_path, saved_keys, named):
+    source, source_optimizer = _keyed_model()
+    _keyed_step(source, source_optimizer, saved_keys)
+    sk.save_checkpoint(str(tmp_path), source, source_optimizer)
+    model, optimizer = _keyed_model(torch.int32)
+    _keyed_step(model, optimizer, [3])
+    before = _keyed_snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=rf"load_checkpoint: layer 'emb' has key_dtype=torch.int32 but the "
+                                         rf"checkpoint holds key {named} outside its range"):
+        sk.load_checkpoint(str(tmp_path), model, optimizer)
+    assert_equal_nested(_keyed_snapshot(model, optimizer), before)
+
+
+def test_int64_keys_inside_int32_load_into_an_int32_layer(tmp_path):
+    keys = [7, -(2**31), 2**31 - 1]
+    source, source_optimizer = _keyed_model()
+    _keyed_step(source, source_optimizer, keys)
+    sk.save_checkpoint(str(tmp_path), source, source_optimizer)
+    model, optimizer = _keyed_model(torch.int32)
+    sk.load_checkpoint(str(tmp_path), model, optimizer)
+    loaded_keys, _ = model["emb"].hash_table.export()
+    assert loaded_keys.dtype == torch.int32 and loaded_keys.tolist() == keys
+    assert torch.equal(model["emb"].weight, source["emb"].weight)
+    assert torch.equal(optimizer.state[model["emb"].weight]["exp_avg"],
+                       source_optimizer.state[source["emb"].weight]["exp_avg"])
+
+
+def test_a_pending_key_outside_int32_does_not_load_into_an_int32_layer(tmp_path):
+    source, source_optimizer = _keyed_model(admit_after=3)
+    for keys in ([5], [5], [5, 2**33]):  # 5 is admitted, 2**33 waits
+        _keyed_step(source, source_optimizer, keys)
+    assert source["emb"].stats()["pending"] == 1
+    sk.save_checkpoint(str(tmp_path), source, source_optimizer)
+    model, optimizer = _keyed_model(torch.int32, admit_after=3)
+    _keyed_step(model, optimizer, [3])
+    before = _keyed_snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=rf"layer 'emb' has key_dtype=torch.int32 but the checkpoint holds pending "
+                                         rf"key {2**33} outside its range"):
+        sk.load_checkpoint(str(tmp_path), model, optimizer)
+    assert_equal_nested(_keyed_snapshot(model, optimizer), before)
+
+
+def _int32_on_rank_1_worker(rank, world_size, init, directory):
+    init()
+    model, optimizer = _keyed_model(torch.int32 if rank == 1 else torch.int64)
+    before = _keyed_snapshot(model, optimizer)
+    expected = r"key 4294967303 outside its range" if rank == 1 else "failed on another rank"
+    with pytest.raises((ValueError, RuntimeError), match=expected):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_equal_nested(_keyed_snapshot(model, optimizer), before)
+
+
+def test_an_out_of_range_key_on_one_rank_raises_on_every_rank(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    source, source_optimizer = _keyed_model()
+    _keyed_step(source, source_optimizer, [2**32 + 7, 7, 8])
+    sk.save_checkpoint(directory, source, source_optimizer)
+    spawn(_int32_on_rank_1_worker, 2, str(tmp_path), directory)
+
+
+# ---- nn.Module and HashTable state dicts -----------------------------------------------------
+
+
+def _duplicate_main_key(extra):
+    extra["keys"][1] = extra["keys"][0]
+
+
+def _bad_total(extra):
+    extra["evicted"] = torch.tensor([1.0, 2.0])
+
+
+def _bad_pending_scores(extra):
+    extra["pending"]["last_seen"] = extra["pending"]["last_seen"].float()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_duplicate_main_key, r"DistributedEmbedding: load_state_dict: '_extra_state' \(the hash table\): "
+                          r"HashTable.load_state_dict: the saved keys are not distinct"),
+    (_bad_total, r"DistributedEmbedding: load_state_dict: '_extra_state'\['evicted'\] must be a non-negative int"),
+    (_bad_pending_scores, r"DistributedEmbedding: load_state_dict: '_extra_state'\['pending'\] \(the pending "
+                          r"admissions\): .*'last_seen' must be int64"),
+])
+def test_a_layer_load_state_dict_that_raises_changes_nothing(damage, message):
+    """The pending admissions were loaded before the main table's keys were checked, and
+    the weight before either (nn.Module copies parameters before set_extra_state)."""
+    layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 1, admit_after=3)
+    for step in range(3):
+        layer(torch.tensor([[[1]], [[2]], [[3 + step]]]))
+    assert layer.stats() == {"size": 2, "capacity": 16, "evicted": 0, "admitted": 2, "pending": 3}
+    before = copy.deepcopy({"state": layer.state_dict(), "stats": layer.stats()})
+    bad = copy.deepcopy(before["state"])
+    bad["weight"] = torch.ones_like(bad["weight"])
+    bad["_extra_state"]["pending"]["keys"] = torch.tensor([11, 12, 13])
+    damage(bad["_extra_state"])
+    with pytest.raises((ValueError, TypeError), match=message):
+        layer.load_state_dict(bad)
+    assert_equal_nested({"state": layer.state_dict(), "stats": layer.stats()}, before)
+
+    # The same state undamaged loads (pending keys and weight included).
+    good = copy.deepcopy(before["state"])
+    good["_extra_state"]["pending"]["keys"] = torch.tensor([11, 12, 13])
+    layer.load_state_dict(good)
+    assert layer.state_dict()["_extra_state"]["pending"]["keys"].tolist() == [11, 12, 13]
+
+
+@pytest.mark.parametrize("entry", ["keys", "last_seen", "count", "clock"])
+def test_hash_table_load_state_dict_of_a_meta_tensor(entry):
+    table = sk.HashTable(8)
+    table.insert(torch.tensor([4, 5]))
+    before = copy.deepcopy(table.state_dict())
+    state = {"keys": torch.tensor([1, 2, 3]), "last_seen": torch.zeros(3, dtype=torch.int64),
+             "count": torch.ones(3, dtype=torch.int64), "clock": torch.tensor(2)}
+    state[entry] = torch.empty(state[entry].shape, dtype=state[entry].dtype, device="meta")
+    with pytest.raises(ValueError, match=rf"HashTable.load_state_dict: '{entry}' is a meta tensor, which holds "
+                                         "no data"):
+        table.load_state_dict(state)
+    assert_equal_nested(table.state_dict(), before)
+    assert len(table) == 2 and table.clock == 0
