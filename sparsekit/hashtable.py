@@ -46,6 +46,9 @@ def _slot_count(capacity: int) -> int:
     return slots
 
 
+_INT64_MAX = 2**63 - 1
+
+
 class _InsertPlan(NamedTuple):
     """What an insert will do, worked out without changing the table (see ``HashTable._plan_insert``)."""
 
@@ -458,7 +461,12 @@ class HashTable:
         if min_last_seen is not None:
             if isinstance(min_last_seen, bool) or not isinstance(min_last_seen, int):
                 raise TypeError(f"HashTable.export: min_last_seen must be an int or None, got {min_last_seen!r}")
-            recent = self._last_seen[:self._size] >= min_last_seen
+            # Clocks are int64: a bound past either end selects no key or every key (as a
+            # Python comparison would), where torch would overflow converting it.
+            if min_last_seen > _INT64_MAX:
+                recent = torch.zeros(self._size, dtype=torch.bool, device=self.device)
+            else:
+                recent = self._last_seen[:self._size] >= max(min_last_seen, -_INT64_MAX - 1)
             keys, rows = keys[recent], rows[recent]
         return keys.to(self._key_dtype), rows
 

@@ -35,6 +35,7 @@ from .exchange import (
 from .hashtable import HashTable, HashTableFullError, _grow_tables
 
 Initializer = Callable[[Tensor, int], Tensor]
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class KeySeededUniform:
@@ -58,6 +59,10 @@ class KeySeededUniform:
                 raise TypeError(f"KeySeededUniform: {name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"KeySeededUniform: {name} must be finite, got {value!r}")
+            # Its rows are float32: a bound past float32's largest value would give inf rows.
+            if abs(value) > _FLOAT32_MAX:
+                raise ValueError(f"KeySeededUniform: {name} must lie in float32's finite range "
+                                 f"[{-_FLOAT32_MAX}, {_FLOAT32_MAX}], got {value!r}")
         if low > high:
             raise ValueError(f"KeySeededUniform: low must be <= high, got low={low!r} high={high!r}")
         self.seed = int(seed)

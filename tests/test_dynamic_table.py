@@ -831,3 +831,19 @@ def test_export_bound_must_be_an_int():
         table.export(min_last_seen="x")
     with pytest.raises(TypeError):
         table.export(min_last_seen=1.5)
+
+
+def test_export_bound_past_int64_selects_no_key_or_every_key():
+    """Clocks are int64: a bound beyond either end compares as Python ints would (torch
+    raised OverflowError converting it)."""
+    table = sk.HashTable(8, eviction="lru")
+    table.insert(t([1, 2]))
+    table.insert(t([3]))
+    for bound in (2**63, 2**70):
+        keys, rows = table.export(min_last_seen=bound)
+        assert keys.numel() == 0 and rows.numel() == 0
+    for bound in (-2**63 - 1, -2**70):
+        assert torch.equal(table.export(min_last_seen=bound)[0], table.export()[0])
+    layer = sk.DistributedEmbedding("sum", 8, 4, 1, 1, eviction="lru")
+    layer(torch.tensor([[[5]]]))
+    assert layer.export(min_last_seen=2**70)[0].numel() == 0

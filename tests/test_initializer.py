@@ -128,6 +128,8 @@ def test_bounds_the_dtype_cannot_hold_raise(device, dtype, low, high):
     (dict(high=float("nan")), ValueError, "high must be finite"),
     (dict(low=float("-inf")), ValueError, "low must be finite"),
     (dict(low=0.5, high=0.1), ValueError, "low must be <= high"),
+    (dict(low=-1e39), ValueError, "low must lie in float32's finite range"),
+    (dict(high=1.7e308), ValueError, "high must lie in float32's finite range"),
 ])
 def test_key_seeded_uniform_initializer_checks_its_arguments_when_built(kwargs, error, message):
     """A bad initializer is refused where it is made, not at a layer's first lookup."""
