@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
+import math
+import numbers
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -11,6 +13,9 @@ from torch.optim.adam import adam as _functional_adam
 from . import ops
 
 __all__ = ["LazyAdam"]
+
+# The state LazyAdam keeps per parameter (and torch.optim.Adam, which may keep more).
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def _step_dtype() -> torch.dtype:
@@ -39,8 +44,8 @@ class LazyAdam(torch.optim.Optimizer):
 
     State per parameter: ``step`` (a CPU scalar tensor, as ``torch.optim.Adam`` keeps it;
     one counter per parameter, incremented on every step the parameter has a gradient),
-    ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape and dtype). All of it is saved
-    by ``state_dict()``.
+    ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape, dtype and device; float32 for a
+    float16 / bfloat16 embedding shard). All of it is saved by ``state_dict()``.
 
     Args:
         params: parameters or parameter groups (dense tensors: sparse *parameters* raise
@@ -52,9 +57,11 @@ class LazyAdam(torch.optim.Optimizer):
         maximize: maximize the objective instead of minimizing it (default False), as in
             ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
 
-    A step is all or nothing: every gradient is checked first (layout, shape, and the rows
-    of every sparse gradient, read back in one host read per step on CUDA), and only then
-    is anything updated, so a bad gradient raises with ``step``, weights and moments of
+    A step is all or nothing: every gradient is checked first (layout, shape, dtype, device,
+    and the rows of every sparse gradient, read back in one host read per step on CUDA), and
+    so is the state each of them will update (``step``, ``exp_avg`` and ``exp_avg_sq``
+    present, with the shapes, dtypes and devices above); only then is anything updated, so
+    a bad gradient or state raises ``RuntimeError`` with ``step``, weights and moments of
     every parameter unchanged.
     """
 
@@ -78,21 +85,39 @@ class LazyAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # load_state_dict ends here: states of older versions (a plain number as step, no
-        # maximize) are brought up to date, as torch.optim.Adam does.
+        # maximize) are brought up to date, as torch.optim.Adam does. A step saved by a fused
+        # or capturable torch.optim.Adam sits on the parameter's device: it comes back to the
+        # CPU, where LazyAdam keeps it and torch's foreach Adam accepts it next to any params.
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("maximize", False)
             for param in group["params"]:
                 param_state = self.state.get(param, {})
-                if "step" in param_state and not torch.is_tensor(param_state["step"]):
-                    param_state["step"] = torch.tensor(float(param_state["step"]), dtype=_step_dtype())
+                step = param_state.get("step")
+                if step is None:
+                    continue
+                if not torch.is_tensor(step):
+                    param_state["step"] = torch.tensor(float(step), dtype=_step_dtype())
+                elif step.numel() == 1 and (step.device.type != "cpu" or step.dim()
+                                            or step.dtype not in (torch.float32, torch.float64)):
+                    dtype = step.dtype if step.dtype in (torch.float32, torch.float64) else _step_dtype()
+                    param_state["step"] = step.detach().to(device="cpu", dtype=dtype).reshape(())
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state saved by ``LazyAdam.state_dict()`` (or ``torch.optim.Adam``'s).
 
+        Every parameter's saved state is checked before anything is loaded: either empty
+        (no step yet) or ``step`` (a finite integer >= 0: a number, or a one-element tensor
+        as ``torch.optim.Adam`` saves it), ``exp_avg`` and ``exp_avg_sq`` (floating-point
+        tensors of the parameter's shape; the parameter's dtype for a complex one). Moments
+        are cast to the parameter's dtype and device, as ``torch.optim.Adam`` does (float32
+        for a float16 / bfloat16 embedding shard).
+
         Raises:
             ValueError: the state lacks LazyAdam's settings (it was saved by another
-                optimizer) or holds invalid ones; nothing is changed.
+                optimizer) or holds invalid ones, or a parameter's saved state is invalid
+                (the message names the parameter, its group and the field); nothing is
+                changed.
         """
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(groups, list):
@@ -104,16 +129,32 @@ class LazyAdam(torch.optim.Optimizer):
                 raise ValueError(f"LazyAdam.load_state_dict: parameter group {index} of the state lacks {missing}: "
                                  "it was saved by another optimizer")
             _check_hyperparameters(group, f"LazyAdam.load_state_dict (parameter group {index})")
+        saved_states = state_dict.get("state", {})
+        if not isinstance(saved_states, Mapping):
+            raise ValueError("LazyAdam.load_state_dict: 'state' must map parameter ids to their state dicts, got "
+                             f"{type(saved_states).__name__}")
+        # The saved ids name parameters in group order, as torch pairs them; groups of other
+        # sizes are refused by torch's load_state_dict below, before it changes anything.
+        same_sizes = len(groups) == len(self.param_groups) and all(
+            isinstance(saved, dict) and len(saved.get("params", ())) == len(group["params"])
+            for saved, group in zip(groups, self.param_groups))
+        where: Dict[Any, Tuple[int, int, Tensor]] = {}
+        if same_sizes:
+            for g, (saved, group) in enumerate(zip(groups, self.param_groups)):
+                for i, (saved_id, param) in enumerate(zip(saved["params"], group["params"])):
+                    where[saved_id] = (g, i, param)
+            for saved_id, saved in saved_states.items():
+                if saved_id in where:
+                    _check_saved_state(saved, *where[saved_id], saved_id)
         super().load_state_dict(state_dict)
         # torch casts every state tensor to its parameter's dtype; a half embedding shard's
         # moments stay float32, so take them again from the saved state, uncast.
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, saved in state_dict.get("state", {}).items():
-            if isinstance(index, int) and 0 <= index < len(params) and _half_shard(params[index]):
+        for saved_id, saved in saved_states.items():
+            param = where[saved_id][2] if saved_id in where else None
+            if param is not None and _half_shard(param):
                 for name in ("exp_avg", "exp_avg_sq"):
                     if isinstance(saved.get(name), Tensor):
-                        self.state[params[index]][name] = saved[name].to(device=params[index].device,
-                                                                         dtype=torch.float32)
+                        self.state[param][name] = saved[name].to(device=param.device, dtype=torch.float32)
 
     def _init_state(self, param: Tensor) -> Dict[str, Any]:
         state = self.state[param]
@@ -139,9 +180,14 @@ class LazyAdam(torch.optim.Optimizer):
         return rows, ops.segment_sum(values, inverse, rows.numel())
 
     def _check_gradients(self, rows_checked_later: Optional[Set[int]] = None) -> None:
-        """Every gradient, before any update: layout, shape, and the rows of sparse ones
-        (except the parameters whose ``id`` is in ``rows_checked_later``: the fused update
-        checks their rows itself before it writes anything)."""
+        """Every gradient and the state it will update, before any update: layout, shape,
+        dtype, device, the state's entries (:func:`_check_step_state`), and the rows of
+        sparse gradients (except the parameters whose ``id`` is in ``rows_checked_later``:
+        the fused update checks their rows itself before it writes anything).
+
+        Raises:
+            RuntimeError: naming the parameter, its group and what is wrong.
+        """
         ranges: List[Tensor] = []
         where: List[Tuple[int, int, Tensor]] = []
         for g, group in enumerate(self.param_groups):
@@ -168,6 +214,13 @@ class LazyAdam(torch.optim.Optimizer):
                                        "sparse COO gradients")
                 elif grad.shape != param.shape:
                     raise RuntimeError(f"{name} has shape {tuple(grad.shape)}")
+                # torch refuses such a gradient unless param.grad_dtype is changed; the kernels
+                # and torch's Adam would then fail (or silently convert) mid-step.
+                if grad.dtype != param.dtype or grad.device != param.device:
+                    raise RuntimeError(f"{name} is {grad.dtype} on {grad.device} but the parameter is "
+                                       f"{param.dtype} on {param.device}; a gradient must have its parameter's "
+                                       "dtype and device")
+                _check_step_state(self.state.get(param), param, grad, g, i)
         if not ranges:
             return
         # One host read for every sparse gradient of the step.
@@ -188,9 +241,13 @@ class LazyAdam(torch.optim.Optimizer):
                 or not param.is_contiguous() or grad.sparse_dim() != 1 or grad.shape != param.shape \
                 or getattr(param, "sparsekit_fresh_rows", None) is not None:
             return False
-        state = self.state[param]
-        return len(state) == 0 or all(state[name].dtype == torch.float32 and state[name].is_contiguous()
-                                      for name in ("exp_avg", "exp_avg_sq"))
+        # .get: a parameter without state must not get an empty one here, and a damaged state
+        # is not fused (_check_gradients then names what is wrong).
+        state = self.state.get(param)
+        if not state:
+            return True
+        moments = [state.get(name) for name in ("exp_avg", "exp_avg_sq")]
+        return all(isinstance(m, Tensor) and m.dtype == torch.float32 and m.is_contiguous() for m in moments)
 
     def _fused_sparse_step(self, fused: Set[int]) -> None:
         """The sparse updates of the ``fused`` parameters (ids), every group at once: one
@@ -298,6 +355,120 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
         value = settings[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
             raise ValueError(f"{where}: invalid {label} {value!r}; it must be a number >= 0")
+
+
+def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tensor, group_index: int,
+                      position: int) -> None:
+    """RuntimeError naming the entry of ``state`` (the state of ``param``, parameter
+    ``position`` of group ``group_index``, about to be updated with the (checked) gradient
+    ``grad``; none or empty: created at the update) that the update could not use: a missing
+    entry, a ``step`` that is not a one-element float32 / float64 CPU tensor, moments that
+    are not strided tensors of the parameter's shape, device and dtype (with a sparse
+    gradient, float32 or float64 too, the same for both moments), or memory shared by any two
+    of weight, moments and gradient. The step's value is checked by ``load_state_dict``, not
+    here: that would read every counter back to the host on every step."""
+    # Built only to raise: this runs for every parameter on every step.
+    def name() -> str:
+        return f"LazyAdam: the state of parameter {position} of group {group_index} (shape {tuple(param.shape)})"
+
+    # The update writes the weight and moments in place while it reads the gradient: shared
+    # memory gives a silently wrong step, and the kernel refuses it, but only once the
+    # parameters before this one are updated.
+    grad_values = grad._values() if grad.is_sparse else grad
+    if not state:
+        _check_disjoint(name, {"the parameter": param, "the gradient": grad_values})
+        return
+    missing = [key for key in _STATE_KEYS if key not in state]
+    if missing:
+        raise RuntimeError(f"{name()} lacks {missing}: load a complete state (LazyAdam.state_dict()) or none")
+    step = state["step"]
+    if not (isinstance(step, Tensor) and step.numel() == 1 and step.dtype in (torch.float32, torch.float64)
+            and step.device.type == "cpu"):
+        got = (f"{step.dtype} tensor of shape {tuple(step.shape)} on {step.device}" if isinstance(step, Tensor)
+               else type(step).__name__)
+        raise RuntimeError(f"{name()}: 'step' must be a one-element float32 or float64 CPU tensor, got {got}")
+    # torch's Adam wants the parameter's dtype. The lazy update also runs in float32 or
+    # float64 moments (an embedding shard's float32 ones, a checkpoint's of another precision:
+    # load_checkpoint keeps their dtype), as long as both moments share it.
+    dtypes = [param.dtype]
+    if grad.is_sparse:
+        dtypes = [param.dtype] + [d for d in (torch.float32, torch.float64) if d != param.dtype]
+        if isinstance(state["exp_avg"], Tensor) and state["exp_avg"].dtype in dtypes:
+            dtypes = [state["exp_avg"].dtype]
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = state[key]
+        if not (isinstance(moment, Tensor) and moment.layout == torch.strided and moment.shape == param.shape
+                and moment.dtype in dtypes and moment.device == param.device):
+            got = (f"{moment.layout} {moment.dtype} tensor of shape {tuple(moment.shape)} on {moment.device}"
+                   if isinstance(moment, Tensor) else type(moment).__name__)
+            raise RuntimeError(f"{name()}: {key!r} must be a dense {' or '.join(map(str, dtypes))} tensor of the "
+                               f"parameter's shape on {param.device}, got {got}")
+    _check_disjoint(name, {"the parameter": param, "'exp_avg'": state["exp_avg"],
+                           "'exp_avg_sq'": state["exp_avg_sq"], "the gradient": grad_values})
+
+
+def _memory_span(tensor: Tensor) -> Tuple[int, int]:
+    """The bytes ``[begin, end)`` a non-empty strided tensor spans, from its first element
+    to its last whatever the strides in between (the kernel's conservative test)."""
+    begin = tensor.data_ptr()
+    if tensor.is_contiguous():  # the common case, without a loop over the strides
+        return begin, begin + tensor.numel() * tensor.element_size()
+    low = high = 0
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        reach = (size - 1) * stride
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return begin + low * tensor.element_size(), begin + (high + 1) * tensor.element_size()
+
+
+def _check_disjoint(name: Callable[[], str], tensors: Dict[str, Tensor]) -> None:
+    """RuntimeError naming two of ``tensors`` (same device, strided) whose bytes intersect."""
+    spans = [(label, _memory_span(t)) for label, t in tensors.items() if t.numel() and t.layout == torch.strided]
+    for index, (label, (begin, end)) in enumerate(spans):
+        for other, (other_begin, other_end) in spans[index + 1:]:
+            if begin < other_end and other_begin < end:
+                raise RuntimeError(f"{name()}: {label} and {other} share memory; each must be a tensor of its own "
+                                   "(the update writes the weight and moments in place while it reads the gradient)")
+
+
+def _check_saved_state(saved: Any, group_index: int, position: int, param: Tensor, saved_id: Any) -> None:
+    """ValueError naming the parameter and the field of a saved per-parameter state that
+    ``LazyAdam.load_state_dict`` must not load (see there for what is accepted)."""
+    name = (f"LazyAdam.load_state_dict: the state of parameter {saved_id!r} (index {position} of group "
+            f"{group_index}, shape {tuple(param.shape)})")
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{name} must be a dict, got {type(saved).__name__}")
+    if not saved:
+        return  # no step yet: created at the first update
+    missing = [key for key in _STATE_KEYS if key not in saved]
+    if missing:
+        raise ValueError(f"{name} lacks {missing}: it must hold all of {list(_STATE_KEYS)} or be empty")
+    step = saved["step"]
+    if isinstance(step, Tensor):
+        usable = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
+        value = step.item() if usable else None
+    else:
+        usable = isinstance(step, numbers.Real) and not isinstance(step, bool)
+        value = step if usable else None
+    if not (usable and math.isfinite(value) and value >= 0 and float(value).is_integer()):
+        got = (f"a {step.dtype} tensor of shape {tuple(step.shape)}" + (f" holding {value}" if usable else "")
+               if isinstance(step, Tensor) else repr(step))
+        raise ValueError(f"{name}: 'step' must be a finite integer >= 0 (a number or a one-element tensor), "
+                         f"got {got}")
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = saved[key]
+        # torch casts floating-point state to a real parameter's dtype, but leaves a complex
+        # parameter's state as it is.
+        fits = isinstance(moment, Tensor) and moment.layout == torch.strided and (
+            moment.dtype == param.dtype if param.is_complex() else moment.is_floating_point())
+        if not fits or moment.shape != param.shape:
+            got = (f"a {moment.layout} {moment.dtype} tensor of shape {tuple(moment.shape)}"
+                   if isinstance(moment, Tensor) else type(moment).__name__)
+            want = str(param.dtype) if param.is_complex() else "floating-point"
+            raise ValueError(f"{name}: {key!r} must be a dense {want} tensor of the parameter's shape "
+                             f"{tuple(param.shape)}, got {got}")
 
 
 def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Tensor) -> None:

@@ -1,3 +1,4 @@
+import copy
 import io
 import math
 
@@ -528,3 +529,295 @@ def test_lazy_adam_step_is_all_or_nothing(bad_row):
         assert torch.equal(p.detach(), weight)
         for key, value in state.items():
             assert torch.equal(opt.state[p][key], value), key
+
+
+# ---- damaged gradients and states: refused before anything changes ---------------------------
+
+
+def _three_kinds(device):
+    """A contiguous float32 table (the fused CPU update), a column slice of a wider one (the
+    per-table update) and a dense vector (torch's Adam), in two groups, after one step: every
+    kind of state exists."""
+    gen = torch.Generator().manual_seed(0)
+    fused = torch.nn.Parameter(torch.randn(6, 3, generator=gen).to(device))
+    sliced = torch.nn.Parameter(torch.randn(6, 5, generator=gen).to(device)[:, 1:4])
+    dense = torch.nn.Parameter(torch.randn(3, generator=gen).to(device))
+    params = [fused, sliced, dense]
+    opt = sk.LazyAdam([{"params": [fused, sliced]}, {"params": [dense], "lr": 0.01}], lr=0.1)
+    _three_grads(params)
+    opt.step()
+    _three_grads(params)
+    return opt, params
+
+
+def _three_grads(params, dtype=torch.float32):
+    fused, sliced, dense = params
+    fused.grad = _sparse_grad([1, 4], torch.ones(2, 3, dtype=dtype), fused.shape).to(fused.device)
+    sliced.grad = _sparse_grad([0, 2], torch.full((2, 3), 0.5, dtype=dtype), sliced.shape).to(sliced.device)
+    dense.grad = torch.full((3,), 2.0, dtype=dtype, device=dense.device)
+
+
+def _snapshot(opt, params):
+    return [(p.detach().clone(), {key: value.clone() if torch.is_tensor(value) else value
+                                  for key, value in opt.state[p].items()}) for p in params]
+
+
+def _assert_unchanged(opt, params, before):
+    """Every weight, and every state entry (same keys, dtype, device and values), as before."""
+    for index, (param, (weight, state)) in enumerate(zip(params, before)):
+        assert torch.equal(param.detach(), weight), index
+        assert set(opt.state[param]) == set(state), index
+        for key, value in state.items():
+            now = opt.state[param][key]
+            if torch.is_tensor(value):
+                assert torch.is_tensor(now) and now.dtype == value.dtype and now.device == value.device, (index, key)
+                assert torch.equal(now, value), (index, key)
+            else:
+                assert now == value, (index, key)
+
+
+def _wrong_grad_dtype(params, index):
+    param = params[index]
+    param.grad = None
+    param.grad_dtype = None  # torch refuses a float64 gradient for a float32 parameter otherwise
+    if index == 2:
+        param.grad = torch.full((3,), 2.0, dtype=torch.float64, device=param.device)
+    else:
+        param.grad = _sparse_grad([1], torch.ones(1, 3, dtype=torch.float64), param.shape).to(param.device)
+
+
+BAD_STEP_INPUTS = {
+    # What breaks (set after a good first step), and what the RuntimeError must name.
+    "dense moment shape": (lambda opt, ps: opt.state[ps[2]].__setitem__("exp_avg", torch.zeros(5, device=ps[2].device)),
+                           r"state of parameter 0 of group 1 \(shape \(3,\)\): 'exp_avg' must be"),
+    "dense moment dtype": (lambda opt, ps: opt.state[ps[2]].__setitem__(
+                               "exp_avg_sq", opt.state[ps[2]]["exp_avg_sq"].double()),
+                           r"state of parameter 0 of group 1 .*'exp_avg_sq' must be a dense torch.float32"),
+    "sparse moment missing": (lambda opt, ps: opt.state[ps[1]].pop("exp_avg"),
+                              r"state of parameter 1 of group 0 .* lacks \['exp_avg'\]"),
+    "sparse moment shape": (lambda opt, ps: opt.state[ps[1]].__setitem__(
+                                "exp_avg_sq", torch.zeros(6, 4, device=ps[1].device)),
+                            r"state of parameter 1 of group 0 .*'exp_avg_sq' must be"),
+    "sliced moments of two dtypes": (lambda opt, ps: opt.state[ps[1]].__setitem__(
+                                         "exp_avg_sq", opt.state[ps[1]]["exp_avg_sq"].double()),
+                                     r"state of parameter 1 of group 0 .*'exp_avg_sq' must be a dense torch.float32 "
+                                     r"tensor .* got torch.strided torch.float64"),
+    "fused step not a tensor": (lambda opt, ps: opt.state[ps[0]].__setitem__("step", 1),
+                                r"state of parameter 0 of group 0 .*'step' must be a one-element"),
+    "fused step integer tensor": (lambda opt, ps: opt.state[ps[0]].__setitem__("step", torch.tensor(1)),
+                                  r"state of parameter 0 of group 0 .*'step' must be a one-element"),
+    "dense grad dtype": (lambda opt, ps: _wrong_grad_dtype(ps, 2),
+                         (r"gradient of parameter 0 of group 1 .* is torch.float64 on .* "
+                          r"but the parameter is torch.float32")),
+    "sliced grad dtype": (lambda opt, ps: _wrong_grad_dtype(ps, 1),
+                          r"gradient of parameter 1 of group 0 .* is torch.float64"),
+    "fused grad dtype": (lambda opt, ps: _wrong_grad_dtype(ps, 0),
+                         r"gradient of parameter 0 of group 0 .* is torch.float64"),
+    "dense moment device": (lambda opt, ps: opt.state[ps[2]].__setitem__("exp_avg", opt.state[ps[2]]["exp_avg"].cpu()),
+                            r"state of parameter 0 of group 1 .*'exp_avg' must be .* on cuda"),
+    # Shared memory: the kernel refuses it (after the tables before it were updated), torch's
+    # Adam silently computes garbage.
+    "sliced moments shared": (lambda opt, ps: opt.state[ps[1]].__setitem__("exp_avg_sq", opt.state[ps[1]]["exp_avg"]),
+                              r"state of parameter 1 of group 0 .*'exp_avg' and 'exp_avg_sq' share memory"),
+    "fused moment is the weight": (lambda opt, ps: opt.state[ps[0]].__setitem__("exp_avg", ps[0].detach()),
+                                   r"state of parameter 0 of group 0 .*the parameter and 'exp_avg' share memory"),
+    "dense gradient is the weight": (lambda opt, ps: setattr(ps[2], "grad", ps[2].detach()),
+                                     r"state of parameter 0 of group 1 .*the parameter and the gradient share memory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STEP_INPUTS))
+def test_lazy_adam_bad_gradient_or_state_changes_nothing(device, case):
+    """A gradient of the wrong dtype or a damaged state on any parameter (sparse or dense)
+    raises before the first update: no weight, moment or step counter of any parameter moves.
+    (Before, the sparse tables were updated and torch's Adam failed after them.)"""
+    if case == "dense moment device" and device.type != "cuda":
+        pytest.skip("needs a second device")
+    opt, params = _three_kinds(device)
+    damage, message = BAD_STEP_INPUTS[case]
+    damage(opt, params)
+    before = _snapshot(opt, params)
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    _assert_unchanged(opt, params, before)
+
+
+def test_lazy_adam_bad_state_loaded_from_the_issue_changes_nothing():
+    """The reported sequence: a dense moment of the wrong shape used to load, then a step
+    updated the embedding and failed in torch's Adam. Now the load raises and changes
+    nothing, and the next step is the one an untouched optimizer takes."""
+    opt, params = _three_kinds("cpu")
+    twin, twin_params = _three_kinds("cpu")
+    state = copy.deepcopy(opt.state_dict())  # state_dict() shares the per-parameter dicts
+    state["state"][2]["exp_avg"] = torch.zeros(5)
+    before = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"parameter 2 \(index 0 of group 1, shape \(3,\)\): 'exp_avg' must be .* "
+                                         r"shape \(3,\), got a torch.strided torch.float32 tensor of shape \(5,\)"):
+        opt.load_state_dict(state)
+    _assert_unchanged(opt, params, before)
+    opt.step()
+    twin.step()
+    _assert_unchanged(opt, params, _snapshot(twin, twin_params))
+
+
+def _nan_step(state):
+    state["step"] = torch.tensor(float("nan"))
+
+
+BAD_SAVED_STATES = {
+    # (saved id, damage, what the ValueError must name after the parameter)
+    "missing exp_avg": (0, lambda s: s.pop("exp_avg"), r"lacks \['exp_avg'\]"),
+    "missing step": (2, lambda s: s.pop("step"), r"lacks \['step'\]"),
+    "nan step": (2, _nan_step, r"'step' must be a finite integer >= 0 .* holding nan"),
+    "negative step": (1, lambda s: s.__setitem__("step", torch.tensor(-3.0)), r"'step' .* holding -3.0"),
+    "fractional step": (0, lambda s: s.__setitem__("step", 1.5), r"'step' must be a finite integer >= 0 .* got 1.5"),
+    "infinite step": (0, lambda s: s.__setitem__("step", float("inf")), r"'step' .* got inf"),
+    "bool step": (0, lambda s: s.__setitem__("step", True), r"'step' .* got True"),
+    "string step": (0, lambda s: s.__setitem__("step", "1"), r"'step' .* got '1'"),
+    "step of two elements": (2, lambda s: s.__setitem__("step", torch.tensor([1.0, 1.0])),
+                             r"'step' .* got a torch.float32 tensor of shape \(2,\)"),
+    "dense moment shape": (2, lambda s: s.__setitem__("exp_avg", torch.zeros(5)), r"'exp_avg' must be .* shape \(3,\)"),
+    "sparse moment shape": (1, lambda s: s.__setitem__("exp_avg_sq", torch.zeros(6, 4)),
+                            r"'exp_avg_sq' must be .* shape \(6, 3\), got .* shape \(6, 4\)"),
+    "embedding moment transposed": (0, lambda s: s.__setitem__("exp_avg", s["exp_avg"].t()), r"'exp_avg' must be"),
+    "integer moment": (0, lambda s: s.__setitem__("exp_avg", torch.zeros(6, 3, dtype=torch.int64)),
+                       r"'exp_avg' must be a dense floating-point tensor .* got .* torch.int64"),
+    "complex moment": (2, lambda s: s.__setitem__("exp_avg_sq", torch.zeros(3, dtype=torch.complex64)),
+                       r"'exp_avg_sq' must be a dense floating-point"),
+    "sparse moment": (0, lambda s: s.__setitem__("exp_avg", torch.zeros(6, 3).to_sparse()),
+                      r"'exp_avg' must be a dense .* got a torch.sparse_coo"),
+    "list moment": (2, lambda s: s.__setitem__("exp_avg", [0.0, 0.0, 0.0]), r"'exp_avg' must be .* got list"),
+}
+
+WHERE = {0: r"parameter 0 \(index 0 of group 0, shape \(6, 3\)\)",
+         1: r"parameter 1 \(index 1 of group 0, shape \(6, 3\)\)",
+         2: r"parameter 2 \(index 0 of group 1, shape \(3,\)\)"}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAVED_STATES))
+def test_lazy_adam_load_state_dict_refuses_a_bad_state(device, case):
+    """Missing entries, a step that is not a finite integer >= 0, moments of another shape
+    or of no floating type: ValueError naming the parameter, its group and the field, with
+    the optimizer (settings, weights, moments, steps) as it was; it then steps as usual."""
+    opt, params = _three_kinds(device)
+    saved_id, damage, message = BAD_SAVED_STATES[case]
+    state = opt.state_dict()
+    state = {"state": {k: dict(v) for k, v in state["state"].items()},
+             "param_groups": [dict(g, lr=0.5) for g in state["param_groups"]]}
+    damage(state["state"][saved_id])
+    before = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=f"LazyAdam.load_state_dict: the state of {WHERE[saved_id]}.*{message}"):
+        opt.load_state_dict(state)
+    _assert_unchanged(opt, params, before)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in params] == [2, 2, 2]
+
+
+def test_lazy_adam_load_state_dict_refuses_a_state_that_is_no_dict():
+    opt, params = _three_kinds("cpu")
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][1] = torch.zeros(6, 3)
+    before = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=rf"the state of {WHERE[1]} must be a dict, got Tensor"):
+        opt.load_state_dict(state)
+    _assert_unchanged(opt, params, before)
+    with pytest.raises(ValueError, match="'state' must map parameter ids"):
+        opt.load_state_dict({"state": [], "param_groups": state["param_groups"]})
+    _assert_unchanged(opt, params, before)
+
+
+def test_lazy_adam_load_state_dict_keeps_accepting_good_states(device):
+    """Round trips (before any step, after steps, through torch.save), numbers and integer
+    tensors as steps, and torch.optim.Adam's states (foreach, fused, amsgrad) load and
+    continue as the optimizer that saved them would."""
+    # Before any step: nothing to check, nothing loaded; the first step creates the state.
+    opt, params = _three_kinds(device)
+    fresh = sk.LazyAdam([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.1)
+    empty = fresh.state_dict()
+    assert empty["state"] == {}
+    again = sk.LazyAdam([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.1)
+    again.load_state_dict(empty)
+    assert len(again.state) == 0
+
+    # After a step, through torch.save / torch.load(weights_only=True): the same continuation.
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = sk.LazyAdam([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.1)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    _assert_unchanged(resumed, params, _snapshot(opt, params))
+
+    # Steps as numbers or integer tensors (older or hand-made states): CPU float tensors.
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["step"], state["state"][2]["step"] = 1, torch.tensor(1, device=device)
+    resumed.load_state_dict(state)
+    for p in params:
+        step = resumed.state[p]["step"]
+        assert step.device.type == "cpu" and step.dtype == torch.float32 and step.dim() == 0 and step.item() == 1
+    resumed.step()
+    opt.step()
+    _assert_unchanged(resumed, params, _snapshot(opt, params))
+
+
+@pytest.mark.parametrize("settings", [{}, {"fused": True}, {"amsgrad": True}], ids=["foreach", "fused", "amsgrad"])
+def test_lazy_adam_loads_torch_adam_states(device, settings):
+    """torch.optim.Adam's state of a dense model loads (a fused Adam's step comes back to the
+    CPU from the parameter's device) and LazyAdam continues it as torch's default Adam does."""
+    gen = torch.Generator().manual_seed(3)
+    ours = torch.nn.Parameter(torch.randn(4, 3, generator=gen).to(device))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    adam = torch.optim.Adam([ours], lr=0.01, **settings)
+    for _ in range(2):
+        ours.grad = torch.randn(4, 3, generator=gen).to(device)
+        adam.step()
+    theirs.data.copy_(ours.detach())
+    opt = sk.LazyAdam([ours], lr=0.01)
+    opt.load_state_dict(adam.state_dict())
+    assert opt.state[ours]["step"].device.type == "cpu" and opt.state[ours]["step"].item() == 2
+    reference = torch.optim.Adam([theirs], lr=0.01)
+    state = copy.deepcopy(adam.state_dict())
+    state["param_groups"][0].update(fused=None, amsgrad=False)
+    reference.load_state_dict(state)
+    grad = torch.randn(4, 3, generator=gen).to(device)
+    ours.grad, theirs.grad = grad.clone(), grad.clone()
+    opt.step()
+    reference.step()
+    assert torch.equal(ours.detach(), theirs.detach())
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(opt.state[ours][key], reference.state[theirs][key].cpu() if key == "step"
+                           else reference.state[theirs][key])
+
+
+def test_lazy_adam_sparse_moments_of_another_precision_still_step():
+    """float64 moments of a float32 table (or float32 of a float64 one: a checkpoint of another
+    precision keeps its moments' dtype) are not refused: the lazy update runs in them."""
+    opt, params = _three_kinds("cpu")
+    for param in params[:2]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            opt.state[param][key] = opt.state[param][key].double()
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in params] == [2, 2, 2]
+    assert all(opt.state[p]["exp_avg"].dtype == torch.float64 for p in params[:2])
+
+
+def test_lazy_adam_half_shard_state_round_trip():
+    """A bfloat16 embedding shard keeps float32 moments through state_dict / load_state_dict,
+    and a damaged one is refused there too."""
+    shard = torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
+    shard.sparsekit_model_parallel = True
+    opt = sk.LazyAdam([shard], lr=0.1)
+    shard.grad = _sparse_grad([2, 5], torch.ones(2, 4, dtype=torch.bfloat16), shard.shape)
+    opt.step()
+    assert opt.state[shard]["exp_avg"].dtype == torch.float32
+    resumed = sk.LazyAdam([shard], lr=0.1)
+    resumed.load_state_dict(opt.state_dict())
+    _assert_unchanged(resumed, [shard], _snapshot(opt, [shard]))
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["exp_avg_sq"] = torch.zeros(8, 3)
+    with pytest.raises(ValueError, match=r"parameter 0 \(index 0 of group 0, shape \(8, 4\)\): 'exp_avg_sq'"):
+        resumed.load_state_dict(state)
+    _assert_unchanged(resumed, [shard], _snapshot(opt, [shard]))
+    shard.grad = _sparse_grad([2], torch.ones(1, 4, dtype=torch.bfloat16), shard.shape)
+    resumed.step()
+    assert resumed.state[shard]["step"].item() == 2 and resumed.state[shard]["exp_avg"].dtype == torch.float32
