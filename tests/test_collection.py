@@ -381,7 +381,7 @@ def test_unknown_table_name_is_a_key_error_and_a_value_error():
     ({"use_hashtable": False, "admit_after": 2}, ValueError, "eviction and admit_after need use_hashtable=True"),
     ({"dtype": torch.float16, "initializer": sk.KeySeededUniform(0, 1e5, 2e5)}, ValueError,
      r"the initializer's bounds \(low=100000.0, high=200000.0\) must lie in torch.float16's finite range"),
-    ({"dtype": torch.bfloat16, "initializer": sk.KeySeededUniform(0, -1e39, 0.0)}, ValueError,
+    ({"dtype": torch.bfloat16, "initializer": sk.KeySeededUniform(0, -3.4e38, 0.0)}, ValueError,
      "the initializer's bounds .* must lie in torch.bfloat16's finite range"),
 ])
 def test_table_config_checks_its_fields_where_it_is_built(kwargs, error, message):
