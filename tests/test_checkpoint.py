@@ -527,16 +527,24 @@ def assert_equal_nested(now, before, where="state"):
     ([5, -(2**31) - 1], -(2**31) - 1),
 ])
 def test_int64_keys_outside_int32_do_not_load_into_an_int32_layer(tmp_path, saved_keys, named):
-    source, source_optimizer = _keyed_model()
-    _keyed_step(source, source_optimizer, saved_keys)
+    _assert_int32_load_refused(tmp_path, [saved_keys], rf"load_checkpoint: layer 'emb' has key_dtype=torch.int32 "
+                                                       rf"but the checkpoint holds key {named} outside its range")
+
+
+def _assert_int32_load_refused(tmp_path, steps, message, admit_after=1):
+    """A checkpoint of an int64 layer trained on ``steps`` (lists of keys) does not load into
+    an int32 layer that has trained one step: ValueError matching ``message``, nothing changed."""
+    source, source_optimizer = _keyed_model(admit_after=admit_after)
+    for keys in steps:
+        _keyed_step(source, source_optimizer, keys)
     sk.save_checkpoint(str(tmp_path), source, source_optimizer)
-    model, optimizer = _keyed_model(torch.int32)
+    model, optimizer = _keyed_model(torch.int32, admit_after=admit_after)
     _keyed_step(model, optimizer, [3])
     before = _keyed_snapshot(model, optimizer)
-    with pytest.raises(ValueError, match=rf"load_checkpoint: layer 'emb' has key_dtype=torch.int32 but the "
-                                         rf"checkpoint holds key {named} outside its range"):
+    with pytest.raises(ValueError, match=message):
         sk.load_checkpoint(str(tmp_path), model, optimizer)
     assert_equal_nested(_keyed_snapshot(model, optimizer), before)
+    return source
 
 
 def test_int64_keys_inside_int32_load_into_an_int32_layer(tmp_path):
@@ -554,18 +562,11 @@ def test_int64_keys_inside_int32_load_into_an_int32_layer(tmp_path):
 
 
 def test_a_pending_key_outside_int32_does_not_load_into_an_int32_layer(tmp_path):
-    source, source_optimizer = _keyed_model(admit_after=3)
-    for keys in ([5], [5], [5, 2**33]):  # 5 is admitted, 2**33 waits
-        _keyed_step(source, source_optimizer, keys)
+    source = _assert_int32_load_refused(
+        tmp_path, [[5], [5], [5, 2**33]],  # 5 is admitted, 2**33 waits
+        rf"layer 'emb' has key_dtype=torch.int32 but the checkpoint holds pending key {2**33} outside its range",
+        admit_after=3)
     assert source["emb"].stats()["pending"] == 1
-    sk.save_checkpoint(str(tmp_path), source, source_optimizer)
-    model, optimizer = _keyed_model(torch.int32, admit_after=3)
-    _keyed_step(model, optimizer, [3])
-    before = _keyed_snapshot(model, optimizer)
-    with pytest.raises(ValueError, match=rf"layer 'emb' has key_dtype=torch.int32 but the checkpoint holds pending "
-                                         rf"key {2**33} outside its range"):
-        sk.load_checkpoint(str(tmp_path), model, optimizer)
-    assert_equal_nested(_keyed_snapshot(model, optimizer), before)
 
 
 def _int32_on_rank_1_worker(rank, world_size, init, directory):
