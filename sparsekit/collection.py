@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
-from .checkpoint import _agree_or_raise, _owners
+from .checkpoint import _collective_device, _owners
 from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
@@ -552,15 +552,28 @@ class EmbeddingBagCollection(nn.Module):
                 listing the tables. Under a process group every rank raises when any rank
                 names no table: that rank this error, the others a ``RuntimeError``.
         """
-        error: Optional[UnknownTableError] = None
+        error: Optional[BaseException] = None
         try:
             shard = self._shard(table_name)
         except UnknownTableError as exc:
             error = exc
         if self.world_size > 1:
-            # Agree on the name before the stats' all-reduce, or the ranks with a good name
-            # would wait in it until the group's timeout.
-            _agree_or_raise(self.process_group, error, f"EmbeddingBagCollection.stats({table_name!r})")
+            # Agree on the table before the stats' all-reduce: with a bad name on one rank the
+            # others would wait in it until the group's timeout, and with another good name
+            # the sums would mix two tables. One all-reduce (MAX) of (bad, index, -index).
+            index = -1 if error is not None else list(self._by_name).index(table_name)
+            flags = torch.tensor([int(error is not None), index, -index], dtype=torch.int64,
+                                 device=_collective_device(self.process_group))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+            bad, highest, lowest = flags.tolist()
+            if error is None and not bad and highest != -lowest:
+                error = ValueError(f"EmbeddingBagCollection.stats: the ranks asked for different tables (this "
+                                   f"rank {table_name!r}); every rank must name the same table")
+            if error is not None:
+                raise error
+            if bad:
+                raise RuntimeError(f"EmbeddingBagCollection.stats({table_name!r}) failed on another rank (see "
+                                   "the error there); nothing was changed on this rank")
         elif error is not None:
             raise error
         return shard.stats()

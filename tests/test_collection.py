@@ -559,6 +559,9 @@ def _bad_name_worker(rank, world_size, init, store_path):
         with pytest.raises(RuntimeError, match=r"EmbeddingBagCollection.stats\('users'\) failed on another rank"):
             ebc.stats("users")
     assert time.monotonic() - started < 10
+    # Two good names that differ: the sums would mix two tables, so every rank raises.
+    with pytest.raises(ValueError, match="the ranks asked for different tables"):
+        ebc.stats("users" if rank == 0 else "items")
     # A TorchRec-like input with float offsets on rank 1: every rank raises, nothing changes.
     if rank == 1:
         with pytest.raises(TypeError, match=r"the input's offsets\(\) must be an int64 or int32 tensor"):
