@@ -226,7 +226,11 @@ class _ModelParallelEmbedding(nn.Module):
 
     def initial_rows(self, keys: Tensor) -> Tensor:
         """The initializer's rows for int64 ``keys`` ``[n]``, in the weight's dtype and device."""
-        rows = self.embedding_initializer(keys, self.embedding_vec_size)
+        # A user's initializer gets a copy: ``keys`` may be the very tensor the table is about
+        # to store, and one that changes its argument in place would change the table's keys.
+        # KeySeededUniform only reads its keys.
+        given = keys if type(self.embedding_initializer) is KeySeededUniform else keys.clone()
+        rows = self.embedding_initializer(given, self.embedding_vec_size)
         if not isinstance(rows, Tensor) or tuple(rows.shape) != (keys.numel(), self.embedding_vec_size):
             got = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
             raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
@@ -594,12 +598,23 @@ class _ModelParallelEmbedding(nn.Module):
     def _check_extra_state(self, state) -> Optional[Tuple[object, Optional[object], int, int]]:
         """What :meth:`set_extra_state` would load, every part checked and nothing written:
         ``(table state, pending state or None, evicted, admitted)``; None: nothing to load."""
-        if self.hash_table is None or state is None or (isinstance(state, dict) and not state):
-            return None
         name = self._layer_name
+        if state is None:
+            return None
         if not isinstance(state, dict):
             raise TypeError(f"{name}: load_state_dict: '_extra_state' must be the dict get_extra_state() "
                             f"returns, got {type(state).__name__}")
+        # A direct layer's extra state is empty, a hash layer's never is: loading one kind into
+        # the other would pair the weight's rows with the wrong keys.
+        if self.hash_table is None:
+            if state:
+                raise ValueError(f"{name}: load_state_dict: the state holds a hash table, but this layer has "
+                                 "none (use_hashtable=False); build it with use_hashtable=True")
+            return None
+        if not state:
+            raise ValueError(f"{name}: load_state_dict: the state holds no hash table (it was saved by a layer "
+                             "with use_hashtable=False), but this layer's rows belong to its table's keys; "
+                             "build it with use_hashtable=False")
         totals = []
         for total in ("evicted", "admitted"):
             value = state.get(total, 0)

@@ -708,3 +708,38 @@ def test_weight_gradient_mark_cannot_go_stale():
     opt.step()
     ref_opt.step()
     torch.testing.assert_close(layer.weight.detach(), reference.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_state_of_a_hash_layer_and_of_a_direct_layer_do_not_load_into_each_other():
+    hashed = sk.DistributedEmbedding("sum", 8, DIM, 1, 3)
+    hashed(sk.Ragged(torch.tensor([7, 3, 1]), torch.tensor([0, 3])))
+    direct = sk.DistributedEmbedding("sum", 8, DIM, 1, 3, use_hashtable=False)
+    for source, target, message in ((hashed, direct, "holds a hash table, but this layer has none"),
+                                    (direct, hashed, "holds no hash table")):
+        weight, keys = target.weight.detach().clone(), target.export()[0]
+        with pytest.raises(ValueError, match=f"DistributedEmbedding: load_state_dict: the state {message}"):
+            target.load_state_dict(source.state_dict())
+        assert torch.equal(target.weight, weight) and torch.equal(target.export()[0], keys)
+    # Each kind still loads its own kind.
+    again = sk.DistributedEmbedding("sum", 8, DIM, 1, 3)
+    again.load_state_dict(hashed.state_dict())
+    assert torch.equal(again.export()[0], hashed.export()[0])
+    sk.DistributedEmbedding("sum", 8, DIM, 1, 3, use_hashtable=False).load_state_dict(direct.state_dict())
+
+
+@pytest.mark.parametrize("eviction", [None, "lru"])
+def test_an_initializer_that_changes_its_keys_does_not_change_the_table(eviction):
+    def meddling(keys, dim):
+        out = torch.ones(keys.numel(), dim)
+        keys.add_(1000)
+        return out
+
+    layer = sk.DistributedEmbedding("sum", 8, DIM, 1, 3, embedding_initializer=meddling, eviction=eviction)
+    for _ in range(2):
+        layer(sk.Ragged(torch.tensor([5, 6]), torch.tensor([0, 2])))
+    assert sorted(layer.export()[0].tolist()) == [5, 6]
+    sk.DistributedEmbedding("sum", 8, DIM, 1, 3, eviction=eviction).load_state_dict(layer.state_dict())
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 8, ["f"], initializer=meddling)])
+    for _ in range(2):
+        collection(sk.KeyedJagged(["f"], torch.tensor([5, 6]), lengths=torch.tensor([1, 1])))
+    assert sorted(collection.export("t")[0].tolist()) == [5, 6]
