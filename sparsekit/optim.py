@@ -258,10 +258,13 @@ class LazyAdam(torch.optim.Optimizer):
         steps: List[int] = []
         hyper: List[float] = []
         states = []
+        created: List[Tensor] = []  # parameters whose state this call makes: gone again if it fails
         for group in self.param_groups:
             for param in group["params"]:
                 if id(param) not in fused:
                     continue
+                if not self.state.get(param):
+                    created.append(param)
                 state = self._init_state(param)
                 rows, values = self._sparse_rows_and_values(param, param.grad)
                 if group.get("maximize", False):
@@ -275,6 +278,8 @@ class LazyAdam(torch.optim.Optimizer):
         try:
             torch.ops.sparsekit.lazy_adam_tables_(*tables, steps, hyper)
         except RuntimeError:
+            for param in created:
+                del self.state[param]
             self._check_gradients()  # LazyAdam's own message for a bad row
             raise
         for state in states:

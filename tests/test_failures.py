@@ -159,3 +159,23 @@ def test_lazy_adam_tables_refuses_moments_that_share_memory():
     with pytest.raises(RuntimeError, match="share memory"):
         torch.ops.sparsekit.lazy_adam_tables_([weight], [exp_avg], [exp_avg], [torch.tensor([1])], [grad], [2],
                                               [0.1, 0.9, 0.999, 1e-8, 0.0])
+
+
+def test_lazy_adam_refuses_a_gradient_marked_coalesced_with_a_repeated_row():
+    """The fused tables update would update the row twice (and two threads could race on it)."""
+    weight = torch.nn.Parameter(torch.zeros(6, 3))
+    optimizer = sk.LazyAdam([weight], lr=0.1)
+    weight.grad = torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.ones(2, 3), (6, 3), is_coalesced=True)
+    with pytest.raises(RuntimeError, match="row 1 more than once"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), torch.zeros(6, 3)) and not optimizer.state[weight]
+
+
+def test_lazy_adam_tables_refuses_tensors_shared_between_tables():
+    rows, hyper = [torch.tensor([1]), torch.tensor([2])], [0.1, 0.9, 0.999, 1e-8, 0.0] * 2
+    w0, w1, m0, v0, v1 = (torch.zeros(6, 3) for _ in range(5))
+    with pytest.raises(RuntimeError, match="lazy_adam_tables_: the tensors of tables 0 and 1 share memory"):
+        # Table 1's first moment is table 0's weight.
+        torch.ops.sparsekit.lazy_adam_tables_([w0, w1], [m0, w0], [v0, v1], rows, [torch.ones(1, 3)] * 2, [1, 1],
+                                              hyper)
+    assert not w0.any() and not w1.any()

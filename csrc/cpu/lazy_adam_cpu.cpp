@@ -132,6 +132,31 @@ inline void prefetch_row(const void* weight, const void* exp_avg, const void* ex
 // weight's rows (zeroing a word costs less than sorting a row); above, a sorted copy.
 constexpr int64_t kBitmapRowsPerUpdate = 128;
 
+/// @brief The first row found twice among rows[0, n) (all in [0, num_rows)), or -1.
+template <typename index_t>
+int64_t repeated_row(const index_t* rows, int64_t n, int64_t num_rows) {
+  if (n < 2) return -1;
+  if (num_rows <= kBitmapRowsPerUpdate * n + (int64_t{1} << 16)) {
+    std::vector<uint64_t> seen((num_rows + 63) / 64, 0);
+    std::atomic<int64_t> found{-1};
+    parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = static_cast<int64_t>(rows[i]);
+        const uint64_t bit = uint64_t{1} << (row & 63);
+        if (__atomic_fetch_or(&seen[row >> 6], bit, __ATOMIC_RELAXED) & bit) {
+          found.store(row, std::memory_order_relaxed);
+          return;
+        }
+      }
+    });
+    return found.load();
+  }
+  std::vector<int64_t> sorted(rows, rows + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto at = std::adjacent_find(sorted.begin(), sorted.end());
+  return at != sorted.end() ? *at : -1;
+}
+
 /// @brief Raises unless every row lies in [0, num_rows) and no row appears twice (a
 /// repeated row would be updated twice, by racing threads). Reads rows only.
 template <typename index_t>
@@ -149,29 +174,34 @@ void check_rows(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
     }
   });
   SK_CHECK(!bad.load(), lazy_adam_row_range_message(bad_row.load(), num_rows));
-  if (num_rows_given < 2) return;
-  int64_t repeated = -1;
-  if (num_rows <= kBitmapRowsPerUpdate * num_rows_given + (int64_t{1} << 16)) {
-    std::vector<uint64_t> seen((num_rows + 63) / 64, 0);
-    std::atomic<int64_t> found{-1};
-    parallel_for(0, num_rows_given, 1 << 14, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t row = static_cast<int64_t>(rows[i]);
-        const uint64_t bit = uint64_t{1} << (row & 63);
-        if (__atomic_fetch_or(&seen[row >> 6], bit, __ATOMIC_RELAXED) & bit) {
-          found.store(row, std::memory_order_relaxed);
-          return;
-        }
-      }
-    });
-    repeated = found.load();
-  } else {
-    std::vector<int64_t> sorted(rows, rows + num_rows_given);
-    std::sort(sorted.begin(), sorted.end());
-    const auto at = std::adjacent_find(sorted.begin(), sorted.end());
-    if (at != sorted.end()) repeated = *at;
-  }
+  const int64_t repeated = repeated_row(rows, num_rows_given, num_rows);
   SK_CHECK(repeated < 0, lazy_adam_repeated_row_message(repeated));
+}
+
+/// @brief Raises when tensors of two tables share memory (each table's own four were checked
+/// by check_lazy_adam_disjoint): one table's update would write what another reads.
+void check_tables_disjoint(const char* op, const std::vector<Tensor>& weights, const std::vector<Tensor>& exp_avgs,
+                           const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& grads) {
+  struct Span {
+    const char* begin;
+    const char* end;
+    size_t table;
+  };
+  std::vector<Span> spans;
+  for (size_t t = 0; t < weights.size(); ++t) {
+    for (const Tensor* tensor : {&weights[t], &exp_avgs[t], &exp_avg_sqs[t], &grads[t]}) {
+      if (tensor->numel() == 0) continue;
+      const char* begin = static_cast<const char*>(tensor->const_data_ptr());
+      // The four tensors of a table are contiguous (the gradients after as_contiguous).
+      spans.push_back({begin, begin + tensor->numel() * static_cast<int64_t>(tensor->element_size()), t});
+    }
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < spans.size(); ++i) {
+    SK_CHECK(spans[i].begin >= spans[i - 1].end, op, ": the tensors of tables ", spans[i - 1].table, " and ",
+             spans[i].table, " share memory; every weight, moment and gradient must be a tensor of its own");
+    if (spans[i].end < spans[i - 1].end) spans[i].end = spans[i - 1].end;  // keep the furthest end so far
+  }
 }
 
 }  // namespace
@@ -322,6 +352,13 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
     SK_CHECK(false, op, ": rows[", t, "] holds ", rows[t].const_data_ptr<int64_t>()[i - offsets[t]],
              ", outside [0, ", weights[t].size(0), ") (the rows of weights[", t, "]); nothing was updated");
   }
+  // A row given twice would be updated twice (by racing threads): refused as lazy_adam_ does.
+  for (size_t t = 0; t < num_tables; ++t) {
+    const int64_t repeated = repeated_row(rows[t].const_data_ptr<int64_t>(), rows[t].size(0), weights[t].size(0));
+    SK_CHECK(repeated < 0, op, ": rows[", t, "] holds row ", repeated, " more than once (a sparse gradient "
+             "marked coalesced that is not?); nothing was updated");
+  }
+  check_tables_disjoint(op, weights, exp_avgs, exp_avg_sqs, grads_c);
   struct Table {
     void* weight;
     ScalarType dtype;
