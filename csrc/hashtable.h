@@ -116,21 +116,22 @@ enum HashInsertError : int32_t {
 /// with num_occupied + num_keys <= num_slots every probe (it wraps around) ends on one, so
 /// a call that passes writes every key, and a call that fails writes nothing, on every
 /// device alike.
-inline void check_hash_insert_fits(int64_t num_occupied, int64_t num_keys, int64_t num_slots) {
+inline void check_hash_insert_fits(int64_t num_occupied, int64_t num_keys, int64_t num_slots,
+                                   const char* op = "hash_table_insert_absent_") {
   SK_CHECK(num_occupied >= 0 && num_occupied <= num_slots,
-              "hash_table_insert_absent_: num_occupied must lie in [0, ", num_slots, "], got ", num_occupied);
-  SK_CHECK(num_occupied + num_keys <= num_slots, "hash_table_insert_absent_: ", num_keys,
+              op, ": num_occupied must lie in [0, ", num_slots, "], got ", num_occupied);
+  SK_CHECK(num_occupied + num_keys <= num_slots, op, ": ", num_keys,
               " keys do not fit in the ", num_slots - num_occupied, " empty slots of the table (", num_occupied,
               " of ", num_slots, " occupied); nothing was inserted. Keep the table at most half full "
               "(sparsekit.HashTable does)");
 }
 
-inline void raise_hash_insert_error(int32_t code) {
+inline void raise_hash_insert_error(int32_t code, const char* op = "hash_table_insert_absent_") {
   SK_CHECK(code != kHashInsertNegativeRow,
-              "hash_table_insert_absent_: rows must be >= 0 (-1 marks an empty slot); nothing valid "
+              op, ": rows must be >= 0 (-1 marks an empty slot); nothing valid "
               "can be stored for a negative row");
   SK_CHECK(code != kHashInsertTableFull,
-              "hash_table_insert_absent_: the table has no empty slot left; keep the table at most half "
+              op, ": the table has no empty slot left; keep the table at most half "
               "full (sparsekit.HashTable does) and insert only keys that are absent");
 }
 

@@ -344,7 +344,7 @@ void hash_table_place_tables_cpu(const std::vector<Tensor>& slot_keys, const std
     const int64_t capacity = row_keys[t].size(0);
     SK_CHECK(sizes[t] >= 0 && sizes[t] <= capacity - num_new, op, ": table ", t, " holds ", sizes[t], " of its ",
              capacity, " rows, so its ", num_new, " new keys do not fit; nothing was inserted");
-    check_hash_insert_fits(sizes[t], num_new, slot_keys[t].size(0));
+    check_hash_insert_fits(sizes[t], num_new, slot_keys[t].size(0), "hash_table_place_tables_");
   }
   std::vector<int64_t*> skeys, srows, rkeys, counts;
   std::vector<uint64_t> masks;
@@ -376,7 +376,7 @@ void hash_table_place_tables_cpu(const std::vector<Tensor>& slot_keys, const std
   });
   // Unreachable after the room check above (every probe ends on a free slot), kept as
   // the single-table insert keeps it.
-  raise_hash_insert_error(full.load() ? kHashInsertTableFull : kHashInsertOk);
+  raise_hash_insert_error(full.load() ? kHashInsertTableFull : kHashInsertOk, "hash_table_place_tables_");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
