@@ -12,6 +12,12 @@ Value encodings:
     little-endian two's complement, under a seed distinct from the text seed, so the
     integer 7 and an 8-byte string that happens to spell it never collide by design.
     Integers outside the int64 range raise ``OverflowError``.
+  * ``bool`` (Python's, numpy's, bool tensors and arrays) is refused with a ``TypeError``,
+    as for ``slot`` and ``seed``: ``True`` is an int to Python, but a flag hashed as 1 would
+    silently share its key with the integer 1. Convert with ``int(value)`` (or
+    ``.astype(np.int64)`` / ``.long()``) if that is what is meant.
+  * A ``str`` with no UTF-8 encoding (a lone surrogate such as ``"\ud800"``) raises
+    ``ValueError``.
 
 Digests depend only on the value, slot and seed: they are the same across runs,
 processes, machines and Python hash randomisation.
@@ -49,10 +55,15 @@ def _seed(slot: int, seed: int, kind: int) -> int:
     return _digest(_SEED_LAYOUT.pack(seed % _TWO_64, slot, kind))
 
 
+def _is_bool(value) -> bool:
+    """A Python or numpy bool, or a bool tensor (whose ``__index__`` would read it as 0 or 1)."""
+    return isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+
+
 def _integer(value, name: str, where: str) -> int:
     """``value`` as a Python int: any integer type but bool (TypeError otherwise)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be an int, got {value!r}")
+    if _is_bool(value):
+        raise TypeError(f"{where}: {name} must be an int, got {value!r}; convert a bool with int() explicitly")
     try:
         return operator.index(value)
     except TypeError:
@@ -89,7 +100,8 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
     """Hash one raw categorical value of ``slot`` to an int64 key.
 
     Args:
-        value: a ``str`` (hashed as UTF-8), ``bytes``-like, or integer in the int64 range.
+        value: a ``str`` (hashed as UTF-8), ``bytes``-like, or integer in the int64 range
+            (not a bool).
         slot: the slot the value belongs to; equal values in different slots give
             different keys.
         seed: global seed shared by all slots.
@@ -99,15 +111,28 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
 
     Raises:
         TypeError: for a value of any other type (floats included: hash ``repr`` or a
-            rounded int), or a ``slot`` or ``seed`` that is not an int.
+            rounded int; bools: convert with ``int()``), or a ``slot`` or ``seed`` that is
+            not an int.
         OverflowError: for an integer value outside the int64 range.
-        ValueError: a ``slot`` outside the int64 range.
+        ValueError: a ``str`` with no UTF-8 encoding (a lone surrogate), or a ``slot``
+            outside the int64 range.
     """
     slot, seed = _slot_and_seed(slot, seed, "sparsekit.hashing")
     if isinstance(value, str):
-        return _to_int64(_digest(value.encode("utf-8"), _seed(slot, seed, _TEXT)))
+        try:
+            encoded = value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            shown = value if len(value) <= 64 else value[:61] + "..."
+            raise ValueError(
+                f"sparsekit.hashing: cannot hash {shown!r}: str values are hashed as their UTF-8 bytes and "
+                f"{value[error.start:error.end]!r} (a lone surrogate, at index {error.start}) has no UTF-8 "
+                "encoding; pass bytes, or repair the string first") from error
+        return _to_int64(_digest(encoded, _seed(slot, seed, _TEXT)))
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _to_int64(_digest(value, _seed(slot, seed, _TEXT)))
+    if _is_bool(value):
+        raise TypeError(f"sparsekit.hashing: cannot hash a bool ({value!r}): it would share the key of the "
+                        "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant")
     try:
         integer = operator.index(value)
     except TypeError:
@@ -128,27 +153,40 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
     """Hash a list of raw values of one slot.
 
     Args:
-        values: an iterable of str / bytes / int, or an integer numpy array or tensor
-            (hashed element by element as integers).
+        values: an iterable of str / bytes / int; an integer numpy array or tensor (hashed
+            element by element as integers); or a numpy array of strings (dtype kind
+            ``"U"``, ``"S"`` or numpy 2's ``StringDType``) or of objects, hashed element by
+            element as :func:`hash_value` hashes them (a ``"S"`` array holds its bytes
+            without trailing NULs, as numpy stores them). Arrays and tensors are read
+            flattened.
         slot: the slot all values belong to.
         seed: global seed.
 
     Returns:
-        int64 tensor ``[len(values)]`` with ``out[i] == hash_value(values[i], slot, seed=seed)``.
+        int64 tensor ``[n]`` (``n`` values; ``values.size`` for an array) with
+        ``out[i] == hash_value(values[i], slot, seed=seed)``.
 
     Raises:
         TypeError: ``values`` is one str or bytes (it would be hashed character by
-            character: use :func:`hash_value`), a float array, or holds a value
+            character: use :func:`hash_value`), a float, complex or bool array or tensor
+            (convert bools with ``.astype(np.int64)`` / ``.long()``), or holds a value
             :func:`hash_value` refuses.
+        ValueError: a value :func:`hash_value` refuses with ``ValueError``.
     """
     if isinstance(values, (str, bytes, bytearray, memoryview)):
         raise TypeError(f"sparsekit.hashing.hash_values: values must be a sequence of values, got one "
                         f"{type(values).__name__}; hash a single value with hash_value")
-    if isinstance(values, (np.ndarray, torch.Tensor)):
-        if values.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or (
-                isinstance(values, np.ndarray) and values.dtype.kind not in "iub"):
-            raise TypeError(f"sparsekit.hashing.hash_values: array of dtype {values.dtype}; "
-                            "pass integers, strings or bytes")
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
+            hint = "; convert bools to int explicitly (.long())" if values.dtype == torch.bool else ""
+            raise TypeError(f"sparsekit.hashing.hash_values: tensor of dtype {values.dtype}; pass integers, "
+                            f"strings or bytes{hint}")
+        values = values.reshape(-1).tolist()
+    elif isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iuUSOT":
+            hint = "; convert bools to int explicitly (.astype(np.int64))" if values.dtype.kind == "b" else ""
+            raise TypeError(f"sparsekit.hashing.hash_values: array of dtype {values.dtype}; pass integers, "
+                            f"strings or bytes{hint}")
         values = values.reshape(-1).tolist()
     keys = [hash_value(value, slot, seed=seed) for value in values]
     return torch.tensor(keys, dtype=torch.int64).reshape(len(keys))
@@ -166,13 +204,24 @@ def hash_rows(rows: Sequence[Sequence[Value]], *, seed: int = 0, first_slot: int
         int64 tensor ``[B, S]``.
 
     Raises:
+        TypeError: a row that is one str or bytes (it would be read as a row of characters:
+            wrap it, ``[value]``, for a one-slot row), or a value :func:`hash_value` refuses.
         ValueError: if the rows do not all have the same length.
     """
+    if isinstance(rows, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"sparsekit.hashing.hash_rows: rows must be a sequence of rows, got one "
+                        f"{type(rows).__name__}")
     if len(rows) == 0:
         return torch.empty(0, 0, dtype=torch.int64)
-    width = len(rows[0])
+    width = None
     keys = []
     for index, row in enumerate(rows):
+        if isinstance(row, (str, bytes, bytearray, memoryview)):
+            raise TypeError(f"sparsekit.hashing.hash_rows: row {index} is one {type(row).__name__} ({row!r}), "
+                            "not a row of values (it would be read as a row of characters); pass "
+                            f"[{row!r}] for a row of one slot")
+        if width is None:
+            width = len(row)
         if len(row) != width:
             raise ValueError(f"sparsekit.hashing.hash_rows: row {index} has {len(row)} values, "
                              f"row 0 has {width}; every row needs one value per slot")

@@ -8,7 +8,8 @@ let ``torch.compile`` trace them, with data-dependent output sizes taken from
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+import operator
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -20,6 +21,55 @@ from ._checks import allocation, float_dtype, index_dtype, same_device
 _ops = torch.ops.sparsekit
 
 _INT_KEY_DTYPES = (torch.int64, torch.int32)
+
+
+# ---- argument types of the wrappers ----
+# The dispatcher reads True as 1 for an int argument and accepts None or 0 for a bool one,
+# so a mistyped flag or size would silently pick another behaviour; the wrappers check the
+# Python types first (TypeError, as torch's own functions raise), the kernels the ranges.
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _flag(op: str, name: str, value: Any) -> bool:
+    """``value`` if it is a Python bool (as torch's functions, numpy's bool is not one)."""
+    if value is True or value is False:
+        return value
+    raise TypeError(f"{op}: {name} must be a bool, got {value!r} ({_type_name(value)})")
+
+
+def _integer(op: str, name: str, value: Any, optional: bool = False) -> Any:
+    """``value`` as an int: a Python or numpy integer, an integer 0-d tensor or a traced
+    SymInt; never a bool (True is not the size 1). None passes when ``optional``."""
+    if type(value) is int or isinstance(value, torch.SymInt) or (optional and value is None):
+        return value
+    if not isinstance(value, (bool, np.bool_)) and not (isinstance(value, Tensor) and value.dtype == torch.bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    kind = "an int or None" if optional else "an int"
+    raise TypeError(f"{op}: {name} must be {kind}, got {value!r} ({_type_name(value)})")
+
+
+def _real(op: str, name: str, value: Any) -> Any:
+    """``value`` if it is a real number (int, float or a numpy one; not a bool) or a traced
+    SymFloat / SymInt."""
+    if type(value) is float or type(value) is int or isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
+        return value
+    raise TypeError(f"{op}: {name} must be a float, got {value!r} ({_type_name(value)})")
+
+
+def _choice(op: str, name: str, value: Any) -> str:
+    """``value`` if it is a str (which one is the kernel's check)."""
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"{op}: {name} must be a str, got {value!r} ({_type_name(value)})")
 
 
 # ---- unique ----
@@ -63,6 +113,8 @@ def unique(
         ``unique_keys`` (``[U]``, dtype of ``keys``), then ``inverse`` and/or ``counts`` when
         asked, in that order (the ``torch.unique`` convention); a bare tensor when neither is.
     """
+    return_inverse = _flag("unique", "return_inverse", return_inverse)
+    return_counts = _flag("unique", "return_counts", return_counts)
     unique_keys, inverse, counts = _ops.unique(keys)
     out = (unique_keys,) + ((inverse,) if return_inverse else ()) + ((counts,) if return_counts else ())
     return out[0] if len(out) == 1 else out
@@ -121,8 +173,15 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
 
     Returns:
         ``[num_segments, ...]`` of ``data``'s dtype, zeros for empty segments.
-        Differentiable in ``data``.
+        Differentiable in ``data``, any number of times (the backward is a gather made of
+        differentiable torch ops).
+
+    Raises:
+        TypeError: ``num_segments`` not an int (a bool is not one), ``deterministic`` not a
+            bool.
     """
+    num_segments = _integer("segment_sum", "num_segments", num_segments)
+    deterministic = _flag("segment_sum", "deterministic", deterministic)
     with allocation(f"segment_sum: num_segments={num_segments} (the output)",
                     (num_segments,) + tuple(data.shape[1:]), data.dtype, data.device):
         return _ops.segment_sum(data, segment_ids, num_segments, _deterministic(deterministic))
@@ -148,6 +207,8 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
 
     Args and returns as :func:`segment_sum`. Differentiable in ``data``.
     """
+    num_segments = _integer("segment_mean", "num_segments", num_segments)
+    deterministic = _flag("segment_mean", "deterministic", deterministic)
     totals = segment_sum(data, segment_ids, num_segments, deterministic)
     # Exact integer counts (a float count stops growing at 2^24 rows in float32), divided in
     # float32 at least.
@@ -160,6 +221,9 @@ def segment_reduce(
     data: Tensor, segment_ids: Tensor, num_segments: int, reduce: str = "sum", deterministic: bool = False
 ) -> Tensor:
     """:func:`segment_sum` (``reduce="sum"``) or :func:`segment_mean` (``reduce="mean"``)."""
+    reduce = _choice("segment_reduce", "reduce", reduce)
+    num_segments = _integer("segment_reduce", "num_segments", num_segments)
+    deterministic = _flag("segment_reduce", "deterministic", deterministic)
     if reduce == "sum":
         return segment_sum(data, segment_ids, num_segments, deterministic)
     if reduce == "mean":
@@ -258,6 +322,7 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
         rows: int64 ``[n]`` rows ``>= 0``; the slot of ``keys[i]`` gets ``rows[i]``.
         num_occupied: the number of occupied slots, when the caller knows it; None: counted.
     """
+    num_occupied = _integer("hash_table_insert_absent_", "num_occupied", num_occupied, optional=True)
     _ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, rows, num_occupied)
 
 
@@ -318,7 +383,7 @@ def select_smallest(columns: Sequence[Tensor], eligible: Tensor, k: int) -> Tens
         keys = torch.tensor([10, 20, 30, 5])
         select_smallest([last_seen, keys], torch.ones(4, dtype=torch.bool), 2)  # tensor([1, 3])
     """
-    return _ops.select_smallest(list(columns), eligible, k)
+    return _ops.select_smallest(list(columns), eligible, _integer("select_smallest", "k", k))
 
 
 @torch.library.register_fake("sparsekit::segment_sum_parts")
@@ -404,6 +469,10 @@ def lazy_adam_(
         eps: denominator term ``>= 0``.
         weight_decay: L2 penalty ``>= 0`` added to the gradient of the touched rows.
     """
+    step = _integer("lazy_adam_", "step", step)
+    lr, beta1, beta2, eps, weight_decay = (
+        _real("lazy_adam_", name, value) for name, value in
+        (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)))
     _ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay)
 
 
@@ -428,7 +497,7 @@ def partition_by_owner(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, T
         ``positions`` (int64 ``[N]``) with ``keys_by_owner[positions[i]] == keys[i]``;
         ``counts`` (int64 ``[world_size]``) keys per owner. No host synchronisation.
     """
-    return _ops.partition_by_owner(keys, world_size)
+    return _ops.partition_by_owner(keys, _integer("partition_by_owner", "world_size", world_size))
 
 
 @torch.library.register_fake("sparsekit::partition_by_owner")
@@ -474,6 +543,11 @@ def key_seeded_uniform(
     Returns:
         ``[N, dim]`` tensor of ``dtype`` on the keys' device.
     """
+    op = "key_seeded_uniform"
+    dim, seed = _integer(op, "dim", dim), _integer(op, "seed", seed)
+    low, high = _real(op, "low", low), _real(op, "high", high)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{op}: dtype must be a torch.dtype or None, got {dtype!r} ({_type_name(dtype)})")
     with allocation(f"key_seeded_uniform: {keys.shape[0] if keys.dim() else 1} keys x dim={dim} (the output)",
                     (keys.shape[0] if keys.dim() else 1, dim), dtype or torch.float32, keys.device):
         return _ops.key_seeded_uniform(keys, dim, seed, low, high, dtype)
@@ -500,7 +574,8 @@ def _key_seeded_uniform_fake(
 # ---- embedding ----
 
 
-def _check_embedding_bag_shapes(weight: Tensor, rows: Tensor, offsets: Tensor, include_last_offset: bool):
+def _check_embedding_bag_shapes(weight: Tensor, rows: Tensor, offsets: Tensor, padding_idx: Optional[int],
+                                include_last_offset: bool):
     """The checks of the fakes; returns the number of bags."""
     same_device("embedding_bag", weight=weight, rows=rows, offsets=offsets)
     float_dtype("embedding_bag", "weight", weight)
@@ -509,6 +584,11 @@ def _check_embedding_bag_shapes(weight: Tensor, rows: Tensor, offsets: Tensor, i
     torch._check(weight.dim() == 2, lambda: f"embedding_bag: weight must be 2-D, got {weight.dim()}-D")
     torch._check(rows.dim() == 1, lambda: f"embedding_bag: rows must be 1-D, got {rows.dim()}-D")
     torch._check(offsets.dim() == 1, lambda: f"embedding_bag: offsets must be 1-D, got {offsets.dim()}-D")
+    if padding_idx is not None:
+        num_rows = weight.shape[0]
+        torch._check(-num_rows <= padding_idx < num_rows,
+                     lambda: f"embedding_bag: padding_idx must lie in [-num_rows, num_rows) = [{-num_rows}, "
+                             f"{num_rows}), got {padding_idx}; pass None for no padding row")
     if include_last_offset:
         torch._check(offsets.shape[0] >= 1, lambda: "embedding_bag: offsets must hold bags + 1 >= 1 entries")
         return offsets.shape[0] - 1
@@ -520,9 +600,9 @@ def _embedding_bag_fake(
     weight: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor] = None, mode: str = "sum",
     padding_idx: Optional[int] = None, include_last_offset: bool = True,
 ) -> Tensor:
-    bags = _check_embedding_bag_shapes(weight, rows, offsets, include_last_offset)
+    bags = _check_embedding_bag_shapes(weight, rows, offsets, padding_idx, include_last_offset)
     torch._check(mode in ("sum", "mean", "max"),
-                 lambda: f"embedding_bag: mode must be 'sum', 'mean' or 'max', got {mode!r}")
+                 lambda: f'embedding_bag: mode must be "sum", "mean" or "max", got "{mode}"')
     torch._check(per_sample_weights is None or mode != "max",
                  lambda: "embedding_bag: per_sample_weights is only supported for mode='sum' or 'mean'")
     if per_sample_weights is not None:
@@ -538,7 +618,7 @@ def _embedding_bag_fake(
 def _embedding_bag_argmax_fake(
     weight: Tensor, rows: Tensor, offsets: Tensor, padding_idx: Optional[int] = None, include_last_offset: bool = True
 ) -> Tensor:
-    bags = _check_embedding_bag_shapes(weight, rows, offsets, include_last_offset)
+    bags = _check_embedding_bag_shapes(weight, rows, offsets, padding_idx, include_last_offset)
     return weight.new_empty((bags, weight.shape[1]), dtype=torch.int64)
 
 
@@ -725,6 +805,120 @@ def _max_gradient(grad_output: Tensor, weight: Tensor, rows: Tensor, offsets: Te
                                    check_invariants=False)
 
 
+class _LookupSpec(NamedTuple):
+    """One sum or mean lookup's backward, as :class:`_LookupGradient` needs it."""
+
+    lookup_rows: Tensor  # [nnz] the row each lookup reads, -1 where skipped (missing or padding)
+    bag: Tensor  # [nnz] int64: the bag (row of the flattened grad_output) each lookup adds to
+    mode: str  # "sum" or "mean" (embedding_bag), "gather" (embedding_gather: one bag per lookup)
+    # (grad_output, weight, per_sample_weights) -> (grad_weight, grad_per_sample_weights): the
+    # first-order backward, the only one that runs without create_graph.
+    first_order: Callable[[Tensor, Optional[Tensor], Optional[Tensor]],
+                          Tuple[Optional[Tensor], Optional[Tensor]]]
+
+
+def _rows_of(grad: Tensor, rows: Tensor) -> Tensor:
+    """Dense ``[len(rows), D]``: rows ``rows`` of a sparse COO or strided ``[R, D]`` gradient."""
+    picked = grad.index_select(0, rows)
+    return picked.to_dense() if picked.layout == torch.sparse_coo else picked
+
+
+def _reference_pool(table: Tensor, local: Tensor, valid: Tensor, bag: Tensor, bags: int,
+                    per_sample_weights: Optional[Tensor], mode: str) -> Tensor:
+    """Plain-torch sum / mean pooling of ``table[local[i]]`` into bag ``bag[i]`` over the valid
+    lookups (weighted by ``per_sample_weights``): the forward the second derivatives differentiate."""
+    scale = valid.to(table.dtype) if per_sample_weights is None else torch.where(valid, per_sample_weights, 0)
+    lookups = table.index_select(0, local) * scale.unsqueeze(1)
+    pooled = table.new_zeros(bags, table.shape[1]).index_add(0, bag, lookups)
+    if mode == "mean":
+        denominator = scale.new_zeros(bags).index_add(0, bag, scale)
+        nonzero = denominator != 0
+        pooled = torch.where(nonzero.unsqueeze(1), pooled / torch.where(nonzero, denominator, 1).unsqueeze(1), 0)
+    return pooled
+
+
+class _LookupGradient(torch.autograd.Function):
+    """The first-order gradients of a sum or mean lookup (``embedding_bag``, ``embedding_gather``)
+    as a differentiable function of ``(grad_output, weight, per_sample_weights)``: what a
+    backward with ``create_graph=True`` returns, so that it can be differentiated again.
+
+    Forward is the first-order backward itself (the same sparse gradient, bit for bit).
+    Backward differentiates :func:`_reference_pool` twice over the distinct rows looked up (a
+    dense ``[distinct rows, D]`` block, never the table), so the weight's second-order
+    gradient is sparse COO too; under ``create_graph=True`` again that plain-torch graph is
+    recorded, so third and higher derivatives follow."""
+
+    @staticmethod
+    def forward(ctx, grad_output: Tensor, weight: Optional[Tensor], per_sample_weights: Optional[Tensor],
+                spec: _LookupSpec):
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad_output, weight, per_sample_weights)
+        return spec.first_order(grad_output, weight, per_sample_weights)
+
+    @staticmethod
+    def backward(ctx, grad_grad_weight: Optional[Tensor], grad_grad_per_sample_weights: Optional[Tensor]):
+        grad_output, weight, per_sample_weights = ctx.saved_tensors
+        spec = ctx.spec
+        if per_sample_weights is None:
+            grad_grad_per_sample_weights = None  # no such output
+        if grad_grad_weight is None and grad_grad_per_sample_weights is None:
+            return None, None, None, None
+        create_graph = torch.is_grad_enabled()
+
+        def variable(tensor: Tensor) -> Tensor:
+            # A node of its own to differentiate by: under create_graph an alias, still recorded
+            # into the caller's graph (a derivative by the tensor itself would also count the
+            # paths through grad_output's own history: d/dp twice), else a fresh leaf.
+            if create_graph and tensor.requires_grad:
+                return tensor.view_as(tensor)
+            return tensor.detach().requires_grad_()
+
+        dim = grad_output.shape[-1]
+        bags = spec.bag.shape[0] if spec.mode == "gather" else grad_output.shape[0]
+        acc_dtype = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
+        valid = spec.lookup_rows >= 0
+        distinct, local = torch.unique(torch.where(valid, spec.lookup_rows, 0).long(), return_inverse=True)
+        with torch.enable_grad():
+            bag_grad = variable(grad_output.reshape(bags, dim).to(acc_dtype))
+            # Without per-sample weights the gradients do not depend on the table's values.
+            table = variable(weight.index_select(0, distinct).to(acc_dtype) if weight is not None
+                             else bag_grad.new_zeros(distinct.shape[0], dim))
+            scale = None if per_sample_weights is None else variable(per_sample_weights.to(acc_dtype))
+            leaves = [table] + ([] if scale is None else [scale])
+            mode = "sum" if spec.mode == "gather" else spec.mode
+            pooled = _reference_pool(table, local, valid, spec.bag, bags, scale, mode)
+            first = torch.autograd.grad(pooled, leaves, bag_grad, create_graph=True)
+            outputs, upstream = [], []
+            if grad_grad_weight is not None:
+                outputs.append(first[0])
+                upstream.append(_rows_of(grad_grad_weight, distinct).to(acc_dtype))
+            if grad_grad_per_sample_weights is not None:
+                outputs.append(first[1])
+                upstream.append(grad_grad_per_sample_weights.to(acc_dtype))
+            second = torch.autograd.grad(outputs, [bag_grad] + leaves, upstream, allow_unused=True,
+                                         create_graph=create_graph)
+        needs_grad_output, needs_weight, needs_per_sample_weights = ctx.needs_input_grad[:3]
+        grad_grad_output = grad_weight = grad_per_sample_weights = None
+        if needs_grad_output and second[0] is not None:
+            grad_grad_output = second[0].reshape(grad_output.shape).to(grad_output.dtype)
+        if weight is not None and needs_weight and second[1] is not None:
+            grad_weight = torch.sparse_coo_tensor(distinct.unsqueeze(0), second[1].to(weight.dtype), weight.shape,
+                                                  is_coalesced=True, check_invariants=False)
+        if scale is not None and needs_per_sample_weights and second[2] is not None:
+            grad_per_sample_weights = second[2].to(per_sample_weights.dtype)
+        return grad_grad_output, grad_weight, grad_per_sample_weights, None
+
+
+def _lookup_gradients(spec: _LookupSpec, grad_output: Tensor, weight: Optional[Tensor],
+                      per_sample_weights: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The first-order gradients; differentiable again when the backward runs with
+    ``create_graph=True`` (grad mode on)."""
+    if torch.is_grad_enabled():
+        return _LookupGradient.apply(grad_output, weight, per_sample_weights, spec)
+    return spec.first_order(grad_output, weight, per_sample_weights)
+
+
 def _embedding_bag_backward(ctx, grad_output: Tensor):
     rows, offsets, per_sample_weights, weight, output = ctx.saved_tensors
     nnz = rows.shape[0]
@@ -737,6 +931,8 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
     lookup_rows = rows if padding_row is None else torch.where(rows == padding_row, -1, rows)
 
     if ctx.mode == "max":
+        # Made of differentiable ops (a selection, segment_sum, sparse_coo_tensor): a second
+        # derivative needs nothing more.
         grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_weight = _max_gradient(grad_output, weight, rows, offsets, lookup_rows, ctx)
@@ -744,46 +940,54 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
 
     bag = _bag_index(csr, nnz)
     valid = lookup_rows >= 0
+    needs_weight = ctx.needs_input_grad[0]
+    needs_per_sample_weights = per_sample_weights is not None and ctx.needs_input_grad[3]
+    mode, num_rows = ctx.mode, ctx.num_rows
 
-    # mean: out[b] = sum_i w_i weight[r_i] / S_b, S_b = number (or weight sum) of valid rows.
-    inverse_denominator = None
-    if ctx.mode == "mean":
-        if per_sample_weights is None:
-            # Exact integer counts from a prefix sum: no atomics, no rounding.
-            prefix = torch.cat([valid.new_zeros(1, dtype=torch.int64), torch.cumsum(valid, 0)])
-            denominator = (prefix[csr[1:]] - prefix[csr[:-1]]).to(acc_dtype)
-        else:
-            # The forward's own weight sums, bit for bit and without atomics: embedding_bag
-            # over the [nnz, 1] table of weights (0 for skipped lookups; adding 0.0 changes
-            # no sum) runs the forward's summation order, long bags split alike on CUDA.
-            masked = torch.where(valid, per_sample_weights.to(acc_dtype), 0).unsqueeze(1)
-            lookups = torch.arange(nnz, device=rows.device)
-            denominator = _ops.embedding_bag(masked, lookups, csr, None, "sum").squeeze(1)
-        # The forward pools a bag with nothing to divide by to zeros; its gradient is zero too.
-        safe = torch.where(denominator != 0, denominator, 1)
-        inverse_denominator = torch.where(denominator != 0, 1 / safe, 0)
+    def first_order(grad_output: Tensor, weight: Optional[Tensor], per_sample_weights: Optional[Tensor]):
+        # mean: out[b] = sum_i w_i weight[r_i] / S_b, S_b = number (or weight sum) of valid rows.
+        inverse_denominator = None
+        if mode == "mean":
+            if per_sample_weights is None:
+                # Exact integer counts from a prefix sum: no atomics, no rounding.
+                prefix = torch.cat([valid.new_zeros(1, dtype=torch.int64), torch.cumsum(valid, 0)])
+                denominator = (prefix[csr[1:]] - prefix[csr[:-1]]).to(acc_dtype)
+            else:
+                # The forward's own weight sums, bit for bit and without atomics: embedding_bag
+                # over the [nnz, 1] table of weights (0 for skipped lookups; adding 0.0 changes
+                # no sum) runs the forward's summation order, long bags split alike on CUDA.
+                masked = torch.where(valid, per_sample_weights.to(acc_dtype), 0).unsqueeze(1)
+                lookups = torch.arange(nnz, device=rows.device)
+                denominator = _ops.embedding_bag(masked, lookups, csr, None, "sum").squeeze(1)
+            # The forward pools a bag with nothing to divide by to zeros; its gradient is zero too.
+            safe = torch.where(denominator != 0, denominator, 1)
+            inverse_denominator = torch.where(denominator != 0, 1 / safe, 0)
 
-    # d loss / d out[b], divided by S_b for mean: each lookup then only adds its weight w_i.
-    bag_grad = grad_output.to(acc_dtype)
-    if inverse_denominator is not None:
-        bag_grad = bag_grad * inverse_denominator.unsqueeze(1)
+        # d loss / d out[b], divided by S_b for mean: each lookup then only adds its weight w_i.
+        bag_grad = grad_output.to(acc_dtype)
+        if inverse_denominator is not None:
+            bag_grad = bag_grad * inverse_denominator.unsqueeze(1)
 
-    grad_weight = None
-    if ctx.needs_input_grad[0]:
-        scale = None if per_sample_weights is None else per_sample_weights.to(acc_dtype)
-        grad_weight = _sparse_row_gradient(bag_grad, bag, lookup_rows, ctx.num_rows, scale)
-        if grad_weight.dtype != grad_output.dtype:
-            grad_weight = grad_weight.to(grad_output.dtype)
+        grad_weight = None
+        if needs_weight:
+            scale = None if per_sample_weights is None else per_sample_weights.to(acc_dtype)
+            grad_weight = _sparse_row_gradient(bag_grad, bag, lookup_rows, num_rows, scale)
+            if grad_weight.dtype != grad_output.dtype:
+                grad_weight = grad_weight.to(grad_output.dtype)
 
-    grad_per_sample_weights = None
-    if per_sample_weights is not None and ctx.needs_input_grad[3]:
-        # sum:  d out[b] / d w_i = weight[r_i]
-        # mean: d out[b] / d w_i = (weight[r_i] - out[b]) / S_b, and bag_grad already holds the 1 / S_b.
-        dots = _lookup_dots(bag_grad, bag, weight, lookup_rows, acc_dtype)
-        if ctx.mode == "mean":
-            bag_dots = torch.linalg.vecdot(bag_grad, output.to(acc_dtype))
-            dots = torch.where(valid, dots - bag_dots.index_select(0, bag), 0)
-        grad_per_sample_weights = dots.to(per_sample_weights.dtype)
+        grad_per_sample_weights = None
+        if needs_per_sample_weights:
+            # sum:  d out[b] / d w_i = weight[r_i]
+            # mean: d out[b] / d w_i = (weight[r_i] - out[b]) / S_b, and bag_grad already holds the 1 / S_b.
+            dots = _lookup_dots(bag_grad, bag, weight, lookup_rows, acc_dtype)
+            if mode == "mean":
+                bag_dots = torch.linalg.vecdot(bag_grad, output.to(acc_dtype))
+                dots = torch.where(valid, dots - bag_dots.index_select(0, bag), 0)
+            grad_per_sample_weights = dots.to(per_sample_weights.dtype)
+        return grad_weight, grad_per_sample_weights
+
+    spec = _LookupSpec(lookup_rows, bag, mode, first_order)
+    grad_weight, grad_per_sample_weights = _lookup_gradients(spec, grad_output, weight, per_sample_weights)
     return grad_weight, None, None, grad_per_sample_weights, None, None, None
 
 
@@ -801,13 +1005,21 @@ def _embedding_gather_setup_context(ctx, inputs, output) -> None:
 def _embedding_gather_backward(ctx, grad_output: Tensor):
     (rows,) = ctx.saved_tensors
     flat_rows = rows.reshape(-1)
-    # Explicit sizes: reshape(-1, 0) of a zero-width gradient is ambiguous and raises.
-    source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])
-    if source.dtype in (torch.float16, torch.bfloat16):
-        source = source.float()
     positions = torch.arange(flat_rows.shape[0], device=rows.device)
-    grad_weight = _sparse_row_gradient(source, positions, flat_rows, ctx.num_rows)
-    return grad_weight.to(grad_output.dtype), None
+    num_rows = ctx.num_rows
+
+    def first_order(grad_output: Tensor, weight: None, per_sample_weights: None):
+        # Explicit sizes: reshape(-1, 0) of a zero-width gradient is ambiguous and raises.
+        source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])
+        if source.dtype in (torch.float16, torch.bfloat16):
+            source = source.float()
+        grad_weight = _sparse_row_gradient(source, positions, flat_rows, num_rows)
+        return grad_weight.to(grad_output.dtype), None
+
+    # Each lookup is its own bag of one; the gradient does not depend on the weight's values.
+    spec = _LookupSpec(flat_rows, positions, "gather", first_order)
+    grad_weight, _ = _lookup_gradients(spec, grad_output, None, None)
+    return grad_weight, None
 
 
 torch.library.register_autograd(
@@ -864,7 +1076,22 @@ def embedding_bag(
         to the arg-max row, ties to the first valid lookup in bag order) and in
         ``per_sample_weights`` (dense). Forward and gradients are bit-identical run to run;
         max mode (a selection) is also bit-identical between CPU and CUDA.
+
+        Double backward works in every mode: with ``create_graph=True`` the first-order
+        gradients are the same (bit for bit, the weight's still sparse) and differentiable
+        again in ``grad_output``, ``weight`` and ``per_sample_weights``. Sum and mean take
+        their second derivatives from a plain-torch pooling of the distinct rows looked up
+        (dense over those rows only; the weight's second-order gradient is sparse COO too);
+        max's backward is made of differentiable ops.
+
+    Raises:
+        TypeError: ``mode`` not a str, ``padding_idx`` not an int (a bool is not one) or
+            None, ``include_last_offset`` not a bool (None or 0 would silently pick the
+            other offsets convention).
     """
+    mode = _choice("embedding_bag", "mode", mode)
+    padding_idx = _integer("embedding_bag", "padding_idx", padding_idx, optional=True)
+    include_last_offset = _flag("embedding_bag", "include_last_offset", include_last_offset)
     return _ops.embedding_bag(weight, rows, offsets, per_sample_weights, mode, padding_idx, include_last_offset)
 
 
@@ -877,6 +1104,8 @@ def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
 
     Returns:
         ``rows.shape + [D]`` of ``weight``'s dtype. Differentiable in ``weight`` (sparse COO
-        gradient with one entry per distinct row, as for :func:`embedding_bag`).
+        gradient with one entry per distinct row, as for :func:`embedding_bag`), and twice
+        differentiable: with ``create_graph=True`` that gradient is differentiable again in
+        ``grad_output``, as for :func:`embedding_bag`.
     """
     return _ops.embedding_gather(weight, rows)

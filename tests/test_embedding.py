@@ -1,5 +1,6 @@
 """embedding_bag and embedding_gather: forward against torch, autograd, fakes and errors."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -645,3 +646,189 @@ def test_misaligned_weight_views(device, mode):
             (grad_dense,) = torch.autograd.grad(ops.embedding_gather(dense, view_rows), dense,
                                                 grad_out.to(dtype)[:1].expand(view_rows.shape[0], 32))
             assert torch.equal(grad.to_dense(), grad_dense.to_dense())
+
+
+# ---- argument types ----
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(include_last_offset=None), "include_last_offset must be a bool, got None"),
+    (dict(include_last_offset=0), "include_last_offset must be a bool, got 0"),
+    (dict(include_last_offset=1.0), "include_last_offset must be a bool, got 1.0"),
+    (dict(padding_idx=True), "padding_idx must be an int or None, got True"),
+    (dict(padding_idx=1.0), "padding_idx must be an int or None, got 1.0"),
+    (dict(mode=None), "mode must be a str, got None"),
+    (dict(mode=0), "mode must be a str, got 0"),
+])
+def test_embedding_bag_refuses_mistyped_arguments(device, kwargs, message):
+    """The dispatcher reads None or 0 as include_last_offset=False (nn.EmbeddingBag offsets:
+    another number of bags) and True as padding_idx=1; torch's F.embedding_bag raises
+    TypeError for them, and so does the wrapper, naming the argument."""
+    weight = torch.randn(5, 3, device=device)
+    rows, offsets = torch.tensor([0, 1, 1, 4], device=device), torch.tensor([0, 2, 4], device=device)
+    with pytest.raises(TypeError, match=f"embedding_bag: {message}"):
+        ops.embedding_bag(weight, rows, offsets, **kwargs)
+    # The right types still work, numpy integers and int tensors included.
+    assert ops.embedding_bag(weight, rows, offsets, include_last_offset=False).shape == (3, 3)
+    torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, padding_idx=np.int64(1)),
+                               ops.embedding_bag(weight, rows, offsets, padding_idx=1))
+
+
+@pytest.mark.parametrize("dev", ["cpu", "meta"])
+def test_embedding_bag_padding_idx_range_checked_by_kernel_and_fake(dev):
+    weight = torch.ones(3, 2, device=dev)
+    rows, offsets = torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 3], device=dev)
+    for padding_idx in (3, -4):
+        with pytest.raises(RuntimeError, match=r"embedding_bag: padding_idx must lie in \[-num_rows, num_rows\) = "
+                                               rf"\[-3, 3\), got {padding_idx}"):
+            ops.embedding_bag(weight, rows, offsets, padding_idx=padding_idx)
+        with pytest.raises(RuntimeError, match="embedding_bag: padding_idx must lie in"):
+            torch.ops.sparsekit.embedding_bag_argmax(weight, rows, offsets, padding_idx, True)
+    assert ops.embedding_bag(weight, rows, offsets, padding_idx=-3).shape == (1, 2)
+
+
+# ---- double backward ----
+
+
+def plain_pool(weight, rows, offsets, per_sample_weights, mode, padding_idx, include_last_offset):
+    """Sum / mean pooling in plain differentiable torch (every derivative of it is torch's own)."""
+    rows, offsets = rows.long(), offsets.long()
+    if not include_last_offset:
+        offsets = torch.cat([offsets, offsets.new_full((1,), rows.shape[0])])
+    bags = offsets.shape[0] - 1
+    bag = torch.repeat_interleave(torch.arange(bags, device=rows.device), offsets.diff())
+    valid = rows >= 0
+    if padding_idx is not None:
+        valid &= rows != padding_idx % weight.shape[0]
+    scale = valid.to(weight.dtype) if per_sample_weights is None else torch.where(valid, per_sample_weights, 0.0)
+    total = weight.new_zeros(bags, weight.shape[1]).index_add(0, bag, weight[rows.clamp_min(0)] * scale[:, None])
+    if mode == "sum":
+        return total
+    denominator = scale.new_zeros(bags).index_add(0, bag, scale)
+    return torch.where(denominator[:, None] != 0, total / torch.where(denominator != 0, denominator, 1)[:, None], 0.0)
+
+
+DOUBLE_BACKWARD_ROWS = [0, 1, -1, 1, 4, 2, 5, 2]  # a missing row, repeated rows, row 2 as padding
+DOUBLE_BACKWARD_OFFSETS = [0, 3, 3, 6, 8]  # an empty bag
+
+
+@pytest.mark.parametrize("mode, weighted", [("sum", False), ("sum", True), ("mean", False), ("mean", True),
+                                            ("max", False)])
+@pytest.mark.parametrize("padding_idx, include_last_offset", [(None, True), (2, False)])
+def test_embedding_bag_double_backward_gradgradcheck(device, mode, weighted, padding_idx, include_last_offset):
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(6, 3, dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    psw = (torch.rand(8, dtype=torch.float64, generator=gen) + 0.5).to(device).requires_grad_()
+    rows = torch.tensor(DOUBLE_BACKWARD_ROWS, device=device)
+    offsets = torch.tensor(DOUBLE_BACKWARD_OFFSETS, device=device)
+    offsets = offsets if include_last_offset else offsets[:-1]
+    inputs = (weight, psw) if weighted else (weight,)
+
+    def pooled(w, *p):
+        return ops.embedding_bag(Densify.apply(w), rows, offsets, p[0] if p else None, mode, padding_idx,
+                                 include_last_offset)
+
+    assert torch.autograd.gradgradcheck(pooled, inputs)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_embedding_bag_double_backward_matches_plain_torch(device, mode, weighted):
+    """Second derivatives (in grad_output, weight and per_sample_weights) equal those of a
+    plain-torch pooling, and create_graph=True leaves the first-order gradients unchanged
+    bit for bit (the weight's still a sparse COO tensor)."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(6, 3, dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    psw = (torch.rand(8, dtype=torch.float64, generator=gen) + 0.5).to(device).requires_grad_() if weighted else None
+    grad_out = torch.randn(4, 3, dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    rows = torch.tensor(DOUBLE_BACKWARD_ROWS, device=device)
+    offsets = torch.tensor(DOUBLE_BACKWARD_OFFSETS, device=device)
+    inputs = (weight, psw) if weighted else (weight,)
+    results = []
+    for pool in (ops.embedding_bag, plain_pool):
+        first = torch.autograd.grad(pool(weight, rows, offsets, psw, mode, 2, True), inputs, grad_out,
+                                    create_graph=True)
+        dense = [g.to_dense() if g.is_sparse else g for g in first]
+        penalty = sum((g * g.detach().cos()).sum() for g in dense)  # not linear: every second derivative counts
+        second = torch.autograd.grad(penalty, (grad_out,) + inputs, allow_unused=True, materialize_grads=True)
+        results.append((first, [g.to_dense() if g.is_sparse else g for g in second]))
+    (first, second), (want_first, want_second) = results
+    assert first[0].layout == torch.sparse_coo
+    for got, want in zip(first, want_first):
+        torch.testing.assert_close(got.to_dense() if got.is_sparse else got, want)
+    for got, want in zip(second, want_second):
+        torch.testing.assert_close(got, want)
+    plain = torch.autograd.grad(ops.embedding_bag(weight, rows, offsets, psw, mode, 2, True), inputs, grad_out)
+    assert torch.equal(first[0]._indices(), plain[0]._indices()) and torch.equal(first[0]._values(), plain[0]._values())
+    assert all(torch.equal(a, b) for a, b in zip(first[1:], plain[1:]))
+
+
+def test_embedding_bag_double_backward_of_the_issue(device):
+    """The reported case: the per-sample-weight gradient differentiated again, in sum and mean."""
+    for mode in ("sum", "mean"):
+        weight = torch.randn(5, 3, device=device, requires_grad=True)
+        psw = torch.rand(4, device=device, requires_grad=True)
+        rows, offsets = torch.tensor([0, 1, 1, 4], device=device), torch.tensor([0, 2, 4], device=device)
+        grads = []
+        for pool in (ops.embedding_bag, plain_pool):
+            out = pool(weight, rows, offsets, psw, mode, None, True)
+            grad_psw, _ = torch.autograd.grad(out.pow(2).sum(), [psw, weight], create_graph=True)
+            second = torch.autograd.grad(grad_psw.sum(), [psw, weight])
+            grads.append([g.to_dense() if g.is_sparse else g for g in second])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32, other summation orders
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_embedding_bag_double_backward_half_types(device, dtype):
+    weight = torch.randn(6, 4, device=device).to(dtype).requires_grad_()
+    psw = (torch.rand(8, device=device) + 0.5).to(dtype).requires_grad_()
+    rows = torch.tensor(DOUBLE_BACKWARD_ROWS, device=device)
+    offsets = torch.tensor(DOUBLE_BACKWARD_OFFSETS, device=device)
+    out = ops.embedding_bag(weight, rows, offsets, psw, "mean", 2)
+    # A constant grad_output: one sparse second-order contribution to the weight (torch cannot
+    # add two half sparse gradients: "cadd_sparse" not implemented for 'Half', see the README).
+    grad_out = torch.randn(4, 4, device=device)
+    _, grad_psw = torch.autograd.grad(out, [weight, psw], grad_out.to(dtype), create_graph=True)
+    second_psw, second_weight = torch.autograd.grad(grad_psw.float().pow(2).sum(), [psw, weight])
+    assert second_psw.dtype == dtype and second_weight.dtype == dtype and second_weight.layout == torch.sparse_coo
+    reference = [t.detach().double().requires_grad_() for t in (weight, psw)]
+    ref_out = plain_pool(reference[0], rows, offsets, reference[1], "mean", 2, True)
+    _, ref_psw = torch.autograd.grad(ref_out, reference, grad_out.to(dtype).double(), create_graph=True)
+    want_psw, want_weight = torch.autograd.grad(ref_psw.pow(2).sum(), [reference[1], reference[0]])
+    tol = 5e-2 if dtype != torch.float32 else 1e-4
+    torch.testing.assert_close(second_psw.double(), want_psw, rtol=tol, atol=tol)
+    torch.testing.assert_close(second_weight.to_dense().double(), want_weight, rtol=tol, atol=tol)
+
+
+def test_embedding_gather_double_backward(device):
+    weight = torch.randn(8, 3, dtype=torch.float64, device=device, requires_grad=True)
+    rows = torch.tensor([[2, -1], [7, 2], [0, 0]], device=device)
+    assert torch.autograd.gradgradcheck(lambda w: ops.embedding_gather(Densify.apply(w), rows), (weight,))
+    out = ops.embedding_gather(weight, rows)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), weight, create_graph=True)
+    assert grad.layout == torch.sparse_coo
+    (second,) = torch.autograd.grad(grad.to_dense().pow(2).sum(), weight)
+    # grad[r] = 2 * n_r * weight[r] (n_r lookups of row r): d/dw sum(grad^2) = 8 * n_r^2 * weight[r].
+    counts = torch.tensor([2, 0, 2, 0, 0, 0, 0, 1], dtype=torch.float64, device=device)
+    torch.testing.assert_close(second.to_dense(), 8 * counts[:, None] ** 2 * weight.detach())
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_third_derivative_matches_plain_torch(mode):
+    """Under create_graph=True the second-order pass records plain torch ops, so a third
+    derivative follows (it is not silently zero)."""
+    weight = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    psw = (torch.rand(4, dtype=torch.float64) + 0.5).requires_grad_()
+    rows, offsets = torch.tensor([0, 1, 1, 4]), torch.tensor([0, 2, 4])
+    results = []
+    for pool in (ops.embedding_bag, plain_pool):
+        out = pool(weight, rows, offsets, psw, mode, None, True)
+        (grad_psw,) = torch.autograd.grad(out.pow(2).sum(), psw, create_graph=True)
+        (second,) = torch.autograd.grad(grad_psw.pow(2).sum(), psw, create_graph=True)
+        results.append((second.detach(),) + torch.autograd.grad(second.sum(), [psw, weight]))
+    (got_second, got_psw, got_weight), (want_second, want_psw, want_weight) = results
+    torch.testing.assert_close(got_second, want_second)
+    assert got_psw.abs().max() > 0
+    torch.testing.assert_close(got_psw, want_psw)
+    torch.testing.assert_close(got_weight.to_dense(), want_weight)

@@ -179,3 +179,55 @@ def test_lazy_adam_tables_refuses_tensors_shared_between_tables():
         torch.ops.sparsekit.lazy_adam_tables_([w0, w1], [m0, w0], [v0, v1], rows, [torch.ones(1, 3)] * 2, [1, 1],
                                               hyper)
     assert not w0.any() and not w1.any()
+
+
+# ---- the wrappers check argument types ------------------------------------------------------
+# The dispatcher reads True as the int 1 and None or 0 as a bool, so a mistyped argument
+# would silently pick another behaviour; every sk.ops wrapper raises TypeError naming it.
+
+
+def _mistyped(dev):
+    keys = torch.tensor([3, 1, 3], device=dev)
+    table = (torch.zeros(8, dtype=L, device=dev), torch.full((8,), -1, device=dev))
+    return {
+        "unique: return_inverse must be a bool, got None": lambda: sk.ops.unique(keys, return_inverse=None),
+        "unique: return_counts must be a bool, got 1": lambda: sk.ops.unique(keys, return_counts=1),
+        "select_smallest: k must be an int, got True": lambda: sk.ops.select_smallest(
+            [torch.arange(4, device=dev)], torch.ones(4, dtype=torch.bool, device=dev), True),
+        "select_smallest: k must be an int, got 1.0": lambda: sk.ops.select_smallest(
+            [torch.arange(4, device=dev)], torch.ones(4, dtype=torch.bool, device=dev), 1.0),
+        "partition_by_owner: world_size must be an int, got True": lambda: sk.ops.partition_by_owner(keys, True),
+        "key_seeded_uniform: dim must be an int, got True": lambda: sk.ops.key_seeded_uniform(keys, True),
+        "key_seeded_uniform: seed must be an int, got False": lambda: sk.ops.key_seeded_uniform(keys, 2, seed=False),
+        "key_seeded_uniform: low must be a float, got True": lambda: sk.ops.key_seeded_uniform(keys, 2, low=True),
+        "key_seeded_uniform: high must be a float, got None": lambda: sk.ops.key_seeded_uniform(keys, 2, high=None),
+        "key_seeded_uniform: dtype must be a torch.dtype or None, got 'float32'": lambda: sk.ops.key_seeded_uniform(
+            keys, 2, dtype="float32"),
+        "lazy_adam_: step must be an int, got True": lambda: sk.ops.lazy_adam_(*_adam_args(dev), True, 0.1, 0.9,
+                                                                               0.99, 1e-8),
+        "lazy_adam_: lr must be a float, got True": lambda: sk.ops.lazy_adam_(*_adam_args(dev), 1, True, 0.9,
+                                                                              0.99, 1e-8),
+        "lazy_adam_: weight_decay must be a float, got None": lambda: sk.ops.lazy_adam_(
+            *_adam_args(dev), 1, 0.1, 0.9, 0.99, 1e-8, None),
+        "hash_table_insert_absent_: num_occupied must be an int or None, got True": lambda: (
+            sk.ops.hash_table_insert_absent_(*table, torch.tensor([3], device=dev), torch.tensor([0], device=dev),
+                                             True)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mistyped("cpu")))
+@pytest.mark.parametrize("dev", ["cpu", "meta"])
+def test_wrappers_refuse_mistyped_arguments(case, dev):
+    """Real kernel or fake (meta), the same TypeError, raised before anything runs."""
+    with pytest.raises(TypeError, match=case.replace("(", r"\(").replace(")", r"\)")):
+        _mistyped(dev)[case]()
+
+
+def test_wrappers_still_take_integer_and_real_types():
+    import numpy as np
+    keys = torch.tensor([3, 1, 3])
+    assert sk.ops.partition_by_owner(keys, np.int32(2))[2].tolist() == [0, 3]
+    assert torch.equal(sk.ops.key_seeded_uniform(keys, np.int64(2), seed=np.uint8(1), low=-1, high=np.float32(1)),
+                       sk.ops.key_seeded_uniform(keys, 2, seed=1, low=-1.0, high=1.0))
+    picked = sk.ops.select_smallest([torch.tensor([5, 1, 3])], torch.ones(3, dtype=torch.bool), torch.tensor(2))
+    assert picked.tolist() == [1, 2]

@@ -154,3 +154,77 @@ def test_no_collisions_among_many_distinct_values():
     values = [f"{i:08x}" for i in range(50_000)]
     keys = hashing.hash_values(values, 0)
     assert torch.unique(keys).numel() == len(values)
+
+
+@pytest.mark.parametrize("value", [True, False, np.True_, np.bool_(False), torch.tensor(True)])
+def test_bools_are_refused_as_values(value):
+    """True is an int to Python, but a flag hashed as 1 would share the integer 1's key: every
+    kind of bool is refused, as it is for slot and seed, with the explicit conversion to use."""
+    with pytest.raises(TypeError, match=r"sparsekit.hashing: cannot hash a bool .*convert it to int explicitly"):
+        hashing.hash_value(value)
+    with pytest.raises(TypeError, match="cannot hash a bool"):
+        hashing.hash_values([1, value])
+    with pytest.raises(TypeError, match="cannot hash a bool"):
+        hashing.hash_rows([["a", value]])
+    assert hashing.hash_value(int(value)) == hashing.hash_value(int(bool(value)))
+
+
+def test_bool_arrays_and_tensors_are_refused():
+    with pytest.raises(TypeError, match=r"hash_values: array of dtype bool; .*convert bools to int explicitly"):
+        hashing.hash_values(np.array([True, False]))
+    with pytest.raises(TypeError, match=r"hash_values: tensor of dtype torch.bool; .*convert bools to int explicitly"):
+        hashing.hash_values(torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="cannot hash a bool"):
+        hashing.hash_values(np.array([1, True], dtype=object))
+    assert hashing.hash_values(torch.tensor([True, False]).long()).tolist() == [hashing.hash_value(1),
+                                                                                hashing.hash_value(0)]
+
+
+@pytest.mark.parametrize("slot", [np.True_, torch.tensor(False)])
+def test_numpy_and_tensor_bools_are_refused_as_slot_or_seed(slot):
+    with pytest.raises(TypeError, match="slot must be an int, got .*convert a bool with int"):
+        hashing.hash_value("a", slot)
+    with pytest.raises(TypeError, match="seed must be an int, got .*convert a bool with int"):
+        hashing.hash_value("a", 0, seed=slot)
+
+
+def test_hash_rows_refuses_a_row_that_is_one_string():
+    """A str row would be read as a row of characters (["abc", "def"] -> shape [2, 3])."""
+    for rows, index, kind in ((["abc", "def"], 0, "str"), ([["a"], b"b"], 1, "bytes"), ([[1], bytearray(b"x")], 1,
+                                                                                          "bytearray")):
+        with pytest.raises(TypeError, match=rf"hash_rows: row {index} is one {kind} .*pass \["):
+            hashing.hash_rows(rows)
+    with pytest.raises(TypeError, match="hash_rows: rows must be a sequence of rows, got one str"):
+        hashing.hash_rows("abc")
+    assert hashing.hash_rows([["abc"], ["def"]]).tolist() == [[hashing.hash_value("abc")], [hashing.hash_value("def")]]
+
+
+@pytest.mark.parametrize("value", ["\ud800", "ab\udfffcd", "x" * 100 + "\ud83d"])
+def test_lone_surrogate_raises_value_error_naming_the_value(value):
+    """str is hashed as its UTF-8 bytes, and a lone surrogate has none: a ValueError naming
+    sparsekit.hashing and the value, not a bare UnicodeEncodeError from inside."""
+    with pytest.raises(ValueError, match=r"sparsekit.hashing: cannot hash '.*': .* lone surrogate") as info:
+        hashing.hash_value(value)
+    assert not isinstance(info.value, UnicodeError)
+    assert repr(value[:20])[1:-1] in str(info.value)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        hashing.hash_values(["ok", value])
+    # A well-formed pair is fine.
+    assert hashing.hash_value("\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")) == \
+        hashing.hash_value("\U0001F600".encode("utf-8"))
+
+
+def test_hash_values_takes_numpy_string_and_object_arrays():
+    """Arrays of str ('U'), bytes ('S') and objects are hashed element by element, exactly as
+    hash_value hashes each element (they were refused with "pass integers, strings or bytes")."""
+    text = np.array(["a", "héllo", ""])
+    assert hashing.hash_values(text, 3, seed=2).tolist() == [hashing.hash_value(v, 3, seed=2) for v in
+                                                            ["a", "héllo", ""]]
+    raw = np.array([b"a", b"\x00b"])
+    assert hashing.hash_values(raw, 1).tolist() == [hashing.hash_value(b"a", 1), hashing.hash_value(b"\x00b", 1)]
+    mixed = np.array(["a", b"a", 7, np.int32(-1)], dtype=object)
+    assert hashing.hash_values(mixed).tolist() == [hashing.hash_value(v) for v in ["a", b"a", 7, -1]]
+    grid = np.array([["a", "b"], ["c", "d"]])  # read flattened
+    assert hashing.hash_values(grid).tolist() == hashing.hash_values(["a", "b", "c", "d"]).tolist()
+    with pytest.raises(TypeError, match="NoneType"):
+        hashing.hash_values(np.array(["a", None], dtype=object))

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -240,3 +241,37 @@ def test_wrappers_trace_under_torch_compile_fullgraph():
     data, ids = torch.randn(6, 2), torch.tensor([0, 1, 1, 4, -1, 0])
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(data, ids), f(data, ids))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda d, i: sk.ops.segment_sum(d, i, True), "segment_sum: num_segments must be an int, got True"),
+    (lambda d, i: sk.ops.segment_sum(d, i, 3.0), "segment_sum: num_segments must be an int, got 3.0"),
+    (lambda d, i: sk.ops.segment_sum(d, i, None), "segment_sum: num_segments must be an int, got None"),
+    (lambda d, i: sk.ops.segment_sum(d, i, 3, None), "segment_sum: deterministic must be a bool, got None"),
+    (lambda d, i: sk.ops.segment_sum(d, i, 3, deterministic=1), "segment_sum: deterministic must be a bool, got 1"),
+    (lambda d, i: sk.ops.segment_mean(d, i, True), "segment_mean: num_segments must be an int, got True"),
+    (lambda d, i: sk.ops.segment_mean(d, i, 3, "yes"), "segment_mean: deterministic must be a bool, got 'yes'"),
+    (lambda d, i: sk.ops.segment_reduce(d, i, 3, None), "segment_reduce: reduce must be a str, got None"),
+    (lambda d, i: sk.ops.segment_reduce(d, i, False), "segment_reduce: num_segments must be an int, got False"),
+])
+def test_segment_wrappers_refuse_mistyped_arguments(device, call, message):
+    """The dispatcher reads True as num_segments=1 (then complains about the ids instead) and
+    None or 1 as a deterministic flag; the wrappers raise TypeError naming the argument."""
+    data, ids = torch.ones(4, 2, device=device), torch.tensor([0, 1, 0, 2], device=device)
+    with pytest.raises(TypeError, match=message):
+        call(data, ids)
+    # Integer types other than int still work.
+    expected = sk.ops.segment_sum(data, ids, 3)
+    assert torch.equal(sk.ops.segment_sum(data, ids, np.int64(3)), expected)
+    assert torch.equal(sk.ops.segment_reduce(data, ids, torch.tensor(3)), expected)
+
+
+def test_segment_double_backward(device):
+    """segment_sum's backward is made of differentiable ops: second derivatives work (here the
+    gradient in grad_output; the ops are linear in data)."""
+    data, ids = random_case(device, n=20, dim=(3,), num_segments=6, dtype=torch.float64)
+    data.requires_grad_(True)
+    for flag in (False, True):
+        assert torch.autograd.gradgradcheck(lambda x, d=flag: sk.ops.segment_sum(x, ids, 6, d), (data,))
+        assert torch.autograd.gradgradcheck(lambda x, d=flag: sk.ops.segment_mean(x, ids, 6, d), (data,))
+    assert torch.autograd.gradgradcheck(lambda x: sk.ops.segment_sum(x, torch.full_like(ids, -1), 0), (data,))
