@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -32,6 +34,7 @@ from sparsekit.train.metrics import log_loss, roc_auc
 from sparsekit.train.model import DLRM, TorchSlotEmbedding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")  # any existing file
 EMBEDDINGS = ["sparsekit", "torch"]
 TINY = dict(steps=12, batch_size=128, eval_samples=1024, eval_every=6, embedding_dim=8,
             table_rows=1 << 16, vocab_per_slot=2000, lr=1e-2, device="cpu", progress=False)
@@ -427,8 +430,39 @@ def test_bad_settings_raise():
     (["--embedding-dtype", "bf16"], dict(embedding_dtype="bf16"), "needs --tables per-slot"),
     (["--keep-checkpoints", "0"], dict(keep_checkpoints=0), "--keep-checkpoints must be an integer >= 1"),
     (["--data", "/no/such/file.tsv"], dict(data="/no/such/file.tsv"), "--data '/no/such/file.tsv': no such file"),
-    (["--eval-data", "/no/such/eval.tsv"], dict(eval_data="/no/such/eval.tsv"),
+    (["--data", README, "--eval-data", "/no/such/eval.tsv"], dict(data=README, eval_data="/no/such/eval.tsv"),
      "--eval-data '/no/such/eval.tsv': no such file"),
+    # Seeds reach numpy (>= 0) and torch (int64).
+    (["--seed", "-1"], dict(seed=-1), "--seed must be an integer >= 0, got -1"),
+    (["--seed", str(2**63)], dict(seed=2**63), "--seed must be at most 9,223,372,036,854,775,807"),
+    (["--seed", str(10**23)], dict(seed=10**23), "--seed must be at most 9,223,372,036,854,775,807"),
+    # Sizes whose arrays cannot fit.
+    (["--batch-size", str(10**15)], dict(batch_size=10**15), "--batch-size must be at most 1,048,576"),
+    (["--vocab-per-slot", str(10**15)], dict(vocab_per_slot=10**15),
+     "--vocab-per-slot must be at most 4,194,304"),
+    (["--vocab-per-slot", "0"], dict(vocab_per_slot=0), "--vocab-per-slot must be an integer >= 1"),
+    (["--steps", str(2**63)], dict(steps=2**63), "--steps must be at most 9,223,372,036,854,775,807"),
+    (["--admit-after", str(10**23)], dict(admit_after=10**23), "--admit-after must be at most"),
+    (["--capacity-per-rank", str(2**63)], dict(capacity_per_rank=2**63), "--capacity-per-rank must be at most"),
+    (["--eval-samples", str(10**15)], dict(eval_samples=10**15),
+     "--eval-samples must be at most 4,194,304 with --data synthetic"),
+    # A learning rate that trains to NaN, and other non-finite floats.
+    (["--lr", "inf"], dict(lr=math.inf), "--lr must be > 0 and at most 1"),
+    (["--lr", "1e308"], dict(lr=1e308), "--lr must be > 0 and at most 1"),
+    (["--lr", "nan"], dict(lr=math.nan), "--lr must be > 0 and at most 1"),
+    (["--lr", "-0.1"], dict(lr=-0.1), "--lr must be > 0"),
+    (["--timeout", "inf"], dict(timeout=math.inf), "--timeout must be > 0 seconds and at most 604800"),
+    (["--timeout", "1e300"], dict(timeout=1e300), "--timeout must be > 0 seconds and at most 604800"),
+    # Flags that would be ignored, or fail only when the run writes.
+    (["--eval-data", README], dict(eval_data=README), "--eval-data needs --data FILE"),
+    (["--checkpoint-dir", README], dict(checkpoint_dir=README), "is a file, not a directory"),
+    (["--checkpoint-dir", os.path.join(README, "sub")], dict(checkpoint_dir=os.path.join(README, "sub")),
+     f"{README!r} is a file, not a directory"),
+    (["--metrics-json", ROOT], dict(metrics_json=ROOT), "is a directory; name the file to write"),
+    (["--metrics-json", os.path.join(README, "m.json")], dict(metrics_json=os.path.join(README, "m.json")),
+     f"{README!r} is a file, not a directory"),
+    pytest.param(["--device", "cuda"], dict(device="cuda"), "--device cuda: no CUDA device is available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")),
 ])
 def test_bad_flags_are_argparse_errors(capsys, flags, fields, message):
     """Out-of-range flags exit with status 2 and a usage message naming the flag, before
@@ -438,9 +472,222 @@ def test_bad_flags_are_argparse_errors(capsys, flags, fields, message):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(flags)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-    with pytest.raises(ValueError, match=message):
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m sparsekit.train")
+    assert err.splitlines()[-1].startswith("python -m sparsekit.train: error: ")
+    assert message in err
+    with pytest.raises(ValueError, match=re.escape(message)):
         train(TrainConfig(**fields))
+
+
+# ---- what the command line does with errors the user causes ----
+
+TINY_FLAGS = ["--device", "cpu", "--no-progress", "--steps", "2", "--batch-size", "64", "--eval-samples", "64",
+              "--eval-every", "0", "--embedding-dim", "8", "--table-rows", "4096", "--vocab-per-slot", "2000"]
+
+
+def _main_error(capsys, monkeypatch, argv, status):
+    """Run ``main(TINY_FLAGS + argv)`` in this process, expecting it to exit with
+    ``status``; returns its error line. Status 1: stderr is that one line; status 2:
+    argparse's usage, then the line."""
+    from sparsekit.train import __main__
+
+    monkeypatch.setattr(__main__, "keep_freed_memory", lambda: False)  # leave this process's malloc alone
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        __main__.main(TINY_FLAGS + argv)
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if status == 1:
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("sparsekit.train: error: "), err
+    else:
+        assert err.startswith("usage: python -m sparsekit.train"), err
+        assert err.splitlines()[-1].startswith("python -m sparsekit.train: error: "), err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--table-rows", str(10**15)], f"--table-rows {10**15} x --embedding-dim 8"),
+    (["--embedding-dim", str(10**15)], f"--table-rows 4096 x --embedding-dim {10**15}"),
+    (["--capacity-per-rank", str(10**15)], f"--capacity-per-rank {10**15} x --embedding-dim 8"),
+    (["--tables", "per-slot", "--embedding-dim", str(10**15)], f"--table-rows 4096 x --embedding-dim {10**15}"),
+    (["--embedding", "torch", "--table-rows", str(10**15)], f"--table-rows {10**15} x --embedding-dim 8"),
+    (["--embedding", "torch", "--embedding-dim", str(10**15)], f"--table-rows 4096 x --embedding-dim {10**15}"),
+    (["--table-rows", "1", "--embedding-dim", str(10**15)], f"--table-rows 1 x --embedding-dim {10**15}"),
+    (["--table-rows", str(2**63 - 1)], f"--table-rows {2**63 - 1} x --embedding-dim 8"),
+])
+def test_tables_too_large_to_allocate_are_argparse_errors(capsys, monkeypatch, flags, named):
+    """Only the allocation knows how much fits: its failure is an argparse error naming the flags."""
+    line = _main_error(capsys, monkeypatch, flags, 2)
+    assert named in line and "cannot be allocated" in line
+
+
+def test_batch_size_not_a_multiple_of_the_world_size_is_an_argparse_error(capsys, monkeypatch):
+    from sparsekit.train import loop
+
+    monkeypatch.setattr(loop, "setup", lambda device, timeout: loop.Context(0, 3, torch.device("cpu")))
+    line = _main_error(capsys, monkeypatch, [], 2)
+    assert "--batch-size 64 is the global batch; it must be a multiple of the world size 3" in line
+
+
+def test_full_table_is_one_line_naming_the_flags(capsys, monkeypatch):
+    line = _main_error(capsys, monkeypatch, ["--capacity-per-rank", "1"], 1)
+    assert "the hash table of rank 0 is full" in line
+    assert "raise --capacity-per-rank (now 1) or pass --eviction lru|lfu" in line
+
+
+@pytest.fixture
+def criteo_files(tmp_path):
+    """good.tsv (300 lines), empty.tsv, and broken.tsv: line 5 of 300 has two fields."""
+    good = tmp_path / "good.tsv"
+    write_synthetic_tsv(str(good), 300)
+    (tmp_path / "empty.tsv").write_text("")
+    lines = good.read_text().splitlines(keepends=True)
+    (tmp_path / "broken.tsv").write_text("".join(lines[:4]) + "1\tx\n" + "".join(lines[5:]))
+    return tmp_path
+
+
+@pytest.mark.parametrize("files, flags, message", [
+    (("good", "empty"), [], "empty.tsv: empty held-out file"),
+    (("empty", None), [], "empty.tsv: empty training file"),
+    (("empty", "good"), [], "empty.tsv: empty training file"),
+    (("good", None), ["--eval-samples", "300"], "good.tsv: 300 lines, not enough to hold out eval_samples=300"),
+    (("broken", None), ["--eval-samples", "10"], "broken.tsv:5: expected 40 tab-separated fields"),
+    (("good", "broken"), [], "broken.tsv:5: expected 40 tab-separated fields"),
+])
+def test_data_file_errors_are_one_line_naming_the_file(capsys, monkeypatch, criteo_files, files, flags,
+                                                       message):
+    data, eval_data = files
+    argv = ["--data", str(criteo_files / f"{data}.tsv")] + flags
+    if eval_data:
+        argv += ["--eval-data", str(criteo_files / f"{eval_data}.tsv")]
+    line = _main_error(capsys, monkeypatch, argv, 1)
+    assert message in line and str(criteo_files) in line
+
+
+def test_malformed_criteo_file_in_a_process_exits_1_without_a_traceback(criteo_files):
+    """The real command: status 1, and stderr is the one line naming file:line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    broken = str(criteo_files / "broken.tsv")
+    completed = subprocess.run([sys.executable, "-m", "sparsekit.train", *TINY_FLAGS, "--data", broken,
+                                "--eval-samples", "10"], env=env, capture_output=True, text=True, timeout=300,
+                               check=False)
+    assert completed.returncode == 1, completed.stderr
+    expected = (f"sparsekit.train: error: {broken}:5: expected 40 tab-separated fields (label, 13 integers, "
+                "26 categorical), got 2")
+    assert completed.stderr.splitlines() == [expected]
+
+
+def test_os_errors_name_the_path_and_bugs_keep_their_traceback(capsys, monkeypatch):
+    """An OSError about a path (unreadable file, full disk) is one line; anything else is a
+    bug and propagates from main."""
+    from sparsekit.train import __main__
+
+    def unreadable(config):
+        raise PermissionError(13, "Permission denied", "/data/day_0.tsv")
+
+    monkeypatch.setattr(__main__, "train", unreadable)
+    line = _main_error(capsys, monkeypatch, [], 1)
+    assert line == "sparsekit.train: error: [Errno 13] Permission denied: '/data/day_0.tsv'"
+    for bug in (KeyError("config"), OSError("no path"), ValueError("a bug")):
+        def buggy(config, bug=bug):
+            raise bug
+
+        monkeypatch.setattr(__main__, "train", buggy)
+        with pytest.raises(type(bug)):
+            __main__.main(TINY_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory):
+    """One-step checkpoints of the TINY_FLAGS run, per embedding back end."""
+    from sparsekit.train.__main__ import parse_args
+
+    root = tmp_path_factory.mktemp("saved")
+    for embedding in EMBEDDINGS:
+        train(parse_args(TINY_FLAGS + ["--embedding", embedding, "--steps", "1",
+                                       "--checkpoint-dir", str(root / embedding)]))
+    return root
+
+
+def _damage_latest(content):
+    def damage(directory):
+        (directory / "latest").write_bytes(content)
+    return damage
+
+
+def _replace_trainer_state(change):
+    def damage(directory):
+        path = directory / "step_000000001" / "trainer_rank0.pt"
+        torch.save(change(torch.load(path, weights_only=True)), path)
+    return damage
+
+
+@pytest.mark.parametrize("embedding, damage, message", [
+    ("sparsekit", _damage_latest(b"\x89\xfe\x00garbage\xff\n"), "latest holds b'\\x89\\xfe\\x00garbage"),
+    ("sparsekit", _damage_latest(b""), "latest is empty"),
+    ("sparsekit", _damage_latest(b"  \n"), "latest is empty"),
+    ("sparsekit", _damage_latest(b"../elsewhere\n"),
+     "latest holds b'../elsewhere\\n', not a step directory's name"),
+    ("sparsekit", _damage_latest(b"step_000000007\n"), "latest names step_000000007, but"),
+    ("sparsekit", lambda d: (d / "step_000000001" / "trainer_rank0.pt").unlink(), "has no trainer_rank0.pt"),
+    ("sparsekit", lambda d: (d / "step_000000001" / "trainer_rank0.pt").write_bytes(b""),
+     "trainer_rank0.pt (it is empty); the checkpoint is damaged"),
+    ("sparsekit", lambda d: (d / "step_000000001" / "trainer_rank0.pt").write_bytes(b"\x00\x01not torch"),
+     "cannot read"),
+    ("sparsekit", lambda d: torch.save({"foo": 1}, d / "step_000000001" / "trainer_rank0.pt"),
+     "trainer_rank0.pt lacks 'step', 'config', 'cpu_rng'"),
+    ("sparsekit", lambda d: torch.save([1, 2], d / "step_000000001" / "trainer_rank0.pt"),
+     "trainer_rank0.pt holds a list, not the trainer state"),
+    ("sparsekit", _replace_trainer_state(lambda state: {**state, "step": -3}),
+     "trainer_rank0.pt holds step -3, not an integer >= 0"),
+    ("sparsekit", _replace_trainer_state(lambda state: {**state, "cpu_rng": torch.zeros(3)}),
+     "holds no valid CPU RNG state"),
+    ("sparsekit", _replace_trainer_state(lambda state: {**state, "config": {**state["config"], "seed": 5}}),
+     "was written with --seed 5 (now 0)"),
+    ("sparsekit", lambda d: shutil.rmtree(d / "step_000000001" / "model"), "load_checkpoint: no checkpoint in"),
+    ("torch", lambda d: (d / "step_000000001" / "model.pt").unlink(), "has no model.pt"),
+    ("torch", lambda d: torch.save({"model": {}, "optimizer": {}}, d / "step_000000001" / "model.pt"),
+     "model.pt does not fit the model (RuntimeError: Error(s) in loading state_dict"),
+    ("torch", lambda d: torch.save({"x": 1}, d / "step_000000001" / "model.pt"),
+     "model.pt holds no 'model' and 'optimizer' states"),
+])
+def test_resume_from_a_damaged_checkpoint_is_one_line_naming_it(capsys, monkeypatch, tmp_path,
+                                                                saved_checkpoints, embedding, damage, message):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoints / embedding, directory)
+    damage(directory)
+    line = _main_error(capsys, monkeypatch, ["--embedding", embedding, "--checkpoint-dir", str(directory),
+                                             "--resume"], 1)
+    assert line.startswith("sparsekit.train: error: --resume: ") and str(directory) in line
+    assert message in line
+
+
+def test_resume_from_the_saved_checkpoints_works(saved_checkpoints, tmp_path):
+    """The fixture's checkpoints are good: the damage is what the test above reports."""
+    from sparsekit.train.__main__ import parse_args
+
+    for embedding in EMBEDDINGS:
+        shutil.copytree(saved_checkpoints / embedding, tmp_path / embedding)
+        result = train(parse_args(TINY_FLAGS + ["--embedding", embedding, "--checkpoint-dir",
+                                                str(tmp_path / embedding), "--resume"]))
+        assert result["resumed_from_step"] == 1 and result["steps"] == 2
+
+
+def test_help_states_the_bounds(capsys):
+    from sparsekit.train.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for bound in ("at most 1,048,576", "0 <= seed < 2^63", "> 0 and at most 1 ", "(at most 4,194,304)",
+                  "With --data synthetic at most 4,194,304", "with --data FILE", "(at most 604800, a week)"):
+        assert bound in text, bound
+    assert "(default: None)" not in text and "(default: True)" not in text
 
 
 def _fail_and_stay(rank: int, world_size: int, port: int, timeout: float, results) -> None:

@@ -14,23 +14,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import List, Optional
+import sys
+from typing import List, NoReturn, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..allocator import keep_freed_memory
-from .loop import TrainConfig, train
+from ..hashtable import HashTableFullError
+from .criteo import CriteoFormatError
+from .loop import (
+    MAX_BATCH_SIZE,
+    MAX_LR,
+    MAX_SYNTHETIC_EVAL_SAMPLES,
+    MAX_TIMEOUT,
+    MAX_VOCAB_PER_SLOT,
+    FlagError,
+    HarnessError,
+    TrainConfig,
+    train,
+)
 
 
-def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default, except a switch's and a None one (its help says what
+    happens without the flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m sparsekit.train``; its defaults are TrainConfig's."""
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(
         prog="python -m sparsekit.train",
         description="DLRM-style CTR training on sparsekit embeddings (or nn.EmbeddingBag for comparison).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     parser.add_argument("--steps", type=int, default=defaults.steps, help="total training steps")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
-                        help="global batch size (split evenly over the ranks)")
+                        help="global batch size (split evenly over the ranks; every rank builds the "
+                        f"whole batch's data, so at most {MAX_BATCH_SIZE:,})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when available, else cpu")
     parser.add_argument("--embedding", choices=("sparsekit", "torch"), default=defaults.embedding,
@@ -39,28 +65,37 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
     parser.add_argument("--data", default=defaults.data,
                         help="'synthetic' (generated in memory) or the path of a Criteo TSV file")
     parser.add_argument("--eval-data", default=None,
-                        help="held-out Criteo TSV file (default: the last --eval-samples lines of --data)")
+                        help="held-out Criteo TSV file, with --data FILE (default: the last --eval-samples "
+                        "lines of --data)")
     parser.add_argument("--eval-samples", type=int, default=None,
                         help="held-out samples of each evaluation (default: 32768; with --data FILE and no "
-                        "--eval-data, at most a tenth of the file's lines)")
+                        "--eval-data, at most a tenth of the file's lines). With --data synthetic at most "
+                        f"{MAX_SYNTHETIC_EVAL_SAMPLES:,} (generated afresh at every evaluation); with "
+                        "--eval-data, at most that file's lines are used")
     parser.add_argument("--eval-every", type=int, default=defaults.eval_every,
                         help="evaluate every N steps (0: only at the end)")
-    parser.add_argument("--checkpoint-dir", default=None, help="where checkpoints go")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where checkpoints go (default: none are written)")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                         help="checkpoint every N steps (0: only at the end); needs --checkpoint-dir")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in --checkpoint-dir")
+                        help="continue from the latest checkpoint in --checkpoint-dir (from step 0 when it "
+                        "holds none)")
     parser.add_argument("--metrics-json", default=None,
-                        help="write the final held-out metrics here (rank 0)")
+                        help="write the final held-out metrics here (rank 0; default: only printed)")
     parser.add_argument("--seed", type=int, default=defaults.seed,
-                        help="seeds the model, the synthetic data and the feature hashing")
-    parser.add_argument("--embedding-dim", type=int, default=defaults.embedding_dim)
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate (all parameters)")
+                        help="seeds the model, the synthetic data and the feature hashing "
+                        "(0 <= seed < 2^63)")
+    parser.add_argument("--embedding-dim", type=int, default=defaults.embedding_dim,
+                        help="embedding width (the bottom MLP's output width too)")
+    parser.add_argument("--lr", type=float, default=defaults.lr,
+                        help=f"Adam learning rate (all parameters), > 0 and at most {MAX_LR:g}")
     parser.add_argument("--table-rows", type=int, default=defaults.table_rows,
                         help="embedding rows per rank (sparsekit: hash-table capacity per rank; "
                         "torch: rows of the replicated table)")
     parser.add_argument("--vocab-per-slot", type=int, default=defaults.vocab_per_slot,
-                        help="distinct values per slot of the synthetic data")
+                        help="distinct values per slot of the synthetic data "
+                        f"(at most {MAX_VOCAB_PER_SLOT:,})")
     parser.add_argument("--capacity-per-rank", type=int, default=None,
                         help="sparsekit: hash-table rows per rank (default: --table-rows, enough for the "
                         "synthetic data)")
@@ -80,7 +115,16 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
                         help="no progress bar (log lines only)")
     parser.add_argument("--timeout", type=float, default=defaults.timeout,
                         help="seconds any collective may wait under torchrun: a rank that fails and "
-                        "stays alive makes the others raise after this long")
+                        "stays alive makes the others raise after this long "
+                        f"(at most {MAX_TIMEOUT:.0f}, a week)")
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None,
+               parser: Optional[argparse.ArgumentParser] = None) -> TrainConfig:
+    """The run ``argv`` asks for; an out-of-range flag exits with status 2 and a usage
+    message naming it (argparse's ``parser.error``)."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     config = TrainConfig(**vars(args))
     try:
@@ -90,12 +134,44 @@ def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
     return config
 
 
+def _fail(message: str) -> NoReturn:
+    """Exit with status 1 and the message as one line on stderr (under torchrun, every
+    rank that fails prints its own)."""
+    print("sparsekit.train: error: " + " ".join(message.splitlines()), file=sys.stderr)
+    sys.exit(1)
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
-    config = parse_args(argv)
+    """Parse the flags, train, print the result JSON (rank 0) and return it.
+
+    What the user's flags, data or files cause ends the process with one line on stderr
+    and no traceback: a flag out of range (found before the run or once it starts: the
+    world size, a table too large to allocate) is an argparse error with status 2; a
+    malformed or too short data file, a full hash table, a checkpoint that cannot be
+    resumed, exhausted memory or an unreadable path exits with status 1. Anything else
+    is a bug and keeps its traceback.
+    """
+    parser = build_parser()
+    config = parse_args(argv, parser)
     # Both back ends reuse freed memory instead of faulting in fresh pages every step
     # (see sparsekit.allocator); the result JSON says whether it took.
     kept = keep_freed_memory()
-    result = train(config)
+    try:
+        result = train(config)
+    except FlagError as error:
+        parser.error(str(error))
+    except (HarnessError, CriteoFormatError) as error:  # both name the file (and line)
+        _fail(str(error))
+    except HashTableFullError as error:
+        capacity = config.capacity_per_rank if config.capacity_per_rank is not None else config.table_rows
+        _fail(f"{error}; here: raise --capacity-per-rank (now {capacity}) or pass --eviction lru|lfu")
+    except (MemoryError, torch.OutOfMemoryError) as error:  # MemoryError: sparsekit's and numpy's too
+        _fail(f"out of memory: {error}; lower --batch-size, --table-rows/--capacity-per-rank or "
+              "--embedding-dim")
+    except OSError as error:
+        if error.filename is None:  # not about a path the user gave
+            raise
+        _fail(str(error))
     result["malloc_keeps_freed_memory"] = kept
     if dist.is_initialized():
         # Tearing gloo down while a peer still finishes its last collective aborts that

@@ -173,7 +173,8 @@ class CriteoTSV:
         hash_seed: seed of the categorical feature hashing.
 
     Raises:
-        ValueError: if no training lines are left after holding out ``eval_samples``.
+        ValueError: if a file is empty, or no training lines are left after holding out
+            ``eval_samples``.
     """
 
     def __init__(self, path: str, *, eval_samples: int, eval_path: Optional[str] = None,
@@ -183,6 +184,8 @@ class CriteoTSV:
         self._streams: Dict[str, Tuple[object, int]] = {}
         self._index = LineIndex(path)
         self._parser = CriteoParser(path, hash_seed)
+        if self._index.num_lines == 0:
+            raise ValueError(f"{path}: empty training file")
         if eval_path is None:
             self.num_train = self._index.num_lines - eval_samples
             if self.num_train <= 0:
@@ -191,10 +194,10 @@ class CriteoTSV:
                                  "--eval-samples or pass a separate eval file")
             self._eval = (self._index, self._parser, self.num_train, eval_samples)
         else:
-            if self._index.num_lines == 0:
-                raise ValueError(f"{path}: empty training file")
             self.num_train = self._index.num_lines
             eval_index = LineIndex(eval_path)
+            if eval_index.num_lines == 0:
+                raise ValueError(f"{eval_path}: empty held-out file")
             self._eval = (eval_index, CriteoParser(eval_path, hash_seed), 0,
                           min(eval_samples, eval_index.num_lines))
 

@@ -9,19 +9,24 @@ of the global mean loss, whatever ``W``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import pickle
+import re
 import shutil
+import struct
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._checks import AllocationError, allocation
 from .data import NUM_SLOTS, SyntheticCriteo
 from .metrics import all_gather_1d, log_loss, roc_auc
 from .model import DLRM, SparsekitSlotEmbedding, SparsekitTableEmbedding, TorchSlotEmbedding
@@ -31,6 +36,70 @@ EMBEDDING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 # Held-out samples when --eval-samples is not given: this many of the synthetic stream, or
 # of a TSV file's last lines, at most a tenth of them (see make_data).
 DEFAULT_EVAL_SAMPLES = 32768
+# Upper bounds of the flags (see --help). Every rank builds the arrays of the whole global
+# batch (about 2.5 KB per sample on the synthetic data), so a batch of 2^20 needs some 2.5 GB
+# per rank before the model's own activations.
+MAX_BATCH_SIZE = 1 << 20
+# The synthetic data's hidden model holds 26 x N float32 effects (float64 while drawn) and a
+# sampler built in O(N) Python steps: at 2^22, about 2 GB and 10-20 s to set up.
+MAX_VOCAB_PER_SLOT = 1 << 22
+# Every evaluation generates the synthetic held-out samples afresh: 2^22 take about 12 s on
+# one core. (From a file, --eval-samples is capped by the held-out lines instead.)
+MAX_SYNTHETIC_EVAL_SAMPLES = 1 << 22
+# Adam moves every parameter by about lr per step: at 1 the harness's model already learns
+# nothing (AUC 0.5), and far larger steps overflow the weights to NaN.
+MAX_LR = 1.0
+# A week; torch keeps the process group's timeout in an int64 count of nanoseconds.
+MAX_TIMEOUT = 7 * 24 * 3600.0
+# Sizes, steps and seeds reach numpy and torch as int64.
+INT64_MAX = (1 << 63) - 1
+# A step directory of the harness's checkpoint directory (what ``latest`` names).
+_STEP_DIR_NAME = re.compile(r"step_(\d{9,})")
+
+
+class HarnessError(ValueError):
+    """A run that the flags, the data files or the checkpoint directory make impossible;
+    ``python -m sparsekit.train`` prints the message as one line, without a traceback."""
+
+
+class FlagError(HarnessError):
+    """A flag's value that is out of range, found out only once the run starts (the world
+    size, memory); ``python -m sparsekit.train`` reports it as an argparse error."""
+
+
+class CheckpointError(HarnessError):
+    """``--resume`` cannot use what ``--checkpoint-dir`` holds; the message names the
+    checkpoint directory (or file) and what is wrong."""
+
+
+# Integer flags: (lowest, highest, why the highest). The optional ones may be None.
+_INT_FLAG_RANGES = {
+    "steps": (0, INT64_MAX, "the int64 range"),
+    "batch_size": (1, MAX_BATCH_SIZE, "every rank builds the arrays of the whole global batch"),
+    "eval_samples": (1, INT64_MAX, "the int64 range"),
+    "eval_every": (0, INT64_MAX, "the int64 range"),
+    "checkpoint_every": (0, INT64_MAX, "the int64 range"),
+    "embedding_dim": (1, INT64_MAX, "the int64 range"),
+    "table_rows": (1, INT64_MAX, "the int64 range"),
+    "vocab_per_slot": (1, MAX_VOCAB_PER_SLOT, "the synthetic data's hidden model holds 26 x N effects"),
+    "keep_checkpoints": (1, INT64_MAX, "the int64 range"),
+    "seed": (0, INT64_MAX, "numpy and torch take seeds in [0, 2^63)"),
+    "capacity_per_rank": (1, INT64_MAX, "the int64 range"),
+    "admit_after": (1, INT64_MAX, "the int64 range"),
+}
+_OPTIONAL_INT_FLAGS = ("eval_samples", "capacity_per_rank")
+
+
+def _file_in_the_way(directory: str) -> Optional[str]:
+    """The nearest existing path of ``directory`` and its parents when that is not a
+    directory (so the directory cannot be created), else None."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
 
 
 @dataclass
@@ -65,26 +134,30 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the flag of the first value out of range."""
-        at_least = {"steps": 0, "batch_size": 1, "eval_samples": 1, "eval_every": 0, "checkpoint_every": 0,
-                    "embedding_dim": 1, "table_rows": 1, "vocab_per_slot": 1, "keep_checkpoints": 1}
-        for name, low in at_least.items():
+        for name, (low, high, why) in _INT_FLAG_RANGES.items():
             value = getattr(self, name)
-            if name == "eval_samples" and value is None:
+            if value is None and name in _OPTIONAL_INT_FLAGS:
                 continue
+            flag = "--" + name.replace("_", "-")
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr!r}")
-        if not self.timeout > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
-        if self.capacity_per_rank is not None and (not isinstance(self.capacity_per_rank, int)
-                                                   or isinstance(self.capacity_per_rank, bool)
-                                                   or self.capacity_per_rank < 1):
-            raise ValueError(f"--capacity-per-rank must be an integer >= 1, got {self.capacity_per_rank!r}")
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+            if value > high:
+                raise ValueError(f"{flag} must be at most {high:,} ({why}), got {value!r}")
+        # Written so that NaN fails too.
+        if not 0 < self.lr <= MAX_LR:
+            raise ValueError(f"--lr must be > 0 and at most {MAX_LR:g} (Adam moves every parameter by about "
+                             f"lr per step), got {self.lr!r}")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT:.0f} (a week), "
+                             f"got {self.timeout!r}")
+        if self.embedding not in ("sparsekit", "torch"):
+            raise ValueError(f"--embedding must be sparsekit or torch, got {self.embedding!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available; use --device cpu")
         if self.eviction not in (None, "lru", "lfu"):
             raise ValueError(f"--eviction must be lru or lfu, got {self.eviction!r}")
-        if not isinstance(self.admit_after, int) or isinstance(self.admit_after, bool) or self.admit_after < 1:
-            raise ValueError(f"--admit-after must be an integer >= 1, got {self.admit_after!r}")
         if self.embedding != "sparsekit" and (self.eviction or self.admit_after != 1
                                               or self.capacity_per_rank is not None):
             raise ValueError("--capacity-per-rank, --eviction and --admit-after need --embedding sparsekit")
@@ -100,6 +173,23 @@ class TrainConfig:
             raise ValueError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
+        # Found now rather than when the first checkpoint or the metrics are written.
+        metrics_dir = os.path.dirname(os.path.abspath(self.metrics_json)) if self.metrics_json else None
+        for flag, value, directory in (("--checkpoint-dir", self.checkpoint_dir, self.checkpoint_dir),
+                                       ("--metrics-json", self.metrics_json, metrics_dir)):
+            blocker = _file_in_the_way(directory) if directory else None
+            if blocker:
+                raise ValueError(f"{flag} {value!r}: {blocker!r} is a file, not a directory")
+        if self.metrics_json and os.path.isdir(self.metrics_json):
+            raise ValueError(f"--metrics-json {self.metrics_json!r} is a directory; name the file to write")
+        if self.data == "synthetic":
+            if self.eval_data is not None:
+                raise ValueError("--eval-data needs --data FILE (the synthetic data holds out samples of its "
+                                 "own; --eval-samples sets how many)")
+            if self.eval_samples is not None and self.eval_samples > MAX_SYNTHETIC_EVAL_SAMPLES:
+                raise ValueError(f"--eval-samples must be at most {MAX_SYNTHETIC_EVAL_SAMPLES:,} with --data "
+                                 "synthetic (every evaluation generates them afresh), "
+                                 f"got {self.eval_samples!r}")
         for flag, path in (("--data", self.data if self.data != "synthetic" else None),
                            ("--eval-data", self.eval_data)):
             if path is not None and not os.path.isfile(path):
@@ -130,9 +220,9 @@ def setup(device_name: Optional[str], timeout: float = 300.0) -> Context:
     if device_name is None:
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     if device_name not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda, got {device_name!r}")
+        raise FlagError(f"--device must be cpu or cuda, got {device_name!r}")
     if device_name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is available; use --device cpu")
+        raise FlagError("--device cuda: no CUDA device is available; use --device cpu")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         if device_name == "cuda":
@@ -151,6 +241,8 @@ def setup(device_name: Optional[str], timeout: float = 300.0) -> Context:
 
 
 def make_data(config: TrainConfig):
+    """The run's data source: :class:`SyntheticCriteo`, or a :class:`CriteoTSV` over
+    ``--data`` (raises :class:`HarnessError` naming the file when it has too few lines)."""
     if config.data == "synthetic":
         return SyntheticCriteo(config.seed, vocab_per_slot=config.vocab_per_slot)
     from .criteo import CriteoTSV
@@ -162,8 +254,23 @@ def make_data(config: TrainConfig):
             from .criteo import LineIndex
 
             eval_samples = min(eval_samples, max(1, LineIndex(config.data).num_lines // 10))
-    return CriteoTSV(config.data, eval_samples=eval_samples, eval_path=config.eval_data,
-                     hash_seed=config.seed)
+    try:
+        return CriteoTSV(config.data, eval_samples=eval_samples, eval_path=config.eval_data,
+                         hash_seed=config.seed)
+    except ValueError as error:  # its only ValueErrors: a file too short (the message names it)
+        raise HarnessError(str(error)) from error
+
+
+@contextlib.contextmanager
+def _sized_by(flags: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Turns a failure to allocate (sparsekit's AllocationError, torch's out-of-memory
+    errors) inside the block into a :class:`FlagError` naming the flags that sized
+    ``shape``, the largest tensor allocated there."""
+    try:
+        with allocation(flags, shape, dtype, device):
+            yield
+    except AllocationError as error:
+        raise FlagError(str(error)) from error
 
 
 def _table_stats(model: nn.Module, config: TrainConfig) -> str:
@@ -188,27 +295,41 @@ def build(config: TrainConfig, context: Context):
     and the optimizer."""
     # Same seed on every rank: identical dense replicas before DDP even broadcasts.
     torch.manual_seed(config.seed)
+    dim = config.embedding_dim
     if config.embedding == "sparsekit":
-        capacity = config.capacity_per_rank if config.capacity_per_rank is not None else config.table_rows
+        if config.capacity_per_rank is not None:
+            capacity, rows_flag = config.capacity_per_rank, f"--capacity-per-rank {config.capacity_per_rank}"
+        else:
+            capacity, rows_flag = config.table_rows, f"--table-rows {config.table_rows}"
         if config.tables == "per-slot":
             # The same rows in all: the capacity split evenly over the 26 tables.
-            embedding = SparsekitTableEmbedding(
-                max(1, capacity // NUM_SLOTS), config.embedding_dim, context.device, context.world_size,
-                config.seed, eviction=config.eviction, admit_after=config.admit_after,
-                dtype=EMBEDDING_DTYPES[config.embedding_dtype])
+            rows = max(1, capacity // NUM_SLOTS)
+            dtype = EMBEDDING_DTYPES[config.embedding_dtype]
+            with _sized_by(f"{rows_flag} x --embedding-dim {dim} ({NUM_SLOTS} tables of {rows} rows per rank)",
+                           (rows, dim), dtype, context.device):
+                embedding = SparsekitTableEmbedding(
+                    rows, dim, context.device, context.world_size, config.seed, eviction=config.eviction,
+                    admit_after=config.admit_after, dtype=dtype)
         else:
-            embedding = SparsekitSlotEmbedding(capacity, config.embedding_dim, context.device,
-                                               context.world_size, config.seed, eviction=config.eviction,
-                                               admit_after=config.admit_after)
+            with _sized_by(f"{rows_flag} x --embedding-dim {dim} (the table of each rank)",
+                           (capacity, dim), torch.float32, context.device):
+                embedding = SparsekitSlotEmbedding(capacity, dim, context.device, context.world_size,
+                                                   config.seed, eviction=config.eviction,
+                                                   admit_after=config.admit_after)
     elif config.embedding == "torch":
         if context.world_size > 1 and context.device.type == "cuda":
-            raise RuntimeError("--embedding torch replicates nn.EmbeddingBag(sparse=True) under DDP, "
-                               "and NCCL has no sparse all-reduce: run it on one process, or on CPU "
-                               "(gloo), or use --embedding sparsekit")
-        embedding = TorchSlotEmbedding(config.table_rows, config.embedding_dim, context.device)
+            raise FlagError("--embedding torch replicates nn.EmbeddingBag(sparse=True) under DDP, "
+                            "and NCCL has no sparse all-reduce: run it on one process, or on CPU "
+                            "(gloo), or use --embedding sparsekit")
+        with _sized_by(f"--table-rows {config.table_rows} x --embedding-dim {dim} (the replicated table)",
+                       (config.table_rows, dim), torch.float32, context.device):
+            embedding = TorchSlotEmbedding(config.table_rows, dim, context.device)
     else:
-        raise ValueError(f"--embedding must be sparsekit or torch, got {config.embedding!r}")
-    model = DLRM(embedding, config.embedding_dim, device=context.device)
+        raise FlagError(f"--embedding must be sparsekit or torch, got {config.embedding!r}")
+    # The largest dense weight: the top MLP's first layer, [128, dim + 351].
+    with _sized_by(f"--embedding-dim {dim} (the dense layers)", (128, dim + NUM_SLOTS * (NUM_SLOTS + 1) // 2),
+                   torch.float32, context.device):
+        model = DLRM(embedding, dim, device=context.device)
 
     if config.embedding == "sparsekit":
         import sparsekit as sk
@@ -340,21 +461,94 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
 
 
 def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
-    """The directory the ``latest`` pointer names, or None when there is none."""
+    """The directory the ``latest`` pointer names, or None when there is no pointer.
+
+    Raises:
+        CheckpointError: ``latest`` cannot be read, is empty, does not hold the name of a
+            step directory (``step_NNNNNNNNN``), or names one that does not exist.
+    """
+    path = os.path.join(checkpoint_dir, LATEST)
     try:
-        with open(os.path.join(checkpoint_dir, LATEST)) as pointer:
-            name = pointer.read().strip()
+        with open(path, "rb") as pointer:
+            content = pointer.read(256)  # a step directory's name is short; more is not one
     except FileNotFoundError:
         return None
-    return os.path.join(checkpoint_dir, name)
+    except OSError as error:
+        raise CheckpointError(f"--resume: cannot read {path} ({error.strerror or error}); it should hold "
+                              f"the name of the newest step directory of {checkpoint_dir}") from None
+    fix = (f"it should hold the name of the newest step directory (step_NNNNNNNNN) of {checkpoint_dir}; "
+           "correct it, or delete it to start from step 0")
+    name = content.decode("ascii", errors="replace").strip()
+    if not name:
+        raise CheckpointError(f"--resume: {path} is empty; {fix}")
+    if not _STEP_DIR_NAME.fullmatch(name):
+        raise CheckpointError(f"--resume: {path} holds {content[:40]!r}, not a step directory's name; {fix}")
+    directory = os.path.join(checkpoint_dir, name)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--resume: {path} names {name}, but {checkpoint_dir} has no directory {name}; "
+                              f"{fix}")
+    return directory
+
+
+# What torch.load raised on empty, truncated, bit-flipped and foreign files (a fuzz of a
+# trainer file): all mean "damaged". TypeError, AttributeError and the like stay bugs.
+_DAMAGED_FILE_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError, LookupError,
+                        struct.error, AssertionError)
+
+
+def _load_file(path: str, directory: str, **kwargs):
+    """``torch.load`` of a checkpoint file; a missing or unreadable one is a CheckpointError
+    naming the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--resume: the checkpoint {directory} has no {os.path.basename(path)}; "
+                              "it is incomplete (use an older step directory or a fresh --checkpoint-dir)")
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except _DAMAGED_FILE_ERRORS as error:
+        if os.path.getsize(path) == 0:
+            detail = "it is empty"
+        else:  # the first sentence: torch's messages go on for lines about weights_only
+            detail = f"{type(error).__name__}: " + " ".join(str(error).split()).split(". ")[0][:160]
+        raise CheckpointError(f"--resume: cannot read {path} ({detail}); the checkpoint is damaged") from error
+
+
+def _check_trainer_state(state, path: str) -> None:
+    """The fields :func:`save` writes: a non-negative int step, a dict of settings, a CPU
+    RNG state; raises CheckpointError naming ``path`` and the first one missing or wrong."""
+    def damaged(what: str) -> CheckpointError:
+        return CheckpointError(f"--resume: {path} {what}; it was not written by sparsekit.train or is damaged")
+
+    if not isinstance(state, dict):
+        raise damaged(f"holds a {type(state).__name__}, not the trainer state (a dict)")
+    missing = [key for key in ("step", "config", "cpu_rng") if key not in state]
+    if missing:
+        raise damaged(f"lacks {', '.join(repr(key) for key in missing)}")
+    step = state["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= INT64_MAX:
+        raise damaged(f"holds step {step!r}, not an integer >= 0")
+    if not isinstance(state["config"], dict):
+        raise damaged(f"holds settings of type {type(state['config']).__name__}, not a dict")
+    rng = state["cpu_rng"]
+    expected = torch.get_rng_state()
+    if not (isinstance(rng, torch.Tensor) and rng.dtype == expected.dtype and rng.shape == expected.shape):
+        raise damaged("holds no valid CPU RNG state ('cpu_rng')")
+    if "cuda_rng" in state and not (isinstance(state["cuda_rng"], torch.Tensor)
+                                    and state["cuda_rng"].dtype == torch.uint8):
+        raise damaged("holds no valid CUDA RNG state ('cuda_rng')")
 
 
 def load(config: TrainConfig, context: Context, directory: str, model: nn.Module, optimizer) -> Dict:
-    """Restore a checkpoint written by :func:`save` (any world size); returns the trainer state."""
+    """Restore a checkpoint written by :func:`save` (any world size); returns the trainer state.
+
+    Raises:
+        CheckpointError: a file is missing, damaged or lacks what :func:`save` writes, or
+            the checkpoint was written with other settings.
+    """
     own = os.path.join(directory, f"trainer_rank{context.rank}.pt")
     # A different world size: ranks without a file of their own take rank 0's RNG state.
-    state = torch.load(own if os.path.exists(own) else os.path.join(directory, "trainer_rank0.pt"),
-                       weights_only=True)
+    path = own if os.path.exists(own) else os.path.join(directory, "trainer_rank0.pt")
+    state = _load_file(path, directory)
+    _check_trainer_state(state, path)
     saved = state["config"]
     # A key an older checkpoint lacks was its default then.
     saved = {key: saved.get(key, getattr(TrainConfig, key)) for key in TrainConfig.RESUME_KEYS}
@@ -363,17 +557,29 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
     if mismatched:
         details = ", ".join(f"--{key.replace('_', '-')} {old!r} (now {new!r})"
                             for key, (old, new) in mismatched.items())
-        raise ValueError(f"--resume: the checkpoint {directory} was written with {details}; "
-                         "resume with the same settings or use a fresh --checkpoint-dir")
+        raise CheckpointError(f"--resume: the checkpoint {directory} was written with {details}; "
+                              "resume with the same settings or use a fresh --checkpoint-dir")
     if config.embedding == "sparsekit":
         import sparsekit as sk
 
-        sk.load_checkpoint(os.path.join(directory, "model"), model, optimizer)
+        try:
+            sk.load_checkpoint(os.path.join(directory, "model"), model, optimizer)
+        except (ValueError, OSError, sk.HashTableFullError) as error:  # what it raises for a bad checkpoint
+            raise CheckpointError(f"--resume: cannot load the checkpoint {directory}: {error}") from error
     else:
-        blob = torch.load(os.path.join(directory, "model.pt"), map_location=context.device,
-                          weights_only=True)
-        model.load_state_dict(blob["model"])
-        optimizer.load_state_dict(blob["optimizer"])
+        model_path = os.path.join(directory, "model.pt")
+        blob = _load_file(model_path, directory, map_location=context.device)
+        if not (isinstance(blob, dict) and isinstance(blob.get("model"), dict)
+                and isinstance(blob.get("optimizer"), dict)):
+            raise CheckpointError(f"--resume: {model_path} holds no 'model' and 'optimizer' states; "
+                                  "it was not written by sparsekit.train or is damaged")
+        try:
+            model.load_state_dict(blob["model"])
+            optimizer.load_state_dict(blob["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as error:  # torch's errors for states that do not fit
+            detail = f"{type(error).__name__}: " + " ".join(str(error).split())[:300]
+            raise CheckpointError(f"--resume: {model_path} does not fit the model ({detail}); "
+                                  "it was not written by sparsekit.train or is damaged") from error
     torch.set_rng_state(state["cpu_rng"])
     if context.device.type == "cuda" and "cuda_rng" in state:
         torch.cuda.set_rng_state(state["cuda_rng"], context.device)
@@ -410,9 +616,18 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
     config.validate()
     context = setup(config.device, config.timeout)
     if config.batch_size % context.world_size:
-        raise ValueError(f"--batch-size {config.batch_size} is the global batch; it must be a "
-                         f"multiple of the world size {context.world_size}")
-    data = make_data(config)
+        raise FlagError(f"--batch-size {config.batch_size} is the global batch; it must be a "
+                        f"multiple of the world size {context.world_size}")
+    with contextlib.ExitStack() as cleanup:  # on errors too: close the files and the progress bar
+        data = make_data(config)
+        if hasattr(data, "close"):
+            cleanup.callback(data.close)
+        return _train(config, context, data, log, cleanup)
+
+
+def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib.ExitStack) -> Dict[str, float]:
+    """:func:`train` once the process group and the data are set up; ``cleanup`` closes
+    what it opens."""
     model, trained, optimizer = build(config, context)
 
     start_step = 0
@@ -434,6 +649,7 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
         # disable=None: no bar when stderr is not a terminal (logs piped to a file).
         bar = tqdm(total=config.steps, initial=start_step, desc=f"train[{config.embedding}]",
                    unit="step", dynamic_ncols=True, mininterval=0.5, disable=None)
+        cleanup.callback(bar.close)
         log = bar.write  # keep log lines above the bar
     if context.is_main:
         log(f"sparsekit.train: embedding={config.embedding} device={context.device} "
@@ -523,6 +739,4 @@ def train(config: TrainConfig, log=print) -> Dict[str, float]:
         directory = os.path.dirname(os.path.abspath(config.metrics_json))
         os.makedirs(directory, exist_ok=True)
         _atomic_write_text(config.metrics_json, json.dumps(result, indent=2) + "\n")
-    if hasattr(data, "close"):
-        data.close()
     return result
