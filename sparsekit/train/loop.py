@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._checks import AllocationError, allocation
+from ..checkpoint import _file_in_the_way
 from .data import NUM_SLOTS, SyntheticCriteo
 from .metrics import all_gather_1d, log_loss, roc_auc
 from .model import DLRM, SparsekitSlotEmbedding, SparsekitTableEmbedding, TorchSlotEmbedding
@@ -88,18 +89,6 @@ _INT_FLAG_RANGES = {
     "admit_after": (1, INT64_MAX, "the int64 range"),
 }
 _OPTIONAL_INT_FLAGS = ("eval_samples", "capacity_per_rank")
-
-
-def _file_in_the_way(directory: str) -> Optional[str]:
-    """The nearest existing path of ``directory`` and its parents when that is not a
-    directory (so the directory cannot be created), else None."""
-    path = os.path.abspath(directory)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-    return None if os.path.isdir(path) else path
 
 
 @dataclass
