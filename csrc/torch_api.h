@@ -85,6 +85,17 @@ template <typename... Args>
     if (C10_UNLIKELY(!(cond))) ::sparsekit::fail(__VA_ARGS__);  \
   } while (0)
 
+/// @brief make() (an allocation sized by an argument), its failure turned into an error that
+/// names the argument: "op: what cannot be allocated (...)" instead of the allocator's own.
+template <typename F>
+auto allocate_or_fail(const char* op, const std::string& what, F&& make) -> decltype(make()) {
+  try {
+    return make();
+  } catch (const std::exception& error) {
+    fail(op, ": ", what, " cannot be allocated (", error.what(), "); choose a smaller value");
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Dtype dispatch: runs the lambda with index_t (int32/int64) or scalar_t (float, double,
 // Half, BFloat16) bound to the tensor's element type and returns what it returns.

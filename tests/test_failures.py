@@ -231,3 +231,18 @@ def test_wrappers_still_take_integer_and_real_types():
                        sk.ops.key_seeded_uniform(keys, 2, seed=1, low=-1.0, high=1.0))
     picked = sk.ops.select_smallest([torch.tensor([5, 1, 3])], torch.ones(3, dtype=torch.bool), torch.tensor(2))
     assert picked.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("size", HUGE)
+def test_raw_ops_name_the_argument_of_an_output_too_large(size):
+    """The raw ops (not the sk.ops wrappers, which raise AllocationError) name the argument too."""
+    with pytest.raises(RuntimeError, match=rf"segment_sum: num_segments={size} \(the output\) cannot be allocated"):
+        torch.ops.sparsekit.segment_sum(torch.ones(3, 2), torch.zeros(3, dtype=torch.long), size, False)
+    with pytest.raises(RuntimeError, match=rf"key_seeded_uniform: dim={size} for 1 keys \(the output\) cannot be"):
+        torch.ops.sparsekit.key_seeded_uniform(torch.tensor([1]), size, 0, -0.05, 0.05, None)
+
+
+@pytest.mark.parametrize("num_tables", [2**20 + 1, 2**40, 2**62])
+def test_unique_tables_bounds_the_table_count(num_tables):
+    with pytest.raises(RuntimeError, match=r"unique_tables: num_tables must lie in \[0, 2\^20\]"):
+        torch.ops.sparsekit.unique_tables(torch.tensor([1, 2]), [0, 2], [0], num_tables)

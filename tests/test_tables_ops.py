@@ -95,7 +95,7 @@ def test_unique_tables_empty_and_tableless():
 @pytest.mark.parametrize("call, match", [
     (lambda k: unique_tables(k.float(), [0, 4], [0], 1), "keys must be an int64 or int32"),
     (lambda k: unique_tables(k.view(2, 2), [0, 4], [0], 1), "keys must be 1-D"),
-    (lambda k: unique_tables(k, [0, 4], [0], -1), "num_tables must be >= 0"),
+    (lambda k: unique_tables(k, [0, 4], [0], -1), r"num_tables must lie in \[0, 2\^20\]"),
     (lambda k: unique_tables(k, [0, 2, 4], [0], 1), "offsets must hold one more entry than tables"),
     (lambda k: unique_tables(k, [0, 3], [0], 1), "offsets must run from 0 to 4"),
     (lambda k: unique_tables(k, [0, 3, 2, 4], [0, 0, 0], 1), r"offsets must never decrease"),

@@ -184,7 +184,8 @@ Tensor segment_sum_rows(const std::vector<Tensor>& data, const Tensor& ids_in, i
   int64_t dim = 1;
   for (size_t d = 1; d < shape.size(); ++d) dim *= shape[d];
   shape[0] = num_segments;
-  Tensor out = zeros(shape, data.empty() ? kFloat : data[0].scalar_type(), ids.device());
+  Tensor out = allocate_or_fail("segment_sum", "num_segments=" + std::to_string(num_segments) + " (the output)",
+                                [&] { return zeros(shape, data.empty() ? kFloat : data[0].scalar_type(), ids.device()); });
   if (n == 0) return out;
 
   SK_DISPATCH_INDEX_TYPES(ids.scalar_type(), "segment_sum_cpu_ids", [&] {

@@ -620,7 +620,9 @@ std::tuple<Tensor, Tensor, Tensor> unique_tables_cpu(const Tensor& keys_in, cons
   check_key_tensor(keys_in, op, "keys");
   SK_CHECK(keys_in.device().is_cpu(), op, ": expected a CPU tensor, got ", keys_in.device());
   SK_CHECK(keys_in.dim() == 1, op, ": keys must be 1-D, got shape ", keys_in.sizes());
-  SK_CHECK(num_tables >= 0, op, ": num_tables must be >= 0, got ", num_tables);
+  // Per-table bookkeeping is allocated for every table: 2^20 tables is far beyond any model.
+  SK_CHECK(num_tables >= 0 && num_tables <= (int64_t{1} << 20), op, ": num_tables must lie in [0, 2^20], got ",
+           num_tables);
   const int64_t n = keys_in.numel();
   const int64_t num_segments = static_cast<int64_t>(tables.size());
   SK_CHECK(static_cast<int64_t>(offsets.size()) == num_segments + 1, op,

@@ -35,7 +35,8 @@ Tensor key_seeded_uniform_cuda(const Tensor& keys, int64_t dim, int64_t seed, do
   DeviceGuard device_guard(keys.get_device_index());
   const Tensor keys_contig = as_contiguous(keys);
   const int64_t n = keys_contig.numel();
-  Tensor out = empty({n, dim}, out_dtype, keys.device());
+  Tensor out = allocate_or_fail("key_seeded_uniform", "dim=" + std::to_string(dim) + " for " + std::to_string(n) +
+                                " keys (the output)", [&] { return empty({n, dim}, out_dtype, keys.device()); });
   if (n == 0 || dim == 0) return out;
   const int64_t blocks = std::min<int64_t>((n * dim + kThreads - 1) / kThreads, 65535);
   cudaStream_t stream = current_stream(keys);

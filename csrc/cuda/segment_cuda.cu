@@ -551,7 +551,8 @@ Tensor segment_sum_cuda(const Tensor& data_in, const Tensor& ids_in, int64_t num
   for (int64_t d = 1; d < data.dim(); ++d) dim *= data.size(d);
   std::vector<int64_t> out_shape = data.sizes().vec();
   out_shape[0] = num_segments;
-  Tensor out = zeros(out_shape, data.scalar_type(), data.device());
+  Tensor out = allocate_or_fail("segment_sum", "num_segments=" + std::to_string(num_segments) + " (the output)",
+                                [&] { return zeros(out_shape, data.scalar_type(), data.device()); });
   if (n == 0) return out;
 
   Tensor bad_id = empty({1}, kLong, ids.device());
