@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+import operator
+from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 # Messages of torch's allocators (CPU, CUDA) and of its size arithmetic.
@@ -50,6 +52,39 @@ def allocation(what: str, shape: Sequence[int], dtype: torch.dtype, device) -> I
         where = "the default device" if device is None else str(device)
         raise AllocationError(f"{what}: needs a {list(shape)} {dtype} tensor of {_bytes(needed)} on {where}, "
                               "which cannot be allocated; choose a smaller value") from error
+
+
+# ---- argument types -------------------------------------------------------------------------
+
+
+def type_name(value: Any) -> str:
+    """``value``'s type for an error message: ``float``, ``numpy.bool`` ..."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def is_bool(value: Any) -> bool:
+    """A Python or numpy bool, or a bool tensor (whose ``__index__`` would read it as 0 or 1)."""
+    return isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+
+
+def integer_argument(where: str, name: str, value: Any, optional: bool = False) -> Any:
+    """``value`` as an int: a Python or numpy integer, an integer 0-d tensor or a traced
+    SymInt; never a bool (True is not the int 1). None passes when ``optional``.
+
+    Raises:
+        TypeError: ``"{where}: {name} must be an int, got ..."``.
+    """
+    if type(value) is int or isinstance(value, torch.SymInt) or (optional and value is None):
+        return value
+    if not is_bool(value):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    kind = "an int or None" if optional else "an int"
+    hint = "; convert a bool with int() explicitly" if is_bool(value) else ""
+    raise TypeError(f"{where}: {name} must be {kind}, got {value!r} ({type_name(value)}){hint}")
 
 
 # ---- argument checks of the fake (meta) kernels ------------------------------------------

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import xxhash
 
+from ._checks import integer_argument, is_bool
+
 Value = Union[str, bytes, bytearray, memoryview, int]
 
 _SEED_LAYOUT = struct.Struct("<QqB")
@@ -55,25 +57,10 @@ def _seed(slot: int, seed: int, kind: int) -> int:
     return _digest(_SEED_LAYOUT.pack(seed % _TWO_64, slot, kind))
 
 
-def _is_bool(value) -> bool:
-    """A Python or numpy bool, or a bool tensor (whose ``__index__`` would read it as 0 or 1)."""
-    return isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
-
-
-def _integer(value, name: str, where: str) -> int:
-    """``value`` as a Python int: any integer type but bool (TypeError otherwise)."""
-    if _is_bool(value):
-        raise TypeError(f"{where}: {name} must be an int, got {value!r}; convert a bool with int() explicitly")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{where}: {name} must be an int, got {value!r}") from None
-
-
 def _slot_and_seed(slot, seed, where: str):
     """``(slot, seed % 2**64)`` checked: ints, the slot in the int64 range."""
     if type(slot) is not int or type(seed) is not int:  # plain ints skip the slow path
-        slot, seed = _integer(slot, "slot", where), _integer(seed, "seed", where)
+        slot, seed = integer_argument(where, "slot", slot), integer_argument(where, "seed", seed)
     if not -_TWO_63 <= slot < _TWO_63:
         raise ValueError(f"{where}: slot must be in the int64 range, got {slot}")
     return slot, seed % _TWO_64
@@ -130,7 +117,7 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
         return _to_int64(_digest(encoded, _seed(slot, seed, _TEXT)))
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _to_int64(_digest(value, _seed(slot, seed, _TEXT)))
-    if _is_bool(value):
+    if is_bool(value):
         raise TypeError(f"sparsekit.hashing: cannot hash a bool ({value!r}): it would share the key of the "
                         "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant")
     try:

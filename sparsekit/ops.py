@@ -8,7 +8,6 @@ let ``torch.compile`` trace them, with data-dependent output sizes taken from
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -17,6 +16,8 @@ from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
 from ._checks import allocation, float_dtype, index_dtype, same_device
+from ._checks import integer_argument as _integer
+from ._checks import type_name as _type_name
 
 _ops = torch.ops.sparsekit
 
@@ -29,30 +30,11 @@ _INT_KEY_DTYPES = (torch.int64, torch.int32)
 # Python types first (TypeError, as torch's own functions raise), the kernels the ranges.
 
 
-def _type_name(value: Any) -> str:
-    kind = type(value)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
 def _flag(op: str, name: str, value: Any) -> bool:
     """``value`` if it is a Python bool (as torch's functions, numpy's bool is not one)."""
     if value is True or value is False:
         return value
     raise TypeError(f"{op}: {name} must be a bool, got {value!r} ({_type_name(value)})")
-
-
-def _integer(op: str, name: str, value: Any, optional: bool = False) -> Any:
-    """``value`` as an int: a Python or numpy integer, an integer 0-d tensor or a traced
-    SymInt; never a bool (True is not the size 1). None passes when ``optional``."""
-    if type(value) is int or isinstance(value, torch.SymInt) or (optional and value is None):
-        return value
-    if not isinstance(value, (bool, np.bool_)) and not (isinstance(value, Tensor) and value.dtype == torch.bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    kind = "an int or None" if optional else "an int"
-    raise TypeError(f"{op}: {name} must be {kind}, got {value!r} ({_type_name(value)})")
 
 
 def _real(op: str, name: str, value: Any) -> Any:
