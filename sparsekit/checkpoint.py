@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .shard import _ModelParallelEmbedding, is_embedding_variable
-from .hashtable import HashTable, HashTableFullError
+from .hashtable import HashTableFullError, _check_state_of
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -562,22 +562,15 @@ def _check_restore(name: str, restore: _LayerRestore) -> None:
             restore.initial = layer.initial_rows(layer.owned_keys())
         return
     # The keys fit key_dtype (checked above), so the cast is exact.
-    restore.table = _check_table(name, "hash table", layer.hash_table, {
+    restore.table = _check_state_of(layer.hash_table, {
         "keys": restore.keys.to(layer.key_dtype), "last_seen": dynamic["last_seen"], "count": dynamic["count"],
-        "clock": dynamic["clock"]})
+        "clock": dynamic["clock"]}, f"load_checkpoint: layer {name!r} (hash table)")
     pending = dynamic.get("pending")
     if layer._pending is not None and pending is not None:
-        restore.pending = _check_table(name, "pending admissions", layer._pending, {
+        restore.pending = _check_state_of(layer._pending, {
             "keys": pending["keys"].to(layer.key_dtype), "last_seen": pending["last_seen"],
-            "count": pending["count"], "clock": pending["clock"]})
-
-
-def _check_table(name: str, what: str, table: HashTable, state: Dict[str, Any]) -> Any:
-    """``table._check_state(state)``, its error naming the layer and which of its tables."""
-    try:
-        return table._check_state(state)
-    except (ValueError, TypeError, HashTableFullError) as error:
-        raise type(error)(f"load_checkpoint: layer {name!r} ({what}): {error}") from error
+            "count": pending["count"], "clock": pending["clock"]},
+            f"load_checkpoint: layer {name!r} (pending admissions)")
 
 
 def _first_of_each(keys: Tensor) -> Optional[Tensor]:

@@ -72,6 +72,15 @@ class _CheckedState(NamedTuple):
     clock: int
 
 
+def _check_state_of(table: "HashTable", state: Any, where: str) -> _CheckedState:
+    """``table._check_state(state)``, its error led by ``where`` (the layer, and which of its
+    tables), for the layers' loads that check every table before they change any."""
+    try:
+        return table._check_state(state)
+    except (ValueError, TypeError, HashTableFullError) as error:
+        raise type(error)(f"{where}: {error}") from error
+
+
 def _find_in_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]) -> Tensor:
     """Rows of ``keys[offsets[t]:offsets[t + 1]]`` in ``tables[t]`` for every t (-1: absent);
     nothing is changed. On the CPU one op for all tables (an EmbeddingBagCollection's owner

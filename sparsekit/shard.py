@@ -32,7 +32,7 @@ from .exchange import (
     _resolve_group,
     _sort_rows,
 )
-from .hashtable import HashTable, HashTableFullError, _grow_tables
+from .hashtable import HashTable, HashTableFullError, _check_state_of, _grow_tables
 
 Initializer = Callable[[Tensor, int], Tensor]
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -630,18 +630,12 @@ class _ModelParallelEmbedding(nn.Module):
         checked_pending = None
         pending = state.get("pending")
         if self._pending is not None and pending is not None:
-            checked_pending = self._check_table_state(self._pending, pending,
-                                                      "'_extra_state'['pending'] (the pending admissions)")
+            checked_pending = _check_state_of(self._pending, pending, f"{name}: load_state_dict: "
+                                              "'_extra_state'['pending'] (the pending admissions)")
         table = {key: value for key, value in state.items() if key not in ("pending", "evicted", "admitted")}
-        checked_table = self._check_table_state(self.hash_table, table, "'_extra_state' (the hash table)")
+        checked_table = _check_state_of(self.hash_table, table,
+                                        f"{name}: load_state_dict: '_extra_state' (the hash table)")
         return checked_table, checked_pending, totals[0], totals[1]
-
-    def _check_table_state(self, table: HashTable, state: object, what: str) -> object:
-        """``table._check_state(state)``, its error naming the layer and which table."""
-        try:
-            return table._check_state(state)
-        except (ValueError, TypeError, HashTableFullError) as error:
-            raise type(error)(f"{self._layer_name}: load_state_dict: {what}: {error}") from error
 
     def set_extra_state(self, state) -> None:
         """Loads what :meth:`get_extra_state` returned: the hash table, the pending
