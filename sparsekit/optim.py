@@ -182,8 +182,10 @@ class LazyAdam(torch.optim.Optimizer):
     def _check_gradients(self, rows_checked_later: Optional[Set[int]] = None) -> None:
         """Every gradient and the state it will update, before any update: layout, shape,
         dtype, device, the state's entries (:func:`_check_step_state`), and the rows of
-        sparse gradients (except the parameters whose ``id`` is in ``rows_checked_later``:
-        the fused update checks their rows itself before it writes anything).
+        sparse gradients and the memory they share (except for the parameters whose ``id``
+        is in ``rows_checked_later``: the fused update's kernel checks both itself, every
+        table before it writes anything, and on its error this runs again in full for
+        LazyAdam's message).
 
         Raises:
             RuntimeError: naming the parameter, its group and what is wrong.
@@ -220,7 +222,8 @@ class LazyAdam(torch.optim.Optimizer):
                     raise RuntimeError(f"{name} is {grad.dtype} on {grad.device} but the parameter is "
                                        f"{param.dtype} on {param.device}; a gradient must have its parameter's "
                                        "dtype and device")
-                _check_step_state(self.state.get(param), param, grad, g, i)
+                checked_later = rows_checked_later is not None and id(param) in rows_checked_later
+                _check_step_state(self.state.get(param), param, grad, g, i, check_memory=not checked_later)
         if not ranges:
             return
         # One host read for every sparse gradient of the step.
@@ -366,14 +369,14 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
 
 
 def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tensor, group_index: int,
-                      position: int) -> None:
+                      position: int, check_memory: bool = True) -> None:
     """RuntimeError naming the entry of ``state`` (the state of ``param``, parameter
     ``position`` of group ``group_index``, about to be updated with the (checked) gradient
     ``grad``; none or empty: created at the update) that the update could not use: a missing
     entry, a ``step`` that is not a one-element float32 / float64 CPU tensor, moments that
     are not strided tensors of the parameter's shape, device and dtype (with a sparse
-    gradient, float32 or float64 too, the same for both moments), or memory shared by any two
-    of weight, moments and gradient. The step's value is checked by ``load_state_dict``, not
+    gradient, float32 or float64 too, the same for both moments), or (``check_memory``) memory
+    shared by any two of weight, moments and gradient. The step's value is checked by ``load_state_dict``, not
     here: that would read every counter back to the host on every step."""
     # Built only to raise: this runs for every parameter on every step.
     def name() -> str:
@@ -384,7 +387,8 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
     # parameters before this one are updated.
     grad_values = grad._values() if grad.is_sparse else grad
     if not state:
-        _check_disjoint(name, {"the parameter": param, "the gradient": grad_values})
+        if check_memory:
+            _check_disjoint(name, {"the parameter": param, "the gradient": grad_values})
         return
     missing = [key for key in _STATE_KEYS if key not in state]
     if missing:
@@ -411,8 +415,9 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
                    if isinstance(moment, Tensor) else type(moment).__name__)
             raise RuntimeError(f"{name()}: {key!r} must be a dense {' or '.join(map(str, dtypes))} tensor of the "
                                f"parameter's shape on {param.device}, got {got}")
-    _check_disjoint(name, {"the parameter": param, "'exp_avg'": state["exp_avg"],
-                           "'exp_avg_sq'": state["exp_avg_sq"], "the gradient": grad_values})
+    if check_memory:  # else the fused kernel checks it before it writes
+        _check_disjoint(name, {"the parameter": param, "'exp_avg'": state["exp_avg"],
+                               "'exp_avg_sq'": state["exp_avg_sq"], "the gradient": grad_values})
 
 
 def _memory_span(tensor: Tensor) -> Tuple[int, int]:
