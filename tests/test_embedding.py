@@ -89,6 +89,26 @@ def test_embedding_bag_matches_torch(device, mode, weighted, dim):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [8, 16, 48, 256, 272, 528])
+def test_embedding_bag_dims_of_whole_and_partial_vectors(device, dtype, dim):
+    # Dims of whole 64-byte vectors of accumulators take the CPU's AVX-512 loops (with the
+    # first line of a row prefetched 32 lookups ahead, into the next bags), the others the
+    # AVX2 ones; 256 and 272 float32 columns cross the 16-register block of one pass. Bags
+    # long enough that the prefetch runs past several of them; -1 rows and a padding row.
+    weight = torch.randn(300, dim, device=device).to(dtype)
+    rows, offsets = random_bags(300, 64, 70, missing=0.05, seed=dim)
+    rows[::17] = 7
+    rows, offsets = rows.to(device), offsets.to(device)
+    psw = (torch.rand(rows.shape[0], device=device) + 0.5).to(dtype)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+    for mode, weights in [("sum", None), ("mean", None), ("max", None), ("sum", psw), ("mean", psw)]:
+        for padding_idx in [None, 7]:
+            out = ops.embedding_bag(weight, rows, offsets, weights, mode, padding_idx=padding_idx)
+            expected = torch_reference(weight, rows, offsets, weights, mode, padding_idx=padding_idx)
+            torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol * 10)
+
+
 def test_embedding_bag_many_bags_split_across_threads(device):
     weight = torch.randn(500, 32, device=device)
     rows, offsets = random_bags(500, 3000, 12, missing=0.05, seed=21)

@@ -23,7 +23,7 @@ from sparsekit import ops
 from properties import examples, num_threads, sizes, thread_counts
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-DIMS = [0, 1, 3, 16, 64, 128, 129]
+DIMS = [0, 1, 3, 16, 64, 128, 129, 272]
 # Unit roundoff of the accumulator (float32 for every type but float64) and of the output.
 ACCUMULATOR_EPS = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-24}
 OUTPUT_EPS = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

@@ -4,14 +4,16 @@
 // pooled accumulator of a block of columns in registers.
 //
 // The hot loops are written once as plain C++ (always_inline templates) and instantiated
-// twice: inside an AVX2+FMA+F16C function, chosen at run time when the CPU has it, and
-// inside a baseline function for any x86-64 (or other) CPU. The extension is built without
-// -march flags, so this is how the vector units get used without making the .so
-// unportable.
+// three times: with 64-byte vectors inside an AVX-512 function (dims of whole 64-byte
+// vectors of accumulators), with 32-byte vectors inside an AVX2+FMA+F16C function, each
+// chosen at run time when the CPU has it (cpu_isa), and inside a baseline function for
+// any x86-64 (or other) CPU. The extension is built without -march flags, so this is how
+// the vector units get used without making the .so unportable.
 #include "cpu/parallel.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -32,9 +34,11 @@ namespace {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define SPARSEKIT_X86_DISPATCH 1
 #define SPARSEKIT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SPARSEKIT_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #else
 #define SPARSEKIT_X86_DISPATCH 0
 #define SPARSEKIT_TARGET_AVX2
+#define SPARSEKIT_TARGET_AVX512
 #endif
 
 #if defined(__GNUC__)
@@ -62,14 +66,42 @@ constexpr int64_t kPrefetchDistanceSpread = 24;
 // take it from there (more lines measured no faster on a 1M x 64 float32 table).
 constexpr int64_t kMaxPrefetchLines = 4;
 
-SPARSEKIT_ALWAYS_INLINE bool cpu_has_avx2() {
+// The AVX-512 sum (pool_rows) prefetches the first line of the row this many lookups
+// ahead and leaves the rest of a wider row to the hardware's adjacent-line and stream
+// prefetchers. benchmarks/cpp/embedding_bag_loops.cpp (1M rows, 16384 bags of 20, one
+// thread, 9 interleaved rounds, against at::embedding_bag, which runs FBGEMM's AVX-512
+// kernel on this machine) measured 32 ahead with one line at x1.14 / x1.07 / x1.14 / x0.99
+// / x1.10 / x1.06 for D = 16, 64, 128 (uniform / Zipf rows), where two lines 32 ahead gave
+// x1.06 / x0.74 / x1.12 / x0.89 / x1.05 / x1.00 and 48 ahead no better. Two interleaved
+// sets of accumulators (two chains of adds) measured slower at D = 16 and no faster above.
+constexpr int64_t kWideDistance = 32;
+
+/// The widest vector instructions the pooling loops use: the CPU's, lowered by the
+/// environment variable SPARSEKIT_CPU_CAPABILITY ("default", "avx2" or "avx512", read once,
+/// as torch reads ATEN_CPU_CAPABILITY) so that the tests can run every instantiation on
+/// one machine.
+enum class Isa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Isa detect_isa() {
+  Isa isa = Isa::kBaseline;
 #if SPARSEKIT_X86_DISPATCH
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-#else
-  return false;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512 : Isa::kAvx2;
+  }
 #endif
+  const char* cap = std::getenv("SPARSEKIT_CPU_CAPABILITY");
+  if (cap != nullptr) {
+    const Isa limit = std::strcmp(cap, "default") == 0 ? Isa::kBaseline
+                      : std::strcmp(cap, "avx2") == 0  ? Isa::kAvx2
+                                                       : Isa::kAvx512;
+    isa = std::min(isa, limit);
+  }
+  return isa;
+}
+
+SPARSEKIT_ALWAYS_INLINE Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
 }
 
 // Element loads widened to the accumulator type. float16 goes through the compiler's
@@ -97,57 +129,84 @@ SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const BFloat16* p) {
   return static_cast<acc_t>(f);
 }
 
-// 32-byte vectors of the accumulator type (GCC/Clang vector extensions): one AVX2 register
-// in the AVX2 instantiation, two SSE registers in the baseline one.
+// Vectors of the accumulator type (GCC/Clang vector extensions). 32 bytes: one AVX2
+// register in the AVX2 instantiation, two SSE registers in the baseline one; 64 bytes: one
+// AVX-512 register, used only by the AVX-512 instantiation.
 typedef float float_vec __attribute__((vector_size(32)));
 typedef double double_vec __attribute__((vector_size(32)));
+typedef float float_vec16 __attribute__((vector_size(64)));
+typedef double double_vec8 __attribute__((vector_size(64)));
 typedef uint16_t u16_vec8 __attribute__((vector_size(16)));
 typedef uint32_t u32_vec8 __attribute__((vector_size(32)));
+typedef uint16_t u16_vec16 __attribute__((vector_size(32)));
+typedef uint32_t u32_vec16 __attribute__((vector_size(64)));
 #if defined(__FLT16_MAX__)
 typedef _Float16 half_vec8 __attribute__((vector_size(16)));
+typedef _Float16 half_vec16 __attribute__((vector_size(32)));
 #endif
 
-template <typename acc_t>
+/// The accumulator vector of acc_t that is kBytes (32 or 64) wide.
+template <typename acc_t, int kBytes>
 struct AccVec;
 template <>
-struct AccVec<float> {
+struct AccVec<float, 32> {
   using type = float_vec;
   static constexpr int kLanes = 8;
 };
 template <>
-struct AccVec<double> {
+struct AccVec<double, 32> {
   using type = double_vec;
   static constexpr int kLanes = 4;
 };
+template <>
+struct AccVec<float, 64> {
+  using type = float_vec16;
+  static constexpr int kLanes = 16;
+};
+template <>
+struct AccVec<double, 64> {
+  using type = double_vec8;
+  static constexpr int kLanes = 8;
+};
 
-SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const float* p) {
-  float_vec v;
+// load_into(v, p): the vector's worth of elements at p, widened to the accumulator type.
+template <typename vec_t, typename T>
+SPARSEKIT_ALWAYS_INLINE void load_same(vec_t& v, const T* p) {
   std::memcpy(&v, p, sizeof(v));
-  return v;
 }
-SPARSEKIT_ALWAYS_INLINE double_vec load_vec(const double* p) {
-  double_vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const Half* p) {
+SPARSEKIT_ALWAYS_INLINE void load_into(float_vec& v, const float* p) { load_same(v, p); }
+SPARSEKIT_ALWAYS_INLINE void load_into(float_vec16& v, const float* p) { load_same(v, p); }
+SPARSEKIT_ALWAYS_INLINE void load_into(double_vec& v, const double* p) { load_same(v, p); }
+SPARSEKIT_ALWAYS_INLINE void load_into(double_vec8& v, const double* p) { load_same(v, p); }
+SPARSEKIT_ALWAYS_INLINE void load_into(float_vec& v, const Half* p) {
 #if defined(__FLT16_MAX__)
   half_vec8 h;
   std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, float_vec);
+  v = __builtin_convertvector(h, float_vec);
 #else
-  float_vec v;
   for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
 #endif
 }
-SPARSEKIT_ALWAYS_INLINE float_vec load_vec(const BFloat16* p) {
+SPARSEKIT_ALWAYS_INLINE void load_into(float_vec16& v, const Half* p) {
+#if defined(__FLT16_MAX__)
+  half_vec16 h;
+  std::memcpy(&h, p, sizeof(h));
+  v = __builtin_convertvector(h, float_vec16);
+#else
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+#endif
+}
+SPARSEKIT_ALWAYS_INLINE void load_into(float_vec& v, const BFloat16* p) {
   u16_vec8 bits;
   std::memcpy(&bits, p, sizeof(bits));
   const u32_vec8 wide = __builtin_convertvector(bits, u32_vec8) << 16;
-  float_vec v;
   std::memcpy(&v, &wide, sizeof(v));
-  return v;
+}
+SPARSEKIT_ALWAYS_INLINE void load_into(float_vec16& v, const BFloat16* p) {
+  u16_vec16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const u32_vec16 wide = __builtin_convertvector(bits, u32_vec16) << 16;
+  std::memcpy(&v, &wide, sizeof(v));
 }
 
 /// Lines of a row_bytes-long row worth prefetching by hand, 1..kMaxPrefetchLines.
@@ -240,23 +299,29 @@ SPARSEKIT_ALWAYS_INLINE bool lookup_valid(index_t row, int64_t num_rows, int64_t
   return static_cast<int64_t>(row) != padding_row;
 }
 
-/// kVecs 32-byte vectors of accumulators: the columns [col, col + kVecs * kLanes) of a bag,
-/// held in registers while the bag's rows stream by.
-template <typename scalar_t, int kVecs>
+/// kVecs kBytes-wide vectors of accumulators: the columns [col, col + kVecs * kLanes) of a
+/// bag, held in registers while the bag's rows stream by.
+template <typename scalar_t, int kVecs, int kBytes>
 struct VectorColumns {
   using acc_t = acc_type<scalar_t>;
-  using vec = typename AccVec<acc_t>::type;
-  static constexpr int kLanes = AccVec<acc_t>::kLanes;
+  using vec = typename AccVec<acc_t, kBytes>::type;
+  static constexpr int kLanes = AccVec<acc_t, kBytes>::kLanes;
+
+  SPARSEKIT_ALWAYS_INLINE static vec load(const scalar_t* src) {
+    vec v;
+    load_into(v, src);
+    return v;
+  }
   vec acc[kVecs];
 
   SPARSEKIT_ALWAYS_INLINE VectorColumns() {
     for (int i = 0; i < kVecs; ++i) acc[i] = vec{};
   }
   SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src) {
-    for (int i = 0; i < kVecs; ++i) acc[i] += load_vec(src + i * kLanes);
+    for (int i = 0; i < kVecs; ++i) acc[i] += load(src + i * kLanes);
   }
   SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src, acc_t w) {
-    for (int i = 0; i < kVecs; ++i) acc[i] += w * load_vec(src + i * kLanes);
+    for (int i = 0; i < kVecs; ++i) acc[i] += w * load(src + i * kLanes);
   }
   /// add(src), with the prefetches of the first `lines` lines at `ahead` issued between
   /// the loads of the lines of src they stand for (the rest after them), not in a burst
@@ -266,20 +331,20 @@ struct VectorColumns {
   SPARSEKIT_ALWAYS_INLINE void add_prefetching(const scalar_t* src, const char* ahead, int lines) {
     constexpr int kVecBytes = kLanes * static_cast<int>(sizeof(scalar_t));
     for (int i = 0; i < kVecs; ++i) {
-      acc[i] += load_vec(src + i * kLanes);
+      acc[i] += load(src + i * kLanes);
       if ((i * kVecBytes) % 64 == 0 && (i * kVecBytes) / 64 < lines) __builtin_prefetch(ahead + i * kVecBytes, 0, 3);
     }
     constexpr int kCovered = (kVecs * kVecBytes + 63) / 64;
     if (kCovered < lines) prefetch_row_lines(ahead, kCovered, lines);
   }
   SPARSEKIT_ALWAYS_INLINE void assign(const scalar_t* src) {
-    for (int i = 0; i < kVecs; ++i) acc[i] = load_vec(src + i * kLanes);
+    for (int i = 0; i < kVecs; ++i) acc[i] = load(src + i * kLanes);
   }
   // nn.EmbeddingBag's max: a larger value or a NaN replaces the running maximum unless that
   // is already NaN; ties keep the earlier row.
   SPARSEKIT_ALWAYS_INLINE void max(const scalar_t* src) {
     for (int i = 0; i < kVecs; ++i) {
-      const vec v = load_vec(src + i * kLanes);
+      const vec v = load(src + i * kLanes);
       acc[i] = ((acc[i] == acc[i]) & ((v > acc[i]) | (v != v))) ? v : acc[i];
     }
   }
@@ -300,7 +365,7 @@ struct VectorColumns {
 template <typename scalar_t>
 struct TailColumns {
   using acc_t = acc_type<scalar_t>;
-  static constexpr int kMax = AccVec<acc_t>::kLanes;
+  static constexpr int kMax = AccVec<acc_t, 64>::kLanes;
   acc_t acc[kMax];
   int64_t width;
 
@@ -334,7 +399,7 @@ struct TailColumns {
 /// Pools the columns held by `columns` (starting at col) over rows[begin, end) of one bag
 /// and writes them to out_row. The first pass over a bag (prefetch == true) also prefetches
 /// the rows prefetch_distance() lookups ahead, running on into the next bags.
-template <bool kWeighted, bool kMax, typename Columns, typename scalar_t, typename index_t>
+template <bool kWeighted, bool kMax, int kBytes, typename Columns, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
                                        int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
   using acc_t = acc_type<scalar_t>;
@@ -346,8 +411,8 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   const char* const base = reinterpret_cast<const char*>(weight);
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
-  const int lines = prefetch_lines(row_bytes);
-  const int64_t distance = prefetch_distance(row_bytes);
+  const int lines = kBytes == 64 ? 1 : prefetch_lines(row_bytes);
+  const int64_t distance = kBytes == 64 ? kWideDistance : prefetch_distance(row_bytes);
   const int64_t last = p.nnz - 1;
   // Locals, not loads through p: the cold error call could otherwise force reloads.
   const int64_t padding_row = p.padding_row;
@@ -356,7 +421,29 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   int64_t valid = 0;
   // Unweighted sums of rows of up to kMaxPrefetchLines lines spread the prefetches among
   // their adds (add_prefetching).
-  const bool spread = !kWeighted && !kMax && row_bytes <= kMaxPrefetchLines * 64;
+  const bool spread = kBytes == 32 && !kWeighted && !kMax && row_bytes <= kMaxPrefetchLines * 64;
+  if constexpr (kBytes == 64 && !kWeighted && !kMax) {
+    // The AVX-512 sum: a lean loop over row pointers (few live registers, so nothing the
+    // loop needs is spilled), one test for a skipped row, the count of pooled rows
+    // derived from the skipped ones afterwards.
+    const index_t* const rows_last = rows + last;
+    const scalar_t* const weight_col = weight + col;
+    int64_t skipped = 0;
+    for (const index_t *r = rows + begin, *const r_end = rows + end; r < r_end; ++r) {
+      if (prefetch) {
+        const int64_t ahead = static_cast<int64_t>(*std::min(r + kWideDistance, rows_last));
+        __builtin_prefetch(base + (row_in_range(ahead, num_rows) ? ahead : 0) * row_stride_bytes, 0, 3);
+      }
+      const index_t row = *r;
+      if (C10_UNLIKELY(!row_in_range(row, num_rows) || static_cast<int64_t>(row) == padding_row)) {
+        lookup_valid(row, num_rows, padding_row, r - rows, first_bad_position);
+        ++skipped;
+        continue;
+      }
+      columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
+    }
+    valid = (end - begin) - skipped;
+  } else
   for (int64_t k = begin; k < end; ++k) {
     // The prefetch runs past the bag into the next ones: the flat rows are read in order.
     const char* ahead = nullptr;
@@ -399,10 +486,10 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   columns.store(out_row + col, scale);
 }
 
-template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
+template <bool kWeighted, bool kMax, int kBytes, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t first_bag,
                                             int64_t last_bag) {
-  constexpr int64_t kLanes = AccVec<acc_type<scalar_t>>::kLanes;
+  constexpr int64_t kLanes = AccVec<acc_type<scalar_t>, kBytes>::kLanes;
   // Sixteen accumulator vectors per pass (128 float or 64 double columns) fill the AVX2
   // register file; the adds take the rows straight from memory, so no register is needed
   // for the loads. Wider dims take several passes over a bag, the later ones hitting L1.
@@ -424,52 +511,66 @@ SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>&
     }
     int64_t col = 0;
     for (; col + kBlock <= dim; col += kBlock) {
-      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 16>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 16, kBytes>(), out_row);
     }
     // The rest in passes of 8, 4, 2 and 1 vectors, then a scalar tail.
     if (col + 8 * kLanes <= dim) {
-      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 8>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 8, kBytes>(), out_row);
       col += 8 * kLanes;
     }
     if (col + 4 * kLanes <= dim) {
-      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 4>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 4, kBytes>(), out_row);
       col += 4 * kLanes;
     }
     if (col + 2 * kLanes <= dim) {
-      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 2>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 2, kBytes>(), out_row);
       col += 2 * kLanes;
     }
     if (col + kLanes <= dim) {
-      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 1>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 1, kBytes>(), out_row);
       col += kLanes;
     }
     if (col < dim) {
-      pool_rows<kWeighted, kMax>(p, begin, end, col, col == 0, TailColumns<scalar_t>(dim - col), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, TailColumns<scalar_t>(dim - col), out_row);
     }
   }
 }
 
 template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
+SPARSEKIT_TARGET_AVX512 void pool_bag_range_avx512(const BagProblem<scalar_t, index_t>& p, int64_t first_bag,
+                                                   int64_t last_bag) {
+  pool_bag_range<kWeighted, kMax, 64>(p, first_bag, last_bag);
+}
+
+template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
 SPARSEKIT_TARGET_AVX2 void pool_bag_range_avx2(const BagProblem<scalar_t, index_t>& p, int64_t first_bag,
                                                int64_t last_bag) {
-  pool_bag_range<kWeighted, kMax>(p, first_bag, last_bag);
+  pool_bag_range<kWeighted, kMax, 32>(p, first_bag, last_bag);
 }
 
 template <bool kWeighted, bool kMax, typename scalar_t, typename index_t>
 void pool_bag_range_baseline(const BagProblem<scalar_t, index_t>& p, int64_t first_bag, int64_t last_bag) {
-  pool_bag_range<kWeighted, kMax>(p, first_bag, last_bag);
+  pool_bag_range<kWeighted, kMax, 32>(p, first_bag, last_bag);
 }
 
 template <typename scalar_t, typename index_t>
 void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
   const bool weighted = p.per_sample_weights != nullptr;
   const bool max = p.mode == BagMode::kMax;
-  const bool avx2 = cpu_has_avx2();
+  const Isa isa = cpu_isa();
+  // AVX-512 when whole 64-byte vectors of accumulators cover the dim (16 float32 columns);
+  // AVX2's passes of 8, 4, 2 and 1 vectors serve other dims better than a scalar tail.
+  const bool avx512 = isa == Isa::kAvx512 && p.dim % AccVec<acc_type<scalar_t>, 64>::kLanes == 0;
+  const bool avx2 = isa >= Isa::kAvx2;
   // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
   const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
   const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
   parallel_chunks(bags, chunk, [&](int64_t begin, int64_t end) {
-    if (avx2) {
+    if (avx512) {
+      max        ? pool_bag_range_avx512<false, true>(p, begin, end)
+      : weighted ? pool_bag_range_avx512<true, false>(p, begin, end)
+                 : pool_bag_range_avx512<false, false>(p, begin, end);
+    } else if (avx2) {
       max        ? pool_bag_range_avx2<false, true>(p, begin, end)
       : weighted ? pool_bag_range_avx2<true, false>(p, begin, end)
                  : pool_bag_range_avx2<false, false>(p, begin, end);
