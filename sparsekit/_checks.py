@@ -87,6 +87,18 @@ def integer_argument(where: str, name: str, value: Any, optional: bool = False) 
     raise TypeError(f"{where}: {name} must be {kind}, got {value!r} ({type_name(value)}){hint}")
 
 
+def bool_argument(where: str, name: str, value: Any) -> bool:
+    """``value`` as a bool: a Python or numpy bool only (a string such as ``"no"`` or an int
+    would otherwise be read by its truth value).
+
+    Raises:
+        TypeError: ``"{where}: {name} must be a bool, got ..."``.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{where}: {name} must be a bool, got {value!r} ({type_name(value)})")
+
+
 # ---- argument checks of the fake (meta) kernels ------------------------------------------
 # The fakes run instead of the C++ kernels whenever an argument is a meta tensor (and under
 # torch.compile); these apply the checks the C++ headers apply, with the same messages, so

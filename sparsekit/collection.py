@@ -513,7 +513,7 @@ class EmbeddingBagCollection(nn.Module):
                                      f"{self.tables[self._feature_table[feature]].name!r} and {table.name!r}; "
                                      "a feature reads one table (several features may share one)")
                 self._feature_table[feature] = index
-        self.process_group, self.world_size, self.rank = _resolve_group(process_group)
+        self.process_group, self.world_size, self.rank = _resolve_group(process_group, "EmbeddingBagCollection")
         # A list, not a ModuleDict: a table may be called "items" or "a.b".
         self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device) for i, t in enumerate(self.tables)])
         self._shards: List[_TableShard] = list(self.shards)

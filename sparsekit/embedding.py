@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._checks import bool_argument
 from .exchange import _GatherRows, _one_per_bag, _pool
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
     Initializer,
@@ -220,7 +221,8 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         for arg, value in (("slot_num", slot_num), ("max_nnz", max_nnz)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DistributedEmbedding: {arg} must be a positive int, got {value!r}")
-        if max_feature_num is not None and (not isinstance(max_feature_num, int) or max_feature_num < 1):
+        if max_feature_num is not None and (isinstance(max_feature_num, bool) or not isinstance(max_feature_num, int)
+                                            or max_feature_num < 1):
             raise ValueError(f"DistributedEmbedding: max_feature_num must be a positive int or None, "
                              f"got {max_feature_num!r}")
         super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
@@ -319,11 +321,12 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         for arg, value in (("slot_num", slot_num), ("nnz_per_slot", nnz_per_slot)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"All2AllDenseEmbedding: {arg} must be a positive int, got {value!r}")
+        dynamic_input = bool_argument("All2AllDenseEmbedding", "dynamic_input", dynamic_input)
         super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
                          embedding_initializer, process_group, device, eviction, admit_after, admission_capacity)
         self.slot_num = slot_num
         self.nnz_per_slot = nnz_per_slot
-        self.dynamic_input = bool(dynamic_input)
+        self.dynamic_input = dynamic_input
 
 
     def _config(self) -> Dict[str, object]:

@@ -24,12 +24,17 @@ _TABLE_FULL = 1
 _OWNER_EXCEPTION = 2
 
 
-def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
-    """(group, world_size, rank); no group at all when torch.distributed is not initialised."""
+def _resolve_group(process_group: Optional[dist.ProcessGroup],
+                   where: str) -> Tuple[Optional[dist.ProcessGroup], int, int]:
+    """(group, world_size, rank); no group at all when torch.distributed is not initialised.
+    Anything but a ProcessGroup or None raises TypeError, the message led by ``where``."""
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1, 0
         process_group = dist.group.WORLD
+    elif not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError(f"{where}: process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r} "
+                        f"({type(process_group).__qualname__})")
     return process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
 
 

@@ -8,15 +8,14 @@ let ``torch.compile`` trace them, with data-dependent output sizes taken from
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
-from ._checks import allocation, float_dtype, index_dtype, same_device
-from ._checks import integer_argument as _integer
+from ._checks import allocation, float_dtype, index_dtype, integer_argument, same_device
 from ._checks import type_name as _type_name
 
 _ops = torch.ops.sparsekit
@@ -28,6 +27,16 @@ _INT_KEY_DTYPES = (torch.int64, torch.int32)
 # The dispatcher reads True as 1 for an int argument and accepts None or 0 for a bool one,
 # so a mistyped flag or size would silently pick another behaviour; the wrappers check the
 # Python types first (TypeError, as torch's own functions raise), the kernels the ranges.
+
+
+def _integer(where: str, name: str, value: Any, optional: bool = False) -> Any:
+    """An int argument of an op's schema (``integer_argument``), within int64: a wider
+    Python int would reach the dispatcher, whose message contradicts itself ("Expected a
+    value of type 'int' ... found type 'int'")."""
+    value = integer_argument(where, name, value, optional)
+    if isinstance(value, int) and not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(f"{where}: {name} must fit in int64, [-2**63, 2**63), got {value}")
+    return value
 
 
 def _flag(op: str, name: str, value: Any) -> bool:
@@ -435,7 +444,10 @@ def lazy_adam_(
     compute in the parameter dtype, one rounding per operation as SparseAdam does, so the
     moments match it bit for bit; float16 and bfloat16 compute in float32. A row outside
     ``[0, R)`` or given twice raises and nothing is written (on CUDA: one host sync to read
-    the check).
+    the check). The update is not differentiable: with grad mode on, a weight or moment
+    that requires grad is refused (call it under ``torch.no_grad()``, as optimizers do),
+    and the three tensors' version counters advance, so a backward that saved the weight
+    before the update raises, as after torch's own optimizers.
 
     Args:
         weight: ``[R, ...]`` contiguous float32/float64/float16/bfloat16, updated in place.
@@ -455,7 +467,33 @@ def lazy_adam_(
     lr, beta1, beta2, eps, weight_decay = (
         _real("lazy_adam_", name, value) for name, value in
         (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)))
+    updated = (("weight", weight), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
+    _check_in_place_update("lazy_adam_", updated)
     _ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay)
+    _bump_versions(tensor for _, tensor in updated)
+
+
+def _check_in_place_update(op: str, tensors: Iterable[Tuple[str, Tensor]]) -> None:
+    """An optimizer kernel writes its tensors in place, outside autograd: with grad mode on,
+    a tensor that requires grad is refused, as torch refuses an in-place op on a leaf that
+    requires grad (the optimizers run under ``torch.no_grad()``)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, tensor in tensors:
+        if isinstance(tensor, Tensor) and tensor.requires_grad:
+            raise RuntimeError(f"{op}: {name} requires grad and grad mode is on: the update is in place and not "
+                               "differentiable; call it under torch.no_grad(), as optimizers do")
+
+
+def _bump_versions(tensors: Iterable[Tensor]) -> None:
+    """Marks tensors an optimizer kernel wrote in place as modified, as torch's own in-place
+    ops do: a backward that saved one of them before the update then raises ("modified by
+    an inplace operation") instead of using the updated values. (The dispatcher does not
+    do it for ops registered in C++.)"""
+    if torch.compiler.is_compiling():
+        return  # traced: functionalization tracks the mutation
+    for tensor in tensors:
+        torch.autograd.graph.increment_version(tensor)
 
 
 # ---- routing ----

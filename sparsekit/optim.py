@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
@@ -285,6 +286,7 @@ class LazyAdam(torch.optim.Optimizer):
                 del self.state[param]
             self._check_gradients()  # LazyAdam's own message for a bad row
             raise
+        ops._bump_versions(itertools.chain(*tables[:3]))
         for state in states:
             # Counted even for an empty gradient, as torch.optim.SparseAdam does.
             state["step"] += 1

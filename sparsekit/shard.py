@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
-from ._checks import allocation
+from ._checks import allocation, bool_argument
 from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
@@ -162,6 +162,7 @@ class _ModelParallelEmbedding(nn.Module):
             admission_capacity = max_vocabulary_size_per_gpu
         if isinstance(admission_capacity, bool) or not isinstance(admission_capacity, int) or admission_capacity < 1:
             raise ValueError(f"{name}: admission_capacity must be a positive int or None, got {admission_capacity!r}")
+        use_hashtable = bool_argument(name, "use_hashtable", use_hashtable)
         if not use_hashtable and (eviction is not None or admit_after != 1):
             raise ValueError(f"{name}: eviction and admit_after need use_hashtable=True (a direct-mapped shard has "
                              "a row for every key)")
@@ -172,11 +173,11 @@ class _ModelParallelEmbedding(nn.Module):
         self.admission_capacity = admission_capacity
         self._evicted = 0
         self._admitted = 0
-        self.use_hashtable = bool(use_hashtable)
+        self.use_hashtable = use_hashtable
         self.key_dtype = key_dtype
         self.embedding_initializer = embedding_initializer if embedding_initializer is not None \
             else KeySeededUniform()
-        self.process_group, self.world_size, self.rank = _resolve_group(process_group)
+        self.process_group, self.world_size, self.rank = _resolve_group(process_group, name)
         self._config_agreed = self.world_size == 1
 
         shape = (max_vocabulary_size_per_gpu, embedding_vec_size)

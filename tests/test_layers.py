@@ -338,6 +338,26 @@ def test_single_process_errors():
         sk.All2AllDenseEmbedding(5, DIM, 2, 2, dynamic_input=True)(torch.tensor([[1, 2]]))
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: sk.All2AllDenseEmbedding(50, DIM, 1, 1, dynamic_input="no"),
+     r"All2AllDenseEmbedding: dynamic_input must be a bool, got 'no' \(str\)"),
+    (lambda: sk.All2AllDenseEmbedding(50, DIM, 1, 1, use_hashtable="no"),
+     r"All2AllDenseEmbedding: use_hashtable must be a bool, got 'no'"),
+    (lambda: sk.DistributedEmbedding("sum", 10, DIM, 1, 1, use_hashtable=1),
+     r"DistributedEmbedding: use_hashtable must be a bool, got 1 \(int\)"),
+    (lambda: sk.DistributedEmbedding("sum", 10, DIM, 1, 1, max_feature_num=True),
+     r"DistributedEmbedding: max_feature_num must be a positive int or None, got True"),
+    (lambda: sk.DistributedEmbedding("sum", 10, DIM, 1, 1, process_group="x"),
+     r"DistributedEmbedding: process_group must be a torch.distributed.ProcessGroup or None, got 'x'"),
+    (lambda: sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 8, ["f"])], process_group=object()),
+     r"EmbeddingBagCollection: process_group must be a torch.distributed.ProcessGroup or None"),
+])
+def test_layer_arguments_of_the_wrong_type_raise_naming_them(make, message):
+    # Not read by their truth value: use_hashtable="no" would otherwise build a hash table.
+    with pytest.raises((TypeError, ValueError), match=message):
+        make()
+
+
 @pytest.mark.parametrize("pad_key, error, message", [
     (None, TypeError, "pad_key must be an int, got None"), (1.5, TypeError, "pad_key must be an int, got 1.5"),
     (True, TypeError, "pad_key must be an int, got True"), (2**63, ValueError, "pad_key must be in the torch.int64"),

@@ -821,3 +821,38 @@ def test_lazy_adam_half_shard_state_round_trip():
     shard.grad = _sparse_grad([2], torch.ones(1, 4, dtype=torch.bfloat16), shard.shape)
     resumed.step()
     assert resumed.state[shard]["step"].item() == 2 and resumed.state[shard]["exp_avg"].dtype == torch.float32
+
+
+def test_update_marks_the_tensors_modified_for_autograd(device):
+    # As torch's own optimizers: a backward that saved the weight before the step raises
+    # instead of silently using the updated rows (the dispatcher does not bump the version
+    # counters of ops registered in C++; the wrappers do).
+    weight = torch.nn.Parameter(torch.randn(4, 2, device=device))
+    scale = torch.ones(2, device=device, requires_grad=True)
+    loss = sk.ops.embedding_bag(weight, torch.tensor([1, 2], device=device), torch.tensor([0, 2], device=device),
+                                scale).sum()
+    weight.grad = torch.sparse_coo_tensor(torch.tensor([[1, 2]]), torch.ones(2, 2), (4, 2)).to(device)
+    sk.LazyAdam([weight], lr=1.0).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    tensors = [torch.randn(8, 4, device=device), torch.zeros(8, 4, device=device), torch.zeros(8, 4, device=device)]
+    before = [t._version for t in tensors]
+    sk.ops.lazy_adam_(*tensors, torch.tensor([1], device=device), torch.ones(1, 4, device=device), 1, .1, .9, .999,
+                      1e-8)
+    assert [t._version for t in tensors] == [v + 1 for v in before]
+
+
+def test_op_refuses_a_tensor_requiring_grad_in_grad_mode_and_a_step_beyond_int64():
+    args = [torch.tensor([1]), torch.ones(1, 4), 1, .1, .9, .999, 1e-8]
+    for position, name in enumerate(["weight", "exp_avg", "exp_avg_sq"]):
+        tensors = [torch.randn(8, 4), torch.zeros(8, 4), torch.zeros(8, 4)]
+        tensors[position].requires_grad_()
+        before = [t.detach().clone() for t in tensors]
+        with pytest.raises(RuntimeError, match=f"lazy_adam_: {name} requires grad and grad mode is on"):
+            sk.ops.lazy_adam_(*tensors, *args)
+        assert all(torch.equal(t.detach(), b) for t, b in zip(tensors, before))
+        with torch.no_grad():
+            sk.ops.lazy_adam_(*tensors, *args)  # as optimizers call it
+    with pytest.raises(ValueError, match=r"lazy_adam_: step must fit in int64"):
+        sk.ops.lazy_adam_(torch.randn(8, 4), torch.zeros(8, 4), torch.zeros(8, 4), torch.tensor([1]),
+                          torch.ones(1, 4), 2**64, .1, .9, .999, 1e-8)
