@@ -593,6 +593,25 @@ class EmbeddingBagCollection(nn.Module):
     # torch.compile runs the lookup eagerly, one graph break per collection (see README, torch.compile).
     @torch.compiler.disable
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
+        # Every table's clock (and its pending keys' clock) advances once per training
+        # forward on every rank, as a single layer's does, also for a table with no key this
+        # step: clocks that drifted apart between tables or ranks would mix scores of
+        # different ages when a checkpoint is resharded.
+        clocks = self._clocks() if self.training else None
+        out = self._forward(kjt)
+        if clocks is not None:
+            for shard, (table_clock, pending_clock) in zip(self._shards, clocks):
+                if shard.hash_table is not None and shard.hash_table.clock == table_clock:
+                    shard.hash_table.tick()
+                if shard._pending is not None and shard._pending.clock == pending_clock:
+                    shard._pending.tick()
+        return out
+
+    def _clocks(self) -> List[Tuple[Optional[int], Optional[int]]]:
+        return [(None if s.hash_table is None else s.hash_table.clock, None if s._pending is None else s._pending.clock)
+                for s in self._shards]
+
+    def _forward(self, kjt: Any) -> Dict[str, Tensor]:
         device = self._shards[0].weight.device
         num_tables, world = len(self._shards), self.world_size
         error: Optional[BaseException] = None

@@ -202,3 +202,53 @@ def test_two_ranks_checkpoint_reshards_scores_to_one(tmp_path, policy):
         assert torch.equal(layer.weight.detach()[rows], torch.tensor(vectors))
         got_last, got_count = layer.hash_table.scores(torch.tensor(keys, dtype=torch.int64))
         assert got_last.tolist() == last_seen and got_count.tolist() == count
+
+
+# ---- the collection's clocks ----
+
+def _clock_collection():
+    return sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 2, ["f"], eviction="lru"),
+                                      sk.TableConfig("b", 2, 4, ["g"], eviction="lfu", admit_after=2)])
+
+
+def _one_key_per_bag(feature, keys):
+    return sk.KeyedJagged([feature], torch.tensor(keys, dtype=torch.long),
+                          lengths=torch.ones(len(keys), dtype=torch.long))
+
+
+_CLOCK_STEPS = [[0], [0], [0], [0], [0], [1]]
+
+
+def test_collection_ticks_every_table_once_per_training_forward():
+    # Also a table none of whose features has a key this step, and its pending keys' clock;
+    # eval does not tick. As DistributedEmbedding, which ticks on every rank every step.
+    collection = _clock_collection()
+    for _ in range(3):
+        collection(_one_key_per_bag("f", [1]))
+    assert [(s.hash_table.clock, None if s._pending is None else s._pending.clock) for s in collection.shards] \
+        == [(3, None), (3, 3)]
+    collection.eval()
+    collection(_one_key_per_bag("f", [1]))
+    assert [s.hash_table.clock for s in collection.shards] == [3, 3]
+
+
+def _clock_worker(rank, world_size, init, directory):
+    init()
+    collection = _clock_collection()
+    for keys in _CLOCK_STEPS:
+        collection(_one_key_per_bag("f", keys if rank == 0 else []))  # rank 1's batches are empty
+    assert collection.shards[0].hash_table.clock == len(_CLOCK_STEPS)
+    sk.save_checkpoint(directory, collection)
+
+
+def test_collection_clocks_agree_across_ranks_so_resharding_keeps_lru_order(tmp_path):
+    # Rank 0 sees every key, rank 1 none: with clocks ticking only where a table had keys,
+    # the resharded scores mixed ages and LRU evicted key 1, the most recently used.
+    spawn(_clock_worker, 2, str(tmp_path), str(tmp_path))
+    loaded = _clock_collection()
+    sk.load_checkpoint(str(tmp_path), loaded)
+    loaded(_one_key_per_bag("f", [7]))
+    scratch = _clock_collection()
+    for keys in _CLOCK_STEPS + [[7]]:
+        scratch(_one_key_per_bag("f", keys))
+    assert sorted(loaded.export("a")[0].tolist()) == sorted(scratch.export("a")[0].tolist()) == [1, 7]
