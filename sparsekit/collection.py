@@ -374,6 +374,8 @@ def _as_keyed_jagged(kjt: Any) -> KeyedJagged:
 class _TableShard(_ModelParallelEmbedding):
     """One table of a collection on this rank: its weight shard, hash table, admissions."""
 
+    _capacity_argument = "capacity"  # TableConfig's
+
     def __init__(self, config: TableConfig, index: int, process_group, device) -> None:
         object.__setattr__(self, "_layer_name", f"EmbeddingBagCollection table {config.name!r}")
         initializer = config.initializer if config.initializer is not None else \

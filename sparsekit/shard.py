@@ -118,13 +118,15 @@ class _LookupPlan(NamedTuple):
     plan: object                   # the hash table's insert plan for the keys that get rows
     initial: Optional[Tensor]      # initial rows of the new keys
     admitted: Optional[tuple]      # (keys admitted this step, mask of keys that get rows) with admission
-    pending_plan: Optional[object]  # the pending table's insert plan for the keys still waiting
+    pending_keys: Optional[Tensor]  # the keys still waiting that stay pending (counted), None without admission
 
 
 class _ModelParallelEmbedding(nn.Module):
     """The shard, its hash table, and the exchange shared by both layers."""
 
     _layer_name = "embedding"
+    # The constructor argument that sets the shard's rows, as errors name it.
+    _capacity_argument = "max_vocabulary_size_per_gpu"
 
     def __init__(
         self,
@@ -184,7 +186,7 @@ class _ModelParallelEmbedding(nn.Module):
         # Key k lives on rank uint64(k + owner_offset) % world_size (0 for the SOK layers; a
         # collection's table index, so its tables' small keys spread over the ranks).
         self.owner_offset = owner_offset
-        with allocation(f"{name}: max_vocabulary_size_per_gpu={max_vocabulary_size_per_gpu} x embedding_vec_size="
+        with allocation(f"{name}: {self._capacity_argument}={max_vocabulary_size_per_gpu} x embedding_vec_size="
                         f"{embedding_vec_size} (the local shard)", shape, dtype, device or "cpu"):
             self.weight = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
         # The flag split_embedding_variable_from_others, the checkpoint and DDP recipes read.
@@ -254,7 +256,7 @@ class _ModelParallelEmbedding(nn.Module):
         admissions, the table's insert (and its evictions) and the new keys' initial rows.
         Raises (HashTableFullError, or the initializer's error) with nothing changed."""
         table = self.hash_table
-        admitted = pending_plan = None
+        admitted = pending_keys = None
         lookup_keys = keys
         if self._pending is not None and keys.numel() > 0:
             absent = table.find(keys) < 0
@@ -262,13 +264,13 @@ class _ModelParallelEmbedding(nn.Module):
             _, seen = self._pending.scores(waiting)  # steps seen before this one, -1: never
             admit = seen.clamp(min=0) + 1 >= self.admit_after
             admitted = waiting[admit]
-            try:
-                pending_plan = self._pending._plan_insert(waiting[~admit], distinct=True)
-            except HashTableFullError as error:
-                raise HashTableFullError(
-                    f"{self._layer_name}: {int((~admit).sum())} keys wait for admission in one step on rank "
-                    f"{self.rank}, more than admission_capacity={self.admission_capacity}; nothing was inserted. "
-                    "Build the layer with a larger admission_capacity") from error
+            pending_keys, pending_seen = waiting[~admit], seen[~admit]
+            if pending_keys.numel() > self._pending.capacity:
+                # More keys wait in this one step than can be counted: those already pending
+                # keep their counts, then the first new ones get the places left; the rest
+                # are forgotten (as the least recently seen are), to be counted afresh.
+                first = torch.sort((pending_seen < 0).to(torch.uint8), stable=True).indices
+                pending_keys = pending_keys[first[:self._pending.capacity].sort().values]
             # The keys that get a row this step, in their order in `keys`.
             take = ~absent
             take[absent.nonzero().squeeze(1)[admit]] = True
@@ -278,10 +280,10 @@ class _ModelParallelEmbedding(nn.Module):
             plan = table._plan_insert(lookup_keys, distinct=True)  # the owner's keys are distinct
         except HashTableFullError as error:
             raise HashTableFullError(
-                f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
-                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
+                f"{self._layer_name}: the hash table of rank {self.rank} is full ("
+                f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}): {error}") from error
         initial = self.initial_rows(plan.new_keys.long()) if plan.new_keys.numel() > 0 else None
-        return _LookupPlan(keys, plan, initial, admitted, pending_plan)
+        return _LookupPlan(keys, plan, initial, admitted, pending_keys)
 
     @torch.no_grad()
     def _commit_lookup(self, lookup: "_LookupPlan") -> Tensor:
@@ -297,10 +299,12 @@ class _ModelParallelEmbedding(nn.Module):
         self._admitted += num_new
         table.tick()
         if self._pending is not None:
-            if lookup.pending_plan is not None:
-                self._pending._commit_insert(lookup.pending_plan)
+            if lookup.pending_keys is not None:
                 admitted, take = lookup.admitted
+                # The admitted keys leave first, so their places count for the keys still
+                # waiting (planned now: an LRU insert of at most its capacity never fails).
                 self._pending._remove(admitted)
+                self._pending._commit_insert(self._pending._plan_insert(lookup.pending_keys, distinct=True))
                 full = torch.full((lookup.keys.numel(),), -1, dtype=torch.int64, device=rows.device)
                 rows = full.masked_scatter_(take, rows)
             self._pending.tick()
@@ -352,7 +356,7 @@ class _ModelParallelEmbedding(nn.Module):
             bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
             raise ValueError(
                 f"{name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of range: "
-                f"with use_hashtable=False keys must lie in [0, max_vocabulary_size_per_gpu * world_size) = "
+                f"with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
                 f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
                 "max_vocabulary_size_per_gpu")
         if flags & _BAD_OFFSETS:
@@ -462,8 +466,8 @@ class _ModelParallelEmbedding(nn.Module):
         failed_rank, failed_kind = word // 4 - 1, word % 4
         if failed_kind == _TABLE_FULL:
             raise HashTableFullError(
-                f"{self._layer_name}: the hash table of rank {failed_rank} is full (capacity "
-                f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}); nothing was inserted on that "
+                f"{self._layer_name}: the hash table of rank {failed_rank} is full ("
+                f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}); nothing was inserted on that "
                 "rank. Build the layer with a larger max_vocabulary_size_per_gpu")
         raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
                            "no rank went on with this step")
@@ -525,8 +529,8 @@ class _ModelParallelEmbedding(nn.Module):
                 table._plan_insert(new_keys, distinct=True)  # raises the table's own message
             except HashTableFullError as error:
                 raise HashTableFullError(
-                    f"{self._layer_name}: the hash table of rank {self.rank} is full (capacity "
-                    f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}): {error}") from error
+                    f"{self._layer_name}: the hash table of rank {self.rank} is full ("
+                    f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}): {error}") from error
         # Absent and distinct, without eviction: the next rows, as the table's insert gives them.
         _place_new_keys([self], new_keys, [count], [self.initial_rows(new_keys.long())])
         host_rows[missing] = new_of_missing.add_(size).numpy()  # rows is the find's own tensor
@@ -672,7 +676,7 @@ class _ModelParallelEmbedding(nn.Module):
                                       error_msgs)
 
     def extra_repr(self) -> str:
-        return (f"max_vocabulary_size_per_gpu={self.max_vocabulary_size_per_gpu}, "
+        return (f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}, "
                 f"embedding_vec_size={self.embedding_vec_size}, use_hashtable={self.use_hashtable}, "
                 f"key_dtype={self.key_dtype}, rank={self.rank}, world_size={self.world_size}"
                 + (f", eviction={self.eviction!r}" if self.eviction else "")

@@ -575,3 +575,11 @@ def _bad_name_worker(rank, world_size, init, store_path):
 
 def test_an_unknown_table_name_on_one_rank_raises_on_every_rank(tmp_path):
     spawn(_bad_name_worker, 2, str(tmp_path), str(tmp_path / "store"))
+
+
+def test_a_full_table_error_names_table_configs_capacity():
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 1, ["f"])])
+    with pytest.raises(sk.HashTableFullError,
+                       match=r"table 'a': the hash table of rank 0 is full \(capacity=1\)") as raised:
+        collection(sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1])))
+    assert "max_vocabulary_size_per_gpu" not in str(raised.value)

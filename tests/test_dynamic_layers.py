@@ -252,3 +252,41 @@ def test_collection_clocks_agree_across_ranks_so_resharding_keeps_lru_order(tmp_
     for keys in _CLOCK_STEPS + [[7]]:
         scratch(_one_key_per_bag("f", keys))
     assert sorted(loaded.export("a")[0].tolist()) == sorted(scratch.export("a")[0].tolist()) == [1, 7]
+
+
+# ---- admission counting at the capacity ----
+
+def _ragged(keys):
+    return sk.Ragged(torch.tensor(keys, dtype=torch.long), torch.arange(len(keys) + 1))
+
+
+def test_admitted_keys_free_their_pending_places_before_the_step_counts_new_ones():
+    # Key 2 is admitted in step 3 while key 3 arrives: 1 and 3 then pend, 2 <= capacity, so
+    # key 1 must still be counted (it was forgotten, and not admitted on its second step).
+    layer = sk.DistributedEmbedding("sum", 10, 2, 1, 1, admit_after=2, admission_capacity=2)
+    for keys in ([1], [2], [2, 3]):
+        layer(_ragged(keys))
+    assert sorted(layer._pending.export()[0].tolist()) == [1, 3]
+    layer(_ragged([1]))
+    assert layer.hash_table.find(torch.tensor([1, 2])).min() >= 0
+    assert layer.stats()["pending"] == 1
+
+
+@pytest.mark.parametrize("collection", [False, True])
+def test_more_keys_waiting_in_one_step_than_admission_capacity_forgets_some_instead_of_raising(collection):
+    # DESIGN: beyond admission_capacity the least recently seen pending keys are forgotten.
+    # Already pending keys keep their counts; the first new ones take the places left.
+    if collection:
+        layer = sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 2, ["f"], admit_after=3)])
+        step = lambda keys: layer(sk.KeyedJagged(["f"], torch.tensor(keys), lengths=torch.ones(len(keys),  # noqa: E731
+                                                                                                dtype=torch.long)))
+        pending = lambda: sorted(layer.shards[0]._pending.export()[0].tolist())  # noqa: E731
+    else:
+        layer = sk.DistributedEmbedding("sum", 10, 2, 1, 1, admit_after=3, admission_capacity=2)
+        step = lambda keys: layer(_ragged(keys))  # noqa: E731
+        pending = lambda: sorted(layer._pending.export()[0].tolist())  # noqa: E731
+    step([9])
+    step([1, 2, 3, 9])
+    assert pending() == [1, 9]
+    step([9])  # its third step: admitted
+    assert pending() == [1]

@@ -502,7 +502,7 @@ def test_one_process_full_table_raises_naming_the_layer_and_changes_nothing(laye
     layer(torch.tensor([10, 11, 10]).view(shape)).sum().backward()
     table = layer.hash_table
     before = (len(table), table.clock, table.export(), layer.weight.detach().clone(), table._count.clone())
-    with pytest.raises(HashTableFullError, match=rf"{layer_type}: the hash table of rank 0 is full \(capacity "
+    with pytest.raises(HashTableFullError, match=rf"{layer_type}: the hash table of rank 0 is full \("
                                                  r"max_vocabulary_size_per_gpu=4\)"):
         layer(torch.tensor([12, 13, 14]).view(shape))
     after = (len(table), table.clock, table.export(), layer.weight.detach(), table._count)
