@@ -129,83 +129,59 @@ SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const BFloat16* p) {
   return static_cast<acc_t>(f);
 }
 
-// Vectors of the accumulator type (GCC/Clang vector extensions). 32 bytes: one AVX2
-// register in the AVX2 instantiation, two SSE registers in the baseline one; 64 bytes: one
-// AVX-512 register, used only by the AVX-512 instantiation.
-typedef float float_vec __attribute__((vector_size(32)));
-typedef double double_vec __attribute__((vector_size(32)));
-typedef float float_vec16 __attribute__((vector_size(64)));
-typedef double double_vec8 __attribute__((vector_size(64)));
-typedef uint16_t u16_vec8 __attribute__((vector_size(16)));
-typedef uint32_t u32_vec8 __attribute__((vector_size(32)));
-typedef uint16_t u16_vec16 __attribute__((vector_size(32)));
-typedef uint32_t u32_vec16 __attribute__((vector_size(64)));
-#if defined(__FLT16_MAX__)
-typedef _Float16 half_vec8 __attribute__((vector_size(16)));
-typedef _Float16 half_vec16 __attribute__((vector_size(32)));
-#endif
+// Vectors of kBytes bytes of T (GCC/Clang vector extensions). The accumulators: 32 bytes,
+// one AVX2 register in the AVX2 instantiation, two SSE registers in the baseline one; 64
+// bytes, one AVX-512 register, used only by the AVX-512 instantiation.
+template <typename T, int kBytes>
+struct VectorOf {
+  typedef T type __attribute__((vector_size(kBytes)));
+};
 
 /// The accumulator vector of acc_t that is kBytes (32 or 64) wide.
 template <typename acc_t, int kBytes>
-struct AccVec;
-template <>
-struct AccVec<float, 32> {
-  using type = float_vec;
-  static constexpr int kLanes = 8;
-};
-template <>
-struct AccVec<double, 32> {
-  using type = double_vec;
-  static constexpr int kLanes = 4;
-};
-template <>
-struct AccVec<float, 64> {
-  using type = float_vec16;
-  static constexpr int kLanes = 16;
-};
-template <>
-struct AccVec<double, 64> {
-  using type = double_vec8;
-  static constexpr int kLanes = 8;
+struct AccVec {
+  using type = typename VectorOf<acc_t, kBytes>::type;
+  static constexpr int kLanes = kBytes / static_cast<int>(sizeof(acc_t));
 };
 
-// load_into(v, p): the vector's worth of elements at p, widened to the accumulator type.
-template <typename vec_t, typename T>
-SPARSEKIT_ALWAYS_INLINE void load_same(vec_t& v, const T* p) {
+// load_into(v, p): the vector's worth of elements at p, widened to the accumulator type
+// (vec_t: a float vector for float, float16 and bfloat16 elements, a double one for double).
+template <typename vec_t>
+SPARSEKIT_ALWAYS_INLINE void load_into(vec_t& v, const float* p) {
   std::memcpy(&v, p, sizeof(v));
 }
-SPARSEKIT_ALWAYS_INLINE void load_into(float_vec& v, const float* p) { load_same(v, p); }
-SPARSEKIT_ALWAYS_INLINE void load_into(float_vec16& v, const float* p) { load_same(v, p); }
-SPARSEKIT_ALWAYS_INLINE void load_into(double_vec& v, const double* p) { load_same(v, p); }
-SPARSEKIT_ALWAYS_INLINE void load_into(double_vec8& v, const double* p) { load_same(v, p); }
-SPARSEKIT_ALWAYS_INLINE void load_into(float_vec& v, const Half* p) {
+template <typename vec_t>
+SPARSEKIT_ALWAYS_INLINE void load_into(vec_t& v, const double* p) {
+  std::memcpy(&v, p, sizeof(v));
+}
+
+/// The vectors of 16-bit elements that widen to a float vector of kLanes lanes.
+template <int kLanes>
+struct HalfLanes {
+  using bits = typename VectorOf<uint16_t, 2 * kLanes>::type;
+  using wide_bits = typename VectorOf<uint32_t, 4 * kLanes>::type;
 #if defined(__FLT16_MAX__)
-  half_vec8 h;
+  using half = typename VectorOf<_Float16, 2 * kLanes>::type;
+#endif
+};
+
+template <typename vec_t>
+SPARSEKIT_ALWAYS_INLINE void load_into(vec_t& v, const Half* p) {
+  constexpr int kLanes = sizeof(vec_t) / sizeof(float);
+#if defined(__FLT16_MAX__)
+  typename HalfLanes<kLanes>::half h;
   std::memcpy(&h, p, sizeof(h));
-  v = __builtin_convertvector(h, float_vec);
+  v = __builtin_convertvector(h, vec_t);
 #else
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
 #endif
 }
-SPARSEKIT_ALWAYS_INLINE void load_into(float_vec16& v, const Half* p) {
-#if defined(__FLT16_MAX__)
-  half_vec16 h;
-  std::memcpy(&h, p, sizeof(h));
-  v = __builtin_convertvector(h, float_vec16);
-#else
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-#endif
-}
-SPARSEKIT_ALWAYS_INLINE void load_into(float_vec& v, const BFloat16* p) {
-  u16_vec8 bits;
+template <typename vec_t>
+SPARSEKIT_ALWAYS_INLINE void load_into(vec_t& v, const BFloat16* p) {
+  using Lanes = HalfLanes<sizeof(vec_t) / sizeof(float)>;
+  typename Lanes::bits bits;
   std::memcpy(&bits, p, sizeof(bits));
-  const u32_vec8 wide = __builtin_convertvector(bits, u32_vec8) << 16;
-  std::memcpy(&v, &wide, sizeof(v));
-}
-SPARSEKIT_ALWAYS_INLINE void load_into(float_vec16& v, const BFloat16* p) {
-  u16_vec16 bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  const u32_vec16 wide = __builtin_convertvector(bits, u32_vec16) << 16;
+  const typename Lanes::wide_bits wide = __builtin_convertvector(bits, typename Lanes::wide_bits) << 16;
   std::memcpy(&v, &wide, sizeof(v));
 }
 
