@@ -200,7 +200,15 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
     """
     num_segments = _integer("segment_mean", "num_segments", num_segments)
     deterministic = _flag("segment_mean", "deterministic", deterministic)
-    totals = segment_sum(data, segment_ids, num_segments, deterministic)
+    try:
+        totals = segment_sum(data, segment_ids, num_segments, deterministic)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        # The sum's checks are the mean's: its errors name segment_mean, the op called.
+        message = str(error)
+        if type(error) not in (RuntimeError, ValueError, TypeError, IndexError) or \
+                not message.startswith("segment_sum:"):
+            raise
+        raise type(error)("segment_mean:" + message[len("segment_sum:"):]) from None
     # Exact integer counts (a float count stops growing at 2^24 rows in float32), divided in
     # float32 at least.
     count_dtype = torch.promote_types(data.dtype, torch.float32)

@@ -173,6 +173,16 @@ def test_segment_sum_bad_inputs(device, case):
         torch.ops.sparsekit.segment_sum(*make(device), False)
 
 
+@pytest.mark.parametrize("case", list(BAD_INPUTS) + ["id beyond num_segments"])
+def test_segment_mean_bad_inputs_name_segment_mean(device, case):
+    if case in BAD_INPUTS:
+        make, message = BAD_INPUTS[case]
+    else:
+        make, message = (lambda d: (torch.ones(3, 2, device=d), torch.tensor([0, 5, 1], device=d), 2)), "holds 5"
+    with pytest.raises(RuntimeError, match="^segment_mean: .*" + message):
+        sk.ops.segment_mean(*make(device))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: needs a CPU and a CUDA tensor")
 def test_segment_sum_device_mismatch():
     device = torch.device("cuda")
