@@ -463,7 +463,13 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     _check_key_range(name, layer, keys, "key")
     weight = torch.cat([part["weight"] for part in parts])
     state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
-    state = {key: torch.cat([part["state"][key] for part in parts]) for key in state_names}
+    # A shard saved without optimizer state (its rank's optimizer never stepped the layer)
+    # holds zero moments for its rows.
+    state = {}
+    for key in state_names:
+        template = next(part["state"][key] for part in parts if key in part["state"])
+        state[key] = torch.cat([part["state"][key] if key in part["state"] else
+                                template.new_zeros((part["keys"].numel(), *template.shape[1:])) for part in parts])
     scalars = next((part["scalars"] for part in parts if part["has_state"]), {})
     has_state = any(part["has_state"] for part in parts)
 

@@ -657,8 +657,12 @@ class EmbeddingBagCollection(nn.Module):
         # Per owner: pair count, error flags, train/eval mode, then pairs per table. One host
         # read gives every split size and every rank's verdict.
         mode = torch.full((world, 1), int(self.training), dtype=torch.int64, device=device)
+        # Then this rank's pairs per table over all owners: every rank learns which tables
+        # have a key anywhere this step, and each such table gets a gradient on every rank
+        # (empty where the rank owns none of its keys) and its step counted, as in one process.
         send_header = torch.cat([per_owner_table.sum(1, keepdim=True), flags.expand(world, 1), mode,
-                                 per_owner_table], dim=1)
+                                 per_owner_table, per_owner_table.sum(0, keepdim=True).expand(world, num_tables)],
+                                dim=1)
         recv_header = torch.empty_like(send_header)
         dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
         header = torch.cat([send_header, recv_header]).tolist()
@@ -676,11 +680,14 @@ class EmbeddingBagCollection(nn.Module):
             raise RuntimeError(f"EmbeddingBagCollection: rank(s) {evaluating} are in eval() mode and the others "
                                "in train() mode; switch the collection's mode on every rank alike")
         dims = [shard.embedding_vec_size for shard in self._shards]
-        sent_counts, got_counts = [row[3:] for row in sent], [row[3:] for row in got]
+        sent_counts = [row[3:3 + num_tables] for row in sent]
+        got_counts = [row[3:3 + num_tables] for row in got]
+        present = [any(row[3 + num_tables + t] > 0 for row in got) for t in range(num_tables)]
         send_pairs = torch.stack([prepared["send_keys"], prepared["send_tables"]], dim=1)
         recv_pairs = _all_to_all_rows(send_pairs, [row[0] for row in got], [row[0] for row in sent],
                                       self.process_group)
-        per_group = self._owner_lookup(recv_pairs[:, 0], recv_pairs[:, 1], got_counts, unique=False)
+        per_group = self._owner_lookup(recv_pairs[:, 0], recv_pairs[:, 1], got_counts, unique=False,
+                                       present=present)
         # The vectors go back in the pairs' order: per source rank, table by table.
         flat = self._pack(per_group, got_counts)
         send_elements = [sum(n * d for n, d in zip(row, dims)) for row in sent_counts]
@@ -712,6 +719,10 @@ class EmbeddingBagCollection(nn.Module):
             for key, part in zip(order, per_group[g].split([counts[s][t] for s, t in order])):
                 pieces[key] = part.reshape(-1)
         flat = [pieces[(s, t)] for s in range(len(counts)) for t in range(len(self._shards)) if (s, t) in pieces]
+        if not flat:
+            # Nothing to send back, but the empty buffer stays in the graph of the lookups
+            # (when there were any), so that the backward's exchange runs here too.
+            flat = [block.reshape(-1)[:0] for block in per_group if block is not None]
         return torch.cat(flat) if flat else torch.zeros(0, device=device)
 
     def _unpack(self, flat: Tensor, counts: List[List[int]]) -> List[Optional[Tensor]]:
@@ -726,6 +737,10 @@ class EmbeddingBagCollection(nn.Module):
         out: List[Optional[Tensor]] = []
         for members in self._groups:
             parts = [blocks[(s, t)] for t in members for s in range(len(counts)) if (s, t) in blocks]
+            if not parts and flat.requires_grad:
+                # No rows of this group came back, but the pooled zeros hang on the exchange's
+                # output, so that every rank's backward reaches it (see _pack).
+                parts = [flat[:0].view(0, dims[members[0]])]
             out.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
         return out
 
@@ -859,7 +874,7 @@ class EmbeddingBagCollection(nn.Module):
                         f"[0, {shard.num_keys_capacity})")
 
     def _owner_lookup(self, keys: Tensor, tables: Tensor, counts: List[List[int]], unique: bool,
-                      vectors: bool = True) -> List[Optional[Tensor]]:
+                      vectors: bool = True, present: Optional[List[bool]] = None) -> List[Optional[Tensor]]:
         """The owner's part: per dim group, float32 vectors ``[n, dim]`` of the pairs it
         received, its tables' pairs one table after another, each in the order received
         (grouped by source rank, then table: ``counts[s][t]`` pairs of table t from rank s).
@@ -906,6 +921,12 @@ class EmbeddingBagCollection(nn.Module):
             return rows
         # Per dim group, its tables' owned vectors stacked in group order.
         owned_offsets = self._table_offsets([owned_per_table])
+        if present is not None and self.training:
+            # A table with keys on some rank but none owned here reads no row, yet joins the
+            # lookup: its weight's gradient is then empty, not missing, and the backward's
+            # exchange runs on this rank as on the others.
+            rows = [torch.empty(0, dtype=torch.int64, device=device) if r is None and present[t] else r
+                    for t, r in enumerate(rows)]
         stacked = []
         for members in self._groups:
             members = [t for t in members if rows[t] is not None]
@@ -927,7 +948,7 @@ class EmbeddingBagCollection(nn.Module):
         for g, members in enumerate(self._groups):
             n = sum(row[t] for row in counts for t in members)
             if n == 0:
-                out.append(None)
+                out.append(None if stacked[g] is None else stacked[g][:0])
                 continue
             out.append(_GatherRows.apply(stacked[g], row_of_received.index_select(0, in_block_order[start:start + n])))
             start += n
@@ -1075,6 +1096,8 @@ class EmbeddingBagCollection(nn.Module):
             num_bags = len(group_features) * batch
             if nnz == 0:
                 pooled = torch.zeros(num_bags, dim, device=device)
+                if per_group is not None and per_group[g] is not None and per_group[g].requires_grad:
+                    pooled = pooled + per_group[g].sum(0)  # zeros, joined to the exchange's graph
             elif weights is None and prepared["one_per_bag"]:
                 # One output per feature, and a backward that reads their gradients in place.
                 parts = self._lookup_pieces(rows, members, cut(value_row), group_features, prepared, batch) \

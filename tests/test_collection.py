@@ -583,3 +583,85 @@ def test_a_full_table_error_names_table_configs_capacity():
                        match=r"table 'a': the hash table of rank 0 is full \(capacity=1\)") as raised:
         collection(sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1])))
     assert "max_vocabulary_size_per_gpu" not in str(raised.value)
+
+
+# ---- ranks that own none of a step's keys ----
+
+def _sparse_tables_model():
+    return sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 64, ["f"]), sk.TableConfig("a", 2, 64, ["g"])])
+
+
+def _step_batch(step, rank, world_size, empty_rank=None):
+    # Table t reads key 7 only for three steps, then 16 new keys; table a 16 keys a step.
+    # empty_rank (if any) holds no sample: its share goes to the others.
+    t_keys = [7] * 16 if step < 3 else list(range(100, 116))
+    a_keys = list(range(1000, 1016))
+    ranks = [r for r in range(world_size) if r != empty_rank]
+    mine = [i for i in range(16) if rank in ranks and ranks[i % len(ranks)] == rank]
+    keys = [t_keys[i] for i in mine] + [a_keys[i] for i in mine]
+    return sk.KeyedJagged(["f", "g"], torch.tensor(keys, dtype=torch.long),
+                          lengths=torch.ones(len(keys), dtype=torch.long))
+
+
+def _train_sparse_tables(rank, world_size, empty_rank=None):
+    torch.manual_seed(0)
+    model = _sparse_tables_model()
+    dense = torch.nn.Parameter(torch.ones(2))  # in the loss, not stepped (no DDP here)
+    optimizer = sk.LazyAdam(model.parameters(), lr=0.1)
+    for step in range(4):
+        out = model(_step_batch(step, rank, world_size, empty_rank))
+        ((out["f"].sum(0) + out["g"].sum(0)) * dense).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    tables = {}
+    for name in ("t", "a"):
+        keys, vectors = model.export(name)
+        tables.update({(name, int(k)): v.clone() for k, v in zip(keys, vectors)})
+    return tables, {name: float(optimizer.state[model.weights[name]]["step"]) for name in ("t", "a")}
+
+
+def _empty_owner_worker(rank, world_size, init, result_dir):
+    init()
+    tables, steps = _train_sparse_tables(rank, world_size, empty_rank=world_size - 1)
+    torch.save((tables, steps), f"{result_dir}/rank{rank}.pt")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_owning_none_of_a_steps_keys_trains_as_one_process(tmp_path, world_size):
+    # A rank that owns none of a table's keys in a step (and, on the last rank, holds no
+    # sample at all) used to leave the table without a gradient: LazyAdam skipped the step
+    # there (wrong bias correction later) and, with no key owned at all, the rank's
+    # backward skipped the exchange, so the others waited in it until gloo's timeout.
+    spawn(_empty_owner_worker, world_size, str(tmp_path), str(tmp_path))
+    expected, expected_steps = _train_sparse_tables(0, 1)
+    merged = {}
+    for rank in range(world_size):
+        tables, steps = torch.load(f"{tmp_path}/rank{rank}.pt")
+        assert steps == expected_steps == {"t": 4.0, "a": 4.0}
+        merged.update(tables)
+    assert merged.keys() == expected.keys()
+    for key, vector in expected.items():
+        torch.testing.assert_close(merged[key], vector, rtol=1e-5, atol=1e-6)
+
+
+def _state_dropped_worker(rank, world_size, init, directory):
+    init()
+    model = _sparse_tables_model()
+    optimizer = sk.LazyAdam(model.parameters(), lr=0.1)
+    out = model(_step_batch(3, rank, world_size))
+    (out["f"].sum() + out["g"].sum()).backward()
+    optimizer.step()
+    if rank == 1:
+        del optimizer.state[model.weights["t"]]  # as a checkpoint from a rank that never stepped t
+    sk.save_checkpoint(directory, model, optimizer)
+
+
+def test_a_checkpoint_shard_without_optimizer_state_loads_with_zero_moments(tmp_path):
+    # Resharding such a checkpoint raised KeyError('exp_avg') on every rank.
+    spawn(_state_dropped_worker, 2, str(tmp_path), str(tmp_path))
+    model = _sparse_tables_model()
+    optimizer = sk.LazyAdam(model.parameters(), lr=0.1)
+    sk.load_checkpoint(str(tmp_path), model, optimizer)
+    state = optimizer.state[model.weights["t"]]
+    moments = state["exp_avg"][:len(model._shard("t").hash_table)]
+    assert (moments.abs().sum(1) > 0).sum() == 8 and (moments.abs().sum(1) == 0).sum() == 8
