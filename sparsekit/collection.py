@@ -711,18 +711,21 @@ class EmbeddingBagCollection(nn.Module):
         rows of that rank in table t's part of its dim group's block."""
         device = self._shards[0].weight.device
         pieces: Dict[Tuple[int, int], Tensor] = {}
+        # A group that sends nothing back but looked up (no rows) stays in the graph through
+        # an empty piece, so that its tables get their (empty) gradients and the backward's
+        # exchange runs here as on the other ranks.
+        unsent = []
         for g, members in enumerate(self._groups):
             order = [(s, t) for t in members for s in range(len(counts)) if counts[s][t] > 0]
             if not order:
+                if per_group[g] is not None:
+                    unsent.append(per_group[g].reshape(-1)[:0])
                 continue
             # One split per group (its backward is one cat), in the block's (table, rank) order.
             for key, part in zip(order, per_group[g].split([counts[s][t] for s, t in order])):
                 pieces[key] = part.reshape(-1)
         flat = [pieces[(s, t)] for s in range(len(counts)) for t in range(len(self._shards)) if (s, t) in pieces]
-        if not flat:
-            # Nothing to send back, but the empty buffer stays in the graph of the lookups
-            # (when there were any), so that the backward's exchange runs here too.
-            flat = [block.reshape(-1)[:0] for block in per_group if block is not None]
+        flat += unsent
         return torch.cat(flat) if flat else torch.zeros(0, device=device)
 
     def _unpack(self, flat: Tensor, counts: List[List[int]]) -> List[Optional[Tensor]]:
