@@ -279,9 +279,7 @@ class _ModelParallelEmbedding(nn.Module):
         try:
             plan = table._plan_insert(lookup_keys, distinct=True)  # the owner's keys are distinct
         except HashTableFullError as error:
-            raise HashTableFullError(
-                f"{self._layer_name}: the hash table of rank {self.rank} is full ("
-                f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}): {error}") from error
+            raise HashTableFullError(f"{self._table_full(self.rank)}: {error}") from error
         initial = self.initial_rows(plan.new_keys.long()) if plan.new_keys.numel() > 0 else None
         return _LookupPlan(keys, plan, initial, admitted, pending_keys)
 
@@ -358,7 +356,7 @@ class _ModelParallelEmbedding(nn.Module):
                 f"{name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of range: "
                 f"with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
                 f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
-                "max_vocabulary_size_per_gpu")
+                f"{self._capacity_argument}")
         if flags & _BAD_OFFSETS:
             raise ValueError(f"{name}: offsets must start at 0, never decrease and end at len(values); "
                              f"got offsets {offsets.tolist() if offsets.numel() <= 16 else offsets}")
@@ -466,9 +464,8 @@ class _ModelParallelEmbedding(nn.Module):
         failed_rank, failed_kind = word // 4 - 1, word % 4
         if failed_kind == _TABLE_FULL:
             raise HashTableFullError(
-                f"{self._layer_name}: the hash table of rank {failed_rank} is full ("
-                f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}); nothing was inserted on that "
-                "rank. Build the layer with a larger max_vocabulary_size_per_gpu")
+                f"{self._table_full(failed_rank)}; nothing was inserted on that rank. Build the layer with a "
+                f"larger {self._capacity_argument}")
         raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
                            "no rank went on with this step")
 
@@ -528,9 +525,7 @@ class _ModelParallelEmbedding(nn.Module):
             try:
                 table._plan_insert(new_keys, distinct=True)  # raises the table's own message
             except HashTableFullError as error:
-                raise HashTableFullError(
-                    f"{self._layer_name}: the hash table of rank {self.rank} is full ("
-                    f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}): {error}") from error
+                raise HashTableFullError(f"{self._table_full(self.rank)}: {error}") from error
         # Absent and distinct, without eviction: the next rows, as the table's insert gives them.
         _place_new_keys([self], new_keys, [count], [self.initial_rows(new_keys.long())])
         host_rows[missing] = new_of_missing.add_(size).numpy()  # rows is the find's own tensor
@@ -674,6 +669,11 @@ class _ModelParallelEmbedding(nn.Module):
             self._check_extra_state(state_dict[extra_state_key])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def _table_full(self, rank: int) -> str:
+        """The lead of a full table's error: the layer, the rank and the capacity argument."""
+        return (f"{self._layer_name}: the hash table of rank {rank} is full "
+                f"({self._capacity_argument}={self.max_vocabulary_size_per_gpu})")
 
     def extra_repr(self) -> str:
         return (f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}, "

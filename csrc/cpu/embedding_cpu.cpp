@@ -402,13 +402,11 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
     // The AVX-512 sum: a lean loop over row pointers (few live registers, so nothing the
     // loop needs is spilled), one test for a skipped row, the count of pooled rows
     // derived from the skipped ones afterwards.
-    const index_t* const rows_last = rows + last;
     const scalar_t* const weight_col = weight + col;
     int64_t skipped = 0;
     for (const index_t *r = rows + begin, *const r_end = rows + end; r < r_end; ++r) {
       if (prefetch) {
-        const int64_t ahead = static_cast<int64_t>(*std::min(r + kWideDistance, rows_last));
-        __builtin_prefetch(base + (row_in_range(ahead, num_rows) ? ahead : 0) * row_stride_bytes, 0, 3);
+        __builtin_prefetch(row_ahead(base, row_stride_bytes, num_rows, rows, (r - rows) + kWideDistance, last), 0, 3);
       }
       const index_t row = *r;
       if (C10_UNLIKELY(!row_in_range(row, num_rows) || static_cast<int64_t>(row) == padding_row)) {
@@ -466,8 +464,8 @@ template <bool kWeighted, bool kMax, int kBytes, typename scalar_t, typename ind
 SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>& p, int64_t first_bag,
                                             int64_t last_bag) {
   constexpr int64_t kLanes = AccVec<acc_type<scalar_t>, kBytes>::kLanes;
-  // Sixteen accumulator vectors per pass (128 float or 64 double columns) fill the AVX2
-  // register file; the adds take the rows straight from memory, so no register is needed
+  // Sixteen accumulator vectors per pass (AVX2: 128 float or 64 double columns, the whole
+  // register file; AVX-512: 256 or 128, half of it); the adds take the rows straight from memory, so no register is needed
   // for the loads. Wider dims take several passes over a bag, the later ones hitting L1.
   constexpr int64_t kBlock = 16 * kLanes;
   const int64_t dim = p.dim;
