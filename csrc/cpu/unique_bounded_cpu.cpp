@@ -42,6 +42,34 @@ constexpr int64_t kScatterAhead = 16;
 // Words per piece of passes B and C (32 KiB of the merged bitmap).
 constexpr int64_t kWordGrain = int64_t{1} << 12;
 
+#if defined(__x86_64__)
+// The library is built for baseline x86-64, where __builtin_popcountll is a call into
+// libgcc (a bit-twiddling routine behind a call: it made pass D 2-3x slower). The popcnt
+// instruction, which x86-64 CPUs have had since 2008, is used through inline assembly (the
+// assembler takes it whatever the compile target) when the CPU reports it.
+const bool kHasPopcnt = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("popcnt") != 0;
+}();
+#endif
+
+/// @brief The set bits of a 64-bit word.
+inline int64_t popcount64(uint64_t x) {
+#if defined(__x86_64__)
+  if (C10_LIKELY(kHasPopcnt)) {
+    uint64_t count;
+    asm("popcnt %1, %0" : "=r"(count) : "r"(x) : "cc");
+    return static_cast<int64_t>(count);
+  }
+  x = x - ((x >> 1) & 0x5555555555555555ULL);
+  x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+  x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+  return static_cast<int64_t>((x * 0x0101010101010101ULL) >> 56);
+#else
+  return __builtin_popcountll(x);
+#endif
+}
+
 /// @brief E: a stable counting sort of positions [0, n) by their rank inv[i] in [0,
 /// num_unique): order lists the positions of rank 0, then of rank 1, ..., each rank's in
 /// increasing order, and offsets ([num_unique + 1]) bounds each rank's run. The positions
@@ -139,7 +167,7 @@ void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool gro
         uint64_t word = bitmaps[w];
         for (int64_t k = 1; k < workers; ++k) word |= bitmaps[k * num_words + w];
         merged[w] = word;
-        set += __builtin_popcountll(word);
+        set += popcount64(word);
       }
       block_first[b + 1] = set;
     }
@@ -168,7 +196,7 @@ void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool gro
     for (int64_t i = begin; i < end; ++i) {
       const uint64_t bit = static_cast<uint64_t>(static_cast<int64_t>(keys[i]) + 1);
       const uint64_t below = merged[bit >> 6] & ((uint64_t{1} << (bit & 63)) - 1);
-      inv[i] = ranks[bit >> 6] + __builtin_popcountll(below);
+      inv[i] = ranks[bit >> 6] + popcount64(below);
     }
   });
   if (group) group_by_key(inv, n, num_unique, workers, offsets, order);
