@@ -109,6 +109,28 @@ def test_embedding_bag_dims_of_whole_and_partial_vectors(device, dtype, dim):
             torch.testing.assert_close(out.double().cpu(), expected, rtol=tol, atol=tol * 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [8, 16, 32, 24])
+def test_embedding_bag_widens_every_half_value_exactly(device, dtype, dim):
+    # Every one of the 65536 bit patterns (zeros of both signs, subnormals, normals, inf,
+    # NaN) as a table row element: a bag of one row widens it to float32 and rounds it back,
+    # which gives the value itself unless the widening is wrong (a sum starts from +0, so
+    # -0 comes back as +0, as in nn.EmbeddingBag: values compare, not bits). float16 widens by F16C in
+    # the AVX2 (dims 8, 24) and AVX-512 (16, 32) loops and by integer vector operations in
+    # the baseline loops (test_embedding_isa.py runs this under each); 24 also has a tail.
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    bits = torch.cat([bits, bits.new_zeros(-bits.shape[0] % dim)])
+    weight = bits.view(dtype).reshape(-1, dim).to(device)
+    rows = torch.arange(weight.shape[0], device=device)
+    offsets = torch.arange(weight.shape[0] + 1, device=device)
+    nan = torch.isnan(weight.cpu())
+    for weights, mode in [(None, "sum"), (torch.ones(rows.shape[0], dtype=dtype, device=device), "sum"),
+                          (None, "mean"), (None, "max")]:
+        out = ops.embedding_bag(weight, rows, offsets, weights, mode).cpu()
+        assert torch.equal(torch.isnan(out), nan)
+        assert torch.equal(out[~nan].double(), weight.cpu()[~nan].double())
+
+
 def test_embedding_bag_many_bags_split_across_threads(device):
     weight = torch.randn(500, 32, device=device)
     rows, offsets = random_bags(500, 3000, 12, missing=0.05, seed=21)
