@@ -173,6 +173,24 @@ def test_lazy_adam_tables_half_weights_match_lazy_adams_float32_copies_bit_for_b
             assert x.dtype == y.dtype and torch.equal(x, y)
 
 
+@pytest.mark.parametrize("dim", [8, 13])
+def test_lazy_adam_tables_half_weights_round_trip_every_value(dim):
+    """A float16 weight widens to float32 and rounds back in the fused step (F16C where the
+    CPU has it): with lr 0 every bit pattern but NaN (zeros of both signs, subnormals, inf)
+    comes back unchanged, in the 8-wide loop and its tail."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    bits = torch.cat([bits, bits.new_zeros(-bits.shape[0] % dim)])
+    weight = bits.view(torch.float16).reshape(-1, dim).clone()
+    before = weight.clone()
+    rows = torch.arange(weight.shape[0])
+    moments = [torch.zeros(weight.shape) for _ in range(2)]
+    lazy_adam_tables([weight], [moments[0]], [moments[1]], [rows], [torch.ones(weight.shape)], [1],
+                     [0.0, 0.9, 0.999, 1e-8, 0.0])
+    nan = torch.isnan(before)
+    assert torch.equal(torch.isnan(weight), nan)
+    assert torch.equal(weight[~nan].view(torch.int16), before[~nan].view(torch.int16))
+
+
 def test_lazy_adam_tables_bad_row_in_one_table_changes_no_table():
     tables = adam_tables(4, 5, counts=[50, 50, 50, 50])
     before = [[x.clone() for x in t[:3]] for t in tables]

@@ -5,6 +5,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/half_rows.h"
 #include "cpu/parallel.h"
 
 #if defined(__SSE2__)
@@ -276,10 +277,18 @@ void adam_table_rows(weight_t* weight, float* exp_avg, float* exp_avg_sq, const 
                              use_weight_decay);
     } else {
       scratch.resize(dim);
-      for (int64_t j = 0; j < dim; ++j) scratch[j] = static_cast<float>(weight[offset + j]);
+      if constexpr (std::is_same_v<weight_t, Half>) {
+        widen_half(weight + offset, scratch.data(), dim);
+      } else {
+        for (int64_t j = 0; j < dim; ++j) scratch[j] = static_cast<float>(weight[offset + j]);
+      }
       adam_row<float, float>(scratch.data(), exp_avg + offset, exp_avg_sq + offset, grad + i * dim, dim, scalars,
                              use_weight_decay);
-      for (int64_t j = 0; j < dim; ++j) weight[offset + j] = static_cast<weight_t>(scratch[j]);
+      if constexpr (std::is_same_v<weight_t, Half>) {
+        narrow_half(scratch.data(), weight + offset, dim);
+      } else {
+        for (int64_t j = 0; j < dim; ++j) weight[offset + j] = static_cast<weight_t>(scratch[j]);
+      }
     }
   }
 }

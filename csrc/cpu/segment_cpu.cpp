@@ -18,6 +18,7 @@
 //    prefetched a few rows ahead; the data with a non-temporal hint, so that the stream
 //    does not push the output out of the caches;
 //  - rows are added in fixed blocks of 16 lanes that the compiler turns into vector adds.
+#include "cpu/half_rows.h"
 #include "cpu/parallel.h"
 
 #include <algorithm>
@@ -52,6 +53,20 @@ inline void add_row(acc_t* __restrict out, const scalar_t* __restrict row, int64
     for (int64_t k = 0; k < kLanes; ++k) out[c + k] += static_cast<acc_t>(row[c + k]);
   }
   for (; c < width; ++c) out[c] += static_cast<acc_t>(row[c]);
+}
+
+/// @brief add_row for float16 rows: widened a block at a time with F16C where the CPU has
+/// it (half_rows.h); a scalar c10::Half conversion per element made float16 segment sums
+/// 2.5x slower than bfloat16 ones.
+template <>
+inline void add_row<Half, float>(float* __restrict out, const Half* __restrict row, int64_t width) {
+  constexpr int64_t kBlock = 4 * kLanes;
+  float wide[kBlock];
+  for (int64_t c = 0; c < width; c += kBlock) {
+    const int64_t n = std::min(kBlock, width - c);
+    widen_half(row + c, wide, n);
+    for (int64_t k = 0; k < n; ++k) out[c + k] += wide[k];
+  }
 }
 
 inline void prefetch_bytes(const void* p, int64_t bytes, bool for_write) {
