@@ -107,9 +107,9 @@ SPARSEKIT_ALWAYS_INLINE Isa cpu_isa() {
   return isa;
 }
 
-// Element loads widened to the accumulator type. float16 goes through the compiler's
-// _Float16 so that, under F16C, it converts with vcvtph2ps; bfloat16 is the top half of a
-// float32, a shift that vectorises everywhere.
+// Element loads widened to the accumulator type (the scalar tails). float16 goes through
+// c10::Half's conversion (the vector loads below widen it with F16C or integer vector
+// operations); bfloat16 is the top half of a float32, a shift that vectorises everywhere.
 template <typename acc_t>
 SPARSEKIT_ALWAYS_INLINE acc_t load_widened(const float* p) {
   return static_cast<acc_t>(*p);
