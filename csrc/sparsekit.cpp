@@ -5,13 +5,28 @@
 // csrc/torch_api.h), so one binary loads under every torch from its target version on.
 #include <Python.h>
 
+#include "cpu/cpu_features.h"
 #include "torch_api.h"
 
+namespace {
+// sparsekit._C.cpu_features(): the instructions the CPU kernels use in this process
+// ("avx512 popcnt f16c"; "default" under SPARSEKIT_CPU_CAPABILITY=default), for the tests
+// that run the fallbacks and for bug reports.
+PyObject* cpu_features(PyObject*, PyObject*) {
+  return PyUnicode_FromString(sparsekit::describe_cpu_features().c_str());
+}
+
+PyMethodDef module_methods[] = {
+    {"cpu_features", cpu_features, METH_NOARGS, "The instructions the CPU kernels use in this process."},
+    {nullptr, nullptr, 0, nullptr},
+};
+}  // namespace
+
 extern "C" {
-// Importing sparsekit._C runs the static registrations below; the module itself is empty.
+// Importing sparsekit._C runs the static registrations below; the module has one function.
 // The only exported symbol: the library is compiled with -fvisibility=hidden.
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
   return PyModule_Create(&module_def);
 }
 }

@@ -117,7 +117,7 @@ def test_embedding_bag_widens_every_half_value_exactly(device, dtype, dim):
     # which gives the value itself unless the widening is wrong (a sum starts from +0, so
     # -0 comes back as +0, as in nn.EmbeddingBag: values compare, not bits). float16 widens by F16C in
     # the AVX2 (dims 8, 24) and AVX-512 (16, 32) loops and by integer vector operations in
-    # the baseline loops (test_embedding_isa.py runs this under each); 24 also has a tail.
+    # the baseline loops (test_cpu_capability.py runs this under each); 24 also has a tail.
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     bits = torch.cat([bits, bits.new_zeros(-bits.shape[0] % dim)])
     weight = bits.view(dtype).reshape(-1, dim).to(device)

@@ -9,11 +9,11 @@
 // chosen at run time when the CPU has it (cpu_isa), and inside a baseline function for
 // any x86-64 (or other) CPU. The extension is built without -march flags, so this is how
 // the vector units get used without making the .so unportable.
+#include "cpu/cpu_features.h"
 #include "cpu/parallel.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -79,32 +79,15 @@ constexpr int64_t kMaxPrefetchLines = 4;
 // sets of accumulators (two chains of adds) measured slower at D = 16 and no faster above.
 constexpr int64_t kWideDistance = 32;
 
-/// The widest vector instructions the pooling loops use: the CPU's, lowered by the
-/// environment variable SPARSEKIT_CPU_CAPABILITY ("default", "avx2" or "avx512", read once,
-/// as torch reads ATEN_CPU_CAPABILITY) so that the tests can run every instantiation on
-/// one machine.
-enum class Isa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
-
-Isa detect_isa() {
-  Isa isa = Isa::kBaseline;
-#if SPARSEKIT_X86_DISPATCH
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512 : Isa::kAvx2;
-  }
-#endif
-  const char* cap = std::getenv("SPARSEKIT_CPU_CAPABILITY");
-  if (cap != nullptr) {
-    const Isa limit = std::strcmp(cap, "default") == 0 ? Isa::kBaseline
-                      : std::strcmp(cap, "avx2") == 0  ? Isa::kAvx2
-                                                       : Isa::kAvx512;
-    isa = std::min(isa, limit);
-  }
-  return isa;
-}
-
+/// The widest vector instructions the pooling loops use (cpu_features.h: the CPU's,
+/// lowered by SPARSEKIT_CPU_CAPABILITY so that the tests run every instantiation on one
+/// machine).
 SPARSEKIT_ALWAYS_INLINE Isa cpu_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
+#if SPARSEKIT_X86_DISPATCH
+  return kCpuFeatures.isa;
+#else
+  return Isa::kBaseline;
+#endif
 }
 
 // Element loads widened to the accumulator type (the scalar tails). float16 goes through

@@ -7,6 +7,7 @@
 // their sign and top payload bits where c10 makes them 0x7e00).
 #include <cstdint>
 
+#include "cpu/cpu_features.h"
 #include "torch_api.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -20,11 +21,6 @@ namespace sparsekit {
 
 namespace detail {
 #if SPARSEKIT_HALF_ROWS_F16C
-inline const bool kHasF16c = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-}();
-
 __attribute__((target("avx,f16c"))) inline void widen_half_f16c(const Half* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -47,7 +43,7 @@ __attribute__((target("avx,f16c"))) inline void narrow_half_f16c(const float* sr
 /// @brief dst[0, n) = src[0, n) widened to float32 (exact).
 inline void widen_half(const Half* src, float* dst, int64_t n) {
 #if SPARSEKIT_HALF_ROWS_F16C
-  if (detail::kHasF16c) return detail::widen_half_f16c(src, dst, n);
+  if (kCpuFeatures.f16c) return detail::widen_half_f16c(src, dst, n);
 #endif
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -55,7 +51,7 @@ inline void widen_half(const Half* src, float* dst, int64_t n) {
 /// @brief dst[0, n) = src[0, n) rounded to float16 (to nearest, ties to even).
 inline void narrow_half(const float* src, Half* dst, int64_t n) {
 #if SPARSEKIT_HALF_ROWS_F16C
-  if (detail::kHasF16c) return detail::narrow_half_f16c(src, dst, n);
+  if (kCpuFeatures.f16c) return detail::narrow_half_f16c(src, dst, n);
 #endif
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<Half>(src[i]);
 }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu/cpu_features.h"
 #include "parallel.h"
 #include "scratch.h"
 
@@ -42,21 +43,14 @@ constexpr int64_t kScatterAhead = 16;
 // Words per piece of passes B and C (32 KiB of the merged bitmap).
 constexpr int64_t kWordGrain = int64_t{1} << 12;
 
-#if defined(__x86_64__)
-// The library is built for baseline x86-64, where __builtin_popcountll is a call into
-// libgcc (a bit-twiddling routine behind a call: it made pass D 2-3x slower). The popcnt
-// instruction, which x86-64 CPUs have had since 2008, is used through inline assembly (the
-// assembler takes it whatever the compile target) when the CPU reports it.
-const bool kHasPopcnt = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("popcnt") != 0;
-}();
-#endif
-
-/// @brief The set bits of a 64-bit word.
+/// @brief The set bits of a 64-bit word. The library is built for baseline x86-64, where
+/// __builtin_popcountll is a call into libgcc (a bit-twiddling routine behind a call: it
+/// made pass D 2-3x slower); the popcnt instruction, which x86-64 CPUs have had since 2008,
+/// is used through inline assembly (the assembler takes it whatever the compile target)
+/// when the CPU reports it (cpu_features.h), and the same bit-twiddling inline otherwise.
 inline int64_t popcount64(uint64_t x) {
 #if defined(__x86_64__)
-  if (C10_LIKELY(kHasPopcnt)) {
+  if (C10_LIKELY(kCpuFeatures.popcnt)) {
     uint64_t count;
     asm("popcnt %1, %0" : "=r"(count) : "r"(x) : "cc");
     return static_cast<int64_t>(count);

@@ -1,0 +1,60 @@
+#pragma once
+// What the CPU offers the kernels beyond baseline x86-64, read once per process.
+//
+// The library is built without -march flags, so that one .so runs on any x86-64 CPU; the
+// kernels that gain from newer instructions (the AVX2 / AVX-512 pooling loops, popcnt for
+// the bitmap of unique_bounded, F16C for float16 rows) choose them at run time from here.
+// The environment variable SPARSEKIT_CPU_CAPABILITY ("default", "avx2" or "avx512", read
+// once, as torch reads ATEN_CPU_CAPABILITY) lowers the choice, so that the tests run every
+// fallback on one machine: "default" is baseline x86-64 (no popcnt, no F16C, no vector
+// loops beyond SSE2), "avx2" caps the pooling loops at AVX2 (whose CPUs all have popcnt and
+// F16C). Any other value changes nothing.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace sparsekit {
+
+/// The widest vector instructions of the pooling loops: AVX2 needs FMA and F16C with it.
+enum class Isa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+struct CpuFeatures {
+  Isa isa = Isa::kBaseline;
+  bool popcnt = false;  // the popcnt instruction (x86-64-v2)
+  bool f16c = false;    // vcvtph2ps / vcvtps2ph with their AVX encoding
+};
+
+namespace detail {
+inline CpuFeatures detect_cpu_features() {
+  CpuFeatures found;
+#if defined(__GNUC__) && defined(__x86_64__)
+  __builtin_cpu_init();
+  found.popcnt = __builtin_cpu_supports("popcnt") != 0;
+  found.f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && found.f16c) {
+    found.isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512 : Isa::kAvx2;
+  }
+#endif
+  const char* cap = std::getenv("SPARSEKIT_CPU_CAPABILITY");
+  if (cap != nullptr && std::strcmp(cap, "default") == 0) {
+    found = CpuFeatures{};
+  } else if (cap != nullptr && std::strcmp(cap, "avx2") == 0) {
+    found.isa = std::min(found.isa, Isa::kAvx2);
+  }
+  return found;
+}
+}  // namespace detail
+
+/// The CPU's features, lowered by SPARSEKIT_CPU_CAPABILITY; one copy for the whole library.
+inline const CpuFeatures kCpuFeatures = detail::detect_cpu_features();
+
+/// @brief What kCpuFeatures holds, as "avx512 popcnt f16c" ("default" when nothing).
+inline std::string describe_cpu_features() {
+  std::string text = kCpuFeatures.isa == Isa::kAvx512 ? "avx512" : kCpuFeatures.isa == Isa::kAvx2 ? "avx2" : "default";
+  if (kCpuFeatures.popcnt) text += " popcnt";
+  if (kCpuFeatures.f16c) text += " f16c";
+  return text;
+}
+
+}  // namespace sparsekit
