@@ -1089,8 +1089,10 @@ def embedding_bag(
         per_sample_weights: optional ``[nnz]`` of ``weight``'s dtype, scaling each row
             (``"sum"`` and ``"mean"`` only; with ``"max"`` it raises, as in torch).
         mode: ``"sum"``, ``"mean"`` or ``"max"``. Mean divides by the number of valid rows
-            of the bag (weighted: by the sum of their weights). Max takes each column's
-            maximum over the valid rows (a NaN wins, as in ``nn.EmbeddingBag``).
+            of the bag (weighted: by the sum of their weights), bit for bit as
+            ``nn.EmbeddingBag`` does. Max takes each column's maximum over the valid rows as
+            ``nn.EmbeddingBag`` does: the first valid row, then only a strictly larger value
+            (a NaN wins only when it comes first; ties keep the earlier row).
         padding_idx: optional row skipped exactly like ``-1``: it adds nothing, is not
             counted by mean and gets no gradient. In ``[-R, R)``; negative counts from the
             end, as in ``nn.EmbeddingBag``.

@@ -530,6 +530,55 @@ def test_embedding_bag_max_edge_cases(device):
     assert positions.tolist() == [[0, 1], [3, 3], [-1, -1], [-1, -1], [7, 7]]
 
 
+@pytest.mark.parametrize("dim", [1, 3, 16, 24, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_embedding_bag_max_follows_nn_embedding_bag_on_nan_and_inf(device, dim, threads):
+    # nn.EmbeddingBag's max (CPU and CUDA) takes a bag's first valid row, then only strictly
+    # larger values: a NaN wins only when it comes first, ties keep the earlier row. Dims
+    # cover the vector loops (16, 64), AVX2's passes and the scalar tail (1, 3, 24).
+    gen = torch.Generator().manual_seed(dim)
+    weight = torch.randn(40, dim, generator=gen).round()  # small integers: many ties
+    special = torch.rand(40, dim, generator=gen)
+    weight[special < 0.15] = float("nan")
+    weight[(special >= 0.15) & (special < 0.2)] = float("inf")
+    weight[(special >= 0.2) & (special < 0.25)] = -float("inf")
+    rows = torch.randint(0, 40, (600,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randint(0, 7, (120,), generator=gen).cumsum(0)])
+    rows = rows[: int(offsets[-1])]
+    expected, _, _, max_rows = torch.ops.aten._embedding_bag(weight, rows, offsets[:-1], mode=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.embedding_bag(weight.to(device), rows.to(device), offsets.to(device), mode="max").cpu()
+        positions = torch.ops.sparsekit.embedding_bag_argmax(weight.to(device), rows.to(device),
+                                                             offsets.to(device)).cpu()
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, expected, equal_nan=True, rtol=0, atol=0)
+    # The arg-max (where the gradient goes) is torch's max_indices, an empty bag's -1 aside.
+    picked = torch.where(positions >= 0, rows[positions.clamp_min(0)], -1)
+    lengths = offsets.diff()
+    assert torch.equal(picked[lengths > 0], max_rows[lengths > 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dim", [1, 3, 16, 24, 64, 100])
+def test_embedding_bag_mean_divides_like_nn_embedding_bag_bit_for_bit(device, dtype, dim):
+    # A division, not a multiplication by the reciprocal (1 ulp off a quarter of the time).
+    gen = torch.Generator().manual_seed(dim)
+    weight = torch.randn(1000, dim, generator=gen, dtype=dtype)
+    rows = torch.randint(0, 1000, (5000,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randint(1, 12, (600,), generator=gen).cumsum(0)])
+    rows = rows[: int(offsets[-1])]
+    rows[::7] = 5  # padding_idx: not counted
+    expected = F.embedding_bag(rows, weight, offsets, mode="mean", include_last_offset=True, padding_idx=5)
+    out = ops.embedding_bag(weight.to(device), rows.to(device), offsets.to(device), mode="mean", padding_idx=5).cpu()
+    if device.type == "cpu":
+        assert torch.equal(out, expected)
+    else:  # the same division; the CUDA sums may add in another order
+        torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_embedding_bag_padding_row_gets_no_gradient(device, mode):
     weight = torch.randn(6, 3, dtype=torch.float64, device=device, requires_grad=True)

@@ -100,8 +100,8 @@ __device__ void check_span_rows(const BagArgs<scalar_t, index_t>& a, int64_t beg
 }
 
 /// Pools packet p of lookups [begin, end) in lookup order: a (weighted) sum, or with kMax
-/// nn.EmbeddingBag's maximum (a NaN wins unless the maximum is already NaN, ties keep the
-/// earlier lookup). Counts the valid lookups and, weighted, sums their weights. `report`
+/// nn.EmbeddingBag's maximum (the first valid lookup, then any strictly larger value: a NaN
+/// only when it comes first, ties keep the earlier lookup). Counts the valid lookups and, weighted, sums their weights. `report`
 /// makes this call record bad rows (one packet pass per lane suffices).
 template <typename scalar_t, typename index_t, int kVec, bool kWeighted, bool kMax>
 __device__ __forceinline__ void pool_span(const BagArgs<scalar_t, index_t>& a, int64_t begin, int64_t end, int64_t p,
@@ -140,7 +140,7 @@ __device__ __forceinline__ void pool_span(const BagArgs<scalar_t, index_t>& a, i
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             const acc v = static_cast<acc>(data[j].v[e]);
-            if (valid == 0 || (sum[e] == sum[e] && (v > sum[e] || v != v))) sum[e] = v;
+            if (valid == 0 || v > sum[e]) sum[e] = v;
           }
         } else if constexpr (kWeighted) {
           weight_sum += w[j];
@@ -156,12 +156,15 @@ __device__ __forceinline__ void pool_span(const BagArgs<scalar_t, index_t>& a, i
   }
 }
 
+/// A column's pooled value: the sum, or in mean mode the sum divided (not multiplied by a
+/// reciprocal, which is 1 ulp off a quarter of the time) by the number of valid lookups,
+/// weighted by their weights' sum. A bag without a valid lookup keeps its zero sum; a
+/// weighted one whose valid weights sum to zero pools to zeros (as on the CPU).
 template <typename acc>
-__device__ __forceinline__ acc mean_scale(bool mean, bool weighted, acc weight_sum, int64_t valid) {
-  if (!mean) return acc(1);
-  // A bag with no valid row (or valid weights summing to zero) pools to zeros.
-  const acc denominator = weighted ? weight_sum : static_cast<acc>(valid);
-  return (valid > 0 && denominator != acc(0)) ? acc(1) / denominator : acc(0);
+__device__ __forceinline__ acc pooled_value(acc sum, bool mean, bool weighted, acc weight_sum, int64_t valid) {
+  if (!mean || valid == 0) return sum;
+  const acc divisor = weighted ? weight_sum : static_cast<acc>(valid);
+  return divisor != acc(0) ? sum / divisor : acc(0);
 }
 
 /// One group of `group` lanes per bag (grid-stride over bags). Bags longer than kChunk are
@@ -195,10 +198,11 @@ __global__ void embedding_bag_kernel(BagArgs<scalar_t, index_t> a, bool mean, sc
       acc weight_sum;
       int64_t valid;
       pool_span<scalar_t, index_t, kVec, kWeighted, kMax>(a, begin, end, p, p == lane, sum, weight_sum, valid);
-      const acc scale = kMax ? acc(1) : mean_scale(mean, kWeighted, weight_sum, valid);
       packet result;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) result.v[e] = static_cast<scalar_t>(sum[e] * scale);
+      for (int e = 0; e < kVec; ++e) {
+        result.v[e] = static_cast<scalar_t>(kMax ? sum[e] : pooled_value(sum[e], mean, kWeighted, weight_sum, valid));
+      }
       *reinterpret_cast<packet*>(out_row + p * kVec) = result;
     }
   }
@@ -289,7 +293,6 @@ __global__ void long_bag_combine_kernel(BagArgs<scalar_t, index_t> a, int64_t ch
       valid += partial_valid[item];
       weight_sum += partial_weight[item];
     }
-    const acc scale = mean_scale(mean, kWeighted, weight_sum, valid);
     scalar_t* out_row = out + bag * a.dim;
     for (int64_t col = lane; col < a.dim; col += group) {
       acc sum = 0;
@@ -297,7 +300,7 @@ __global__ void long_bag_combine_kernel(BagArgs<scalar_t, index_t> a, int64_t ch
         const int64_t item = c == first ? first_item : c * 2;
         sum += partial[item * a.dim + col];
       }
-      out_row[col] = static_cast<scalar_t>(sum * scale);
+      out_row[col] = static_cast<scalar_t>(pooled_value(sum, mean, kWeighted, weight_sum, valid));
     }
   }
 }
@@ -336,7 +339,7 @@ __global__ void embedding_bag_argmax_kernel(BagArgs<scalar_t, index_t> a, int64_
         }
         if (static_cast<int64_t>(row) == a.padding_row) continue;
         const acc v = static_cast<acc>(a.weight[static_cast<int64_t>(row) * a.row_stride + c]);
-        if (position < 0 || (best == best && (v > best || v != v))) {
+        if (position < 0 || v > best) {
           best = v;
           position = k;
         }
