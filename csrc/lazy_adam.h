@@ -31,15 +31,17 @@ inline bool memory_overlaps(const Tensor& a, const Tensor& b) {
 /// @brief The update reads grad and writes weight and both moments row by row: memory shared
 /// by any two of them (exp_avg passed as weight, grad a view of weight) would be read after
 /// it was written, a silently wrong step.
+/// rows too: read while weight and the moments are written, a row index overwritten by the
+/// update would send the next update anywhere (out of bounds: a crash).
 inline void check_lazy_adam_disjoint(const char* op, const Tensor& weight, const Tensor& exp_avg,
-                                     const Tensor& exp_avg_sq, const Tensor& grad) {
-  const Tensor* named[] = {&weight, &exp_avg, &exp_avg_sq, &grad};
-  const char* names[] = {"weight", "exp_avg", "exp_avg_sq", "grad"};
-  for (int i = 0; i < 4; ++i) {
-    for (int j = i + 1; j < 4; ++j) {
+                                     const Tensor& exp_avg_sq, const Tensor& rows, const Tensor& grad) {
+  const Tensor* named[] = {&weight, &exp_avg, &exp_avg_sq, &grad, &rows};
+  const char* names[] = {"weight", "exp_avg", "exp_avg_sq", "grad", "rows"};
+  for (int i = 0; i < 3; ++i) {  // each written tensor against every other tensor
+    for (int j = i + 1; j < 5; ++j) {
       SK_CHECK(!memory_overlaps(*named[i], *named[j]), op, ": ", names[i], " and ", names[j],
                " share memory; each must be a tensor of its own (the update writes weight and the moments "
-               "in place while it reads grad)");
+               "in place while it reads rows and grad)");
     }
   }
 }

@@ -126,13 +126,18 @@ def _update_args(weight, exp_avg, exp_avg_sq, rows, grad):
 
 
 @pytest.mark.parametrize("alias", ["exp_avg is weight", "exp_avg_sq is exp_avg", "grad is a view of weight",
-                                   "grad overlaps exp_avg_sq"])
+                                   "grad overlaps exp_avg_sq", "rows is a view of exp_avg", "rows is a view of weight"])
 def test_lazy_adam_refuses_arguments_that_share_memory(alias):
-    """The update writes weight and the moments in place while it reads grad: shared memory
-    would be read after it was written (a silently wrong step). Nothing is written."""
+    """The update writes weight and the moments in place while it reads rows and grad: shared
+    memory would be read after it was written (a silently wrong step, or, for rows, an update
+    sent out of bounds: a crash). Nothing is written."""
     weight, exp_avg, exp_avg_sq = torch.randn(6, 4), torch.zeros(6, 4), torch.zeros(6, 4)
     rows, grad = torch.tensor([1, 3]), torch.randn(2, 4)
-    if alias == "exp_avg is weight":
+    if alias.startswith("rows"):
+        # Two int64 row ids in the last row of the written tensor (its bytes reread as int64).
+        rows = (exp_avg if alias.endswith("exp_avg") else weight).view(torch.int64)[5]
+        rows.copy_(torch.tensor([5, 1]))
+    elif alias == "exp_avg is weight":
         exp_avg = weight
     elif alias == "exp_avg_sq is exp_avg":
         exp_avg_sq = exp_avg
@@ -179,6 +184,18 @@ def test_lazy_adam_tables_refuses_tensors_shared_between_tables():
         torch.ops.sparsekit.lazy_adam_tables_([w0, w1], [m0, w0], [v0, v1], rows, [torch.ones(1, 3)] * 2, [1, 1],
                                               hyper)
     assert not w0.any() and not w1.any()
+    with pytest.raises(RuntimeError, match=r"lazy_adam_tables_: rows\[1\] shares memory with the tensors of table 0"):
+        # Table 1's rows lie in table 0's weight.
+        inside = w0.view(-1)[:2].view(torch.int64)
+        inside.copy_(torch.tensor([2]))
+        before = w0.clone()
+        torch.ops.sparsekit.lazy_adam_tables_([w0, w1], [m0, torch.zeros(6, 3)], [v0, v1], [rows[0], inside],
+                                              [torch.ones(1, 3)] * 2, [1, 1], hyper)
+    assert torch.equal(w0, before) and not w1.any()
+    # One rows tensor for two tables is only read: fine.
+    torch.ops.sparsekit.lazy_adam_tables_([torch.zeros(6, 3), torch.zeros(6, 3)], [torch.zeros(6, 3), torch.zeros(6, 3)],
+                                          [torch.zeros(6, 3), torch.zeros(6, 3)], [rows[0], rows[0]],
+                                          [torch.ones(1, 3)] * 2, [1, 1], hyper)
 
 
 # ---- the wrappers check argument types ------------------------------------------------------

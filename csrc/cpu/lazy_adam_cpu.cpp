@@ -179,29 +179,48 @@ void check_rows(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
   SK_CHECK(repeated < 0, lazy_adam_repeated_row_message(repeated));
 }
 
-/// @brief Raises when tensors of two tables share memory (each table's own four were checked
-/// by check_lazy_adam_disjoint): one table's update would write what another reads.
+/// @brief Raises when one table's update would write what another table reads or writes
+/// (each table's own tensors were checked by check_lazy_adam_disjoint). Tables may share
+/// what is only read: one rows or gradient tensor for several tables is fine.
 void check_tables_disjoint(const char* op, const std::vector<Tensor>& weights, const std::vector<Tensor>& exp_avgs,
-                           const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& grads) {
+                           const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& rows,
+                           const std::vector<Tensor>& grads) {
   struct Span {
     const char* begin;
     const char* end;
     size_t table;
   };
-  std::vector<Span> spans;
+  // Every table's tensors are contiguous here (the gradients after as_contiguous).
+  auto span_of = [](const Tensor& tensor, size_t table) {
+    const char* begin = static_cast<const char*>(tensor.const_data_ptr());
+    return Span{begin, begin + tensor.numel() * static_cast<int64_t>(tensor.element_size()), table};
+  };
+  std::vector<Span> written;
   for (size_t t = 0; t < weights.size(); ++t) {
-    for (const Tensor* tensor : {&weights[t], &exp_avgs[t], &exp_avg_sqs[t], &grads[t]}) {
-      if (tensor->numel() == 0) continue;
-      const char* begin = static_cast<const char*>(tensor->const_data_ptr());
-      // The four tensors of a table are contiguous (the gradients after as_contiguous).
-      spans.push_back({begin, begin + tensor->numel() * static_cast<int64_t>(tensor->element_size()), t});
+    for (const Tensor* tensor : {&weights[t], &exp_avgs[t], &exp_avg_sqs[t]}) {
+      if (tensor->numel() > 0) written.push_back(span_of(*tensor, t));
     }
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-  for (size_t i = 1; i < spans.size(); ++i) {
-    SK_CHECK(spans[i].begin >= spans[i - 1].end, op, ": the tensors of tables ", spans[i - 1].table, " and ",
-             spans[i].table, " share memory; every weight, moment and gradient must be a tensor of its own");
-    if (spans[i].end < spans[i - 1].end) spans[i].end = spans[i - 1].end;  // keep the furthest end so far
+  std::sort(written.begin(), written.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < written.size(); ++i) {
+    const size_t low = std::min(written[i - 1].table, written[i].table);
+    const size_t high = std::max(written[i - 1].table, written[i].table);
+    SK_CHECK(written[i].begin >= written[i - 1].end, op, ": the tensors of tables ", low, " and ", high,
+             " share memory; every weight, moment and gradient must be a tensor of its own");
+  }
+  // What is read must not lie in another table's written tensors. They are disjoint and
+  // sorted now: only the last one starting before a read span ends can overlap it.
+  for (size_t t = 0; t < weights.size(); ++t) {
+    for (const Tensor* tensor : {&grads[t], &rows[t]}) {
+      if (tensor->numel() == 0) continue;
+      const Span read = span_of(*tensor, t);
+      auto after = std::lower_bound(written.begin(), written.end(), read.end,
+                                    [](const Span& span, const char* at) { return span.begin < at; });
+      if (after == written.begin() || (after - 1)->end <= read.begin) continue;
+      SK_CHECK(false, op, ": ", tensor == &rows[t] ? "rows[" : "grads[", t,
+               "] shares memory with the tensors of table ", (after - 1)->table,
+               "; every weight, moment and gradient must be a tensor of its own");
+    }
   }
 }
 
@@ -217,7 +236,7 @@ void lazy_adam_cpu(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const Te
                    const Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
                    double weight_decay) {
   check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
-  check_lazy_adam_disjoint("lazy_adam_", weight, exp_avg, exp_avg_sq, grad);
+  check_lazy_adam_disjoint("lazy_adam_", weight, exp_avg, exp_avg_sq, rows, grad);
   const int64_t num_updates = rows.size(0);
   const int64_t num_rows = weight.size(0);
   const int64_t dim = num_rows == 0 ? 0 : weight.numel() / num_rows;
@@ -329,7 +348,7 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
     // The moments stand in for a half weight: the rest must match them.
     check_lazy_adam_args(dtype == kFloat ? weights[t] : exp_avgs[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t],
                          steps[t], h[0], h[1], h[2], h[3], h[4]);
-    check_lazy_adam_disjoint(op, weights[t], exp_avgs[t], exp_avg_sqs[t], grads[t]);
+    check_lazy_adam_disjoint(op, weights[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t]);
     SK_CHECK(rows[t].scalar_type() == kLong && rows[t].is_contiguous(), op, ": rows[", t,
              "] must be a contiguous int64 tensor");
     grads_c.push_back(as_contiguous(grads[t]));
@@ -367,7 +386,7 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
     SK_CHECK(repeated < 0, op, ": rows[", t, "] holds row ", repeated, " more than once (a sparse gradient "
              "marked coalesced that is not?); nothing was updated");
   }
-  check_tables_disjoint(op, weights, exp_avgs, exp_avg_sqs, grads_c);
+  check_tables_disjoint(op, weights, exp_avgs, exp_avg_sqs, rows, grads_c);
   struct Table {
     void* weight;
     ScalarType dtype;

@@ -93,7 +93,7 @@ void lazy_adam_cuda(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const T
                     const Tensor& grad, int64_t step, double lr, double beta1, double beta2, double eps,
                     double weight_decay) {
   check_lazy_adam_args(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay);
-  check_lazy_adam_disjoint("lazy_adam_", weight, exp_avg, exp_avg_sq, grad);
+  check_lazy_adam_disjoint("lazy_adam_", weight, exp_avg, exp_avg_sq, rows, grad);
   const DeviceGuard device_guard(weight.get_device_index());
   const int64_t num_updates = rows.size(0);
   const int64_t num_rows = weight.size(0);
