@@ -462,8 +462,8 @@ class HashTable:
                 previous dump).
 
         Returns:
-            ``(keys, rows)``: keys of ``key_dtype`` and their int64 rows, ascending. Without
-            a bound ``rows = arange(len(self))``.
+            ``(keys, rows)``: keys of ``key_dtype`` and their int64 rows, ascending, copies
+            that later inserts leave as they are. Without a bound ``rows = arange(len(self))``.
         """
         keys = self._row_keys[:self._size]
         rows = torch.arange(self._size, dtype=torch.int64, device=self.device)
@@ -477,7 +477,8 @@ class HashTable:
             else:
                 recent = self._last_seen[:self._size] >= max(min_last_seen, -_INT64_MAX - 1)
             keys, rows = keys[recent], rows[recent]
-        return keys.to(self._key_dtype), rows
+        # A copy, not a view of the table's keys: later inserts must not change a dump.
+        return keys.to(self._key_dtype, copy=min_last_seen is None), rows
 
     def clear(self) -> None:
         """Removes every key (and its scores); capacity, dtype, policy, clock and device stay."""

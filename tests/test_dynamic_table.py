@@ -430,6 +430,17 @@ def test_export_since_a_clock():
         assert rows.dtype == torch.int64 and keys.dtype == torch.int64
 
 
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+def test_export_is_a_snapshot_that_later_inserts_and_evictions_leave_alone(key_dtype):
+    table = sk.HashTable(3, eviction="lru", key_dtype=key_dtype)
+    table.insert(t([1, 2, 3], key_dtype))
+    every, since = table.export(), table.export(min_last_seen=0)
+    table.tick()
+    table.insert(t([4, 5], key_dtype))  # evicts two keys and reuses their rows
+    assert every[0].tolist() == [1, 2, 3] and every[1].tolist() == [0, 1, 2]
+    assert since[0].tolist() == [1, 2, 3]
+
+
 def test_scores_are_kept_without_eviction_and_find_never_scores():
     table = sk.HashTable(4)
     assert table.eviction is None
