@@ -58,12 +58,13 @@ class LazyAdam(torch.optim.Optimizer):
         maximize: maximize the objective instead of minimizing it (default False), as in
             ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
 
-    A step is all or nothing: every gradient is checked first (layout, shape, dtype, device,
-    and the rows of every sparse gradient, read back in one host read per step on CUDA), and
-    so is the state each of them will update (``step``, ``exp_avg`` and ``exp_avg_sq``
-    present, with the shapes, dtypes and devices above); only then is anything updated, so
-    a bad gradient or state raises ``RuntimeError`` with ``step``, weights and moments of
-    every parameter unchanged.
+    A step is all or nothing: every group's settings (``lr``, ``betas``, ``eps``,
+    ``weight_decay``, as edited in ``param_groups``: a bad one raises ``ValueError``) and
+    every gradient are checked first (layout, shape, dtype, device, and the rows of every
+    sparse gradient, read back in one host read per step on CUDA), and so is the state each
+    of them will update (``step``, ``exp_avg`` and ``exp_avg_sq`` present, with the shapes,
+    dtypes and devices above); only then is anything updated, so a bad setting, gradient or
+    state raises with ``step``, weights and moments of every parameter unchanged.
     """
 
     def __init__(
@@ -83,6 +84,14 @@ class LazyAdam(torch.optim.Optimizer):
         if sparse:
             raise ValueError(f"LazyAdam: sparse parameters at indices {sparse} (group, index): LazyAdam needs dense "
                              "parameter tensors; their gradients may be sparse")
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``, with the group's settings (its own or
+        the defaults) checked as the constructor's are before it is added."""
+        if isinstance(param_group, dict):
+            _check_hyperparameters({**self.defaults, **param_group},
+                                   f"LazyAdam.add_param_group (parameter group {len(self.param_groups)})")
+        super().add_param_group(param_group)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # load_state_dict ends here: states of older versions (a plain number as step, no
@@ -305,6 +314,10 @@ class LazyAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        # Settings edited in param_groups (or by a scheduler) are checked like the
+        # constructor's, every group before any is updated: a bad one changes nothing.
+        for index, group in enumerate(self.param_groups):
+            _check_hyperparameters(group, f"LazyAdam.step (parameter group {index})")
         fused = {id(p) for group in self.param_groups for p in group["params"] if self._fusable(p)}
         self._check_gradients(fused)
         if fused:

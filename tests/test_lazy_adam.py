@@ -856,3 +856,27 @@ def test_op_refuses_a_tensor_requiring_grad_in_grad_mode_and_a_step_beyond_int64
     with pytest.raises(ValueError, match=r"lazy_adam_: step must fit in int64"):
         sk.ops.lazy_adam_(torch.randn(8, 4), torch.zeros(8, 4), torch.zeros(8, 4), torch.tensor([1]),
                           torch.ones(1, 4), 2**64, .1, .9, .999, 1e-8)
+
+
+@pytest.mark.parametrize("edit", ["param_groups", "add_param_group"])
+def test_lazy_adam_bad_settings_of_a_later_group_change_nothing(edit):
+    """Two eviction layers' tables in two groups: a bad beta1 in the second group (edited
+    after the constructor or added by add_param_group) raises before the first is stepped."""
+    layers = [sk.DistributedEmbedding("sum", 4, 2, 1, 2, eviction="lru") for _ in range(2)]
+    optimizer = sk.LazyAdam(layers[0].parameters(), lr=0.1)
+    if edit == "add_param_group":
+        with pytest.raises(ValueError, match=r"add_param_group \(parameter group 1\): invalid betas"):
+            optimizer.add_param_group({"params": list(layers[1].parameters()), "betas": (1.0, 0.9)})
+        assert len(optimizer.param_groups) == 1
+        optimizer.add_param_group({"params": list(layers[1].parameters())})
+        optimizer.param_groups[1]["betas"] = (1.0, 0.9)
+    else:
+        optimizer.add_param_group({"params": list(layers[1].parameters())})
+        optimizer.param_groups[1]["lr"] = "fast"
+    keys = sk.Ragged(torch.tensor([1, 2]), torch.tensor([0, 1, 2]))
+    sum(layer(keys).sum() for layer in layers).backward()
+    weights = [layer.weight.detach().clone() for layer in layers]
+    with pytest.raises(ValueError, match=r"LazyAdam.step \(parameter group 1\)"):
+        optimizer.step()
+    assert all(torch.equal(layer.weight.detach(), w) for layer, w in zip(layers, weights))
+    assert not optimizer.state
