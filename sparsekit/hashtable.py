@@ -573,7 +573,9 @@ class HashTable:
                                  f"{tuple(getattr(value, 'shape', ()))}")
             scores.append(value.to(self.device))
         clock = state_dict.get("clock", 0)
-        clock = int(clock.item()) if isinstance(clock, Tensor) and clock.numel() == 1 else clock
+        if isinstance(clock, Tensor) and clock.numel() == 1 and not (clock.is_floating_point() or clock.is_complex()
+                                                                     or clock.dtype == torch.bool):
+            clock = int(clock.item())  # an integer tensor; a float one (2.7) would be truncated
         if isinstance(clock, bool) or not isinstance(clock, int) or clock < 0:
             raise ValueError(f"HashTable.load_state_dict: 'clock' must be a non-negative int64 scalar, got {clock!r}")
         keys = keys.to(device=self.device, dtype=self._key_dtype)

@@ -540,6 +540,21 @@ def test_state_with_mismatched_scores_is_a_value_error():
             sk.HashTable(4, eviction="lfu").load_state_dict(state)
 
 
+@pytest.mark.parametrize("clock", [torch.tensor(2.7), torch.tensor(2.0), torch.tensor(True), -1, 1.5])
+def test_state_with_a_clock_that_is_not_an_integer_is_a_value_error(clock):
+    table = sk.HashTable(4, eviction="lru")
+    table.insert(t([1, 2]))
+    state = table.state_dict()
+    state["clock"] = clock
+    loaded = sk.HashTable(4, eviction="lru")
+    with pytest.raises(ValueError, match="'clock' must be a non-negative int64 scalar"):
+        loaded.load_state_dict(state)
+    assert len(loaded) == 0 and loaded.clock == 0
+    state["clock"] = torch.tensor([3], dtype=torch.int32)  # any one-element integer tensor
+    loaded.load_state_dict(state)
+    assert loaded.clock == 3
+
+
 # ---- random streams against the reference ----
 
 
