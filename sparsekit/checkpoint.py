@@ -9,6 +9,17 @@ Layout of ``directory``::
         shard-00000-of-00002.pt   rank r: per embedding layer, the keys it owns, their rows,
         shard-00001-of-00002.pt   their per-row optimizer state (exp_avg, ...) and the step
 
+Each shard file maps every embedding layer's name to that rank's part: ``keys`` (int64
+``[n]``), ``weight`` (``[n, dim]``), ``state`` (per-row optimizer state, each ``[n, dim]``),
+``scalars`` (the rest of its optimizer state, e.g. ``step``), ``has_state`` and, for a
+hash-table layer, ``dynamic``: ``last_seen`` and ``count`` (int64 ``[n]``, the keys'
+scores), ``clock``, ``evicted``, ``admitted``, ``pending`` (the keys waiting for admission,
+with their scores and clock) and, with eviction, ``fresh`` (bool ``[n]``: the key took an
+evicted key's row since its last optimizer update, so its saved moments are still the
+evicted key's and are reset at its next update). A checkpoint without ``fresh`` loads with
+no reset pending; a layer without eviction that loads one resets those keys' moments at
+once.
+
 Every file is plain tensors, ints, floats and strings: ``torch.load(weights_only=True)``
 reads it, nothing is unpickled as code. A save writes ``ckpt-N.tmp/`` and, once every rank
 reports success, renames it to ``ckpt-N/`` and only then points ``LATEST`` at it
@@ -198,8 +209,8 @@ def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
 
 
 def _dynamic_payload(layer: _ModelParallelEmbedding) -> Dict[str, Any]:
-    """A hash-table layer's scores (aligned with its saved keys), clock, pending admissions
-    and totals: what resharding hands on with each key."""
+    """A hash-table layer's scores and pending moment resets (aligned with its saved keys),
+    clock, pending admissions and totals: what resharding hands on with each key."""
     table = layer.hash_table.state_dict()
     dynamic: Dict[str, Any] = {"last_seen": table["last_seen"].cpu(), "count": table["count"].cpu(),
                                "clock": layer.hash_table.clock, "evicted": layer._evicted,
@@ -208,6 +219,8 @@ def _dynamic_payload(layer: _ModelParallelEmbedding) -> Dict[str, Any]:
         pending = layer._pending.state_dict()
         dynamic["pending"] = {"keys": pending["keys"].long().cpu(), "last_seen": pending["last_seen"].cpu(),
                               "count": pending["count"].cpu(), "clock": layer._pending.clock}
+    if layer._fresh_rows is not None:
+        dynamic["fresh"] = layer._fresh_rows[:len(layer.hash_table)].cpu()
     return dynamic
 
 
@@ -401,6 +414,10 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
                 value = dynamic.get(field)
                 if not isinstance(value, Tensor) or value.dtype != torch.int64 or value.shape != keys.shape:
                     raise bad(f"layer {name!r}: dynamic '{field}' must be int64 [{keys.numel()}] like 'keys'")
+            fresh = dynamic.get("fresh")
+            if fresh is not None and (not isinstance(fresh, Tensor) or fresh.dtype != torch.bool
+                                      or fresh.shape != keys.shape):
+                raise bad(f"layer {name!r}: dynamic 'fresh' must be bool [{keys.numel()}] like 'keys'")
             for field in ("clock", "evicted", "admitted"):
                 if not _is_count(dynamic.get(field)):
                     raise bad(f"layer {name!r}: dynamic '{field}' must be a non-negative int, got "
@@ -481,6 +498,10 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             state["\0" + field] = torch.cat([
                 d[field] if d is not None else torch.zeros(part["keys"].numel(), dtype=torch.int64)
                 for d, part in zip(dynamic_parts, parts)]) if parts else torch.zeros(0, dtype=torch.int64)
+    # So do pending moment resets; none in a checkpoint from before they were saved.
+    fresh_parts = [(d or {}).get("fresh") for d in dynamic_parts]
+    state["\0fresh"] = torch.cat([f if f is not None else torch.zeros(part["keys"].numel(), dtype=torch.bool)
+                                  for f, part in zip(fresh_parts, parts)]) if parts else torch.zeros(0, dtype=torch.bool)
 
     # A layer replicated over several groups was saved once per replica: keep each key once.
     first = None
@@ -517,6 +538,14 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             pending = {field: value[ours] for field, value in pending.items()}
             pending["clock"] = max(int(p["clock"]) for p in pendings)
             dynamic["pending"] = pending
+    fresh = state.pop("\0fresh")
+    if layer._fresh_rows is None and bool(fresh.any()):
+        # This layer keeps no pending resets (it does not evict): the saved moments of those
+        # keys are still the evicted keys', so they are reset now.
+        state = {key: value.masked_fill(fresh.view((-1,) + (1,) * (value.dim() - 1)), 0)
+                 for key, value in state.items()}
+    if dynamic is not None:
+        dynamic["fresh"] = fresh
     capacity = layer.max_vocabulary_size_per_gpu
     if layer.hash_table is not None and keys.numel() > capacity:
         raise HashTableFullError(
@@ -644,6 +673,7 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
         layer._evicted, layer._admitted = dynamic["evicted"], dynamic["admitted"]
         if layer._fresh_rows is not None:
             layer._fresh_rows.zero_()
+            layer._fresh_rows[rows] = dynamic["fresh"].to(device)
         if layer._pending is not None:
             if restore.pending is None:
                 layer._pending.clear()

@@ -52,7 +52,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections.abc import Iterable
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,7 @@ from .exchange import (
     _all_to_all_rows,
     _AllToAll,
     _CoalescedGradMarker,
+    _deepcopy_sharing_group,
     _GatherPieces,
     _GatherRows,
     _LookupPieces,
@@ -82,7 +83,13 @@ from .exchange import (
     _unique_tables,
 )
 from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
-from .shard import KeySeededUniform, _distinct_sorted_rows, _ModelParallelEmbedding, _place_new_keys
+from .shard import (
+    KeySeededUniform,
+    _check_state_dict_keys,
+    _distinct_sorted_rows,
+    _ModelParallelEmbedding,
+    _place_new_keys,
+)
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection", "UnknownTableError"]
 
@@ -529,6 +536,33 @@ class EmbeddingBagCollection(nn.Module):
         sequence = [t for members in self._groups for t in members]
         self._sequence_position = torch.tensor([sequence.index(t) for t in range(len(self.tables))])
         self._config_agreed = self.world_size == 1
+
+    # -- module plumbing ------------------------------------------------------------------------
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> EmbeddingBagCollection:
+        """An independent copy (its own tables, weights, flags and totals) over the same
+        process group; each table's weight keeps its marks (see ``_deepcopy_sharing_group``)."""
+        return _deepcopy_sharing_group(self, memo)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # nn.Module loads the tables one after the other: every table's entries are checked
+        # first, so that one table's bad state raises, or fails the call, before any table
+        # changes (a table that finds the call failed already writes nothing).
+        if not error_msgs:
+            for index, shard in self.shards.named_children():
+                error_msgs.extend(shard._check_load(state_dict, f"{prefix}shards.{index}."))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, but a call that raises changes no table: with
+        ``strict=True`` missing and unexpected keys raise before anything loads, and every
+        table's weight and hash table state are checked before any table changes. With
+        ``strict=False`` the tables absent from the state keep theirs; a hash table's weight
+        without its table state (or the reverse) raises ValueError."""
+        _check_state_dict_keys(self, state_dict, strict)
+        return super().load_state_dict(state_dict, strict, assign)
 
     # -- per-table access ----------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """The exchange's pieces shared by the model-parallel layers and the collection: process
-groups, ``all_to_all_single`` with autograd, the gather / pool / owned-lookup autograd
-functions, the error words every rank folds into the exchange, and the one-time
-configuration agreement.
+groups (and deep copies that share them), ``all_to_all_single`` with autograd, the gather /
+pool / owned-lookup autograd functions, the error words every rank folds into the
+exchange, and the one-time configuration agreement.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import copy
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,6 +37,21 @@ def _resolve_group(process_group: Optional[dist.ProcessGroup],
         raise TypeError(f"{where}: process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r} "
                         f"({type(process_group).__qualname__})")
     return process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
+
+
+def _deepcopy_sharing_group(module: torch.nn.Module, memo: Dict[int, Any]) -> torch.nn.Module:
+    """``copy.deepcopy`` of a layer or collection (its ``__deepcopy__``): as the default copy,
+    every tensor, table and counter copied, then ``__setstate__`` of the copy (where a layer
+    puts its marks back on its new weight), but its ``process_group`` shared: the group is
+    the ranks' connection, which cannot be copied (deepcopy would raise), and the copy
+    exchanges over it as the original does."""
+    group = module.process_group
+    if group is not None:
+        memo[id(group)] = group
+    clone = type(module).__new__(type(module))
+    memo[id(module)] = clone
+    clone.__setstate__(copy.deepcopy(module.__getstate__(), memo))
+    return clone
 
 
 class _AllToAll(torch.autograd.Function):

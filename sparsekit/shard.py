@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from .exchange import (
     _all_to_all_rows,
     _AllToAll,
     _CoalescedGradMarker,
+    _deepcopy_sharing_group,
     _LookupOwned,
     _LookupPieces,
     _offsets_error_flags,
@@ -121,6 +122,43 @@ class _LookupPlan(NamedTuple):
     pending_keys: Optional[Tensor]  # the keys still waiting that stay pending (counted), None without admission
 
 
+class _CheckedExtraState(NamedTuple):
+    """A layer's ``_extra_state`` that ``_check_extra_state`` found loadable: writing it cannot fail."""
+
+    table: object              # the hash table's state, as HashTable._check_state accepted it
+    pending: Optional[object]  # the pending admissions' state, likewise; None: nothing to load there
+    evicted: int
+    admitted: int
+    fresh: Tensor              # bool [len(table's keys)], on the layer's device: moments to reset, by row
+
+
+def _check_state_dict_keys(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+    """Raises, in ``nn.Module.load_state_dict``'s words, for the keys of ``state_dict`` that
+    ``strict`` refuses (missing or unexpected): nn.Module reports them only after it loaded
+    every entry it could. Nothing to do with ``strict=False`` or a state that is no mapping
+    (nn.Module raises its TypeError)."""
+    if not strict or not isinstance(state_dict, Mapping):
+        return
+    expected: Dict[str, None] = {}  # an ordered set, in nn.Module's order
+    for name, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        for key, value in itertools.chain(sub._parameters.items(), sub._buffers.items()):
+            if value is not None and key not in sub._non_persistent_buffers_set:
+                expected[prefix + key] = None
+        if type(sub).get_extra_state is not nn.Module.get_extra_state:
+            expected[prefix + "_extra_state"] = None
+    errors = []
+    missing = [key for key in expected if key not in state_dict]
+    if missing:
+        errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    unexpected = [key for key in state_dict if key not in expected]
+    if unexpected:
+        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(module).__name__,
+                                                                                 "\n\t".join(errors)))
+
+
 class _ModelParallelEmbedding(nn.Module):
     """The shard, its hash table, and the exchange shared by both layers."""
 
@@ -189,10 +227,7 @@ class _ModelParallelEmbedding(nn.Module):
         with allocation(f"{name}: {self._capacity_argument}={max_vocabulary_size_per_gpu} x embedding_vec_size="
                         f"{embedding_vec_size} (the local shard)", shape, dtype, device or "cpu"):
             self.weight = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
-        # The flag split_embedding_variable_from_others, the checkpoint and DDP recipes read.
-        self.weight.sparsekit_model_parallel = True
         self._grad_marker = _CoalescedGradMarker()
-        self.weight.register_post_accumulate_grad_hook(self._grad_marker)
         if self.use_hashtable:
             # Rows are initialised when their key is first inserted.
             self.hash_table: Optional[HashTable] = HashTable(max_vocabulary_size_per_gpu, key_dtype=key_dtype,
@@ -210,7 +245,7 @@ class _ModelParallelEmbedding(nn.Module):
         self._fresh_rows: Optional[Tensor] = None
         if eviction is not None:
             self._fresh_rows = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.bool, device=self.weight.device)
-            self.weight.sparsekit_fresh_rows = self._fresh_rows
+        self._mark_weight()
         if self.hash_table is None:
             with torch.no_grad():
                 self.weight.copy_(self.initial_rows(self.owned_keys()))
@@ -571,6 +606,35 @@ class _ModelParallelEmbedding(nn.Module):
 
     # -- module plumbing --------------------------------------------------------------------
 
+    def _mark_weight(self) -> None:
+        """Puts the layer's marks on ``weight``: ``sparsekit_model_parallel`` (read by
+        :func:`is_embedding_variable`, the checkpoint, the DDP recipe and LazyAdam, which keeps
+        a half shard's moments in float32), with eviction ``sparsekit_fresh_rows`` (the rows
+        whose moments LazyAdam resets first), and the hook that keeps the gradient marked
+        coalesced. A new weight lacks them (``copy.deepcopy``, unpickling,
+        ``load_state_dict(assign=True)``, a conversion that replaces parameters): they are
+        attributes of the Parameter object and a hook of its tensor, which no copy keeps."""
+        weight = self.weight
+        weight.sparsekit_model_parallel = True
+        if self._fresh_rows is not None:
+            weight.sparsekit_fresh_rows = self._fresh_rows
+        # Registered once: the tensor lists its post-accumulate hooks there (None before the first).
+        hooks = getattr(weight, "_post_accumulate_grad_hooks", None) or {}
+        # A hook on a tensor that needs no gradient raises (a frozen weight gets none anyway).
+        if weight.requires_grad and not any(hook is self._grad_marker for hook in hooks.values()):
+            weight.register_post_accumulate_grad_hook(self._grad_marker)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # copy.deepcopy and unpickling (torch.load of a whole module) end here, with a new
+        # weight Parameter: deepcopy dropped its marks and neither kept its hook.
+        super().__setstate__(state)
+        self._mark_weight()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> _ModelParallelEmbedding:
+        """An independent copy (its own weight, tables, flags and totals) over the same
+        process group; the weight keeps its marks (see :func:`_deepcopy_sharing_group`)."""
+        return _deepcopy_sharing_group(self, memo)
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         device = self.weight.device
@@ -580,12 +644,14 @@ class _ModelParallelEmbedding(nn.Module):
             self._pending = self._pending.to(device)
         if self._fresh_rows is not None:
             self._fresh_rows = self._fresh_rows.to(device)
-            self.weight.sparsekit_fresh_rows = self._fresh_rows
+        self._mark_weight()
         return self
 
     def get_extra_state(self):
         # The hash table is module state: this rank's keys in row order with their scores,
-        # the pending admissions and the eviction / admission totals.
+        # the pending admissions, the eviction / admission totals and, with eviction, which
+        # rows hold new keys whose moments LazyAdam has not reset yet ("fresh", bool per
+        # key in row order): without it a reloaded row would hand its evicted key's moments on.
         if self.hash_table is None:
             return {}
         state = self.hash_table.state_dict()
@@ -593,11 +659,13 @@ class _ModelParallelEmbedding(nn.Module):
             state["pending"] = self._pending.state_dict()
         state["evicted"] = torch.tensor(self._evicted, dtype=torch.int64)
         state["admitted"] = torch.tensor(self._admitted, dtype=torch.int64)
+        if self._fresh_rows is not None:
+            state["fresh"] = self._fresh_rows[:len(self.hash_table)].clone()
         return state
 
-    def _check_extra_state(self, state) -> Optional[Tuple[object, Optional[object], int, int]]:
-        """What :meth:`set_extra_state` would load, every part checked and nothing written:
-        ``(table state, pending state or None, evicted, admitted)``; None: nothing to load."""
+    def _check_extra_state(self, state) -> Optional[_CheckedExtraState]:
+        """What :meth:`set_extra_state` would load, every part checked and nothing written;
+        None: nothing to load."""
         name = self._layer_name
         if state is None:
             return None
@@ -632,43 +700,99 @@ class _ModelParallelEmbedding(nn.Module):
         if self._pending is not None and pending is not None:
             checked_pending = _check_state_of(self._pending, pending, f"{name}: load_state_dict: "
                                               "'_extra_state'['pending'] (the pending admissions)")
-        table = {key: value for key, value in state.items() if key not in ("pending", "evicted", "admitted")}
+        table = {key: value for key, value in state.items() if key not in ("pending", "evicted", "admitted", "fresh")}
         checked_table = _check_state_of(self.hash_table, table,
                                         f"{name}: load_state_dict: '_extra_state' (the hash table)")
-        return checked_table, checked_pending, totals[0], totals[1]
+        num_keys = checked_table.keys.numel()
+        fresh = state.get("fresh")
+        if fresh is None:  # saved without eviction, or before the flags were saved: no reset pending
+            fresh = torch.zeros(num_keys, dtype=torch.bool)
+        elif not isinstance(fresh, Tensor) or fresh.is_meta or fresh.dtype != torch.bool \
+                or tuple(fresh.shape) != (num_keys,):
+            got = f"a {fresh.dtype} tensor of shape {tuple(fresh.shape)}" if isinstance(fresh, Tensor) \
+                else type(fresh).__name__
+            raise ValueError(f"{name}: load_state_dict: '_extra_state'['fresh'] must be a bool [{num_keys}] tensor "
+                             f"like 'keys' (the rows whose optimizer moments are reset at their next update), "
+                             f"got {got}")
+        return _CheckedExtraState(checked_table, checked_pending, totals[0], totals[1],
+                                  fresh.to(self.weight.device))
 
     def set_extra_state(self, state) -> None:
         """Loads what :meth:`get_extra_state` returned: the hash table, the pending
-        admissions and the totals. Everything is checked first; a state that raises leaves
-        the layer as it was.
+        admissions, the totals and the rows whose moments are to be reset (a layer without
+        eviction keeps none and ignores them). Everything is checked first; a state that
+        raises leaves the layer as it was.
 
         Raises:
             ValueError, TypeError, HashTableFullError: as ``HashTable.load_state_dict`` for
-                the table's or the pending admissions' state, or a bad total.
+                the table's or the pending admissions' state, or a bad total or ``fresh``.
         """
         self._load_extra_state(self._check_extra_state(state))
 
-    def _load_extra_state(self, checked: Optional[Tuple[object, Optional[object], int, int]]) -> None:
+    def _load_extra_state(self, checked: Optional[_CheckedExtraState]) -> None:
         if checked is None:
             return
-        checked_table, checked_pending, evicted, admitted = checked
-        if checked_pending is not None:
-            self._pending._load_checked(checked_pending)
-        self.hash_table._load_checked(checked_table)
-        self._evicted, self._admitted = evicted, admitted
+        if checked.pending is not None:
+            self._pending._load_checked(checked.pending)
+        self.hash_table._load_checked(checked.table)
+        self._evicted, self._admitted = checked.evicted, checked.admitted
         if self._fresh_rows is not None:
             self._fresh_rows.zero_()
+            self._fresh_rows[:checked.fresh.numel()] = checked.fresh
+
+    def _check_load(self, state_dict: Mapping[str, Any], prefix: str) -> List[str]:
+        """Every check of loading this shard's entries of ``state_dict`` (``prefix`` +
+        ``weight`` / ``_extra_state``), nothing written. Raises for a bad extra state, or for
+        one of the pair without the other in a hash layer (its rows are its keys' rows:
+        loading one alone would pair them wrongly, strict or not); returns nn.Module's own
+        messages for a weight it would not copy (wrong shape, no tensor, a meta tensor)."""
+        weight_key, extra_key = prefix + "weight", prefix + "_extra_state"
+        has_weight, has_extra = weight_key in state_dict, extra_key in state_dict
+        if self.hash_table is not None and has_weight != has_extra:
+            given, absent = (weight_key, extra_key) if has_weight else (extra_key, weight_key)
+            raise ValueError(f"{self._layer_name}: load_state_dict: the state holds {given!r} but not "
+                             f"{absent!r}; a hash layer's weight rows belong to its table's keys, so both load "
+                             "together or neither does")
+        if has_extra:
+            self._check_extra_state(state_dict[extra_key])
+        if not has_weight:
+            return []
+        weight = state_dict[weight_key]
+        if not torch.overrides.is_tensor_like(weight):
+            return [(f'While copying the parameter named "{weight_key}", expected torch.Tensor or Tensor-like '
+                     f"object from checkpoint but received {type(weight)}")]
+        if weight.shape != self.weight.shape:
+            return [(f"size mismatch for {weight_key}: copying a param with shape {weight.shape} from checkpoint, "
+                     f"the shape in current model is {self.weight.shape}.")]
+        if weight.is_meta and not self.weight.is_meta:
+            return [(f'While copying the parameter named "{weight_key}": the checkpoint holds a meta tensor, '
+                     "which has no data; load the state with real tensors (e.g. map_location='cpu')")]
+        return []
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # nn.Module copies the weight before it calls set_extra_state: the extra state is
-        # checked first, so a bad hash table state raises with the weight untouched too
-        # (set_extra_state checks it again: one more unique of the keys, on a rare call).
-        extra_state_key = prefix + "_extra_state"
-        if extra_state_key in state_dict:
-            self._check_extra_state(state_dict[extra_state_key])
+        # nn.Module copies the weight, then calls set_extra_state, and reports a weight it could
+        # not copy only once every module was visited: everything is checked first, so a call
+        # that fails leaves the layer as it was (set_extra_state checks the extra state again:
+        # one more unique of the keys, on a rare call).
+        if error_msgs:
+            return  # the call fails already (an earlier entry): nothing here changes either
+        problems = self._check_load(state_dict, prefix)
+        if problems:
+            error_msgs.extend(problems)
+            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        self._mark_weight()  # assign=True puts a new Parameter in
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, but a call that raises changes nothing: with
+        ``strict=True`` missing and unexpected keys raise before anything loads, and the
+        weight and the hash table are checked together before either changes. With
+        ``strict=False`` a layer whose entries are absent keeps its state; a hash layer's
+        weight without its table state (or the reverse) raises ValueError."""
+        _check_state_dict_keys(self, state_dict, strict)
+        return super().load_state_dict(state_dict, strict, assign)
 
     def _table_full(self, rank: int) -> str:
         """The lead of a full table's error: the layer, the rank and the capacity argument."""

@@ -1,0 +1,456 @@
+"""State that must travel and state that must stay: a reused row's pending Adam reset
+through checkpoints (resharded too) and state_dict round trips (DESIGN.md section 3a),
+deep copies of the layers and the collection that keep their weights' marks, and
+``load_state_dict`` calls that raise with nothing changed (layers and the collection,
+strict or not)."""
+
+import copy
+import glob
+import io
+
+import pytest
+import torch
+from _distributed import spawn
+from torch import nn
+
+import sparsekit as sk
+
+DIM = 2
+LR = 0.1
+BETA1 = 0.9
+
+
+def T(*values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def R(*keys):
+    return sk.Ragged(T(*keys), T(0, len(keys)))
+
+
+def _saved_and_loaded(state):
+    """``state`` through torch.save / torch.load(weights_only=True), as a file would take it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _assert_equal_nested(now, before, where="state"):
+    assert type(now) is type(before), where
+    if isinstance(before, torch.Tensor):
+        assert now.dtype == before.dtype and torch.equal(now, before), where
+    elif isinstance(before, dict):
+        assert set(now) == set(before), where
+        for key in before:
+            _assert_equal_nested(now[key], before[key], f"{where}[{key!r}]")
+    elif isinstance(before, (list, tuple)):
+        assert len(now) == len(before), where
+        for index, (a, b) in enumerate(zip(now, before)):
+            _assert_equal_nested(a, b, f"{where}[{index}]")
+    else:
+        assert now == before, where
+
+
+# ---- models: a layer of each kind, or a one-table collection ------------------------------------
+
+
+def _build(kind, capacity=2, eviction="lru", dim=DIM, dtype=torch.float32, **kwargs):
+    if kind == "distributed":
+        return sk.DistributedEmbedding("sum", capacity, dim, 1, 8, eviction=eviction, **kwargs)
+    if kind == "dense":
+        return sk.All2AllDenseEmbedding(capacity, dim, 1, 1, dynamic_input=True, eviction=eviction, **kwargs)
+    return sk.EmbeddingBagCollection([sk.TableConfig("t", dim, capacity, ["f"], eviction=eviction, dtype=dtype,
+                                                     **kwargs)])
+
+
+def _loss(model, keys):
+    """Every key's vector summed (one bag, or one row per key): each key's gradient is ones."""
+    if isinstance(model, sk.EmbeddingBagCollection):
+        return model(sk.KeyedJagged(["f"], T(*keys), lengths=T(len(keys))))["f"].float().sum()
+    if isinstance(model, sk.DistributedEmbedding):
+        return model(R(*keys)).sum()
+    return model(T(*keys)).sum()
+
+
+def _shard(model):
+    return model.shards[0] if isinstance(model, sk.EmbeddingBagCollection) else model
+
+
+def _train(model, optimizer, keys):
+    _loss(model, keys).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _by_key(model, optimizer, keys):
+    """The weight rows, moments and step of ``keys`` (present on this rank)."""
+    shard = _shard(model)
+    rows = shard.hash_table.find(T(*keys))
+    assert (rows >= 0).all()
+    state = optimizer.state[shard.weight]
+    return {"weight": shard.weight.detach()[rows].float(), "exp_avg": state["exp_avg"][rows],
+            "exp_avg_sq": state["exp_avg_sq"][rows], "step": state["step"]}
+
+
+def _evict_without_a_step(kind):
+    """A capacity-2 LRU model whose key 10 was evicted for key 12 by a training forward with
+    no optimizer step after it: row 0 holds 12 with 10's moments, to be reset at 12's first
+    update; row 1 holds 11, trained, whose moments must stay."""
+    model = _build(kind)
+    optimizer = sk.LazyAdam(model.parameters(), lr=LR)
+    for _ in range(3):
+        _train(model, optimizer, [10, 11])
+    _train(model, optimizer, [11])   # 10 is now the least recently used
+    with torch.no_grad():
+        _loss(model, [12])           # evicts 10: row 0 goes to 12
+    assert _shard(model).hash_table.export()[0].tolist() == [12, 11]
+    return model, optimizer
+
+
+def _first_update_reference(kind):
+    """Key 12's and 11's state after the step that follows the eviction, without any round trip."""
+    model, optimizer = _evict_without_a_step(kind)
+    _train(model, optimizer, [12, 11])
+    return _by_key(model, optimizer, [12, 11])
+
+
+def _assert_fresh_start(after, reference):
+    """Key 12's moments are those of a first Adam update with gradient ones (plain Adam:
+    m = (1 - beta1) * g, nothing of key 10 in them), and everything matches the run that
+    never left memory."""
+    torch.testing.assert_close(after["exp_avg"][0], torch.full((DIM,), 1 - BETA1))
+    _assert_equal_nested(after, reference)
+
+
+# ---- 1. a reused row's pending moment reset survives saving and loading -------------------------
+
+
+@pytest.mark.parametrize("kind", ["distributed", "dense", "collection"])
+@pytest.mark.parametrize("via", ["state_dict", "checkpoint"])
+def test_pending_moment_reset_survives_a_round_trip(kind, via, tmp_path):
+    reference = _first_update_reference(kind)
+    model, optimizer = _evict_without_a_step(kind)
+    loaded = _build(kind)
+    loaded_optimizer = sk.LazyAdam(loaded.parameters(), lr=LR)
+    if via == "state_dict":
+        loaded.load_state_dict(_saved_and_loaded(model.state_dict()))
+        loaded_optimizer.load_state_dict(_saved_and_loaded(optimizer.state_dict()))
+    else:
+        directory = str(tmp_path / "ckpt")
+        sk.save_checkpoint(directory, model, optimizer)
+        sk.load_checkpoint(directory, loaded, loaded_optimizer)
+    assert _shard(loaded)._fresh_rows[:2].tolist() == [True, False]
+    _train(loaded, loaded_optimizer, [12, 11])
+    _assert_fresh_start(_by_key(loaded, loaded_optimizer, [12, 11]), reference)
+
+
+def test_a_state_saved_without_pending_resets_loads_with_none_pending(tmp_path):
+    """States and checkpoints from before the flags were saved still load: no reset pending."""
+    model, optimizer = _evict_without_a_step("distributed")
+    state = model.state_dict()
+    del state["_extra_state"]["fresh"]
+    loaded = _build("distributed")
+    loaded._fresh_rows[0] = True
+    loaded.load_state_dict(state)
+    assert not loaded._fresh_rows.any()
+    assert loaded.hash_table.export()[0].tolist() == [12, 11]
+
+    directory = str(tmp_path / "ckpt")
+    sk.save_checkpoint(directory, model, optimizer)
+    for path in glob.glob(str(tmp_path / "ckpt" / "ckpt-*" / "shard-*.pt")):
+        shard = torch.load(path, weights_only=True)
+        del shard["layers"][""]["dynamic"]["fresh"]
+        torch.save(shard, path)
+    loaded = _build("distributed")
+    loaded._fresh_rows[0] = True
+    sk.load_checkpoint(directory, loaded, sk.LazyAdam(loaded.parameters(), lr=LR))
+    assert not loaded._fresh_rows.any()
+
+
+def test_a_bad_pending_reset_entry_is_refused_with_nothing_changed():
+    model, _ = _evict_without_a_step("distributed")
+    target = _build("distributed")
+    target(R(5))
+    before = copy.deepcopy(target.state_dict())
+    for bad in (torch.ones(2, dtype=torch.int64), torch.ones(3, dtype=torch.bool)):
+        state = model.state_dict()
+        state["_extra_state"]["fresh"] = bad
+        with pytest.raises(ValueError, match=r"'_extra_state'\['fresh'\] must be a bool \[2\] tensor"):
+            target.load_state_dict(state)
+        _assert_equal_nested(target.state_dict(), before)
+
+
+def test_a_layer_without_eviction_resets_the_moments_when_it_loads_the_checkpoint(tmp_path):
+    """It keeps no pending resets, so the saved moments of a reused row (the evicted key's)
+    are reset as the checkpoint loads."""
+    reference = _first_update_reference("distributed")
+    model, optimizer = _evict_without_a_step("distributed")
+    directory = str(tmp_path / "ckpt")
+    sk.save_checkpoint(directory, model, optimizer)
+    loaded = _build("distributed", eviction=None)
+    loaded_optimizer = sk.LazyAdam(loaded.parameters(), lr=LR)
+    sk.load_checkpoint(directory, loaded, loaded_optimizer)
+    assert not loaded_optimizer.state[loaded.weight]["exp_avg"][0].any()
+    assert loaded_optimizer.state[loaded.weight]["exp_avg"][1].all()
+    _train(loaded, loaded_optimizer, [12, 11])
+    _assert_fresh_start(_by_key(loaded, loaded_optimizer, [12, 11]), reference)
+
+
+def _resharded_worker(rank, world_size, init, directory, kind):
+    reference = _first_update_reference(kind)
+    init()
+    model = _build(kind)
+    optimizer = sk.LazyAdam(model.parameters(), lr=LR)
+    sk.load_checkpoint(directory, model, optimizer)
+    # Key 12 (saved at row 0, fresh) is rank 0's, key 11 (saved at row 1) rank 1's: each now at
+    # its rank's row 0, and only 12's reset is pending.
+    mine = [12, 11][rank]
+    assert _shard(model).hash_table.export()[0].tolist() == [mine]
+    assert _shard(model)._fresh_rows[0].item() == (mine == 12)
+    _train(model, optimizer, [mine])
+    after = _by_key(model, optimizer, [mine])
+    _assert_equal_nested(after, {name: (value[rank:rank + 1] if value.dim() else value)
+                                 for name, value in reference.items()})
+
+
+@pytest.mark.parametrize("kind", ["distributed", "collection"])
+def test_pending_moment_resets_travel_with_their_keys_when_resharded(kind, tmp_path):
+    model, optimizer = _evict_without_a_step(kind)
+    directory = str(tmp_path / "ckpt")
+    sk.save_checkpoint(directory, model, optimizer)
+    spawn(_resharded_worker, 2, str(tmp_path), directory, kind)
+
+
+# ---- 2. deep copies keep the weights' marks and are independent -------------------------------
+
+COPIED = [("distributed", None, torch.float32), ("distributed", "lru", torch.float32),
+          ("dense", None, torch.float32), ("dense", "lru", torch.float32),
+          ("collection", None, torch.float32), ("collection", "lfu", torch.float32),
+          ("collection", None, torch.bfloat16), ("collection", "lru", torch.bfloat16)]
+# With capacity 2 and eviction, [3] evicts 1 and 3 takes 1's row (and must not take its moments).
+COPY_STEPS = [[1, 2], [1, 2], [3], [3, 2]]
+
+
+def _snapshot(model):
+    shards = [_shard(model)] if not isinstance(model, sk.EmbeddingBagCollection) else list(model.shards)
+    return {"state": copy.deepcopy(model.state_dict()), "stats": [shard.stats() for shard in shards],
+            "fresh": [shard._fresh_rows.clone() if shard._fresh_rows is not None else None for shard in shards]}
+
+
+@pytest.mark.parametrize("kind, eviction, dtype", COPIED)
+def test_a_deep_copy_keeps_the_marks_and_trains_like_the_original(kind, eviction, dtype):
+    capacity = 2 if eviction else 4
+    original = _build(kind, capacity, eviction, dtype=dtype) if kind == "collection" else \
+        _build(kind, capacity, eviction)
+    _loss(original, [1, 2])   # the copy starts with keys in its table
+    clone = copy.deepcopy(original)
+
+    original_shard, clone_shard = _shard(original), _shard(clone)
+    assert sk.is_embedding_variable(clone_shard.weight)
+    assert sk.split_embedding_variable_from_others(clone.parameters()) == ((clone_shard.weight,), ())
+    assert clone_shard.hash_table is not original_shard.hash_table
+    assert clone_shard.weight.data_ptr() != original_shard.weight.data_ptr()
+    if eviction is not None:
+        assert clone_shard.weight.sparsekit_fresh_rows is clone_shard._fresh_rows
+        assert clone_shard._fresh_rows is not original_shard._fresh_rows
+    if kind == "collection":
+        assert clone.weights["t"] is clone_shard.weight and clone._by_name["t"] is clone_shard
+
+    # Training the copy leaves the original as it was.
+    before = _snapshot(original)
+    clone_optimizer = sk.LazyAdam(clone.parameters(), lr=LR)
+    for keys in COPY_STEPS:
+        _loss(clone, keys).backward()
+        assert clone_shard.weight.grad.is_coalesced()   # the gradient hook came along
+        clone_optimizer.step()
+        clone_optimizer.zero_grad()
+    _assert_equal_nested(_snapshot(original), before)
+
+    # The original trained alike ends alike, moments (float32 for a bfloat16 table) included.
+    optimizer = sk.LazyAdam(original.parameters(), lr=LR)
+    for keys in COPY_STEPS:
+        _train(original, optimizer, keys)
+    _assert_equal_nested(_snapshot(clone), _snapshot(original))
+    ours, theirs = clone_optimizer.state[clone_shard.weight], optimizer.state[original_shard.weight]
+    assert ours["exp_avg"].dtype == torch.float32
+    for name in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(ours[name], theirs[name]), name
+    if eviction is not None:  # 3's two updates on 1's row started from zero moments (gradient ones)
+        row = clone_shard.hash_table.find(T(3))
+        torch.testing.assert_close(ours["exp_avg"][row], torch.full((1, DIM), (1 - BETA1) * (1 + BETA1)))
+
+
+def test_a_whole_layer_through_torch_save_keeps_its_gradient_hook():
+    layer = _build("distributed", 4, None)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    _loss(loaded, [1, 2]).backward()
+    assert sk.is_embedding_variable(loaded.weight) and loaded.weight.grad.is_coalesced()
+
+
+def test_a_conversion_that_replaces_the_weight_keeps_the_marks():
+    layer = _build("distributed", 2, "lru")
+    weight = layer.weight
+    previous = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        layer.float()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(previous)
+    assert layer.weight is not weight
+    assert sk.is_embedding_variable(layer.weight) and layer.weight.sparsekit_fresh_rows is layer._fresh_rows
+    _loss(layer, [1, 2]).backward()
+    assert layer.weight.grad.is_coalesced()
+
+
+def _deepcopy_worker(rank, world_size, init):
+    init()
+    for kind in ("distributed", "collection"):
+        original = _build(kind, 4, "lru")
+        _loss(original, [1, 2, 3])
+        clone = copy.deepcopy(original)
+        assert clone.process_group is original.process_group
+        assert sk.is_embedding_variable(_shard(clone).weight)
+        for model in (clone, original):
+            optimizer = sk.LazyAdam(model.parameters(), lr=LR)
+            for keys in ([1, 4], [5, 2 + rank]):
+                _train(model, optimizer, keys)
+        _assert_equal_nested(_snapshot(clone), _snapshot(original))
+
+
+def test_a_deep_copy_under_a_process_group_shares_the_group(tmp_path):
+    spawn(_deepcopy_worker, 2, str(tmp_path))
+
+
+# ---- 3. a load_state_dict that raises changes nothing -----------------------------------------
+
+
+def _trained(kind, capacity, dim=DIM, keys=(7, 8), eviction=None):
+    model = _build(kind, capacity, eviction, dim=dim)
+    _loss(model, list(keys))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["distributed", "dense", "collection"])
+@pytest.mark.parametrize("capacity, dim", [(20, DIM), (10, DIM + 1)])
+def test_a_load_of_another_shape_changes_nothing(kind, capacity, dim):
+    source = _trained(kind, 10, keys=(1, 2, 3))
+    target = _trained(kind, capacity, dim)
+    before = _snapshot(target)
+    with pytest.raises(RuntimeError, match=r"size mismatch for (shards\.0\.)?weight"):
+        target.load_state_dict(source.state_dict())
+    _assert_equal_nested(_snapshot(target), before)
+    # Still the same model: key 1 reads as missing in eval, as before the call.
+    target.eval()
+    assert not _loss(target, [1]).item()
+
+
+def _collection(dims=(DIM, DIM), keys=(1, 2, 3)):
+    model = sk.EmbeddingBagCollection([sk.TableConfig("a", dims[0], 10, ["fa"]),
+                                       sk.TableConfig("b", dims[1], 10, ["fb"])])
+    model(sk.KeyedJagged(["fa", "fb"], T(*keys, *keys), lengths=T(len(keys), len(keys))))
+    return model
+
+
+def _duplicate_keys_of_b(state):
+    state["shards.1._extra_state"]["keys"][1] = state["shards.1._extra_state"]["keys"][0]
+
+
+def _wider_b(state):
+    state["shards.1.weight"] = torch.zeros(10, DIM + 1)
+
+
+@pytest.mark.parametrize("damage, error, message", [
+    (_wider_b, RuntimeError, r"size mismatch for shards\.1\.weight"),
+    (_duplicate_keys_of_b, ValueError, r"table 'b'.*the saved keys are not distinct"),
+])
+def test_a_collection_with_one_bad_table_loads_no_table(damage, error, message):
+    state = copy.deepcopy(_collection().state_dict())
+    damage(state)
+    target = _collection(keys=(7, 8))
+    before = _snapshot(target)
+    with pytest.raises(error, match=message):
+        target.load_state_dict(state)
+    _assert_equal_nested(_snapshot(target), before)
+
+
+def test_int64_keys_into_an_int32_layer_change_nothing():
+    source = _trained("distributed", 10, keys=(1, 2, 3))
+    target = sk.DistributedEmbedding("sum", 10, DIM, 1, 8, key_dtype=torch.int32)
+    target(sk.Ragged(torch.tensor([7, 8], dtype=torch.int32), T(0, 2)))
+    before = _snapshot(target)
+    with pytest.raises(TypeError, match="key_dtype"):
+        target.load_state_dict(source.state_dict())
+    _assert_equal_nested(_snapshot(target), before)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "collection"])
+def test_strict_key_errors_raise_before_anything_loads(kind):
+    source = _trained(kind, 10, keys=(1, 2, 3))
+    target = _trained(kind, 10)
+    before = _snapshot(target)
+    prefix = "shards.0." if kind == "collection" else ""
+    unexpected = {**source.state_dict(), "surplus": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "surplus"'):
+        target.load_state_dict(unexpected)
+    without_table = {key: value for key, value in source.state_dict().items() if key != prefix + "_extra_state"}
+    with pytest.raises(RuntimeError, match=rf'Missing key\(s\) in state_dict: "{prefix}_extra_state"'):
+        target.load_state_dict(without_table)
+    _assert_equal_nested(_snapshot(target), before)
+    target.load_state_dict(source.state_dict())
+    _assert_equal_nested(_snapshot(target)["state"], _snapshot(source)["state"])
+
+
+@pytest.mark.parametrize("kind", ["distributed", "collection"])
+@pytest.mark.parametrize("entry", ["weight", "_extra_state"])
+def test_strict_false_refuses_half_a_hash_layer(kind, entry):
+    """The weight's rows are the table's keys' rows: one without the other would pair them wrongly."""
+    source = _trained(kind, 10, keys=(1, 2, 3))
+    target = _trained(kind, 10)
+    before = _snapshot(target)
+    prefix = "shards.0." if kind == "collection" else ""
+    half = {key: value for key, value in source.state_dict().items() if key != prefix + entry}
+    with pytest.raises(ValueError, match="both load together or neither does"):
+        target.load_state_dict(half, strict=False)
+    _assert_equal_nested(_snapshot(target), before)
+
+
+def test_strict_false_loads_the_tables_present_and_keeps_the_others():
+    source, target = _collection(), _collection(keys=(7, 8))
+    untouched = _snapshot(target)["state"]
+    only_a = {key: value for key, value in source.state_dict().items() if key.startswith("shards.0.")}
+    result = target.load_state_dict(only_a, strict=False)
+    assert result.missing_keys == ["shards.1.weight", "shards.1._extra_state"] and not result.unexpected_keys
+    now = _snapshot(target)["state"]
+    for key in ("shards.0.weight", "shards.0._extra_state"):
+        _assert_equal_nested(now[key], source.state_dict()[key], key)
+    for key in ("shards.1.weight", "shards.1._extra_state"):
+        _assert_equal_nested(now[key], untouched[key], key)
+
+
+def test_a_layer_in_a_model_keeps_its_state_when_the_call_fails():
+    """Whichever entry fails, the layer's or one loaded before it, the layer writes nothing."""
+    def model(keys):
+        return nn.ModuleDict({"dense": nn.Linear(3, 2), "emb": _trained("distributed", 10, keys=keys)})
+
+    source, target = model((1, 2, 3)), model((7, 8))
+    before = copy.deepcopy(target["emb"].state_dict())
+    state = source.state_dict()
+    state["dense.weight"] = torch.zeros(4, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for dense\.weight"):
+        target.load_state_dict(state)
+    _assert_equal_nested(target["emb"].state_dict(), before)
+
+
+def test_assign_keeps_the_marks():
+    model, optimizer = _evict_without_a_step("distributed")
+    loaded = _build("distributed")
+    loaded.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    assert sk.is_embedding_variable(loaded.weight) and loaded.weight.sparsekit_fresh_rows is loaded._fresh_rows
+    loaded_optimizer = sk.LazyAdam(loaded.parameters(), lr=LR)
+    loaded_optimizer.load_state_dict(optimizer.state_dict())
+    _train(loaded, loaded_optimizer, [12, 11])
+    _assert_fresh_start(_by_key(loaded, loaded_optimizer, [12, 11]), _first_update_reference("distributed"))
