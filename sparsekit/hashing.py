@@ -8,6 +8,11 @@ without colliding on equal raw values.
 
 Value encodings:
   * ``str`` is hashed as its UTF-8 bytes, so ``"a1b2"`` and ``b"a1b2"`` give the same key.
+  * A bytes-like value (``bytes``, ``bytearray``, ``memoryview``, or any other object
+    exporting the buffer protocol, such as ``array.array`` or ``mmap``) is hashed as its
+    raw bytes in C order, so ``array.array("B", b"ab")`` and ``b"ab"`` give the same key.
+    numpy arrays and scalars, which export buffers too, are not bytes-like here: their
+    integers hash as integers and anything else is refused, as for any other value.
   * ``int`` (any integer type, including numpy integers) is hashed as its 8-byte
     little-endian two's complement, under a seed distinct from the text seed, so the
     integer 7 and an 8-byte string that happens to spell it never collide by design.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import operator
 import struct
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Iterable, Sequence, Union
 
@@ -34,7 +40,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ._checks import integer_argument, is_bool
+from ._checks import integer_argument, is_bool, type_name
 
 Value = Union[str, bytes, bytearray, memoryview, int]
 
@@ -57,13 +63,34 @@ def _seed(slot: int, seed: int, kind: int) -> int:
     return _digest(_SEED_LAYOUT.pack(seed % _TWO_64, slot, kind))
 
 
-def _slot_and_seed(slot, seed, where: str):
+def _slot_and_seed(slot, seed, where: str, slot_name: str = "slot"):
     """``(slot, seed % 2**64)`` checked: ints, the slot in the int64 range."""
     if type(slot) is not int or type(seed) is not int:  # plain ints skip the slow path
-        slot, seed = integer_argument(where, "slot", slot), integer_argument(where, "seed", seed)
+        slot, seed = integer_argument(where, slot_name, slot), integer_argument(where, "seed", seed)
     if not -_TWO_63 <= slot < _TWO_63:
-        raise ValueError(f"{where}: slot must be in the int64 range, got {slot}")
+        raise ValueError(f"{where}: {slot_name} must be in the int64 range, got {slot}")
     return slot, seed % _TWO_64
+
+
+def _shown(value) -> str:
+    """``value`` for an error message: its repr, cut short, and its type."""
+    text = repr(value)
+    return f"{text if len(text) <= 64 else text[:61] + '...'} ({type_name(value)})"
+
+
+def _length(where: str, name: str, value, wanted: str) -> int:
+    """``len(value)`` of a sequence argument; a TypeError naming ``where`` and ``name`` and
+    saying what is ``wanted`` for a mapping (whose iteration would yield its keys) or an
+    object with no length (an iterator: materialise it with ``list()`` first)."""
+    if not isinstance(value, Mapping):
+        try:
+            return len(value)
+        except TypeError:
+            pass
+    hint = ("; a mapping would be read as its keys: pass a list of its values if they are meant"
+            if isinstance(value, Mapping) else "; pass list(...) for an iterator or generator"
+            if hasattr(value, "__next__") else "")
+    raise TypeError(f"{where}: {name} must be {wanted}, got {_shown(value)}{hint}")
 
 
 def slot_seed(slot: int, seed: int = 0) -> int:
@@ -87,8 +114,11 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
     """Hash one raw categorical value of ``slot`` to an int64 key.
 
     Args:
-        value: a ``str`` (hashed as UTF-8), ``bytes``-like, or integer in the int64 range
-            (not a bool).
+        value: a ``str`` (hashed as UTF-8); a bytes-like object (``bytes``, ``bytearray``,
+            ``memoryview`` or any other buffer-protocol object, e.g. ``array.array``; not a
+            numpy array or scalar), hashed as its raw bytes in C order; or an integer in the
+            int64 range (any integer type: numpy integers, 0-d integer arrays and tensors; not
+            a bool).
         slot: the slot the value belongs to; equal values in different slots give
             different keys.
         seed: global seed shared by all slots.
@@ -104,7 +134,11 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
         ValueError: a ``str`` with no UTF-8 encoding (a lone surrogate), or a ``slot``
             outside the int64 range.
     """
-    slot, seed = _slot_and_seed(slot, seed, "sparsekit.hashing")
+    return _hash(value, *_slot_and_seed(slot, seed, "sparsekit.hashing"))
+
+
+def _hash(value: Value, slot: int, seed: int) -> int:
+    """:func:`hash_value` of a slot and seed already checked (``seed`` taken modulo 2**64)."""
     if isinstance(value, str):
         try:
             encoded = value.encode("utf-8")
@@ -115,17 +149,32 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
                 f"{value[error.start:error.end]!r} (a lone surrogate, at index {error.start}) has no UTF-8 "
                 "encoding; pass bytes, or repair the string first") from error
         return _to_int64(_digest(encoded, _seed(slot, seed, _TEXT)))
-    if isinstance(value, (bytes, bytearray, memoryview)):
+    if isinstance(value, (bytes, bytearray)):
         return _to_int64(_digest(value, _seed(slot, seed, _TEXT)))
+    if isinstance(value, memoryview):
+        return _to_int64(_digest(value if value.c_contiguous else value.tobytes(), _seed(slot, seed, _TEXT)))
     if is_bool(value):
         raise TypeError(f"sparsekit.hashing: cannot hash a bool ({value!r}): it would share the key of the "
                         "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant")
     try:
         integer = operator.index(value)
     except TypeError:
+        integer = None
+    if integer is None:
+        view = None
+        if not isinstance(value, (np.ndarray, np.generic)):  # their buffers hold elements, not bytes
+            try:
+                view = memoryview(value)  # any other buffer exporter is bytes-like
+            except TypeError:
+                pass
+        if view is not None:
+            with view:
+                return _to_int64(_digest(view if view.c_contiguous else view.tobytes(), _seed(slot, seed, _TEXT)))
+        hint = ("; hash an array element by element with hash_values, or its raw bytes with .tobytes()"
+                if isinstance(value, (np.ndarray, torch.Tensor)) else "")
         raise TypeError(
-            f"sparsekit.hashing: cannot hash a {type(value).__name__}; pass str, bytes or int "
-            "(convert floats to a string or an int first)") from None
+            f"sparsekit.hashing: cannot hash a {type(value).__name__}; pass str, bytes (or another "
+            f"bytes-like object) or int (convert floats to a string or an int first){hint}")
     try:
         packed = _INT_LAYOUT.pack(integer)
     except struct.error:
@@ -140,7 +189,9 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
     """Hash a list of raw values of one slot.
 
     Args:
-        values: an iterable of str / bytes / int; an integer numpy array or tensor (hashed
+        values: an iterable (list, tuple, generator ...) of str / bytes-like / int values,
+            each hashed as :func:`hash_value` hashes it (an ``array.array`` is an iterable of
+            its elements, as a numpy array is); an integer numpy array or tensor (hashed
             element by element as integers); or a numpy array of strings (dtype kind
             ``"U"``, ``"S"`` or numpy 2's ``StringDType``) or of objects, hashed element by
             element as :func:`hash_value` hashes them (a ``"S"`` array holds its bytes
@@ -154,12 +205,16 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
         ``out[i] == hash_value(values[i], slot, seed=seed)``.
 
     Raises:
-        TypeError: ``values`` is one str or bytes (it would be hashed character by
-            character: use :func:`hash_value`), a float, complex or bool array or tensor
-            (convert bools with ``.astype(np.int64)`` / ``.long()``), or holds a value
-            :func:`hash_value` refuses.
-        ValueError: a value :func:`hash_value` refuses with ``ValueError``.
+        TypeError: ``values`` is not iterable (``None``, one int ...), is one str, bytes,
+            bytearray or memoryview (it would be hashed character by character: use
+            :func:`hash_value`), is a float, complex or bool array or tensor (convert bools
+            with ``.astype(np.int64)`` / ``.long()``), or holds a value :func:`hash_value`
+            refuses; or ``slot`` or ``seed`` is not an int (checked even for no values).
+        ValueError: a value :func:`hash_value` refuses with ``ValueError``, or a ``slot``
+            outside the int64 range.
     """
+    where = "sparsekit.hashing.hash_values"
+    slot, seed = _slot_and_seed(slot, seed, where)
     if isinstance(values, (str, bytes, bytearray, memoryview)):
         raise TypeError(f"sparsekit.hashing.hash_values: values must be a sequence of values, got one "
                         f"{type(values).__name__}; hash a single value with hash_value")
@@ -175,7 +230,14 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
             raise TypeError(f"sparsekit.hashing.hash_values: array of dtype {values.dtype}; pass integers, "
                             f"strings or bytes{hint}")
         values = values.reshape(-1).tolist()
-    keys = [hash_value(value, slot, seed=seed) for value in values]
+    else:
+        try:
+            values = iter(values)
+        except TypeError:
+            raise TypeError(f"{where}: values must be an iterable of str, bytes or int values (a list, tuple, "
+                            f"generator ...), a numpy array or a tensor, got {_shown(values)}; hash a single "
+                            "value with hash_value") from None
+    keys = [_hash(value, slot, seed) for value in values]
     return torch.tensor(keys, dtype=torch.int64).reshape(len(keys))
 
 
@@ -183,35 +245,47 @@ def hash_rows(rows: Sequence[Sequence[Value]], *, seed: int = 0, first_slot: int
     """Hash a table of raw values whose column ``j`` is slot ``first_slot + j``.
 
     Args:
-        rows: ``B`` rows of ``S`` values each (str / bytes / int).
+        rows: a sequence (list, tuple, 2-d numpy array or tensor ...: anything with a
+            length, not a mapping) of ``B`` rows, each a sequence of ``S`` values (str /
+            bytes-like / int, hashed as :func:`hash_value` hashes them).
         seed: global seed.
-        first_slot: slot index of the first column.
+        first_slot: slot index of the first column; an int (not a bool), with
+            ``first_slot + S - 1`` in the int64 range.
 
     Returns:
         int64 tensor ``[B, S]``.
 
     Raises:
-        TypeError: a row that is one str or bytes (it would be read as a row of characters:
-            wrap it, ``[value]``, for a one-slot row), or a value :func:`hash_value` refuses.
-        ValueError: if the rows do not all have the same length.
+        TypeError: ``rows`` or a row is not a sequence (``None``, an int, an iterator or
+            generator: pass ``list(rows)``, a mapping: it would be read as its keys); a row
+            that is one str or bytes (it would be read as a row of characters: wrap it,
+            ``[value]``, for a one-slot row); a value :func:`hash_value` refuses; or a
+            ``first_slot`` or ``seed`` that is not an int (checked even for no rows).
+        ValueError: if the rows do not all have the same length, or a column's slot
+            ``first_slot + j`` is outside the int64 range.
     """
+    where = "sparsekit.hashing.hash_rows"
+    first_slot, seed = _slot_and_seed(first_slot, seed, where, "first_slot")
     if isinstance(rows, (str, bytes, bytearray, memoryview)):
-        raise TypeError(f"sparsekit.hashing.hash_rows: rows must be a sequence of rows, got one "
-                        f"{type(rows).__name__}")
-    if len(rows) == 0:
+        raise TypeError(f"{where}: rows must be a sequence of rows, got one {type(rows).__name__}")
+    count = _length(where, "rows", rows, "a sequence of rows (a list, tuple, 2-d array or tensor)")
+    if count == 0:
         return torch.empty(0, 0, dtype=torch.int64)
     width = None
     keys = []
     for index, row in enumerate(rows):
         if isinstance(row, (str, bytes, bytearray, memoryview)):
-            raise TypeError(f"sparsekit.hashing.hash_rows: row {index} is one {type(row).__name__} ({row!r}), "
+            raise TypeError(f"{where}: row {index} is one {type(row).__name__} ({row!r}), "
                             "not a row of values (it would be read as a row of characters); pass "
                             f"[{row!r}] for a row of one slot")
+        length = _length(where, f"row {index}", row, "a sequence of values (a list, tuple, 1-d array or tensor)")
         if width is None:
-            width = len(row)
-        if len(row) != width:
-            raise ValueError(f"sparsekit.hashing.hash_rows: row {index} has {len(row)} values, "
+            width = length
+            if first_slot + width > _TWO_63:
+                raise ValueError(f"{where}: first_slot + {width - 1} (the slot of the last of the {width} "
+                                 f"columns) must be in the int64 range, got first_slot={first_slot}")
+        if length != width:
+            raise ValueError(f"{where}: row {index} has {length} values, "
                              f"row 0 has {width}; every row needs one value per slot")
-        keys.append([hash_value(value, first_slot + column, seed=seed)
-                     for column, value in enumerate(row)])
-    return torch.tensor(keys, dtype=torch.int64).reshape(len(rows), width)
+        keys.append([_hash(value, first_slot + column, seed) for column, value in enumerate(row)])
+    return torch.tensor(keys, dtype=torch.int64).reshape(len(keys), width)

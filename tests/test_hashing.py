@@ -1,5 +1,7 @@
 """sparsekit.hashing: per-slot salted XXH3-64 feature hashing."""
 
+import array
+import mmap
 import os
 import subprocess
 import sys
@@ -228,3 +230,118 @@ def test_hash_values_takes_numpy_string_and_object_arrays():
     assert hashing.hash_values(grid).tolist() == hashing.hash_values(["a", "b", "c", "d"]).tolist()
     with pytest.raises(TypeError, match="NoneType"):
         hashing.hash_values(np.array(["a", None], dtype=object))
+
+
+@pytest.mark.parametrize("first_slot", [True, False, np.True_, np.bool_(False), torch.tensor(True)])
+def test_hash_rows_refuses_a_bool_first_slot(first_slot):
+    """A bool first_slot was hashed as slot 1 (or 0); bools are refused as slots, naming first_slot."""
+    for rows in ([["a"]], []):  # checked even when there is nothing to hash
+        with pytest.raises(TypeError, match=r"hash_rows: first_slot must be an int, got .*convert a bool with int"):
+            hashing.hash_rows(rows, first_slot=first_slot)
+
+
+def test_hash_rows_names_first_slot_in_its_errors():
+    for bad in (1.0, None, "1"):
+        with pytest.raises(TypeError, match=r"hash_rows: first_slot must be an int, got "):
+            hashing.hash_rows([["a"]], first_slot=bad)
+    with pytest.raises(TypeError, match=r"hash_rows: seed must be an int, got True"):
+        hashing.hash_rows([], seed=True)
+    with pytest.raises(ValueError, match=r"hash_rows: first_slot must be in the int64 range"):
+        hashing.hash_rows([["a"]], first_slot=INT64_MAX + 1)
+    with pytest.raises(ValueError, match=r"hash_rows: first_slot \+ 1 .* must be in the int64 range"):
+        hashing.hash_rows([["a", "b"]], first_slot=INT64_MAX)
+    assert hashing.hash_rows([["a"]], first_slot=INT64_MAX).tolist() == [[hashing.hash_value("a", INT64_MAX)]]
+    assert hashing.hash_rows([["a", 1]], first_slot=np.int32(2), seed=np.uint64(3)).tolist() == \
+        hashing.hash_rows([["a", 1]], first_slot=2, seed=3).tolist()
+
+
+def test_hash_values_checks_slot_and_seed_with_no_values():
+    with pytest.raises(TypeError, match=r"hash_values: slot must be an int, got 1.5"):
+        hashing.hash_values([], slot=1.5)
+    with pytest.raises(TypeError, match=r"hash_values: seed must be an int, got False"):
+        hashing.hash_values(np.array([], dtype=np.int64), seed=False)
+
+
+@pytest.mark.parametrize("values", [None, 5, 1.5, np.float64(1.0), object()])
+def test_hash_values_refuses_a_non_iterable_naming_it(values):
+    with pytest.raises(TypeError, match=r"sparsekit.hashing.hash_values: values must be an iterable of str, bytes "
+                                        r"or int values .*, got .*hash a single value with hash_value"):
+        hashing.hash_values(values)
+
+
+def test_hash_values_takes_any_iterable():
+    expected = [hashing.hash_value(v, 2) for v in ["a", 1, b"c"]]
+    assert hashing.hash_values((v for v in ["a", 1, b"c"]), 2).tolist() == expected
+    assert hashing.hash_values(iter(("a", 1, b"c")), 2).tolist() == expected
+    assert hashing.hash_values(("a", 1, b"c"), 2).tolist() == expected
+    assert hashing.hash_values(range(3)).tolist() == [hashing.hash_value(v) for v in range(3)]
+    assert hashing.hash_values({"a": 0}).tolist() == [hashing.hash_value("a")]
+    # An array.array is a container of its elements, as a numpy array is.
+    assert hashing.hash_values(array.array("q", [1, -2])).tolist() == [hashing.hash_value(1), hashing.hash_value(-2)]
+
+
+@pytest.mark.parametrize("rows", [None, 5, (row for row in [["a"]]), iter([["a"]]), {0: ["a"]}, torch.tensor(1),
+                                  np.array(1)])
+def test_hash_rows_refuses_rows_that_are_not_a_sequence(rows):
+    with pytest.raises(TypeError, match=r"sparsekit.hashing.hash_rows: rows must be a sequence of rows \(a list, "
+                                        r"tuple, 2-d array or tensor\), got "):
+        hashing.hash_rows(rows)
+
+
+def test_hash_rows_hints_for_iterators_and_mappings():
+    with pytest.raises(TypeError, match=r"\(generator\); pass list\(...\)"):
+        hashing.hash_rows(row for row in [["a"]])
+    with pytest.raises(TypeError, match=r"\(dict\); a mapping would be read as its keys"):
+        hashing.hash_rows({0: ["a"]})
+
+
+@pytest.mark.parametrize("row", [None, 5, {"feature": "a"}, (value for value in "a")])
+def test_hash_rows_refuses_a_row_that_is_not_a_sequence(row):
+    with pytest.raises(TypeError, match=r"sparsekit.hashing.hash_rows: row 1 must be a sequence of values .*, got "):
+        hashing.hash_rows([["a"], row])
+
+
+def test_hash_rows_takes_sequences_arrays_and_tensors():
+    expected = [[hashing.hash_value("a", 0), hashing.hash_value(1, 1)], [hashing.hash_value(b"b", 0),
+                                                                           hashing.hash_value(2, 1)]]
+    assert hashing.hash_rows((("a", 1), (b"b", 2))).tolist() == expected
+    assert hashing.hash_rows([np.array(["a", "b"]), ("c", "d")]).tolist() == \
+        hashing.hash_rows([["a", "b"], ["c", "d"]]).tolist()
+    assert hashing.hash_rows(torch.tensor([[1, 2]])).tolist() == [[hashing.hash_value(1, 0), hashing.hash_value(2, 1)]]
+    assert hashing.hash_rows(np.array([[3, 4]])).tolist() == [[hashing.hash_value(3, 0), hashing.hash_value(4, 1)]]
+    assert hashing.hash_rows([[], []]).shape == (2, 0)
+
+
+def _xxh3(data, slot=0, seed=0):
+    digest = xxhash.xxh3_64_intdigest(bytes(data), hashing.slot_seed(slot, seed))
+    return digest - (1 << 64) if digest >= 1 << 63 else digest
+
+
+def test_any_buffer_protocol_object_is_hashed_as_its_bytes():
+    """hash_value documents bytes-like values: every buffer exporter is hashed as its raw bytes."""
+    assert hashing.hash_value(array.array("B", b"ab"), 3) == hashing.hash_value(b"ab", 3) == _xxh3(b"ab", 3)
+    ints = array.array("i", [1, -2, 3])
+    assert hashing.hash_value(ints, 1, seed=5) == _xxh3(ints.tobytes(), 1, 5)
+    with mmap.mmap(-1, 4) as mapped:
+        mapped.write(b"wxyz")
+        assert hashing.hash_value(mapped) == hashing.hash_value(b"wxyz")
+    # Multi-dimensional and non-contiguous buffers: their bytes in C order.
+    grid = memoryview(bytes(range(12))).cast("B", (3, 4))
+    assert hashing.hash_value(grid) == hashing.hash_value(bytes(range(12)))
+    assert hashing.hash_value(grid[::2]) == _xxh3(grid[::2].tobytes())
+    assert hashing.hash_value(memoryview(b"abcdef")[::2]) == hashing.hash_value(b"ace")
+    # In hash_values and hash_rows as values too.
+    assert hashing.hash_values([array.array("B", b"ab")], 2).tolist() == [_xxh3(b"ab", 2)]
+    assert hashing.hash_rows([[1, array.array("B", b"ab")]]).tolist() == [[hashing.hash_value(1), _xxh3(b"ab", 1)]]
+
+
+def test_numpy_buffers_are_not_bytes_like():
+    """numpy arrays and scalars export buffers, but of elements: integers still hash as integers
+    and the rest is still refused (a float64 is not hashed as its 8 bytes)."""
+    assert hashing.hash_value(np.int32(7)) == hashing.hash_value(np.array(7)) == hashing.hash_value(7)
+    for value in (np.float64(1.0), np.float32(1.0), np.array(1.5)):
+        with pytest.raises(TypeError, match="cannot hash a (float64|float32|ndarray)"):
+            hashing.hash_value(value)
+    for value in (np.array([1, 2]), torch.tensor([1, 2])):
+        with pytest.raises(TypeError, match=r"cannot hash a (ndarray|Tensor); .*hash_values"):
+            hashing.hash_value(value)
