@@ -261,6 +261,41 @@ def test_criteo_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     assert len(source.train_batch(0, 4, rank=0, world_size=2)) == 2
 
 
+HUGE = "1" + "0" * 400  # beyond float64 (1.8e308), within the digits int() reads
+
+
+@pytest.mark.parametrize("count,message", [
+    (HUGE, r"integer feature I3 is too large: b'1000+'\.\.\. \(401 digits\); counts must lie within the "
+           r"float64 range, \|x\| < 1\.8e308$"),
+    ("-" + HUGE, r"integer feature I3 is too large a negative number: .* \(401 digits\)"),
+    ("2" + "0" * 308, r"integer feature I3 is too large: .* \(309 digits\)"),  # 2e308
+    # More digits than int() reads (sys.get_int_max_str_digits(), 4300): still an integer.
+    ("1" + "0" * 4999, r"integer feature I3 is too large: .* \(5000 digits\)"),
+])
+def test_criteo_count_beyond_float64_names_line_and_column(tmp_path, count, message):
+    path = tmp_path / "huge.tsv"
+    good = _line("0", DENSE_A, CATS_A)
+    _write(path, [good] * 100 + [_line("1", DENSE_A[:2] + [count] + DENSE_A[3:], CATS_A), good])
+    source = CriteoTSV(str(path), eval_samples=0)
+    with pytest.raises(CriteoFormatError, match=rf"huge\.tsv:101: {message}"):
+        source.train_batch(0, 102)
+
+
+@pytest.mark.parametrize("count,expected", [
+    ("1" + "0" * 308, math.log1p(1e308)),  # the largest powers of ten float64 holds
+    ("17" + "0" * 307, math.log1p(1.7e308)),
+    ("0" * 5000 + "7", math.log1p(7)),  # too many digits for int(), but only leading zeros
+    ("-" + "0" * 5000 + "7", 0.0),
+    ("-" + "1" + "0" * 307, 0.0),
+    (str(2**64), math.log1p(2.0**64)),
+])
+def test_criteo_counts_within_float64_are_read(tmp_path, count, expected):
+    path = tmp_path / "large.tsv"
+    _write(path, [_line("1", [count] + DENSE_A[1:], CATS_A)])
+    batch = CriteoTSV(str(path), eval_samples=0).train_batch(0, 1)
+    assert batch.dense[0, 0].item() == pytest.approx(expected, rel=1e-6)
+
+
 def test_criteo_holdout_wraparound_and_rank_slices(tmp_path):
     path = str(tmp_path / "synthetic.tsv")
     write_synthetic_tsv(path, 50, seed=1)
@@ -395,6 +430,33 @@ def test_keep_checkpoints_prunes_the_oldest(tmp_path):
     kept = sorted(name for name in os.listdir(tmp_path) if name.startswith("step_"))
     assert kept == ["step_000000004", "step_000000005", "step_000000006"]
     assert (tmp_path / "latest").read_text().strip() == "step_000000006"
+
+
+def _step_dirs(directory):
+    return sorted(name for name in os.listdir(directory) if name.startswith("step_"))
+
+
+def test_keep_checkpoints_keeps_the_newest_written_not_the_highest_steps(tmp_path):
+    """A fresh run into a directory a longer run used: its own checkpoints are the newest."""
+    train(tiny(steps=20, eval_every=0, checkpoint_every=5, keep_checkpoints=1, checkpoint_dir=str(tmp_path)))
+    assert _step_dirs(tmp_path) == ["step_000000020"]
+    train(tiny(steps=10, eval_every=0, checkpoint_every=5, keep_checkpoints=1, checkpoint_dir=str(tmp_path)))
+    assert _step_dirs(tmp_path) == ["step_000000010"]
+    assert (tmp_path / "latest").read_text().strip() == "step_000000010"
+
+
+def test_keep_checkpoints_orders_earlier_runs_by_modification_time(tmp_path):
+    """Step directories this run did not write are older than its own, and among
+    themselves ordered by when they were written, not by step."""
+    for name, modified in (("step_000000100", 1_000_000_000), ("step_000000050", 1_100_000_000),
+                           ("step_000000070", 1_050_000_000)):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (modified, modified))
+    (tmp_path / "step_000000001.txt").write_text("not a step directory: left alone")
+    train(tiny(steps=2, eval_every=0, checkpoint_every=1, keep_checkpoints=3, checkpoint_dir=str(tmp_path)))
+    assert _step_dirs(tmp_path) == ["step_000000001", "step_000000001.txt", "step_000000002",
+                                    "step_000000050"]
+    assert (tmp_path / "latest").read_text().strip() == "step_000000002"
 
 
 def test_resume_refuses_other_settings(tmp_path):
@@ -538,6 +600,48 @@ def test_full_table_is_one_line_naming_the_flags(capsys, monkeypatch):
     assert "raise --capacity-per-rank (now 1) or pass --eviction lru|lfu" in line
 
 
+# What torch's CPU allocator raises (a plain RuntimeError), e.g. for --batch-size 65536
+# --embedding-dim 200000 --table-rows 10: raised here without allocating anything.
+CPU_ALLOCATOR_FAILURE = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                         "memory: you tried to allocate 54525952000000 bytes. Error code 12 (Cannot allocate "
+                         "memory)")
+
+
+@pytest.mark.parametrize("embedding", EMBEDDINGS)
+@pytest.mark.parametrize("error, detail", [
+    (RuntimeError(CPU_ALLOCATOR_FAILURE), CPU_ALLOCATOR_FAILURE[CPU_ALLOCATOR_FAILURE.index("DefaultCPU"):]),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 50.00 GiB"),
+     "CUDA out of memory. Tried to allocate 50.00 GiB"),
+    (MemoryError("Unable to allocate 50.0 GiB for an array"), "Unable to allocate 50.0 GiB for an array"),
+])
+def test_out_of_memory_in_the_forward_is_one_line(capsys, monkeypatch, embedding, error, detail):
+    from sparsekit.train import model
+
+    def exhausted(self, dense, keys):
+        raise error
+
+    monkeypatch.setattr(model.DLRM, "forward", exhausted)
+    line = _main_error(capsys, monkeypatch, ["--embedding", embedding], 1)
+    assert line == (f"sparsekit.train: error: out of memory: {detail}; lower --batch-size, "
+                    "--table-rows/--capacity-per-rank or --embedding-dim")
+
+
+@pytest.mark.parametrize("message", [
+    "mat1 and mat2 shapes cannot be multiplied (64x8 and 9x8)",
+    "can't allocate memory",  # not the CPU allocator's message: a bug's own
+])
+def test_other_runtime_errors_in_the_forward_keep_their_traceback(capsys, monkeypatch, message):
+    from sparsekit.train import __main__, model
+
+    def buggy(self, dense, keys):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(model.DLRM, "forward", buggy)
+    monkeypatch.setattr(__main__, "keep_freed_memory", lambda: False)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        __main__.main(TINY_FLAGS)
+
+
 @pytest.fixture
 def criteo_files(tmp_path):
     """good.tsv (300 lines), empty.tsv, and broken.tsv: line 5 of 300 has two fields."""
@@ -565,6 +669,16 @@ def test_data_file_errors_are_one_line_naming_the_file(capsys, monkeypatch, crit
         argv += ["--eval-data", str(criteo_files / f"{eval_data}.tsv")]
     line = _main_error(capsys, monkeypatch, argv, 1)
     assert message in line and str(criteo_files) in line
+
+
+def test_count_beyond_float64_is_one_line_naming_file_line_and_column(capsys, monkeypatch, criteo_files):
+    path = criteo_files / "huge.tsv"
+    lines = (criteo_files / "good.tsv").read_text().splitlines(keepends=True)
+    fields = lines[100].split("\t")
+    fields[1] = HUGE
+    path.write_text("".join(lines[:100]) + "\t".join(fields) + "".join(lines[101:]))
+    line = _main_error(capsys, monkeypatch, ["--data", str(path), "--eval-samples", "10"], 1)
+    assert line.startswith(f"sparsekit.train: error: {path}:101: integer feature I1 is too large: ")
 
 
 def test_malformed_criteo_file_in_a_process_exits_1_without_a_traceback(criteo_files):

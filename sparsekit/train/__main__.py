@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import List, NoReturn, Optional
 
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--embedding-dtype", choices=("fp32", "bf16", "fp16"), default=defaults.embedding_dtype,
                         help="dtype of the per-slot tables (pooling and the exchange stay float32)")
     parser.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
-                        help="checkpoints kept in --checkpoint-dir (the newest)")
+                        help="checkpoints kept in --checkpoint-dir (the most recently written)")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar (log lines only)")
     parser.add_argument("--timeout", type=float, default=defaults.timeout,
@@ -132,6 +133,25 @@ def parse_args(argv: Optional[List[str]] = None,
     except ValueError as error:
         parser.error(str(error))
     return config
+
+
+# torch's CPU allocator (c10/core/impl/alloc_cpu.cpp) fails with a plain RuntimeError, not
+# torch.OutOfMemoryError: "[enforce fail at alloc_cpu.cpp:N] err == 0. DefaultCPUAllocator:
+# can't allocate memory: you tried to allocate N bytes. Error code 12 (...)" (POSIX), "not
+# enough memory" on Windows. Only this message counts; any other RuntimeError stays a bug.
+_CPU_ALLOCATOR_FAILURE = re.compile(
+    r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate \d+ bytes[^\n]*")
+
+
+def _out_of_memory(error: BaseException) -> Optional[str]:
+    """What to print for an allocation failure, or None when ``error`` is not one."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):  # MemoryError: sparsekit's and numpy's too
+        return str(error)
+    if isinstance(error, RuntimeError):
+        match = _CPU_ALLOCATOR_FAILURE.search(str(error))
+        if match:
+            return match.group(0)
+    return None
 
 
 def _fail(message: str) -> NoReturn:
@@ -165,8 +185,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except HashTableFullError as error:
         capacity = config.capacity_per_rank if config.capacity_per_rank is not None else config.table_rows
         _fail(f"{error}; here: raise --capacity-per-rank (now {capacity}) or pass --eviction lru|lfu")
-    except (MemoryError, torch.OutOfMemoryError) as error:  # MemoryError: sparsekit's and numpy's too
-        _fail(f"out of memory: {error}; lower --batch-size, --table-rows/--capacity-per-rank or "
+    except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        detail = _out_of_memory(error)
+        if detail is None:
+            raise
+        _fail(f"out of memory: {detail}; lower --batch-size, --table-rows/--capacity-per-rank or "
               "--embedding-dim")
     except OSError as error:
         if error.filename is None:  # not about a path the user gave

@@ -5,14 +5,17 @@ features and 26 categorical values (hex strings in Criteo's release, but any str
 is accepted). Any feature may be empty:
 
 * a missing integer feature reads as 0; every integer feature ``x`` then becomes
-  ``log(1 + max(x, 0))``, as in DLRM's preprocessing;
+  ``log(1 + max(x, 0))``, as in DLRM's preprocessing. Counts are read as float64, so
+  any integer that rounds to a finite float64 is accepted (``|x| < 1.8e308``, far
+  beyond int64); a larger one, negative too, is an error naming the column (as float64
+  it would be infinite);
 * a missing categorical value gets its slot's "missing" key, the hash of the empty
   string in that slot (one distinct key per slot).
 
 Categorical strings become int64 keys through :mod:`sparsekit.hashing` (XXH3-64,
 salted per slot). A line that does not follow the format (wrong number of fields, a
-label other than 0/1, a non-integer count) raises :class:`CriteoFormatError` naming the
-file and the 1-based line number.
+label other than 0/1, a non-integer count, a count outside the float64 range) raises
+:class:`CriteoFormatError` naming the file, the 1-based line number and the field.
 
 :class:`CriteoTSV` serves a file as a data source of the harness: the last
 ``eval_samples`` lines (or a separate file) are held out, and global training batch
@@ -24,6 +27,7 @@ own slice of the lines.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -139,27 +143,68 @@ class CriteoParser:
             try:
                 dense.extend([int(field) if field else 0 for field in fields[1:1 + NUM_DENSE]])
             except ValueError:
-                bad = next(i for i, field in enumerate(fields[1:1 + NUM_DENSE])
-                           if field and not _is_int(field))
-                raise self.error(line_number, f"integer feature I{bad + 1} is not an integer: "
-                                 f"{fields[1 + bad][:20]!r}") from None
+                dense.extend([self._count(line_number, column, field)
+                              for column, field in enumerate(fields[1:1 + NUM_DENSE])])
             keys.extend([digest(field, seed) if field else absent
                          for field, seed, absent in zip(fields[1 + NUM_DENSE:], slot_seeds, missing)])
         count = len(labels)
         # float64 first: counts may exceed the int64 range, and float32 loses nothing that
         # the log transform keeps.
-        raw_dense = np.array(dense, dtype=np.float64).reshape(count, NUM_DENSE)
+        try:
+            raw_dense = np.array(dense, dtype=np.float64).reshape(count, NUM_DENSE)
+        except OverflowError:  # an int beyond float64: find it only now, off the fast path
+            raise self._overflow(lines, line_numbers, dense) from None
         key_array = np.array(keys, dtype=np.uint64).reshape(count, NUM_SLOTS).view(np.int64)
         return Batch(torch.from_numpy(dense_transform(raw_dense)), torch.from_numpy(key_array),
                      torch.tensor(labels, dtype=torch.float32).reshape(count))
 
+    def _count(self, line_number: int, column: int, field: bytes) -> int:
+        """Integer feature ``column`` (0-based) of a line that the fast path could not
+        read; raises the CriteoFormatError that says why."""
+        if not field:
+            return 0
+        try:
+            return int(field)
+        except ValueError:
+            pass
+        if not _DIGITS.fullmatch(field):
+            raise self.error(line_number, f"integer feature I{column + 1} is not an integer: {field[:20]!r}")
+        # All digits, but more than int() reads (sys.get_int_max_str_digits()): leading
+        # zeros aside, that is far beyond float64, whose largest value has 309 digits.
+        significant = field.lstrip(b"+-").lstrip(b"0")
+        if len(significant) > _FLOAT64_DIGITS:
+            raise self.error(line_number, _too_large(column, field))
+        value = int(significant or b"0")
+        return -value if field.startswith(b"-") else value
 
-def _is_int(field: bytes) -> bool:
-    try:
-        int(field)
-    except ValueError:
-        return False
-    return True
+    def _overflow(self, lines: Sequence[bytes], line_numbers: Sequence[int],
+                  dense: List[int]) -> CriteoFormatError:
+        """The error for the first count of ``dense`` (flat, NUM_DENSE per line) that
+        float64 cannot hold."""
+        for position, value in enumerate(dense):
+            try:
+                float(value)
+            except OverflowError:
+                row, column = divmod(position, NUM_DENSE)
+                field = lines[row].rstrip(b"\r\n").split(b"\t")[1 + column]
+                return self.error(line_numbers[row], _too_large(column, field))
+        raise AssertionError("float64 conversion overflowed, but no count overflows")
+
+
+# An integer as int() reads it, without the underscores and spaces it also takes.
+_DIGITS = re.compile(rb"[+-]?[0-9]+")
+# Digits of the largest finite float64, 1.797...e308.
+_FLOAT64_DIGITS = 309
+
+
+def _too_large(column: int, field: bytes) -> str:
+    """The message for integer feature ``column`` (0-based) holding ``field``, an integer
+    beyond the float64 range."""
+    digits = len(field.lstrip(b"+-").lstrip(b"0"))
+    shown = f"{field[:20]!r}..." if len(field) > 20 else repr(field)
+    what = "too large a negative number" if field.startswith(b"-") else "too large"
+    return (f"integer feature I{column + 1} is {what}: {shown} ({digits} digits); counts must lie "
+            "within the float64 range, |x| < 1.8e308")
 
 
 class CriteoTSV:

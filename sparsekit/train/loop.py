@@ -413,11 +413,18 @@ def _barrier(context: Context) -> None:
         dist.barrier()
 
 
-def save(config: TrainConfig, context: Context, step: int, model: nn.Module, optimizer) -> str:
+def save(config: TrainConfig, context: Context, step: int, model: nn.Module, optimizer,
+         written: Optional[List[str]] = None) -> str:
     """Checkpoint the model, optimizer, step and RNG states; collective.
 
     The ``latest`` pointer moves only once every rank has finished writing, so an
-    interrupted save leaves the previous checkpoint the one resumed from.
+    interrupted save leaves the previous checkpoint the one resumed from. Then the
+    ``config.keep_checkpoints`` most recently written step directories are kept (see
+    :func:`_prune`).
+
+    Args:
+        written: names of the step directories this run wrote, oldest first; the one
+            written now is moved to its end. Pass the same list to every save of a run.
     """
     directory = _step_dir(config, step)
     os.makedirs(directory, exist_ok=True)
@@ -440,13 +447,43 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
     _barrier(context)
     if context.is_main:
         _atomic_write_text(os.path.join(config.checkpoint_dir, LATEST), os.path.basename(directory) + "\n")
-        # Keep the newest --keep-checkpoints (the one just written among them).
-        older = sorted(name for name in os.listdir(config.checkpoint_dir) if name.startswith("step_"))
-        for name in older[:-config.keep_checkpoints]:
-            if name != os.path.basename(directory):
-                shutil.rmtree(os.path.join(config.checkpoint_dir, name), ignore_errors=True)
+    name = os.path.basename(directory)
+    written = [] if written is None else written
+    if name in written:  # listed once, where it was last written
+        written.remove(name)
+    written.append(name)
+    if context.is_main:
+        _prune(config.checkpoint_dir, config.keep_checkpoints, written)
     _barrier(context)
     return directory
+
+
+def _prune(checkpoint_dir: str, keep: int, written: Sequence[str]) -> None:
+    """Delete all but the ``keep`` most recently written step directories.
+
+    Step numbers say nothing about age: a fresh run into a directory that an earlier,
+    longer run used writes lower steps after higher ones. Newest first are: this run's
+    checkpoints in the reverse order it wrote them (``written``, oldest first; its last
+    is the one just written, which ``latest`` names, and is never deleted), then the
+    other step directories by the modification time of the directory (when its last
+    file was written), the higher step first on a tie. Only ``step_NNNNNNNNN``
+    directories are considered.
+    """
+    order = {name: position for position, name in enumerate(written)}
+
+    def age(name: str) -> tuple:  # larger is newer
+        try:
+            modified = os.stat(os.path.join(checkpoint_dir, name)).st_mtime_ns
+        except OSError:  # vanished meanwhile: the oldest
+            modified = -1
+        return (order.get(name, -1), modified, int(name[len("step_"):]))
+
+    names = [name for name in os.listdir(checkpoint_dir)
+             if _STEP_DIR_NAME.fullmatch(name) and os.path.isdir(os.path.join(checkpoint_dir, name))]
+    newest_first = sorted(names, key=age, reverse=True)
+    for name in newest_first[keep:]:
+        if not written or name != written[-1]:
+            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
 
 
 def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
@@ -620,6 +657,7 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     model, trained, optimizer = build(config, context)
 
     start_step = 0
+    written: List[str] = []  # this run's step directories, oldest first (what save keeps)
     if config.resume:
         directory = latest_checkpoint(config.checkpoint_dir)
         if directory is None:
@@ -699,7 +737,7 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
             interval_steps = 0
             interval_seconds = 0.0
         if checkpoint_now:
-            save(config, context, step, model, optimizer)
+            save(config, context, step, model, optimizer, written)
         _synchronize(context.device)
         tick = time.perf_counter()
     if bar is not None:
