@@ -871,6 +871,33 @@ def _torchrun(config: TrainConfig, nproc: int, metrics_path: str) -> dict:
         return json.load(metrics)
 
 
+def test_an_error_on_one_rank_ends_every_rank_with_one_line(tmp_path):
+    """Under torchrun a bad line read by one rank only: that rank names the file and line,
+    the other one says its collective failed because a peer stopped; neither prints a
+    traceback of its own (torchrun's launcher reports the failed child with its own)."""
+    path = str(tmp_path / "day.tsv")
+    write_synthetic_tsv(path, 3000, seed=0)
+    with open(path) as source:
+        lines = source.readlines()
+    lines[100] = "2" + lines[100][1:]  # line 101: a label that is neither 0 nor 1
+    with open(path, "w") as out:
+        out.writelines(lines)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "sparsekit.train", "--device", "cpu", "--no-progress", "--eval-every", "0", "--steps", "4",
+               "--batch-size", "64", "--eval-samples", "128", "--table-rows", "20000", "--timeout", "60",
+               "--data", path]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode != 0
+    errors = [line for line in completed.stderr.splitlines() if "sparsekit.train: error:" in line]
+    assert len(errors) == 2, completed.stderr[-3000:]
+    assert any("day.tsv:101: label must be 0 or 1" in line for line in errors), errors
+    assert any("a collective with the other ranks failed" in line and "another rank stopped" in line
+               for line in errors), errors
+    assert not re.search(r'File ".*sparsekit[/\\]', completed.stderr), completed.stderr[-3000:]
+
+
 @pytest.mark.parametrize("embedding", EMBEDDINGS)
 def test_two_processes_match_one_process(tmp_path, embedding):
     """torchrun, 2 ranks on gloo, same global batches: DDP over the dense layers plus the

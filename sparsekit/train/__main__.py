@@ -154,10 +154,37 @@ def _out_of_memory(error: BaseException) -> Optional[str]:
     return None
 
 
+# What gloo / NCCL raise on a rank whose peer is gone (it stopped on an error of its own,
+# or was killed) or never came back within --timeout.
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Timed out|timed out|Timeout|"
+                        r"NCCL communicator was aborted")
+
+
+def _peer_lost(error: BaseException) -> Optional[str]:
+    """The first line of a collective's failure caused by another rank, or None: only with a
+    process group of more than one rank, for torch.distributed's own errors (DistError) and
+    gloo's RuntimeErrors that say the connection to a peer is gone."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    text = str(error).strip().splitlines()
+    first = text[0] if text else type(error).__name__
+    if isinstance(error, getattr(dist, "DistError", ())) or (isinstance(error, RuntimeError)
+                                                             and _PEER_LOST.search(str(error))):
+        return first
+    return None
+
+
 def _fail(message: str) -> NoReturn:
     """Exit with status 1 and the message as one line on stderr (under torchrun, every
-    rank that fails prints its own)."""
+    rank that fails prints its own). With a process group the process ends at once
+    (os._exit): a peer may still be inside a collective, and tearing the group down in the
+    interpreter's exit aborts the process now and then ("terminate called without an
+    active exception")."""
     print("sparsekit.train: error: " + " ".join(message.splitlines()), file=sys.stderr)
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     sys.exit(1)
 
 
@@ -187,10 +214,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
         _fail(f"{error}; here: raise --capacity-per-rank (now {capacity}) or pass --eviction lru|lfu")
     except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
         detail = _out_of_memory(error)
-        if detail is None:
+        if detail is not None:
+            _fail(f"out of memory: {detail}; lower --batch-size, --table-rows/--capacity-per-rank or "
+                  "--embedding-dim")
+        lost = _peer_lost(error)
+        if lost is None:
             raise
-        _fail(f"out of memory: {detail}; lower --batch-size, --table-rows/--capacity-per-rank or "
-              "--embedding-dim")
+        _fail(f"rank {dist.get_rank()}: a collective with the other ranks failed ({lost}): another rank "
+              f"stopped (see its own error) or did not answer within --timeout ({config.timeout:g} s)")
     except OSError as error:
         if error.filename is None:  # not about a path the user gave
             raise
