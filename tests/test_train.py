@@ -929,3 +929,23 @@ def test_resume_on_another_world_size(tmp_path):
     assert resumed["resumed_from_step"] == 5 and resumed["world_size"] == 2
     assert resumed["auc"] == pytest.approx(straight["auc"], abs=2e-3)
     assert resumed["logloss"] == pytest.approx(straight["logloss"], abs=2e-3)
+
+
+def test_an_undefined_score_is_null_in_the_result_json(tmp_path):
+    """One held-out sample has one class: its AUC is undefined, written as null (strict JSON)."""
+    path = tmp_path / "metrics.json"
+    result = train(tiny(batch_size=1, eval_samples=1, steps=2, eval_every=0, metrics_json=str(path)),
+                   log=lambda *_: None)
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    written = json.loads(path.read_text(), parse_constant=refuse)
+    assert result["auc"] is None and written["auc"] is None and written["logloss"] is not None
+
+
+def test_resuming_past_steps_says_there_is_nothing_to_train(tmp_path):
+    train(tiny(steps=4, checkpoint_dir=str(tmp_path)), log=lambda *_: None)
+    lines = []
+    result = train(tiny(steps=2, checkpoint_dir=str(tmp_path), resume=True), log=lines.append)
+    assert result["steps"] == 4 and result["resumed_from_step"] == 4
+    assert any("nothing to train: the checkpoint is at step 4, --steps is 2" in line for line in lines), lines

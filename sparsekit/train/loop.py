@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import pickle
 import re
@@ -627,6 +628,10 @@ def _global_mean(value: torch.Tensor, context: Context) -> float:
     return float(value)
 
 
+def _finite_or_none(value: float) -> Optional[float]:
+    return value if math.isfinite(value) else None
+
+
 def train(config: TrainConfig, log=print) -> Dict[str, float]:
     """Run the harness; returns (on every rank) the metrics of the final evaluation.
 
@@ -668,6 +673,9 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
             start_step = state["step"]
             if context.is_main:
                 log(f"resumed from {directory} at step {start_step}")
+                if start_step >= config.steps:
+                    log(f"nothing to train: the checkpoint is at step {start_step}, --steps is {config.steps} "
+                        "(the total to reach); the loaded model is evaluated")
 
     bar = None
     if context.is_main and config.progress:
@@ -746,8 +754,9 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     if not metrics:  # nothing left to train (resumed at the end): evaluate what was loaded
         metrics = evaluate(model, data, config, context)
     result = {
-        "auc": metrics["auc"],
-        "logloss": metrics["logloss"],
+        # An undefined score (one class in the held-out labels) is null, not JSON's invalid NaN.
+        "auc": _finite_or_none(metrics["auc"]),
+        "logloss": _finite_or_none(metrics["logloss"]),
         "samples_per_s": session_samples / session_seconds if session_seconds else None,
         "steps": step,
         "world_size": context.world_size,
