@@ -18,6 +18,7 @@ import sparsekit.checkpoint as checkpoint_module
 from sparsekit import HashTableFullError, LazyAdam
 
 from _distributed import spawn
+from _state import assert_equal_nested
 
 DIM = 3
 SLOTS = 2
@@ -503,22 +504,6 @@ def _keyed_snapshot(model, optimizer):
     """Everything a load could change: parameters, the layer's tables and totals, the optimizer."""
     return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "stats": model["emb"].stats()})
-
-
-def assert_equal_nested(now, before, where="state"):
-    assert type(now) is type(before), where
-    if isinstance(before, torch.Tensor):
-        assert now.dtype == before.dtype and torch.equal(now, before), where
-    elif isinstance(before, dict):
-        assert set(now) == set(before), where
-        for key in before:
-            assert_equal_nested(now[key], before[key], f"{where}[{key!r}]")
-    elif isinstance(before, (list, tuple)):
-        assert len(now) == len(before), where
-        for index, (a, b) in enumerate(zip(now, before)):
-            assert_equal_nested(a, b, f"{where}[{index}]")
-    else:
-        assert now == before, where
 
 
 @pytest.mark.parametrize("saved_keys, named", [

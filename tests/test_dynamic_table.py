@@ -21,13 +21,13 @@ Thresholds crossed: select_smallest's CPU kernel cuts its entries into chunks of
 which the soak crosses many times.
 """
 
-import io
 import random
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from _state import saved_and_loaded
 from properties import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, examples, num_threads, sizes
 
 import sparsekit as sk
@@ -475,13 +475,6 @@ def test_bad_eviction_is_a_value_error_naming_it(bad):
 
 
 # ---- state ----
-
-
-def saved_and_loaded(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])

@@ -11,6 +11,7 @@ import io
 import pytest
 import torch
 from _distributed import spawn
+from _state import assert_equal_nested, saved_and_loaded
 from torch import nn
 
 import sparsekit as sk
@@ -26,30 +27,6 @@ def T(*values):
 
 def R(*keys):
     return sk.Ragged(T(*keys), T(0, len(keys)))
-
-
-def _saved_and_loaded(state):
-    """``state`` through torch.save / torch.load(weights_only=True), as a file would take it."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
-def _assert_equal_nested(now, before, where="state"):
-    assert type(now) is type(before), where
-    if isinstance(before, torch.Tensor):
-        assert now.dtype == before.dtype and torch.equal(now, before), where
-    elif isinstance(before, dict):
-        assert set(now) == set(before), where
-        for key in before:
-            _assert_equal_nested(now[key], before[key], f"{where}[{key!r}]")
-    elif isinstance(before, (list, tuple)):
-        assert len(now) == len(before), where
-        for index, (a, b) in enumerate(zip(now, before)):
-            _assert_equal_nested(a, b, f"{where}[{index}]")
-    else:
-        assert now == before, where
 
 
 # ---- models: a layer of each kind, or a one-table collection ------------------------------------
@@ -120,7 +97,7 @@ def _assert_fresh_start(after, reference):
     m = (1 - beta1) * g, nothing of key 10 in them), and everything matches the run that
     never left memory."""
     torch.testing.assert_close(after["exp_avg"][0], torch.full((DIM,), 1 - BETA1))
-    _assert_equal_nested(after, reference)
+    assert_equal_nested(after, reference)
 
 
 # ---- 1. a reused row's pending moment reset survives saving and loading -------------------------
@@ -134,8 +111,8 @@ def test_pending_moment_reset_survives_a_round_trip(kind, via, tmp_path):
     loaded = _build(kind)
     loaded_optimizer = sk.LazyAdam(loaded.parameters(), lr=LR)
     if via == "state_dict":
-        loaded.load_state_dict(_saved_and_loaded(model.state_dict()))
-        loaded_optimizer.load_state_dict(_saved_and_loaded(optimizer.state_dict()))
+        loaded.load_state_dict(saved_and_loaded(model.state_dict()))
+        loaded_optimizer.load_state_dict(saved_and_loaded(optimizer.state_dict()))
     else:
         directory = str(tmp_path / "ckpt")
         sk.save_checkpoint(directory, model, optimizer)
@@ -178,7 +155,7 @@ def test_a_bad_pending_reset_entry_is_refused_with_nothing_changed():
         state["_extra_state"]["fresh"] = bad
         with pytest.raises(ValueError, match=r"'_extra_state'\['fresh'\] must be a bool \[2\] tensor"):
             target.load_state_dict(state)
-        _assert_equal_nested(target.state_dict(), before)
+        assert_equal_nested(target.state_dict(), before)
 
 
 def test_a_layer_without_eviction_resets_the_moments_when_it_loads_the_checkpoint(tmp_path):
@@ -210,7 +187,7 @@ def _resharded_worker(rank, world_size, init, directory, kind):
     assert _shard(model)._fresh_rows[0].item() == (mine == 12)
     _train(model, optimizer, [mine])
     after = _by_key(model, optimizer, [mine])
-    _assert_equal_nested(after, {name: (value[rank:rank + 1] if value.dim() else value)
+    assert_equal_nested(after, {name: (value[rank:rank + 1] if value.dim() else value)
                                  for name, value in reference.items()})
 
 
@@ -265,13 +242,13 @@ def test_a_deep_copy_keeps_the_marks_and_trains_like_the_original(kind, eviction
         assert clone_shard.weight.grad.is_coalesced()   # the gradient hook came along
         clone_optimizer.step()
         clone_optimizer.zero_grad()
-    _assert_equal_nested(_snapshot(original), before)
+    assert_equal_nested(_snapshot(original), before)
 
     # The original trained alike ends alike, moments (float32 for a bfloat16 table) included.
     optimizer = sk.LazyAdam(original.parameters(), lr=LR)
     for keys in COPY_STEPS:
         _train(original, optimizer, keys)
-    _assert_equal_nested(_snapshot(clone), _snapshot(original))
+    assert_equal_nested(_snapshot(clone), _snapshot(original))
     ours, theirs = clone_optimizer.state[clone_shard.weight], optimizer.state[original_shard.weight]
     assert ours["exp_avg"].dtype == torch.float32
     for name in ("exp_avg", "exp_avg_sq", "step"):
@@ -318,7 +295,7 @@ def _deepcopy_worker(rank, world_size, init):
             optimizer = sk.LazyAdam(model.parameters(), lr=LR)
             for keys in ([1, 4], [5, 2 + rank]):
                 _train(model, optimizer, keys)
-        _assert_equal_nested(_snapshot(clone), _snapshot(original))
+        assert_equal_nested(_snapshot(clone), _snapshot(original))
 
 
 def test_a_deep_copy_under_a_process_group_shares_the_group(tmp_path):
@@ -342,7 +319,7 @@ def test_a_load_of_another_shape_changes_nothing(kind, capacity, dim):
     before = _snapshot(target)
     with pytest.raises(RuntimeError, match=r"size mismatch for (shards\.0\.)?weight"):
         target.load_state_dict(source.state_dict())
-    _assert_equal_nested(_snapshot(target), before)
+    assert_equal_nested(_snapshot(target), before)
     # Still the same model: key 1 reads as missing in eval, as before the call.
     target.eval()
     assert not _loss(target, [1]).item()
@@ -374,7 +351,7 @@ def test_a_collection_with_one_bad_table_loads_no_table(damage, error, message):
     before = _snapshot(target)
     with pytest.raises(error, match=message):
         target.load_state_dict(state)
-    _assert_equal_nested(_snapshot(target), before)
+    assert_equal_nested(_snapshot(target), before)
 
 
 def test_int64_keys_into_an_int32_layer_change_nothing():
@@ -384,7 +361,7 @@ def test_int64_keys_into_an_int32_layer_change_nothing():
     before = _snapshot(target)
     with pytest.raises(TypeError, match="key_dtype"):
         target.load_state_dict(source.state_dict())
-    _assert_equal_nested(_snapshot(target), before)
+    assert_equal_nested(_snapshot(target), before)
 
 
 @pytest.mark.parametrize("kind", ["distributed", "collection"])
@@ -399,9 +376,9 @@ def test_strict_key_errors_raise_before_anything_loads(kind):
     without_table = {key: value for key, value in source.state_dict().items() if key != prefix + "_extra_state"}
     with pytest.raises(RuntimeError, match=rf'Missing key\(s\) in state_dict: "{prefix}_extra_state"'):
         target.load_state_dict(without_table)
-    _assert_equal_nested(_snapshot(target), before)
+    assert_equal_nested(_snapshot(target), before)
     target.load_state_dict(source.state_dict())
-    _assert_equal_nested(_snapshot(target)["state"], _snapshot(source)["state"])
+    assert_equal_nested(_snapshot(target)["state"], _snapshot(source)["state"])
 
 
 @pytest.mark.parametrize("kind", ["distributed", "collection"])
@@ -415,7 +392,7 @@ def test_strict_false_refuses_half_a_hash_layer(kind, entry):
     half = {key: value for key, value in source.state_dict().items() if key != prefix + entry}
     with pytest.raises(ValueError, match="both load together or neither does"):
         target.load_state_dict(half, strict=False)
-    _assert_equal_nested(_snapshot(target), before)
+    assert_equal_nested(_snapshot(target), before)
 
 
 def test_strict_false_loads_the_tables_present_and_keeps_the_others():
@@ -426,9 +403,9 @@ def test_strict_false_loads_the_tables_present_and_keeps_the_others():
     assert result.missing_keys == ["shards.1.weight", "shards.1._extra_state"] and not result.unexpected_keys
     now = _snapshot(target)["state"]
     for key in ("shards.0.weight", "shards.0._extra_state"):
-        _assert_equal_nested(now[key], source.state_dict()[key], key)
+        assert_equal_nested(now[key], source.state_dict()[key], key)
     for key in ("shards.1.weight", "shards.1._extra_state"):
-        _assert_equal_nested(now[key], untouched[key], key)
+        assert_equal_nested(now[key], untouched[key], key)
 
 
 def test_a_layer_in_a_model_keeps_its_state_when_the_call_fails():
@@ -442,7 +419,7 @@ def test_a_layer_in_a_model_keeps_its_state_when_the_call_fails():
     state["dense.weight"] = torch.zeros(4, 3)
     with pytest.raises(RuntimeError, match=r"size mismatch for dense\.weight"):
         target.load_state_dict(state)
-    _assert_equal_nested(target["emb"].state_dict(), before)
+    assert_equal_nested(target["emb"].state_dict(), before)
 
 
 def test_assign_keeps_the_marks():
