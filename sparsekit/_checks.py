@@ -109,8 +109,17 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def same_device(op: str, **tensors) -> None:
-    """Every given tensor (None skipped) is on the device of the first one."""
-    present = [(name, t) for name, t in tensors.items() if t is not None]
+    """Every given tensor (None skipped; a list stands for its items, named ``name[i]``) is on
+    the device of the first one. The fakes call it too: a meta tensor among CPU ones sends
+    the call to the fake, which must raise rather than return an output of the CPU's."""
+    present = []
+    for name, value in tensors.items():
+        if isinstance(value, (list, tuple)):
+            present.extend((f"{name}[{i}]", t) for i, t in enumerate(value) if t is not None)
+        elif value is not None:
+            present.append((name, value))
+    if not present:
+        return
     first_name, first = present[0]
     for name, tensor in present[1:]:
         if tensor.device != first.device:

@@ -258,6 +258,7 @@ def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: T
 @torch.library.register_fake("sparsekit::hash_table_find_tables")
 def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor,
                                  offsets: List[int]) -> Tensor:
+    same_device("hash_table_find_tables", keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
     torch._check(keys.dim() == 1, lambda: "hash_table_find_tables: keys must be 1-D")
     torch._check(len(slot_keys) == len(slot_rows) and len(offsets) == len(slot_keys) + 1,
                  lambda: "hash_table_find_tables: one slot_keys, slot_rows and offsets entry per table")
@@ -267,6 +268,7 @@ def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor
 @torch.library.register_fake("sparsekit::hash_table_score_tables_")
 def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], rows: Tensor, offsets: List[int],
                                   clocks: List[int]) -> None:
+    same_device("hash_table_score_tables_", rows=rows, last_seen=last_seen, count=count)
     torch._check(len(last_seen) == len(count) == len(clocks) and len(offsets) == len(count) + 1,
                  lambda: "hash_table_score_tables_: one last_seen, count, clock and offsets entry per table")
     return None
@@ -275,6 +277,8 @@ def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], 
 @torch.library.register_fake("sparsekit::hash_table_place_tables_")
 def _hash_table_place_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], row_keys: List[Tensor],
                                   count: List[Tensor], keys: Tensor, offsets: List[int], sizes: List[int]) -> None:
+    same_device("hash_table_place_tables_", keys=keys, slot_keys=slot_keys, slot_rows=slot_rows, row_keys=row_keys,
+                count=count)
     torch._check(len(slot_keys) == len(slot_rows) == len(row_keys) == len(count) == len(sizes)
                  and len(offsets) == len(sizes) + 1,
                  lambda: "hash_table_place_tables_: one slot_keys, slot_rows, row_keys, count, sizes and offsets "
@@ -354,6 +358,7 @@ def hash_table_erase_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Ten
 
 @torch.library.register_fake("sparsekit::select_smallest")
 def _select_smallest_fake(columns: List[Tensor], eligible: Tensor, k: int) -> Tensor:
+    same_device("select_smallest", eligible=eligible, columns=columns)
     torch._check(eligible.dtype == torch.bool, lambda: "select_smallest: eligible must be bool")
     torch._check(k >= 0, lambda: f"select_smallest: k must be >= 0, got {k}")
     return eligible.new_empty((k,), dtype=torch.int64)
@@ -388,6 +393,7 @@ def select_smallest(columns: Sequence[Tensor], eligible: Tensor, k: int) -> Tens
 @torch.library.register_fake("sparsekit::segment_sum_parts")
 def _segment_sum_parts_fake(data: List[Tensor], segment_ids: Tensor, num_segments: int) -> Tensor:
     torch._check(len(data) > 0, lambda: "segment_sum_parts: data must hold at least one tensor")
+    same_device("segment_sum_parts", data=data, segment_ids=segment_ids)
     torch._check(segment_ids.dim() == 1 and segment_ids.shape[0] == sum(d.shape[0] for d in data),
                  lambda: "segment_sum_parts: one segment id per row of data")
     return data[0].new_empty((num_segments, *data[0].shape[1:]))
@@ -396,6 +402,8 @@ def _segment_sum_parts_fake(data: List[Tensor], segment_ids: Tensor, num_segment
 @torch.library.register_fake("sparsekit::lazy_adam_tables_")
 def _lazy_adam_tables_fake(weights: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                            rows: List[Tensor], grads: List[Tensor], steps: List[int], hyper: List[float]) -> None:
+    same_device("lazy_adam_tables_", weights=weights, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, rows=rows,
+                grads=grads)
     torch._check(len(weights) == len(exp_avgs) == len(exp_avg_sqs) == len(rows) == len(grads) == len(steps)
                  and len(hyper) == 5 * len(weights),
                  lambda: "lazy_adam_tables_: one weight, moment pair, rows, grad and step per table, five hyper")

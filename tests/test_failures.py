@@ -263,3 +263,24 @@ def test_raw_ops_name_the_argument_of_an_output_too_large(size):
 def test_unique_tables_bounds_the_table_count(num_tables):
     with pytest.raises(RuntimeError, match=r"unique_tables: num_tables must lie in \[0, 2\^20\]"):
         torch.ops.sparsekit.unique_tables(torch.tensor([1, 2]), [0, 2], [0], num_tables)
+
+
+_MIXED_META = {
+    "select_smallest": lambda: torch.ops.sparsekit.select_smallest(
+        [torch.arange(4).to("meta")], torch.ones(4, dtype=torch.bool), 2),
+    "segment_sum_parts": lambda: torch.ops.sparsekit.segment_sum_parts(
+        [torch.ones(4, 3), torch.ones(2, 3, device="meta")], torch.zeros(6, dtype=torch.long), 3),
+    "hash_table_find_tables": lambda: torch.ops.sparsekit.hash_table_find_tables(
+        [torch.full((8,), -1, device="meta")], [torch.full((8,), -1)], torch.tensor([1]), [0, 1]),
+    "lazy_adam_tables_": lambda: torch.ops.sparsekit.lazy_adam_tables_(
+        [torch.zeros(6, 3)], [torch.zeros(6, 3, device="meta")], [torch.zeros(6, 3)], [torch.tensor([1])],
+        [torch.ones(1, 3)], [1], [0.1, 0.9, 0.999, 1e-8, 0.0]),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_MIXED_META))
+def test_a_meta_tensor_among_cpu_ones_raises_naming_it(op):
+    """A meta tensor sends the call to the op's fake: it must name the device mismatch, not
+    return uninitialised memory on the CPU (or, in place, do nothing)."""
+    with pytest.raises(RuntimeError, match=rf"{op}: \w+\[\d\] is on meta but \w+(\[\d\])? is on cpu"):
+        _MIXED_META[op]()
