@@ -86,6 +86,7 @@ from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import (
     KeySeededUniform,
     _check_state_dict_keys,
+    _check_writable,
     _distinct_sorted_rows,
     _ModelParallelEmbedding,
     _place_new_keys,
@@ -633,6 +634,7 @@ class EmbeddingBagCollection(nn.Module):
         # forward on every rank, as a single layer's does, also for a table with no key this
         # step: clocks that drifted apart between tables or ranks would mix scores of
         # different ages when a checkpoint is resharded.
+        _check_writable(self._shards, "EmbeddingBagCollection", self.training)
         clocks = self._clocks() if self.training else None
         out = self._forward(kjt)
         if clocks is not None:

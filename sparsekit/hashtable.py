@@ -125,6 +125,10 @@ def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]
                                                  device=keys.device))
 
 
+# The attributes of a HashTable that hold its tensors.
+_TABLE_TENSORS = ("_slot_keys", "_slot_rows", "_row_keys", "_last_seen", "_count")
+
+
 class HashTable:
     """Find-or-insert map from keys to consecutive row ids, stored in plain tensors.
 
@@ -406,10 +410,12 @@ class HashTable:
         """Stores distinct absent ``keys`` at ``rows`` that no key holds (never used, or
         freed by an erase this step) and counts them in ``len(self)``. Their counts start
         from 0 (an evicted key's count is cleared); the caller scores them."""
-        # The table's own size and rows: the op needs no host sync to check them.
-        ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, keys, rows, self._size)
+        # The rows' own entries first: no key holds those rows, so if a write fails, no key
+        # was made findable at a row whose entries say otherwise.
         self._row_keys[rows] = keys.long()
         self._count.index_fill_(0, rows, 0)
+        # The table's own size and rows: the op needs no host sync to check them.
+        ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, keys, rows, self._size)
         self._size += keys.numel()
 
     def _remove(self, keys: Tensor) -> None:
@@ -592,6 +598,10 @@ class HashTable:
         self._count[:checked.keys.numel()] = checked.count
         self._clock = checked.clock
 
+    def _tensors(self) -> Tuple[Tensor, ...]:
+        """The tensors that hold the table: its slots, and its rows' keys and scores."""
+        return tuple(getattr(self, name) for name in _TABLE_TENSORS)
+
     def to(self, device: Union[torch.device, str]) -> "HashTable":
         """The table on ``device``: ``self`` when already there, else a copy.
 
@@ -604,6 +614,6 @@ class HashTable:
             return self
         moved = HashTable.__new__(HashTable)
         moved.__dict__.update(self.__dict__)
-        for name in ("_slot_keys", "_slot_rows", "_row_keys", "_last_seen", "_count"):
+        for name in _TABLE_TENSORS:
             setattr(moved, name, getattr(self, name).to(device))
         return moved

@@ -105,11 +105,37 @@ def _place_new_keys(shards: List["_ModelParallelEmbedding"], keys: Tensor, count
     ``initial`` vectors there (one op places every table's keys on the CPU). Returns each
     table's size before; the caller scores the new rows."""
     sizes = [len(shard.hash_table) for shard in shards]
-    _grow_tables([shard.hash_table for shard in shards], keys, list(itertools.accumulate(counts, initial=0)))
+    # The vectors first: rows past a table's size are no key's, so a write that fails leaves
+    # no key in a table without its vector.
     for shard, vectors, start, count in zip(shards, initial, sizes, counts):
         shard.weight[start:start + count] = vectors
+    _grow_tables([shard.hash_table for shard in shards], keys, list(itertools.accumulate(counts, initial=0)))
+    for shard, count in zip(shards, counts):
         shard._admitted += count
     return sizes
+
+
+def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
+    """Refuses, before anything changes, a forward whose in-place writes (a training step's
+    new keys, rows and scores) would fail halfway and leave a table half changed: one under
+    a torch.func transform (grad, vmap, ...: the kernels read raw data pointers, and a
+    training step inserts keys), or a training forward outside inference mode of a layer
+    whose tables were made inside it (inference tensors cannot be changed outside)."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(f"{name}: torch.func transforms (grad, vmap, functional_call under them, ...) are not "
+                           "supported: the lookup's kernels read raw memory and a training step inserts keys into "
+                           "the hash table; take gradients with loss.backward() or torch.autograd.grad")
+    if not training or torch.is_inference_mode_enabled():
+        return
+    for shard in shards:
+        tables = [table for table in (shard.hash_table, shard._pending) if table is not None]
+        tensors = [shard.weight] + [t for table in tables for t in table._tensors()]
+        if shard._fresh_rows is not None:
+            tensors.append(shard._fresh_rows)
+        if any(t.is_inference() for t in tensors):
+            raise RuntimeError(f"{name}: its weight or hash table was made under torch.inference_mode(), and "
+                               "inference tensors cannot be changed outside it, as a training step must; build "
+                               "the layer outside inference_mode to train it (or call it in eval() mode)")
 
 
 class _LookupPlan(NamedTuple):
@@ -515,6 +541,7 @@ class _ModelParallelEmbedding(nn.Module):
         ``prepare``, in the dedup or in the checks is shared with every rank first (see
         :meth:`_exchange`), so no rank is left waiting.
         """
+        _check_writable([self], self._layer_name, self.training)
         if self._rows_first():
             keys, offsets, info = prepare()
             if offsets is not None:

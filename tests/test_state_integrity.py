@@ -431,3 +431,46 @@ def test_assign_keeps_the_marks():
     loaded_optimizer.load_state_dict(optimizer.state_dict())
     _train(loaded, loaded_optimizer, [12, 11])
     _assert_fresh_start(_by_key(loaded, loaded_optimizer, [12, 11]), _first_update_reference("distributed"))
+
+
+# ---- forwards that would fail halfway are refused before anything changes ---------------------------
+
+
+@pytest.mark.parametrize("eviction", [None, "lru"])
+@pytest.mark.parametrize("kind", ["layer", "collection"])
+def test_a_torch_func_transform_is_refused_with_the_tables_unchanged(kind, eviction):
+    if kind == "layer":
+        model = sk.DistributedEmbedding("sum", 100, 4, 1, 1, eviction=eviction)
+        warm, new = torch.tensor([[[1]], [[2]]]), torch.tensor([[[7]]])
+    else:
+        model = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 100, ["f"], eviction=eviction)])
+        warm = sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+        new = sk.KeyedJagged(["f"], torch.tensor([7]), lengths=torch.tensor([1]))
+    model(warm)
+    before = _snapshot(model)
+
+    def loss(params):
+        out = torch.func.functional_call(model, params, (new,))
+        return (out if kind == "layer" else out["f"]).sum()
+
+    with pytest.raises(RuntimeError, match="torch.func transforms .* are not supported"):
+        torch.func.grad(loss)(dict(model.named_parameters()))
+    assert_equal_nested(_snapshot(model), before)
+
+
+@pytest.mark.parametrize("eviction", [None, "lru"])
+@pytest.mark.parametrize("kind", ["layer", "collection"])
+def test_training_a_model_built_under_inference_mode_is_refused_with_the_tables_unchanged(kind, eviction):
+    with torch.inference_mode():
+        if kind == "layer":
+            model = sk.DistributedEmbedding("sum", 100, 4, 1, 1, eviction=eviction)
+            keys = torch.tensor([[[1]], [[2]]])
+        else:
+            model = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 100, ["f"], eviction=eviction)])
+            keys = sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(RuntimeError, match=r"made under torch.inference_mode\(\)"):
+        model(keys)
+    tables = [model.hash_table] if kind == "layer" else [shard.hash_table for shard in model._shards]
+    assert all(len(table) == 0 and table.find(torch.tensor([1, 2])).tolist() == [-1, -1] for table in tables)
+    with torch.inference_mode():  # where it was made, it still looks keys up
+        model.eval()(keys)
