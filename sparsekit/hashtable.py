@@ -605,13 +605,18 @@ class HashTable:
     def to(self, device: Union[torch.device, str]) -> "HashTable":
         """The table on ``device``: ``self`` when already there, else a copy.
 
-        The slot layout depends only on the keys, so the slot arrays move as they are.
+        The slot layout depends only on the keys, so the slot arrays move as they are. A
+        table on the meta device holds no data: it becomes an empty table of the same
+        capacity, key dtype and eviction on ``device`` (as ``nn.Module.to_empty`` leaves
+        parameters to be filled).
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device == self.device:
             return self
+        if self.device.type == "meta":
+            return HashTable(self._capacity, key_dtype=self._key_dtype, eviction=self._eviction, device=device)
         moved = HashTable.__new__(HashTable)
         moved.__dict__.update(self.__dict__)
         for name in _TABLE_TENSORS:

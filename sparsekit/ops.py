@@ -565,7 +565,11 @@ def key_seeded_uniform(
 
     Row ``i`` is a pure function of ``(seed, keys[i])`` (column ``j`` of ``(seed, key,
     j)``), computed with integer hashing and one correctly rounded fma, so a key gets
-    the same first vector on every rank, world size, device and insertion order.
+    the same first vector on every rank, world size, device and insertion order. The
+    value is drawn in ``[low, high]`` and then rounded to ``dtype`` (to nearest): where a
+    bound is not representable in ``dtype`` a value may land on the bound's rounding, one
+    step past it (bfloat16's default ``+-0.05`` gives ``+-0.050048828125`` about once in
+    700 draws).
 
     Args:
         keys: int64 or int32 ``[N]`` (an int32 key gives the row of the equal int64 key).

@@ -670,7 +670,9 @@ class _ModelParallelEmbedding(nn.Module):
         if self._pending is not None:
             self._pending = self._pending.to(device)
         if self._fresh_rows is not None:
-            self._fresh_rows = self._fresh_rows.to(device)
+            # From the meta device (to_empty): no row is fresh in the empty tables.
+            self._fresh_rows = (torch.zeros_like(self._fresh_rows, device=device) if self._fresh_rows.is_meta
+                                else self._fresh_rows.to(device))
         self._mark_weight()
         return self
 

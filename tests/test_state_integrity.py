@@ -474,3 +474,32 @@ def test_training_a_model_built_under_inference_mode_is_refused_with_the_tables_
     assert all(len(table) == 0 and table.find(torch.tensor([1, 2])).tolist() == [-1, -1] for table in tables)
     with torch.inference_mode():  # where it was made, it still looks keys up
         model.eval()(keys)
+
+
+@pytest.mark.parametrize("eviction, admit_after", [(None, 1), ("lru", 1), ("lfu", 2)])
+def test_to_empty_turns_a_meta_layer_and_collection_into_empty_real_ones(eviction, admit_after):
+    """nn.Module.to_empty, the usual way from a meta-device model to a real one: the tables
+    (which hold no data on meta) come back empty on the new device, then train."""
+    layer = sk.DistributedEmbedding("sum", 100, 4, 1, 1, device="meta", eviction=eviction, admit_after=admit_after)
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 100, ["f"]),
+                                            sk.TableConfig("b", 8, 50, ["g"], eviction=eviction,
+                                                           admit_after=admit_after)], device="meta")
+    for model in (layer.to_empty(device="cpu"), collection.to_empty(device="cpu")):
+        shards = [model] if model is layer else list(model._shards)
+        for shard in shards:
+            assert shard.weight.device.type == "cpu" and len(shard.hash_table) == 0
+            assert all(t.device.type == "cpu" for t in shard.hash_table._tensors())
+            with torch.no_grad():
+                shard.weight.zero_()
+        optimizer = sk.LazyAdam(model.parameters(), lr=0.1)
+        for _ in range(admit_after):
+            if model is layer:
+                loss = model(torch.tensor([[[1]], [[2]]])).sum()
+            else:
+                loss = sum(v.sum() for v in model(sk.KeyedJagged(["f", "g"], torch.tensor([1, 2]),
+                                                                 lengths=torch.tensor([1, 1]))).values())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        # The layer's one table holds both keys; each of the collection's tables one.
+        assert [len(shard.hash_table) for shard in shards] == ([2] if model is layer else [1, 1])
