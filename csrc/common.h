@@ -1,6 +1,7 @@
 #pragma once
 // Helpers shared by the CPU and CUDA kernels of sparsekit.
 #include <cstdint>
+#include <utility>
 
 #include "torch_api.h"
 
@@ -33,6 +34,25 @@ inline void check_key_tensor(const Tensor& keys, const char* op, const char* arg
 inline void check_index_tensor(const Tensor& index, const char* op, const char* arg) {
   SK_CHECK(index.scalar_type() == kLong || index.scalar_type() == kInt, op, ": ", arg,
               " must be an int64 or int32 tensor, got ", index.scalar_type());
+}
+
+/// @brief Whether the bytes two tensors span intersect (each span from its first element to
+/// its last, whatever the strides in between: a conservative test for strided views).
+inline bool memory_overlaps(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto span = [](const Tensor& t) {
+    const char* begin = static_cast<const char*>(t.const_data_ptr());
+    int64_t low = 0, high = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t reach = (t.size(d) - 1) * t.stride(d);
+      (reach < 0 ? low : high) += reach;
+    }
+    return std::make_pair(begin + low * static_cast<int64_t>(t.element_size()),
+                          begin + (high + 1) * static_cast<int64_t>(t.element_size()));
+  };
+  const auto [a_begin, a_end] = span(a);
+  const auto [b_begin, b_end] = span(b);
+  return a_begin < b_end && b_begin < a_end;
 }
 
 }  // namespace sparsekit

@@ -87,6 +87,9 @@ inline void check_hash_table_erase_args(const Tensor& slot_keys, const Tensor& s
   check_key_tensor(keys, "hash_table_erase_", "keys");
   SK_CHECK(keys.device() == slot_keys.device(), "hash_table_erase_: keys are on ", keys.device(),
               " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
+  SK_CHECK(!memory_overlaps(keys, slot_keys) && !memory_overlaps(keys, slot_rows),
+           "hash_table_erase_: keys shares memory with the table's slot_keys or slot_rows, which the erase "
+           "writes; pass a copy (.clone())");
 }
 
 /// @brief Checks the arguments of hash_table_insert_absent_.
@@ -103,6 +106,15 @@ inline void check_hash_table_insert_args(const Tensor& slot_keys, const Tensor& 
               ") must be on the table's device (", slot_keys.device(), ")");
   SK_CHECK(keys.numel() <= slot_keys.size(0), "hash_table_insert_absent_: ", keys.numel(),
               " keys cannot fit in a table of ", slot_keys.size(0), " slots");
+  // The insert writes the slots while it reads keys and rows: a view of the slots among them
+  // would change under it (keys inserted at the wrong rows, or lost).
+  const Tensor* read[] = {&keys, &rows};
+  const char* read_names[] = {"keys", "rows"};
+  for (int i = 0; i < 2; ++i) {
+    SK_CHECK(!memory_overlaps(*read[i], slot_keys) && !memory_overlaps(*read[i], slot_rows),
+             "hash_table_insert_absent_: ", read_names[i], " shares memory with the table's slot_keys or "
+             "slot_rows, which the insert writes; pass a copy (.clone())");
+  }
 }
 
 /// Error codes a hash_table_insert_absent_ kernel raises in its flag.

@@ -284,3 +284,19 @@ def test_a_meta_tensor_among_cpu_ones_raises_naming_it(op):
     return uninitialised memory on the CPU (or, in place, do nothing)."""
     with pytest.raises(RuntimeError, match=rf"{op}: \w+\[\d\] is on meta but \w+(\[\d\])? is on cpu"):
         _MIXED_META[op]()
+
+
+@pytest.mark.parametrize("op", ["insert keys", "insert rows", "erase keys"])
+def test_hash_table_ops_refuse_inputs_that_share_memory_with_the_slots(op):
+    """The insert and the erase write the slots while they read the keys (and rows): a view
+    of the slots among them changed under the op (keys inserted at the wrong rows, or lost)."""
+    slot_keys, slot_rows = torch.arange(16) * 1000 + 7, torch.full((16,), -1)
+    before = slot_keys.clone(), slot_rows.clone()
+    with pytest.raises(RuntimeError, match="shares memory with the table's slot_keys or slot_rows"):
+        if op == "insert keys":
+            sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, slot_keys[:8], torch.arange(8))
+        elif op == "insert rows":
+            sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, torch.arange(8), slot_rows[8:])
+        else:
+            sk.ops.hash_table_erase_(slot_keys, slot_rows, slot_keys[:4])
+    assert torch.equal(slot_keys, before[0]) and torch.equal(slot_rows, before[1])
