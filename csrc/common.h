@@ -1,7 +1,9 @@
 #pragma once
 // Helpers shared by the CPU and CUDA kernels of sparsekit.
+#include <algorithm>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "torch_api.h"
 
@@ -53,6 +55,59 @@ inline bool memory_overlaps(const Tensor& a, const Tensor& b) {
   const auto [a_begin, a_end] = span(a);
   const auto [b_begin, b_end] = span(b);
   return a_begin < b_end && b_begin < a_end;
+}
+
+/// One tensor of a multi-table call for check_no_shared_writes: `arg` and `index` name it
+/// (e.g. "count", 3 for count[3]); `written` when the op writes it.
+struct TensorUse {
+  const Tensor* tensor;
+  const char* arg;
+  size_t index;
+  bool written;
+};
+
+/// @brief Raises naming `op` when a tensor the op writes shares memory with any other tensor
+/// of the call (tensors it only reads may share memory among themselves: one rows tensor
+/// for several tables). Each tensor counts by the bytes from its first to its last element.
+/// One sort and one sweep, so calls with hundreds of tables stay cheap.
+inline void check_no_shared_writes(const char* op, const std::vector<TensorUse>& uses) {
+  struct Span {
+    const char* begin;
+    const char* end;
+    size_t use;
+  };
+  std::vector<Span> spans;
+  spans.reserve(uses.size());
+  for (size_t u = 0; u < uses.size(); ++u) {
+    const Tensor& t = *uses[u].tensor;
+    if (t.numel() == 0) continue;
+    const char* base = static_cast<const char*>(t.const_data_ptr());
+    int64_t low = 0, high = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t reach = (t.size(d) - 1) * t.stride(d);
+      (reach < 0 ? low : high) += reach;
+    }
+    const int64_t size = static_cast<int64_t>(t.element_size());
+    spans.push_back({base + low * size, base + (high + 1) * size, u});
+  }
+  // Stable: tensors that start together are named in the order the call lists them.
+  std::stable_sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  // The furthest-reaching span so far, of any kind and of the written ones.
+  const Span* furthest = nullptr;
+  const Span* furthest_written = nullptr;
+  for (const Span& span : spans) {
+    const Span* other = uses[span.use].written ? furthest : furthest_written;
+    if (other != nullptr && span.begin < other->end) {
+      const TensorUse& a = uses[other->use];
+      const TensorUse& b = uses[span.use];
+      SK_CHECK(false, op, ": ", a.arg, "[", a.index, "] and ", b.arg, "[", b.index, "] share memory, and the op "
+               "writes ", (a.written ? a.arg : b.arg), "; every tensor it writes must be one of its own");
+    }
+    if (furthest == nullptr || span.end > furthest->end) furthest = &span;
+    if (uses[span.use].written && (furthest_written == nullptr || span.end > furthest_written->end)) {
+      furthest_written = &span;
+    }
+  }
 }
 
 }  // namespace sparsekit

@@ -179,12 +179,12 @@ def test_lazy_adam_refuses_a_gradient_marked_coalesced_with_a_repeated_row():
 def test_lazy_adam_tables_refuses_tensors_shared_between_tables():
     rows, hyper = [torch.tensor([1]), torch.tensor([2])], [0.1, 0.9, 0.999, 1e-8, 0.0] * 2
     w0, w1, m0, v0, v1 = (torch.zeros(6, 3) for _ in range(5))
-    with pytest.raises(RuntimeError, match="lazy_adam_tables_: the tensors of tables 0 and 1 share memory"):
+    with pytest.raises(RuntimeError, match=r"lazy_adam_tables_: weights\[0\] and exp_avgs\[1\] share memory"):
         # Table 1's first moment is table 0's weight.
         torch.ops.sparsekit.lazy_adam_tables_([w0, w1], [m0, w0], [v0, v1], rows, [torch.ones(1, 3)] * 2, [1, 1],
                                               hyper)
     assert not w0.any() and not w1.any()
-    with pytest.raises(RuntimeError, match=r"lazy_adam_tables_: rows\[1\] shares memory with the tensors of table 0"):
+    with pytest.raises(RuntimeError, match=r"lazy_adam_tables_: weights\[0\] and rows\[1\] share memory"):
         # Table 1's rows lie in table 0's weight.
         inside = w0.view(-1)[:2].view(torch.int64)
         inside.copy_(torch.tensor([2]))
@@ -300,3 +300,23 @@ def test_hash_table_ops_refuse_inputs_that_share_memory_with_the_slots(op):
         else:
             sk.ops.hash_table_erase_(slot_keys, slot_rows, slot_keys[:4])
     assert torch.equal(slot_keys, before[0]) and torch.equal(slot_rows, before[1])
+
+
+def test_multi_table_hash_ops_refuse_a_written_tensor_given_twice():
+    """One tensor as last_seen and count (or one table listed twice) would be written by two
+    roles at once: a silently wrong score, or two keys given one row."""
+    scores = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"hash_table_score_tables_: last_seen\[0\] and count\[0\] share memory"):
+        torch.ops.sparsekit.hash_table_score_tables_([scores], [scores], torch.tensor([1, 1]), [0, 2], [5])
+    assert not scores.any()
+    table = sk.HashTable(8)
+    tensors = [table._slot_keys, table._slot_rows, table._row_keys, table._count]
+    before = [t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match=r"hash_table_place_tables_: (\w+)\[0\] and \1\[1\] share memory"):
+        torch.ops.sparsekit.hash_table_place_tables_(*([t, t] for t in tensors), torch.tensor([3, 4]), [0, 1, 2],
+                                                     [0, 0])
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    # Tables of their own pass.
+    other = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    torch.ops.sparsekit.hash_table_score_tables_([scores, other[0]], [scores.clone(), other[1]],
+                                                 torch.tensor([1, 2]), [0, 1, 2], [5, 6])

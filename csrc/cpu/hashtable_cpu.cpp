@@ -265,6 +265,12 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
              ": table ", t, "'s scores are not on the rows' device (", rows.device(), ")");
   }
   check_table_offsets(offsets, count.size(), rows.numel(), op);
+  std::vector<TensorUse> uses{{&rows, "rows", 0, false}};
+  for (size_t t = 0; t < count.size(); ++t) {
+    uses.push_back({&last_seen[t], "last_seen", t, true});
+    uses.push_back({&count[t], "count", t, true});
+  }
+  check_no_shared_writes(op, uses);
   const Tensor rows_c = as_contiguous(rows);
   const int64_t* r = rows_c.const_data_ptr<int64_t>();
   std::atomic<int64_t> bad{rows_c.numel()};
@@ -346,6 +352,14 @@ void hash_table_place_tables_cpu(const std::vector<Tensor>& slot_keys, const std
              capacity, " rows, so its ", num_new, " new keys do not fit; nothing was inserted");
     check_hash_insert_fits(sizes[t], num_new, slot_keys[t].size(0), "hash_table_place_tables_");
   }
+  std::vector<TensorUse> uses{{&keys, "keys", 0, false}};
+  for (size_t t = 0; t < num_tables; ++t) {
+    uses.push_back({&slot_keys[t], "slot_keys", t, true});
+    uses.push_back({&slot_rows[t], "slot_rows", t, true});
+    uses.push_back({&row_keys[t], "row_keys", t, true});
+    uses.push_back({&count[t], "count", t, true});
+  }
+  check_no_shared_writes(op, uses);
   std::vector<int64_t*> skeys, srows, rkeys, counts;
   std::vector<uint64_t> masks;
   for (size_t t = 0; t < num_tables; ++t) {

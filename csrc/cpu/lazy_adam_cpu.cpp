@@ -180,48 +180,20 @@ void check_rows(const index_t* rows, int64_t num_rows_given, int64_t num_rows) {
 }
 
 /// @brief Raises when one table's update would write what another table reads or writes
-/// (each table's own tensors were checked by check_lazy_adam_disjoint). Tables may share
-/// what is only read: one rows or gradient tensor for several tables is fine.
+/// (each table's own tensors were checked by check_lazy_adam_disjoint, with their names).
+/// Tables may share what is only read: one rows or gradient tensor for several tables.
 void check_tables_disjoint(const char* op, const std::vector<Tensor>& weights, const std::vector<Tensor>& exp_avgs,
                            const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& rows,
                            const std::vector<Tensor>& grads) {
-  struct Span {
-    const char* begin;
-    const char* end;
-    size_t table;
-  };
-  // Every table's tensors are contiguous here (the gradients after as_contiguous).
-  auto span_of = [](const Tensor& tensor, size_t table) {
-    const char* begin = static_cast<const char*>(tensor.const_data_ptr());
-    return Span{begin, begin + tensor.numel() * static_cast<int64_t>(tensor.element_size()), table};
-  };
-  std::vector<Span> written;
+  std::vector<TensorUse> uses;
   for (size_t t = 0; t < weights.size(); ++t) {
-    for (const Tensor* tensor : {&weights[t], &exp_avgs[t], &exp_avg_sqs[t]}) {
-      if (tensor->numel() > 0) written.push_back(span_of(*tensor, t));
-    }
+    uses.push_back({&weights[t], "weights", t, true});
+    uses.push_back({&exp_avgs[t], "exp_avgs", t, true});
+    uses.push_back({&exp_avg_sqs[t], "exp_avg_sqs", t, true});
+    uses.push_back({&rows[t], "rows", t, false});
+    uses.push_back({&grads[t], "grads", t, false});
   }
-  std::sort(written.begin(), written.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-  for (size_t i = 1; i < written.size(); ++i) {
-    const size_t low = std::min(written[i - 1].table, written[i].table);
-    const size_t high = std::max(written[i - 1].table, written[i].table);
-    SK_CHECK(written[i].begin >= written[i - 1].end, op, ": the tensors of tables ", low, " and ", high,
-             " share memory; every weight, moment and gradient must be a tensor of its own");
-  }
-  // What is read must not lie in another table's written tensors. They are disjoint and
-  // sorted now: only the last one starting before a read span ends can overlap it.
-  for (size_t t = 0; t < weights.size(); ++t) {
-    for (const Tensor* tensor : {&grads[t], &rows[t]}) {
-      if (tensor->numel() == 0) continue;
-      const Span read = span_of(*tensor, t);
-      auto after = std::lower_bound(written.begin(), written.end(), read.end,
-                                    [](const Span& span, const char* at) { return span.begin < at; });
-      if (after == written.begin() || (after - 1)->end <= read.begin) continue;
-      SK_CHECK(false, op, ": ", tensor == &rows[t] ? "rows[" : "grads[", t,
-               "] shares memory with the tensors of table ", (after - 1)->table,
-               "; every weight, moment and gradient must be a tensor of its own");
-    }
-  }
+  check_no_shared_writes(op, uses);
 }
 
 }  // namespace
