@@ -38,22 +38,25 @@ inline void check_index_tensor(const Tensor& index, const char* op, const char* 
               " must be an int64 or int32 tensor, got ", index.scalar_type());
 }
 
-/// @brief Whether the bytes two tensors span intersect (each span from its first element to
-/// its last, whatever the strides in between: a conservative test for strided views).
+/// @brief The bytes a tensor spans, [begin, end): from its lowest-addressed element to its
+/// highest, whatever the strides in between (a conservative extent for strided views).
+inline std::pair<const char*, const char*> memory_span(const Tensor& t) {
+  const char* base = static_cast<const char*>(t.const_data_ptr());
+  int64_t low = 0, high = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d);
+    (reach < 0 ? low : high) += reach;
+  }
+  const int64_t size = static_cast<int64_t>(t.element_size());
+  return {base + low * size, base + (high + 1) * size};
+}
+
+/// @brief Whether the bytes two tensors span intersect (memory_span: a conservative test for
+/// strided views).
 inline bool memory_overlaps(const Tensor& a, const Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
-  auto span = [](const Tensor& t) {
-    const char* begin = static_cast<const char*>(t.const_data_ptr());
-    int64_t low = 0, high = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      const int64_t reach = (t.size(d) - 1) * t.stride(d);
-      (reach < 0 ? low : high) += reach;
-    }
-    return std::make_pair(begin + low * static_cast<int64_t>(t.element_size()),
-                          begin + (high + 1) * static_cast<int64_t>(t.element_size()));
-  };
-  const auto [a_begin, a_end] = span(a);
-  const auto [b_begin, b_end] = span(b);
+  const auto [a_begin, a_end] = memory_span(a);
+  const auto [b_begin, b_end] = memory_span(b);
   return a_begin < b_end && b_begin < a_end;
 }
 
@@ -68,7 +71,7 @@ struct TensorUse {
 
 /// @brief Raises naming `op` when a tensor the op writes shares memory with any other tensor
 /// of the call (tensors it only reads may share memory among themselves: one rows tensor
-/// for several tables). Each tensor counts by the bytes from its first to its last element.
+/// for several tables). Each tensor counts by its memory_span.
 /// One sort and one sweep, so calls with hundreds of tables stay cheap.
 inline void check_no_shared_writes(const char* op, const std::vector<TensorUse>& uses) {
   struct Span {
@@ -79,16 +82,9 @@ inline void check_no_shared_writes(const char* op, const std::vector<TensorUse>&
   std::vector<Span> spans;
   spans.reserve(uses.size());
   for (size_t u = 0; u < uses.size(); ++u) {
-    const Tensor& t = *uses[u].tensor;
-    if (t.numel() == 0) continue;
-    const char* base = static_cast<const char*>(t.const_data_ptr());
-    int64_t low = 0, high = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      const int64_t reach = (t.size(d) - 1) * t.stride(d);
-      (reach < 0 ? low : high) += reach;
-    }
-    const int64_t size = static_cast<int64_t>(t.element_size());
-    spans.push_back({base + low * size, base + (high + 1) * size, u});
+    if (uses[u].tensor->numel() == 0) continue;
+    const auto [begin, end] = memory_span(*uses[u].tensor);
+    spans.push_back({begin, end, u});
   }
   // Stable: tensors that start together are named in the order the call lists them.
   std::stable_sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });

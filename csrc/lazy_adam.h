@@ -2,18 +2,15 @@
 // Argument checks and scalar set-up shared by the CPU and CUDA lazy_adam_ kernels.
 #include <cmath>
 #include <string>
-#include <utility>
 
 #include "common.h"
 
 namespace sparsekit {
 
-/// @brief Checks everything about a lazy_adam_ call that does not need to read rows.
-/// @brief The update reads grad and writes weight and both moments row by row: memory shared
-/// by any two of them (exp_avg passed as weight, grad a view of weight) would be read after
-/// it was written, a silently wrong step.
-/// rows too: read while weight and the moments are written, a row index overwritten by the
-/// update would send the next update anywhere (out of bounds: a crash).
+/// @brief The update reads rows and grad and writes weight and both moments row by row:
+/// memory shared by a written tensor and any other (exp_avg passed as weight, grad a view of
+/// weight) would be read after it was written, a silently wrong step; a row index
+/// overwritten by the update would send the next update anywhere (out of bounds: a crash).
 inline void check_lazy_adam_disjoint(const char* op, const Tensor& weight, const Tensor& exp_avg,
                                      const Tensor& exp_avg_sq, const Tensor& rows, const Tensor& grad) {
   const Tensor* named[] = {&weight, &exp_avg, &exp_avg_sq, &grad, &rows};
@@ -27,6 +24,7 @@ inline void check_lazy_adam_disjoint(const char* op, const Tensor& weight, const
   }
 }
 
+/// @brief Checks everything about a lazy_adam_ call that does not need to read rows.
 inline void check_lazy_adam_args(const Tensor& weight, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                                  const Tensor& rows, const Tensor& grad, int64_t step, double lr,
                                  double beta1, double beta2, double eps, double weight_decay) {
