@@ -165,14 +165,7 @@ def _check_state_dict_keys(module: nn.Module, state_dict: Mapping[str, Any], str
     (nn.Module raises its TypeError)."""
     if not strict or not isinstance(state_dict, Mapping):
         return
-    expected: Dict[str, None] = {}  # an ordered set, in nn.Module's order
-    for name, sub in module.named_modules(remove_duplicate=False):
-        prefix = f"{name}." if name else ""
-        for key, value in itertools.chain(sub._parameters.items(), sub._buffers.items()):
-            if value is not None and key not in sub._non_persistent_buffers_set:
-                expected[prefix + key] = None
-        if type(sub).get_extra_state is not nn.Module.get_extra_state:
-            expected[prefix + "_extra_state"] = None
+    expected = module.state_dict(keep_vars=True).keys()  # the entries a strict load needs, in order
     errors = []
     missing = [key for key in expected if key not in state_dict]
     if missing:
