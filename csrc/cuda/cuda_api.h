@@ -46,6 +46,7 @@ __global__ void fill_sequence_kernel(T* out, int64_t n, T start, T step) {
 inline Tensor int64_sequence_cuda(int64_t n, int64_t start, int64_t step, const Tensor& like) {
   Tensor out = empty({n}, kLong, like.device());
   if (n == 0) return out;
+  const DeviceGuard device_guard(like.get_device_index());  // the launch goes to like's device
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65535);
   fill_sequence_kernel<int64_t><<<static_cast<unsigned>(blocks), threads, 0, current_stream(like)>>>(

@@ -103,6 +103,7 @@ __global__ void count_occupied_kernel(const int64_t* __restrict__ slot_rows, int
 /// @brief The number of occupied slots (rows >= 0), on the host: a sync.
 int64_t count_occupied(const Tensor& slot_rows) {
   const int64_t num_slots = slot_rows.size(0);
+  const DeviceGuard device_guard(slot_rows.get_device_index());
   Tensor count = zeros({1}, kLong, slot_rows.device());
   const cudaStream_t stream = current_stream(slot_rows);
   count_occupied_kernel<<<std::min<int64_t>(blocks_for(num_slots), 1024), kThreads, 0, stream>>>(
