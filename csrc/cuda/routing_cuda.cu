@@ -108,7 +108,8 @@ std::tuple<Tensor, Tensor, Tensor> partition_by_owner_cuda(const Tensor& keys,
     SK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
         nullptr, temp_bytes, owners.const_data_ptr<int32_t>(), sorted_owners.mutable_data_ptr<int32_t>(),
         input_order.const_data_ptr<int64_t>(), order.mutable_data_ptr<int64_t>(), n, 0, end_bit, stream));
-    Tensor temp = empty({static_cast<int64_t>(temp_bytes)}, kByte, keys.device());
+    // At least one byte: a null temp pointer would make the second call a size query.
+    Tensor temp = empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))}, kByte, keys.device());
     SK_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
         temp.mutable_data_ptr(), temp_bytes, owners.const_data_ptr<int32_t>(),
         sorted_owners.mutable_data_ptr<int32_t>(), input_order.const_data_ptr<int64_t>(),

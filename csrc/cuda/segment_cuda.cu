@@ -430,7 +430,11 @@ void segment_sum_atomic(const Tensor& data, const Tensor& ids, Tensor& out, int6
   using acc_t = acc_type<scalar_t>;
   constexpr int kWide = 16 / sizeof(scalar_t);
   // float16/bfloat16 sum in float32 and round once, as on the CPU.
-  Tensor acc = std::is_same_v<acc_t, scalar_t> ? out : zeros(out.sizes(), kFloat, out.device());
+  Tensor acc = std::is_same_v<acc_t, scalar_t>
+                   ? out
+                   : allocate_or_fail("segment_sum", "num_segments=" + std::to_string(num_segments) +
+                                                         " (the float32 accumulator)",
+                                      [&] { return zeros(out.sizes(), kFloat, out.device()); });
   if (pick_vec<scalar_t>(data.data_ptr(), dim) == kWide) {
     launch_atomic<scalar_t, id_t, kWide>(data, ids, acc, dim, num_segments, bad_id, stream);
   } else {
@@ -513,7 +517,9 @@ void segment_sum_sorted(const Tensor& data, const Tensor& ids, Tensor& out, int6
   const key_t* sorted_keys = sort_keys.Current();
   const pos_t* sorted_pos = sort_pos.Current();
 
-  Tensor bounds = empty({2, num_segments}, pos_dtype, ids.device());
+  Tensor bounds = allocate_or_fail("segment_sum", "num_segments=" + std::to_string(num_segments) +
+                                                      " (the segments' bounds)",
+                                   [&] { return empty({2, num_segments}, pos_dtype, ids.device()); });
   pos_t* seg_begin = bounds.mutable_data_ptr<pos_t>();
   pos_t* seg_end = seg_begin + num_segments;
   SK_CUDA_CHECK(cudaMemsetAsync(seg_begin, 0, 2 * num_segments * sizeof(pos_t), stream));

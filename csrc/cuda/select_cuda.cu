@@ -27,6 +27,26 @@ __global__ void min_max_kernel(SelectColumns cols, SelectState state, const bool
     lo = v < lo ? v : lo;
     hi = v > hi ? v : hi;
   }
+  // One atomic pair per block, not per thread: the block's extremes are reduced first (a
+  // thread that saw no entry holds the identities ~0 and 0). blockDim.x is kThreads, whole
+  // warps, and every thread gets here, so the full-mask shuffles are safe.
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const unsigned long long other_lo = __shfl_down_sync(0xffffffffu, lo, offset);
+    const unsigned long long other_hi = __shfl_down_sync(0xffffffffu, hi, offset);
+    lo = other_lo < lo ? other_lo : lo;
+    hi = other_hi > hi ? other_hi : hi;
+  }
+  __shared__ unsigned long long warp_lo[kThreads / 32], warp_hi[kThreads / 32];
+  if (threadIdx.x % 32 == 0) {
+    warp_lo[threadIdx.x / 32] = lo;
+    warp_hi[threadIdx.x / 32] = hi;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kThreads / 32; ++w) {
+    lo = warp_lo[w] < lo ? warp_lo[w] : lo;
+    hi = warp_hi[w] > hi ? warp_hi[w] : hi;
+  }
   if (lo <= hi) {
     atomicMin(extremes, lo);
     atomicMax(extremes + 1, hi);
@@ -109,17 +129,17 @@ Tensor select_smallest_cuda(const std::vector<Tensor>& columns, const Tensor& el
   state.settle(cols.num_columns);
   Tensor scratch = empty({kSelectBins}, kLong, eligible.device());
   auto* scratch_ptr = reinterpret_cast<unsigned long long*>(scratch.mutable_data_ptr<int64_t>());
-  std::vector<int64_t> host(kSelectBins);
   while (!state.done) {
     if (state.wants_min_max()) {
       const int64_t init[2] = {-1, 0};  // all ones (the largest unsigned), zero
       SK_CUDA_CHECK(cudaMemcpyAsync(scratch_ptr, init, sizeof(init), cudaMemcpyHostToDevice, stream));
       min_max_kernel<<<blocks, kThreads, 0, stream>>>(cols, state, ok, n, scratch_ptr);
       SK_CUDA_KERNEL_LAUNCH_CHECK();
-      // Host sync: the bucket's extremes.
-      SK_CUDA_CHECK(cudaMemcpyAsync(host.data(), scratch_ptr, 2 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
-      SK_CUDA_CHECK(cudaStreamSynchronize(stream));
-      state.step_min_max(static_cast<uint64_t>(host[0]), static_cast<uint64_t>(host[1]), cols.num_columns);
+      // Host sync: the bucket's extremes (through torch's copy, which
+      // torch.cuda.set_sync_debug_mode sees).
+      const Tensor extremes = cpu(slice0(scratch, 0, 2));
+      const int64_t* read = extremes.const_data_ptr<int64_t>();
+      state.step_min_max(static_cast<uint64_t>(read[0]), static_cast<uint64_t>(read[1]), cols.num_columns);
       continue;
     }
     const int bins = 1 << state.digit_bits();
@@ -127,9 +147,8 @@ Tensor select_smallest_cuda(const std::vector<Tensor>& columns, const Tensor& el
     histogram_kernel<<<blocks, kThreads, 0, stream>>>(cols, state, ok, n, bins, scratch_ptr);
     SK_CUDA_KERNEL_LAUNCH_CHECK();
     // Host sync: the histogram of the bucket's next digit.
-    SK_CUDA_CHECK(cudaMemcpyAsync(host.data(), scratch_ptr, bins * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
-    SK_CUDA_CHECK(cudaStreamSynchronize(stream));
-    state.step_histogram(host.data(), cols.num_columns);
+    const Tensor histogram = cpu(slice0(scratch, 0, bins));
+    state.step_histogram(histogram.const_data_ptr<int64_t>(), cols.num_columns);
   }
 
   Tensor side = empty({n}, kChar, eligible.device());

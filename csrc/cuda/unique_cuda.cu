@@ -74,7 +74,9 @@ __global__ void __launch_bounds__(kInsertThreads)
     const pos_t me = static_cast<pos_t>(i);
     uint64_t slot = mix_key(static_cast<int64_t>(key)) & mask;
     while (true) {
-      pos_t held = table[slot];
+      // A volatile read: other threads CAS this slot concurrently (a stale -1 only sends
+      // this thread to the CAS, which sees the truth).
+      pos_t held = *reinterpret_cast<volatile pos_t*>(table + slot);
       if (held == kEmpty) {
         held = atomic_cas(table + slot, kEmpty, me);
         if (held == kEmpty) break;  // claimed an empty slot
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(kOutputThreads)
     unsigned int slot = (static_cast<unsigned int>(id[k]) * 2654435769u) >> (32 - kCountSlotBits);
     bool counted = false;
     for (int probe = 0; probe < kCountProbes; ++probe) {
-      pos_t held = tile_ids[slot];
+      pos_t held = *reinterpret_cast<volatile pos_t*>(&tile_ids[slot]);  // CASed by the block's threads
       if (held == kEmpty) held = atomic_cas(&tile_ids[slot], kEmpty, id[k]);
       if (held == kEmpty || held == id[k]) {
         atomicAdd(&tile_counts[slot], 1u);
