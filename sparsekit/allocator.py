@@ -1,4 +1,5 @@
-"""Process-wide CPU allocator setting for training loops: keep freed memory for reuse.
+"""CPU memory for training: keep freed memory for reuse (a process-wide allocator setting),
+and tables read at random rows in huge pages (:func:`table_full`).
 
 A CPU training step allocates and frees the same large temporaries (gathered vectors,
 gradients, key buffers of a few MB) every step. glibc's ``malloc`` serves blocks above its
@@ -23,7 +24,9 @@ import ctypes
 import ctypes.util
 import platform
 
-__all__ = ["keep_freed_memory"]
+import torch
+
+__all__ = ["keep_freed_memory", "table_full", "table_zeros"]
 
 # mallopt parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -72,3 +75,69 @@ def keep_freed_memory(mmap_threshold: int = _MAX_MMAP_THRESHOLD, trim_threshold:
 def freed_memory_kept() -> bool:
     """Whether :func:`keep_freed_memory` has taken effect in this process."""
     return _applied
+
+
+# ---- tables in huge pages ----
+
+# madvise advice (Linux's mman-common.h, the same value on every architecture).
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 1 << 21
+# Tables from this size go in huge pages (see table_full).
+_HUGE_TABLE_BYTES = 256 << 20
+_madvise = None
+
+
+def _libc_madvise():
+    """glibc's ``madvise`` through ctypes, or None where there is none (cached)."""
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        if platform.system() == "Linux":
+            try:
+                function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+            except (OSError, AttributeError):
+                function = None
+            if function is not None:
+                function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                function.restype = ctypes.c_int
+                _madvise = function
+    return _madvise or None
+
+
+def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.full(shape, fill_value)`` for a table read at random rows (an embedding
+    weight, its Adam moments, a hash table's slots): on a Linux CPU, a table of at least
+    ``_HUGE_TABLE_BYTES`` (256 MiB) asks for transparent huge pages (``MADV_HUGEPAGE``)
+    before the fill first touches its pages.
+
+    A lookup of a random row in a table far larger than the TLB's reach costs a page walk
+    per row with 4 KiB pages; with 2 MiB pages a few thousand TLB entries cover gigabytes.
+    1M x 16/64/128 float32, 16384 bags of 20 uniform rows, one thread: ``embedding_bag``
+    took 1.35 / 4.18 / 9.20 ms in huge pages against 1.87 / 6.13 / 11.67 ms without
+    (``nn.EmbeddingBag`` gained alike); a layer's training step over 3.1M keys (4M x 64
+    rows) x1.11 (0.91-1.36), at D = 16 x1.05. The price is paid once, when the table is
+    made: on the 2-core VM of the benchmarks a fresh huge page faulted in slowly (a layer of
+    1M x 16 rows with its moments took 0.2-0.9 s to build instead of 0.08 s), which a
+    short run never earns back, hence the threshold: a table of 256 MiB serves a long
+    training run. The hint costs no memory, since the fill touches every page anyway;
+    where THP is off (``never``) or this is not Linux it changes nothing, and any failure
+    of it is ignored.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    if device.type != "cpu":
+        return torch.full(shape, fill_value, dtype=dtype, device=device)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    madvise = _libc_madvise() if nbytes >= _HUGE_TABLE_BYTES else None
+    if madvise is not None:
+        begin = out.data_ptr()
+        first = (begin + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+        last = (begin + nbytes) & ~(_HUGE_PAGE - 1)
+        if last > first:
+            madvise(first, last - first, _MADV_HUGEPAGE)
+    return out.fill_(fill_value)
+
+
+def table_zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``table_full(shape, 0, ...)``: a zeroed table, in huge pages when it is large."""
+    return table_full(shape, 0, dtype, device)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from . import ops
 from ._checks import allocation
+from .allocator import table_full, table_zeros
 
 __all__ = ["HashTable", "HashTableFullError"]
 
@@ -183,13 +184,13 @@ class HashTable:
         self._eviction = eviction
         slots = _slot_count(capacity)
         with allocation(f"HashTable: capacity={capacity} ({slots} slots, 2 arrays)", (slots,), torch.int64, device):
-            self._slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
-            self._slot_rows = torch.full((slots,), -1, dtype=torch.int64, device=device)
+            self._slot_keys = table_zeros(slots, torch.int64, device)
+            self._slot_rows = table_full((slots,), -1, torch.int64, device)
         with allocation(f"HashTable: capacity={capacity} (keys and scores of every row)", (3, capacity),
                         torch.int64, device):
-            self._row_keys = torch.zeros(capacity, dtype=torch.int64, device=device)
-            self._last_seen = torch.zeros(capacity, dtype=torch.int64, device=device)
-            self._count = torch.zeros(capacity, dtype=torch.int64, device=device)
+            self._row_keys = table_zeros(capacity, torch.int64, device)
+            self._last_seen = table_zeros(capacity, torch.int64, device)
+            self._count = table_zeros(capacity, torch.int64, device)
         self._size = 0
         self._tombstones = 0
         self._clock = 0

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
 
 from . import ops
+from .allocator import table_zeros
 
 __all__ = ["LazyAdam"]
 
@@ -22,6 +23,15 @@ _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 def _step_dtype() -> torch.dtype:
     # The dtype torch.optim.Adam gives its step tensor, so state dicts are interchangeable.
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _moment_zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
+    """A zeroed Adam moment of ``param``'s shape: in huge pages on the CPU (the rows of an
+    embedding's moments are read and written at random, as its weight's), in its layout
+    otherwise."""
+    if param.is_contiguous():
+        return table_zeros(param.shape, dtype, param.device)
+    return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
 
 class LazyAdam(torch.optim.Optimizer):
@@ -173,8 +183,8 @@ class LazyAdam(torch.optim.Optimizer):
             # A float16 / bfloat16 embedding shard keeps float32 moments (and is updated in
             # float32, then rounded to nearest): see _lazy_adam_rows.
             dtype = torch.float32 if _half_shard(param) else param.dtype
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = _moment_zeros(param, dtype)
+            state["exp_avg_sq"] = _moment_zeros(param, dtype)
         return state
 
     @staticmethod

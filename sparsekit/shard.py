@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from . import ops
 from ._checks import allocation, bool_argument
+from .allocator import table_zeros
 from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
@@ -245,7 +246,7 @@ class _ModelParallelEmbedding(nn.Module):
         self.owner_offset = owner_offset
         with allocation(f"{name}: {self._capacity_argument}={max_vocabulary_size_per_gpu} x embedding_vec_size="
                         f"{embedding_vec_size} (the local shard)", shape, dtype, device or "cpu"):
-            self.weight = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
+            self.weight = nn.Parameter(table_zeros(shape, dtype, device))
         self._grad_marker = _CoalescedGradMarker()
         if self.use_hashtable:
             # Rows are initialised when their key is first inserted.

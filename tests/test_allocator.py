@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import sparsekit as sk
 
@@ -68,3 +69,73 @@ def test_keep_freed_memory_reports_success_and_is_recorded():
 def test_keep_freed_memory_rejects_bad_thresholds(kwargs, name):
     with pytest.raises(ValueError, match=name):
         sk.keep_freed_memory(**kwargs)
+
+
+# ---- tables in huge pages ----
+
+from sparsekit import allocator  # noqa: E402
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.parametrize("shape, fill, dtype", [((5, 3), 0, torch.float32), ((1 << 20,), -1, torch.int64),
+                                                ((3 << 18, 4), 0, torch.bfloat16), ((0, 16), 0, torch.float32)])
+def test_table_full_is_torch_full(shape, fill, dtype):
+    table = allocator.table_full(shape, fill, dtype, "cpu")
+    assert table.shape == shape and table.dtype == dtype and table.is_contiguous()
+    assert torch.equal(table, torch.full(shape, fill, dtype=dtype))
+    assert torch.equal(allocator.table_zeros(shape, dtype, None), torch.zeros(shape, dtype=dtype))
+
+
+def test_table_full_advises_the_aligned_interior_of_large_tables(monkeypatch):
+    calls = []
+    monkeypatch.setattr(allocator, "_libc_madvise", lambda: lambda address, length, advice: calls.append(
+        (address, length, advice)) or 0)
+    huge = 1 << 21
+    table = allocator.table_zeros((allocator._HUGE_TABLE_BYTES // 4 + 5,), torch.float32, "cpu")
+    (address, length, advice), = calls
+    begin, end = table.data_ptr(), table.data_ptr() + table.numel() * 4
+    assert advice == 14 and address % huge == 0 and length % huge == 0 and length > 0
+    assert begin <= address and address + length <= end and address - begin < huge and end - address - length < huge
+    calls.clear()
+    allocator.table_zeros((allocator._HUGE_TABLE_BYTES // 4 - 1,), torch.float32, "cpu")  # below the threshold
+    assert calls == []
+
+
+def test_layer_tables_and_moments_use_table_full(monkeypatch):
+    sizes = []
+    original = allocator.table_full
+
+    def spy(shape, fill_value, dtype, device):
+        sizes.append((tuple(shape) if not isinstance(shape, int) else (shape,), dtype))
+        return original(shape, fill_value, dtype, device)
+    monkeypatch.setattr(allocator, "table_full", spy)
+    layer = sk.DistributedEmbedding("sum", 1000, 8, 1, 1, use_hashtable=True)
+    optimizer = sk.LazyAdam(layer.parameters())
+    layer(torch.tensor([[[1]], [[2]]])).sum().backward()
+    optimizer.step()
+    assert sizes.count(((1000, 8), torch.float32)) == 3  # the weight and its two moments
+    assert any(dtype == torch.int64 and shape[0] >= 1000 for shape, dtype in sizes)  # the hash table's slots
+
+
+@pytest.mark.skipif(not GLIBC or _thp_mode() == "never", reason="transparent huge pages are off here")
+def test_a_large_table_faults_in_huge_pages():
+    code = textwrap.dedent("""
+        import resource
+        import torch
+        from sparsekit import allocator
+        torch.set_num_threads(1)
+        allocator.table_zeros((1 << 10,), torch.float32, "cpu")  # warm up the code paths
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        table = allocator.table_zeros((1 << 26,), torch.float32, "cpu")  # 256 MiB
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    """)
+    faults = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    # 65,536 faults in 4 KiB pages; 128 huge pages and the unaligned ends (<= 1,024) in huge ones.
+    assert faults < 8192, faults
