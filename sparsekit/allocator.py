@@ -123,6 +123,7 @@ def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
     where THP is off (``never``) or this is not Linux it changes nothing, and any failure
     of it is ignored.
     """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     device = torch.device(device if device is not None else "cpu")
     if device.type != "cpu":
         return torch.full(shape, fill_value, dtype=dtype, device=device)

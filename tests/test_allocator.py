@@ -91,6 +91,9 @@ def test_table_full_is_torch_full(shape, fill, dtype):
     assert table.shape == shape and table.dtype == dtype and table.is_contiguous()
     assert torch.equal(table, torch.full(shape, fill, dtype=dtype))
     assert torch.equal(allocator.table_zeros(shape, dtype, None), torch.zeros(shape, dtype=dtype))
+    for device in ("meta", torch.device("cpu")):  # a size as an int, on every device
+        assert allocator.table_full(shape[0], fill, dtype, device).shape == shape[:1]
+        assert allocator.table_full(list(shape), fill, dtype, device).device.type == torch.device(device).type
 
 
 def test_table_full_advises_the_aligned_interior_of_large_tables(monkeypatch):
