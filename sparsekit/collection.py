@@ -540,6 +540,14 @@ class EmbeddingBagCollection(nn.Module):
 
     # -- module plumbing ------------------------------------------------------------------------
 
+    def reset_parameters(self) -> None:
+        """Puts every table's shard on this rank back in a new collection's state, in place
+        (after ``to_empty()``, say): direct tables get their initial rows again, hash tables
+        forget every key (see ``DistributedEmbedding.reset_parameters``). Optimizer state is
+        not touched. Local: no collective."""
+        for shard in self._shards:
+            shard.reset_parameters()
+
     def __deepcopy__(self, memo: Dict[int, Any]) -> EmbeddingBagCollection:
         """An independent copy (its own tables, weights, flags and totals) over the same
         process group; each table's weight keeps its marks (see ``_deepcopy_sharing_group``)."""

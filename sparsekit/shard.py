@@ -267,8 +267,37 @@ class _ModelParallelEmbedding(nn.Module):
             self._fresh_rows = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.bool, device=self.weight.device)
         self._mark_weight()
         if self.hash_table is None:
-            with torch.no_grad():
-                self.weight.copy_(self.initial_rows(self.owned_keys()))
+            self._initialize_direct_rows()
+
+    def _initialize_direct_rows(self) -> None:
+        """Gives every row of a direct (``use_hashtable=False``) table its key's initial values."""
+        with torch.no_grad():
+            self.weight.copy_(self.initial_rows(self.owned_keys()))
+
+    def reset_parameters(self) -> None:
+        """Puts this rank's shard back in a new layer's state, in place (``nn.Module``'s
+        convention, e.g. after ``to_empty()`` from the meta device): a direct table's rows get
+        their keys' initial values again; a hash table forgets every key, pending admission
+        and its clock, its weight is zeroed (a row is initialised when a key is inserted),
+        and the eviction / admission totals restart. The weight stays the same ``Parameter``
+        (an optimizer keeps it), but optimizer state is not touched: make the optimizer
+        after the reset, as with ``torch.nn`` layers. Local: no collective, every rank
+        resets its own shard.
+        """
+        if self.hash_table is None:
+            self._initialize_direct_rows()
+            return
+        with torch.no_grad():
+            self.weight.zero_()
+        self.hash_table.clear()
+        self.hash_table._clock = 0
+        if self._pending is not None:
+            self._pending.clear()
+            self._pending._clock = 0
+        if self._fresh_rows is not None:
+            self._fresh_rows.zero_()
+        self._evicted = 0
+        self._admitted = 0
 
     # -- keys, rows and initial values ------------------------------------------------------
 

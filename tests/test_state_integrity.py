@@ -503,3 +503,45 @@ def test_to_empty_turns_a_meta_layer_and_collection_into_empty_real_ones(evictio
             optimizer.zero_grad()
         # The layer's one table holds both keys; each of the collection's tables one.
         assert [len(shard.hash_table) for shard in shards] == ([2] if model is layer else [1, 1])
+
+
+@pytest.mark.parametrize("eviction, admit_after", [(None, 1), ("lru", 1), ("lfu", 2)])
+def test_reset_parameters_gives_a_trained_model_a_new_ones_state(eviction, admit_after):
+    """reset_parameters (nn.Module's convention, e.g. after to_empty): each shard ends equal
+    to a freshly built one (weights, tables, clocks, totals), in place, and trains again."""
+    def build(device="cpu"):
+        return (sk.DistributedEmbedding("sum", 100, 4, 1, 1, device=device, eviction=eviction,
+                                        admit_after=admit_after),
+                sk.DistributedEmbedding("sum", 100, 4, 1, 1, device=device, use_hashtable=False),
+                sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 100, ["f"], use_hashtable=False),
+                                           sk.TableConfig("b", 8, 50, ["g"], eviction=eviction,
+                                                          admit_after=admit_after)], device=device))
+
+    def train(model, steps):
+        optimizer = sk.LazyAdam(model.parameters(), lr=0.1)
+        for step in range(steps):
+            if isinstance(model, sk.EmbeddingBagCollection):
+                loss = sum(v.sum() for v in model(sk.KeyedJagged(["f", "g"], torch.tensor([1 + step, 2, 3]),
+                                                                 lengths=torch.tensor([1, 1, 1, 0]))).values())
+            else:
+                loss = model(torch.tensor([[[1 + step]], [[2]]])).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    for trained, new in zip(build(), build()):
+        train(trained, 3)
+        weights = [p for p in trained.parameters()]
+        trained.reset_parameters()
+        assert [p for p in trained.parameters()] == weights  # the same Parameters, in place
+        torch.testing.assert_close(trained.state_dict(), new.state_dict(), rtol=0, atol=0)
+        train(trained, 2)
+        train(new, 2)
+        torch.testing.assert_close(trained.state_dict(), new.state_dict(), rtol=0, atol=0)
+
+    # From the meta device: to_empty leaves a direct table's rows uninitialised; the reset
+    # gives them their initial values.
+    for empty, new in zip(build("meta"), build()):
+        empty.to_empty(device="cpu")
+        empty.reset_parameters()
+        torch.testing.assert_close(empty.state_dict(), new.state_dict(), rtol=0, atol=0)
