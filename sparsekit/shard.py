@@ -121,7 +121,11 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
     new keys, rows and scores) would fail halfway and leave a table half changed: one under
     a torch.func transform (grad, vmap, ...: the kernels read raw data pointers, and a
     training step inserts keys), or a training forward outside inference mode of a layer
-    whose tables were made inside it (inference tensors cannot be changed outside)."""
+    whose tables were made inside it (inference tensors cannot be changed outside). Nor
+    can a layer on the meta device look anything up: its tables hold no data."""
+    if any(shard.weight.is_meta for shard in shards):
+        raise RuntimeError(f"{name}: its tables are on the meta device and hold no data; give them memory first "
+                           "(model.to_empty(device=...), then reset_parameters() or load_state_dict)")
     if torch._C._are_functorch_transforms_active():
         raise RuntimeError(f"{name}: torch.func transforms (grad, vmap, functional_call under them, ...) are not "
                            "supported: the lookup's kernels read raw memory and a training step inserts keys into "

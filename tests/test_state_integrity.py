@@ -545,3 +545,13 @@ def test_reset_parameters_gives_a_trained_model_a_new_ones_state(eviction, admit
         empty.to_empty(device="cpu")
         empty.reset_parameters()
         torch.testing.assert_close(empty.state_dict(), new.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_forward_on_the_meta_device_says_to_give_the_tables_memory(training):
+    layer = sk.DistributedEmbedding("sum", 100, 4, 1, 1, device="meta").train(training)
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 10, ["f"])], device="meta").train(training)
+    with pytest.raises(RuntimeError, match=r"DistributedEmbedding: its tables are on the meta device .*to_empty"):
+        layer(torch.tensor([[[1]]]))
+    with pytest.raises(RuntimeError, match=r"EmbeddingBagCollection: its tables are on the meta device"):
+        collection(sk.KeyedJagged(["f"], torch.tensor([1]), lengths=torch.tensor([1])))
