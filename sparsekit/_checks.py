@@ -137,3 +137,59 @@ def float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
     """``tensor`` is float32, float64, float16 or bfloat16."""
     if tensor.dtype not in FLOAT_DTYPES:
         raise RuntimeError(f"{op}: {name} must be float32, float64, float16 or bfloat16, got {tensor.dtype}")
+
+
+def shown(value: Any) -> Any:
+    """``value`` for a message: a traced size (a SymInt, as the fakes see sizes) by the value
+    it was traced with, where it has one."""
+    node = getattr(value, "node", None)
+    if isinstance(value, torch.SymInt) and node is not None and node.has_hint():
+        return node.hint
+    return value
+
+
+def shape_of(tensor: torch.Tensor) -> list:
+    """``tensor``'s shape for a message (:func:`shown` sizes)."""
+    return [shown(size) for size in tensor.shape]
+
+
+def hash_table_slots(op: str, slot_keys: torch.Tensor, slot_rows: torch.Tensor, index: str = "") -> None:
+    """The slot arrays of one table (the C++ check_hash_table_slots): int64, 1-D, one length,
+    a power of two, contiguous. ``index`` (``"[t]"``) names a table of a multi-table op."""
+    keys, rows = f"slot_keys{index}", f"slot_rows{index}"
+    for name, tensor in ((keys, slot_keys), (rows, slot_rows)):
+        if tensor.dtype != torch.int64:
+            raise RuntimeError(f"{op}: {name} must be int64, got {tensor.dtype}")
+    torch._check(slot_keys.dim() == 1 and slot_rows.dim() == 1,
+                 lambda: f"{op}: {keys} and {rows} must be 1-D [S], got shapes {shape_of(slot_keys)} and "
+                         f"{shape_of(slot_rows)}")
+    slots = slot_keys.shape[0]
+    torch._check(slots == slot_rows.shape[0],
+                 lambda: f"{op}: {keys} has {shown(slots)} slots but {rows} has {shown(slot_rows.shape[0])}; they "
+                         "must match")
+    torch._check(slots > 0 and (slots & (slots - 1)) == 0,
+                 lambda: f"{op}: the slot count must be a power of two (index = hash & (S - 1)), got {shown(slots)}")
+    torch._check(slot_keys.is_contiguous() and slot_rows.is_contiguous(),
+                 lambda: f"{op}: {keys} and {rows} must be contiguous")
+
+
+def csr_offsets(op: str, offsets: Sequence[int], n) -> None:
+    """CSR bounds over ``n`` entries (the C++ check_table_offsets, after its length check):
+    ``offsets[0] == 0``, ``offsets[-1] == n``, never decreasing."""
+    def message() -> str:
+        return f"{op}: offsets must run from 0 to {shown(n)}, got {shown(offsets[0])} .. {shown(offsets[-1])}"
+
+    torch._check(offsets[0] == 0, message)
+    torch._check(offsets[-1] == n, message)
+    for i in range(len(offsets) - 1):
+        torch._check(offsets[i] <= offsets[i + 1],
+                     lambda: f"{op}: offsets must never decrease, got offsets[{i}] = {shown(offsets[i])} > "
+                             f"offsets[{i + 1}] = {shown(offsets[i + 1])}")
+
+
+def cpu_only(op: str, name: str, tensor: torch.Tensor) -> None:
+    """An op with a CPU kernel only: on another device the dispatcher finds no kernel and
+    raises NotImplementedError (a RuntimeError), so its fake does too, naming the argument.
+    A meta tensor passes: the fake is the op's meta kernel."""
+    if tensor.device.type not in ("cpu", "meta"):
+        raise NotImplementedError(f"{op}: {name} is on {tensor.device}, but the op has a CPU kernel only")

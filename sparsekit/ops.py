@@ -15,12 +15,11 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
-from ._checks import allocation, float_dtype, index_dtype, integer_argument, same_device
+from ._checks import FLOAT_DTYPES, allocation, cpu_only, csr_offsets, float_dtype, hash_table_slots, index_dtype
+from ._checks import integer_argument, same_device, shape_of, shown
 from ._checks import type_name as _type_name
 
 _ops = torch.ops.sparsekit
-
-_INT_KEY_DTYPES = (torch.int64, torch.int32)
 
 
 # ---- argument types of the wrappers ----
@@ -80,9 +79,20 @@ def _unique_fake(keys: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 @torch.library.register_fake("sparsekit::unique_tables")
 def _unique_tables_fake(keys: Tensor, offsets: List[int], tables: List[int],
                         num_tables: int) -> Tuple[Tensor, Tensor, Tensor]:
-    index_dtype("unique_tables", "keys", keys, "tensor of keys")
-    torch._check(keys.dim() == 1, lambda: "unique_tables: keys must be 1-D")
-    torch._check(len(offsets) == len(tables) + 1, lambda: "unique_tables: offsets must hold one more entry than tables")
+    op = "unique_tables"
+    index_dtype(op, "keys", keys, "tensor of keys")
+    cpu_only(op, "keys", keys)
+    torch._check(keys.dim() == 1, lambda: f"unique_tables: keys must be 1-D, got shape {shape_of(keys)}")
+    # Per-table bookkeeping is allocated for every table (the kernel's bound).
+    torch._check(0 <= num_tables <= 1 << 20,
+                 lambda: f"unique_tables: num_tables must lie in [0, 2^20], got {num_tables}")
+    torch._check(len(offsets) == len(tables) + 1,
+                 lambda: f"unique_tables: offsets must hold one more entry than tables ({len(tables) + 1}), "
+                         f"got {len(offsets)}")
+    csr_offsets(op, offsets, keys.numel())
+    for s, table in enumerate(tables):
+        torch._check(0 <= table < num_tables,
+                     lambda: f"unique_tables: tables[{s}] = {table} is not a table in [0, {num_tables})")
     num_unique = torch.library.get_ctx().new_dynamic_size()
     return (keys.new_empty(num_unique), keys.new_empty(keys.shape, dtype=torch.int64),
             keys.new_empty(num_tables, dtype=torch.int64))
@@ -117,9 +127,8 @@ def unique(
 @torch.library.register_fake("sparsekit::segment_sum")
 def _segment_sum_fake(data: Tensor, segment_ids: Tensor, num_segments, deterministic: bool = False) -> Tensor:
     same_device("segment_sum", data=data, segment_ids=segment_ids)
-    torch._check(data.dim() >= 1, lambda: "segment_sum: data must have at least one dimension")
-    if not data.dtype.is_floating_point:
-        raise RuntimeError(f"segment_sum: data must be a floating tensor, got {data.dtype}")
+    torch._check(data.dim() >= 1, lambda: "segment_sum: data must have at least one dimension [N, ...], got a scalar")
+    float_dtype("segment_sum", "data", data)
     index_dtype("segment_sum", "segment_ids", segment_ids)
     torch._check(segment_ids.dim() == 1, lambda: "segment_sum: segment_ids must be 1-D")
     torch._check(segment_ids.shape[0] == data.shape[0], lambda: "segment_sum: segment_ids and data lengths differ")
@@ -236,53 +245,101 @@ def segment_reduce(
 @torch.library.register_fake("sparsekit::hash_table_find")
 def _hash_table_find_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
     same_device("hash_table_find", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys)
-    torch._check(keys.dtype in _INT_KEY_DTYPES, lambda: f"hash_table_find: keys must be int64 or int32, got {keys.dtype}")
-    torch._check(slot_keys.dtype == torch.int64 and slot_rows.dtype == torch.int64,
-                 lambda: "hash_table_find: slot_keys and slot_rows must be int64")
+    hash_table_slots("hash_table_find", slot_keys, slot_rows)
+    index_dtype("hash_table_find", "keys", keys, "tensor of keys")
     return keys.new_empty(keys.shape, dtype=torch.int64)
 
 
 @torch.library.register_fake("sparsekit::hash_table_insert_absent_")
 def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, rows: Tensor,
                                    num_occupied: Optional[int] = None) -> None:
-    same_device("hash_table_insert_absent_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys, rows=rows)
-    torch._check(slot_keys.dtype == torch.int64 and slot_rows.dtype == torch.int64,
-                 lambda: "hash_table_insert_absent_: slot_keys and slot_rows must be int64")
-    torch._check(rows.numel() == keys.numel(), lambda: "hash_table_insert_absent_: rows and keys lengths differ")
-    torch._check(keys.dtype in _INT_KEY_DTYPES,
-                 lambda: f"hash_table_insert_absent_: keys must be int64 or int32, got {keys.dtype}")
-    torch._check(rows.dtype == torch.int64, lambda: "hash_table_insert_absent_: rows must be int64")
+    op = "hash_table_insert_absent_"
+    same_device(op, slot_keys=slot_keys, slot_rows=slot_rows, keys=keys, rows=rows)
+    hash_table_slots(op, slot_keys, slot_rows)
+    index_dtype(op, "keys", keys, "tensor of keys")
+    torch._check(rows.dtype == torch.int64, lambda: f"{op}: rows must be int64, got {rows.dtype}")
+    num_keys, num_slots = keys.numel(), slot_keys.shape[0]
+    torch._check(rows.numel() == num_keys,
+                 lambda: f"{op}: rows has {shown(rows.numel())} entries but keys has {shown(num_keys)}; give one "
+                         "row per key")
+    torch._check(num_keys <= num_slots,
+                 lambda: f"{op}: {shown(num_keys)} keys cannot fit in a table of {shown(num_slots)} slots")
+    if num_occupied is not None:
+        # The kernel checks the count only when there are keys to place ("|": no guard on a
+        # traced key count).
+        torch._check((num_keys == 0) | ((0 <= num_occupied) & (num_occupied <= num_slots)),
+                     lambda: f"{op}: num_occupied must lie in [0, {shown(num_slots)}], got {num_occupied}")
+        torch._check((num_keys == 0) | (num_occupied + num_keys <= num_slots),
+                     lambda: f"{op}: {shown(num_keys)} keys do not fit in the {shown(num_slots - num_occupied)} empty "
+                             f"slots of the table ({num_occupied} of {shown(num_slots)} occupied); nothing was "
+                             "inserted")
     return None
 
 
 @torch.library.register_fake("sparsekit::hash_table_find_tables")
 def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor,
                                  offsets: List[int]) -> Tensor:
-    same_device("hash_table_find_tables", keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
-    torch._check(keys.dim() == 1, lambda: "hash_table_find_tables: keys must be 1-D")
+    op = "hash_table_find_tables"
+    same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
+    cpu_only(op, "keys", keys)
     torch._check(len(slot_keys) == len(slot_rows) and len(offsets) == len(slot_keys) + 1,
-                 lambda: "hash_table_find_tables: one slot_keys, slot_rows and offsets entry per table")
+                 lambda: f"{op}: one slot_keys, slot_rows and offsets entry per table (and one more offset)")
+    index_dtype(op, "keys", keys, "tensor of keys")
+    torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
+    for t, (table_keys, table_rows) in enumerate(zip(slot_keys, slot_rows)):
+        hash_table_slots(op, table_keys, table_rows, f"[{t}]")
+    csr_offsets(op, offsets, keys.numel())
     return keys.new_empty(keys.shape, dtype=torch.int64)
 
 
 @torch.library.register_fake("sparsekit::hash_table_score_tables_")
 def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], rows: Tensor, offsets: List[int],
                                   clocks: List[int]) -> None:
-    same_device("hash_table_score_tables_", rows=rows, last_seen=last_seen, count=count)
+    op = "hash_table_score_tables_"
+    same_device(op, rows=rows, last_seen=last_seen, count=count)
+    cpu_only(op, "rows", rows)
     torch._check(len(last_seen) == len(count) == len(clocks) and len(offsets) == len(count) + 1,
-                 lambda: "hash_table_score_tables_: one last_seen, count, clock and offsets entry per table")
+                 lambda: f"{op}: one last_seen, count, clock and offsets entry per table (and one more offset)")
+    torch._check(rows.dtype == torch.int64 and rows.dim() == 1,
+                 lambda: f"{op}: rows must be 1-D int64, got {rows.dtype} with shape {shape_of(rows)}")
+    for t, (seen, counts) in enumerate(zip(last_seen, count)):
+        torch._check(seen.dtype == torch.int64 and counts.dtype == torch.int64 and seen.dim() == 1
+                     and counts.dim() == 1 and seen.is_contiguous() and counts.is_contiguous(),
+                     lambda: f"{op}: last_seen[{t}] and count[{t}] must be contiguous 1-D int64 tensors of one length")
+        torch._check(seen.shape[0] == counts.shape[0],
+                     lambda: f"{op}: last_seen[{t}] and count[{t}] must be contiguous 1-D int64 tensors of one length")
+    csr_offsets(op, offsets, rows.numel())
     return None
 
 
 @torch.library.register_fake("sparsekit::hash_table_place_tables_")
 def _hash_table_place_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], row_keys: List[Tensor],
                                   count: List[Tensor], keys: Tensor, offsets: List[int], sizes: List[int]) -> None:
-    same_device("hash_table_place_tables_", keys=keys, slot_keys=slot_keys, slot_rows=slot_rows, row_keys=row_keys,
-                count=count)
+    op = "hash_table_place_tables_"
+    same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows, row_keys=row_keys, count=count)
+    cpu_only(op, "keys", keys)
     torch._check(len(slot_keys) == len(slot_rows) == len(row_keys) == len(count) == len(sizes)
                  and len(offsets) == len(sizes) + 1,
-                 lambda: "hash_table_place_tables_: one slot_keys, slot_rows, row_keys, count, sizes and offsets "
-                         "entry per table")
+                 lambda: f"{op}: one slot_keys, slot_rows, row_keys, count, sizes and offsets entry per table (and "
+                         "one more offset)")
+    index_dtype(op, "keys", keys, "tensor of keys")
+    torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
+    csr_offsets(op, offsets, keys.numel())
+    for t in range(len(sizes)):
+        hash_table_slots(op, slot_keys[t], slot_rows[t], f"[{t}]")
+        rk, counts = row_keys[t], count[t]
+        torch._check(rk.dtype == torch.int64 and counts.dtype == torch.int64 and rk.dim() == 1 and counts.dim() == 1
+                     and rk.is_contiguous() and counts.is_contiguous(),
+                     lambda: f"{op}: row_keys[{t}] and count[{t}] must be contiguous 1-D int64 tensors of one length")
+        torch._check(rk.shape[0] == counts.shape[0],
+                     lambda: f"{op}: row_keys[{t}] and count[{t}] must be contiguous 1-D int64 tensors of one length")
+        num_new, capacity, num_slots = offsets[t + 1] - offsets[t], rk.shape[0], slot_keys[t].shape[0]
+        torch._check(0 <= sizes[t] <= capacity - num_new,
+                     lambda: f"{op}: table {t} holds {sizes[t]} of its {shown(capacity)} rows, so its {num_new} new "
+                             "keys do not fit; nothing was inserted")
+        torch._check(sizes[t] + num_new <= num_slots,
+                     lambda: f"{op}: {num_new} keys do not fit in the {shown(num_slots - sizes[t])} empty slots of "
+                             f"table {t} ({sizes[t]} of {shown(num_slots)} occupied); nothing was inserted")
     return None
 
 
@@ -332,8 +389,8 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
 @torch.library.register_fake("sparsekit::hash_table_erase_")
 def _hash_table_erase_fake(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tensor:
     same_device("hash_table_erase_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys)
-    torch._check(keys.dtype in _INT_KEY_DTYPES,
-                 lambda: f"hash_table_erase_: keys must be int64 or int32, got {keys.dtype}")
+    hash_table_slots("hash_table_erase_", slot_keys, slot_rows)
+    index_dtype("hash_table_erase_", "keys", keys, "tensor of keys")
     return keys.new_empty(keys.shape, dtype=torch.int64)
 
 
@@ -358,9 +415,24 @@ def hash_table_erase_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Ten
 
 @torch.library.register_fake("sparsekit::select_smallest")
 def _select_smallest_fake(columns: List[Tensor], eligible: Tensor, k: int) -> Tensor:
-    same_device("select_smallest", eligible=eligible, columns=columns)
-    torch._check(eligible.dtype == torch.bool, lambda: "select_smallest: eligible must be bool")
-    torch._check(k >= 0, lambda: f"select_smallest: k must be >= 0, got {k}")
+    op = "select_smallest"
+    same_device(op, eligible=eligible, columns=columns)
+    torch._check(1 <= len(columns) <= 4, lambda: f"{op}: columns must hold 1 to 4 tensors, got {len(columns)}")
+    torch._check(eligible.dtype == torch.bool and eligible.dim() == 1,
+                 lambda: f"{op}: eligible must be a 1-D bool tensor, got {eligible.dtype} with shape "
+                         f"{shape_of(eligible)}")
+    n = eligible.shape[0]
+    for c, column in enumerate(columns):
+        torch._check(column.dtype == torch.int64 and column.dim() == 1,
+                     lambda: f"{op}: columns[{c}] must be int64 [{shown(n)}] like eligible, got {column.dtype} with "
+                             f"shape {shape_of(column)}")
+        torch._check(column.shape[0] == n,
+                     lambda: f"{op}: columns[{c}] must be int64 [{shown(n)}] like eligible, got {column.dtype} with "
+                             f"shape {shape_of(column)}")
+    torch._check(k >= 0, lambda: f"{op}: k must be >= 0, got {k}")
+    # How many entries are eligible is data; that there are at least k entries is not.
+    torch._check(k <= n, lambda: f"{op}: k={k} but there are only {shown(n)} entries, so at most {shown(n)} are "
+                                         "eligible")
     return eligible.new_empty((k,), dtype=torch.int64)
 
 
@@ -392,45 +464,106 @@ def select_smallest(columns: Sequence[Tensor], eligible: Tensor, k: int) -> Tens
 
 @torch.library.register_fake("sparsekit::segment_sum_parts")
 def _segment_sum_parts_fake(data: List[Tensor], segment_ids: Tensor, num_segments: int) -> Tensor:
-    torch._check(len(data) > 0, lambda: "segment_sum_parts: data must hold at least one tensor")
-    same_device("segment_sum_parts", data=data, segment_ids=segment_ids)
-    torch._check(segment_ids.dim() == 1 and segment_ids.shape[0] == sum(d.shape[0] for d in data),
-                 lambda: "segment_sum_parts: one segment id per row of data")
-    return data[0].new_empty((num_segments, *data[0].shape[1:]))
+    op = "segment_sum_parts"
+    torch._check(len(data) > 0, lambda: f"{op}: data must hold at least one tensor")
+    same_device(op, data=data, segment_ids=segment_ids)
+    cpu_only(op, "segment_ids", segment_ids)
+    first = data[0]
+    torch._check(first.dim() >= 1, lambda: f"{op}: data[0] must have at least one dimension [rows, ...], got a scalar")
+    for p, part in enumerate(data):
+        torch._check(part.dim() == first.dim() and part.dtype == first.dtype
+                     and tuple(part.shape[1:]) == tuple(first.shape[1:]),
+                     lambda: f"{op}: data[{p}] ({part.dtype} {shape_of(part)}) must have the dtype and row shape of "
+                             f"data[0] ({first.dtype} {shape_of(first)})")
+    rows = sum(part.shape[0] for part in data)
+    index_dtype(op, "segment_ids", segment_ids)
+    torch._check(segment_ids.dim() == 1 and segment_ids.shape[0] == rows,
+                 lambda: f"{op}: segment_ids must be 1-D with one entry per row of data ({shown(rows)}), got shape "
+                         f"{shape_of(segment_ids)}")
+    torch._check(num_segments >= 0, lambda: f"{op}: num_segments must be >= 0, got {num_segments}")
+    float_dtype(op, "data", first)
+    return first.new_empty((num_segments, *first.shape[1:]))
 
 
 @torch.library.register_fake("sparsekit::lazy_adam_tables_")
 def _lazy_adam_tables_fake(weights: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                            rows: List[Tensor], grads: List[Tensor], steps: List[int], hyper: List[float]) -> None:
-    same_device("lazy_adam_tables_", weights=weights, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, rows=rows,
-                grads=grads)
+    op = "lazy_adam_tables_"
+    same_device(op, weights=weights, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, rows=rows, grads=grads)
+    if weights:
+        cpu_only(op, "weights[0]", weights[0])
     torch._check(len(weights) == len(exp_avgs) == len(exp_avg_sqs) == len(rows) == len(grads) == len(steps)
                  and len(hyper) == 5 * len(weights),
-                 lambda: "lazy_adam_tables_: one weight, moment pair, rows, grad and step per table, five hyper")
+                 lambda: f"{op}: one weight, moment pair, rows, grad and step per table, five hyper")
+    for t, weight in enumerate(weights):
+        exp_avg = exp_avgs[t]
+        if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise RuntimeError(f"{op}: weights[{t}] must be a float32, float16 or bfloat16 tensor, got {weight.dtype}")
+        if exp_avg.dtype != torch.float32:
+            raise RuntimeError(f"{op}: exp_avgs[{t}] must be float32 (a half weight keeps float32 moments), got "
+                               f"{exp_avg.dtype}")
+        torch._check(weight.is_contiguous() and weight.shape == exp_avg.shape,
+                     lambda: f"{op}: weights[{t}] {shape_of(weight)} must be contiguous with the shape of "
+                             f"exp_avgs[{t}] {shape_of(exp_avg)}")
+        # The float32 moments stand in for a half weight: the rest must match them.
+        half = weight.dtype != torch.float32
+        _check_lazy_adam_args(op, exp_avg if half else weight, exp_avg, exp_avg_sqs[t], rows[t], grads[t], steps[t],
+                              *hyper[5 * t:5 * t + 5], table=t,
+                              weight_name=f"exp_avgs[{t}]" if half else f"weights[{t}]")
+        torch._check(rows[t].dtype == torch.int64 and rows[t].is_contiguous(),
+                     lambda: f"{op}: rows[{t}] must be a contiguous int64 tensor")
     return None
+
+
+_LAZY_ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _check_lazy_adam_args(op: str, weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor,
+                          step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                          table: Optional[int] = None, weight_name: str = "weight") -> None:
+    """The C++ check_lazy_adam_args (everything that does not read rows). ``table`` names
+    the arguments as lazy_adam_tables_ takes them (``exp_avgs[t]``, ``steps[t]``, ``hyper``
+    entries); ``weight_name`` is the tensor passed as ``weight``."""
+    if table is None:
+        name = {key: key for key in ("exp_avg", "exp_avg_sq", "rows", "grad", "step") + _LAZY_ADAM_HYPER}
+    else:
+        name = {key: f"{key}s[{table}]" for key in ("exp_avg", "exp_avg_sq", "grad", "step")}
+        name["rows"] = f"rows[{table}]"
+        name.update((key, f"{key} of table {table} (hyper[{5 * table + i}])") for i, key in enumerate(_LAZY_ADAM_HYPER))
+    float_dtype(op, weight_name, weight)
+    torch._check(weight.dim() >= 1,
+                 lambda: f"{op}: {weight_name} must have at least one dimension [R, ...], got a scalar")
+    torch._check(exp_avg.shape == weight.shape and exp_avg_sq.shape == weight.shape,
+                 lambda: f"{op}: {name['exp_avg']} {shape_of(exp_avg)} and {name['exp_avg_sq']} {shape_of(exp_avg_sq)} "
+                         f"must have the shape of {weight_name} {shape_of(weight)}")
+    torch._check(exp_avg.dtype == weight.dtype and exp_avg_sq.dtype == weight.dtype and grad.dtype == weight.dtype,
+                 lambda: f"{op}: {name['exp_avg']} ({exp_avg.dtype}), {name['exp_avg_sq']} ({exp_avg_sq.dtype}) and "
+                         f"{name['grad']} ({grad.dtype}) must have the dtype of {weight_name} ({weight.dtype})")
+    torch._check(weight.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous(),
+                 lambda: f"{op}: {weight_name}, {name['exp_avg']} and {name['exp_avg_sq']} must be contiguous (they "
+                         "are updated in place, so a .contiguous() copy would not do); allocate the optimizer state "
+                         "with torch.zeros_like")
+    index_dtype(op, name["rows"], rows)
+    torch._check(rows.dim() == 1, lambda: f"{op}: {name['rows']} must be 1-D [u], got shape {shape_of(rows)}")
+    torch._check(grad.dim() == weight.dim() and grad.shape[0] == rows.shape[0]
+                 and tuple(grad.shape[1:]) == tuple(weight.shape[1:]),
+                 lambda: f"{op}: {name['grad']} must have shape [u, ...] = "
+                         f"{[shown(rows.shape[0]), *shape_of(weight)[1:]]} (one row of gradient per entry of "
+                         f"{name['rows']}), got {shape_of(grad)}")
+    torch._check(step >= 1, lambda: f"{op}: {name['step']} must be >= 1 (the first update is step 1), got {step}")
+    # Written so that NaN fails too.
+    for key, value, high in (("lr", lr, None), ("eps", eps, None), ("beta1", beta1, 1.0), ("beta2", beta2, 1.0),
+                             ("weight_decay", weight_decay, None)):
+        torch._check(value >= 0.0 and (high is None or value < high),
+                     lambda: f"{op}: {name[key]} must be {'in [0, 1)' if high else '>= 0'}, got {value}")
 
 
 @torch.library.register_fake("sparsekit::lazy_adam_")
 def _lazy_adam_fake(weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor, step: int,
                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0) -> None:
-    op = "lazy_adam_"
-    same_device(op, weight=weight, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, rows=rows, grad=grad)
-    float_dtype(op, "weight", weight)
-    torch._check(exp_avg.dtype == weight.dtype and exp_avg_sq.dtype == weight.dtype and grad.dtype == weight.dtype,
-                 lambda: "lazy_adam_: exp_avg, exp_avg_sq and grad must have weight's dtype")
-    torch._check(weight.dim() >= 1, lambda: "lazy_adam_: weight must have at least one dimension")
-    torch._check(exp_avg.shape == weight.shape and exp_avg_sq.shape == weight.shape,
-                 lambda: "lazy_adam_: exp_avg and exp_avg_sq must have the shape of weight")
-    index_dtype(op, "rows", rows)
-    torch._check(rows.dim() == 1, lambda: "lazy_adam_: rows must be 1-D")
-    torch._check(grad.dim() == weight.dim() and grad.shape[0] == rows.shape[0]
-                 and tuple(grad.shape[1:]) == tuple(weight.shape[1:]),
-                 lambda: "lazy_adam_: grad must be [u, ...] with u = len(rows) and weight's trailing shape")
-    for name, value, low, high in (("step", step, 1, None), ("lr", lr, 0.0, None), ("eps", eps, 0.0, None),
-                                   ("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0),
-                                   ("weight_decay", weight_decay, 0.0, None)):
-        torch._check(value >= low and (high is None or value < high),
-                     lambda: f"lazy_adam_: {name} must be >= {low}{f' and < {high}' if high else ''}, got {value}")
+    same_device("lazy_adam_", weight=weight, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, rows=rows, grad=grad)
+    _check_lazy_adam_args("lazy_adam_", weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps,
+                          weight_decay)
     return None
 
 
@@ -578,19 +711,50 @@ def key_seeded_uniform(
         low: lower bound.
         high: upper bound, ``>= low``; both finite in ``dtype`` (``|low|, |high| <=
             torch.finfo(dtype).max``), so every value is.
-        dtype: floating dtype of the result, float32 when None.
+        dtype: float32, float64, float16 or bfloat16 (the result's), float32 when None.
 
     Returns:
         ``[N, dim]`` tensor of ``dtype`` on the keys' device.
+
+    Raises:
+        TypeError: ``dim`` or ``seed`` not an int, ``low`` or ``high`` not a real number
+            (a bool is neither), ``dtype`` not a torch.dtype.
+        RuntimeError: a bound not finite, outside ``dtype``'s range (an int or a long
+            double beyond float64 included) or ``low > high``, as the kernel checks.
     """
     op = "key_seeded_uniform"
     dim, seed = _integer(op, "dim", dim), _integer(op, "seed", seed)
     low, high = _real(op, "low", low), _real(op, "high", high)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{op}: dtype must be a torch.dtype or None, got {dtype!r} ({_type_name(dtype)})")
+    for name, value in (("low", low), ("high", high)):
+        _check_bound_fits_float64(op, name, value, dtype or torch.float32)
     with allocation(f"key_seeded_uniform: {keys.shape[0] if keys.dim() else 1} keys x dim={dim} (the output)",
                     (keys.shape[0] if keys.dim() else 1, dim), dtype or torch.float32, keys.device):
         return _ops.key_seeded_uniform(keys, dim, seed, low, high, dtype)
+
+
+def _check_bound_fits_float64(op: str, name: str, value: Any, dtype: torch.dtype) -> None:
+    """A finite bound the kernel cannot take as a double (an int or a long double beyond
+    float64, which the dispatcher refuses with a message of its own, or rounds to inf): the
+    error the kernel gives a bound beyond ``dtype``'s range, naming the bound."""
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return
+    try:
+        beyond = math.isinf(float(value)) and not np.isinf(value)
+    except OverflowError:  # a Python int beyond float64
+        beyond = True
+    if not beyond:
+        return  # finite, or inf / nan as given: the kernel's own checks say why
+    if isinstance(value, int):
+        # Not str(value): an int of more than 4300 digits has none.
+        exponent = math.floor(math.log10(abs(value)))
+        text = f"{'-' if value < 0 else ''}{abs(value) / 10 ** (exponent - 15) / 1e15:.6g}e+{exponent}"
+    else:
+        text = repr(value)
+    where = f"{dtype}'s finite range [{-torch.finfo(dtype).max}, {torch.finfo(dtype).max}]" \
+        if dtype.is_floating_point else "the float64 range"
+    raise RuntimeError(f"{op}: {name} must be finite and lie in {where}, got {text} (beyond float64)")
 
 
 @torch.library.register_fake("sparsekit::key_seeded_uniform")
@@ -601,9 +765,9 @@ def _key_seeded_uniform_fake(
     torch._check(keys.dim() == 1, lambda: "key_seeded_uniform: keys must be 1-D [N]")
     torch._check(dim >= 0, lambda: f"key_seeded_uniform: dim must be >= 0, got {dim}")
     torch._check(math.isfinite(low) and math.isfinite(high) and low <= high,
-                 lambda: f"key_seeded_uniform: low and high must be finite with low <= high, got {low}, {high}")
-    torch._check(dtype is None or dtype.is_floating_point,
-                 lambda: f"key_seeded_uniform: dtype must be a floating dtype, got {dtype}")
+                 lambda: f"key_seeded_uniform: need finite low <= high, got low={low} high={high}")
+    torch._check(dtype is None or dtype in FLOAT_DTYPES,
+                 lambda: f"key_seeded_uniform: dtype must be float32, float64, float16 or bfloat16, got {dtype}")
     largest = torch.finfo(dtype or torch.float32).max
     torch._check(abs(low) <= largest and abs(high) <= largest,
                  lambda: f"key_seeded_uniform: low and high must lie in {dtype or torch.float32}'s finite range "
@@ -681,6 +845,10 @@ _BOUNDED_UNIQUE_BITS_PER_KEY = 128
 def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     index_dtype("unique_bounded", "keys", keys, "tensor of keys")
     torch._check(keys.device.type == "cpu", lambda: "unique_bounded: keys must be on the CPU")
+    # The bitmaps take bound / 8 bytes per worker (the kernel's bound). Two checks: a traced
+    # bound gets no guard on a compound condition.
+    torch._check(bound >= 0, lambda: f"unique_bounded: bound must lie in [0, 2^40), got {bound}")
+    torch._check(bound < 1 << 40, lambda: f"unique_bounded: bound must lie in [0, 2^40), got {bound}")
     num_unique = torch.library.get_ctx().new_dynamic_size()
     return (keys.new_empty(num_unique), keys.new_empty(keys.shape, dtype=torch.int64),
             keys.new_empty(num_unique + 1 if group else 0, dtype=torch.int64),

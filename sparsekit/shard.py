@@ -59,12 +59,18 @@ class KeySeededUniform:
         for name, value in (("low", low), ("high", high)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"KeySeededUniform: {name} must be a number, got {value!r}")
-            if not math.isfinite(value):
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an int beyond float64: finite, and out of range below
+                finite = True
+            if not finite:
                 raise ValueError(f"KeySeededUniform: {name} must be finite, got {value!r}")
             # Its rows are float32: a bound past float32's largest value would give inf rows.
             if abs(value) > _FLOAT32_MAX:
+                # (An int of thousands of digits has no repr: str() refuses it.)
+                shown = f"an int of {value.bit_length()} bits" if isinstance(value, numbers.Integral) else repr(value)
                 raise ValueError(f"KeySeededUniform: {name} must lie in float32's finite range "
-                                 f"[{-_FLOAT32_MAX}, {_FLOAT32_MAX}], got {value!r}")
+                                 f"[{-_FLOAT32_MAX}, {_FLOAT32_MAX}], got {shown}")
         if low > high:
             raise ValueError(f"KeySeededUniform: low must be <= high, got low={low!r} high={high!r}")
         self.seed = int(seed)

@@ -259,6 +259,8 @@ Tensor segment_sum_cpu(const Tensor& data_in, const Tensor& ids_in, int64_t num_
 Tensor segment_sum_parts_cpu(const std::vector<Tensor>& data_in, const Tensor& ids, int64_t num_segments) {
   const char* op = "segment_sum_parts";
   SK_CHECK(!data_in.empty(), op, ": data must hold at least one tensor");
+  // Before the parts' row shapes (sizes().slice(1)) are read: a 0-d tensor has none.
+  SK_CHECK(data_in[0].dim() >= 1, op, ": data[0] must have at least one dimension [rows, ...], got a scalar");
   std::vector<Tensor> data;
   int64_t rows = 0;
   for (size_t p = 0; p < data_in.size(); ++p) {
