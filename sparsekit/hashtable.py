@@ -336,7 +336,10 @@ class HashTable:
             HashTableFullError: without eviction, the new keys do not fit in ``capacity``;
                 with it, the call itself holds more than ``capacity`` distinct keys.
                 Nothing is changed (keys, rows, scores, clock).
+            TypeError: ``return_evicted`` not a bool (1 or None would silently pick a
+                return type), or keys not a tensor of ``key_dtype``.
         """
+        return_evicted = ops._flag("HashTable.insert", "return_evicted", return_evicted)
         self._check_keys(keys, "insert", exact_dtype=True)
         plan = self._plan_insert(keys)
         rows = self._commit_insert(plan)
