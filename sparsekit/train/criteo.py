@@ -5,17 +5,20 @@ features and 26 categorical values (hex strings in Criteo's release, but any str
 is accepted). Any feature may be empty:
 
 * a missing integer feature reads as 0; every integer feature ``x`` then becomes
-  ``log(1 + max(x, 0))``, as in DLRM's preprocessing. Counts are read as float64, so
-  any integer that rounds to a finite float64 is accepted (``|x| < 1.8e308``, far
-  beyond int64); a larger one, negative too, is an error naming the column (as float64
-  it would be infinite);
+  ``log(1 + max(x, 0))``, as in DLRM's preprocessing. A count is a plain decimal
+  integer: ASCII digits, maybe after a ``-`` (Criteo's data holds a few negative
+  counts); ``+5``, `` 5`` or ``1_000``, which Python's ``int()`` reads, are errors.
+  Counts are read as float64, so any integer that rounds to a finite float64 is
+  accepted (``|x| < 1.8e308``, far beyond int64); a larger one, negative too, is an
+  error naming the column (as float64 it would be infinite);
 * a missing categorical value gets its slot's "missing" key, the hash of the empty
   string in that slot (one distinct key per slot).
 
 Categorical strings become int64 keys through :mod:`sparsekit.hashing` (XXH3-64,
 salted per slot). A line that does not follow the format (wrong number of fields, a
-label other than 0/1, a non-integer count, a count outside the float64 range) raises
-:class:`CriteoFormatError` naming the file, the 1-based line number and the field.
+label other than 0/1, a count that is not a plain decimal integer, a count outside the
+float64 range) raises :class:`CriteoFormatError` naming the file, the 1-based line
+number and the field.
 
 :class:`CriteoTSV` serves a file as a data source of the harness: the last
 ``eval_samples`` lines (or a separate file) are held out, and global training batch
@@ -140,11 +143,15 @@ class CriteoParser:
                 labels.append(label == b"1")
             else:
                 raise self.error(line_number, f"label must be 0 or 1, got {label[:20]!r}")
+            counts = fields[1:1 + NUM_DENSE]
             try:
-                dense.extend([int(field) if field else 0 for field in fields[1:1 + NUM_DENSE]])
+                # int() also reads "+5", " 5" and "1_000": a byte outside digits and "-"
+                # sends the line to _count, which says which field is not a plain decimal.
+                if b"".join(counts).translate(None, _PLAIN_BYTES):
+                    raise ValueError
+                dense.extend([int(field) if field else 0 for field in counts])
             except ValueError:
-                dense.extend([self._count(line_number, column, field)
-                              for column, field in enumerate(fields[1:1 + NUM_DENSE])])
+                dense.extend([self._count(line_number, column, field) for column, field in enumerate(counts)])
             keys.extend([digest(field, seed) if field else absent
                          for field, seed, absent in zip(fields[1 + NUM_DENSE:], slot_seeds, missing)])
         count = len(labels)
@@ -163,15 +170,16 @@ class CriteoParser:
         read; raises the CriteoFormatError that says why."""
         if not field:
             return 0
+        if not _DIGITS.fullmatch(field):
+            raise self.error(line_number, f"integer feature I{column + 1} is not an integer: {field[:20]!r}; a "
+                             "count is a plain decimal integer (digits, maybe after a '-')")
         try:
             return int(field)
         except ValueError:
             pass
-        if not _DIGITS.fullmatch(field):
-            raise self.error(line_number, f"integer feature I{column + 1} is not an integer: {field[:20]!r}")
         # All digits, but more than int() reads (sys.get_int_max_str_digits()): leading
         # zeros aside, that is far beyond float64, whose largest value has 309 digits.
-        significant = field.lstrip(b"+-").lstrip(b"0")
+        significant = field.lstrip(b"-").lstrip(b"0")
         if len(significant) > _FLOAT64_DIGITS:
             raise self.error(line_number, _too_large(column, field))
         value = int(significant or b"0")
@@ -191,8 +199,11 @@ class CriteoParser:
         raise AssertionError("float64 conversion overflowed, but no count overflows")
 
 
-# An integer as int() reads it, without the underscores and spaces it also takes.
-_DIGITS = re.compile(rb"[+-]?[0-9]+")
+# A count: a plain decimal integer, maybe negative (int() also takes "+", spaces and "_").
+_DIGITS = re.compile(rb"-?[0-9]+")
+# The bytes of plain decimal counts (the fast path's test: a line with any other byte in its
+# counts is read field by field).
+_PLAIN_BYTES = b"-0123456789"
 # Digits of the largest finite float64, 1.797...e308.
 _FLOAT64_DIGITS = 309
 
