@@ -20,7 +20,7 @@ import shutil
 import struct
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -185,7 +185,8 @@ class TrainConfig:
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{flag} {path!r}: no such file (a Criteo TSV file, or --data synthetic)")
 
-    # Fields that must match between a checkpoint and the run resuming from it.
+    # Fields that must match between a checkpoint and the run resuming from it (with
+    # --embedding sparsekit, table_rows and capacity_per_rank by the table size they give).
     RESUME_KEYS = ("embedding", "embedding_dim", "batch_size", "seed", "data", "table_rows",
                    "vocab_per_slot", "lr", "capacity_per_rank", "eviction", "admit_after", "tables",
                    "embedding_dtype")
@@ -287,10 +288,7 @@ def build(config: TrainConfig, context: Context):
     torch.manual_seed(config.seed)
     dim = config.embedding_dim
     if config.embedding == "sparsekit":
-        if config.capacity_per_rank is not None:
-            capacity, rows_flag = config.capacity_per_rank, f"--capacity-per-rank {config.capacity_per_rank}"
-        else:
-            capacity, rows_flag = config.table_rows, f"--table-rows {config.table_rows}"
+        capacity, rows_flag = _table_capacity(vars(config))
         if config.tables == "per-slot":
             # The same rows in all: the capacity split evenly over the 26 tables.
             rows = max(1, capacity // NUM_SLOTS)
@@ -564,6 +562,14 @@ def _check_trainer_state(state, path: str) -> None:
         raise damaged("holds no valid CUDA RNG state ('cuda_rng')")
 
 
+def _table_capacity(settings: Dict) -> Tuple[int, str]:
+    """The rows of each rank's sparsekit table under a run's resume settings, and the flag
+    that set them (``--capacity-per-rank``, else ``--table-rows``; see :func:`build`)."""
+    if settings["capacity_per_rank"] is not None:
+        return settings["capacity_per_rank"], f"--capacity-per-rank {settings['capacity_per_rank']}"
+    return settings["table_rows"], f"--table-rows {settings['table_rows']}"
+
+
 def load(config: TrainConfig, context: Context, directory: str, model: nn.Module, optimizer) -> Dict:
     """Restore a checkpoint written by :func:`save` (any world size); returns the trainer state.
 
@@ -579,12 +585,20 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
     saved = state["config"]
     # A key an older checkpoint lacks was its default then.
     saved = {key: saved.get(key, getattr(TrainConfig, key)) for key in TrainConfig.RESUME_KEYS}
-    mismatched = {key: (saved[key], getattr(config, key)) for key in TrainConfig.RESUME_KEYS
-                  if saved[key] != getattr(config, key)}
-    if mismatched:
-        details = ", ".join(f"--{key.replace('_', '-')} {old!r} (now {new!r})"
-                            for key, (old, new) in mismatched.items())
-        raise CheckpointError(f"--resume: the checkpoint {directory} was written with {details}; "
+    now = {key: getattr(config, key) for key in TrainConfig.RESUME_KEYS}
+    keys = TrainConfig.RESUME_KEYS
+    details = []
+    if saved["embedding"] == now["embedding"] == "sparsekit":
+        # The table's size is what must match: --capacity-per-rank N, or --table-rows N
+        # without it, make the same table (--table-rows then sizes nothing else).
+        keys = tuple(key for key in keys if key not in ("table_rows", "capacity_per_rank"))
+        old, new = _table_capacity(saved), _table_capacity(now)
+        if old[0] != new[0]:
+            details.append(f"a table capacity per rank of {old[0]} ({old[1]}; now {new[0]} from {new[1]})")
+    details += [f"--{key.replace('_', '-')} {saved[key]!r} (now {now[key]!r})" for key in keys
+                if saved[key] != now[key]]
+    if details:
+        raise CheckpointError(f"--resume: the checkpoint {directory} was written with {', '.join(details)}; "
                               "resume with the same settings or use a fresh --checkpoint-dir")
     if config.embedding == "sparsekit":
         import sparsekit as sk
