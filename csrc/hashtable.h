@@ -12,6 +12,8 @@
 // Callers keep at most S / 2 keys in the table (sparsekit.HashTable sizes S >= 2 *
 // capacity), which keeps probe sequences short and guarantees that an insert finds an
 // empty slot.
+#include <string>
+
 #include "common.h"
 
 namespace sparsekit {
@@ -72,11 +74,12 @@ inline void check_hash_table_slots(const Tensor& slot_keys, const Tensor& slot_r
 }
 
 /// @brief Checks the arguments of hash_table_find.
+/// @param op how errors name the call: "hash_table_find", or "hash_table_find_tables: table 3".
 inline void check_hash_table_find_args(const Tensor& slot_keys, const Tensor& slot_rows,
-                                       const Tensor& keys) {
-  check_hash_table_slots(slot_keys, slot_rows, "hash_table_find");
-  check_key_tensor(keys, "hash_table_find", "keys");
-  SK_CHECK(keys.device() == slot_keys.device(), "hash_table_find: keys are on ", keys.device(),
+                                       const Tensor& keys, const std::string& op = "hash_table_find") {
+  check_hash_table_slots(slot_keys, slot_rows, op.c_str());
+  check_key_tensor(keys, op.c_str(), "keys");
+  SK_CHECK(keys.device() == slot_keys.device(), op, ": keys are on ", keys.device(),
               " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
 }
 

@@ -2,6 +2,7 @@
 // Argument checks and scalar set-up shared by the CPU and CUDA lazy_adam_ kernels.
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "common.h"
 
@@ -25,39 +26,44 @@ inline void check_lazy_adam_disjoint(const char* op, const Tensor& weight, const
 }
 
 /// @brief Checks everything about a lazy_adam_ call that does not need to read rows.
+/// @param op how errors name the call: "lazy_adam_", or "lazy_adam_tables_: table 3".
 inline void check_lazy_adam_args(const Tensor& weight, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                                  const Tensor& rows, const Tensor& grad, int64_t step, double lr,
-                                 double beta1, double beta2, double eps, double weight_decay) {
+                                 double beta1, double beta2, double eps, double weight_decay,
+                                 const std::string& op = "lazy_adam_") {
   const auto dtype = weight.scalar_type();
   SK_CHECK(dtype == kFloat || dtype == kDouble || dtype == kHalf || dtype == kBFloat16,
-              "lazy_adam_: weight must be float32, float64, float16 or bfloat16, got ", dtype);
-  SK_CHECK(weight.dim() >= 1, "lazy_adam_: weight must have at least one dimension [R, ...], got a scalar");
+              op, ": weight must be float32, float64, float16 or bfloat16, got ", dtype);
+  SK_CHECK(weight.dim() >= 1, op, ": weight must have at least one dimension [R, ...], got a scalar");
   SK_CHECK(exp_avg.sizes() == weight.sizes() && exp_avg_sq.sizes() == weight.sizes(),
-              "lazy_adam_: exp_avg ", exp_avg.sizes(), " and exp_avg_sq ", exp_avg_sq.sizes(),
+              op, ": exp_avg ", exp_avg.sizes(), " and exp_avg_sq ", exp_avg_sq.sizes(),
               " must have the shape of weight ", weight.sizes());
   SK_CHECK(exp_avg.scalar_type() == dtype && exp_avg_sq.scalar_type() == dtype && grad.scalar_type() == dtype,
-              "lazy_adam_: exp_avg (", exp_avg.scalar_type(), "), exp_avg_sq (", exp_avg_sq.scalar_type(),
+              op, ": exp_avg (", exp_avg.scalar_type(), "), exp_avg_sq (", exp_avg_sq.scalar_type(),
               ") and grad (", grad.scalar_type(), ") must have the dtype of weight (", dtype, ")");
   SK_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
-              "lazy_adam_: weight, exp_avg and exp_avg_sq must be contiguous (they are updated in place, "
+              op, ": weight, exp_avg and exp_avg_sq must be contiguous (they are updated in place, "
               "so a .contiguous() copy would not do); allocate the optimizer state with torch.zeros_like");
-  check_index_tensor(rows, "lazy_adam_", "rows");
-  SK_CHECK(rows.dim() == 1, "lazy_adam_: rows must be 1-D [u], got shape ", rows.sizes());
-  SK_CHECK(grad.dim() == weight.dim() && grad.size(0) == rows.size(0) &&
-                  grad.sizes().slice(1) == weight.sizes().slice(1),
-              "lazy_adam_: grad must have shape [u, ...] = [", rows.size(0), ", ", weight.sizes().slice(1),
-              "] (one row of gradient per entry of rows), got ", grad.sizes());
+  check_index_tensor(rows, op.c_str(), "rows");
+  SK_CHECK(rows.dim() == 1, op, ": rows must be 1-D [u], got shape ", rows.sizes());
+  if (!(grad.dim() == weight.dim() && grad.size(0) == rows.size(0) &&
+        grad.sizes().slice(1) == weight.sizes().slice(1))) {
+    std::vector<int64_t> expected = weight.sizes().vec();
+    expected[0] = rows.size(0);
+    fail(op, ": grad must have shape [u, ...] = ", IntArrayRef(expected),
+         " (one row of gradient per entry of rows), got ", grad.sizes());
+  }
   const auto device = weight.device();
   SK_CHECK(exp_avg.device() == device && exp_avg_sq.device() == device && rows.device() == device &&
                   grad.device() == device,
-              "lazy_adam_: weight, exp_avg, exp_avg_sq, rows and grad must be on one device (weight is on ", device,
+              op, ": weight, exp_avg, exp_avg_sq, rows and grad must be on one device (weight is on ", device,
               ")");
-  SK_CHECK(step >= 1, "lazy_adam_: step must be >= 1 (the first update is step 1), got ", step);
-  SK_CHECK(lr >= 0.0, "lazy_adam_: lr must be >= 0, got ", lr);
-  SK_CHECK(eps >= 0.0, "lazy_adam_: eps must be >= 0, got ", eps);
-  SK_CHECK(beta1 >= 0.0 && beta1 < 1.0, "lazy_adam_: beta1 must be in [0, 1), got ", beta1);
-  SK_CHECK(beta2 >= 0.0 && beta2 < 1.0, "lazy_adam_: beta2 must be in [0, 1), got ", beta2);
-  SK_CHECK(weight_decay >= 0.0, "lazy_adam_: weight_decay must be >= 0, got ", weight_decay);
+  SK_CHECK(step >= 1, op, ": step must be >= 1 (the first update is step 1), got ", step);
+  SK_CHECK(lr >= 0.0, op, ": lr must be >= 0, got ", lr);
+  SK_CHECK(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
+  SK_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1), got ", beta1);
+  SK_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1), got ", beta2);
+  SK_CHECK(weight_decay >= 0.0, op, ": weight_decay must be >= 0, got ", weight_decay);
 }
 
 /// @brief The bias-corrected step size lr * sqrt(1 - beta2^step) / (1 - beta1^step),

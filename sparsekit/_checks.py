@@ -153,10 +153,11 @@ def shape_of(tensor: torch.Tensor) -> list:
     return [shown(size) for size in tensor.shape]
 
 
-def hash_table_slots(op: str, slot_keys: torch.Tensor, slot_rows: torch.Tensor, index: str = "") -> None:
+def hash_table_slots(op: str, slot_keys: torch.Tensor, slot_rows: torch.Tensor) -> None:
     """The slot arrays of one table (the C++ check_hash_table_slots): int64, 1-D, one length,
-    a power of two, contiguous. ``index`` (``"[t]"``) names a table of a multi-table op."""
-    keys, rows = f"slot_keys{index}", f"slot_rows{index}"
+    a power of two, contiguous. ``op`` names a table of a multi-table op as the kernel does
+    (``"hash_table_find_tables: table 3"``)."""
+    keys, rows = "slot_keys", "slot_rows"
     for name, tensor in ((keys, slot_keys), (rows, slot_rows)):
         if tensor.dtype != torch.int64:
             raise RuntimeError(f"{op}: {name} must be int64, got {tensor.dtype}")

@@ -287,7 +287,7 @@ def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor
     index_dtype(op, "keys", keys, "tensor of keys")
     torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
     for t, (table_keys, table_rows) in enumerate(zip(slot_keys, slot_rows)):
-        hash_table_slots(op, table_keys, table_rows, f"[{t}]")
+        hash_table_slots(f"{op}: table {t}", table_keys, table_rows)
     csr_offsets(op, offsets, keys.numel())
     return keys.new_empty(keys.shape, dtype=torch.int64)
 
@@ -326,7 +326,7 @@ def _hash_table_place_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tenso
     torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
     csr_offsets(op, offsets, keys.numel())
     for t in range(len(sizes)):
-        hash_table_slots(op, slot_keys[t], slot_rows[t], f"[{t}]")
+        hash_table_slots(f"{op}: table {t}", slot_keys[t], slot_rows[t])
         rk, counts = row_keys[t], count[t]
         torch._check(rk.dtype == torch.int64 and counts.dtype == torch.int64 and rk.dim() == 1 and counts.dim() == 1
                      and rk.is_contiguous() and counts.is_contiguous(),
@@ -507,9 +507,8 @@ def _lazy_adam_tables_fake(weights: List[Tensor], exp_avgs: List[Tensor], exp_av
                              f"exp_avgs[{t}] {shape_of(exp_avg)}")
         # The float32 moments stand in for a half weight: the rest must match them.
         half = weight.dtype != torch.float32
-        _check_lazy_adam_args(op, exp_avg if half else weight, exp_avg, exp_avg_sqs[t], rows[t], grads[t], steps[t],
-                              *hyper[5 * t:5 * t + 5], table=t,
-                              weight_name=f"exp_avgs[{t}]" if half else f"weights[{t}]")
+        _check_lazy_adam_args(f"{op}: table {t}", exp_avg if half else weight, exp_avg, exp_avg_sqs[t], rows[t],
+                              grads[t], steps[t], *hyper[5 * t:5 * t + 5])
         torch._check(rows[t].dtype == torch.int64 and rows[t].is_contiguous(),
                      lambda: f"{op}: rows[{t}] must be a contiguous int64 tensor")
     return None
@@ -519,17 +518,12 @@ _LAZY_ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 
 def _check_lazy_adam_args(op: str, weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor,
-                          step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                          table: Optional[int] = None, weight_name: str = "weight") -> None:
-    """The C++ check_lazy_adam_args (everything that does not read rows). ``table`` names
-    the arguments as lazy_adam_tables_ takes them (``exp_avgs[t]``, ``steps[t]``, ``hyper``
-    entries); ``weight_name`` is the tensor passed as ``weight``."""
-    if table is None:
-        name = {key: key for key in ("exp_avg", "exp_avg_sq", "rows", "grad", "step") + _LAZY_ADAM_HYPER}
-    else:
-        name = {key: f"{key}s[{table}]" for key in ("exp_avg", "exp_avg_sq", "grad", "step")}
-        name["rows"] = f"rows[{table}]"
-        name.update((key, f"{key} of table {table} (hyper[{5 * table + i}])") for i, key in enumerate(_LAZY_ADAM_HYPER))
+                          step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """The C++ check_lazy_adam_args (everything that does not read rows), with its messages;
+    ``op`` is ``"lazy_adam_"`` or ``"lazy_adam_tables_: table t"`` (whose float32 moments
+    stand in for a half ``weight``)."""
+    name = {key: key for key in ("exp_avg", "exp_avg_sq", "rows", "grad", "step") + _LAZY_ADAM_HYPER}
+    weight_name = "weight"
     float_dtype(op, weight_name, weight)
     torch._check(weight.dim() >= 1,
                  lambda: f"{op}: {weight_name} must have at least one dimension [R, ...], got a scalar")
