@@ -814,6 +814,13 @@ class EmbeddingBagCollection(nn.Module):
         if num_features == 0:
             if num_bags > 0 or values.numel() > 0:
                 raise ValueError("EmbeddingBagCollection: an input without features must be empty")
+            if self.world_size > 1 and self.training and torch.is_grad_enabled():
+                # Its forward returns {}: no tensor to call backward on, while every other
+                # rank's backward waits in the gradients' all-to-all for this one.
+                raise ValueError("EmbeddingBagCollection: the input names no feature, so this rank's output "
+                                 "would hold nothing to call backward on while the other ranks' backward waits "
+                                 "for it; give an empty batch with its features named (lengths of zeros, or "
+                                 "B = 0) instead")
             batch = 0
         else:
             if num_bags < 0 or num_bags % num_features != 0:

@@ -7,6 +7,8 @@ exchange, and the one-time configuration agreement.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -366,23 +368,50 @@ def _one_per_bag(offsets: Tensor, nnz: int) -> bool:
     return bool(host[0] == 0 and (np.diff(host) == 1).all())
 
 
-def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
-    """One all-gather of ``config``; a value that differs between ranks raises the same
-    error on every rank, naming it and each rank's value, before any key or vector moves
-    (a dim mismatch would otherwise abort gloo)."""
-    # Each value's text in a fixed-width field, so every rank can print every rank's value.
-    width = 48
-    text = b"".join(str(value).encode()[:width].ljust(width, b"\0") for value in config.values())
-    mine = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+def _all_gather_bytes(data: bytes, device: torch.device, group, world_size: int, sizes: List[int]) -> List[bytes]:
+    """Every rank's ``data``, whose lengths ``sizes`` gives (one all-gather of tensors padded
+    to the longest)."""
+    longest = max(sizes)
+    mine = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
-    table = [bytes(t.cpu().tolist()) for t in gathered]
-    for column, key in enumerate(config):
-        values = [row[column * width:(column + 1) * width].rstrip(b"\0").decode(errors="replace") for row in table]
+    return [bytes(t.cpu()[:size].tolist()) for t, size in zip(gathered, sizes)]
+
+
+def _all_gather_bytes_sizes(size: int, device: torch.device, group, world_size: int) -> List[int]:
+    """Every rank's ``size`` (one all-gather)."""
+    sizes = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([size], dtype=torch.int64, device=device), group=group)
+    return [int(t.item()) for t in sizes]
+
+
+def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
+    """Whether every rank built ``config`` alike; a value that differs between ranks (or a
+    setting one rank has and another lacks: a layer of another type, one table more) raises
+    the same error on every rank, naming it and each rank's value, before any key or vector
+    moves (a dim mismatch would otherwise abort gloo). Two all-gathers of fixed-size
+    headers (each rank's length and digest of its settings' full text); the settings
+    themselves only when they differ."""
+    pairs = [[str(key), str(value)] for key, value in config.items()]
+    text = json.dumps(pairs).encode()
+    header = hashlib.blake2b(text, digest_size=16).digest()
+    sizes = _all_gather_bytes_sizes(len(text), device, group, world_size)
+    if len(set(sizes)) == 1 and len(set(_all_gather_bytes(header, device, group, world_size,
+                                                          [len(header)] * world_size))) == 1:
+        return
+    per_rank = [dict(json.loads(t.decode())) for t in _all_gather_bytes(text, device, group, world_size, sizes)]
+    keys = list(dict.fromkeys(key for settings in per_rank for key in settings))
+    for key in keys:
+        values = [settings.get(key) for settings in per_rank]
         if len(set(values)) > 1:
-            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
-            raise ValueError(f"{name}: {key} differs between the ranks of the process group ({per_rank}); build "
+            shown = ", ".join(f"rank {rank}: {'(none)' if value is None else value[:200]}"
+                              for rank, value in enumerate(values))
+            raise ValueError(f"{name}: {key} differs between the ranks of the process group ({shown}); build "
                              f"the layer with the same {key} on every rank")
+    raise AssertionError("configurations of different text but equal settings")
 
 
 def _offsets_error_flags(offsets: Tensor, nnz: int) -> Tensor:

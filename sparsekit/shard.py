@@ -519,10 +519,16 @@ class _ModelParallelEmbedding(nn.Module):
 
     def _config(self) -> Dict[str, object]:
         """What every rank of the group must build alike: the exchange relies on it."""
+        initializer = self.embedding_initializer
+        # A KeySeededUniform by its settings; anything else by its name (a function's
+        # address differs between processes).
+        initializer = repr(initializer) if isinstance(initializer, KeySeededUniform) else \
+            getattr(initializer, "__qualname__", type(initializer).__qualname__)
         return {"layer type": type(self).__name__, "embedding_vec_size": self.embedding_vec_size,
                 "dtype": self.weight.dtype, "max_vocabulary_size_per_gpu": self.max_vocabulary_size_per_gpu,
                 "use_hashtable": self.use_hashtable, "key_dtype": self.key_dtype, "eviction": self.eviction,
-                "admit_after": self.admit_after}
+                "admit_after": self.admit_after, "admission_capacity": self.admission_capacity,
+                "embedding_initializer": initializer}
 
     def _agree_on_config(self) -> None:
         """On the first exchange: one all-gather of the configuration (see :func:`_agree_on_config`)."""

@@ -666,3 +666,44 @@ def test_a_checkpoint_shard_without_optimizer_state_loads_with_zero_moments(tmp_
     state = optimizer.state[model.weights["t"]]
     moments = state["exp_avg"][:len(model._shard("t").hash_table)]
     assert (moments.abs().sum(1) > 0).sum() == 8 and (moments.abs().sum(1) == 0).sum() == 8
+
+
+def _config_mismatch_worker(rank, world_size, init):
+    init()
+    long = "user_history_item_embedding_table_for_ranking_v2_"  # 49 characters: they differ past 48
+    users = sk.KeyedJagged(["u"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    cases = [
+        # One table more on rank 1: settings one rank lacks (a gather of unequal sizes aborted gloo).
+        ([sk.TableConfig("users", 4, 8, ["u"])] + ([sk.TableConfig("items", 4, 8, ["i"])] if rank else []),
+         users, r"tables differs .*rank 0: users, rank 1: users,items"),
+        ([sk.TableConfig("users", 4 + rank, 8, ["u"])], users, r"users.embedding_vec_size differs .*rank 0: 4, rank 1: 5"),
+        # Names and features that differ only past their 48th character, listed in another
+        # order on rank 1: the check compared 48 characters and let the tables mix.
+        ([sk.TableConfig(long + s, 4, 8, [long + s]) for s in (("a", "b") if rank == 0 else ("b", "a"))],
+         sk.KeyedJagged([long + "a"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1])),
+         rf"tables differs .*rank 0: {long}a,{long}b, rank 1: {long}b,{long}a"),
+    ]
+    for tables, kjt, message in cases:
+        ebc = sk.EmbeddingBagCollection(tables)
+        for _ in range(2):  # the same error on every rank, every time; nothing hangs or aborts
+            with pytest.raises(ValueError, match=message):
+                ebc(kjt)
+    # An input with no feature on rank 1 in training: its output would hold nothing to call
+    # backward on while rank 0's backward waited for it; both raise instead.
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("users", 4, 8, ["u"])])
+    if rank == 1:
+        with pytest.raises(ValueError, match="the input names no feature"):
+            ebc(sk.KeyedJagged([], torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64)))
+    else:
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of the process group rejected"):
+            ebc(users)
+    # Named features with B = 0 is the empty batch that trains; the group is still in step.
+    empty = sk.KeyedJagged(["u"], torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64))
+    sum(v.sum() for v in ebc(users if rank == 0 else empty).values()).backward()
+    with torch.no_grad():  # no backward to wait for: an input without features is fine
+        assert ebc(sk.KeyedJagged([], torch.zeros(0, dtype=torch.int64),
+                                  lengths=torch.zeros(0, dtype=torch.int64)) if rank else users).keys() <= {"u"}
+
+
+def test_ranks_built_differently_or_given_no_features_all_raise(tmp_path):
+    spawn(_config_mismatch_worker, 2, str(tmp_path))

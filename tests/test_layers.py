@@ -640,6 +640,17 @@ def _config_mismatch_worker(rank, world_size, init):
          r"combiner differs .*rank 0: sum, rank 1: mean"),
         ("key_dtype", lambda: sk.All2AllDenseEmbedding(8, DIM, 1, 2, key_dtype=[torch.int64, torch.int32][rank]),
          r"key_dtype differs .*rank 0: torch.int64, rank 1: torch.int32"),
+        # Another layer type: settings one rank has and the other lacks (a gather of unequal
+        # sizes aborted gloo before).
+        ("layer type", lambda: sk.DistributedEmbedding("sum", 8, DIM, 1, 2) if rank == 0 else
+         sk.All2AllDenseEmbedding(8, DIM, 1, 2),
+         r"layer type differs .*rank 0: DistributedEmbedding, rank 1: All2AllDenseEmbedding"),
+        ("admission_capacity", lambda: sk.DistributedEmbedding("sum", 8, DIM, 1, 2, admit_after=2,
+                                                               admission_capacity=16 + rank),
+         r"admission_capacity differs .*rank 0: 16, rank 1: 17"),
+        ("embedding_initializer", lambda: sk.DistributedEmbedding(
+            "sum", 8, DIM, 1, 2, embedding_initializer=sk.KeySeededUniform(seed=rank)),
+         r"embedding_initializer differs .*rank 0: KeySeededUniform\(seed=0, .*rank 1: KeySeededUniform\(seed=1"),
     ]
     for name, build, message in cases:
         layer = build()
