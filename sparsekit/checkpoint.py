@@ -35,10 +35,12 @@ rank (one machine or a shared file system).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -78,6 +80,20 @@ def _all_ok(group, ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _ranks_differing(group, text: str) -> List[int]:
+    """The ranks whose ``text`` differs from rank 0's (one all-gather of 16-byte digests);
+    [] on every rank when all agree, or without a group."""
+    if group is None:
+        return []
+    digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    device = _collective_device(group)
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [bytes(t.cpu().tolist()) for t in gathered]
+    return [rank for rank, row in enumerate(rows) if row != rows[0]]
 
 
 def _agree_or_raise(group, error: Optional[BaseException], what: str) -> None:
@@ -256,15 +272,25 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         NotADirectoryError: ``directory`` is a file or lies under one.
     """
     group, world_size, rank = _world()
-    _check_not_a_file(directory, "save_checkpoint", "give a directory (it is created when missing)")
     model = _unwrap(model)
     layers = _embedding_layers(model)
-    index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
+    error: Optional[BaseException] = None
+    index = 0
+    try:
+        _check_not_a_file(directory, "save_checkpoint", "give a directory (it is created when missing)")
+        index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below (a rank alone would hang the rest)
+        error = exc
+    _agree_or_raise(group, error, "save_checkpoint (reading the directory)")
+    differing = _ranks_differing(group, str(index))
+    if differing:
+        raise RuntimeError(f"save_checkpoint: rank(s) {differing} found another latest checkpoint in {directory!r} "
+                           "than rank 0; every rank must save to one directory that they all reach (a shared "
+                           "file system); nothing was written")
     name = f"ckpt-{index:06d}"
     final_dir = os.path.join(directory, name)
     temp_dir = final_dir + ".tmp"
 
-    error: Optional[BaseException] = None
     if rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
@@ -275,6 +301,10 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     _agree_or_raise(group, error, "save_checkpoint (creating the directory)")
 
     try:
+        if not os.path.isdir(temp_dir):
+            raise FileNotFoundError(f"save_checkpoint: {temp_dir!r}, which rank 0 made, is not there on rank {rank}; "
+                                    "every rank must save to one directory that they all reach (a shared file "
+                                    "system)")
         shard = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size,
                  "layers": _shard_payload(layers, optimizer)}
         _write_file(os.path.join(temp_dir, _shard_name(rank, world_size)), lambda f: torch.save(shard, f))
@@ -284,6 +314,8 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             _write_file(os.path.join(temp_dir, "dense.pt"), lambda f: torch.save(dense, f))
             metadata = {
                 "format": FORMAT_VERSION,
+                # Tells two checkpoints of one model apart: the ranks of a load compare it.
+                "id": uuid.uuid4().hex,
                 "world_size": world_size,
                 "has_optimizer": optimizer is not None,
                 "shards": [_shard_name(r, world_size) for r in range(world_size)],
@@ -746,6 +778,11 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         error = exc
     # Nothing has been written on any rank yet: every rank raises, or every rank loads.
     _agree_or_raise(group, error, "load_checkpoint")
+    differing = _ranks_differing(group, os.path.basename(path) + json.dumps(metadata, sort_keys=True))
+    if differing:
+        raise ValueError(f"load_checkpoint: rank(s) {differing} found another checkpoint in {directory!r} than rank 0 "
+                         f"({os.path.basename(path)} here); every rank must load one checkpoint from a directory "
+                         "that they all reach (a shared file system); nothing was changed")
 
     # The optimizer first: its own load_state_dict checks the saved state (LazyAdam: the
     # hyperparameters) before it replaces anything, so if it still refuses, nothing has

@@ -630,3 +630,36 @@ def test_hash_table_load_state_dict_of_a_meta_tensor(entry):
         table.load_state_dict(state)
     assert_equal_nested(table.state_dict(), before)
     assert len(table) == 2 and table.clock == 0
+
+
+def _directories_differ_worker(rank, world_size, init, tmp_dir):
+    init()
+    model, optimizer = make()
+    train(model, optimizer, range(1))
+    # A file in place of the directory on rank 1 only: rank 0 waited in the save's first
+    # collective until the group's timeout, since rank 1 raised before it.
+    a_file = os.path.join(tmp_dir, "a_file")
+    target = a_file if rank == 1 else os.path.join(tmp_dir, "shared")
+    expected = "is a file" if rank == 1 else "failed on another rank"
+    with pytest.raises((NotADirectoryError, RuntimeError), match=expected):
+        sk.save_checkpoint(target, model, optimizer)
+    # Directories of one name that are not one directory (rank 1 sees a stale copy of
+    # another run): every rank refuses to load, before anything changes.
+    sk.save_checkpoint(os.path.join(tmp_dir, "shared"), model, optimizer)
+    before = snapshot(model, optimizer)
+    directory = os.path.join(tmp_dir, "shared" if rank == 0 else "stale")
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] found another checkpoint in .* than rank 0"):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+    # And a save where the ranks read different latest checkpoints writes nothing.
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] found another latest checkpoint"):
+        sk.save_checkpoint(os.path.join(tmp_dir, "shared" if rank == 0 else "empty"), model, optimizer)
+    assert sorted(os.listdir(os.path.join(tmp_dir, "shared"))) == ["LATEST", "ckpt-000001"]
+
+
+def test_ranks_that_do_not_share_the_checkpoint_directory_all_raise(tmp_path):
+    open(tmp_path / "a_file", "w").close()
+    model, optimizer = make()  # a checkpoint of another run, as rank 1's "stale" copy
+    train(model, optimizer, range(2))
+    sk.save_checkpoint(str(tmp_path / "stale"), model, optimizer)
+    spawn(_directories_differ_worker, 2, str(tmp_path), str(tmp_path))
