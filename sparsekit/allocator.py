@@ -114,12 +114,12 @@ def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
     per row with 4 KiB pages; with 2 MiB pages a few thousand TLB entries cover gigabytes.
     1M x 16/64/128 float32, 16384 bags of 20 uniform rows, one thread: ``embedding_bag``
     took 1.35 / 4.18 / 9.20 ms in huge pages against 1.87 / 6.13 / 11.67 ms without
-    (``nn.EmbeddingBag`` gained alike); a layer's training step over 3.1M keys (4M x 64
-    rows) x1.11 (0.91-1.36), at D = 16 x1.05. The price is paid once, when the table is
-    made: on the 2-core VM of the benchmarks a fresh huge page faulted in slowly (a layer of
-    1M x 16 rows with its moments took 0.2-0.9 s to build instead of 0.08 s), which a
-    short run never earns back, hence the threshold: a table of 256 MiB serves a long
-    training run. The hint costs no memory, since the fill touches every page anyway;
+    (``nn.EmbeddingBag`` gained alike); a layer's training step over 3.1M keys of 4M rows
+    only x1.01-1.11 (``benchmarks/bench_huge_pages.py``). The price is paid once, when the
+    table is made: on the 2-core VM of the benchmarks a fresh huge page faulted in slowly
+    (a layer of 1M x 16 rows with its moments took 0.2-0.9 s to build instead of 0.08 s),
+    which a short run never earns back, hence the threshold: a table of 256 MiB serves a
+    long training run. The hint costs no memory, since the fill touches every page anyway;
     where THP is off (``never``) or this is not Linux it changes nothing, and any failure
     of it is ignored.
     """
