@@ -124,12 +124,13 @@ def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
     of it is ignored.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    device = torch.device(device if device is not None else "cpu")
-    if device.type != "cpu":
-        return torch.full(shape, fill_value, dtype=dtype, device=device)
+    # device None is the current default device (torch.device("meta") as a context, say).
     out = torch.empty(shape, dtype=dtype, device=device)
     nbytes = out.numel() * out.element_size()
-    madvise = _libc_madvise() if nbytes >= _HUGE_TABLE_BYTES else None
+    # A plain CPU tensor with memory of its own (not a FakeTensor under tracing, whose
+    # data_ptr is 0).
+    real = type(out) is torch.Tensor and out.device.type == "cpu"
+    madvise = _libc_madvise() if real and nbytes >= _HUGE_TABLE_BYTES else None
     if madvise is not None:
         begin = out.data_ptr()
         first = (begin + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)

@@ -142,3 +142,26 @@ def test_a_large_table_faults_in_huge_pages():
     faults = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
     # 65,536 faults in 4 KiB pages; 128 huge pages and the unaligned ends (<= 1,024) in huge ones.
     assert faults < 8192, faults
+
+
+def test_tables_follow_the_default_device():
+    """device=None is the current default device, as for torch's factories: a model built
+    under torch.device("meta") gets meta tables (to_empty() then reset_parameters())."""
+    with torch.device("meta"):
+        layer = sk.DistributedEmbedding("sum", 1000, 8, 1, 1, use_hashtable=True)
+        direct = sk.DistributedEmbedding("sum", 1000, 8, 1, 1, use_hashtable=False)
+        table = sk.HashTable(100)
+        assert allocator.table_full(4, -1, torch.int64, None).is_meta
+    assert layer.weight.is_meta and direct.weight.is_meta
+    assert all(t.is_meta for t in layer.hash_table._tensors()) and all(t.is_meta for t in table._tensors())
+    assert allocator.table_full((2, 3), 0, None, "meta").dtype == torch.get_default_dtype()
+
+
+def test_no_advice_for_a_fake_table(monkeypatch):
+    """Under FakeTensorMode (tracing) a tensor has no memory (data_ptr 0): nothing is advised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    calls = []
+    monkeypatch.setattr(allocator, "_libc_madvise", lambda: lambda *args: calls.append(args) or 0)
+    with FakeTensorMode():
+        table = allocator.table_zeros((allocator._HUGE_TABLE_BYTES // 4 + 1,), torch.float32, "cpu")
+    assert table.shape[0] == allocator._HUGE_TABLE_BYTES // 4 + 1 and calls == []
