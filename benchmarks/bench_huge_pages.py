@@ -30,19 +30,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit as sk  # noqa: E402
-from benchmarks.common import add_round_args, busy_core, fmt_ratio, ratio_stats, time_rounds, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_args,
+    busy_core,
+    fmt_ratio,
+    ratio_stats,
+    time_rounds,
+    write_results,
+)
 from sparsekit import allocator  # noqa: E402
 
 ROWS, BAGS, POOLING = 1 << 20, 16384, 20
 LAYER_CAPACITY, LAYER_KEYS, BATCH, SLOTS = 1 << 22, 26 * 120_000, 1024, 26
-
-
-def thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "unavailable"
 
 
 class _HugePages:
@@ -108,15 +107,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sk.keep_freed_memory()
-    print(f"transparent huge pages: {thp_mode()}; {args.threads} thread(s)")
+    print(f"transparent huge pages: {allocator.huge_page_mode()}; {args.threads} thread(s)")
     rows = []
     with busy_core(args.busy_core):
         for dim in [int(d) for d in args.dims.split(",") if d]:
             rows.append(bench_embedding_bag(dim, args))
         for dim in [int(d) for d in args.layer_dims.split(",") if d]:
             rows.append(bench_layer_step(dim, args))
-    print("wrote", write_results("huge_pages", torch.device("cpu"), rows,
-                                 {"thp": thp_mode(), "threads": args.threads, "busy_core": args.busy_core}))
+    extra = {"thp": allocator.huge_page_mode(), "threads": args.threads, "busy_core": args.busy_core}
+    print("wrote", write_results("huge_pages", torch.device("cpu"), rows, extra))
 
 
 if __name__ == "__main__":

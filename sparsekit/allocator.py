@@ -104,6 +104,16 @@ def _libc_madvise():
     return _madvise or None
 
 
+def huge_page_mode() -> str:
+    """The kernel's transparent huge page setting (``always``, ``madvise`` or ``never``);
+    ``never`` where it cannot be read (not Linux, no THP)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
 def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.full(shape, fill_value)`` for a table read at random rows (an embedding
     weight, its Adam moments, a hash table's slots): on a Linux CPU, a table of at least

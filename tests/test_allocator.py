@@ -76,14 +76,6 @@ def test_keep_freed_memory_rejects_bad_thresholds(kwargs, name):
 from sparsekit import allocator  # noqa: E402
 
 
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "never"
-
-
 @pytest.mark.parametrize("shape, fill, dtype", [((5, 3), 0, torch.float32), ((1 << 20,), -1, torch.int64),
                                                 ((3 << 18, 4), 0, torch.bfloat16), ((0, 16), 0, torch.float32)])
 def test_table_full_is_torch_full(shape, fill, dtype):
@@ -127,7 +119,7 @@ def test_layer_tables_and_moments_use_table_full(monkeypatch):
     assert any(dtype == torch.int64 and shape[0] >= 1000 for shape, dtype in sizes)  # the hash table's slots
 
 
-@pytest.mark.skipif(not GLIBC or _thp_mode() == "never", reason="transparent huge pages are off here")
+@pytest.mark.skipif(not GLIBC or allocator.huge_page_mode() == "never", reason="transparent huge pages are off here")
 def test_a_large_table_faults_in_huge_pages():
     code = textwrap.dedent("""
         import resource
