@@ -514,42 +514,34 @@ def _lazy_adam_tables_fake(weights: List[Tensor], exp_avgs: List[Tensor], exp_av
     return None
 
 
-_LAZY_ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
-
-
 def _check_lazy_adam_args(op: str, weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, grad: Tensor,
                           step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     """The C++ check_lazy_adam_args (everything that does not read rows), with its messages;
     ``op`` is ``"lazy_adam_"`` or ``"lazy_adam_tables_: table t"`` (whose float32 moments
     stand in for a half ``weight``)."""
-    name = {key: key for key in ("exp_avg", "exp_avg_sq", "rows", "grad", "step") + _LAZY_ADAM_HYPER}
-    weight_name = "weight"
-    float_dtype(op, weight_name, weight)
-    torch._check(weight.dim() >= 1,
-                 lambda: f"{op}: {weight_name} must have at least one dimension [R, ...], got a scalar")
+    float_dtype(op, "weight", weight)
+    torch._check(weight.dim() >= 1, lambda: f"{op}: weight must have at least one dimension [R, ...], got a scalar")
     torch._check(exp_avg.shape == weight.shape and exp_avg_sq.shape == weight.shape,
-                 lambda: f"{op}: {name['exp_avg']} {shape_of(exp_avg)} and {name['exp_avg_sq']} {shape_of(exp_avg_sq)} "
-                         f"must have the shape of {weight_name} {shape_of(weight)}")
+                 lambda: f"{op}: exp_avg {shape_of(exp_avg)} and exp_avg_sq {shape_of(exp_avg_sq)} must have the "
+                         f"shape of weight {shape_of(weight)}")
     torch._check(exp_avg.dtype == weight.dtype and exp_avg_sq.dtype == weight.dtype and grad.dtype == weight.dtype,
-                 lambda: f"{op}: {name['exp_avg']} ({exp_avg.dtype}), {name['exp_avg_sq']} ({exp_avg_sq.dtype}) and "
-                         f"{name['grad']} ({grad.dtype}) must have the dtype of {weight_name} ({weight.dtype})")
+                 lambda: f"{op}: exp_avg ({exp_avg.dtype}), exp_avg_sq ({exp_avg_sq.dtype}) and grad ({grad.dtype}) "
+                         f"must have the dtype of weight ({weight.dtype})")
     torch._check(weight.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous(),
-                 lambda: f"{op}: {weight_name}, {name['exp_avg']} and {name['exp_avg_sq']} must be contiguous (they "
-                         "are updated in place, so a .contiguous() copy would not do); allocate the optimizer state "
-                         "with torch.zeros_like")
-    index_dtype(op, name["rows"], rows)
-    torch._check(rows.dim() == 1, lambda: f"{op}: {name['rows']} must be 1-D [u], got shape {shape_of(rows)}")
+                 lambda: f"{op}: weight, exp_avg and exp_avg_sq must be contiguous (they are updated in place, so a "
+                         ".contiguous() copy would not do); allocate the optimizer state with torch.zeros_like")
+    index_dtype(op, "rows", rows)
+    torch._check(rows.dim() == 1, lambda: f"{op}: rows must be 1-D [u], got shape {shape_of(rows)}")
     torch._check(grad.dim() == weight.dim() and grad.shape[0] == rows.shape[0]
                  and tuple(grad.shape[1:]) == tuple(weight.shape[1:]),
-                 lambda: f"{op}: {name['grad']} must have shape [u, ...] = "
-                         f"{[shown(rows.shape[0]), *shape_of(weight)[1:]]} (one row of gradient per entry of "
-                         f"{name['rows']}), got {shape_of(grad)}")
-    torch._check(step >= 1, lambda: f"{op}: {name['step']} must be >= 1 (the first update is step 1), got {step}")
+                 lambda: f"{op}: grad must have shape [u, ...] = {[shown(rows.shape[0]), *shape_of(weight)[1:]]} "
+                         f"(one row of gradient per entry of rows), got {shape_of(grad)}")
+    torch._check(step >= 1, lambda: f"{op}: step must be >= 1 (the first update is step 1), got {step}")
     # Written so that NaN fails too.
     for key, value, high in (("lr", lr, None), ("eps", eps, None), ("beta1", beta1, 1.0), ("beta2", beta2, 1.0),
                              ("weight_decay", weight_decay, None)):
         torch._check(value >= 0.0 and (high is None or value < high),
-                     lambda: f"{op}: {name[key]} must be {'in [0, 1)' if high else '>= 0'}, got {value}")
+                     lambda: f"{op}: {key} must be {'in [0, 1)' if high else '>= 0'}, got {value}")
 
 
 @torch.library.register_fake("sparsekit::lazy_adam_")
