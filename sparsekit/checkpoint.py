@@ -35,7 +35,6 @@ rank (one machine or a shared file system).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -48,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
+from .exchange import _all_gather_digests
 from .shard import _ModelParallelEmbedding, is_embedding_variable
 from .hashtable import HashTableFullError, _check_state_of
 
@@ -87,13 +87,8 @@ def _ranks_differing(group, text: str) -> List[int]:
     [] on every rank when all agree, or without a group."""
     if group is None:
         return []
-    digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
-    device = _collective_device(group)
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [bytes(t.cpu().tolist()) for t in gathered]
-    return [rank for rank, row in enumerate(rows) if row != rows[0]]
+    digests = _all_gather_digests(text.encode(), _collective_device(group), group, dist.get_world_size(group))
+    return [rank for rank, digest in enumerate(digests) if digest != digests[0]]
 
 
 def _agree_or_raise(group, error: Optional[BaseException], what: str) -> None:

@@ -388,20 +388,24 @@ def _all_gather_bytes_sizes(size: int, device: torch.device, group, world_size: 
     return [int(t.item()) for t in sizes]
 
 
+def _all_gather_digests(data: bytes, device: torch.device, group, world_size: int) -> List[bytes]:
+    """Every rank's 16-byte digest of its ``data`` (one all-gather of a fixed size, so ranks
+    with data of different lengths still meet in it)."""
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    return _all_gather_bytes(digest, device, group, world_size, [len(digest)] * world_size)
+
+
 def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
     """Whether every rank built ``config`` alike; a value that differs between ranks (or a
     setting one rank has and another lacks: a layer of another type, one table more) raises
     the same error on every rank, naming it and each rank's value, before any key or vector
-    moves (a dim mismatch would otherwise abort gloo). Two all-gathers of fixed-size
-    headers (each rank's length and digest of its settings' full text); the settings
-    themselves only when they differ."""
+    moves (a dim mismatch would otherwise abort gloo). One all-gather of a digest of each
+    rank's full settings; their lengths and the settings themselves only when they differ."""
     pairs = [[str(key), str(value)] for key, value in config.items()]
     text = json.dumps(pairs).encode()
-    header = hashlib.blake2b(text, digest_size=16).digest()
-    sizes = _all_gather_bytes_sizes(len(text), device, group, world_size)
-    if len(set(sizes)) == 1 and len(set(_all_gather_bytes(header, device, group, world_size,
-                                                          [len(header)] * world_size))) == 1:
+    if len(set(_all_gather_digests(text, device, group, world_size))) == 1:
         return
+    sizes = _all_gather_bytes_sizes(len(text), device, group, world_size)
     per_rank = [dict(json.loads(t.decode())) for t in _all_gather_bytes(text, device, group, world_size, sizes)]
     keys = list(dict.fromkeys(key for settings in per_rank for key in settings))
     for key in keys:
