@@ -299,11 +299,10 @@ class _ModelParallelEmbedding(nn.Module):
             return
         with torch.no_grad():
             self.weight.zero_()
-        self.hash_table.clear()
-        self.hash_table._clock = 0
-        if self._pending is not None:
-            self._pending.clear()
-            self._pending._clock = 0
+        for table in (self.hash_table, self._pending):
+            if table is not None:
+                table.clear()
+                table._clock = 0
         if self._fresh_rows is not None:
             self._fresh_rows.zero_()
         self._evicted = 0
