@@ -27,13 +27,13 @@ inline int64_t scratch_table_slots(int64_t n) {
   return slots;
 }
 
-inline void check_key_tensor(const Tensor& keys, const char* op, const char* arg) {
+inline void check_key_tensor(const Tensor& keys, OpName op, const char* arg) {
   SK_CHECK(keys.scalar_type() == kLong || keys.scalar_type() == kInt, op, ": ", arg,
               " must be an int64 or int32 tensor of keys, got ", keys.scalar_type(),
               "; cast it with .long()");
 }
 
-inline void check_index_tensor(const Tensor& index, const char* op, const char* arg) {
+inline void check_index_tensor(const Tensor& index, OpName op, const char* arg) {
   SK_CHECK(index.scalar_type() == kLong || index.scalar_type() == kInt, op, ": ", arg,
               " must be an int64 or int32 tensor, got ", index.scalar_type());
 }

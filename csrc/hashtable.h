@@ -12,8 +12,6 @@
 // Callers keep at most S / 2 keys in the table (sparsekit.HashTable sizes S >= 2 *
 // capacity), which keeps probe sequences short and guarantees that an insert finds an
 // empty slot.
-#include <string>
-
 #include "common.h"
 
 namespace sparsekit {
@@ -54,7 +52,7 @@ C10_HOST_DEVICE inline int64_t probe_slot(const int64_t* slot_keys, const int64_
 
 /// @brief Checks the two slot arrays of a table: int64, 1-D, same length (a power of
 /// two), contiguous and on one device.
-inline void check_hash_table_slots(const Tensor& slot_keys, const Tensor& slot_rows, const char* op) {
+inline void check_hash_table_slots(const Tensor& slot_keys, const Tensor& slot_rows, OpName op) {
   SK_CHECK(slot_keys.scalar_type() == kLong, op, ": slot_keys must be int64, got ",
               slot_keys.scalar_type());
   SK_CHECK(slot_rows.scalar_type() == kLong, op, ": slot_rows must be int64, got ",
@@ -74,11 +72,11 @@ inline void check_hash_table_slots(const Tensor& slot_keys, const Tensor& slot_r
 }
 
 /// @brief Checks the arguments of hash_table_find.
-/// @param op how errors name the call: "hash_table_find", or "hash_table_find_tables: table 3".
+/// @param op how errors name the call: hash_table_find, or a table of a multi-table op.
 inline void check_hash_table_find_args(const Tensor& slot_keys, const Tensor& slot_rows,
-                                       const Tensor& keys, const std::string& op = "hash_table_find") {
-  check_hash_table_slots(slot_keys, slot_rows, op.c_str());
-  check_key_tensor(keys, op.c_str(), "keys");
+                                       const Tensor& keys, OpName op = "hash_table_find") {
+  check_hash_table_slots(slot_keys, slot_rows, op);
+  check_key_tensor(keys, op, "keys");
   SK_CHECK(keys.device() == slot_keys.device(), op, ": keys are on ", keys.device(),
               " but the table is on ", slot_keys.device(), "; move the keys with .to(table.device)");
 }

@@ -26,11 +26,11 @@ inline void check_lazy_adam_disjoint(const char* op, const Tensor& weight, const
 }
 
 /// @brief Checks everything about a lazy_adam_ call that does not need to read rows.
-/// @param op how errors name the call: "lazy_adam_", or "lazy_adam_tables_: table 3".
+/// @param op how errors name the call: lazy_adam_, or a table of lazy_adam_tables_.
 inline void check_lazy_adam_args(const Tensor& weight, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                                  const Tensor& rows, const Tensor& grad, int64_t step, double lr,
                                  double beta1, double beta2, double eps, double weight_decay,
-                                 const std::string& op = "lazy_adam_") {
+                                 OpName op = "lazy_adam_") {
   const auto dtype = weight.scalar_type();
   SK_CHECK(dtype == kFloat || dtype == kDouble || dtype == kHalf || dtype == kBFloat16,
               op, ": weight must be float32, float64, float16 or bfloat16, got ", dtype);
@@ -44,7 +44,7 @@ inline void check_lazy_adam_args(const Tensor& weight, const Tensor& exp_avg, co
   SK_CHECK(weight.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous(),
               op, ": weight, exp_avg and exp_avg_sq must be contiguous (they are updated in place, "
               "so a .contiguous() copy would not do); allocate the optimizer state with torch.zeros_like");
-  check_index_tensor(rows, op.c_str(), "rows");
+  check_index_tensor(rows, op, "rows");
   SK_CHECK(rows.dim() == 1, op, ": rows must be 1-D [u], got shape ", rows.sizes());
   if (!(grad.dim() == weight.dim() && grad.size(0) == rows.size(0) &&
         grad.sizes().slice(1) == weight.sizes().slice(1))) {

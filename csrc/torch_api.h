@@ -49,7 +49,22 @@ constexpr ScalarType kDouble = ScalarType::Double;
 // Errors: a std::runtime_error with exactly the message given (torch raises it in Python
 // as a RuntimeError), built from any streamable values, devices, shapes and dtypes.
 
+/// How an error names its call: the op, and for one table of a multi-table op the table
+/// ("lazy_adam_tables_: table 3"). Printed only when an error is raised, so a check that
+/// takes one costs nothing when it passes (a per-table message built up front would be
+/// formatted on every call). A plain op name converts to it.
+struct OpName {
+  const char* op;
+  int64_t table = -1;
+  OpName(const char* op_) : op(op_) {}  // NOLINT(google-explicit-constructor): every op name is one
+  OpName(const char* op_, int64_t table_) : op(op_), table(table_) {}
+};
+
 namespace detail {
+inline void append(std::ostringstream& out, const OpName& name) {
+  out << name.op;
+  if (name.table >= 0) out << ": table " << name.table;
+}
 inline void append(std::ostringstream& out, const Device& device) {
   out << (device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : "device");
   if (device.is_cuda() && device.has_index()) out << ":" << static_cast<int>(device.index());

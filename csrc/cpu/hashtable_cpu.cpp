@@ -223,7 +223,8 @@ Tensor hash_table_find_tables_cpu(const std::vector<Tensor>& slot_keys, const st
   check_key_tensor(keys, "hash_table_find_tables", "keys");
   SK_CHECK(keys.dim() == 1, "hash_table_find_tables: keys must be 1-D, got shape ", keys.sizes());
   for (size_t t = 0; t < slot_keys.size(); ++t) {
-    check_hash_table_find_args(slot_keys[t], slot_rows[t], keys, message("hash_table_find_tables: table ", t));
+    check_hash_table_find_args(slot_keys[t], slot_rows[t], keys,
+                               OpName("hash_table_find_tables", static_cast<int64_t>(t)));
   }
   check_table_offsets(offsets, slot_keys.size(), keys.numel(), "hash_table_find_tables");
   const Tensor keys_c = as_contiguous(keys);
@@ -341,7 +342,7 @@ void hash_table_place_tables_cpu(const std::vector<Tensor>& slot_keys, const std
   SK_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
   check_table_offsets(offsets, num_tables, keys.numel(), op);
   for (size_t t = 0; t < num_tables; ++t) {
-    check_hash_table_find_args(slot_keys[t], slot_rows[t], keys, message(op, ": table ", t));
+    check_hash_table_find_args(slot_keys[t], slot_rows[t], keys, OpName(op, static_cast<int64_t>(t)));
     SK_CHECK(row_keys[t].scalar_type() == kLong && count[t].scalar_type() == kLong && row_keys[t].dim() == 1 &&
                  count[t].dim() == 1 && row_keys[t].size(0) == count[t].size(0) && row_keys[t].is_contiguous() &&
                  count[t].is_contiguous() && row_keys[t].device() == keys.device() &&

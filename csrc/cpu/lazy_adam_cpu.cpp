@@ -319,7 +319,7 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
              exp_avgs[t].sizes());
     // The moments stand in for a half weight: the rest must match them.
     check_lazy_adam_args(dtype == kFloat ? weights[t] : exp_avgs[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t],
-                         steps[t], h[0], h[1], h[2], h[3], h[4], message(op, ": table ", t));
+                         steps[t], h[0], h[1], h[2], h[3], h[4], OpName(op, static_cast<int64_t>(t)));
     check_lazy_adam_disjoint(op, weights[t], exp_avgs[t], exp_avg_sqs[t], rows[t], grads[t]);
     SK_CHECK(rows[t].scalar_type() == kLong && rows[t].is_contiguous(), op, ": rows[", t,
              "] must be a contiguous int64 tensor");
