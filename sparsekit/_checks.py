@@ -157,21 +157,20 @@ def hash_table_slots(op: str, slot_keys: torch.Tensor, slot_rows: torch.Tensor) 
     """The slot arrays of one table (the C++ check_hash_table_slots): int64, 1-D, one length,
     a power of two, contiguous. ``op`` names a table of a multi-table op as the kernel does
     (``"hash_table_find_tables: table 3"``)."""
-    keys, rows = "slot_keys", "slot_rows"
-    for name, tensor in ((keys, slot_keys), (rows, slot_rows)):
+    for name, tensor in (("slot_keys", slot_keys), ("slot_rows", slot_rows)):
         if tensor.dtype != torch.int64:
             raise RuntimeError(f"{op}: {name} must be int64, got {tensor.dtype}")
     torch._check(slot_keys.dim() == 1 and slot_rows.dim() == 1,
-                 lambda: f"{op}: {keys} and {rows} must be 1-D [S], got shapes {shape_of(slot_keys)} and "
+                 lambda: f"{op}: slot_keys and slot_rows must be 1-D [S], got shapes {shape_of(slot_keys)} and "
                          f"{shape_of(slot_rows)}")
     slots = slot_keys.shape[0]
     torch._check(slots == slot_rows.shape[0],
-                 lambda: f"{op}: {keys} has {shown(slots)} slots but {rows} has {shown(slot_rows.shape[0])}; they "
-                         "must match")
+                 lambda: f"{op}: slot_keys has {shown(slots)} slots but slot_rows has {shown(slot_rows.shape[0])}; "
+                         "they must match")
     torch._check(slots > 0 and (slots & (slots - 1)) == 0,
                  lambda: f"{op}: the slot count must be a power of two (index = hash & (S - 1)), got {shown(slots)}")
     torch._check(slot_keys.is_contiguous() and slot_rows.is_contiguous(),
-                 lambda: f"{op}: {keys} and {rows} must be contiguous")
+                 lambda: f"{op}: slot_keys and slot_rows must be contiguous")
 
 
 def csr_offsets(op: str, offsets: Sequence[int], n) -> None:
