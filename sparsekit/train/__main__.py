@@ -33,6 +33,7 @@ from .loop import (
     FlagError,
     HarnessError,
     TrainConfig,
+    _table_capacity,
     train,
 )
 
@@ -210,8 +211,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except (HarnessError, CriteoFormatError) as error:  # both name the file (and line)
         _fail(str(error))
     except HashTableFullError as error:
-        capacity = config.capacity_per_rank if config.capacity_per_rank is not None else config.table_rows
-        _fail(f"{error}; here: raise --capacity-per-rank (now {capacity}) or pass --eviction lru|lfu")
+        _fail(f"{error}; here: raise --capacity-per-rank (now {_table_capacity(vars(config))[0]}) or pass "
+              "--eviction lru|lfu")
     except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
         detail = _out_of_memory(error)
         if detail is not None:
