@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import ops
+from . import ops, traced
 from .checkpoint import _collective_device, _owners
 from .exchange import (
     _BAD_KEY,
@@ -537,8 +537,14 @@ class EmbeddingBagCollection(nn.Module):
         sequence = [t for members in self._groups for t in members]
         self._sequence_position = torch.tensor([sequence.index(t) for t in range(len(self.tables))])
         self._config_agreed = self.world_size == 1
+        traced.register(self)
 
     # -- module plumbing ------------------------------------------------------------------------
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # Copies and unpickling end here: the copy must be found by its compiled graphs too.
+        super().__setstate__(state)
+        traced.register(self)
 
     def reset_parameters(self) -> None:
         """Puts every table's shard on this rank back in a new collection's state, in place
@@ -635,22 +641,123 @@ class EmbeddingBagCollection(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
-    # torch.compile runs the lookup eagerly, one graph break per collection (see README, torch.compile).
-    @torch.compiler.disable
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
+        # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
+        # runs eagerly, one graph break per collection (see README, torch.compile).
+        if self.world_size == 1 and torch.compiler.is_compiling():
+            return self._traced_forward(kjt)
+        return self._eager_forward(kjt)
+
+    @torch.compiler.disable
+    def _eager_forward(self, kjt: Any) -> Dict[str, Tensor]:
+        return self._ticking(lambda: self._forward(kjt))
+
+    def _ticking(self, forward: Callable[[], Any]) -> Any:
+        """``forward()``, checked first, and every table's clock advanced after it in training."""
         # Every table's clock (and its pending keys' clock) advances once per training
         # forward on every rank, as a single layer's does, also for a table with no key this
         # step: clocks that drifted apart between tables or ranks would mix scores of
         # different ages when a checkpoint is resharded.
         _check_writable(self._shards, "EmbeddingBagCollection", self.training)
         clocks = self._clocks() if self.training else None
-        out = self._forward(kjt)
+        out = forward()
         if clocks is not None:
             for shard, (table_clock, pending_clock) in zip(self._shards, clocks):
                 if shard.hash_table is not None and shard.hash_table.clock == table_clock:
                     shard.hash_table.tick()
                 if shard._pending is not None and shard._pending.clock == pending_clock:
                     shard._pending.tick()
+        return out
+
+    def _traced_forward(self, kjt: Any) -> Dict[str, Tensor]:
+        """One process under torch.compile: the rows of every feature's values from the opaque
+        ``sparsekit::_collection_rows`` (:mod:`sparsekit.traced`; the eager checks and table
+        changes), then per feature a traced, differentiable pooled read of its table's rows.
+        The numbers are the eager forward's: float32 sums in value order, then the mean and
+        the cast to the table's dtype."""
+        kjt = _as_keyed_jagged(kjt)
+        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
+        device = self._shards[0].weight.device
+        self._check_features(kjt, features, values, weights, device)
+        offsets = kjt.offsets().long()
+        names = list(self._feature_table)
+        # Raises there for what the eager forward refuses (bags that do not split into the
+        # features, bad offsets, a full table, ...), before anything below reads the rows.
+        found = traced.collection_rows(values, offsets, [names.index(f) for f in features], id(self))
+        batch = (offsets.numel() - 1) // max(len(features), 1)
+        pooled_of: Dict[str, Tensor] = {}
+        lengths = offsets[1:] - offsets[:-1]
+        # One pooled read per table, of all its features' bags: a weight read twice would get
+        # two sparse gradients, which a compiled backward cannot add (see README). Each
+        # table's rows fill the first places of an [nnz] array (a size the trace knows), -1
+        # after them, in its last bag, where the kernels skip them.
+        for t, members, (rows, table_offsets, positions) in zip(*self._tables_of(features),
+                                                                zip(found[0::3], found[1::3], found[2::3])):
+            shard = self._shards[t]
+            scale = None if weights is None else weights.index_select(0, positions.clamp(min=0)).float()
+            if shard.weight.dtype == torch.float32 or (scale is None and shard.config.combiner == "sum"):
+                # A half table's kernel sums in float32 and rounds once, as the eager cast does.
+                pooled = ops.embedding_bag(shard.weight, rows, table_offsets, scale, "sum")
+            else:  # float32 sums of the half rows, weighted or divided before the one rounding, as eager
+                vectors = ops.embedding_gather(shard.weight, rows).float()  # -1: zeros
+                if scale is not None:
+                    vectors = vectors * torch.where(positions >= 0, scale, 0).unsqueeze(1)
+                bags = table_offsets.numel() - 1
+                bag = torch.repeat_interleave(torch.arange(bags, device=device), table_offsets[1:] - table_offsets[:-1],
+                                              output_size=rows.shape[0])
+                pooled = ops.segment_sum(vectors, bag, bags)
+            if shard.config.combiner == "mean":
+                counts = torch.cat([lengths[f * batch:(f + 1) * batch] for f in members])
+                pooled = pooled / counts.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+            for f, part in zip(members, pooled.to(shard.weight.dtype).split(batch) if batch > 0 else
+                               [pooled] * len(members)):
+                pooled_of[features[f]] = part
+        return {feature: pooled_of[feature] for feature in features}
+
+    def _tables_of(self, features: List[str]) -> Tuple[List[int], List[List[int]]]:
+        """The tables ``features`` read, in table order, and each one's features (positions in ``features``)."""
+        members: Dict[int, List[int]] = {}
+        for f, feature in enumerate(features):
+            members.setdefault(self._feature_table[feature], []).append(f)
+        tables = sorted(members)
+        return tables, [members[t] for t in tables]
+
+    def _traced_rows(self, values: Tensor, offsets: Tensor, features: List[int]) -> List[Tensor]:
+        """The body of ``sparsekit::_collection_rows``: per table the input reads (see
+        :meth:`_tables_of`), the rows of its features' values in its table, its features'
+        bags as CSR offsets over those, and the values' positions in ``values``; with the
+        eager forward's checks and changes to the tables (one step of every table's clock
+        included)."""
+        names = list(self._feature_table)
+        kjt = KeyedJagged([names[i] for i in features], values, offsets=offsets)
+        return self._ticking(lambda: self._rows_of_tables(kjt))
+
+    def _rows_of_tables(self, kjt: KeyedJagged) -> List[Tensor]:
+        device = self._shards[0].weight.device
+        prepared = self._prepare(kjt, device)
+        self._raise_for_flags(int(prepared["flags"].item()), prepared)
+        value_rows = torch.zeros(0, dtype=torch.int64, device=device)
+        if prepared["pair_keys"].numel() > 0:
+            rows = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], [prepared["pairs_per_table"]],
+                                      unique=True, vectors=False)
+            rows = [r for r in rows if r is not None]
+            value_rows = (torch.cat(rows) if len(rows) > 1 else rows[0]).index_select(0, prepared["pair_of_value"])
+        bounds, batch, offsets = prepared["bounds"], prepared["batch"], prepared["offsets"]
+        out: List[Tensor] = []
+        nnz = value_rows.numel()
+        for _, members in zip(*self._tables_of(prepared["features"])):
+            positions = torch.full((nnz,), -1, dtype=torch.int64, device=device)
+            rows = torch.full((nnz,), -1, dtype=torch.int64, device=device)
+            # Each feature's bags, shifted to where its values land among the table's.
+            parts, start = [], 0
+            for f in members:
+                a, b = bounds[f], bounds[f + 1]
+                positions[start:start + b - a] = torch.arange(a, b, device=device)
+                rows[start:start + b - a] = value_rows[a:b]
+                parts.append(offsets[f * batch:(f + 1) * batch] + (start - a))
+                start += b - a
+            parts.append(offsets.new_full((1,), nnz))  # the last bag takes the -1 tail
+            out += [rows, torch.cat(parts), positions]
         return out
 
     def _clocks(self) -> List[Tuple[Optional[int], Optional[int]]]:
@@ -791,12 +898,9 @@ class EmbeddingBagCollection(nn.Module):
             out.append(torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None))
         return out
 
-    def _prepare(self, kjt: Any, device: torch.device, rows_first: bool = False) -> Dict[str, Any]:
-        """Reads and checks this rank's input; dedups its (table, key) pairs. With
-        ``rows_first``, an input of one key per bag without weights stops before the dedup
-        (``"keys"`` and no ``"pair_keys"``: see :meth:`_lookup_rows_first`)."""
-        kjt = _as_keyed_jagged(kjt)  # raises TypeError / ValueError for a malformed input
-        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
+    def _check_features(self, kjt: KeyedJagged, features: List[str], values: Tensor, weights: Optional[Tensor],
+                        device: torch.device) -> None:
+        """The input's checks that need no data: every feature read by a table, once, every tensor on ``device``."""
         unknown = [f for f in features if f not in self._feature_table]
         if unknown:
             raise ValueError(f"EmbeddingBagCollection: no table reads feature(s) {unknown}; tables read "
@@ -808,6 +912,14 @@ class EmbeddingBagCollection(nn.Module):
             if tensor is not None and tensor.device != device:
                 raise RuntimeError(f"{_INPUT}{kjt._labels[arg]} is on {tensor.device} but the collection is on "
                                    f"{device}; move it there with .to({str(device)!r})")
+
+    def _prepare(self, kjt: Any, device: torch.device, rows_first: bool = False) -> Dict[str, Any]:
+        """Reads and checks this rank's input; dedups its (table, key) pairs. With
+        ``rows_first``, an input of one key per bag without weights stops before the dedup
+        (``"keys"`` and no ``"pair_keys"``: see :meth:`_lookup_rows_first`)."""
+        kjt = _as_keyed_jagged(kjt)  # raises TypeError / ValueError for a malformed input
+        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
+        self._check_features(kjt, features, values, weights, device)
         offsets = kjt.offsets()
         num_features = len(features)
         num_bags = offsets.numel() - 1

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import ops, traced
 from ._checks import bool_argument
 from .exchange import _GatherRows, _one_per_bag, _pool
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
@@ -236,9 +237,33 @@ class DistributedEmbedding(_ModelParallelEmbedding):
     def _config(self) -> Dict[str, object]:
         return {**super()._config(), "combiner": self.combiner, "slot_num": self.slot_num}
 
-    # torch.compile runs the lookup eagerly, one graph break per layer (see README, torch.compile).
-    @torch.compiler.disable
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
+        # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
+        # runs eagerly, one graph break per layer (see README, torch.compile).
+        if self.world_size == 1 and torch.compiler.is_compiling():
+            return self._traced_forward(inputs, pad_key)
+        return self._eager_forward(inputs, pad_key)
+
+    def _traced_forward(self, inputs, pad_key: int) -> Tensor:
+        if isinstance(inputs, tuple):
+            keys, user_offsets, (batch, offsets) = self._flatten(inputs, pad_key)
+            rows = traced.layer_rows(keys, user_offsets, id(self), None)
+            lengths = offsets[1:] - offsets[:-1]
+        else:
+            keys = self._check_padded(inputs, pad_key)
+            batch, width = keys.shape[0], keys.shape[2]
+            lengths = (keys != int(pad_key)).sum(dim=2).view(-1)
+            keys = keys.reshape(-1)
+            offsets = torch.arange(0, keys.numel() + 1, max(width, 1), device=keys.device) if width > 0 else \
+                torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=keys.device)
+            rows = traced.layer_rows(keys, None, id(self), int(pad_key))
+        pooled = ops.embedding_bag(self.weight, rows, offsets, None, "sum")
+        if self.combiner == "mean":
+            pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+        return pooled.view(batch, self.slot_num, self.embedding_vec_size)
+
+    @torch.compiler.disable
+    def _eager_forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int) -> Tensor:
         keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key),
                                                              lambda keys, info: _one_per_bag(info[1], keys.numel()))
         # The offsets were checked on every rank by now, so the lengths are >= 0. No index:
@@ -248,6 +273,22 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             lengths = offsets[1:] - offsets[:-1]
             pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
+
+    def _check_padded(self, inputs: Tensor, pad_key: int) -> Tensor:
+        """Padded dense keys ``[B, slot_num, n <= max_nnz]`` checked (with ``pad_key``), as key_dtype."""
+        name = self._layer_name
+        keys = self._check_keys_tensor(inputs, "inputs")
+        if keys.dim() != 3 or keys.shape[1] != self.slot_num or keys.shape[2] > self.max_nnz:
+            raise ValueError(f"{name}: dense inputs must be [B, slot_num={self.slot_num}, n <= max_nnz="
+                             f"{self.max_nnz}] padded with pad_key, got shape {tuple(keys.shape)}; "
+                             "or pass sk.Ragged(values, offsets)")
+        if isinstance(pad_key, bool) or not isinstance(pad_key, numbers.Integral):
+            raise TypeError(f"{name}: pad_key must be an int, got {pad_key!r}")
+        info = torch.iinfo(keys.dtype)
+        if not info.min <= int(pad_key) <= info.max:
+            raise ValueError(f"{name}: pad_key must be in the {keys.dtype} range of the keys "
+                             f"[{info.min}, {info.max}], got {pad_key}")
+        return keys
 
     def _flatten(self, inputs, pad_key: int) -> Tuple[Tensor, Optional[Tensor], Tuple[int, Tensor]]:
         """(keys [nnz], the user's offsets to check or None, (B, int64 offsets [B * slot_num + 1]))."""
@@ -270,17 +311,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
                                  f"got {offsets.numel()}")
             offsets = offsets.long()
             return values, offsets, (num_bags // self.slot_num, offsets)
-        keys = self._check_keys_tensor(inputs, "inputs")
-        if keys.dim() != 3 or keys.shape[1] != self.slot_num or keys.shape[2] > self.max_nnz:
-            raise ValueError(f"{name}: dense inputs must be [B, slot_num={self.slot_num}, n <= max_nnz="
-                             f"{self.max_nnz}] padded with pad_key, got shape {tuple(keys.shape)}; "
-                             "or pass sk.Ragged(values, offsets)")
-        if isinstance(pad_key, bool) or not isinstance(pad_key, numbers.Integral):
-            raise TypeError(f"{name}: pad_key must be an int, got {pad_key!r}")
-        info = torch.iinfo(keys.dtype)
-        if not info.min <= int(pad_key) <= info.max:
-            raise ValueError(f"{name}: pad_key must be in the {keys.dtype} range of the keys "
-                             f"[{info.min}, {info.max}], got {pad_key}")
+        keys = self._check_padded(inputs, pad_key)
         batch = keys.shape[0]
         valid = keys != int(pad_key)
         lengths = valid.sum(dim=2).view(-1)
@@ -333,8 +364,14 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         return {**super()._config(), "slot_num": self.slot_num, "nnz_per_slot": self.nnz_per_slot,
                 "dynamic_input": self.dynamic_input}
 
-    @torch.compiler.disable  # one graph break, as DistributedEmbedding.forward
     def forward(self, inputs: Tensor) -> Tensor:
+        if self.world_size == 1 and torch.compiler.is_compiling():  # as DistributedEmbedding.forward
+            keys, _, out_shape = self._flatten(inputs)
+            return ops.embedding_gather(self.weight, traced.layer_rows(keys, None, id(self), None)).view(out_shape)
+        return self._eager_forward(inputs)
+
+    @torch.compiler.disable  # one graph break, as DistributedEmbedding.forward
+    def _eager_forward(self, inputs: Tensor) -> Tensor:
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs), lambda keys, info: True)
         return (vectors if index is None else _GatherRows.apply(vectors, index)).view(out_shape)
 

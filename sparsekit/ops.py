@@ -858,8 +858,10 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
     -1 lookups group 0 whatever the batch holds, sliced off with it without a
     data-dependent mask (no extra host sync on CUDA), and a stable sort groups them."""
     nnz = rows.shape[0]
+    # Traced (fake tensors): torch before 2.13 says is_compiling() False while AOT autograd
+    # traces a compiled graph's backward, so the fake mode is looked for too.
     eager_cpu = (rows.device.type == "cpu" and isinstance(nnz, int) and isinstance(num_rows, int)
-                 and not torch.compiler.is_compiling())
+                 and not torch.compiler.is_compiling() and torch._guards.detect_fake_mode(rows) is None)
     if eager_cpu and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16):
         keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
         skip = int(keys.numel() > 0 and bool(keys[0] < 0))
@@ -885,12 +887,14 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
 
 
 def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num_rows: int,
-                         scale: Optional[Tensor] = None) -> Tensor:
+                         scale: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> Tensor:
     """The sparse ``[num_rows, D]`` gradient ``sum_i scale[i] * source[source_index[i]]`` into row ``rows[i]``.
 
     Lookup ``i`` of row ``rows[i]`` contributes ``source[source_index[i]]`` (its bag's
     grad_output, or its own), times ``scale[i]`` when given; lookups of row -1 contribute
-    nothing. The result has one entry per distinct row (summed); on the CPU the rows
+    nothing. The result, of ``dtype`` (default ``source``'s: the values are cast before the
+    sparse tensor is built, which inductor can compile, where it cannot cast a sparse
+    tensor), has one entry per distinct row (summed); on the CPU the rows
     ascend and it is flagged coalesced, on CUDA they are in order of first occurrence (see
     :func:`_number_rows`).
 
@@ -910,6 +914,8 @@ def _sparse_row_gradient(source: Tensor, source_index: Tensor, rows: Tensor, num
         grouped_index = torch.where(torch.arange(order.shape[0], device=order.device) < offsets[1], -1,
                                     grouped_index)
     summed = _ops.embedding_bag(source, grouped_index, offsets, grouped_scale, "sum")
+    if dtype is not None:
+        summed = summed.to(dtype)
     return torch.sparse_coo_tensor(keys[skip:].to(torch.int64).unsqueeze(0), summed[skip:], (num_rows, dim),
                                    is_coalesced=coalesced, check_invariants=False)
 
@@ -1165,9 +1171,7 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
         grad_weight = None
         if needs_weight:
             scale = None if per_sample_weights is None else per_sample_weights.to(acc_dtype)
-            grad_weight = _sparse_row_gradient(bag_grad, bag, lookup_rows, num_rows, scale)
-            if grad_weight.dtype != grad_output.dtype:
-                grad_weight = grad_weight.to(grad_output.dtype)
+            grad_weight = _sparse_row_gradient(bag_grad, bag, lookup_rows, num_rows, scale, grad_output.dtype)
 
         grad_per_sample_weights = None
         if needs_per_sample_weights:
@@ -1207,8 +1211,7 @@ def _embedding_gather_backward(ctx, grad_output: Tensor):
         source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])
         if source.dtype in (torch.float16, torch.bfloat16):
             source = source.float()
-        grad_weight = _sparse_row_gradient(source, positions, flat_rows, num_rows)
-        return grad_weight.to(grad_output.dtype), None
+        return _sparse_row_gradient(source, positions, flat_rows, num_rows, dtype=grad_output.dtype), None
 
     # Each lookup is its own bag of one; the gradient does not depend on the weight's values.
     spec = _LookupSpec(flat_rows, positions, "gather", first_order)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import ops
+from . import ops, traced
 from ._checks import allocation, bool_argument
 from .allocator import table_zeros
 from .exchange import (
@@ -276,6 +276,7 @@ class _ModelParallelEmbedding(nn.Module):
         if eviction is not None:
             self._fresh_rows = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.bool, device=self.weight.device)
         self._mark_weight()
+        traced.register(self)
         if self.hash_table is None:
             self._initialize_direct_rows()
 
@@ -601,6 +602,32 @@ class _ModelParallelEmbedding(nn.Module):
         index = inverse if positions is None else positions.index_select(0, inverse)
         return keys, info, vectors, index
 
+    def _traced_rows(self, keys: Tensor, offsets: Optional[Tensor], pad_key: Optional[int]) -> Tensor:
+        """One process: the row each of ``keys`` [n] reads (-1: a ``pad_key``, or a key missing
+        in eval or not admitted yet), as :meth:`_embed` works them out, with the same checks and
+        the same changes to the tables, but no vectors: the body of ``sparsekit::_layer_rows``
+        (:mod:`sparsekit.traced`), which a compiled one-process forward calls before its traced
+        pooled read of the rows."""
+        _check_writable([self], self._layer_name, self.training)
+        if offsets is not None:
+            self._raise_for_flags(int(_offsets_error_flags(offsets, keys.numel()).item()), None, offsets)
+        valid = None if pad_key is None else keys != pad_key
+        lookup = keys if valid is None else keys[valid]
+        if self._rows_first():
+            table = self.hash_table
+            rows = self._rows_of_new_keys(lookup, table.find(lookup))
+            table._score(_distinct_sorted_rows(rows, len(table))[0], None)
+            table.tick()
+        else:
+            unique_keys, inverse = ops.unique(lookup)
+            flags = self._key_error_flags(unique_keys)
+            if flags is not None:
+                self._raise_for_flags(int(flags.item()), unique_keys, None)
+            rows = self._lookup_rows(unique_keys).index_select(0, inverse)
+        if valid is None:
+            return rows
+        return torch.full(keys.shape, -1, dtype=torch.int64, device=keys.device).masked_scatter_(valid, rows)
+
     def _rows_first(self) -> bool:
         """Whether a step looks its keys up before deduplicating them (see
         :meth:`_lookup_rows_first`): one process, a CPU hash table, training, and neither
@@ -694,6 +721,7 @@ class _ModelParallelEmbedding(nn.Module):
         # weight Parameter: deepcopy dropped its marks and neither kept its hook.
         super().__setstate__(state)
         self._mark_weight()
+        traced.register(self)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> _ModelParallelEmbedding:
         """An independent copy (its own weight, tables, flags and totals) over the same

@@ -1,6 +1,8 @@
-"""torch.compile of whole models: each sparsekit layer's forward is one graph break (it
-runs eagerly: its sizes depend on the data), the dense parts compile, and a compiled
-training step (forward, backward, LazyAdam) follows the eager one."""
+"""torch.compile of whole models. With one process a sparsekit layer's forward traces
+without a graph break (its row resolution is one opaque op, sparsekit.traced, and the
+pooled read a traced op with a sparse gradient); with many ranks it is one graph break
+(its exchange runs eagerly). Either way a compiled training step (forward, backward,
+LazyAdam) follows the eager one: losses, weights, tables and their counters."""
 
 import copy
 
@@ -10,19 +12,29 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.train.model import DLRM, SparsekitSlotEmbedding, SparsekitTableEmbedding
+from tests._distributed import spawn
 
 BATCH, SLOTS, DIM = 64, 4, 8
+
+# Inductor of torch before 2.13 cannot lower the lookups' backward (slices of data-dependent
+# size: "LoweringException: KeyError: 'unbacked_bindings'"); aot_eager runs there.
+_OLD_INDUCTOR = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+_SKIP_OLD_INDUCTOR = pytest.mark.skipif(
+    _OLD_INDUCTOR, reason="torch < 2.13: inductor cannot lower the sparse backward's data-dependent slices")
+INDUCTOR = pytest.param("inductor", marks=_SKIP_OLD_INDUCTOR)
 
 
 class TwoLayers(nn.Module):
     """Dense layers around a DistributedEmbedding and an EmbeddingBagCollection, both
     called straight from this forward."""
 
-    def __init__(self):
+    def __init__(self, process_group=None):
         super().__init__()
         self.bottom = nn.Linear(3, DIM)
-        self.embedding = sk.DistributedEmbedding("sum", 10_000, DIM, SLOTS, 1, use_hashtable=True)
-        self.collection = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 1000, ["a", "b"])])
+        self.embedding = sk.DistributedEmbedding("sum", 10_000, DIM, SLOTS, 1, use_hashtable=True,
+                                                 process_group=process_group)
+        self.collection = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 1000, ["a", "b"])],
+                                                    process_group=process_group)
         self.top = nn.Linear(DIM * (SLOTS + 3), 1)
 
     def forward(self, dense, keys, values, lengths):
@@ -39,14 +51,12 @@ def _inputs(step):
             torch.randint(0, 800, (int(lengths.sum()),), generator=g), lengths)
 
 
-def test_each_layer_is_at_most_one_graph_break():
+def test_one_process_has_no_graph_break():
     torch.manual_seed(0)
+    torch._dynamo.reset()
     explained = torch._dynamo.explain(TwoLayers())(*_inputs(0))
-    reasons = [str(b.reason).split("\n")[0] for b in explained.break_reasons]
-    # At most one break per layer (dynamo may resume after the first without another), and
-    # only at the layers: the dense parts compile.
-    assert 1 <= explained.graph_break_count <= 2, reasons
-    assert all("disable" in reason for reason in reasons), reasons
+    assert explained.graph_break_count == 0, [str(b.reason).split("\n")[0] for b in explained.break_reasons]
+    assert explained.graph_count == 1
 
 
 def _train(model, forward, steps, labels):
@@ -68,13 +78,13 @@ def test_compiled_training_follows_eager():
     twin = copy.deepcopy(eager)
     labels = torch.rand(BATCH, generator=torch.Generator().manual_seed(9)).round()
     want = _train(eager, eager, 4, labels)
-    got = _train(twin, torch.compile(twin, backend="aot_eager"), 4, labels)
+    got = _train(twin, torch.compile(twin, backend="aot_eager", fullgraph=True), 4, labels)
     assert got == pytest.approx(want, abs=1e-6)
     for (name, a), (_, b) in zip(eager.named_parameters(), twin.named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("embedding, backend", [("shared", "inductor"), ("per-slot", "aot_eager")])
+@pytest.mark.parametrize("embedding, backend", [pytest.param("shared", "inductor", marks=_SKIP_OLD_INDUCTOR), ("per-slot", "aot_eager")])
 def test_compiled_dlrm_step(embedding, backend):
     """The harness's model compiled whole (inductor: the default backend, C++ codegen on
     the CPU) trains like the eager one."""
@@ -84,7 +94,7 @@ def test_compiled_dlrm_step(embedding, backend):
     layer = SparsekitSlotEmbedding(50_000, 8, cpu) if embedding == "shared" else SparsekitTableEmbedding(2000, 8, cpu)
     eager = DLRM(layer, 8, bottom=(16,), top=(16,))
     twin = copy.deepcopy(eager)
-    compiled = torch.compile(twin, backend=backend)
+    compiled = torch.compile(twin, backend=backend, fullgraph=True)
     g = torch.Generator().manual_seed(3)
     dense, labels = torch.randn(BATCH, 13, generator=g), torch.rand(BATCH, generator=g).round()
     opt_a, opt_b = sk.LazyAdam(eager.parameters(), lr=1e-2), sk.LazyAdam(twin.parameters(), lr=1e-2)
@@ -98,3 +108,175 @@ def test_compiled_dlrm_step(embedding, backend):
             optimizer.zero_grad()
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], abs=1e-5)
+    explained = torch._dynamo.explain(copy.deepcopy(eager))(dense, keys)
+    assert explained.graph_break_count == 0, [str(b.reason).split("\n")[0] for b in explained.break_reasons]
+
+
+# -- every kind of layer and table, compiled against eager -------------------------------------
+
+
+class Layers(nn.Module):
+    """Each sparsekit layer kind once (a weight read twice in one compiled graph is a known
+    limit, see README): DistributedEmbedding on padded and on ragged input, All2AllDense-
+    Embedding, and a collection with a shared table, a half table and a direct one."""
+
+    def __init__(self, combiner, table_kw, half, weighted):
+        super().__init__()
+        self.padded = sk.DistributedEmbedding(combiner, 600, DIM, 3, 4, **table_kw)
+        self.ragged = sk.DistributedEmbedding(combiner, 600, DIM, 3, 4, **table_kw)
+        self.dense = sk.All2AllDenseEmbedding(600, DIM, 3, 2, **table_kw)
+        self.collection = sk.EmbeddingBagCollection([
+            sk.TableConfig("shared", DIM, 600, ["a", "b"], combiner=combiner, **table_kw),
+            sk.TableConfig("half", DIM, 600, ["c"], dtype=half, combiner="mean" if combiner == "sum" else "sum"),
+            sk.TableConfig("direct", DIM, 600, ["d"], combiner=combiner, use_hashtable=False),
+        ])
+        self.weighted = weighted
+        self.top = nn.Linear(DIM, 1)
+
+    def forward(self, padded, ragged, dense, values, lengths, weights, features):
+        x = self.padded(padded).sum(1) + self.ragged(ragged).sum(1) + self.dense(dense).sum((1, 2))
+        pooled = self.collection(sk.KeyedJagged(features, values, lengths=lengths,
+                                                weights=weights if self.weighted else None))
+        x = x + sum(v.float() for v in pooled.values())
+        return self.top(x).squeeze(1)
+
+
+def _layer_inputs(step, features=("a", "b", "c", "d"), batch=16):
+    g = torch.Generator().manual_seed(step)
+    padded = torch.randint(0, 400, (batch, 3, 4), generator=g)
+    padded[torch.rand(batch, 3, 4, generator=g) < 0.3] = -1
+    lengths = torch.randint(0, 4, (batch * 3,), generator=g)
+    ragged = sk.Ragged(torch.randint(0, 400, (int(lengths.sum()),), generator=g),
+                       torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+    dense = torch.randint(0, 400, (batch, 3, 2), generator=g)
+    lengths = torch.randint(0, 4, (batch * len(features),), generator=g)
+    values = torch.randint(0, 400, (int(lengths.sum()),), generator=g)
+    return padded, ragged, dense, values, lengths, torch.rand(values.numel(), generator=g), list(features)
+
+
+_LAYER_CASES = {
+    "sum": ("sum", {}, torch.bfloat16, False),
+    "mean, weighted": ("mean", {}, torch.float16, True),
+    "eviction and admission": ("sum", {"eviction": "lru", "admit_after": 2}, torch.bfloat16, True),
+    "direct": ("mean", {"use_hashtable": False}, torch.bfloat16, False),
+}
+
+
+def _counters(model):
+    out = [layer.stats() for layer in (model.padded, model.ragged, model.dense) if layer.use_hashtable]
+    out += [model.collection.stats(t.name) for t in model.collection.tables if t.use_hashtable]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+@pytest.mark.parametrize("case", list(_LAYER_CASES))
+def test_each_layer_compiled_follows_eager(case, backend):
+    """Five training steps (one of them naming only some features, one in eval mode), compiled
+    whole with fullgraph=True, against the same model run eagerly: losses, weights (every row:
+    the same keys got the same rows), and the tables' counters. Half tables and inductor's
+    fused float arithmetic round differently, hence the tolerances."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    eager = Layers(*_LAYER_CASES[case])
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, backend=backend, fullgraph=True)
+    optimizers = [sk.LazyAdam(m.parameters(), lr=1e-2) for m in (eager, twin)]
+    for step in range(5):
+        inputs = _layer_inputs(step, features=("b", "d") if step == 2 else ("a", "b", "c", "d"))
+        losses = []
+        for model, forward, optimizer in zip((eager, twin), (eager, compiled), optimizers):
+            model.train(step != 3)
+            loss = forward(*inputs).square().mean()
+            if model.training:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-5), step
+    for (name, a), (_, b) in zip(eager.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-2, msg=name)
+    assert _counters(twin) == _counters(eager)
+    explained = torch._dynamo.explain(copy.deepcopy(eager))(*_layer_inputs(9))
+    assert explained.graph_break_count == 0
+
+
+def test_compiled_errors_are_the_eager_ones():
+    """Bad input raises from the compiled model as from the eager one, with nothing changed:
+    what needs the data from inside the traced graph (fullgraph), what does not when the
+    trace reaches it (a raise in traced code is a graph break, so not under fullgraph)."""
+    torch._dynamo.reset()
+    layer = sk.DistributedEmbedding("sum", 8, DIM, 2, 3)
+    direct = sk.DistributedEmbedding("sum", 8, DIM, 2, 3, use_hashtable=False)
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 4, ["a"])])
+    run = torch.compile(lambda module, *args: module(*args), backend="aot_eager", fullgraph=True)
+    run(layer, sk.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 1, 3, 3]))).sum().backward()
+    assert len(layer.hash_table) == 3 and layer.hash_table.clock == 1
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        run(layer, sk.Ragged(torch.tensor([4, 5, 6]), torch.tensor([0, 2, 1, 3, 3])))
+    with pytest.raises(sk.HashTableFullError):
+        run(layer, sk.Ragged(torch.arange(10, 20), torch.tensor([0, 5, 5, 10, 10])))
+    assert len(layer.hash_table) == 3 and layer.hash_table.clock == 1
+    with pytest.raises(ValueError, match="out of range"):
+        run(direct, sk.Ragged(torch.tensor([1, 99]), torch.tensor([0, 1, 1, 2, 2])))
+    with pytest.raises(sk.HashTableFullError):
+        run(collection, sk.KeyedJagged(["a"], torch.arange(6), lengths=torch.tensor([3, 3])))
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        run(collection, sk.KeyedJagged(["a"], torch.arange(3), offsets=torch.tensor([0, 2, 1, 3])))
+    assert collection.stats("t")["size"] == 0
+    run = torch.compile(lambda module, *args: module(*args), backend="aot_eager")
+    with pytest.raises(ValueError, match="no table reads feature"):
+        run(collection, sk.KeyedJagged(["z"], torch.arange(3), lengths=torch.tensor([3])))
+    with pytest.raises(ValueError, match="len\\(offsets\\) must be B \\* slot_num \\+ 1"):
+        run(layer, sk.Ragged(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3])))
+    assert len(layer.hash_table) == 3 and layer.hash_table.clock == 1
+
+
+def _many_ranks_worker(rank, world_size, init):
+    init()
+    torch.manual_seed(0)
+    model = TwoLayers(process_group=torch.distributed.group.WORLD)
+    explained = torch._dynamo.explain(copy.deepcopy(model))(*_inputs(rank))
+    # One break per layer (dynamo may resume after the first without another), only there.
+    reasons = [str(b.reason).split("\n")[0] for b in explained.break_reasons]
+    assert 1 <= explained.graph_break_count <= 2, reasons
+    assert all("disable" in reason for reason in reasons), reasons
+    twin = copy.deepcopy(model)
+    labels = torch.rand(BATCH, generator=torch.Generator().manual_seed(9)).round()
+    want = _train(model, model, 3, labels)
+    got = _train(twin, torch.compile(twin, backend="aot_eager"), 3, labels)
+    assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_many_ranks_one_graph_break_per_layer(tmp_path):
+    spawn(_many_ranks_worker, 2, str(tmp_path))
+
+
+class CalledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = sk.DistributedEmbedding("sum", 600, DIM, 3, 4)
+
+    def forward(self, padded, ragged, *_):
+        return (self.embedding(padded) * self.embedding(ragged)).sum((1, 2))
+
+
+def test_layer_called_twice_falls_back_to_eager():
+    """The known limit (README): a weight with two sparse gradients in one compiled graph
+    cannot be compiled; without fullgraph torch runs that frame eagerly, with the same numbers."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    eager = CalledTwice()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, backend="aot_eager")
+    optimizers = [sk.LazyAdam(m.parameters(), lr=1e-2) for m in (eager, twin)]
+    for step in range(3):
+        inputs = _layer_inputs(step)
+        losses = []
+        for forward, optimizer in zip((eager, compiled), optimizers):
+            loss = forward(*inputs).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    torch.testing.assert_close(eager.embedding.weight, twin.embedding.weight)

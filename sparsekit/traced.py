@@ -1,0 +1,96 @@
+"""The one-process lookups as ``torch.compile`` sees them: no graph break.
+
+A layer's lookup has two halves. Which row each key reads depends on the data and
+changes the tables (a training step inserts new keys, scores them, admits or evicts
+some), so it cannot be traced; but its result has the size of the input, one int64 row
+per key (-1: none). The pooled read of those rows is :func:`sparsekit.ops.embedding_bag`
+(or ``embedding_gather``), which traces and differentiates (the weight's sparse
+gradient). So a layer of one process, compiled, calls ``sparsekit::_layer_rows`` —
+an opaque op that runs the layer's own row resolution eagerly, registered as having an
+ordered side effect so that the compiler neither drops, merges nor reorders it — and
+then the traced pooled read. Many ranks need all-to-alls of data-dependent sizes: there
+the layer's forward stays one graph break.
+
+The op finds its layer by ``id`` in a registry the layers join when they are made
+(``__init__`` and ``__setstate__``, which copies and unpickling go through); the graph
+holds that id as a constant, and dynamo guards on the module it was traced with.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, List, Optional
+
+import torch
+from torch import Tensor
+
+_LAYERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def register(layer: Any) -> None:
+    """Lets :func:`layer_rows` find ``layer`` by its ``id`` (a later object at a dead one's
+    address replaces it)."""
+    _LAYERS[id(layer)] = layer
+
+
+def _layer(layer_id: int) -> Any:
+    layer = _LAYERS.get(layer_id)
+    if layer is None:
+        raise RuntimeError("sparsekit: a compiled graph calls a sparsekit layer that no longer exists; "
+                           "compile the model again (torch._dynamo.reset())")
+    return layer
+
+
+@torch.library.custom_op("sparsekit::_layer_rows", mutates_args=())
+def layer_rows(keys: Tensor, offsets: Optional[Tensor], layer: int, pad_key: Optional[int]) -> Tensor:
+    """``[n]`` int64: the row of the layer's shard each of ``keys`` [n] reads (-1: none:
+    a pad key, or a key missing in eval or not admitted yet), with the training step's
+    changes to the tables made (see the layers' ``_traced_rows``). ``offsets``: the user's
+    CSR offsets, checked here (they need the data)."""
+    return _layer(layer)._traced_rows(keys, offsets, pad_key)
+
+
+@layer_rows.register_fake
+def _layer_rows_fake(keys: Tensor, offsets: Optional[Tensor], layer: int, pad_key: Optional[int]) -> Tensor:
+    return keys.new_empty(keys.shape, dtype=torch.int64)
+
+
+@torch.library.custom_op("sparsekit::_collection_rows", mutates_args=())
+def collection_rows(values: Tensor, offsets: Tensor, features: List[int], layer: int) -> List[Tensor]:
+    """For each table the input's ``features`` read (the collection's feature numbers), in
+    table order: the rows of its features' values in the table (``[nnz]`` int64: its values'
+    rows first, in order, -1 for a missing key and after them), its features' bags as CSR
+    offsets over those (``[len(its features) * B + 1]``, the -1 tail in the last bag: the
+    kernels skip -1), and the values' positions in ``values`` (``[nnz]``, -1 in the tail);
+    with the training step's changes to the tables made (see
+    ``EmbeddingBagCollection._traced_rows``). Sizes the trace knows: an op whose output
+    size depends on the data is a graph break unless the user sets
+    ``capture_dynamic_output_shape_ops``."""
+    return _layer(layer)._traced_rows(values, offsets, features)
+
+
+@collection_rows.register_fake
+def _collection_rows_fake(values: Tensor, offsets: Tensor, features: List[int], layer: int) -> List[Tensor]:
+    collection = _layer(layer)
+    names = list(collection._feature_table)
+    batch = (offsets.numel() - 1) // max(len(features), 1)
+    out = []
+    for members in collection._tables_of([names[i] for i in features])[1]:
+        out += [values.new_empty(values.shape, dtype=torch.int64), offsets.new_empty(len(members) * batch + 1),
+                values.new_empty(values.shape, dtype=torch.int64)]
+    return out
+
+
+def _ordered(name: str) -> None:
+    """Marks ``name`` as having an ordered side effect (the tables it changes)."""
+    effects = getattr(torch._library, "effects", None)
+    effect_type = getattr(effects, "EffectType", None)
+    register_effect = getattr(torch.library, "_register_effectful_op", None)
+    if effect_type is None or register_effect is None:  # older torch: the private module
+        from torch._higher_order_ops.effects import _EffectType as effect_type, _register_effectful_op \
+            as register_effect
+    register_effect(name, effect_type.ORDERED)
+
+
+for _name in ("sparsekit::_layer_rows", "sparsekit::_collection_rows"):
+    _ordered(_name)
