@@ -74,6 +74,7 @@ from .exchange import (
     _GatherPieces,
     _GatherRows,
     _LookupPieces,
+    _mean_of_sum,
     _one_per_bag,
     _PoolRows,
     _read_rows,
@@ -702,13 +703,10 @@ class EmbeddingBagCollection(nn.Module):
                 vectors = ops.embedding_gather(shard.weight, rows).float()  # -1: zeros
                 if scale is not None:
                     vectors = vectors * torch.where(positions >= 0, scale, 0).unsqueeze(1)
-                bags = table_offsets.numel() - 1
-                bag = torch.repeat_interleave(torch.arange(bags, device=device), table_offsets[1:] - table_offsets[:-1],
-                                              output_size=rows.shape[0])
-                pooled = ops.segment_sum(vectors, bag, bags)
+                pooled = ops.segment_sum(vectors, ops._bag_index(table_offsets, rows.shape[0]),
+                                         table_offsets.numel() - 1)
             if shard.config.combiner == "mean":
-                counts = torch.cat([lengths[f * batch:(f + 1) * batch] for f in members])
-                pooled = pooled / counts.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+                pooled = _mean_of_sum(pooled, torch.cat([lengths[f * batch:(f + 1) * batch] for f in members]))
             for f, part in zip(members, pooled.to(shard.weight.dtype).split(batch) if batch > 0 else
                                [pooled] * len(members)):
                 pooled_of[features[f]] = part
@@ -1377,8 +1375,8 @@ class EmbeddingBagCollection(nn.Module):
             shard = self._shards[prepared["table_of_feature"][f]]
             pooled = pooled_of[f]
             if shard.config.combiner == "mean":
-                lengths = offsets[f * batch + 1:(f + 1) * batch + 1] - offsets[f * batch:(f + 1) * batch]
-                pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+                bags = offsets[f * batch:(f + 1) * batch + 1]
+                pooled = _mean_of_sum(pooled, bags[1:] - bags[:-1])
             out[feature] = pooled.to(shard.weight.dtype)
         return out
 

@@ -72,7 +72,7 @@ from torch import Tensor
 
 from . import ops, traced
 from ._checks import bool_argument
-from .exchange import _GatherRows, _one_per_bag, _pool
+from .exchange import _GatherRows, _mean_of_sum, _one_per_bag, _pool
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
     Initializer,
     KeySeededUniform,
@@ -259,7 +259,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             rows = traced.layer_rows(keys, None, id(self), int(pad_key))
         pooled = ops.embedding_bag(self.weight, rows, offsets, None, "sum")
         if self.combiner == "mean":
-            pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+            pooled = _mean_of_sum(pooled, lengths)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 
     @torch.compiler.disable
@@ -271,7 +271,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         pooled = vectors if index is None else _pool(vectors, index, offsets, _one_per_bag(offsets, keys.numel()))
         if self.combiner == "mean":
             lengths = offsets[1:] - offsets[:-1]
-            pooled = pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+            pooled = _mean_of_sum(pooled, lengths)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 
     def _check_padded(self, inputs: Tensor, pad_key: int) -> Tensor:

@@ -418,6 +418,12 @@ def _agree_on_config(config: Dict[str, object], device: torch.device, group, wor
     raise AssertionError("configurations of different text but equal settings")
 
 
+def _mean_of_sum(pooled: Tensor, lengths: Tensor) -> Tensor:
+    """The "mean" combiner: each bag's sum ``pooled`` ``[bags, D]`` divided by its number of
+    keys ``lengths`` ``[bags]`` (missing keys count; an empty bag stays zeros)."""
+    return pooled / lengths.clamp(min=1).to(pooled.dtype).unsqueeze(1)
+
+
 def _offsets_error_flags(offsets: Tensor, nnz: int) -> Tensor:
     """``_BAD_OFFSETS`` (an int64 scalar on the offsets' device) unless the CSR ``offsets``
     start at 0, never decrease and end at ``nnz``; else 0. No host read on a GPU."""

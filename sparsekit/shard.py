@@ -614,10 +614,7 @@ class _ModelParallelEmbedding(nn.Module):
         valid = None if pad_key is None else keys != pad_key
         lookup = keys if valid is None else keys[valid]
         if self._rows_first():
-            table = self.hash_table
-            rows = self._rows_of_new_keys(lookup, table.find(lookup))
-            table._score(_distinct_sorted_rows(rows, len(table))[0], None)
-            table.tick()
+            rows = self._place_rows_first(lookup)[0]
         else:
             unique_keys, inverse = ops.unique(lookup)
             flags = self._key_error_flags(unique_keys)
@@ -658,6 +655,18 @@ class _ModelParallelEmbedding(nn.Module):
         host_rows[missing] = new_of_missing.add_(size).numpy()  # rows is the find's own tensor
         return rows
 
+    def _place_rows_first(self, keys: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """A :meth:`_rows_first` step's table work for ``keys`` [n]: found, the absent ones
+        inserted, their distinct rows scored and the clock advanced. Returns ``(rows [n],
+        distinct rows ascending, inverse)`` with ``rows == distinct[inverse]``."""
+        table = self.hash_table
+        rows = self._rows_of_new_keys(keys, table.find(keys))
+        # Rows in use lie below the table's size: bounded by that, not by the whole shard.
+        unique_rows, inverse = _distinct_sorted_rows(rows, len(table))
+        table._score(unique_rows, None)
+        table.tick()
+        return rows, unique_rows, inverse
+
     def _lookup_rows_first(self, keys: Tensor, every_value: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """The vectors of ``keys`` [n] as ``(vectors, index)``, ``vectors[index[j]]`` that of
         ``keys[j]``, for a step of :meth:`_rows_first`: the keys are found in the table as
@@ -670,12 +679,7 @@ class _ModelParallelEmbedding(nn.Module):
         distinct rows in between, and the backward sums the keys' gradients straight into the
         sorted rows (:class:`_LookupPieces`, as the collection's). The table, its scores and
         clock, the weight and the gradient end as the general path leaves them."""
-        table = self.hash_table
-        rows = self._rows_of_new_keys(keys, table.find(keys))
-        # Rows in use lie below the table's size: bounded by that, not by the whole shard.
-        unique_rows, inverse = _distinct_sorted_rows(rows, len(table))
-        table._score(unique_rows, None)
-        table.tick()
+        rows, unique_rows, inverse = self._place_rows_first(keys)
         if every_value:
             return _LookupPieces.apply([rows], [0], inverse, unique_rows, [unique_rows.numel()], [self._grad_marker],
                                        [False], self.weight)[0], None

@@ -83,13 +83,7 @@ def _collection_rows_fake(values: Tensor, offsets: Tensor, features: List[int], 
 
 def _ordered(name: str) -> None:
     """Marks ``name`` as having an ordered side effect (the tables it changes)."""
-    effects = getattr(torch._library, "effects", None)
-    effect_type = getattr(effects, "EffectType", None)
-    register_effect = getattr(torch.library, "_register_effectful_op", None)
-    if effect_type is None or register_effect is None:  # older torch: the private module
-        from torch._higher_order_ops.effects import _EffectType as effect_type, _register_effectful_op \
-            as register_effect
-    register_effect(name, effect_type.ORDERED)
+    torch.library._register_effectful_op(name, torch._library.effects.EffectType.ORDERED)
 
 
 for _name in ("sparsekit::_layer_rows", "sparsekit::_collection_rows"):
