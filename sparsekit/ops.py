@@ -849,31 +849,38 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
     grouped by row: ``order[offsets[u]:offsets[u + 1]]`` (ascending) read row ``keys[u]``;
     else ``offsets`` and ``order`` are None.
 
-    On the CPU ``keys`` ascend (``coalesced``). Eager, ``unique_bounded`` numbers them with a
+    On the CPU ``keys`` ascend (``coalesced``). ``unique_bounded`` numbers them with a
     bitmap of the table's rows and groups the lookups with a counting sort (327k lookups of
     a 1M-row table: 4x faster than hashing them and sorting); for a table far larger than
-    its lookups, or traced (``skip`` would be a host read of the data), ``unique`` numbers
-    them and a sort of the distinct rows puts them in order. On CUDA ``unique`` numbers
-    them in order of first occurrence. Off the bitmap path a leading -1 marker makes the
-    -1 lookups group 0 whatever the batch holds, sliced off with it without a
-    data-dependent mask (no extra host sync on CUDA), and a stable sort groups them."""
+    its lookups ``unique`` numbers them and a sort of the distinct rows puts them in order.
+    On CUDA ``unique`` numbers them in order of first occurrence. Traced, and off the
+    bitmap path, a leading -1 marker makes the -1 lookups group 0 whatever the batch holds
+    (``skip`` is 1), sliced off with it without a data-dependent mask or a host read of the
+    data (no extra host sync on CUDA, no graph break); off the bitmap path a stable sort
+    groups them."""
     nnz = rows.shape[0]
     # Traced (fake tensors): torch before 2.13 says is_compiling() False while AOT autograd
     # traces a compiled graph's backward, so the fake mode is looked for too.
-    eager_cpu = (rows.device.type == "cpu" and isinstance(nnz, int) and isinstance(num_rows, int)
-                 and not torch.compiler.is_compiling() and torch._guards.detect_fake_mode(rows) is None)
-    if eager_cpu and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16):
-        keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
-        skip = int(keys.numel() > 0 and bool(keys[0] < 0))
-        return (keys, inverse, offsets, order, skip, True) if group else (keys, inverse, None, None, skip, True)
+    eager = not torch.compiler.is_compiling() and torch._guards.detect_fake_mode(rows) is None
     marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
+    if (rows.device.type == "cpu" and isinstance(nnz, int) and isinstance(num_rows, int)
+            and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16)):
+        if eager:
+            keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
+            skip = int(keys.numel() > 0 and bool(keys[0] < 0))
+            return (keys, inverse, offsets, order, skip, True) if group else (keys, inverse, None, None, skip, True)
+        # The marker is position 0: first in group 0 (the counting sort is stable).
+        keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(torch.cat([marker, rows]), num_rows, group)
+        if not group:
+            return keys, inverse[1:], None, None, 1, True
+        return keys, inverse[1:], torch.cat([offsets[:1], offsets[1:] - 1]), order[1:] - 1, 1, True
     keys, inverse, counts = _ops.unique(torch.cat([marker, rows]))
     inverse = inverse[1:]
     coalesced = rows.device.type == "cpu"
     if coalesced:
         # Ascending, as the bitmap gives them (the same gradient eager and traced); the
         # marker sorts first, so the -1 group stays group 0.
-        by_key = torch.from_numpy(np.argsort(keys.numpy(), kind="stable")) if eager_cpu else \
+        by_key = torch.from_numpy(np.argsort(keys.numpy(), kind="stable")) if eager else \
             torch.sort(keys, stable=True).indices
         rank = torch.empty_like(by_key).index_copy_(0, by_key, torch.arange(by_key.shape[0]))
         keys, inverse, counts = keys.index_select(0, by_key), rank.index_select(0, inverse), \

@@ -194,6 +194,11 @@ class LazyAdam(torch.optim.Optimizer):
         values = grad._values()
         if grad.is_coalesced() or indices.numel() == 0:
             return indices, values
+        # Autograd stores a sparse gradient as a copy without the coalesced flag (the layers
+        # put it back with a hook; sparsekit.ops' lookups, eager or compiled, cannot). On the
+        # CPU their rows ascend: one compare over them spares the unique and the sum.
+        if indices.device.type == "cpu" and bool((indices[1:] > indices[:-1]).all()):
+            return indices, values
         # The update is non-linear in the gradient, so duplicate rows must be summed first;
         # sparsekit's own unique + segment_sum do it without the sort of .coalesce().
         rows, inverse = ops.unique(indices, return_inverse=True)

@@ -880,3 +880,25 @@ def test_lazy_adam_bad_settings_of_a_later_group_change_nothing(edit):
         optimizer.step()
     assert all(torch.equal(layer.weight.detach(), w) for layer, w in zip(layers, weights))
     assert not optimizer.state
+
+
+@pytest.mark.parametrize("rows", [[1, 4, 9], [4, 1, 9], [1, 4, 4, 9], [2]], ids=["ascending", "unordered", "duplicate",
+                                                                              "one"])
+def test_lazy_adam_sums_rows_again_only_when_they_may_repeat(monkeypatch, rows):
+    """A CPU gradient flagged uncoalesced whose rows ascend (sparsekit.ops' lookups: autograd
+    drops the flag) is applied as it is; rows out of order or repeated are summed first.
+    Either way the step equals the one on the coalesced gradient."""
+    summed = []
+    unique = sk.ops.unique
+    monkeypatch.setattr(sk.optim.ops, "unique", lambda *a, **k: summed.append(1) or unique(*a, **k))
+    indices = torch.tensor([rows])
+    values = torch.arange(len(rows) * 3, dtype=torch.float32).view(-1, 3) - 2
+    weights = []
+    for grad in (torch.sparse_coo_tensor(indices, values, (10, 3)),
+                 torch.sparse_coo_tensor(indices, values, (10, 3)).coalesce()):
+        weight = torch.nn.Parameter(torch.linspace(-1, 1, 30).view(10, 3))
+        weight.grad = grad
+        sk.LazyAdam([weight], lr=0.1).step()
+        weights.append(weight.detach())
+    assert summed == ([] if rows in ([1, 4, 9], [2]) else [1])
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
