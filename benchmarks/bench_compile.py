@@ -1,0 +1,102 @@
+"""The harness's DLRM training step, compiled vs eager (one process).
+
+    python benchmarks/bench_compile.py [--device cpu|cuda] [--batch 1024] [--steps 16]
+                                       [--backend inductor] [--rounds 7] [--repeat 3] [--busy-core]
+
+The model `python -m sparsekit.train` builds (the default synthetic data, 26 slots, dim
+16), in its two sparsekit embedding modes: one shared hash table (`DistributedEmbedding`)
+and one table per slot (`EmbeddingBagCollection`). A step is forward, BCE loss, backward
+and `LazyAdam.step`; the compiled side runs forward and loss through
+`torch.compile(fullgraph=True)` (the backward through AOT autograd; the optimizer step
+stays eager, as torch's sparse optimizers do). Each side trains its own copy of the model
+on the same batches; a call is `--steps` steps. Ratios are eager time / compiled time per
+interleaved round (> 1: compiling pays), given as median (min-max), beside the first
+compiled call's seconds (tracing and code generation). Writes
+benchmarks/results/compile_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import add_round_args, busy_core, fmt_ratio, ratio_stats, time_rounds, write_results  # noqa: E402
+from sparsekit.train.loop import TrainConfig, build, make_data, setup  # noqa: E402
+
+
+def training(tables: str, device: torch.device, batch: int, steps: int, compile_backend: str | None) -> Callable:
+    """A call trains `steps` steps of a fresh harness model (cycling over 64 batches)."""
+    config = TrainConfig(tables=tables, batch_size=batch, device=device.type, progress=False)
+    config.validate()
+    context = setup(device.type)
+    data = make_data(config)
+    model, _, optimizer = build(config, context)
+    loss_fn = nn.BCEWithLogitsLoss()
+
+    def step_loss(dense, keys, labels):
+        return loss_fn(model(dense, keys), labels)
+
+    forward = torch.compile(step_loss, backend=compile_backend, fullgraph=True) if compile_backend else step_loss
+    batches = [data.train_batch(s, batch, 0, 1).to(device) for s in range(64)]
+    position = [0]
+
+    def call() -> None:
+        for _ in range(steps):
+            b = batches[position[0] % len(batches)]
+            position[0] += 1
+            loss = forward(b.dense, b.keys, b.labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return call
+
+
+def bench(args, device: torch.device, tables: str) -> Dict:
+    eager = training(tables, device, args.batch, args.steps, None)
+    compiled = training(tables, device, args.batch, args.steps, args.backend)
+    start = time.perf_counter()
+    compiled()  # the first call compiles
+    first_call_s = time.perf_counter() - start
+    times = time_rounds({"eager": eager, "compiled": compiled}, device, rounds=args.rounds, repeat=args.repeat)
+    speedup = ratio_stats(times["eager"], times["compiled"])
+    samples = args.steps * args.batch
+    row = {"tables": tables, "batch": args.batch, "steps_per_call": args.steps, "backend": args.backend,
+           "seconds_per_round": times, "first_compiled_call_s": first_call_s,
+           "eager_samples_per_s": samples / float(np.median(times["eager"])),
+           "compiled_samples_per_s": samples / float(np.median(times["compiled"])),
+           "compiled_speedup": speedup}
+    print(f"{tables:8} | eager {row['eager_samples_per_s']:>10,.0f} samples/s | compiled "
+          f"{row['compiled_samples_per_s']:>10,.0f} samples/s | compiled / eager speed {fmt_ratio(speedup)} | "
+          f"first compiled call {first_call_s:.1f} s")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=16, help="training steps per timed call")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend")
+    add_round_args(parser, rounds=7, repeat=3)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rows: List[Dict] = []
+    with busy_core(args.busy_core):
+        for tables in ("shared", "per-slot"):
+            rows.append(bench(args, device, tables))
+    path = write_results("compile", device, rows, {"busy_core": args.busy_core, "rounds": args.rounds,
+                                                   "repeat": args.repeat})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
