@@ -176,6 +176,7 @@ if wants bench; then
     run_stage bench-criteo-reader 60 "$PY" benchmarks/bench_criteo_reader.py --lines 2000 --batch-size 256
     run_stage bench-dynamic 60 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --quick --repeat 1
     run_stage bench-collection 90 "$PY" benchmarks/bench_collection.py "${b[@]}" --small --batch 256 --rounds 1 --repeat 1 --world-sizes 1 --configs dim16
+    run_stage bench-compile 90 "$PY" benchmarks/bench_compile.py "${b[@]}" --batch 64 --steps 2 --rounds 1 --repeat 1 --backend aot_eager
   else
     b=(--device cuda)
     run_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3 --distributions zipf,distinct,uniform
@@ -186,6 +187,7 @@ if wants bench; then
     run_stage bench-train 60 "$PY" benchmarks/bench_train.py "${b[@]}" --rounds 3
     run_stage bench-dynamic 90 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --repeat 3
     run_stage bench-collection 60 "$PY" benchmarks/bench_collection.py "${b[@]}" --world-sizes 1 --rounds 2 --repeat 3
+    run_stage bench-compile 180 "$PY" benchmarks/bench_compile.py "${b[@]}" --steps 8 --rounds 3 --repeat 2
   fi
 fi
 
