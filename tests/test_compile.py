@@ -312,6 +312,10 @@ def test_op_gradients_compiled_follow_eager(backend, dynamic):
     # Static shapes compile once per batch; inductor takes seconds a compile, so there it
     # runs the bitmap cases only, on two batches (the second with every row missing).
     cases = [c for c in _OP_CASES if c[0] == 50] if backend == "inductor" and not dynamic else _OP_CASES
+    if _OLD_INDUCTOR:
+        # torch < 2.13 cannot trace max mode's backward (GuardOnDataDependentSymNode on the
+        # view of the per-(row, column) sums as [distinct rows, D]); 2.13 can.
+        cases = [c for c in cases if c[1] != "max"]
     with torch._dynamo.config.patch(recompile_limit=64):
         _compare_op_gradients(loss, compiled, rng, cases, 2 if backend == "inductor" and not dynamic else 3)
 
