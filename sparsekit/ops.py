@@ -853,7 +853,7 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
     bitmap of the table's rows and groups the lookups with a counting sort (327k lookups of
     a 1M-row table: 4x faster than hashing them and sorting); for a table far larger than
     its lookups ``unique`` numbers them and a sort of the distinct rows puts them in order.
-    On CUDA ``unique`` numbers them in order of first occurrence. Traced, and off the
+    On CUDA ``unique`` numbers them in order of first occurrence. Except on the eager
     bitmap path, a leading -1 marker makes the -1 lookups group 0 whatever the batch holds
     (``skip`` is 1), sliced off with it without a data-dependent mask or a host read of the
     data (no extra host sync on CUDA, no graph break); off the bitmap path a stable sort
@@ -862,13 +862,14 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
     # Traced (fake tensors): torch before 2.13 says is_compiling() False while AOT autograd
     # traces a compiled graph's backward, so the fake mode is looked for too.
     eager = not torch.compiler.is_compiling() and torch._guards.detect_fake_mode(rows) is None
+    bitmap = (rows.device.type == "cpu" and isinstance(nnz, int) and isinstance(num_rows, int)
+              and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16))
+    if bitmap and eager:
+        keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
+        skip = int(keys.numel() > 0 and bool(keys[0] < 0))
+        return (keys, inverse, offsets, order, skip, True) if group else (keys, inverse, None, None, skip, True)
     marker = torch.full((1,), -1, dtype=rows.dtype, device=rows.device)
-    if (rows.device.type == "cpu" and isinstance(nnz, int) and isinstance(num_rows, int)
-            and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16)):
-        if eager:
-            keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
-            skip = int(keys.numel() > 0 and bool(keys[0] < 0))
-            return (keys, inverse, offsets, order, skip, True) if group else (keys, inverse, None, None, skip, True)
+    if bitmap:
         # The marker is position 0: first in group 0 (the counting sort is stable).
         keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(torch.cat([marker, rows]), num_rows, group)
         if not group:
