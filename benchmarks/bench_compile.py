@@ -33,12 +33,8 @@ from benchmarks.common import add_round_args, busy_core, fmt_ratio, ratio_stats,
 from sparsekit.train.loop import TrainConfig, build, make_data, setup  # noqa: E402
 
 
-def training(tables: str, device: torch.device, batch: int, steps: int, compile_backend: str | None) -> Callable:
-    """A call trains `steps` steps of a fresh harness model (cycling over 64 batches)."""
-    config = TrainConfig(tables=tables, batch_size=batch, device=device.type, progress=False)
-    config.validate()
-    context = setup(device.type)
-    data = make_data(config)
+def training(config: TrainConfig, context, batches: List, steps: int, compile_backend: str | None) -> Callable:
+    """A call trains `steps` steps of a fresh harness model (cycling over `batches`)."""
     model, _, optimizer = build(config, context)
     loss_fn = nn.BCEWithLogitsLoss()
 
@@ -46,7 +42,6 @@ def training(tables: str, device: torch.device, batch: int, steps: int, compile_
         return loss_fn(model(dense, keys), labels)
 
     forward = torch.compile(step_loss, backend=compile_backend, fullgraph=True) if compile_backend else step_loss
-    batches = [data.train_batch(s, batch, 0, 1).to(device) for s in range(64)]
     position = [0]
 
     def call() -> None:
@@ -61,8 +56,14 @@ def training(tables: str, device: torch.device, batch: int, steps: int, compile_
 
 
 def bench(args, device: torch.device, tables: str) -> Dict:
-    eager = training(tables, device, args.batch, args.steps, None)
-    compiled = training(tables, device, args.batch, args.steps, args.backend)
+    config = TrainConfig(tables=tables, batch_size=args.batch, device=device.type, progress=False)
+    config.validate()
+    context = setup(device.type)
+    data = make_data(config)
+    # Both sides train on the same 64 batches, made once.
+    batches = [data.train_batch(s, args.batch, 0, 1).to(device) for s in range(64)]
+    eager = training(config, context, batches, args.steps, None)
+    compiled = training(config, context, batches, args.steps, args.backend)
     start = time.perf_counter()
     compiled()  # the first call compiles
     first_call_s = time.perf_counter() - start
