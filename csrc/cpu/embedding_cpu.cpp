@@ -59,25 +59,27 @@ namespace {
 // line count measured better than 16 and 4.
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kPrefetchDistanceOneLine = 32;
-// Rows of 2-4 lines whose prefetches are spread among the adds (add_prefetching) look 24
-// ahead: alternating the library before and after, with benchmarks/cpp/embedding_bag_loops.cpp
-// (D = 64, Zipf rows, one thread), sparsekit over at::embedding_bag went from x0.78 / x0.83
-// to x0.91 / x0.99. Longer rows keep the burst of 4 lines 16 ahead, which measured better
-// there at D = 128 (x0.79 / x0.81 against x0.74 / x0.72 spread).
+// Rows of 2-4 lines look 24 ahead: with benchmarks/cpp/embedding_bag_loops.cpp (D = 64,
+// Zipf rows, one thread) that measured better than 16 for the weighted, max and gather
+// loops' bursts of every line of the row; longer rows keep 16.
 constexpr int64_t kPrefetchDistanceSpread = 24;
 // Lines of a row prefetched by hand; the hardware's adjacent-line and stream prefetchers
 // take it from there (more lines measured no faster on a 1M x 64 float32 table).
 constexpr int64_t kMaxPrefetchLines = 4;
 
-// The AVX-512 sum (pool_rows) prefetches the first line of the row this many lookups
-// ahead and leaves the rest of a wider row to the hardware's adjacent-line and stream
-// prefetchers. benchmarks/cpp/embedding_bag_loops.cpp (1M rows, 16384 bags of 20, one
-// thread, 9 interleaved rounds, against at::embedding_bag, which runs FBGEMM's AVX-512
-// kernel on this machine) measured 32 ahead with one line at x1.14 / x1.07 / x1.14 / x0.99
-// / x1.10 / x1.06 for D = 16, 64, 128 (uniform / Zipf rows), where two lines 32 ahead gave
-// x1.06 / x0.74 / x1.12 / x0.89 / x1.05 / x1.00 and 48 ahead no better. Two interleaved
-// sets of accumulators (two chains of adds) measured slower at D = 16 and no faster above.
-constexpr int64_t kWideDistance = 32;
+// The sum and mean loop (pool_rows, every vector width) prefetches the first line of the
+// row this many lookups ahead and leaves the rest of a wider row to the hardware's
+// adjacent-line and stream prefetchers; the AVX-512 weighted and max loops do the same.
+// benchmarks/cpp/embedding_bag_loops.cpp (1M rows, 16384 bags of 20, one thread, 9
+// interleaved rounds, against at::embedding_bag, which runs FBGEMM's AVX-512 kernel on
+// this machine) measured 32 ahead with one line at x1.14 / x1.07 / x1.14 / x0.99 / x1.10 /
+// x1.06 for D = 16, 64, 128 (uniform / Zipf rows), where two lines 32 ahead gave x1.06 /
+// x0.74 / x1.12 / x0.89 / x1.05 / x1.00 and 48 ahead no better. Two interleaved sets of
+// accumulators (two chains of adds) measured slower at D = 16 and no faster above. The
+// AVX2 sum, which spread a burst of every line 24 ahead among its adds, went from x0.58 /
+// x0.83 (Zipf / uniform, D = 16) to x1.07 / x1.11 with this one line (x0.82 / x1.01 to
+// x0.93 / x1.30 at D = 64; SPARSEKIT_CPU_CAPABILITY=avx2 against the same AVX-512 FBGEMM).
+constexpr int64_t kSumDistance = 32;
 
 /// The widest vector instructions the pooling loops use (cpu_features.h: the CPU's,
 /// lowered by SPARSEKIT_CPU_CAPABILITY so that the tests run every instantiation on one
@@ -336,20 +338,6 @@ struct VectorColumns {
   SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src, acc_t w) {
     for (int i = 0; i < kVecs; ++i) acc[i] += w * load(src + i * kLanes);
   }
-  /// add(src), with the prefetches of the first `lines` lines at `ahead` issued between
-  /// the loads of the lines of src they stand for (the rest after them), not in a burst
-  /// before the adds. In benchmarks/cpp/embedding_bag_loops.cpp's hand-written loops (1M x
-  /// 64 float32, Zipf rows, one thread, 16 ahead) that took x0.84 to x1.05 against
-  /// at::embedding_bag; see kPrefetchDistanceSpread for what the op gained.
-  SPARSEKIT_ALWAYS_INLINE void add_prefetching(const scalar_t* src, const char* ahead, int lines) {
-    constexpr int kVecBytes = kLanes * static_cast<int>(sizeof(scalar_t));
-    for (int i = 0; i < kVecs; ++i) {
-      acc[i] += load(src + i * kLanes);
-      if ((i * kVecBytes) % 64 == 0 && (i * kVecBytes) / 64 < lines) __builtin_prefetch(ahead + i * kVecBytes, 0, 3);
-    }
-    constexpr int kCovered = (kVecs * kVecBytes + 63) / 64;
-    if (kCovered < lines) prefetch_row_lines(ahead, kCovered, lines);
-  }
   SPARSEKIT_ALWAYS_INLINE void assign(const scalar_t* src) {
     for (int i = 0; i < kVecs; ++i) acc[i] = load(src + i * kLanes);
   }
@@ -394,10 +382,6 @@ struct TailColumns {
   SPARSEKIT_ALWAYS_INLINE void add(const scalar_t* src, acc_t w) {
     for (int64_t i = 0; i < width; ++i) acc[i] += w * load_widened<acc_t>(src + i);
   }
-  SPARSEKIT_ALWAYS_INLINE void add_prefetching(const scalar_t* src, const char* ahead, int lines) {
-    prefetch_row_lines(ahead, 0, lines);
-    add(src);
-  }
   SPARSEKIT_ALWAYS_INLINE void assign(const scalar_t* src) {
     for (int64_t i = 0; i < width; ++i) acc[i] = load_widened<acc_t>(src + i);
   }
@@ -414,7 +398,8 @@ struct TailColumns {
 
 /// Pools the columns held by `columns` (starting at col) over rows[begin, end) of one bag
 /// and writes them to out_row. The first pass over a bag (prefetch == true) also prefetches
-/// the rows prefetch_distance() lookups ahead, running on into the next bags.
+/// the rows kSumDistance (sum, mean) or prefetch_distance() lookups ahead, running on into
+/// the next bags.
 template <bool kWeighted, bool kMax, int kBytes, typename Columns, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
                                        int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
@@ -428,54 +413,62 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
   const int lines = kBytes == 64 ? 1 : prefetch_lines(row_bytes);
-  const int64_t distance = kBytes == 64 ? kWideDistance : prefetch_distance(row_bytes);
+  const int64_t distance = kBytes == 64 ? kSumDistance : prefetch_distance(row_bytes);
   const int64_t last = p.nnz - 1;
   // Locals, not loads through p: the cold error call could otherwise force reloads.
   const int64_t padding_row = p.padding_row;
   std::atomic<int64_t>* const first_bad_position = p.first_bad_position;
   acc_t weight_sum = 0;
   int64_t valid = 0;
-  // Unweighted sums of rows of up to kMaxPrefetchLines lines spread the prefetches among
-  // their adds (add_prefetching).
-  const bool spread = kBytes == 32 && !kWeighted && !kMax && row_bytes <= kMaxPrefetchLines * 64;
-  if constexpr (kBytes == 64 && !kWeighted && !kMax) {
-    // The AVX-512 sum: a lean loop over row pointers (few live registers, so nothing the
-    // loop needs is spilled), one test for a skipped row, the count of pooled rows
-    // derived from the skipped ones afterwards.
+  if constexpr (!kWeighted && !kMax) {
+    // Sum and mean: a lean loop over row pointers (few live registers, so nothing the loop
+    // needs is spilled), one test for a skipped row, the count of pooled rows derived from
+    // the skipped ones afterwards. The first line of the row kSumDistance lookups ahead is
+    // prefetched as it is: no clamp of the position (the loop is split where the last
+    // lookup comes into reach) and no range select of the row (a prefetch never faults, so
+    // -1 or a bad id that the add will report only prefetches a useless line; the address
+    // is computed in uintptr_t, where any id wraps harmlessly).
     const scalar_t* const weight_col = weight + col;
+    const uintptr_t base_address = reinterpret_cast<uintptr_t>(base);
     int64_t skipped = 0;
-    for (const index_t *r = rows + begin, *const r_end = rows + end; r < r_end; ++r) {
-      if (prefetch) {
-        __builtin_prefetch(row_ahead(base, row_stride_bytes, num_rows, rows, (r - rows) + kWideDistance, last), 0, 3);
+    const index_t* r = rows + begin;
+    const index_t* const r_end = rows + end;
+    const index_t* const unclamped = prefetch ? rows + std::clamp<int64_t>(p.nnz - kSumDistance, begin, end) : r;
+    // `ahead`: prefetch; `padded`: a padding row is skipped (without one, the range test
+    // alone finds every skipped row).
+    const auto pool = [&](const index_t* stop, auto ahead, auto padded) {
+      for (; r < stop; ++r) {
+        if constexpr (decltype(ahead)::value) {
+          const uint64_t row_ahead_id = static_cast<uint64_t>(static_cast<int64_t>(r[kSumDistance]));
+          __builtin_prefetch(
+              reinterpret_cast<const char*>(base_address + row_ahead_id * static_cast<uint64_t>(row_stride_bytes)),
+              0, 3);
+        }
+        const index_t row = *r;
+        if (C10_UNLIKELY(!row_in_range(row, num_rows) ||
+                         (decltype(padded)::value && static_cast<int64_t>(row) == padding_row))) {
+          lookup_valid(row, num_rows, padding_row, r - rows, first_bad_position);
+          ++skipped;
+          continue;
+        }
+        columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
       }
-      const index_t row = *r;
-      if (C10_UNLIKELY(!row_in_range(row, num_rows) || static_cast<int64_t>(row) == padding_row)) {
-        lookup_valid(row, num_rows, padding_row, r - rows, first_bad_position);
-        ++skipped;
-        continue;
-      }
-      columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
+    };
+    if (padding_row < 0) {
+      pool(unclamped, std::true_type{}, std::false_type{});
+      pool(r_end, std::false_type{}, std::false_type{});
+    } else {
+      pool(unclamped, std::true_type{}, std::true_type{});
+      pool(r_end, std::false_type{}, std::true_type{});
     }
     valid = (end - begin) - skipped;
   } else
   for (int64_t k = begin; k < end; ++k) {
     // The prefetch runs past the bag into the next ones: the flat rows are read in order.
-    const char* ahead = nullptr;
-    if (prefetch) {
-      ahead = row_ahead(base, row_stride_bytes, num_rows, rows, k + distance, last);
-      if (!spread) prefetch_row_lines(ahead, 0, lines);
-    }
+    if (prefetch) prefetch_ahead(base, row_stride_bytes, num_rows, rows, k + distance, last, lines);
     const index_t row = rows[k];
-    if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) {
-      if (spread && prefetch) prefetch_row_lines(ahead, 0, lines);
-      continue;
-    }
+    if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) continue;
     const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
-    if (spread) {
-      ++valid;
-      prefetch ? columns.add_prefetching(src, ahead, lines) : columns.add(src);
-      continue;
-    }
     if constexpr (kMax) {
       // A bag with no valid row keeps the zeros it started with.
       valid == 0 ? columns.assign(src) : columns.max(src);
