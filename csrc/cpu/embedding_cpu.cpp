@@ -251,6 +251,15 @@ SPARSEKIT_ALWAYS_INLINE void prefetch_row_lines(const char* line, int first, int
   if (first < 4 && lines > 3) __builtin_prefetch(line + 192, 0, 3);
 }
 
+/// The address of row `row` for a prefetch, whatever the id: computed in uintptr_t, where
+/// any id (-1, or one far outside the table) wraps harmlessly, since a prefetch never faults.
+template <typename index_t>
+SPARSEKIT_ALWAYS_INLINE const char* wrapped_row(const char* base, index_t row, int64_t row_stride_bytes) {
+  return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) +
+                                       static_cast<uint64_t>(static_cast<int64_t>(row)) *
+                                           static_cast<uint64_t>(row_stride_bytes));
+}
+
 /// Prefetches the row `ahead` lookups ahead (see row_ahead).
 template <typename index_t>
 SPARSEKIT_ALWAYS_INLINE void prefetch_ahead(const char* base, int64_t row_stride_bytes, int64_t num_rows,
@@ -426,10 +435,9 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
     // the skipped ones afterwards. The first line of the row kSumDistance lookups ahead is
     // prefetched as it is: no clamp of the position (the loop is split where the last
     // lookup comes into reach) and no range select of the row (a prefetch never faults, so
-    // -1 or a bad id that the add will report only prefetches a useless line; the address
-    // is computed in uintptr_t, where any id wraps harmlessly).
+    // -1 or a bad id that the add will report only prefetches a useless line; see
+    // wrapped_row).
     const scalar_t* const weight_col = weight + col;
-    const uintptr_t base_address = reinterpret_cast<uintptr_t>(base);
     int64_t skipped = 0;
     const index_t* r = rows + begin;
     const index_t* const r_end = rows + end;
@@ -439,10 +447,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
     const auto pool = [&](const index_t* stop, auto ahead, auto padded) {
       for (; r < stop; ++r) {
         if constexpr (decltype(ahead)::value) {
-          const uint64_t row_ahead_id = static_cast<uint64_t>(static_cast<int64_t>(r[kSumDistance]));
-          __builtin_prefetch(
-              reinterpret_cast<const char*>(base_address + row_ahead_id * static_cast<uint64_t>(row_stride_bytes)),
-              0, 3);
+          __builtin_prefetch(wrapped_row(base, r[kSumDistance], row_stride_bytes), 0, 3);
         }
         const index_t row = *r;
         if (C10_UNLIKELY(!row_in_range(row, num_rows) ||
