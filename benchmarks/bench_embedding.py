@@ -18,6 +18,8 @@ embedding_busy_<device>.json).
 - forward + backward: sparsekit (an aggregated sparse gradient: one entry per distinct
   row) vs nn.EmbeddingBag (a sparse gradient with one entry per lookup) vs FBGEMM training
   (whose backward fuses an SGD update instead of returning a gradient).
+- ``--modes sum,weighted,max``: also the forward of weighted sums (``per_sample_weights``)
+  and of max pooling against ``nn.EmbeddingBag`` in the same mode (forward only).
 - one CPU thread is timed in thread CPU time (immune to other processes on a shared
   machine), more threads and CUDA in wall time.
 - on CUDA, also the fraction of the device-to-device copy bandwidth measured in this run:
@@ -138,6 +140,9 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
         except Exception as error:  # noqa: BLE001
             print(f"FBGEMM modules could not be built on {device}: {error}")
     grad_out = torch.randn(args.bags, dim, device=device)
+    scale = torch.rand(nnz, device=device)
+    reference_max = torch.nn.EmbeddingBag(args.rows, dim, mode="max", include_last_offset=True, _weight=table.clone(),
+                                          device=device) if "max" in args.modes else None
     for distribution in ("uniform", "zipf"):
         rows = make_rows(distribution, nnz, args.rows, device)
         rows32, offsets32 = rows.int(), offsets.int()
@@ -163,6 +168,19 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
             reference.weight.grad = None
             reference(rows, offsets).backward(grad_out)
 
+        # Forward only, per extra pooling mode: (sparsekit, nn.EmbeddingBag in that mode).
+        other_modes = {}
+        if "weighted" in args.modes:
+            other_modes["forward weighted"] = {
+                "sparsekit": lambda: ops.embedding_bag(table, rows, offsets, scale),
+                "nn.EmbeddingBag": lambda: reference(rows, offsets, per_sample_weights=scale)}
+        if "max" in args.modes:
+            other_modes["forward max"] = {
+                "sparsekit": lambda: ops.embedding_bag(table, rows, offsets, mode="max"),
+                "nn.EmbeddingBag": lambda: reference_max(rows, offsets)}
+        for sides in other_modes.values():
+            torch.testing.assert_close(sides["sparsekit"](), sides["nn.EmbeddingBag"]().detach())
+
         step = {"sparsekit": sparsekit_step, "nn.EmbeddingBag": torch_step}
         if training is not None:
             step["fbgemm_training"] = lambda: training(rows, offsets).backward(grad_out)
@@ -172,9 +190,11 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
             clock = clock_for(device)
             with torch.no_grad():
                 forward_s = time_rounds(forward, device, rounds=args.rounds, repeat=args.repeat, clock=clock)
+                other_s = {phase: time_rounds(sides, device, rounds=args.rounds, repeat=args.repeat, clock=clock)
+                           for phase, sides in other_modes.items()}
             step_s = time_rounds(step, device, rounds=args.rounds, repeat=args.repeat, clock=clock)
 
-            for phase, times in (("forward", forward_s), ("forward+backward", step_s)):
+            for phase, times in (("forward", forward_s), ("forward+backward", step_s), *other_s.items()):
                 ratios = {name: ratio_stats(t, times["sparsekit"]) for name, t in times.items() if name != "sparsekit"}
                 ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
                 row = {
@@ -228,7 +248,7 @@ def run(args) -> None:
             results.extend(run_skew(args, device))
 
     extra = {"fbgemm": None if fbgemm is None else "fbgemm_gpu", "fbgemm_missing": fbgemm_missing,
-             "threads": args.threads, "busy_core": args.busy_core, "rounds": args.rounds, "repeat": args.repeat}
+             "threads": args.threads, "modes": args.modes, "busy_core": args.busy_core, "rounds": args.rounds, "repeat": args.repeat}
     if copy_bytes_per_s is not None:
         extra["copy_bytes_per_s"] = copy_bytes_per_s
     print("wrote", write_results("embedding_busy" if args.busy_core else "embedding", device, results, extra))
@@ -280,6 +300,8 @@ def main() -> None:
                         help="lookups of the zeros-vs-arange backward case (0 skips it)")
     parser.add_argument("--skew-dim", type=int, default=128)
     parser.add_argument("--skip-main", action="store_true", help="run only the skew case")
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["sum"],
+                        help="comma-separated pooling modes: sum (forward and backward), weighted, max (forward)")
     add_round_args(parser)
     args = parser.parse_args()
     if args.threads is None:

@@ -271,10 +271,10 @@ def test_embedding_bag_rejects_out_of_range_rows(device, bad_row):
 
 @pytest.mark.parametrize("bad_row", [INT64_MIN, INT64_MAX, -(1 << 40), 1 << 40])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-def test_extreme_rows_ahead_of_the_sum_loop(device, bad_row, index_dtype):
-    # The CPU sum loop prefetches the row 32 lookups ahead without testing it; an id far
-    # outside the table there must cost nothing but the error (named at its position), and
-    # -1 / padding rows ahead must not disturb the sums.
+def test_extreme_rows_ahead_of_the_pooling_loops(device, bad_row, index_dtype):
+    # The CPU pooling loops prefetch the row 16-32 lookups ahead without testing it; an id
+    # far outside the table there must cost nothing but the error (named at its position),
+    # and -1 / padding rows ahead must not disturb the results, in every mode.
     if index_dtype == torch.int32:
         bad_row = max(min(bad_row, 2**31 - 1), -(2**31))
     weight = torch.randn(100, 16, device=device)
@@ -282,21 +282,23 @@ def test_extreme_rows_ahead_of_the_sum_loop(device, bad_row, index_dtype):
     rows = torch.randint(0, 100, (nnz,), generator=torch.Generator().manual_seed(5))
     rows[::7] = -1
     offsets = torch.arange(0, nnz + 1, 4)
+    scale = torch.rand(nnz, generator=torch.Generator().manual_seed(6))
     for padding_idx in (None, 3):
-        for mode in ("sum", "mean"):
-            # The reference: a zero row 100 stands for every skipped lookup.
+        for mode, weighted in (("sum", False), ("mean", False), ("max", False), ("sum", True)):
+            psw = scale if weighted else None
+            # The reference: row 100 (zeros, torch's padding row) stands for every skipped lookup.
             skip = (rows < 0) | (rows == (-1 if padding_idx is None else padding_idx))
             expected = F.embedding_bag(torch.where(skip, 100, rows), torch.cat([weight.cpu(), torch.zeros(1, 16)]),
-                                       offsets[:-1], mode=mode, padding_idx=100)
-            got = ops.embedding_bag(weight, rows.to(device, index_dtype), offsets.to(device), mode=mode,
-                                    padding_idx=padding_idx)
+                                       offsets[:-1], mode=mode, per_sample_weights=psw, padding_idx=100)
+            got = ops.embedding_bag(weight, rows.to(device, index_dtype), offsets.to(device),
+                                    None if psw is None else psw.to(device), mode=mode, padding_idx=padding_idx)
             torch.testing.assert_close(got.cpu(), expected)
             bad = rows.clone()
             bad[100] = bad_row
             bad[250] = bad_row
             with pytest.raises(RuntimeError, match=rf"rows holds {bad_row} but weight has 100 rows \(at rows\[100\]"):
-                ops.embedding_bag(weight, bad.to(device, index_dtype), offsets.to(device), mode=mode,
-                                  padding_idx=padding_idx)
+                ops.embedding_bag(weight, bad.to(device, index_dtype), offsets.to(device),
+                                  None if psw is None else psw.to(device), mode=mode, padding_idx=padding_idx)
 
 
 def test_embedding_bag_rejects_bad_arguments(device):

@@ -423,7 +423,6 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
   const int lines = kBytes == 64 ? 1 : prefetch_lines(row_bytes);
   const int64_t distance = kBytes == 64 ? kSumDistance : prefetch_distance(row_bytes);
-  const int64_t last = p.nnz - 1;
   // Locals, not loads through p: the cold error call could otherwise force reloads.
   const int64_t padding_row = p.padding_row;
   std::atomic<int64_t>* const first_bad_position = p.first_bad_position;
@@ -467,27 +466,31 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
       pool(r_end, std::false_type{}, std::true_type{});
     }
     valid = (end - begin) - skipped;
-  } else
-  for (int64_t k = begin; k < end; ++k) {
-    // The prefetch runs past the bag into the next ones: the flat rows are read in order.
-    if (prefetch) prefetch_ahead(base, row_stride_bytes, num_rows, rows, k + distance, last, lines);
-    const index_t row = rows[k];
-    if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) continue;
-    const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
-    if constexpr (kMax) {
-      // A bag with no valid row keeps the zeros it started with.
-      valid == 0 ? columns.assign(src) : columns.max(src);
+  } else {
+    // Weighted sums and max: every lookup tested and counted. The prefetch (`lines` lines
+    // `distance` ahead, unchecked as in the sum loop) runs past the bag into the next ones:
+    // the flat rows are read in order.
+    const auto step = [&](int64_t k) {
+      const index_t row = rows[k];
+      if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) return;
+      const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
+      if constexpr (kMax) {
+        // A bag with no valid row keeps the zeros it started with.
+        valid == 0 ? columns.assign(src) : columns.max(src);
+      } else {
+        const acc_t w = load_widened<acc_t>(sample_weights + k);
+        weight_sum += w;
+        columns.add(src, w);
+      }
       ++valid;
-      continue;
+    };
+    const int64_t unclamped = prefetch ? std::clamp<int64_t>(p.nnz - distance, begin, end) : begin;
+    int64_t k = begin;
+    for (; k < unclamped; ++k) {
+      prefetch_row_lines(wrapped_row(base, rows[k + distance], row_stride_bytes), 0, lines);
+      step(k);
     }
-    ++valid;
-    if constexpr (kWeighted) {
-      const acc_t w = load_widened<acc_t>(sample_weights + k);
-      weight_sum += w;
-      columns.add(src, w);
-    } else {
-      columns.add(src);
-    }
+    for (; k < end; ++k) step(k);
   }
   // Mean divides by the number of valid rows (weighted: by their weights' sum), as a
   // division: a multiplication by the reciprocal is 1 ulp off nn.EmbeddingBag a quarter of
