@@ -1,5 +1,10 @@
 """embedding_bag and embedding_gather: forward against torch, autograd, fakes and errors."""
 
+import ctypes
+import mmap
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -299,6 +304,55 @@ def test_extreme_rows_ahead_of_the_pooling_loops(device, bad_row, index_dtype):
             with pytest.raises(RuntimeError, match=rf"rows holds {bad_row} but weight has 100 rows \(at rows\[100\]"):
                 ops.embedding_bag(weight, bad.to(device, index_dtype), offsets.to(device),
                                   None if psw is None else psw.to(device), mode=mode, padding_idx=padding_idx)
+
+
+def ids_before_a_guard_page(ids: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``ids`` whose last element ends where a page that faults on any access
+    begins: a kernel that reads one id past the end crashes the test instead of passing."""
+    page = mmap.PAGESIZE
+    size = ids.numel() * ids.element_size()
+    pages = (size + page - 1) // page + 1
+    buffer = mmap.mmap(-1, pages * page)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    guard = ctypes.c_void_p(address + (pages - 1) * page)
+    assert libc.mprotect(guard, ctypes.c_size_t(page), 0) == 0, os.strerror(ctypes.get_errno())
+    start = (pages - 1) * page - size
+    out = torch.frombuffer(buffer, dtype=ids.dtype, count=ids.numel(), offset=start)
+    out.copy_(ids)
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mmap + mprotect guard page")
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dim", [16, 40, 64])
+def test_pooling_loops_read_no_id_past_the_end(index_dtype, dim):
+    # The CPU pooling loops prefetch the row 16-32 lookups ahead and stop where the last
+    # lookup comes into reach: below, around and above that distance, in every mode, the
+    # ids end at a guard page, and the results and the first bad position are right.
+    weight = torch.randn(100, dim)
+    padded = torch.cat([weight, torch.zeros(1, dim)])
+    for nnz in (1, 5, 15, 16, 17, 31, 32, 33, 63, 200):
+        generator = torch.Generator().manual_seed(nnz)
+        rows = torch.randint(-1, 100, (nnz,), generator=generator)
+        # Bags of 0-3 lookups, the last ones possibly empty.
+        cuts = torch.sort(torch.randint(0, nnz + 1, (max(nnz // 2, 1),), generator=generator)).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.full((2,), nnz)])
+        scale = torch.rand(nnz, generator=generator)
+        guarded = ids_before_a_guard_page(rows.to(index_dtype))
+        for mode, psw in (("sum", None), ("mean", None), ("max", None), ("sum", scale)):
+            expected = F.embedding_bag(torch.where(rows < 0, 100, rows), padded, offsets, mode=mode,
+                                       per_sample_weights=psw, padding_idx=100, include_last_offset=True)
+            for last in (True, False):
+                got = ops.embedding_bag(weight, guarded, offsets if last else offsets[:-1], psw, mode=mode,
+                                        include_last_offset=last)
+                torch.testing.assert_close(got, expected)
+            if nnz >= 33:
+                bad = rows.to(index_dtype).clone()
+                bad[nnz - 1] = 100
+                bad[nnz - 33] = -7
+                with pytest.raises(RuntimeError, match=rf"rows holds -7 but weight has 100 rows \(at rows\[{nnz - 33}\]"):
+                    ops.embedding_bag(weight, ids_before_a_guard_page(bad), offsets, psw, mode=mode)
 
 
 def test_embedding_bag_rejects_bad_arguments(device):

@@ -59,10 +59,11 @@ namespace {
 // line count measured better than 16 and 4.
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kPrefetchDistanceOneLine = 32;
-// Rows of 2-4 lines look 24 ahead: with benchmarks/cpp/embedding_bag_loops.cpp (D = 64,
-// Zipf rows, one thread) that measured better than 16 for the weighted, max and gather
-// loops' bursts of every line of the row; longer rows keep 16.
-constexpr int64_t kPrefetchDistanceSpread = 24;
+// Rows of 2-4 lines look 24 ahead in the weighted, max and gather loops, which prefetch
+// every line of the row: 24 measured best for the sum loop of D = 64 Zipf rows when it
+// still prefetched every line (benchmarks/cpp/embedding_bag_loops.cpp, one thread); longer
+// rows keep 16.
+constexpr int64_t kPrefetchDistanceFewLines = 24;
 // Lines of a row prefetched by hand; the hardware's adjacent-line and stream prefetchers
 // take it from there (more lines measured no faster on a 1M x 64 float32 table).
 constexpr int64_t kMaxPrefetchLines = 4;
@@ -227,7 +228,7 @@ inline int prefetch_lines(int64_t row_bytes) {
 /// Lookups ahead to prefetch for rows of row_bytes bytes.
 inline int64_t prefetch_distance(int64_t row_bytes) {
   return row_bytes <= 64 ? kPrefetchDistanceOneLine
-         : row_bytes <= kMaxPrefetchLines * 64 ? kPrefetchDistanceSpread
+         : row_bytes <= kMaxPrefetchLines * 64 ? kPrefetchDistanceFewLines
                                                : kPrefetchDistance;
 }
 
@@ -244,11 +245,13 @@ SPARSEKIT_ALWAYS_INLINE const char* row_ahead(const char* base, int64_t row_stri
 
 /// Prefetches lines [first, lines) of the row at `line`. `lines` is loop-invariant, so
 /// its tests predict perfectly.
+/// The lines after the first are addressed in uintptr_t: `line` may be a wrapped_row.
 SPARSEKIT_ALWAYS_INLINE void prefetch_row_lines(const char* line, int first, int lines) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(line);
   if (first < 1 && lines > 0) __builtin_prefetch(line, 0, 3);
-  if (first < 2 && lines > 1) __builtin_prefetch(line + 64, 0, 3);
-  if (first < 3 && lines > 2) __builtin_prefetch(line + 128, 0, 3);
-  if (first < 4 && lines > 3) __builtin_prefetch(line + 192, 0, 3);
+  if (first < 2 && lines > 1) __builtin_prefetch(reinterpret_cast<const char*>(at + 64), 0, 3);
+  if (first < 3 && lines > 2) __builtin_prefetch(reinterpret_cast<const char*>(at + 128), 0, 3);
+  if (first < 4 && lines > 3) __builtin_prefetch(reinterpret_cast<const char*>(at + 192), 0, 3);
 }
 
 /// The address of row `row` for a prefetch, whatever the id: computed in uintptr_t, where
@@ -407,8 +410,8 @@ struct TailColumns {
 
 /// Pools the columns held by `columns` (starting at col) over rows[begin, end) of one bag
 /// and writes them to out_row. The first pass over a bag (prefetch == true) also prefetches
-/// the rows kSumDistance (sum, mean) or prefetch_distance() lookups ahead, running on into
-/// the next bags.
+/// the rows kSumDistance (sum and mean; AVX-512 weighted and max too) or prefetch_distance()
+/// lookups ahead, running on into the next bags.
 template <bool kWeighted, bool kMax, int kBytes, typename Columns, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
                                        int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
