@@ -1,8 +1,5 @@
 """embedding_bag and embedding_gather: forward against torch, autograd, fakes and errors."""
 
-import ctypes
-import mmap
-import os
 import sys
 
 import numpy as np
@@ -11,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit import ops
+
+from tests._guard import guarded
 
 # opcheck's test utilities. Before torch 2.13, AOT tracing with dynamic shapes cannot tell
 # that the sparse gradient's row indices and values (both sized by unique's data-dependent
@@ -306,23 +305,6 @@ def test_extreme_rows_ahead_of_the_pooling_loops(device, bad_row, index_dtype):
                                   None if psw is None else psw.to(device), mode=mode, padding_idx=padding_idx)
 
 
-def ids_before_a_guard_page(ids: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``ids`` whose last element ends where a page that faults on any access
-    begins: a kernel that reads one id past the end crashes the test instead of passing."""
-    page = mmap.PAGESIZE
-    size = ids.numel() * ids.element_size()
-    pages = (size + page - 1) // page + 1
-    buffer = mmap.mmap(-1, pages * page)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    libc = ctypes.CDLL(None, use_errno=True)
-    guard = ctypes.c_void_p(address + (pages - 1) * page)
-    assert libc.mprotect(guard, ctypes.c_size_t(page), 0) == 0, os.strerror(ctypes.get_errno())
-    start = (pages - 1) * page - size
-    out = torch.frombuffer(buffer, dtype=ids.dtype, count=ids.numel(), offset=start)
-    out.copy_(ids)
-    return out
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="mmap + mprotect guard page")
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("dim", [16, 40, 64])
@@ -339,12 +321,12 @@ def test_pooling_loops_read_no_id_past_the_end(index_dtype, dim):
         cuts = torch.sort(torch.randint(0, nnz + 1, (max(nnz // 2, 1),), generator=generator)).values
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.full((2,), nnz)])
         scale = torch.rand(nnz, generator=generator)
-        guarded = ids_before_a_guard_page(rows.to(index_dtype))
+        guarded_rows = guarded(rows.to(index_dtype))
         for mode, psw in (("sum", None), ("mean", None), ("max", None), ("sum", scale)):
             expected = F.embedding_bag(torch.where(rows < 0, 100, rows), padded, offsets, mode=mode,
                                        per_sample_weights=psw, padding_idx=100, include_last_offset=True)
             for last in (True, False):
-                got = ops.embedding_bag(weight, guarded, offsets if last else offsets[:-1], psw, mode=mode,
+                got = ops.embedding_bag(weight, guarded_rows, offsets if last else offsets[:-1], psw, mode=mode,
                                         include_last_offset=last)
                 torch.testing.assert_close(got, expected)
             if nnz >= 33:
@@ -352,7 +334,7 @@ def test_pooling_loops_read_no_id_past_the_end(index_dtype, dim):
                 bad[nnz - 1] = 100
                 bad[nnz - 33] = -7
                 with pytest.raises(RuntimeError, match=rf"rows holds -7 but weight has 100 rows \(at rows\[{nnz - 33}\]"):
-                    ops.embedding_bag(weight, ids_before_a_guard_page(bad), offsets, psw, mode=mode)
+                    ops.embedding_bag(weight, guarded(bad), offsets, psw, mode=mode)
 
 
 def test_embedding_bag_rejects_bad_arguments(device):
