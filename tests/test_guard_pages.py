@@ -83,7 +83,7 @@ def test_lookups_read_the_table_within_its_rows(side, dim, dtype):
         expected = torch.nn.functional.embedding_bag(looked_up, reference, offsets, mode=mode, padding_idx=num_rows,
                                                      include_last_offset=True,
                                                      per_sample_weights=None if weights is None else weights.float())
-        got = ops.embedding_bag(table, guarded(rows, side), offsets, weights, mode=mode)
+        got = ops.embedding_bag(table, guarded(rows, side), guarded(offsets, side), weights, mode=mode)
         torch.testing.assert_close(got.float(), expected, **tolerance)
     torch.testing.assert_close(ops.embedding_gather(table, guarded(rows, side)).float(), reference[looked_up])
 
@@ -155,3 +155,68 @@ def test_the_guard_faults():
                           cwd=sk.__path__[0] + "/..")
     assert done.stdout.splitlines()[:1] == ["45"]
     assert done.returncode != 0
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("n", SIZES)
+def test_unique_tables_and_segment_sum_parts(side, n):
+    keys = keys_of(n, torch.int64, n)
+    cut = n // 2
+    offsets, tables = [0, cut, n], [1, 0]
+    expected = torch.ops.sparsekit.unique_tables(keys, offsets, tables, 2)
+    got = torch.ops.sparsekit.unique_tables(guarded(keys, side), offsets, tables, 2)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    generator = torch.Generator().manual_seed(n)
+    parts = [torch.randn(cut, 40, generator=generator), torch.randn(n - cut, 40, generator=generator)]
+    segments = max(n // 4, 1)
+    ids = torch.randint(-1, segments, (n,), generator=generator)
+    summed = torch.ops.sparsekit.segment_sum_parts([guarded(p, side) for p in parts], guarded(ids, side), segments)
+    torch.testing.assert_close(summed, ops.segment_sum(torch.cat(parts), ids, segments))
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("n", [1, 7, 1000])
+def test_hash_table_find_tables(side, n):
+    keys = torch.unique(keys_of(3 * n, torch.int64, n))[:n]
+    cut = n // 2
+    slot_keys, slot_rows = [], []
+    for part in (keys[:cut], keys[cut:]):
+        slots = 1 << max(4, (2 * part.numel()).bit_length())
+        slot_keys.append(guarded(torch.zeros(slots, dtype=torch.int64), side))
+        slot_rows.append(guarded(torch.full((slots,), -1), side))
+        ops.hash_table_insert_absent_(slot_keys[-1], slot_rows[-1], part, torch.arange(part.numel()))
+    found = torch.ops.sparsekit.hash_table_find_tables(slot_keys, slot_rows, guarded(keys, side), [0, cut, n])
+    assert torch.equal(found, torch.cat([torch.arange(cut), torch.arange(n - cut)]))
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lazy_adam_tables(side, dtype):
+    generator = torch.Generator().manual_seed(3)
+    tables = []
+    for num_rows, count, dim in ((5, 5, 1), (300, 120, 17), (2000, 1025, 64)):
+        weight = torch.randn(num_rows, dim, generator=generator).to(dtype)
+        moments = [0.1 * torch.randn(num_rows, dim, generator=generator), torch.rand(num_rows, dim, generator=generator)]
+        rows = torch.randperm(num_rows, generator=generator)[:count]
+        tables.append([weight, *moments, rows, torch.randn(count, dim, generator=generator)])
+    hyper = [0.01, 0.9, 0.999, 1e-8, 0.01] * 3
+    expected = [[t.clone() for t in table] for table in tables]
+    torch.ops.sparsekit.lazy_adam_tables_(*([table[i] for table in expected] for i in range(5)), [2, 2, 2], hyper)
+    got = [[guarded(t, side) for t in table] for table in tables]
+    torch.ops.sparsekit.lazy_adam_tables_(*([table[i] for table in got] for i in range(5)), [2, 2, 2], hyper)
+    for g, e in zip(got, expected):
+        for x, y in zip(g[:3], e[:3]):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("dim", [1, 16, 40])
+def test_embedding_bag_argmax(side, dim):
+    weight = torch.randn(50, dim, generator=torch.Generator().manual_seed(dim))
+    rows = torch.tensor([0, 49, -1, 49, 0, 3] * 40)
+    offsets = torch.arange(0, rows.numel() + 1, 6)
+    expected = torch.ops.sparsekit.embedding_bag_argmax(weight, rows, offsets, None, True)
+    got = torch.ops.sparsekit.embedding_bag_argmax(guarded(weight, side), guarded(rows, side), guarded(offsets, side),
+                                                   None, True)
+    assert torch.equal(got, expected)
