@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = {
     "default": ["test_embedding.py", "test_embedding_properties.py", "test_unique_bounded.py", "test_segment.py",
                 "test_segment_properties.py", "test_lazy_adam.py", "test_lazy_adam_properties.py",
-                "test_tables_ops.py"],
-    "avx2": ["test_embedding.py", "test_embedding_properties.py"],
+                "test_tables_ops.py", "test_guard_pages.py"],
+    "avx2": ["test_embedding.py", "test_embedding_properties.py", "test_guard_pages.py"],
 }
 
 
