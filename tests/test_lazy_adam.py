@@ -889,8 +889,8 @@ def test_lazy_adam_sums_rows_again_only_when_they_may_repeat(monkeypatch, rows):
     drops the flag) is applied as it is; rows out of order or repeated are summed first.
     Either way the step equals the one on the coalesced gradient."""
     summed = []
-    unique = sk.ops.unique
-    monkeypatch.setattr(sk.optim.ops, "unique", lambda *a, **k: summed.append(1) or unique(*a, **k))
+    sum_rows = sk.optim._sum_repeated_rows
+    monkeypatch.setattr(sk.optim, "_sum_repeated_rows", lambda *a, **k: summed.append(1) or sum_rows(*a, **k))
     indices = torch.tensor([rows])
     values = torch.arange(len(rows) * 3, dtype=torch.float32).view(-1, 3) - 2
     weights = []
@@ -902,3 +902,35 @@ def test_lazy_adam_sums_rows_again_only_when_they_may_repeat(monkeypatch, rows):
         weights.append(weight.detach())
     assert summed == ([] if rows in ([1, 4, 9], [2]) else [1])
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,entries,distinct", [(1, 5, 1), (50, 7, 4), (1000, 3000, 700),
+                                                       (200_000, 1000, 300), (10_000, 70_000, 9000)])
+def test_repeated_rows_are_summed_alike_on_both_paths(dtype, num_rows, entries, distinct):
+    """The bitmap path (unique_bounded + one bag per row) gives the rows and sums of unique +
+    segment_sum bit for bit, the rows ascending; a table far larger than the gradient
+    (200k rows for 1000 entries) and rows outside it take unique + segment_sum."""
+    generator = torch.Generator().manual_seed(num_rows + entries)
+    touched = torch.randperm(num_rows, generator=generator)[:distinct]
+    indices = touched[torch.randint(0, touched.numel(), (entries,), generator=generator)]
+    values = torch.randn(entries, 24, generator=generator).to(dtype)
+    rows, summed = sk.optim._sum_repeated_rows(indices, values, num_rows)
+    want_rows, inverse = sk.ops.unique(indices, return_inverse=True)
+    want = sk.ops.segment_sum(values, inverse, want_rows.numel())
+    order = torch.argsort(want_rows)
+    assert torch.equal(torch.sort(rows).values, want_rows[order])
+    assert torch.equal(summed[torch.argsort(rows)], want[order])
+    bitmap = num_rows <= sk.ops._BOUNDED_UNIQUE_BITS_PER_KEY * entries + (1 << 16)
+    assert bitmap == (num_rows != 200_000)
+    if bitmap:
+        assert bool((rows[1:] > rows[:-1]).all())
+    # A row outside the table falls back, and the step names it with nothing changed.
+    bad = indices.clone()
+    bad[-1] = num_rows
+    weight = torch.nn.Parameter(torch.zeros(num_rows, 24))
+    weight.grad = torch.sparse_coo_tensor(bad.unsqueeze(0), values.float(), (num_rows, 24))
+    optimizer = sk.LazyAdam([weight], lr=0.1)
+    with pytest.raises(RuntimeError, match=f"names row {num_rows}, outside"):
+        optimizer.step()
+    assert not bool(weight.detach().any()) and not optimizer.state
