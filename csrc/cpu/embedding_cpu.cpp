@@ -232,17 +232,6 @@ inline int64_t prefetch_distance(int64_t row_bytes) {
                                                : kPrefetchDistance;
 }
 
-/// The first byte of the row `position` lookups on, without a data-dependent branch: the
-/// position is clamped to the last lookup and a row id outside the table is replaced by
-/// row 0, so the cost on cached data is a load and two conditional moves.
-template <typename index_t>
-SPARSEKIT_ALWAYS_INLINE const char* row_ahead(const char* base, int64_t row_stride_bytes, int64_t num_rows,
-                                              const index_t* rows, int64_t position, int64_t last) {
-  const int64_t ahead = static_cast<int64_t>(rows[std::min(position, last)]);
-  const int64_t row = static_cast<uint64_t>(ahead) < static_cast<uint64_t>(num_rows) ? ahead : 0;
-  return base + row * row_stride_bytes;
-}
-
 /// Prefetches lines [first, lines) of the row at `line`. `lines` is loop-invariant, so
 /// its tests predict perfectly.
 /// The lines after the first are addressed in uintptr_t: `line` may be a wrapped_row.
@@ -263,11 +252,23 @@ SPARSEKIT_ALWAYS_INLINE const char* wrapped_row(const char* base, index_t row, i
                                            static_cast<uint64_t>(row_stride_bytes));
 }
 
-/// Prefetches the row `ahead` lookups ahead (see row_ahead).
-template <typename index_t>
-SPARSEKIT_ALWAYS_INLINE void prefetch_ahead(const char* base, int64_t row_stride_bytes, int64_t num_rows,
-                                            const index_t* rows, int64_t position, int64_t last, int lines) {
-  prefetch_row_lines(row_ahead(base, row_stride_bytes, num_rows, rows, position, last), 0, lines);
+/// Calls step(k) for k in [begin, end) of lookups rows[0, nnz), with `prefetch` prefetching
+/// lines [0, lines) of the row `distance` lookups on while that lookup exists: the range is
+/// split where the
+/// last lookup comes into reach, so the position needs no clamp, and the row no range
+/// select (see wrapped_row). The prefetch runs past a bag into the next ones: the flat rows
+/// are read in order.
+template <typename index_t, typename Step>
+SPARSEKIT_ALWAYS_INLINE void for_each_prefetching(const char* base, int64_t row_stride_bytes, const index_t* rows,
+                                                  int64_t nnz, int64_t begin, int64_t end, bool prefetch,
+                                                  int64_t distance, int lines, Step&& step) {
+  const int64_t unclamped = prefetch ? std::clamp<int64_t>(nnz - distance, begin, end) : begin;
+  int64_t k = begin;
+  for (; k < unclamped; ++k) {
+    prefetch_row_lines(wrapped_row(base, rows[k + distance], row_stride_bytes), 0, lines);
+    step(k);
+  }
+  for (; k < end; ++k) step(k);
 }
 
 /// Shared, read-only description of one embedding_bag call.
@@ -423,56 +424,38 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   const scalar_t* const sample_weights = p.per_sample_weights;
   const char* const base = reinterpret_cast<const char*>(weight);
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
-  const int lines = kBytes == 64 ? 1 : prefetch_lines(row_bytes);
-  const int64_t distance = kBytes == 64 ? kSumDistance : prefetch_distance(row_bytes);
   // Locals, not loads through p: the cold error call could otherwise force reloads.
   const int64_t padding_row = p.padding_row;
   std::atomic<int64_t>* const first_bad_position = p.first_bad_position;
   acc_t weight_sum = 0;
   int64_t valid = 0;
   if constexpr (!kWeighted && !kMax) {
-    // Sum and mean: a lean loop over row pointers (few live registers, so nothing the loop
-    // needs is spilled), one test for a skipped row, the count of pooled rows derived from
-    // the skipped ones afterwards. The first line of the row kSumDistance lookups ahead is
-    // prefetched as it is: no clamp of the position (the loop is split where the last
-    // lookup comes into reach) and no range select of the row (a prefetch never faults, so
-    // -1 or a bad id that the add will report only prefetches a useless line; see
-    // wrapped_row).
+    // Sum and mean: a lean loop (few live registers, so nothing the loop needs is
+    // spilled), one test for a skipped row, the count of pooled rows derived from
+    // the skipped ones afterwards. The first pass prefetches the first line of the row
+    // kSumDistance lookups ahead, unchecked (for_each_prefetching).
     const scalar_t* const weight_col = weight + col;
     int64_t skipped = 0;
-    const index_t* r = rows + begin;
-    const index_t* const r_end = rows + end;
-    const index_t* const unclamped = prefetch ? rows + std::clamp<int64_t>(p.nnz - kSumDistance, begin, end) : r;
-    // `ahead`: prefetch; `padded`: a padding row is skipped (without one, the range test
-    // alone finds every skipped row).
-    const auto pool = [&](const index_t* stop, auto ahead, auto padded) {
-      for (; r < stop; ++r) {
-        if constexpr (decltype(ahead)::value) {
-          __builtin_prefetch(wrapped_row(base, r[kSumDistance], row_stride_bytes), 0, 3);
-        }
-        const index_t row = *r;
+    // `padded`: a padding row is skipped (without one, the range test alone finds every
+    // skipped row).
+    const auto pool = [&](auto padded) {
+      const auto step = [&](int64_t k) {
+        const index_t row = rows[k];
         if (C10_UNLIKELY(!row_in_range(row, num_rows) ||
                          (decltype(padded)::value && static_cast<int64_t>(row) == padding_row))) {
-          lookup_valid(row, num_rows, padding_row, r - rows, first_bad_position);
+          lookup_valid(row, num_rows, padding_row, k, first_bad_position);
           ++skipped;
-          continue;
+          return;
         }
         columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
-      }
+      };
+      for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, prefetch, kSumDistance, 1, step);
     };
-    if (padding_row < 0) {
-      pool(unclamped, std::true_type{}, std::false_type{});
-      pool(r_end, std::false_type{}, std::false_type{});
-    } else {
-      pool(unclamped, std::true_type{}, std::true_type{});
-      pool(r_end, std::false_type{}, std::true_type{});
-    }
+    padding_row < 0 ? pool(std::false_type{}) : pool(std::true_type{});
     valid = (end - begin) - skipped;
   } else {
-    // Weighted sums and max: every lookup tested and counted. The prefetch (`lines` lines
-    // `distance` ahead, unchecked as in the sum loop) runs past the bag into the next ones:
-    // the flat rows are read in order.
+    // Weighted sums and max: every lookup tested and counted; the first pass prefetches
+    // (for_each_prefetching) `lines` lines `distance` lookups ahead.
     const auto step = [&](int64_t k) {
       const index_t row = rows[k];
       if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) return;
@@ -487,13 +470,10 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
       }
       ++valid;
     };
-    const int64_t unclamped = prefetch ? std::clamp<int64_t>(p.nnz - distance, begin, end) : begin;
-    int64_t k = begin;
-    for (; k < unclamped; ++k) {
-      prefetch_row_lines(wrapped_row(base, rows[k + distance], row_stride_bytes), 0, lines);
-      step(k);
-    }
-    for (; k < end; ++k) step(k);
+    const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
+    const int lines = kBytes == 64 ? 1 : prefetch_lines(row_bytes);
+    const int64_t distance = kBytes == 64 ? kSumDistance : prefetch_distance(row_bytes);
+    for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, prefetch, distance, lines, step);
   }
   // Mean divides by the number of valid rows (weighted: by their weights' sum), as a
   // division: a multiplication by the reciprocal is 1 ulp off nn.EmbeddingBag a quarter of
@@ -759,8 +739,7 @@ void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_
                       std::atomic<int64_t>* first_bad_position) {
   const int lines = prefetch_lines(row_bytes);
   const int64_t distance = prefetch_distance(row_bytes);
-  for (int64_t i = begin; i < end; ++i) {
-    prefetch_ahead(weight, row_stride_bytes, num_rows, rows, i + distance, n - 1, lines);
+  for_each_prefetching(weight, row_stride_bytes, rows, n, begin, end, true, distance, lines, [&](int64_t i) {
     const index_t row = rows[i];
     char* dst = out + i * row_bytes;
     if (row_in_range(row, num_rows)) {
@@ -769,7 +748,7 @@ void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_
       if (row != index_t(-1)) record_first_bad(first_bad_position, i);
       std::memset(dst, 0, row_bytes);
     }
-  }
+  });
 }
 
 }  // namespace
