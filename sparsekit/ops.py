@@ -827,6 +827,12 @@ def _embedding_gather_fake(weight: Tensor, rows: Tensor) -> Tensor:
 _BOUNDED_UNIQUE_BITS_PER_KEY = 128
 
 
+def _bitmap_numbers(bound: int, n: int) -> bool:
+    """Whether the CPU numbers ``n`` rows in ``[0, bound)`` with ``unique_bounded``'s bitmap
+    rather than hashing them (see ``_BOUNDED_UNIQUE_BITS_PER_KEY``)."""
+    return bound <= _BOUNDED_UNIQUE_BITS_PER_KEY * n + (1 << 16)
+
+
 @torch.library.register_fake("sparsekit::unique_bounded")
 def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     index_dtype("unique_bounded", "keys", keys, "tensor of keys")
@@ -863,7 +869,7 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
     # traces a compiled graph's backward, so the fake mode is looked for too.
     eager = not torch.compiler.is_compiling() and torch._guards.detect_fake_mode(rows) is None
     bitmap = (rows.device.type == "cpu" and isinstance(nnz, int) and isinstance(num_rows, int)
-              and num_rows <= _BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16))
+              and _bitmap_numbers(num_rows, nnz))
     if bitmap and eager:
         keys, inverse, offsets, order = torch.ops.sparsekit.unique_bounded(rows, num_rows, group)
         skip = int(keys.numel() > 0 and bool(keys[0] < 0))

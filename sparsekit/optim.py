@@ -47,7 +47,7 @@ def _sum_repeated_rows(indices: Tensor, values: Tensor, num_rows: int) -> Tuple[
     Elsewhere, and for rows outside the table (left for the update's own check to name),
     sparsekit's ``unique`` + ``segment_sum``."""
     if (indices.device.type == "cpu" and values.dim() == 2 and indices.dtype == torch.int64
-            and num_rows <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * indices.numel() + (1 << 16)):
+            and ops._bitmap_numbers(num_rows, indices.numel())):
         bounds = torch.aminmax(indices)
         if 0 <= int(bounds.min) and int(bounds.max) < num_rows:
             rows, _, offsets, order = torch.ops.sparsekit.unique_bounded(indices, num_rows, True)

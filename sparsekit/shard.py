@@ -95,7 +95,7 @@ def _distinct_sorted_rows(rows: Tensor, bound: int) -> Tuple[Tensor, Tensor]:
     ascending and each row's place among them. A bitmap of the ``bound`` rows
     (``unique_bounded``) while it costs less than hashing, else hashing then a sort of the
     distinct rows (a table far larger than the call)."""
-    if bound <= ops._BOUNDED_UNIQUE_BITS_PER_KEY * rows.numel() + (1 << 16):
+    if ops._bitmap_numbers(bound, rows.numel()):
         distinct, position, _, _ = torch.ops.sparsekit.unique_bounded(rows, bound, False)
         return distinct, position
     distinct, distinct_of_row = ops.unique(rows)

@@ -27,8 +27,9 @@ unique_bounded (unique_bounded_cpu.cpp)
   :38  kKeyGrain 2^15 (workers, counting-sort parts)                test_unique_bounded_boundaries
   :44  kWordGrain 2^12 words (bound + 1 > 2^18 bits), word edges at 64  test_unique_bounded_boundaries
   :40/:42 kCountBlock 64, kScatterAhead 16 (group)
-ops.py:841/:877, shard.py:98  _BOUNDED_UNIQUE_BITS_PER_KEY: bitmap iff rows <= 128 * nnz + 2^16
-                                                                    test_row_gradient_bitmap_vs_hash, test_distinct_sorted_rows
+ops._bitmap_numbers (ops._number_rows, shard._distinct_sorted_rows, optim._sum_repeated_rows):
+  bitmap iff rows <= 128 * nnz + 2^16                               test_row_gradient_bitmap_vs_hash, test_distinct_sorted_rows,
+                                                                    test_repeated_rows_are_summed_alike_on_both_paths
 ops.py:946 _lookup_dots chunks of 2^20 // D lookups                 test_per_sample_weight_gradient_chunks
 segment_sum (csrc/cpu/segment_cpu.cpp)
   :215 one thread below n * D < 2^15                                test_segment_sum_boundaries
@@ -38,7 +39,8 @@ segment_sum (csrc/cpu/segment_cpu.cpp)
 embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
   :578 AVX-512 iff D % (64 / sizeof(acc)) == 0; :511-549 passes of 16/8/4/2/1 vectors + tail
                                                                     test_embedding_bag_dims (and under avx2 / default)
-  :227 prefetch distance by row bytes (64, 256), :440 spread prefetch  test_embedding_bag_dims
+  prefetch_distance by row bytes (64, 256); the sum loop's kSumDistance 32; every loop
+  split where the last lookup comes into reach (nnz - distance)    test_embedding_bag_dims, test_pooling_loops_read_no_id_past_the_end
   :581 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
   :790 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
 lazy_adam (csrc/cpu/lazy_adam_cpu.cpp)
@@ -313,7 +315,7 @@ def test_unique_bounded_boundaries(n, threads):
 @pytest.mark.parametrize("mode, weighted, padding_idx", [
     ("sum", False, None), ("sum", True, -1), ("mean", False, 0), ("mean", True, None), ("max", False, -1)])
 def test_row_gradient_bitmap_vs_hash(mode, weighted, padding_idx, threads):
-    """ops.py:877: the bitmap (unique_bounded) numbers a gradient's rows while the table has
+    """ops._bitmap_numbers: the bitmap (unique_bounded) numbers a gradient's rows while the table has
     at most 128 * nnz + 2^16 rows, else the hash + sort path: both give the same coalesced,
     ascending sparse gradient as a dense reference."""
     for nnz in (1, 5):
