@@ -54,6 +54,7 @@ import zlib
 from collections.abc import Iterable
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -939,10 +940,20 @@ class EmbeddingBagCollection(nn.Module):
             batch = num_bags // num_features
         offsets = offsets.long()
         nnz = values.numel()
-        bad_offsets = (offsets[0] != 0) | (offsets[-1] != nnz)
-        if num_bags > 0:
-            bad_offsets = bad_offsets | (offsets[1:] < offsets[:-1]).any()
-        flags = bad_offsets.long() * _BAD_OFFSETS
+        one_per_bag = None  # valid offsets with one value per bag (decided below when on the host)
+        if offsets.device.type == "cpu":
+            # One numpy pass over the host values decides both, at a third of torch's ops.
+            host = offsets.detach().numpy()
+            low = int(np.diff(host).min()) if num_bags > 0 else 0
+            bad = bool(host[0] != 0 or host[-1] != nnz or low < 0)
+            # Valid, as many values as bags and none empty: then every bag holds exactly one.
+            one_per_bag = not bad and nnz == num_bags and (num_bags == 0 or low >= 1)
+            flags = torch.tensor(_BAD_OFFSETS if bad else 0)
+        else:
+            bad_offsets = (offsets[0] != 0) | (offsets[-1] != nnz)
+            if num_bags > 0:
+                bad_offsets = bad_offsets | (offsets[1:] < offsets[:-1]).any()
+            flags = bad_offsets.long() * _BAD_OFFSETS
         # Feature boundaries in the values (one host read for every feature).
         bounds = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
         flags_bad_bounds = len(bounds) != num_features + 1 or any(b < a for a, b in zip(bounds, bounds[1:])) \
@@ -954,8 +965,9 @@ class EmbeddingBagCollection(nn.Module):
         else:
             keys = values.long()
         table_of_feature = [self._feature_table[f] for f in features]
-        if rows_first and weights is None and not flags_bad_bounds and keys.numel() > 0 \
-                and _one_per_bag(offsets, keys.numel()):
+        if not flags_bad_bounds and one_per_bag is None:
+            one_per_bag = _one_per_bag(offsets, keys.numel())
+        if rows_first and weights is None and not flags_bad_bounds and keys.numel() > 0 and one_per_bag:
             return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "keys": keys,
                     "table_of_feature": table_of_feature, "flags": flags}
         num_tables = len(self._shards)
@@ -995,7 +1007,7 @@ class EmbeddingBagCollection(nn.Module):
         pair_row = send_rank_in_table if order is None else \
             torch.empty_like(order).index_copy_(0, order, send_rank_in_table)
         # All bags' ids at once (per feature: minus f * batch), when pooling needs them.
-        one_per_bag = not flags_bad_bounds and _one_per_bag(offsets, keys.numel())
+        one_per_bag = not flags_bad_bounds and one_per_bag
         bag_of_value = None
         if weights is not None or not one_per_bag:
             if flags_bad_bounds or num_bags == 0:
@@ -1311,8 +1323,8 @@ class EmbeddingBagCollection(nn.Module):
         table_of_feature = prepared["table_of_feature"]
         shards, num_tables = self._shards, len(self._shards)
         rows = _find_in_tables([shards[t].hash_table for t in table_of_feature], keys, bounds)
-        missing = rows < 0
-        if bool(missing.any()):
+        if bool(rows.min() < 0):  # one pass, where rows < 0 and any() take two
+            missing = rows < 0
             misses = missing.long().cumsum(0).index_select(0, torch.tensor(bounds[1:]) - 1).tolist()
             new_keys, new_of_missing, per_table = _unique_tables(
                 keys[missing], [0] + misses, table_of_feature, num_tables)
@@ -1330,23 +1342,31 @@ class EmbeddingBagCollection(nn.Module):
             new_rows = torch.arange(new_keys.numel()) + shift.repeat_interleave(torch.tensor(per_table),
                                                                                  output_size=new_keys.numel())
             rows = rows.masked_scatter(missing, new_rows.index_select(0, new_of_missing))
-        features = prepared["features"]
+        features, batch = prepared["features"], prepared["batch"]
+        # One key per bag: feature f's rows are row f of this [features, batch] view.
+        rows_of_feature = rows.view(len(features), batch)
         pooled_of: Dict[int, Tensor] = {}
         scored: List[Tuple[int, Tensor]] = []
+        groups_seen = 0
         for members in self._groups:
-            group_features = [f for f in range(len(features)) if table_of_feature[f] in members]
+            member_set = set(members)
+            group_features = [f for f in range(len(features)) if table_of_feature[f] in member_set]
             if not group_features:
                 continue
+            groups_seen += 1
             # Each table's rows in use, one after the other: a row's code is its row plus
             # the sizes of the group's tables before its own.
             base = dict(zip(members, itertools.accumulate((len(shards[t].hash_table) for t in members), initial=0)))
             total = base[members[-1]] + len(shards[members[-1]].hash_table)
-            lengths = [bounds[f + 1] - bounds[f] for f in group_features]
-            value_rows = [rows[bounds[f]:bounds[f + 1]] for f in group_features]
-            codes = torch.cat(value_rows) + torch.tensor([base[table_of_feature[f]] for f in group_features]) \
-                .repeat_interleave(torch.tensor(lengths), output_size=sum(lengths))
+            value_rows = [rows_of_feature[f] for f in group_features]
+            first, last = group_features[0], group_features[-1]
+            group_rows = rows_of_feature[first:last + 1] if last - first + 1 == len(group_features) else \
+                rows_of_feature.index_select(0, torch.tensor(group_features))
+            codes = (group_rows + torch.tensor([base[table_of_feature[f]] for f in group_features]).unsqueeze(1)) \
+                .view(-1)
             sorted_codes, position = _distinct_sorted_rows(codes, total)
-            used = [t for t in members if any(table_of_feature[f] == t for f in group_features)]
+            used_set = {table_of_feature[f] for f in group_features}
+            used = [t for t in members if t in used_set]
             ends = torch.searchsorted(sorted_codes, torch.tensor([base[t] + len(shards[t].hash_table)
                                                                   for t in used])).tolist()
             sizes_used = [b - a for a, b in zip([0] + ends, ends)]
@@ -1358,9 +1378,11 @@ class EmbeddingBagCollection(nn.Module):
                                         position, sorted_rows, sizes_used, [shards[t]._grad_marker for t in used],
                                         [False] * len(used), *[shards[t].weight for t in used])
             pooled_of.update(zip(group_features, parts))
+        # One group: its tables' rows are in table order already, one after the other.
+        scored_rows = sorted_rows if groups_seen == 1 else None
         scored.sort(key=lambda pair: pair[0])
         tables = [shards[t].hash_table for t, _ in scored]
-        _touch_tables(tables, torch.cat([r for _, r in scored]),
+        _touch_tables(tables, scored_rows if scored_rows is not None else torch.cat([r for _, r in scored]),
                       list(itertools.accumulate((r.numel() for _, r in scored), initial=0)))
         for table in tables:
             table.tick()

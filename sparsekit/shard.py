@@ -129,7 +129,8 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
     training step inserts keys), or a training forward outside inference mode of a layer
     whose tables were made inside it (inference tensors cannot be changed outside). Nor
     can a layer on the meta device look anything up: its tables hold no data."""
-    if any(shard.weight.is_meta for shard in shards):
+    weights = [shard.weight for shard in shards]
+    if any(weight.is_meta for weight in weights):
         raise RuntimeError(f"{name}: its tables are on the meta device and hold no data; give them memory first "
                            "(model.to_empty(device=...), then reset_parameters() or load_state_dict)")
     if torch._C._are_functorch_transforms_active():
@@ -138,15 +139,16 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
                            "the hash table; take gradients with loss.backward() or torch.autograd.grad")
     if not training or torch.is_inference_mode_enabled():
         return
+    # Every step: one flat list and one C-level test per tensor.
+    tensors = weights + [shard._fresh_rows for shard in shards if shard._fresh_rows is not None]
     for shard in shards:
-        tables = [table for table in (shard.hash_table, shard._pending) if table is not None]
-        tensors = [shard.weight] + [t for table in tables for t in table._tensors()]
-        if shard._fresh_rows is not None:
-            tensors.append(shard._fresh_rows)
-        if any(t.is_inference() for t in tensors):
-            raise RuntimeError(f"{name}: its weight or hash table was made under torch.inference_mode(), and "
-                               "inference tensors cannot be changed outside it, as a training step must; build "
-                               "the layer outside inference_mode to train it (or call it in eval() mode)")
+        for table in (shard.hash_table, shard._pending):
+            if table is not None:
+                tensors += table._tensors()
+    if any(map(Tensor.is_inference, tensors)):
+        raise RuntimeError(f"{name}: its weight or hash table was made under torch.inference_mode(), and "
+                           "inference tensors cannot be changed outside it, as a training step must; build "
+                           "the layer outside inference_mode to train it (or call it in eval() mode)")
 
 
 class _LookupPlan(NamedTuple):

@@ -208,6 +208,34 @@ def test_errors_name_what_is_wrong():
 # -- bad input: the same checks for sk.KeyedJagged and TorchRec-like objects ------------------
 
 
+@pytest.mark.parametrize("offsets, valid", [
+    ([0, 1, 2, 3, 4], True),    # one key per bag: the rows-first path
+    ([0, 0, 2, 3, 4], True),    # as many keys as bags, one bag empty and one of two
+    ([0, 2, 1, 3, 4], False),   # decreasing
+    ([1, 2, 3, 4, 4], False),   # not starting at 0
+    ([0, 1, 2, 3, 5], False),   # past the end
+    ([0, 1, 2, 3, 3], False),   # short of the end
+    ([0, 1, 2, 1, 4], False),   # one step back between bags of one key
+])
+def test_offsets_near_one_key_per_bag_are_pooled_or_refused(offsets, valid):
+    """The offsets' checks and the one-key-per-bag test share one pass over the host
+    values: inputs that pass for one key per bag, or just fail, pool as plain torch or
+    raise the offsets' error with no table changed."""
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("users", 4, 64, ["user"]), sk.TableConfig("odd", 5, 64, ["odd"])])
+    values = torch.tensor([5, 6, 7, 8])
+    kjt = sk.KeyedJagged(["user", "odd"], values, offsets=torch.tensor(offsets))
+    if not valid:
+        with pytest.raises(ValueError, match="offsets must start at 0, never decrease"):
+            ebc(kjt)
+        assert ebc.stats("users")["size"] == 0 and ebc.stats("odd")["size"] == 0
+        return
+    out = ebc(kjt)
+    for f, (feature, table, dim) in enumerate((("user", "users", 4), ("odd", "odd", 5))):
+        want = torch.stack([initial(table, values[offsets[b]:offsets[b + 1]]).sum(0) if offsets[b + 1] > offsets[b]
+                            else torch.zeros(dim) for b in (2 * f, 2 * f + 1)])
+        torch.testing.assert_close(out[feature], want, rtol=1e-6, atol=1e-7)
+
+
 def torchrec_like(**methods):
     """An object with only the given KeyedJaggedTensor methods, each returning its value."""
     return type("TorchRecLike", (), {name: (lambda self, value=value: value) for name, value in methods.items()})()
