@@ -627,8 +627,7 @@ def _bump_versions(tensors: Iterable[Tensor]) -> None:
     do it for ops registered in C++.)"""
     if torch.compiler.is_compiling():
         return  # traced: functionalization tracks the mutation
-    for tensor in tensors:
-        torch.autograd.graph.increment_version(tensor)
+    torch.autograd.graph.increment_version(list(tensors))  # one call for all
 
 
 # ---- routing ----

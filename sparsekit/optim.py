@@ -242,31 +242,30 @@ class LazyAdam(torch.optim.Optimizer):
                 grad = param.grad
                 if grad is None:
                     continue
-                name = f"LazyAdam: the gradient of parameter {i} of group {g} (shape {tuple(param.shape)})"
                 if grad.is_sparse:
                     if torch.is_complex(param):
-                        raise RuntimeError(f"{name}: sparse gradients of complex parameters are not supported")
+                        raise RuntimeError(f"{_gradient_name(g, i, param)}: sparse gradients of complex parameters "
+                                           "are not supported")
                     if grad.sparse_dim() != 1 or grad.shape != param.shape:
                         raise RuntimeError(
-                            f"{name} must index the first dimension only (sparse_dim 1, as nn.Embedding(sparse=True) "
-                            f"gives) and have the parameter's shape; got sparse_dim {grad.sparse_dim()}, shape "
-                            f"{tuple(grad.shape)}")
-                    indices = grad._indices()[0]
-                    if indices.numel() and (rows_checked_later is None or id(param) not in rows_checked_later):
-                        low, high = torch.aminmax(indices)
+                            f"{_gradient_name(g, i, param)} must index the first dimension only (sparse_dim 1, as "
+                            f"nn.Embedding(sparse=True) gives) and have the parameter's shape; got sparse_dim "
+                            f"{grad.sparse_dim()}, shape {tuple(grad.shape)}")
+                    if grad._nnz() and (rows_checked_later is None or id(param) not in rows_checked_later):
+                        low, high = torch.aminmax(grad._indices()[0])
                         ranges.append(torch.stack([low, high]))
                         where.append((g, i, param))
                 elif grad.layout != torch.strided:
-                    raise RuntimeError(f"{name}: gradients of layout {grad.layout} are not supported; use dense or "
-                                       "sparse COO gradients")
+                    raise RuntimeError(f"{_gradient_name(g, i, param)}: gradients of layout {grad.layout} are not "
+                                       "supported; use dense or sparse COO gradients")
                 elif grad.shape != param.shape:
-                    raise RuntimeError(f"{name} has shape {tuple(grad.shape)}")
+                    raise RuntimeError(f"{_gradient_name(g, i, param)} has shape {tuple(grad.shape)}")
                 # torch refuses such a gradient unless param.grad_dtype is changed; the kernels
                 # and torch's Adam would then fail (or silently convert) mid-step.
                 if grad.dtype != param.dtype or grad.device != param.device:
-                    raise RuntimeError(f"{name} is {grad.dtype} on {grad.device} but the parameter is "
-                                       f"{param.dtype} on {param.device}; a gradient must have its parameter's "
-                                       "dtype and device")
+                    raise RuntimeError(f"{_gradient_name(g, i, param)} is {grad.dtype} on {grad.device} but the "
+                                       f"parameter is {param.dtype} on {param.device}; a gradient must have its "
+                                       "parameter's dtype and device")
                 checked_later = rows_checked_later is not None and id(param) in rows_checked_later
                 _check_step_state(self.state.get(param), param, grad, g, i, check_memory=not checked_later)
         if not ranges:
@@ -330,10 +329,9 @@ class LazyAdam(torch.optim.Optimizer):
                 del self.state[param]
             self._check_gradients()  # LazyAdam's own message for a bad row
             raise
-        ops._bump_versions(itertools.chain(*tables[:3]))
-        for state in states:
-            # Counted even for an empty gradient, as torch.optim.SparseAdam does.
-            state["step"] += 1
+        ops._bump_versions(list(itertools.chain(*tables[:3])))
+        # Counted even for an empty gradient, as torch.optim.SparseAdam does (one call for all).
+        torch._foreach_add_([state["step"] for state in states], 1)
 
     # torch.compile runs the step eagerly (one graph break): dynamo does not trace sparse gradients.
     @torch.compiler.disable
@@ -404,6 +402,12 @@ class LazyAdam(torch.optim.Optimizer):
         return loss
 
 
+def _gradient_name(group: int, position: int, param: Tensor) -> str:
+    """The words naming a gradient in :meth:`LazyAdam._check_gradients`'s errors (built
+    only to raise: the checks run for every parameter on every step)."""
+    return f"LazyAdam: the gradient of parameter {position} of group {group} (shape {tuple(param.shape)})"
+
+
 def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
     """ValueError naming the first invalid setting."""
     betas = settings["betas"]
@@ -435,10 +439,9 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
     # The update writes the weight and moments in place while it reads the gradient: shared
     # memory gives a silently wrong step, and the kernel refuses it, but only once the
     # parameters before this one are updated.
-    grad_values = grad._values() if grad.is_sparse else grad
     if not state:
         if check_memory:
-            _check_disjoint(name, {"the parameter": param, "the gradient": grad_values})
+            _check_disjoint(name, {"the parameter": param, "the gradient": grad._values() if grad.is_sparse else grad})
         return
     missing = [key for key in _STATE_KEYS if key not in state]
     if missing:
@@ -467,7 +470,8 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
                                f"parameter's shape on {param.device}, got {got}")
     if check_memory:  # else the fused kernel checks it before it writes
         _check_disjoint(name, {"the parameter": param, "'exp_avg'": state["exp_avg"],
-                               "'exp_avg_sq'": state["exp_avg_sq"], "the gradient": grad_values})
+                               "'exp_avg_sq'": state["exp_avg_sq"],
+                               "the gradient": grad._values() if grad.is_sparse else grad})
 
 
 def _memory_span(tensor: Tensor) -> Tuple[int, int]:
