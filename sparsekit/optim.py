@@ -457,9 +457,11 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
     # load_checkpoint keeps their dtype), as long as both moments share it.
     dtypes = [param.dtype]
     if grad.is_sparse:
-        dtypes = [param.dtype] + [d for d in (torch.float32, torch.float64) if d != param.dtype]
-        if isinstance(state["exp_avg"], Tensor) and state["exp_avg"].dtype in dtypes:
-            dtypes = [state["exp_avg"].dtype]
+        first = state["exp_avg"].dtype if isinstance(state["exp_avg"], Tensor) else None
+        if first is not None and (first == param.dtype or first in (torch.float32, torch.float64)):
+            dtypes = [first]
+        else:
+            dtypes = [param.dtype] + [d for d in (torch.float32, torch.float64) if d != param.dtype]
     for key in ("exp_avg", "exp_avg_sq"):
         moment = state[key]
         if not (isinstance(moment, Tensor) and moment.layout == torch.strided and moment.shape == param.shape
