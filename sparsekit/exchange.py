@@ -269,18 +269,17 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
     table's distinct rows in ``sorted_rows``' order (``ctx``: ``sizes``, ``markers``,
     ``may_miss``, ``weight_meta``; the weights are inputs ``first_weight`` on)."""
     grads: List[Optional[Tensor]] = []
-    start = 0
-    for j, (size, marker, miss, (shape, dtype)) in enumerate(zip(ctx.sizes, ctx.markers, ctx.may_miss,
-                                                                  ctx.weight_meta)):
-        rows, values = sorted_rows[start:start + size], values_all[start:start + size]
-        start += size
+    # One split each (the tables' parts lie one after the other), not two slices a table.
+    for j, (rows, values, marker, miss, (shape, dtype)) in enumerate(zip(
+            sorted_rows.split(ctx.sizes), values_all.split(ctx.sizes), ctx.markers, ctx.may_miss, ctx.weight_meta)):
         if not ctx.needs_input_grad[first_weight + j]:
             grads.append(None)
             continue
         if miss:
             found = rows >= 0
             rows, values = rows[found], values[found]
-        values = values.to(dtype)
+        if values.dtype != dtype:
+            values = values.to(dtype)
         grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
                                              check_invariants=False))
         marker.produced(values)
