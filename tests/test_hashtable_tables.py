@@ -74,8 +74,10 @@ def test_find_tables_with_a_large_table_prefetches_and_agrees():
 
 @examples(15)
 @given(capacities=st.lists(st.sampled_from([1, 16, 100, 5_000, 70_000]), min_size=1, max_size=5),
-       threads=thread_counts, seed=st.integers(0, 2**31 - 1), repeat=st.booleans())
-def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, repeat):
+       threads=thread_counts, seed=st.integers(0, 2**31 - 1), order=st.sampled_from(["random", "distinct", "sorted"]))
+def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, order):
+    """Rows in any order with repeats (atomic counts), distinct and ascending as the owner
+    step gives them (plain writes), or ascending with repeats (equal neighbours: atomic)."""
     tables, g = make_tables(capacities, seed)
     references, _ = make_tables(capacities, seed)
     for table, reference in zip(tables, references):
@@ -87,8 +89,10 @@ def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, 
         rows = torch.randint(-1, max(1, len(table)), (int(torch.randint(0, 9_000, (1,), generator=g)),),
                              generator=g)
         rows = rows[rows < len(table)]
-        if not repeat:  # distinct rows (and -1s), as the owner step gives them
+        if order == "distinct":  # distinct rows (and -1s), as the owner step gives them
             rows = torch.unique(rows)
+        elif order == "sorted":
+            rows = torch.sort(rows).values
         parts.append(rows)
         offsets.append(offsets[-1] + rows.numel())
         present = rows[rows >= 0]

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <functional>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/parallel.h"
@@ -277,9 +278,15 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
   const Tensor rows_c = as_contiguous(rows);
   const int64_t* r = rows_c.const_data_ptr<int64_t>();
   std::atomic<int64_t> bad{rows_c.numel()};
+  // Whether every table's rows strictly ascend (a collection scores its distinct rows in
+  // sorted order): then no row repeats, no two tasks share a score, and the writes below
+  // need no atomics (a lock-prefixed add per row made 39k rows cost ~380 us on 2 threads).
+  std::atomic<bool> ascending{true};
   parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    bool rising = true;
     for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
       const int64_t size = count[t].size(0);
+      const int64_t first = offsets[t];
       for (int64_t i = b; i < e; ++i) {
         if (r[i] < -1 || r[i] >= size) {
           int64_t seen = bad.load(std::memory_order_relaxed);
@@ -287,8 +294,10 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
           }
           return;
         }
+        rising &= i == first || r[i] > r[i - 1];
       }
     });
+    if (!rising) ascending.store(false, std::memory_order_relaxed);
   });
   const int64_t first_bad = bad.load();
   if (first_bad < rows_c.numel()) {
@@ -302,24 +311,40 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
     seen_ptr.push_back(last_seen[t].mutable_data_ptr<int64_t>());
     count_ptr.push_back(count[t].mutable_data_ptr<int64_t>());
   }
-  parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
-    for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
-      const bool prefetch = count[t].size(0) >= kScorePrefetchRows;
-      for (int64_t i = b; i < e; ++i) {
-        if (prefetch && i + kScorePrefetchDistance < e) {
-          const int64_t ahead = r[i + kScorePrefetchDistance];
-          if (ahead >= 0) {
-            __builtin_prefetch(seen_ptr[t] + ahead, 1, 1);
-            __builtin_prefetch(count_ptr[t] + ahead, 1, 1);
+  auto score = [&](auto distinct) {
+    parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+      for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+        const bool prefetch = count[t].size(0) >= kScorePrefetchRows;
+        int64_t* seen = seen_ptr[t];
+        int64_t* counts = count_ptr[t];
+        const int64_t clock = clocks[t];
+        for (int64_t i = b; i < e; ++i) {
+          if (prefetch && i + kScorePrefetchDistance < e) {
+            const int64_t ahead = r[i + kScorePrefetchDistance];
+            if (ahead >= 0) {
+              __builtin_prefetch(seen + ahead, 1, 1);
+              __builtin_prefetch(counts + ahead, 1, 1);
+            }
+          }
+          const int64_t row = r[i];
+          if (row < 0) continue;
+          if constexpr (decltype(distinct)::value) {
+            seen[row] = clock;
+            counts[row] += 1;
+          } else {
+            // A row repeated across two tasks: the stamp is the same value, the count atomic.
+            __atomic_store_n(&seen[row], clock, __ATOMIC_RELAXED);
+            __atomic_fetch_add(&counts[row], 1, __ATOMIC_RELAXED);
           }
         }
-        if (r[i] < 0) continue;
-        // A row repeated across two tasks: the stamp is the same value, the count atomic.
-        __atomic_store_n(&seen_ptr[t][r[i]], clocks[t], __ATOMIC_RELAXED);
-        __atomic_fetch_add(&count_ptr[t][r[i]], 1, __ATOMIC_RELAXED);
-      }
+      });
     });
-  });
+  };
+  if (ascending.load()) {
+    score(std::true_type{});
+  } else {
+    score(std::false_type{});
+  }
 }
 
 /// @brief Gives several tables' new keys their rows in one call (an EmbeddingBagCollection
