@@ -49,12 +49,12 @@ above.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import zlib
 from collections.abc import Iterable
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -218,8 +218,16 @@ class TableConfig:
 def _kind(value: Any) -> str:
     """A short description of a bad argument for an error message."""
     if isinstance(value, Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+        layout = "" if value.layout == torch.strided else f"{str(value.layout).replace('torch.', '')} "
+        return f"a {layout}{value.dtype} tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
+
+
+def _check_dense(tensor: Tensor, name: str) -> None:
+    """TypeError unless ``tensor`` is dense (strided): a sparse one passes the dtype checks,
+    then fails deep in an op, after a table changed, with torch's "Could not run ... SparseCPU"."""
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {_kind(tensor)}; use .to_dense()")
 
 
 _KEY_DTYPES = (torch.int64, torch.int32)
@@ -310,6 +318,7 @@ class KeyedJagged:
             raise TypeError(f"{names['keys']} must be a list of feature names (str), got {keys!r}")
         if not isinstance(values, Tensor) or values.dtype not in _KEY_DTYPES:
             raise TypeError(f"{names['values']} must be an int64 or int32 tensor [nnz], got {_kind(values)}")
+        _check_dense(values, names["values"])
         if values.dim() != 1:
             raise ValueError(f"{names['values']} must be 1-D [nnz], got shape {tuple(values.shape)}")
         for arg, value, shape in (("lengths", lengths, "[len(keys) * B]"), ("offsets", offsets,
@@ -319,6 +328,7 @@ class KeyedJagged:
             # Not cast: a float, bool, uint8 or int16 tensor would be truncated or wrap silently.
             if not isinstance(value, Tensor) or value.dtype not in _KEY_DTYPES:
                 raise TypeError(f"{names[arg]} must be an int64 or int32 tensor {shape}, got {_kind(value)}")
+            _check_dense(value, names[arg])
             if value.dim() != 1:
                 raise ValueError(f"{names[arg]} must be 1-D {shape}, got shape {tuple(value.shape)}")
         if offsets is not None and offsets.numel() == 0:
@@ -337,6 +347,7 @@ class KeyedJagged:
             # is_floating_point excludes complex, int and bool: none of them is a weight.
             if not isinstance(weights, Tensor) or not weights.is_floating_point():
                 raise TypeError(f"{names['weights']} must be a float tensor [nnz] or None, got {_kind(weights)}")
+            _check_dense(weights, names["weights"])
             if weights.shape != values.shape:
                 raise ValueError(f"{names['weights']} must be [nnz] = [{values.numel()}] (one per value), got shape "
                                  f"{tuple(weights.shape)}")
@@ -516,7 +527,11 @@ class EmbeddingBagCollection(nn.Module):
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"EmbeddingBagCollection: table names must be distinct, got {names}")
-        self.tables = list(tables)
+        # Copies: a config edited after the build (its combiner, dtype, capacity, ...) must not
+        # half-change the built tables; like nn.Linear's arguments, the configs are read once.
+        self.tables = [copy.copy(t) for t in tables]
+        for table in self.tables:
+            table.features = list(table.features)
         self._feature_table: Dict[str, int] = {}
         for index, table in enumerate(self.tables):
             for feature in table.features:
@@ -936,18 +951,21 @@ class EmbeddingBagCollection(nn.Module):
         else:
             if num_bags < 0 or num_bags % num_features != 0:
                 raise ValueError(f"EmbeddingBagCollection: {num_bags} bags do not split into {num_features} "
-                                 "features of equal batch size (lengths must be [len(keys) * B])")
+                                 "features of equal batch size (lengths must be [len(keys) * B], offsets "
+                                 "[len(keys) * B + 1])")
             batch = num_bags // num_features
         offsets = offsets.long()
         nnz = values.numel()
         one_per_bag = None  # valid offsets with one value per bag (decided below when on the host)
         if offsets.device.type == "cpu":
-            # One numpy pass over the host values decides both, at a third of torch's ops.
+            # On the host with numpy, at a fraction of torch's ops; neighbours are compared,
+            # never subtracted (a difference of int64 offsets can wrap: lengths of 2**63 - 1).
+            # Valid offsets that strictly rise from 0 to nnz == num_bags rise by exactly one
+            # per bag: one pass decides both for such an input, a second only for the others.
             host = offsets.detach().numpy()
-            low = int(np.diff(host).min()) if num_bags > 0 else 0
-            bad = bool(host[0] != 0 or host[-1] != nnz or low < 0)
-            # Valid, as many values as bags and none empty: then every bag holds exactly one.
-            one_per_bag = not bad and nnz == num_bags and (num_bags == 0 or low >= 1)
+            rising = num_bags == 0 or not bool((host[1:] <= host[:-1]).any())
+            bad = bool(host[0] != 0 or host[-1] != nnz or (not rising and (host[1:] < host[:-1]).any()))
+            one_per_bag = not bad and rising and nnz == num_bags
             flags = torch.tensor(_BAD_OFFSETS if bad else 0)
         else:
             bad_offsets = (offsets[0] != 0) | (offsets[-1] != nnz)

@@ -216,6 +216,7 @@ def test_errors_name_what_is_wrong():
     ([0, 1, 2, 3, 5], False),   # past the end
     ([0, 1, 2, 3, 3], False),   # short of the end
     ([0, 1, 2, 1, 4], False),   # one step back between bags of one key
+    ([0, 2**63 - 1, -2, 3, 4], False),  # differences that wrap in int64 (2**63 - 1, then -2**63 - 1)
 ])
 def test_offsets_near_one_key_per_bag_are_pooled_or_refused(offsets, valid):
     """The offsets' checks and the one-key-per-bag test share one pass over the host
@@ -234,6 +235,31 @@ def test_offsets_near_one_key_per_bag_are_pooled_or_refused(offsets, valid):
         want = torch.stack([initial(table, values[offsets[b]:offsets[b + 1]]).sum(0) if offsets[b + 1] > offsets[b]
                             else torch.zeros(dim) for b in (2 * f, 2 * f + 1)])
         torch.testing.assert_close(out[feature], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_lengths_whose_offsets_wrap_are_refused_and_change_nothing(weighted, training):
+    """Lengths of 2**63 - 1 make offsets that wrap in int64 ([0, 2**63 - 1, -2, 3, ...],
+    inside the first feature: its bounds 0, 3, 6 are in order) but still start at 0 and end
+    at len(values), one more than the last: refused as decreasing offsets before any table
+    changes, in training and eval, with and without weights, for a mean table too."""
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("users", 4, 64, ["user"]),
+                                     sk.TableConfig("odd", 5, 64, ["odd"], combiner="mean")])
+    ebc(sk.KeyedJagged(["user", "odd"], torch.tensor([5, 6, 7, 8, 9, 10]), lengths=torch.ones(6, dtype=torch.int64)))
+    ebc.train(training)
+    before = snapshot(ebc)
+    scores = [(s.hash_table.clock, s.hash_table._last_seen.clone(), s.hash_table._count.clone()) for s in ebc.shards]
+    big = 2**63 - 1
+    kjt = sk.KeyedJagged(["user", "odd"], torch.tensor([5, 6, 11, 7, 8, 12]),
+                         lengths=torch.tensor([big, big, 5, 1, 1, 1]), weights=torch.ones(6) if weighted else None)
+    assert kjt.offsets().tolist() == [0, big, -2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="offsets must start at 0, never decrease"):
+        ebc(kjt)
+    assert_unchanged(ebc, before)
+    for shard, (clock, seen, count) in zip(ebc.shards, scores):
+        assert shard.hash_table.clock == clock
+        assert torch.equal(shard.hash_table._last_seen, seen) and torch.equal(shard.hash_table._count, count)
 
 
 def torchrec_like(**methods):
@@ -292,6 +318,13 @@ BAD_PARTS = [
     ("values", torch.tensor([[1, 2]]), ValueError, r"must be 1-D \[nnz\]"),
     ("keys", "user", TypeError, "must be a list of feature names"),
     ("keys", [0], TypeError, "must be a list of feature names"),
+    # Sparse layouts pass the dtype checks; named before any op (and table) sees them.
+    ("values", torch.tensor([1, 2]).to_sparse(), TypeError, r"must be a dense \(strided\) tensor, got a sparse_coo"),
+    ("offsets", torch.tensor([0, 1, 2]).to_sparse(), TypeError, r"must be a dense \(strided\) tensor"),
+    ("lengths", torch.tensor([1, 1]).to_sparse(), TypeError, r"must be a dense \(strided\) tensor"),
+    ("weights", torch.ones(2).to_sparse(), TypeError, r"must be a dense \(strided\) tensor, got a sparse_coo"),
+    ("weights", torch.ones(1, 2).to_sparse_csr(), TypeError,
+     r"must be a dense \(strided\) tensor, got a sparse_csr"),
 ]
 METHOD = {"keys": "keys", "values": "values", "lengths": "lengths", "offsets": "offsets",
           "weights": "weights_or_none"}
@@ -436,6 +469,20 @@ def test_a_table_config_changed_after_it_was_built_is_checked_by_the_collection(
     ebc = sk.EmbeddingBagCollection(good)
     assert ebc.shards[0].hash_table.eviction == "lfu" and ebc.shards[0].admit_after == 3
     assert ebc.shards[1].hash_table is None
+
+
+def test_a_config_edited_after_the_build_changes_nothing_built():
+    """The collection keeps copies of its configs: editing one afterwards (combiner, dtype,
+    capacity, features) neither half-changes the tables nor the pooling."""
+    config = sk.TableConfig("t", 4, 8, ["x"])
+    ebc = sk.EmbeddingBagCollection([config])
+    kjt = sk.KeyedJagged(["x"], torch.tensor([1, 2, 3]), lengths=torch.tensor([3]))
+    want = ebc(kjt)["x"]
+    config.combiner, config.dtype, config.capacity, config.features = "mean", torch.bfloat16, 2, ["y"]
+    config.features.append("z")
+    out = ebc(kjt)["x"]
+    assert out.dtype == torch.float32 and torch.equal(out, want)
+    assert ebc.tables[0].combiner == "sum" and ebc.tables[0].features == ["x"] and ebc.tables[0] is not config
 
 
 def test_per_table_eviction_stats_and_export():
