@@ -1,5 +1,8 @@
 """Failure behaviour across the package: errors that name what is wrong."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -320,3 +323,31 @@ def test_multi_table_hash_ops_refuse_a_written_tensor_given_twice():
     other = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     torch.ops.sparsekit.hash_table_score_tables_([scores, other[0]], [scores.clone(), other[1]],
                                                  torch.tensor([1, 2]), [0, 1, 2], [5, 6])
+
+
+_SCRATCH_AFTER_OOM = """
+import faulthandler, resource, torch, sparsekit
+faulthandler.enable()
+op = torch.ops.sparsekit.unique_bounded
+keys = torch.tensor([0, 3, -1, 3, 7])
+want = op(keys, 1000, True)  # this thread keeps a small scratch
+with open("/proc/self/status") as status:
+    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (size + (4 << 30), resource.RLIM_INFINITY))
+try:
+    op(keys, 2**36, False)  # a 24 GiB bitmap: refused by the address-space limit
+except RuntimeError as error:
+    print("raised", error)
+for _ in range(3):
+    assert all(torch.equal(a, b) for a, b in zip(op(keys, 1000, True), want))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_failed_scratch_allocation_leaves_the_next_call_working():
+    """A kernel's kept scratch whose growth fails (out of memory) must not keep its old size
+    with no memory behind it: the next, smaller call of the thread segfaulted."""
+    done = subprocess.run([sys.executable, "-c", _SCRATCH_AFTER_OOM], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised out of memory for" in done.stdout and done.stdout.rstrip().endswith("ok")

@@ -23,6 +23,9 @@ class Scratch {
   void* get(size_t bytes) {
     if (bytes > size_) {
       std::free(data_);
+      // Forgotten before the allocation: a failed one must not leave the old size with no
+      // memory behind it (the next smaller request would get a null pointer).
+      size_ = 0;
       data_ = std::malloc(bytes);
       SK_CHECK(data_ != nullptr, "out of memory for ", bytes, " bytes of scratch");
       size_ = bytes;
