@@ -252,8 +252,14 @@ class LazyAdam(torch.optim.Optimizer):
                             f"nn.Embedding(sparse=True) gives) and have the parameter's shape; got sparse_dim "
                             f"{grad.sparse_dim()}, shape {tuple(grad.shape)}")
                     if grad._nnz() and (rows_checked_later is None or id(param) not in rows_checked_later):
-                        low, high = torch.aminmax(grad._indices()[0])
-                        ranges.append(torch.stack([low, high]))
+                        indices = grad._indices()[0]
+                        low, high = torch.aminmax(indices)
+                        # A gradient marked coalesced is used as it is: rows that do not strictly
+                        # ascend may repeat one, which lazy_adam_ refuses only once the parameters
+                        # before this one are updated. Flagged here, read with the bounds.
+                        unordered = (indices[1:] <= indices[:-1]).any().to(low.dtype) if grad.is_coalesced() \
+                            else torch.zeros_like(low)
+                        ranges.append(torch.stack([low, high, unordered]))
                         where.append((g, i, param))
                 elif grad.layout != torch.strided:
                     raise RuntimeError(f"{_gradient_name(g, i, param)}: gradients of layout {grad.layout} are not "
@@ -272,11 +278,18 @@ class LazyAdam(torch.optim.Optimizer):
             return
         # One host read for every sparse gradient of the step.
         bounds = torch.stack([r.to(ranges[0].device) for r in ranges]).tolist()
-        for (low, high), (g, i, param) in zip(bounds, where):
+        for (low, high, unordered), (g, i, param) in zip(bounds, where):
             if low < 0 or high >= param.shape[0]:
                 bad = low if low < 0 else high
                 raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} names row {bad}, "
                                    f"outside [0, {param.shape[0]}); nothing was updated")
+            if unordered:  # rare: a coalesced flag set by hand; repeated rows are what the update cannot take
+                distinct, counts = torch.unique(param.grad._indices()[0], return_counts=True)
+                repeated = distinct[counts > 1]
+                if repeated.numel():
+                    raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} is marked "
+                                       f"coalesced but holds row {int(repeated[0])} more than once (coalesce() it, "
+                                       "or build it without is_coalesced=True); nothing was updated")
 
     def _fusable(self, param: Tensor) -> bool:
         """Whether the sparse update of ``param`` can go through the one multi-table CPU

@@ -179,6 +179,29 @@ def test_lazy_adam_refuses_a_gradient_marked_coalesced_with_a_repeated_row():
     assert torch.equal(weight.detach(), torch.zeros(6, 3)) and not optimizer.state[weight]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lazy_adam_refuses_a_repeated_row_before_any_parameter_changes(dtype):
+    """float64 parameters take the update parameter by parameter (not the fused tables
+    update): a later gradient marked coalesced with a repeated row must still be refused
+    before the first parameter or any step counter changes."""
+    first, second = (torch.nn.Parameter(torch.zeros(6, 3, dtype=dtype)) for _ in range(2))
+    optimizer = sk.LazyAdam([first, second], lr=0.1)
+    first.grad = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 3, dtype=dtype), (6, 3))
+    second.grad = torch.sparse_coo_tensor(torch.tensor([[2, 1, 2]]), torch.ones(3, 3, dtype=dtype), (6, 3),
+                                          is_coalesced=True)
+    with pytest.raises(RuntimeError, match=r"parameter 1 of group 0 is marked coalesced but holds row 2 more than "
+                                           r"once .*nothing was updated"):
+        optimizer.step()
+    assert torch.equal(first.detach(), torch.zeros(6, 3, dtype=dtype)) and not optimizer.state[first]
+    assert not optimizer.state[second]
+    # Distinct rows out of order under the flag are used as they are.
+    second.grad = torch.sparse_coo_tensor(torch.tensor([[3, 1]]), torch.ones(2, 3, dtype=dtype), (6, 3),
+                                          is_coalesced=True)
+    optimizer.step()
+    assert int(optimizer.state[first]["step"]) == 1 and int(optimizer.state[second]["step"]) == 1
+    assert (second.detach()[[1, 3]] != 0).all() and (second.detach()[[0, 2, 4, 5]] == 0).all()
+
+
 def test_lazy_adam_tables_refuses_tensors_shared_between_tables():
     rows, hyper = [torch.tensor([1]), torch.tensor([2])], [0.1, 0.9, 0.999, 1e-8, 0.0] * 2
     w0, w1, m0, v0, v1 = (torch.zeros(6, 3) for _ in range(5))
