@@ -48,8 +48,8 @@ from torch import Tensor, nn
 
 from . import ops
 from .exchange import _all_gather_digests
+from .hashtable import _MAX_CLOCK, HashTableFullError, _check_state_of
 from .shard import _ModelParallelEmbedding, is_embedding_variable
-from .hashtable import HashTableFullError, _check_state_of
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -462,8 +462,8 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
 
 
 def _is_count(value: Any) -> bool:
-    """A non-negative Python int (a clock or a total), not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A non-negative Python int (a clock or a total) below 2**62, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_CLOCK
 
 
 def _checkpoint_dir(directory: str) -> str:
@@ -655,6 +655,9 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
         raise ValueError(f"load_checkpoint: dense state keys differ: missing {sorted(set(expected) - set(saved))}, "
                          f"unexpected {sorted(set(saved) - set(expected))}")
     for key, value in expected.items():
+        if isinstance(saved[key], Tensor) and saved[key].layout != torch.strided:
+            raise ValueError(f"load_checkpoint: dense {key!r} was saved as a {saved[key].layout} tensor; the "
+                             "dense state holds dense (strided) tensors")
         if not isinstance(saved[key], Tensor) or saved[key].shape != value.shape:
             shape = list(saved[key].shape) if isinstance(saved[key], Tensor) else type(saved[key]).__name__
             raise ValueError(f"load_checkpoint: dense {key!r} was saved with shape {shape} "

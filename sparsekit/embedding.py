@@ -299,8 +299,8 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             values = self._check_keys_tensor(inputs[0], "values")
             offsets = inputs[1]
             if not isinstance(offsets, Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
-                    or offsets.dim() != 1:
-                raise TypeError(f"{name}: offsets must be a 1-D int64 or int32 tensor")
+                    or offsets.dim() != 1 or offsets.layout != torch.strided:
+                raise TypeError(f"{name}: offsets must be a dense 1-D int64 or int32 tensor")
             if offsets.device != values.device:
                 raise RuntimeError(f"{name}: offsets are on {offsets.device} but values on {values.device}")
             if values.dim() != 1:

@@ -33,6 +33,9 @@ from .allocator import table_full, table_zeros
 __all__ = ["HashTable", "HashTableFullError"]
 
 _KEY_DTYPES = (torch.int64, torch.int32)
+# The largest clock (and layer total) a state may load: a step adds one, so an int64 clock
+# never overflows from there.
+_MAX_CLOCK = 2**62
 _EVICTION_POLICIES = (None, "lru", "lfu")
 
 
@@ -557,6 +560,10 @@ class HashTable:
             raise ValueError("HashTable.load_state_dict: the state has no 'keys' entry; pass what "
                              "HashTable.state_dict() returned")
         for name in ("keys", "last_seen", "count", "clock"):
+            # Nor does a sparse one fail before the table is cleared for the load.
+            if isinstance(state_dict.get(name), Tensor) and state_dict[name].layout != torch.strided:
+                raise ValueError(f"HashTable.load_state_dict: '{name}' is a {state_dict[name].layout} tensor; "
+                                 "the state holds dense (strided) tensors")
             # A meta tensor passes the dtype and shape checks but fails deep inside the first copy.
             if isinstance(state_dict.get(name), Tensor) and state_dict[name].is_meta:
                 raise ValueError(f"HashTable.load_state_dict: '{name}' is a meta tensor, which holds no data; "
@@ -586,8 +593,11 @@ class HashTable:
         if isinstance(clock, Tensor) and clock.numel() == 1 and not (clock.is_floating_point() or clock.is_complex()
                                                                      or clock.dtype == torch.bool):
             clock = int(clock.item())  # an integer tensor; a float one (2.7) would be truncated
-        if isinstance(clock, bool) or not isinstance(clock, int) or clock < 0:
-            raise ValueError(f"HashTable.load_state_dict: 'clock' must be a non-negative int64 scalar, got {clock!r}")
+        # Bounded well inside int64: every training step adds one, and an int64 past its end
+        # would fail a later insert after it placed its keys.
+        if isinstance(clock, bool) or not isinstance(clock, int) or not 0 <= clock < _MAX_CLOCK:
+            raise ValueError(f"HashTable.load_state_dict: 'clock' must be a non-negative int64 scalar below 2**62, "
+                             f"got {clock!r}")
         keys = keys.to(device=self.device, dtype=self._key_dtype)
         if keys.numel() > 0 and ops.unique(keys, return_inverse=False).numel() != keys.numel():
             raise ValueError("HashTable.load_state_dict: the saved keys are not distinct")

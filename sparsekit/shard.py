@@ -34,6 +34,7 @@ from .exchange import (
     _resolve_group,
     _sort_rows,
 )
+from .hashtable import _MAX_CLOCK as _MAX_COUNT
 from .hashtable import HashTable, HashTableFullError, _check_state_of, _grow_tables
 
 Initializer = Callable[[Tensor, int], Tensor]
@@ -692,6 +693,9 @@ class _ModelParallelEmbedding(nn.Module):
         name = self._layer_name
         if not isinstance(keys, Tensor):
             raise TypeError(f"{name}: {what} must be a tensor, got {type(keys).__name__}")
+        if keys.layout != torch.strided:  # else an op's "Could not run ... SparseCPU"
+            raise TypeError(f"{name}: {what} must be a dense (strided) tensor, got a {keys.layout} one; use "
+                            ".to_dense()")
         if keys.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name}: {what} must hold int64 or int32 keys, got {keys.dtype}")
         if keys.dtype == torch.int64 and self.key_dtype == torch.int32:
@@ -790,9 +794,9 @@ class _ModelParallelEmbedding(nn.Module):
             if isinstance(value, Tensor) and value.numel() == 1 and not value.is_meta \
                     and not value.is_floating_point() and not value.is_complex():
                 value = int(value.item())
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_COUNT:
                 raise ValueError(f"{name}: load_state_dict: '_extra_state'['{total}'] must be a non-negative "
-                                 f"int, got {value!r}")
+                                 f"int below 2**62, got {value!r}")
             totals.append(value)
         # Both tables' states are checked before either table changes: a bad main table must
         # not leave the pending admissions replaced.
@@ -808,8 +812,8 @@ class _ModelParallelEmbedding(nn.Module):
         fresh = state.get("fresh")
         if fresh is None:  # saved without eviction, or before the flags were saved: no reset pending
             fresh = torch.zeros(num_keys, dtype=torch.bool)
-        elif not isinstance(fresh, Tensor) or fresh.is_meta or fresh.dtype != torch.bool \
-                or tuple(fresh.shape) != (num_keys,):
+        elif not isinstance(fresh, Tensor) or fresh.is_meta or fresh.layout != torch.strided \
+                or fresh.dtype != torch.bool or tuple(fresh.shape) != (num_keys,):
             got = f"a {fresh.dtype} tensor of shape {tuple(fresh.shape)}" if isinstance(fresh, Tensor) \
                 else type(fresh).__name__
             raise ValueError(f"{name}: load_state_dict: '_extra_state'['fresh'] must be a bool [{num_keys}] tensor "
@@ -865,6 +869,9 @@ class _ModelParallelEmbedding(nn.Module):
         if weight.shape != self.weight.shape:
             return [(f"size mismatch for {weight_key}: copying a param with shape {weight.shape} from checkpoint, "
                      f"the shape in current model is {self.weight.shape}.")]
+        if isinstance(weight, Tensor) and weight.layout != torch.strided:
+            return [(f'While copying the parameter named "{weight_key}": the checkpoint holds a {weight.layout} '
+                     "tensor; a table's weight loads from a dense (strided) one (.to_dense())")]
         if weight.is_meta and not self.weight.is_meta:
             return [(f'While copying the parameter named "{weight_key}": the checkpoint holds a meta tensor, '
                      "which has no data; load the state with real tensors (e.g. map_location='cpu')")]

@@ -374,3 +374,36 @@ def test_a_failed_scratch_allocation_leaves_the_next_call_working():
     done = subprocess.run([sys.executable, "-c", _SCRATCH_AFTER_OOM], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "raised out of memory for" in done.stdout and done.stdout.rstrip().endswith("ok")
+
+
+def test_table_states_with_sparse_tensors_or_huge_clocks_are_refused_before_anything_changes():
+    """A sparse tensor passes dtype and shape checks, and the load cleared the table before
+    the copy failed; a clock near int64's end made a later insert fail after placing keys."""
+    table = sk.HashTable(8)
+    table.insert(torch.tensor([10, 20]))
+    for state, message in (({"keys": torch.tensor([1, 2]), "last_seen": torch.tensor([0, 1]).to_sparse()},
+                            r"'last_seen' is a torch.sparse_coo tensor"),
+                           ({"keys": torch.tensor([1, 2]).to_sparse()}, r"'keys' is a torch.sparse_coo tensor"),
+                           ({"keys": torch.tensor([1, 2]), "clock": 2**63 - 1}, r"'clock' must be .* below 2\*\*62"),
+                           ({"keys": torch.tensor([1, 2]), "clock": 2**64}, r"'clock' must be .* below 2\*\*62")):
+        with pytest.raises(ValueError, match=message):
+            table.load_state_dict(state)
+        assert torch.equal(table.export()[0], torch.tensor([10, 20]))
+    layer = sk.DistributedEmbedding("sum", 8, 4, 1, 1)
+    layer(sk.Ragged(torch.tensor([10, 20]), torch.tensor([0, 1, 2])))
+    state = layer.state_dict()
+    before = layer.weight.detach().clone()
+    for entry, value, message in (("_extra_state", dict(state["_extra_state"], evicted=2**64), "below 2\\*\\*62"),
+                                  ("weight", state["weight"].to_sparse(), "torch.sparse_coo tensor")):
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            layer.load_state_dict(dict(state, **{entry: value}))
+        assert torch.equal(layer.weight.detach(), before) and len(layer.hash_table) == 2
+
+
+def test_layer_inputs_in_a_sparse_layout_are_named():
+    layer = sk.DistributedEmbedding("sum", 8, 4, 1, 1)
+    with pytest.raises(TypeError, match="values must be a dense \\(strided\\) tensor"):
+        layer(sk.Ragged(torch.tensor([1, 2]).to_sparse(), torch.tensor([0, 1, 2])))
+    with pytest.raises(TypeError, match="offsets must be a dense 1-D int64 or int32 tensor"):
+        layer(sk.Ragged(torch.tensor([1, 2]), torch.tensor([0, 1, 2]).to_sparse()))
+    assert len(layer.hash_table) == 0
