@@ -69,6 +69,9 @@ inline void check_hash_table_slots(const Tensor& slot_keys, const Tensor& slot_r
               ": slot_keys and slot_rows must be contiguous");
   SK_CHECK(slot_keys.device() == slot_rows.device(), op, ": slot_keys is on ", slot_keys.device(),
               " but slot_rows is on ", slot_rows.device(), "; keep the table on one device");
+  // One array for both would have an insert write a key over a row (and a find read it).
+  SK_CHECK(!memory_overlaps(slot_keys, slot_rows), op,
+           ": slot_keys and slot_rows share memory; a table's two slot arrays must be tensors of their own");
 }
 
 /// @brief Checks the arguments of hash_table_find.

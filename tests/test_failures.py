@@ -407,3 +407,16 @@ def test_layer_inputs_in_a_sparse_layout_are_named():
     with pytest.raises(TypeError, match="offsets must be a dense 1-D int64 or int32 tensor"):
         layer(sk.Ragged(torch.tensor([1, 2]), torch.tensor([0, 1, 2]).to_sparse()))
     assert len(layer.hash_table) == 0
+
+
+def test_hash_table_ops_refuse_one_tensor_for_both_slot_arrays():
+    """slot_keys and slot_rows as one tensor: an insert wrote keys over rows (the table was
+    silently corrupt); every raw table op now names it and writes nothing."""
+    slots = torch.full((8,), -1, dtype=torch.long)
+    calls = {"hash_table_insert_absent_": (slots, slots, torch.tensor([1]), torch.tensor([0])),
+             "hash_table_erase_": (slots, slots, torch.tensor([1])),
+             "hash_table_find": (slots, slots, torch.tensor([1]))}
+    for op, args in calls.items():
+        with pytest.raises(RuntimeError, match=f"{op}: slot_keys and slot_rows share memory"):
+            getattr(torch.ops.sparsekit, op)(*args)
+        assert torch.equal(slots, torch.full((8,), -1, dtype=torch.long))
