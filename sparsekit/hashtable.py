@@ -245,6 +245,9 @@ class HashTable:
     def _check_keys(self, keys: Tensor, method: str, *, exact_dtype: bool) -> None:
         if not isinstance(keys, Tensor):
             raise TypeError(f"HashTable.{method}: keys must be a tensor, got {type(keys).__name__}")
+        if keys.layout != torch.strided:
+            raise TypeError(f"HashTable.{method}: keys must be a dense (strided) tensor, got a {keys.layout} one; "
+                            "use .to_dense()")
         if exact_dtype and keys.dtype != self._key_dtype:
             raise TypeError(f"HashTable.{method}: keys are {keys.dtype} but the table's key_dtype is "
                             f"{self._key_dtype}; cast them with .to({self._key_dtype})")

@@ -22,6 +22,34 @@ from ._checks import type_name as _type_name
 _ops = torch.ops.sparsekit
 
 
+# ---- sparse-layout arguments ----
+# The kernels take dense (strided) tensors. A sparse one passed the wrappers' dtype and
+# shape checks and met the dispatcher's "Could not run 'sparsekit::...' with arguments
+# from the 'SparseCPU' backend", naming no argument: a kernel for the sparse dispatch keys
+# of every op names it instead (for torch.ops.sparsekit.* and every caller alike).
+_SPARSE_KEYS = ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA")
+
+
+def _refusing_sparse(op: str, names: List[str]) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        for name, value in list(zip(names, args)) + list(kwargs.items()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, Tensor) and item.layout != torch.strided:
+                    raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got a {item.layout} one; "
+                                    "use .to_dense()")
+        raise TypeError(f"{op}: the arguments must be dense (strided) tensors")
+    return kernel
+
+
+_sparse_library = torch.library.Library("sparsekit", "IMPL")
+# The kernels' ops (sparsekit._C defined them above); not the Python-defined traced ones.
+for _name in sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith("sparsekit::") and not n.startswith("sparsekit::_")):
+    _schema = getattr(_ops, _name).default._schema
+    for _key in _SPARSE_KEYS:
+        _sparse_library.impl(_name, _refusing_sparse(_name, [a.name for a in _schema.arguments]), _key)
+
+
 # ---- argument types of the wrappers ----
 # The dispatcher reads True as 1 for an int argument and accepts None or 0 for a bool one,
 # so a mistyped flag or size would silently pick another behaviour; the wrappers check the

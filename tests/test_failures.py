@@ -420,3 +420,33 @@ def test_hash_table_ops_refuse_one_tensor_for_both_slot_arrays():
         with pytest.raises(RuntimeError, match=f"{op}: slot_keys and slot_rows share memory"):
             getattr(torch.ops.sparsekit, op)(*args)
         assert torch.equal(slots, torch.full((8,), -1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_every_op_names_an_argument_given_in_a_sparse_layout(layout):
+    """The kernels take dense tensors; a sparse one met the dispatcher's "Could not run ...
+    'SparseCPU' backend" naming no argument. Now a TypeError names it, for the typed
+    wrappers, the raw torch.ops and the tables alike, and nothing changes."""
+    def sparse(t):
+        return t.to_sparse() if layout == "coo" else t.reshape(1, -1).to_sparse_csr()
+
+    keys = torch.tensor([1, 2, 3])
+    table = sk.HashTable(8)
+    table.insert(torch.tensor([7]))
+    weight = torch.zeros(4, 2)
+    calls = [
+        (lambda: sk.ops.unique(sparse(keys)), "unique: keys"),
+        (lambda: torch.ops.sparsekit.unique(sparse(keys)), "unique: keys"),
+        (lambda: torch.ops.sparsekit.segment_sum(sparse(torch.ones(3)), keys, 4, False), "segment_sum: data"),
+        (lambda: sk.ops.embedding_bag(weight, sparse(torch.tensor([1, 2])), torch.tensor([0, 2])),
+         "embedding_bag: rows"),
+        (lambda: table.find(sparse(keys)), "HashTable.find: keys"),
+        (lambda: table.insert(sparse(keys)), "HashTable.insert: keys"),
+        (lambda: torch.ops.sparsekit.lazy_adam_(weight, torch.zeros(4, 2), torch.zeros(4, 2), torch.tensor([1]),
+                                                sparse(torch.ones(2)).to(torch.float32), 1, 0.1, 0.9, 0.99, 1e-8, 0.0),
+         "lazy_adam_: grad"),
+    ]
+    for call, named in calls:
+        with pytest.raises(TypeError, match=f"{named} must be a dense \\(strided\\) tensor"):
+            call()
+    assert len(table) == 1 and torch.equal(weight, torch.zeros(4, 2))
