@@ -36,6 +36,8 @@ rank (one machine or a shared file system).
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import re
 import shutil
@@ -618,6 +620,7 @@ def _check_restore(name: str, restore: _LayerRestore) -> None:
     fail: the tables' states (distinct keys of the layer's key dtype, capacity, scores,
     clocks) and a direct layer's initial rows (the user's initializer may raise)."""
     layer, dynamic = restore.layer, restore.dynamic
+    _check_row_state(name, restore)
     if layer.hash_table is None:
         # Held until the write: one weight-sized tensor per direct layer for the load's length.
         with torch.no_grad():
@@ -633,6 +636,31 @@ def _check_restore(name: str, restore: _LayerRestore) -> None:
             "keys": pending["keys"].to(layer.key_dtype), "last_seen": pending["last_seen"],
             "count": pending["count"], "clock": pending["clock"]},
             f"load_checkpoint: layer {name!r} (pending admissions)")
+
+
+def _check_row_state(name: str, restore: _LayerRestore) -> None:
+    """The layer's saved optimizer state as the next step will read it: per-row entries of
+    floating point (moments), a ``step`` that is a finite integer >= 0. Else the load went
+    through and the next ``optimizer.step()`` failed (a NaN step: "cannot convert float NaN
+    to integer")."""
+    if not restore.has_state:
+        return
+    for key, value in restore.state.items():
+        if not (value.is_floating_point() or value.is_complex()):
+            raise ValueError(f"load_checkpoint: layer {name!r}: the saved optimizer state {key!r} must be floating "
+                             f"point (per-row moments), got {value.dtype}; the checkpoint is damaged")
+    if "step" not in restore.scalars:
+        return
+    step = restore.scalars["step"]
+    if isinstance(step, Tensor):
+        usable = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
+        value = step.item() if usable else None
+    else:
+        usable = isinstance(step, numbers.Real) and not isinstance(step, bool)
+        value = step if usable else None
+    if not (usable and math.isfinite(value) and value >= 0 and float(value).is_integer()):
+        raise ValueError(f"load_checkpoint: layer {name!r}: the saved optimizer 'step' must be a finite integer "
+                         f">= 0, got {step!r}; the checkpoint is damaged")
 
 
 def _first_of_each(keys: Tensor) -> Optional[Tensor]:

@@ -226,7 +226,9 @@ def _segment_counts(segment_ids: Tensor, num_segments: int) -> Tensor:
     ids = segment_ids.long()
     # Dropped rows count in a spare last bucket, so no data-dependent mask (no host sync).
     bucket = torch.where(ids >= 0, ids, num_segments)
-    counts = torch.zeros(num_segments + 1, dtype=torch.int64, device=ids.device)
+    with allocation(f"segment_mean: num_segments={num_segments} (the counts)", (num_segments + 1,), torch.int64,
+                    ids.device):
+        counts = torch.zeros(num_segments + 1, dtype=torch.int64, device=ids.device)
     return counts.scatter_add_(0, bucket, torch.ones_like(bucket))[:num_segments]
 
 
@@ -248,6 +250,8 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
         raise type(error)("segment_mean:" + message[len("segment_sum:"):]) from None
     # Exact integer counts (a float count stops growing at 2^24 rows in float32), divided in
     # float32 at least.
+    if totals.numel() == 0:  # no column (or no segment): nothing to divide, and no [num_segments] counts
+        return totals
     count_dtype = torch.promote_types(data.dtype, torch.float32)
     counts = _segment_counts(segment_ids, num_segments).clamp_(min=1).to(count_dtype)
     return (totals.to(count_dtype) / counts.view((-1,) + (1,) * (data.dim() - 1))).to(data.dtype)

@@ -352,6 +352,18 @@ def _negative_clock(part, shard):
     part["dynamic"]["clock"] = -1
 
 
+def _nan_step(part, shard):
+    part["scalars"]["step"] = torch.tensor(float("nan"))
+
+
+def _integer_moments(part, shard):
+    part["state"]["exp_avg"] = part["state"]["exp_avg"].long()
+
+
+def _huge_clock(part, shard):
+    part["dynamic"]["clock"] = 2**63 - 1
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda folder: open(os.path.join(folder, "shard-00000-of-00001.pt"), "w").close(),
      r"shard-00000-of-00001.pt \(it is empty\)"),
@@ -368,6 +380,10 @@ def _negative_clock(part, shard):
     (lambda folder: _rewrite_shard(folder, _no_layer_entry), r"no entry for layer 'pooled'"),
     # Found by the hash table's own load, after the dense state had been loaded.
     (lambda folder: _rewrite_shard(folder, _negative_clock), r"dynamic 'clock' must be a non-negative int"),
+    (lambda folder: _rewrite_shard(folder, _huge_clock), r"dynamic 'clock' must be a non-negative int"),
+    # Loaded before, and the next optimizer.step() failed ("cannot convert float NaN to integer").
+    (lambda folder: _rewrite_shard(folder, _nan_step), r"layer 'pooled': the saved optimizer 'step' must be a finite"),
+    (lambda folder: _rewrite_shard(folder, _integer_moments), r"optimizer state 'exp_avg' must be floating point"),
 ])
 def test_damaged_checkpoints_name_the_file_and_change_nothing(tmp_path, damage, message):
     """Each kind of damage raises an error naming the file and what is wrong, and the model

@@ -450,3 +450,13 @@ def test_every_op_names_an_argument_given_in_a_sparse_layout(layout):
         with pytest.raises(TypeError, match=f"{named} must be a dense \\(strided\\) tensor"):
             call()
     assert len(table) == 1 and torch.equal(weight, torch.zeros(4, 2))
+
+
+def test_segment_mean_without_columns_needs_no_counts():
+    """D = 0: segment_sum returns [num_segments, 0] for any num_segments, and so does the
+    mean (it had allocated int64 counts of num_segments + 1 and overflowed at 2**62)."""
+    ids = torch.tensor([0, 1, 0, 1])
+    for num_segments in (3, 2**40, 2**62):
+        assert sk.ops.segment_mean(torch.randn(4, 0), ids, num_segments).shape == (num_segments, 0)
+    torch.testing.assert_close(sk.ops.segment_mean(torch.tensor([[1.0], [2.0], [3.0], [4.0]]), ids, 3),
+                               torch.tensor([[2.0], [3.0], [0.0]]))
