@@ -36,8 +36,6 @@ rank (one machine or a shared file system).
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import os
 import re
 import shutil
@@ -51,6 +49,7 @@ from torch import Tensor, nn
 from . import ops
 from .exchange import _all_gather_digests
 from .hashtable import _MAX_CLOCK, HashTableFullError, _check_state_of
+from .optim import _saved_step
 from .shard import _ModelParallelEmbedding, is_embedding_variable
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -652,13 +651,7 @@ def _check_row_state(name: str, restore: _LayerRestore) -> None:
     if "step" not in restore.scalars:
         return
     step = restore.scalars["step"]
-    if isinstance(step, Tensor):
-        usable = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
-        value = step.item() if usable else None
-    else:
-        usable = isinstance(step, numbers.Real) and not isinstance(step, bool)
-        value = step if usable else None
-    if not (usable and math.isfinite(value) and value >= 0 and float(value).is_integer()):
+    if not _saved_step(step)[1]:
         raise ValueError(f"load_checkpoint: layer {name!r}: the saved optimizer 'step' must be a finite integer "
                          f">= 0, got {step!r}; the checkpoint is damaged")
 

@@ -515,6 +515,18 @@ def _check_disjoint(name: Callable[[], str], tensors: Dict[str, Tensor]) -> None
                                    "(the update writes the weight and moments in place while it reads the gradient)")
 
 
+def _saved_step(step: Any) -> Tuple[Optional[float], bool]:
+    """A saved ``step`` (a number or a one-element tensor): its value (None when it is
+    neither a real number nor such a tensor) and whether it is a finite integer >= 0."""
+    if isinstance(step, Tensor):
+        usable = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
+        value = step.item() if usable else None
+    else:
+        usable = isinstance(step, numbers.Real) and not isinstance(step, bool)
+        value = step if usable else None
+    return value, usable and math.isfinite(value) and value >= 0 and float(value).is_integer()
+
+
 def _check_saved_state(saved: Any, group_index: int, position: int, param: Tensor, saved_id: Any) -> None:
     """ValueError naming the parameter and the field of a saved per-parameter state that
     ``LazyAdam.load_state_dict`` must not load (see there for what is accepted)."""
@@ -528,14 +540,10 @@ def _check_saved_state(saved: Any, group_index: int, position: int, param: Tenso
     if missing:
         raise ValueError(f"{name} lacks {missing}: it must hold all of {list(_STATE_KEYS)} or be empty")
     step = saved["step"]
-    if isinstance(step, Tensor):
-        usable = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
-        value = step.item() if usable else None
-    else:
-        usable = isinstance(step, numbers.Real) and not isinstance(step, bool)
-        value = step if usable else None
-    if not (usable and math.isfinite(value) and value >= 0 and float(value).is_integer()):
-        got = (f"a {step.dtype} tensor of shape {tuple(step.shape)}" + (f" holding {value}" if usable else "")
+    value, valid = _saved_step(step)
+    if not valid:
+        got = (f"a {step.dtype} tensor of shape {tuple(step.shape)}" + (f" holding {value}" if value is not None
+                                                                         else "")
                if isinstance(step, Tensor) else repr(step))
         raise ValueError(f"{name}: 'step' must be a finite integer >= 0 (a number or a one-element tensor), "
                          f"got {got}")
