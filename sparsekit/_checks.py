@@ -133,6 +133,14 @@ def index_dtype(op: str, name: str, tensor: torch.Tensor, what: str = "tensor") 
         raise RuntimeError(f"{op}: {name} must be an int64 or int32 {what}, got {tensor.dtype}")
 
 
+def dense_layout(what: str, tensor: torch.Tensor) -> None:
+    """TypeError unless ``tensor`` is dense (strided); ``what`` names it (``"op: name"``). A
+    sparse tensor passes dtype and shape checks, then fails deep in an op (the dispatcher's
+    "Could not run ... SparseCPU", naming no argument), or after a table changed."""
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what} must be a dense (strided) tensor, got a {tensor.layout} one; use .to_dense()")
+
+
 def float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
     """``tensor`` is float32, float64, float16 or bfloat16."""
     if tensor.dtype not in FLOAT_DTYPES:

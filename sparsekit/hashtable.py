@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import allocation
+from ._checks import allocation, dense_layout
 from .allocator import table_full, table_zeros
 
 __all__ = ["HashTable", "HashTableFullError"]
@@ -245,9 +245,7 @@ class HashTable:
     def _check_keys(self, keys: Tensor, method: str, *, exact_dtype: bool) -> None:
         if not isinstance(keys, Tensor):
             raise TypeError(f"HashTable.{method}: keys must be a tensor, got {type(keys).__name__}")
-        if keys.layout != torch.strided:
-            raise TypeError(f"HashTable.{method}: keys must be a dense (strided) tensor, got a {keys.layout} one; "
-                            "use .to_dense()")
+        dense_layout(f"HashTable.{method}: keys", keys)
         if exact_dtype and keys.dtype != self._key_dtype:
             raise TypeError(f"HashTable.{method}: keys are {keys.dtype} but the table's key_dtype is "
                             f"{self._key_dtype}; cast them with .to({self._key_dtype})")

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
-from ._checks import FLOAT_DTYPES, allocation, cpu_only, csr_offsets, float_dtype, hash_table_slots, index_dtype
-from ._checks import integer_argument, same_device, shape_of, shown
+from ._checks import FLOAT_DTYPES, allocation, cpu_only, csr_offsets, dense_layout, float_dtype, hash_table_slots
+from ._checks import index_dtype, integer_argument, same_device, shape_of, shown
 from ._checks import type_name as _type_name
 
 _ops = torch.ops.sparsekit
@@ -34,9 +34,8 @@ def _refusing_sparse(op: str, names: List[str]) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         for name, value in list(zip(names, args)) + list(kwargs.items()):
             for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, Tensor) and item.layout != torch.strided:
-                    raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got a {item.layout} one; "
-                                    "use .to_dense()")
+                if isinstance(item, Tensor):
+                    dense_layout(f"{op}: {name}", item)
         raise TypeError(f"{op}: the arguments must be dense (strided) tensors")
     return kernel
 

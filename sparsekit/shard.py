@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import allocation, bool_argument
+from ._checks import allocation, bool_argument, dense_layout
 from .allocator import table_zeros
 from .exchange import (
     _BAD_KEY,
@@ -693,9 +693,7 @@ class _ModelParallelEmbedding(nn.Module):
         name = self._layer_name
         if not isinstance(keys, Tensor):
             raise TypeError(f"{name}: {what} must be a tensor, got {type(keys).__name__}")
-        if keys.layout != torch.strided:  # else an op's "Could not run ... SparseCPU"
-            raise TypeError(f"{name}: {what} must be a dense (strided) tensor, got a {keys.layout} one; use "
-                            ".to_dense()")
+        dense_layout(f"{name}: {what}", keys)
         if keys.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name}: {what} must hold int64 or int32 keys, got {keys.dtype}")
         if keys.dtype == torch.int64 and self.key_dtype == torch.int32:
