@@ -76,6 +76,7 @@ from .exchange import (
     _GatherRows,
     _LookupPieces,
     _mean_of_sum,
+    _offsets_error_flags,
     _one_per_bag,
     _PoolRows,
     _read_rows,
@@ -958,20 +959,13 @@ class EmbeddingBagCollection(nn.Module):
         nnz = values.numel()
         one_per_bag = None  # valid offsets with one value per bag (decided below when on the host)
         if offsets.device.type == "cpu":
-            # On the host with numpy, at a fraction of torch's ops; neighbours are compared,
-            # never subtracted (a difference of int64 offsets can wrap: lengths of 2**63 - 1).
-            # Valid offsets that strictly rise from 0 to nnz == num_bags rise by exactly one
-            # per bag: one pass decides both for such an input, a second only for the others.
+            # Offsets that strictly rise from 0 to nnz == num_bags are valid and rise by exactly
+            # one per bag: one numpy pass decides both for such an input (neighbours compared,
+            # never subtracted: int64 differences can wrap, as lengths of 2**63 - 1 make them).
             host = offsets.detach().numpy()
             rising = num_bags == 0 or not bool((host[1:] <= host[:-1]).any())
-            bad = bool(host[0] != 0 or host[-1] != nnz or (not rising and (host[1:] < host[:-1]).any()))
-            one_per_bag = not bad and rising and nnz == num_bags
-            flags = torch.tensor(_BAD_OFFSETS if bad else 0)
-        else:
-            bad_offsets = (offsets[0] != 0) | (offsets[-1] != nnz)
-            if num_bags > 0:
-                bad_offsets = bad_offsets | (offsets[1:] < offsets[:-1]).any()
-            flags = bad_offsets.long() * _BAD_OFFSETS
+            one_per_bag = bool(rising and nnz == num_bags and host[0] == 0 and host[-1] == nnz)
+        flags = torch.zeros((), dtype=torch.int64) if one_per_bag else _offsets_error_flags(offsets, nnz)
         # Feature boundaries in the values (one host read for every feature).
         bounds = offsets[::batch].tolist() if batch > 0 else [0] * (num_features + 1)
         flags_bad_bounds = len(bounds) != num_features + 1 or any(b < a for a, b in zip(bounds, bounds[1:])) \
