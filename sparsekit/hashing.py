@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Set as AbstractSet
 from functools import lru_cache
 from typing import Iterable, Sequence, Union
 
@@ -78,18 +78,29 @@ def _shown(value) -> str:
     return f"{text if len(text) <= 64 else text[:61] + '...'} ({type_name(value)})"
 
 
+def _refuse_unordered(where: str, name: str, value, wanted: str) -> None:
+    """A TypeError naming ``where`` and ``name`` and saying what is ``wanted`` for a mapping,
+    whose iteration would yield its keys, or a set, whose order can change from run to run
+    (str hashes are salted per process): neither has an ``i``-th value for ``out[i]``."""
+    if isinstance(value, Mapping):
+        hint = "a mapping would be read as its keys: pass a list of its values if they are meant"
+    elif isinstance(value, AbstractSet):
+        hint = "a set has no fixed order: pass sorted(...) of it"
+    else:
+        return
+    raise TypeError(f"{where}: {name} must be {wanted}, got {_shown(value)}; {hint}")
+
+
 def _length(where: str, name: str, value, wanted: str) -> int:
     """``len(value)`` of a sequence argument; a TypeError naming ``where`` and ``name`` and
-    saying what is ``wanted`` for a mapping (whose iteration would yield its keys) or an
-    object with no length (an iterator: materialise it with ``list()`` first)."""
-    if not isinstance(value, Mapping):
-        try:
-            return len(value)
-        except TypeError:
-            pass
-    hint = ("; a mapping would be read as its keys: pass a list of its values if they are meant"
-            if isinstance(value, Mapping) else "; pass list(...) for an iterator or generator"
-            if hasattr(value, "__next__") else "")
+    saying what is ``wanted`` for a mapping or set (:func:`_refuse_unordered`) or an object
+    with no length (an iterator: materialise it with ``list()`` first)."""
+    _refuse_unordered(where, name, value, wanted)
+    try:
+        return len(value)
+    except TypeError:
+        pass
+    hint = "; pass list(...) for an iterator or generator" if hasattr(value, "__next__") else ""
     raise TypeError(f"{where}: {name} must be {wanted}, got {_shown(value)}{hint}")
 
 
@@ -184,6 +195,9 @@ def _hash(value: Value, slot: int, seed: int) -> int:
     return _to_int64(_digest(packed, _seed(slot, seed, _INT)))
 
 
+_VALUES_WANTED = "an iterable of str, bytes or int values (a list, tuple, generator ...), a numpy array or a tensor"
+
+
 def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: int = 0, *,
                 seed: int = 0) -> torch.Tensor:
     """Hash a list of raw values of one slot.
@@ -207,9 +221,9 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
     Raises:
         TypeError: ``values`` is not iterable (``None``, one int ...), is one str, bytes,
             bytearray or memoryview (it would be hashed character by character: use
-            :func:`hash_value`), is a float, complex or bool array or tensor (convert bools
-            with ``.astype(np.int64)`` / ``.long()``), or holds a value :func:`hash_value`
-            refuses; or ``slot`` or ``seed`` is not an int (checked even for no values).
+            :func:`hash_value`), is a mapping or set (no ``i``-th value for ``out[i]``), is a
+            float, complex or bool array or tensor (convert bools with ``.astype(np.int64)`` /
+            ``.long()``), or holds a value :func:`hash_value` refuses; or ``slot`` or ``seed`` is not an int (checked even for no values).
         ValueError: a value :func:`hash_value` refuses with ``ValueError``, or a ``slot``
             outside the int64 range.
     """
@@ -218,6 +232,7 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
     if isinstance(values, (str, bytes, bytearray, memoryview)):
         raise TypeError(f"sparsekit.hashing.hash_values: values must be a sequence of values, got one "
                         f"{type(values).__name__}; hash a single value with hash_value")
+    _refuse_unordered(where, "values", values, _VALUES_WANTED)
     if isinstance(values, torch.Tensor):
         if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
             hint = "; convert bools to int explicitly (.long())" if values.dtype == torch.bool else ""
@@ -234,8 +249,7 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
         try:
             values = iter(values)
         except TypeError:
-            raise TypeError(f"{where}: values must be an iterable of str, bytes or int values (a list, tuple, "
-                            f"generator ...), a numpy array or a tensor, got {_shown(values)}; hash a single "
+            raise TypeError(f"{where}: values must be {_VALUES_WANTED}, got {_shown(values)}; hash a single "
                             "value with hash_value") from None
     keys = [_hash(value, slot, seed) for value in values]
     return torch.tensor(keys, dtype=torch.int64).reshape(len(keys))
@@ -246,7 +260,7 @@ def hash_rows(rows: Sequence[Sequence[Value]], *, seed: int = 0, first_slot: int
 
     Args:
         rows: a sequence (list, tuple, 2-d numpy array or tensor ...: anything with a
-            length, not a mapping) of ``B`` rows, each a sequence of ``S`` values (str /
+            length, not a mapping or set) of ``B`` rows, each a sequence of ``S`` values (str /
             bytes-like / int, hashed as :func:`hash_value` hashes them).
         seed: global seed.
         first_slot: slot index of the first column; an int (not a bool), with

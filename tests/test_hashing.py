@@ -275,7 +275,6 @@ def test_hash_values_takes_any_iterable():
     assert hashing.hash_values(iter(("a", 1, b"c")), 2).tolist() == expected
     assert hashing.hash_values(("a", 1, b"c"), 2).tolist() == expected
     assert hashing.hash_values(range(3)).tolist() == [hashing.hash_value(v) for v in range(3)]
-    assert hashing.hash_values({"a": 0}).tolist() == [hashing.hash_value("a")]
     # An array.array is a container of its elements, as a numpy array is.
     assert hashing.hash_values(array.array("q", [1, -2])).tolist() == [hashing.hash_value(1), hashing.hash_value(-2)]
 
@@ -293,6 +292,18 @@ def test_hash_rows_hints_for_iterators_and_mappings():
         hashing.hash_rows(row for row in [["a"]])
     with pytest.raises(TypeError, match=r"\(dict\); a mapping would be read as its keys"):
         hashing.hash_rows({0: ["a"]})
+    with pytest.raises(TypeError, match=r"row 0 must be .*\(set\); a set has no fixed order"):
+        hashing.hash_rows([{"a", "b"}])
+
+
+@pytest.mark.parametrize("values, kind", [({"a": 1, "b": 2}, r"dict\); a mapping would be read as its keys"),
+                                          ({"a", "b"}, r"set\); a set has no fixed order"),
+                                          (frozenset([1, 2]), r"frozenset\); a set has no fixed order")])
+def test_hash_values_refuses_mappings_and_sets(values, kind):
+    # A dict would be hashed as its keys, a set in an order salted per process: out[i]
+    # would match no values[i].
+    with pytest.raises(TypeError, match=r"sparsekit.hashing.hash_values: values must be .*\(" + kind):
+        hashing.hash_values(values)
 
 
 @pytest.mark.parametrize("row", [None, 5, {"feature": "a"}, (value for value in "a")])
