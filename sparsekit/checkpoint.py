@@ -113,6 +113,20 @@ def _embedding_layers(model: nn.Module) -> Dict[str, _ModelParallelEmbedding]:
     return {name: module for name, module in model.named_modules() if isinstance(module, _ModelParallelEmbedding)}
 
 
+def _model_and_layers(caller: str, model: Any,
+                      optimizer: Any) -> Tuple[nn.Module, Dict[str, _ModelParallelEmbedding]]:
+    """The model (a DDP wrapper looked through) and its embedding layers by name, once
+    ``model`` and ``optimizer`` are known to be what they must be (a TypeError naming the
+    argument otherwise, where their first attribute read would raise an AttributeError)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer or None, got "
+                        f"{type(optimizer).__name__}")
+    model = _unwrap(model)
+    return model, _embedding_layers(model)
+
+
 def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> Dict[str, Tensor]:
     if "" in layers:  # the model is itself an embedding layer
         return {}
@@ -266,13 +280,15 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
 
     Raises:
         NotADirectoryError: ``directory`` is a file or lies under one.
+        TypeError: ``model`` is not a ``torch.nn.Module`` or ``optimizer`` not a
+            ``torch.optim.Optimizer``.
     """
     group, world_size, rank = _world()
-    model = _unwrap(model)
-    layers = _embedding_layers(model)
+    layers: Dict[str, _ModelParallelEmbedding] = {}
     error: Optional[BaseException] = None
     index = 0
     try:
+        model, layers = _model_and_layers("save_checkpoint", model, optimizer)
         _check_not_a_file(directory, "save_checkpoint", "give a directory (it is created when missing)")
         index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
     except Exception as exc:  # noqa: BLE001 - shared with every rank below (a rank alone would hang the rest)
@@ -687,11 +703,16 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
     if optimizer is None or saved_optimizer is None:
         return
     groups = saved_optimizer.get("param_groups") if isinstance(saved_optimizer, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups) or any(
+    states = saved_optimizer.get("state", {}) if isinstance(saved_optimizer, dict) else None
+    if not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups) and isinstance(states, dict)
+            and all(isinstance(state, dict) for state in states.values())):
+        raise ValueError(f"load_checkpoint: {dense_path}: the saved optimizer state is not an optimizer's "
+                         "state_dict (a dict of a 'param_groups' list of dicts and a 'state' dict of dicts)")
+    if len(groups) != len(optimizer.param_groups) or any(
             len(saved_group.get("params", ())) != len(group["params"])
             for saved_group, group in zip(groups, optimizer.param_groups)):
         raise ValueError("load_checkpoint: the optimizer was saved with other parameter groups "
-                         f"({[len(g.get('params', ())) for g in groups] if isinstance(groups, list) else groups!r} "
+                         f"({[len(g.get('params', ())) for g in groups]} "
                          f"parameters) than it has ({[len(g['params']) for g in optimizer.param_groups]}); "
                          "build it over the same parameters in the same order")
     missing = sorted(set(optimizer.defaults) - set(groups[0]) - {"maximize", "foreach", "differentiable",
@@ -700,7 +721,7 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
         raise ValueError(f"load_checkpoint: the saved optimizer state lacks {missing}: it was saved by another "
                          f"optimizer than {type(optimizer).__name__}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, state in saved_optimizer.get("state", {}).items():
+    for index, state in states.items():
         if not isinstance(index, int) or not 0 <= index < len(params):
             raise ValueError(f"load_checkpoint: {dense_path}: optimizer state for parameter {index!r}, "
                              f"which the optimizer does not have")
@@ -765,6 +786,8 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     Raises:
         FileNotFoundError: no checkpoint in ``directory``.
         NotADirectoryError: ``directory`` is a file or lies under one.
+        TypeError: ``model`` is not a ``torch.nn.Module`` or ``optimizer`` not a
+            ``torch.optim.Optimizer``.
         HashTableFullError: a rank's share of a layer's keys exceeds its capacity.
         ValueError: the model does not match the checkpoint (among others: a saved key
             outside the range of a layer's ``key_dtype``), or the checkpoint is damaged.
@@ -773,13 +796,12 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             the rows the checkpoint does not hold).
     """
     group, _, _ = _world()
-    model = _unwrap(model)
-    layers = _embedding_layers(model)
     path = None
     restores: List[_LayerRestore] = []
     dense: Dict[str, Any] = {}
     error: Optional[BaseException] = None
     try:
+        model, layers = _model_and_layers("load_checkpoint", model, optimizer)
         path = _checkpoint_dir(directory)
         metadata = _read_metadata(path)
         if set(metadata["layers"]) != set(layers):

@@ -461,6 +461,40 @@ def test_an_optimizer_state_the_optimizer_refuses_changes_nothing(tmp_path):
     assert_same(model, optimizer, before)
 
 
+@pytest.mark.parametrize("damage", [
+    lambda optimizer_state: "not a state_dict",
+    lambda optimizer_state: {**optimizer_state, "state": ["not", "a", "dict"]},
+    lambda optimizer_state: {**optimizer_state, "state": {0: "not a dict"}},
+    lambda optimizer_state: {**optimizer_state, "param_groups": ["not a dict"]},
+])
+def test_a_saved_optimizer_state_of_the_wrong_shape_is_refused_and_changes_nothing(tmp_path, damage):
+    """A dense.pt whose optimizer entry is not a state_dict's shape is a ValueError naming
+    the file (its checks had read it with .get and .items and raised an AttributeError)."""
+    directory, folder, _ = _saved(tmp_path)
+    dense_path = os.path.join(folder, "dense.pt")
+    dense = torch.load(dense_path, weights_only=True)
+    dense["optimizer"] = damage(dense["optimizer"])
+    torch.save(dense, dense_path)
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=r"dense.pt: the saved optimizer state is not an optimizer's state_dict"):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+
+
+@pytest.mark.parametrize("call", [sk.save_checkpoint, sk.load_checkpoint])
+def test_a_model_or_optimizer_of_the_wrong_type_is_named(tmp_path, call):
+    directory, _, _ = _saved(tmp_path)
+    model, optimizer = make()
+    name = call.__name__
+    with pytest.raises(TypeError, match=rf"{name}: model must be a torch.nn.Module, got OrderedDict"):
+        call(directory, model.state_dict(), optimizer)
+    with pytest.raises(TypeError, match=rf"{name}: optimizer must be a torch.optim.Optimizer or None, got dict"):
+        call(directory, model, optimizer.state_dict())
+    assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000001"]
+
+
 def test_a_direct_layer_initializer_that_raises_changes_nothing(tmp_path):
     """A direct layer's rows the checkpoint lacks come from its initializer: it runs before
     anything is written, not after the dense state and the layers before it were loaded."""
