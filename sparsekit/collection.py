@@ -471,6 +471,7 @@ class _LookupTables(torch.autograd.Function):
         sorted_rows, order = _sort_table_rows(rows, weights)
         ctx.save_for_backward(sorted_rows, order)
         ctx.sizes, ctx.markers, ctx.may_miss = sizes, markers, may_miss
+        ctx.stamps = [marker.stamp for marker in markers]
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         return out
 

@@ -92,10 +92,33 @@ class _CoalescedGradMarker:
 
     def __init__(self) -> None:
         self.values: Optional[Tensor] = None
+        # With eviction (the shard sets row_since, int64 per row): the number of lookups
+        # that gave rows to new keys so far, and for each row the number of the one that
+        # gave it its key. A lookup's backward drops the rows given away after it.
+        self.stamp = 0
+        self.row_since: Optional[Tensor] = None
 
     def produced(self, values: Tensor) -> None:
         """Called by the lookup's backward with the values of the gradient it returns."""
         self.values = values
+
+    def reused(self, rows: Tensor) -> None:
+        """Called by the shard when ``rows`` take new keys (evicted keys' rows among them)."""
+        if self.row_since is not None:
+            self.stamp += 1
+            self.row_since[rows] = self.stamp
+
+    def own_values(self, rows: Tensor, values: Tensor, stamp: int) -> Tensor:
+        """``values``, a lookup's gradient of distinct ``rows`` (all >= 0) whose forward ran
+        at ``stamp``, with the rows given to new keys since zeroed: when a later forward
+        before the backward (two towers over one table, gradient accumulation) evicted a key
+        this lookup read and gave its row away, the evicted key's gradient must not land on
+        the new key (its row's other entries of the gradient are the new key's own). No
+        host sync; nothing to do unless rows were given away since the forward."""
+        if stamp == self.stamp or rows.numel() == 0:
+            return values
+        stale = self.row_since.index_select(0, rows) > stamp
+        return values.masked_fill(stale.view((-1,) + (1,) * (values.dim() - 1)), 0)
 
     def __call__(self, param: Tensor) -> None:
         grad, produced = param.grad, self.values
@@ -194,7 +217,7 @@ class _LookupOwned(torch.autograd.Function):
         ctx.distinct = distinct
         ctx.weight_shape = weight.shape
         ctx.has_missing = has_missing
-        ctx.marker = marker
+        ctx.marker, ctx.stamp = marker, marker.stamp
         if weight.device.type == "cpu" and rows.numel() * weight.shape[1] * weight.element_size() > _GATHER_MIN_BYTES:
             return ops.embedding_gather(weight, rows)  # -1 reads as zeros
         if not has_missing:
@@ -216,6 +239,7 @@ class _LookupOwned(torch.autograd.Function):
         if ctx.has_missing:
             found = sorted_rows >= 0
             sorted_rows, values = sorted_rows[found], values[found]
+        values = ctx.marker.own_values(sorted_rows, values, ctx.stamp)
         weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
                                               is_coalesced=True, check_invariants=False)
         ctx.marker.produced(values)
@@ -267,17 +291,19 @@ def _segment_sum_pieces(pieces: Sequence[Tensor], index: Tensor, num_rows: int) 
 def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight: int) -> List[Optional[Tensor]]:
     """Each table's coalesced sparse gradient from ``values_all``, the gradient of every
     table's distinct rows in ``sorted_rows``' order (``ctx``: ``sizes``, ``markers``,
-    ``may_miss``, ``weight_meta``; the weights are inputs ``first_weight`` on)."""
+    ``stamps``, ``may_miss``, ``weight_meta``; the weights are inputs ``first_weight`` on)."""
     grads: List[Optional[Tensor]] = []
     # One split each (the tables' parts lie one after the other), not two slices a table.
-    for j, (rows, values, marker, miss, (shape, dtype)) in enumerate(zip(
-            sorted_rows.split(ctx.sizes), values_all.split(ctx.sizes), ctx.markers, ctx.may_miss, ctx.weight_meta)):
+    for j, (rows, values, marker, stamp, miss, (shape, dtype)) in enumerate(zip(
+            sorted_rows.split(ctx.sizes), values_all.split(ctx.sizes), ctx.markers, ctx.stamps, ctx.may_miss,
+            ctx.weight_meta)):
         if not ctx.needs_input_grad[first_weight + j]:
             grads.append(None)
             continue
         if miss:
             found = rows >= 0
             rows, values = rows[found], values[found]
+        values = marker.own_values(rows, values, stamp)
         if values.dtype != dtype:
             values = values.to(dtype)
         grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
@@ -313,6 +339,7 @@ class _LookupPieces(torch.autograd.Function):
                 *weights: Tensor) -> Tuple[Tensor, ...]:
         ctx.save_for_backward(sorted_position, sorted_rows)
         ctx.sizes, ctx.markers, ctx.may_miss = sizes, markers, may_miss
+        ctx.stamps = [marker.stamp for marker in markers]
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
         return tuple(_read_rows(weights[t], rows, may_miss[t]) for rows, t in zip(value_rows, tables))
 

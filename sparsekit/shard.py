@@ -278,6 +278,8 @@ class _ModelParallelEmbedding(nn.Module):
         self._fresh_rows: Optional[Tensor] = None
         if eviction is not None:
             self._fresh_rows = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.bool, device=self.weight.device)
+            self._grad_marker.row_since = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.int64,
+                                                      device=self.weight.device)
         self._mark_weight()
         traced.register(self)
         if self.hash_table is None:
@@ -390,6 +392,8 @@ class _ModelParallelEmbedding(nn.Module):
             self.weight[plan.new_rows] = lookup.initial
             if self._fresh_rows is not None:
                 self._fresh_rows[plan.new_rows] = True
+            if plan.victims.numel() > 0:
+                self._forget_gradients(plan.new_rows)
         self._evicted += plan.victims.numel()
         self._admitted += num_new
         table.tick()
@@ -404,6 +408,22 @@ class _ModelParallelEmbedding(nn.Module):
                 rows = full.masked_scatter_(take, rows)
             self._pending.tick()
         return rows
+
+    def _forget_gradients(self, rows: Tensor) -> None:
+        """``rows`` took new keys, evicted keys' rows among them: the old keys' gradients
+        must not reach the new keys. A gradient already accumulated in ``weight.grad``
+        (micro-batches before one step) loses those rows' entries now; a backward still to
+        come of a forward before this one drops them (``_grad_marker.reused``)."""
+        self._grad_marker.reused(rows)
+        grad = self.weight.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            values = grad._values()
+            hit = torch.isin(grad._indices()[0], rows)
+            values.masked_fill_(hit.view((-1,) + (1,) * (values.dim() - 1)), 0)
+        else:
+            grad.index_fill_(0, rows, 0)
 
     # -- dynamic tables: stats and export -----------------------------------------------------
 
@@ -747,6 +767,9 @@ class _ModelParallelEmbedding(nn.Module):
             # From the meta device (to_empty): no row is fresh in the empty tables.
             self._fresh_rows = (torch.zeros_like(self._fresh_rows, device=device) if self._fresh_rows.is_meta
                                 else self._fresh_rows.to(device))
+            since = self._grad_marker.row_since
+            self._grad_marker.row_since = (torch.zeros_like(since, device=device) if since.is_meta
+                                           else since.to(device))
         self._mark_weight()
         return self
 

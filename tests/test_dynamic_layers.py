@@ -206,6 +206,62 @@ def test_two_ranks_checkpoint_reshards_scores_to_one(tmp_path, policy):
 
 # ---- the collection's clocks ----
 
+def _evicting_and_roomy(kind):
+    """A layer of capacity 2 with LRU eviction and its twin with room for every key, same
+    initial vectors; a call reads one key per bag."""
+    def build(capacity, eviction):
+        if kind == "collection":
+            return sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, capacity, ["f"], eviction=eviction)])
+        if kind == "distributed":
+            return sk.DistributedEmbedding("sum", capacity, DIM, 1, 1, eviction=eviction)
+        return _layer(capacity, eviction=eviction)
+
+    def call(layer, keys):
+        if kind == "collection":
+            return layer(_one_key_per_bag("f", keys))["f"]
+        if kind == "distributed":
+            return layer(torch.tensor(keys).view(-1, 1, 1)).view(len(keys), DIM)
+        return layer(torch.tensor(keys))
+
+    def vectors(layer, keys):
+        found, values = layer.export("t") if kind == "collection" else layer.export()
+        return torch.stack([values[found == k][0] for k in keys])
+
+    return build(2, "lru"), build(8, None), call, vectors
+
+
+@pytest.mark.parametrize("kind", ["all2all", "distributed", "collection"])
+@pytest.mark.parametrize("backward_each", [False, True])
+def test_an_evicted_key_s_gradient_does_not_reach_the_key_that_takes_its_row(kind, backward_each):
+    """Two lookups before one optimizer step (two towers over one table, or micro-batches of
+    gradient accumulation): the second one's new key evicts a key the first one read and
+    takes its row. The first one's gradient for the evicted key is dropped, whether its
+    backward comes after the eviction or was accumulated in weight.grad before it: the new
+    key trains as in a table with room for both."""
+    evicting, roomy, call, vectors = _evicting_and_roomy(kind)
+    results = []
+    for layer in (evicting, roomy):
+        optimizer = sk.LazyAdam(layer.parameters(), lr=0.1)
+        first = (call(layer, [1, 2]) * torch.tensor([[5.0], [3.0]])).sum()
+        if backward_each:
+            first.backward()
+        second = -call(layer, [3]).sum()  # evicting: 1 and 2 were seen alike, the smaller key goes
+        (second if backward_each else first + second).backward()
+        optimizer.step()
+        results.append((vectors(layer, [2, 3]), optimizer))
+    stats = [layer.stats("t") if kind == "collection" else layer.stats() for layer in (evicting, roomy)]
+    assert stats[0]["evicted"] == 1 and stats[1]["evicted"] == 0
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    # And the new key's Adam moments are its own.
+    (evicting_weight,), (roomy_weight,) = (list(layer.parameters()) for layer in (evicting, roomy))
+    row, roomy_row = (int(layer_table.find(torch.tensor([3])).item()) for layer_table in
+                      ((evicting.shards[0] if kind == "collection" else evicting).hash_table,
+                       (roomy.shards[0] if kind == "collection" else roomy).hash_table))
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(results[0][1].state[evicting_weight][name][row],
+                           results[1][1].state[roomy_weight][name][roomy_row])
+
+
 def _clock_collection():
     return sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 2, ["f"], eviction="lru"),
                                       sk.TableConfig("b", 2, 4, ["g"], eviction="lfu", admit_after=2)])
