@@ -1285,8 +1285,18 @@ class EmbeddingBagCollection(nn.Module):
             num_bags = len(group_features) * batch
             if nnz == 0:
                 pooled = torch.zeros(num_bags, dim, device=device)
-                if per_group is not None and per_group[g] is not None and per_group[g].requires_grad:
-                    pooled = pooled + per_group[g].sum(0)  # zeros, joined to the exchange's graph
+                joined = per_group[g] if per_group is not None else None
+                if joined is None and torch.is_grad_enabled():
+                    # No lookup read a row (a batch of empty bags): an empty one joins the
+                    # output to the tables' weights, whose gradient is then empty, as
+                    # nn.EmbeddingBag's is; a backward through it would fail otherwise.
+                    shards = [self._shards[t] for t in sorted({prepared["table_of_feature"][f]
+                                                               for f in group_features})]
+                    joined = _LookupTables.apply([torch.empty(0, dtype=torch.int64, device=device)] * len(shards),
+                                                 [s._grad_marker for s in shards], [False] * len(shards),
+                                                 *[s.weight for s in shards])
+                if joined is not None and joined.requires_grad:
+                    pooled = pooled + joined.sum(0)  # zeros, joined to the lookup's graph
             elif weights is None and prepared["one_per_bag"]:
                 # One output per feature, and a backward that reads their gradients in place.
                 parts = self._lookup_pieces(rows, members, cut(value_row), group_features, prepared, batch) \

@@ -140,6 +140,30 @@ def test_one_key_per_bag_matches_plain_torch_forward_and_backward(weighted):
     torch.testing.assert_close(grad.to_dense()[:len(keys), 0], want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_batch_of_empty_bags_still_gives_outputs_that_train(dtype, training):
+    """No feature holds a key: the outputs are zeros that still require grad (as
+    nn.EmbeddingBag's do), the backward gives every table an empty sparse gradient and the
+    optimizer's step changes no weight."""
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 8, ["f"], dtype=dtype),
+                                            sk.TableConfig("u", 8, 8, ["g"], dtype=dtype, combiner="mean")])
+    collection.train(training)
+    optimizer = sk.LazyAdam(collection.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in collection.parameters()]
+    out = collection(sk.KeyedJagged(["f", "g"], torch.empty(0, dtype=torch.int64), lengths=torch.zeros(6, dtype=torch.int64)))
+    assert {name: (tuple(v.shape), v.dtype) for name, v in out.items()} == {"f": ((3, 4), dtype), "g": ((3, 8), dtype)}
+    assert all(v.requires_grad and not v.detach().any() for v in out.values())
+    sum(v.float().sum() for v in out.values()).backward()
+    for weight in collection.parameters():
+        assert weight.grad.is_sparse and weight.grad._nnz() == 0
+    optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(collection.parameters(), before))
+    with torch.no_grad():
+        out = collection(sk.KeyedJagged(["f", "g"], torch.empty(0, dtype=torch.int64), lengths=torch.zeros(6, dtype=torch.int64)))
+    assert not any(v.requires_grad for v in out.values())
+
+
 def test_torchrec_shaped_input_is_accepted():
     class TorchRecLike:  # KeyedJaggedTensor's methods, nothing of sparsekit
         def __init__(self, kjt):
