@@ -152,6 +152,22 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
                            "the layer outside inference_mode to train it (or call it in eval() mode)")
 
 
+# Weight dtypes by number in a row layout code (_row_layout); any other dtype is the next number.
+_LAYOUT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _row_layout(weight: Tensor) -> int:
+    """The weight's dtype and row width as one int64: what a rank's vectors look like on the wire."""
+    dtype = _LAYOUT_DTYPES.index(weight.dtype) if weight.dtype in _LAYOUT_DTYPES else len(_LAYOUT_DTYPES)
+    return dtype << 40 | weight.shape[1]
+
+
+def _row_layout_text(code: int) -> str:
+    dtype = code >> 40
+    name = str(_LAYOUT_DTYPES[dtype]) if dtype < len(_LAYOUT_DTYPES) else "another dtype"
+    return f"{name} rows of {code & ((1 << 40) - 1)}"
+
+
 class _LookupPlan(NamedTuple):
     """A training lookup worked out on an owner before every rank agrees to go on."""
 
@@ -508,7 +524,12 @@ class _ModelParallelEmbedding(nn.Module):
         # Counts, error word and train/eval mode travel together; one host read gives both
         # split-size lists and every rank's verdict.
         mode = torch.full((self.world_size,), int(self.training), dtype=torch.int64, device=device)
-        send_header = torch.stack([send_counts.to(device), flags.to(device).expand(self.world_size), mode], dim=1)
+        # The weight's dtype and row width, which the vectors' all-to-all relies on, travel
+        # too: the configuration is compared once, and a layer converted after (.double(),
+        # .half()) on one rank would have the others read its bytes as theirs, or abort.
+        layout = torch.full((self.world_size,), _row_layout(self.weight), dtype=torch.int64, device=device)
+        send_header = torch.stack([send_counts.to(device), flags.to(device).expand(self.world_size), mode, layout],
+                                  dim=1)
         recv_header = torch.empty_like(send_header)
         dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
         header = torch.cat([send_header, recv_header]).tolist()
@@ -516,6 +537,7 @@ class _ModelParallelEmbedding(nn.Module):
         recv_splits = [row[0] for row in header[self.world_size:]]
         peer_flags = [row[1] for row in header[self.world_size:]]
         peer_modes = [row[2] for row in header[self.world_size:]]
+        peer_layouts = [row[3] for row in header[self.world_size:]]
         if any(peer_flags):
             if local_error is not None:
                 raise local_error
@@ -528,6 +550,10 @@ class _ModelParallelEmbedding(nn.Module):
             evaluating = [rank for rank, training in enumerate(peer_modes) if not training]
             raise RuntimeError(f"{self._layer_name}: rank(s) {evaluating} are in eval() mode and the others in "
                                "train() mode; switch the layer's mode on every rank alike")
+        if len(set(peer_layouts)) > 1:
+            shown = ", ".join(f"rank {rank}: {_row_layout_text(code)}" for rank, code in enumerate(peer_layouts))
+            raise ValueError(f"{self._layer_name}: the weight's dtype or row width differs between the ranks of the "
+                             f"process group ({shown}); convert the layer alike on every rank")
 
         recv_keys = _all_to_all_rows(keys_by_owner, recv_splits, send_splits, self.process_group)
         owned_keys, owned_inverse = ops.unique(recv_keys)

@@ -661,6 +661,21 @@ def _config_mismatch_worker(rank, world_size, init):
                 layer(inputs)
     # The group is still in step: a layer built alike works.
     sk.DistributedEmbedding("sum", 8, DIM, 1, 2)(keys).sum().backward()
+    # A layer converted on one rank after its first step (the configuration was compared
+    # then): its vectors' dtype rides on every step's header, so every rank raises.
+    for build, convert, dtype in ((lambda: sk.DistributedEmbedding("sum", 8, DIM, 1, 2), "double", "float64"),
+                                  (lambda: sk.All2AllDenseEmbedding(8, DIM, 1, 2), "bfloat16", "bfloat16")):
+        layer = build()
+        layer(keys).sum().backward()
+        before = layer.weight.detach().clone()
+        if rank == 1:
+            getattr(layer, convert)()
+        with pytest.raises(ValueError, match=rf"dtype or row width differs .*rank 0: torch.float32 rows of {DIM}, "
+                                             rf"rank 1: torch.{dtype} rows of {DIM}\); convert the layer alike"):
+            layer(keys)
+        torch.testing.assert_close(layer.weight.detach().float(), before.to(layer.weight.dtype).float())
+        getattr(layer, convert)()  # alike on every rank: it works again
+        layer(keys).float().sum().backward()
 
 
 def test_ranks_that_disagree_on_the_configuration_all_raise(tmp_path):
