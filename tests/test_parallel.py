@@ -1,0 +1,113 @@
+"""The CPU kernels' work sharing (csrc/cpu/parallel.h, over torch's intra-op threads):
+answers must not depend on which thread ran what, on callers from several Python threads at
+once, on cores kept busy by other processes (threads that start late or stop midway), or
+on more threads than cores; an error raised in a worker's range reaches the caller."""
+
+import multiprocessing
+import os
+import threading
+
+import pytest
+import torch
+
+import sparsekit  # noqa: F401  (registers torch.ops.sparsekit)
+from properties import num_threads as torch_threads
+
+ops = torch.ops.sparsekit
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-2**40, 2**40, (200_000,), generator=g) // 97  # repeats
+    data = torch.randn(60_000, 16, generator=g)
+    ids = torch.randint(0, 5_000, (60_000,), generator=g)
+    return keys, data, ids
+
+
+def _answers(keys, data, ids):
+    unique, inverse, counts = ops.unique(keys)
+    return unique, inverse, counts, ops.segment_sum(data, ids, 5_000, False)
+
+
+def _references(keys, data, ids):
+    unique, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    return unique, inverse, counts, torch.zeros(5_000, 16, dtype=torch.float64).index_add_(0, ids, data.double())
+
+
+def _check(answers, references):
+    unique, inverse, counts, sums = answers
+    ref_unique, ref_inverse, ref_counts, ref_sums = references
+    # unique's order is its own: compare as sets, with inverse and counts through it.
+    order = torch.argsort(unique)
+    assert torch.equal(unique[order], ref_unique)
+    assert torch.equal(unique[inverse], ref_unique[ref_inverse])
+    assert torch.equal(counts[order], ref_counts)
+    torch.testing.assert_close(sums.double(), ref_sums, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_callers_on_several_python_threads_get_the_right_answers(threads):
+    """Four Python threads call multi-threaded kernels at once, more torch threads than
+    cores included: each call's ranges, chunks and scratch are its own."""
+    cases = [_inputs(seed) for seed in range(4)]
+    references = [_references(*case) for case in cases]
+    errors = []
+
+    def caller(index):
+        try:
+            for _ in range(5):
+                _check(_answers(*cases[index]), references[index])
+        except BaseException as exc:  # noqa: BLE001 - reported on the main thread
+            errors.append(exc)
+
+    with torch_threads(threads):
+        workers = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)
+        assert not any(worker.is_alive() for worker in workers), "a caller hung"
+    assert not errors, errors[0]
+
+
+def _spin(stop):
+    while not stop.is_set():
+        pass
+
+
+def test_busy_cores_change_no_answer():
+    """With every core kept busy by other processes, a worker often starts late or is
+    descheduled midway, so chunks handed out from a shared counter land on other threads:
+    the answers stay the same."""
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        case = _inputs(7)
+        reference = _references(*case)
+        with torch_threads(2):
+            for _ in range(10):
+                _check(_answers(*case), reference)
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join(timeout=30)
+
+
+def test_an_error_in_a_worker_s_range_is_raised_by_the_caller_and_the_next_call_works():
+    """An id out of range in the last rows (a worker's range at 2 threads) raises the op's
+    error on the calling thread; the next calls work."""
+    data = torch.randn(100_000, 16)
+    ids = torch.randint(0, 1_000, (100_000,))
+    ids[-1] = 1_000
+    with torch_threads(2):
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match=r"segment_ids holds 1000 but num_segments is 1000"):
+                ops.segment_sum(data, ids, 1_000, False)
+            ids[-1] = 0
+            expected = torch.zeros(1_000, 16, dtype=torch.float64).index_add_(0, ids, data.double())
+            torch.testing.assert_close(ops.segment_sum(data, ids, 1_000, False).double(), expected,
+                                       rtol=1e-5, atol=1e-4)
+            ids[-1] = 1_000
