@@ -40,14 +40,14 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
-from .exchange import _all_gather_digests
+from .exchange import _all_gather_digests, _owners
 from .hashtable import _MAX_CLOCK, HashTableFullError, _check_state_of
 from .optim import _saved_step
 from .shard import _ModelParallelEmbedding, is_embedding_variable
@@ -141,15 +141,6 @@ def _optimizer_param_ids(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
         for param in group["params"]:
             ids.setdefault(id(param), len(ids))
     return ids
-
-
-def _owners(keys: Tensor, world_size: int, offset: Union[int, Tensor] = 0) -> Tensor:
-    """uint64(key + offset) % world_size for int64 keys (the add wraps; ``offset`` an int or
-    one per key), without unsigned tensors."""
-    keys = keys.long() + offset
-    # 2^64 = q * world_size + r: uint64(k) % w == (k + (k < 0) * r) mod w, all in int64 range.
-    wrap = (2**64) % world_size
-    return torch.remainder(torch.remainder(keys, world_size) + (keys < 0).long() * wrap, world_size)
 
 
 # ---- save -----------------------------------------------------------------------------------

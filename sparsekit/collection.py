@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from .checkpoint import _collective_device, _owners
+from .checkpoint import _collective_device
 from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
@@ -78,6 +78,7 @@ from .exchange import (
     _mean_of_sum,
     _offsets_error_flags,
     _one_per_bag,
+    _owners,
     _PoolRows,
     _read_rows,
     _resolve_group,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -419,6 +419,15 @@ def _all_gather_digests(data: bytes, device: torch.device, group, world_size: in
     with data of different lengths still meet in it)."""
     digest = hashlib.blake2b(data, digest_size=16).digest()
     return _all_gather_bytes(digest, device, group, world_size, [len(digest)] * world_size)
+
+
+def _owners(keys: Tensor, world_size: int, offset: Union[int, Tensor] = 0) -> Tensor:
+    """uint64(key + offset) % world_size for int64 keys (the add wraps; ``offset`` an int or
+    one per key), without unsigned tensors."""
+    keys = keys.long() + offset
+    # 2^64 = q * world_size + r: uint64(k) % w == (k + (k < 0) * r) mod w, all in int64 range.
+    wrap = (2**64) % world_size
+    return torch.remainder(torch.remainder(keys, world_size) + (keys < 0).long() * wrap, world_size)
 
 
 def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:

@@ -31,6 +31,7 @@ from .exchange import (
     _LookupOwned,
     _LookupPieces,
     _offsets_error_flags,
+    _owners,
     _resolve_group,
     _sort_rows,
 )
@@ -856,6 +857,17 @@ class _ModelParallelEmbedding(nn.Module):
         checked_table = _check_state_of(self.hash_table, table,
                                         f"{name}: load_state_dict: '_extra_state' (the hash table)")
         num_keys = checked_table.keys.numel()
+        if self.world_size > 1 and num_keys > 0:
+            # A rank's state holds the keys it owns: another rank's (state files swapped) or
+            # one saved at another world size would sit where no lookup asks for them.
+            owners = _owners(checked_table.keys, self.world_size, self.owner_offset)
+            foreign = owners != self.rank
+            if bool(foreign.any()):
+                raise ValueError(f"{name}: load_state_dict: '_extra_state' holds keys this rank does not own (key "
+                                 f"{checked_table.keys[foreign][0].item()} belongs to rank "
+                                 f"{owners[foreign][0].item()} of {self.world_size}, this is rank {self.rank}): it "
+                                 "was saved by another rank or at another world size; load each rank's own state, "
+                                 "or reshard with save_checkpoint / load_checkpoint")
         fresh = state.get("fresh")
         if fresh is None:  # saved without eviction, or before the flags were saved: no reset pending
             fresh = torch.zeros(num_keys, dtype=torch.bool)

@@ -678,6 +678,34 @@ def _config_mismatch_worker(rank, world_size, init):
         layer(keys).float().sum().backward()
 
 
+def _foreign_state_worker(rank, world_size, init, directory):
+    init()
+    keys = torch.tensor([[[0, 1, 2, 3]], [[4, 5, 6, 7]]])
+    layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 4)
+    layer(keys).sum().backward()
+    torch.save(layer.state_dict(), f"{directory}/state{rank}.pt")
+    dist.barrier()
+    fresh = sk.DistributedEmbedding("sum", 16, DIM, 1, 4)
+    before = {name: value.clone() for name, value in fresh.state_dict().items() if isinstance(value, torch.Tensor)}
+    other = torch.load(f"{directory}/state{1 - rank}.pt", weights_only=True)
+    with pytest.raises(ValueError, match=rf"holds keys this rank does not own \(key \d+ belongs to rank {1 - rank} "
+                                         rf"of 2, this is rank {rank}\)"):
+        fresh.load_state_dict(other)
+    after = fresh.state_dict()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    assert len(fresh.hash_table) == 0
+    fresh.load_state_dict(torch.load(f"{directory}/state{rank}.pt", weights_only=True))  # its own loads
+    layer.eval()
+    fresh.eval()
+    torch.testing.assert_close(fresh(keys), layer(keys), rtol=0, atol=0)
+
+
+def test_a_layer_refuses_another_rank_s_state(tmp_path):
+    """Two ranks' state_dict files swapped: the keys would sit on a rank that does not own
+    them, and their trained vectors would be lost without a word."""
+    spawn(_foreign_state_worker, 2, str(tmp_path), str(tmp_path))
+
+
 def test_ranks_that_disagree_on_the_configuration_all_raise(tmp_path):
     spawn(_config_mismatch_worker, 2, str(tmp_path))
 
