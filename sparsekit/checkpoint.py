@@ -134,6 +134,15 @@ def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -
     return {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
 
 
+def _model_layout(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> str:
+    """The model's embedding layers with their settings and its dense entries with their
+    shapes, as text that two ranks' models built alike give alike."""
+    return json.dumps({"layers": {name: [[str(k), str(v)] for k, v in layer._config().items()]
+                                  for name, layer in layers.items()},
+                       "dense": {key: list(value.shape) for key, value in _dense_state(model, layers).items()}},
+                      sort_keys=True)
+
+
 def _optimizer_param_ids(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
     """id(param) -> the integer key ``optimizer.state_dict()`` gives it (group order, then param order)."""
     ids: Dict[int, int] = {}
@@ -273,6 +282,8 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         NotADirectoryError: ``directory`` is a file or lies under one.
         TypeError: ``model`` is not a ``torch.nn.Module`` or ``optimizer`` not a
             ``torch.optim.Optimizer``.
+        ValueError: the ranks' models differ (embedding layers, their settings, or the
+            dense parameters' names and shapes); nothing is written.
     """
     group, world_size, rank = _world()
     layers: Dict[str, _ModelParallelEmbedding] = {}
@@ -290,6 +301,13 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         raise RuntimeError(f"save_checkpoint: rank(s) {differing} found another latest checkpoint in {directory!r} "
                            "than rank 0; every rank must save to one directory that they all reach (a shared "
                            "file system); nothing was written")
+    # Rank 0 alone writes the metadata and the dense state: a rank whose model differs
+    # (another layer, dim or kind of table) would write shards no load can read.
+    differing = _ranks_differing(group, _model_layout(model, layers))
+    if differing:
+        raise ValueError(f"save_checkpoint: rank(s) {differing} hold other embedding layers, layer settings or dense "
+                         f"parameters than rank 0 (this rank's layers: {sorted(layers)}); every rank must save the "
+                         "same model; nothing was written")
     name = f"ckpt-{index:06d}"
     final_dir = os.path.join(directory, name)
     temp_dir = final_dir + ".tmp"

@@ -707,6 +707,34 @@ def _directories_differ_worker(rank, world_size, init, tmp_dir):
     assert sorted(os.listdir(os.path.join(tmp_dir, "shared"))) == ["LATEST", "ckpt-000001"]
 
 
+def _models_differ_on_save_worker(rank, world_size, init, directory):
+    init()
+    model, optimizer = make()
+    sk.save_checkpoint(directory, model, optimizer)  # ckpt-000001, alike on both ranks
+    variants = [
+        lambda m: setattr(m, "pooled", sk.DistributedEmbedding("mean", HASH_ROWS, DIM + 1, SLOTS, NNZ)),
+        lambda m: setattr(m, "direct", sk.All2AllDenseEmbedding(DIRECT_KEYS, DIM, SLOTS, NNZ)),  # hashed
+        lambda m: setattr(m, "extra", sk.DistributedEmbedding("sum", 8, DIM, 1, 1)),
+        lambda m: setattr(m, "top", nn.Linear(2 * SLOTS * DIM, 2)),
+    ]
+    for change in variants:
+        model, optimizer = make()
+        if rank == 1:
+            change(model)
+            optimizer = LazyAdam(model.parameters(), lr=0.02)
+        with pytest.raises(ValueError, match=r"save_checkpoint: rank\(s\) \[1\] hold other embedding layers, "
+                                             r"layer settings or dense parameters than rank 0"):
+            sk.save_checkpoint(directory, model, optimizer)
+        assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000001"]
+
+
+def test_a_save_whose_ranks_models_differ_raises_on_every_rank_and_writes_nothing(tmp_path):
+    """Rank 0 alone writes the metadata and the dense state: a rank built otherwise (a dim,
+    a direct layer hashed, a layer more, a dense shape) wrote shards that no load could
+    read, and LATEST named them."""
+    spawn(_models_differ_on_save_worker, 2, str(tmp_path), str(tmp_path / "ckpt"))
+
+
 def test_ranks_that_do_not_share_the_checkpoint_directory_all_raise(tmp_path):
     open(tmp_path / "a_file", "w").close()
     model, optimizer = make()  # a checkpoint of another run, as rank 1's "stale" copy
