@@ -113,6 +113,9 @@ def _embedding_layers(model: nn.Module) -> Dict[str, _ModelParallelEmbedding]:
     return {name: module for name, module in model.named_modules() if isinstance(module, _ModelParallelEmbedding)}
 
 
+_OPTIMIZER_API = ("param_groups", "state", "state_dict", "load_state_dict")
+
+
 def _model_and_layers(caller: str, model: Any,
                       optimizer: Any) -> Tuple[nn.Module, Dict[str, _ModelParallelEmbedding]]:
     """The model (a DDP wrapper looked through) and its embedding layers by name, once
@@ -120,9 +123,11 @@ def _model_and_layers(caller: str, model: Any,
     argument otherwise, where their first attribute read would raise an AttributeError)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
+    # Duck-typed, as torch's own code treats optimizers: a wrapper that delegates (Lightning's
+    # LightningOptimizer) is no subclass.
+    if optimizer is not None and not all(hasattr(optimizer, name) for name in _OPTIMIZER_API):
+        raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer (or have its "
+                        f"{', '.join(_OPTIMIZER_API)}) or None, got {type(optimizer).__name__}")
     model = _unwrap(model)
     return model, _embedding_layers(model)
 
@@ -139,7 +144,8 @@ def _model_layout(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) 
     shapes, as text that two ranks' models built alike give alike."""
     return json.dumps({"layers": {name: [[str(k), str(v)] for k, v in layer._config().items()]
                                   for name, layer in layers.items()},
-                       "dense": {key: list(value.shape) for key, value in _dense_state(model, layers).items()}},
+                       "dense": {key: list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                                 for key, value in _dense_state(model, layers).items()}},
                       sort_keys=True)
 
 
@@ -289,8 +295,10 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     layers: Dict[str, _ModelParallelEmbedding] = {}
     error: Optional[BaseException] = None
     index = 0
+    layout = ""
     try:
         model, layers = _model_and_layers("save_checkpoint", model, optimizer)
+        layout = _model_layout(model, layers)
         _check_not_a_file(directory, "save_checkpoint", "give a directory (it is created when missing)")
         index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
     except Exception as exc:  # noqa: BLE001 - shared with every rank below (a rank alone would hang the rest)
@@ -303,7 +311,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                            "file system); nothing was written")
     # Rank 0 alone writes the metadata and the dense state: a rank whose model differs
     # (another layer, dim or kind of table) would write shards no load can read.
-    differing = _ranks_differing(group, _model_layout(model, layers))
+    differing = _ranks_differing(group, layout)
     if differing:
         raise ValueError(f"save_checkpoint: rank(s) {differing} hold other embedding layers, layer settings or dense "
                          f"parameters than rank 0 (this rank's layers: {sorted(layers)}); every rank must save the "
@@ -330,7 +338,8 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                  "layers": _shard_payload(layers, optimizer)}
         _write_file(os.path.join(temp_dir, _shard_name(rank, world_size)), lambda f: torch.save(shard, f))
         if rank == 0:
-            dense = {"format": FORMAT_VERSION, "model": {k: v.cpu() for k, v in _dense_state(model, layers).items()},
+            dense = {"format": FORMAT_VERSION, "model": {k: v.cpu() if isinstance(v, Tensor) else v
+                                                         for k, v in _dense_state(model, layers).items()},
                      "optimizer": _dense_optimizer_state(optimizer, model) if optimizer is not None else None}
             _write_file(os.path.join(temp_dir, "dense.pt"), lambda f: torch.save(dense, f))
             metadata = {
@@ -701,6 +710,8 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
         raise ValueError(f"load_checkpoint: dense state keys differ: missing {sorted(set(expected) - set(saved))}, "
                          f"unexpected {sorted(set(saved) - set(expected))}")
     for key, value in expected.items():
+        if not isinstance(value, Tensor):
+            continue  # a submodule's extra state: its own load_state_dict checks it
         if isinstance(saved[key], Tensor) and saved[key].layout != torch.strided:
             raise ValueError(f"load_checkpoint: dense {key!r} was saved as a {saved[key].layout} tensor; the "
                              "dense state holds dense (strided) tensors")
@@ -713,15 +724,16 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
         return
     groups = saved_optimizer.get("param_groups") if isinstance(saved_optimizer, dict) else None
     states = saved_optimizer.get("state", {}) if isinstance(saved_optimizer, dict) else None
-    if not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups) and isinstance(states, dict)
-            and all(isinstance(state, dict) for state in states.values())):
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+            and isinstance(states, dict) and all(isinstance(state, dict) for state in states.values())):
         raise ValueError(f"load_checkpoint: {dense_path}: the saved optimizer state is not an optimizer's "
-                         "state_dict (a dict of a 'param_groups' list of dicts and a 'state' dict of dicts)")
+                         "state_dict (a dict of a 'param_groups' list of dicts, each with a 'params' list, and a "
+                         "'state' dict of dicts)")
     if len(groups) != len(optimizer.param_groups) or any(
-            len(saved_group.get("params", ())) != len(group["params"])
+            len(saved_group["params"]) != len(group["params"])
             for saved_group, group in zip(groups, optimizer.param_groups)):
         raise ValueError("load_checkpoint: the optimizer was saved with other parameter groups "
-                         f"({[len(g.get('params', ())) for g in groups]} "
+                         f"({[len(g['params']) for g in groups]} "
                          f"parameters) than it has ({[len(g['params']) for g in optimizer.param_groups]}); "
                          "build it over the same parameters in the same order")
     missing = sorted(set(optimizer.defaults) - set(groups[0]) - {"maximize", "foreach", "differentiable",

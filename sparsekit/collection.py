@@ -1287,10 +1287,12 @@ class EmbeddingBagCollection(nn.Module):
             if nnz == 0:
                 pooled = torch.zeros(num_bags, dim, device=device)
                 joined = per_group[g] if per_group is not None else None
-                if joined is None and torch.is_grad_enabled():
+                if joined is None and self.world_size == 1 and torch.is_grad_enabled():
                     # No lookup read a row (a batch of empty bags): an empty one joins the
                     # output to the tables' weights, whose gradient is then empty, as
                     # nn.EmbeddingBag's is; a backward through it would fail otherwise.
+                    # (With many ranks a training step joins through the exchange; a
+                    # local join there would let this rank skip the backward's all-to-all.)
                     shards = [self._shards[t] for t in sorted({prepared["table_of_feature"][f]
                                                                for f in group_features})]
                     joined = _LookupTables.apply([torch.empty(0, dtype=torch.int64, device=device)] * len(shards),

@@ -90,13 +90,17 @@ class _CoalescedGradMarker:
     never be taken for the lookup's own. The hook releases it.
     """
 
+    # With eviction (the shard sets row_since, int64 per row): the number of lookups that
+    # gave rows to new keys so far, and for each row the number of the one that gave it its
+    # key. A lookup's backward drops the rows given away after it. Class defaults too: a
+    # marker unpickled from a layer saved before they existed has neither.
+    stamp = 0
+    row_since: Optional[Tensor] = None
+
     def __init__(self) -> None:
         self.values: Optional[Tensor] = None
-        # With eviction (the shard sets row_since, int64 per row): the number of lookups
-        # that gave rows to new keys so far, and for each row the number of the one that
-        # gave it its key. A lookup's backward drops the rows given away after it.
         self.stamp = 0
-        self.row_since: Optional[Tensor] = None
+        self.row_since = None
 
     def produced(self, values: Tensor) -> None:
         """Called by the lookup's backward with the values of the gradient it returns."""
@@ -108,17 +112,17 @@ class _CoalescedGradMarker:
             self.stamp += 1
             self.row_since[rows] = self.stamp
 
-    def own_values(self, rows: Tensor, values: Tensor, stamp: int) -> Tensor:
-        """``values``, a lookup's gradient of distinct ``rows`` (all >= 0) whose forward ran
-        at ``stamp``, with the rows given to new keys since zeroed: when a later forward
-        before the backward (two towers over one table, gradient accumulation) evicted a key
-        this lookup read and gave its row away, the evicted key's gradient must not land on
-        the new key (its row's other entries of the gradient are the new key's own). No
-        host sync; nothing to do unless rows were given away since the forward."""
+    def own_rows(self, rows: Tensor, values: Tensor, stamp: int) -> Tuple[Tensor, Tensor]:
+        """``rows`` and ``values``, a lookup's gradient of distinct rows (all >= 0) whose
+        forward ran at ``stamp``, without the rows given to new keys since: when a later
+        forward before the backward (two towers over one table, gradient accumulation)
+        evicted a key this lookup read and gave its row away, the evicted key's gradient
+        must not land on the new key. Nothing to do (and no host sync) unless rows were
+        given away since the forward; then one boolean selection."""
         if stamp == self.stamp or rows.numel() == 0:
-            return values
-        stale = self.row_since.index_select(0, rows) > stamp
-        return values.masked_fill(stale.view((-1,) + (1,) * (values.dim() - 1)), 0)
+            return rows, values
+        keep = self.row_since.index_select(0, rows) <= stamp
+        return rows[keep], values[keep]
 
     def __call__(self, param: Tensor) -> None:
         grad, produced = param.grad, self.values
@@ -239,7 +243,7 @@ class _LookupOwned(torch.autograd.Function):
         if ctx.has_missing:
             found = sorted_rows >= 0
             sorted_rows, values = sorted_rows[found], values[found]
-        values = ctx.marker.own_values(sorted_rows, values, ctx.stamp)
+        sorted_rows, values = ctx.marker.own_rows(sorted_rows, values, ctx.stamp)
         weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
                                               is_coalesced=True, check_invariants=False)
         ctx.marker.produced(values)
@@ -303,7 +307,7 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
         if miss:
             found = rows >= 0
             rows, values = rows[found], values[found]
-        values = marker.own_values(rows, values, stamp)
+        rows, values = marker.own_rows(rows, values, stamp)
         if values.dtype != dtype:
             values = values.to(dtype)
         grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from collections.abc import Mapping, Set as AbstractSet
+from collections.abc import ItemsView, KeysView, Mapping, Set as AbstractSet
 from functools import lru_cache
 from typing import Iterable, Sequence, Union
 
@@ -84,7 +84,7 @@ def _refuse_unordered(where: str, name: str, value, wanted: str) -> None:
     (str hashes are salted per process): neither has an ``i``-th value for ``out[i]``."""
     if isinstance(value, Mapping):
         hint = "a mapping would be read as its keys: pass a list of its values if they are meant"
-    elif isinstance(value, AbstractSet):
+    elif isinstance(value, AbstractSet) and not isinstance(value, (KeysView, ItemsView)):  # a dict's views keep its order
         hint = "a set has no fixed order: pass sorted(...) of it"
     else:
         return

@@ -429,16 +429,19 @@ class _ModelParallelEmbedding(nn.Module):
     def _forget_gradients(self, rows: Tensor) -> None:
         """``rows`` took new keys, evicted keys' rows among them: the old keys' gradients
         must not reach the new keys. A gradient already accumulated in ``weight.grad``
-        (micro-batches before one step) loses those rows' entries now; a backward still to
-        come of a forward before this one drops them (``_grad_marker.reused``)."""
-        self._grad_marker.reused(rows)
+        (micro-batches before one step) loses those rows' entries now (one boolean
+        selection); a backward still to come of a forward before this one drops them
+        (``_grad_marker.own_rows``)."""
+        marker = self._grad_marker
+        marker.reused(rows)
         grad = self.weight.grad
         if grad is None:
             return
         if grad.is_sparse:
-            values = grad._values()
-            hit = torch.isin(grad._indices()[0], rows)
-            values.masked_fill_(hit.view((-1,) + (1,) * (values.dim() - 1)), 0)
+            indices = grad._indices()
+            keep = marker.row_since.index_select(0, indices[0]) != marker.stamp  # not given away just now
+            self.weight.grad = torch.sparse_coo_tensor(indices[:, keep], grad._values()[keep], grad.shape,
+                                                       is_coalesced=grad.is_coalesced())
         else:
             grad.index_fill_(0, rows, 0)
 
@@ -775,6 +778,9 @@ class _ModelParallelEmbedding(nn.Module):
         # copy.deepcopy and unpickling (torch.load of a whole module) end here, with a new
         # weight Parameter: deepcopy dropped its marks and neither kept its hook.
         super().__setstate__(state)
+        if self._fresh_rows is not None and self._grad_marker.row_since is None:  # pickled before it existed
+            self._grad_marker.row_since = torch.zeros(self._fresh_rows.shape, dtype=torch.int64,
+                                                      device=self._fresh_rows.device)
         self._mark_weight()
         traced.register(self)
 

@@ -466,6 +466,7 @@ def test_an_optimizer_state_the_optimizer_refuses_changes_nothing(tmp_path):
     lambda optimizer_state: {**optimizer_state, "state": ["not", "a", "dict"]},
     lambda optimizer_state: {**optimizer_state, "state": {0: "not a dict"}},
     lambda optimizer_state: {**optimizer_state, "param_groups": ["not a dict"]},
+    lambda optimizer_state: {**optimizer_state, "param_groups": [{**optimizer_state["param_groups"][0], "params": 7}]},
 ])
 def test_a_saved_optimizer_state_of_the_wrong_shape_is_refused_and_changes_nothing(tmp_path, damage):
     """A dense.pt whose optimizer entry is not a state_dict's shape is a ValueError naming
@@ -490,9 +491,52 @@ def test_a_model_or_optimizer_of_the_wrong_type_is_named(tmp_path, call):
     name = call.__name__
     with pytest.raises(TypeError, match=rf"{name}: model must be a torch.nn.Module, got OrderedDict"):
         call(directory, model.state_dict(), optimizer)
-    with pytest.raises(TypeError, match=rf"{name}: optimizer must be a torch.optim.Optimizer or None, got dict"):
+    with pytest.raises(TypeError, match=rf"{name}: optimizer must be a torch.optim.Optimizer \(or have its "
+                                        r"param_groups, state, state_dict, load_state_dict\) or None, got dict"):
         call(directory, model, optimizer.state_dict())
     assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000001"]
+
+
+class _DelegatingOptimizer:
+    """An optimizer wrapper that is no torch.optim.Optimizer subclass (as Lightning's is)."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+class _WithExtraState(nn.Module):
+    """A submodule whose extra state is a dict (no tensor, no shape) in the dense state."""
+
+    def __init__(self):
+        super().__init__()
+        self.note = {"epoch": 3}
+
+    def get_extra_state(self):
+        return dict(self.note)
+
+    def set_extra_state(self, state):
+        self.note = dict(state)
+
+
+def test_a_wrapped_optimizer_and_a_dict_extra_state_save_and_load(tmp_path):
+    """The optimizer is duck-typed (param_groups, state, state_dict, load_state_dict), and a
+    dense entry that is not a tensor is saved and loaded as it is."""
+    model, optimizer = make()
+    model.extra = _WithExtraState()
+    optimizer = LazyAdam(model.parameters(), lr=0.02)
+    train(model, optimizer, range(2))
+    sk.save_checkpoint(str(tmp_path), model, _DelegatingOptimizer(optimizer))
+    restored, restored_optimizer = make()
+    restored.extra = _WithExtraState()
+    restored.extra.note = {}
+    restored_optimizer = LazyAdam(restored.parameters(), lr=0.02)
+    sk.load_checkpoint(str(tmp_path), restored, _DelegatingOptimizer(restored_optimizer))
+    assert restored.extra.note == {"epoch": 3}
+    assert torch.equal(torch.stack(train(restored, restored_optimizer, range(2, 4))),
+                       torch.stack(train(model, optimizer, range(2, 4))))
 
 
 def test_a_direct_layer_initializer_that_raises_changes_nothing(tmp_path):

@@ -262,6 +262,37 @@ def test_an_evicted_key_s_gradient_does_not_reach_the_key_that_takes_its_row(kin
                            results[1][1].state[roomy_weight][name][roomy_row])
 
 
+def test_a_row_given_away_by_a_forward_without_grad_leaves_the_earlier_forward_s_gradient():
+    """A training forward under no_grad evicts key 1, which an earlier forward read, and
+    gives its row to key 3: the earlier forward's backward has no entry for that row at all
+    (an entry of zeros would still move key 3 through weight decay)."""
+    layer = _layer(2, eviction="lru")
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.1, weight_decay=0.5)
+    first = layer(torch.tensor([1, 2])).sum()
+    with torch.no_grad():
+        layer(torch.tensor([3]))
+    row_of_3 = int(layer.hash_table.find(torch.tensor([3])).item())
+    vector_of_3 = layer.weight[row_of_3].detach().clone()
+    first.backward()
+    assert row_of_3 not in layer.weight.grad.coalesce().indices()[0].tolist()
+    optimizer.step()
+    assert torch.equal(layer.weight[row_of_3], vector_of_3)
+
+
+def test_a_layer_pickled_before_the_gradient_numbering_trains(tmp_path):
+    """A layer saved whole (torch.save of the module) before its marker numbered the rows
+    it gives away loads and evicts."""
+    layer = _layer(2, eviction="lru")
+    marker = layer._grad_marker
+    del marker.__dict__["stamp"], marker.__dict__["row_since"]  # as an older sparsekit pickled it
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    optimizer = sk.LazyAdam(loaded.parameters(), lr=0.1)
+    for keys in ([1, 2], [3], [4, 1]):
+        _step(loaded, optimizer, keys)
+    assert loaded.stats()["evicted"] == 3
+
+
 def _clock_collection():
     return sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 2, ["f"], eviction="lru"),
                                       sk.TableConfig("b", 2, 4, ["g"], eviction="lfu", admit_after=2)])

@@ -306,6 +306,12 @@ def test_hash_values_refuses_mappings_and_sets(values, kind):
         hashing.hash_values(values)
 
 
+def test_hash_values_takes_a_dict_s_keys_view_in_its_order():
+    """A dict's keys() is a Set, but it keeps the dict's order: it hashes as list(keys())."""
+    values = {"b": 1, "a": 2}
+    assert hashing.hash_values(values.keys()).tolist() == hashing.hash_values(["b", "a"]).tolist()
+
+
 @pytest.mark.parametrize("row", [None, 5, {"feature": "a"}, (value for value in "a")])
 def test_hash_rows_refuses_a_row_that_is_not_a_sequence(row):
     with pytest.raises(TypeError, match=r"sparsekit.hashing.hash_rows: row 1 must be a sequence of values .*, got "):
