@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -29,12 +29,16 @@ def _bytes(count: int) -> str:
 
 
 @contextlib.contextmanager
-def allocation(what: str, shape: Sequence[int], dtype: torch.dtype, device) -> Iterator[None]:
+def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype: torch.dtype,
+               device) -> Iterator[None]:
     """Turns an allocation failure inside the block into an error that names what was being
     allocated (``what``: the argument that sized it) and the bytes it would need.
 
     Args:
-        what: e.g. ``"HashTable: capacity=1099511627776 (2 slot arrays)"``.
+        what: e.g. ``"HashTable: capacity=1099511627776 (2 slot arrays)"``, or a function
+            that makes it, called only on a failure: under ``torch.compile`` a size traced
+            as a SymInt must not be formatted on the way (that pins it to one value, and
+            every other size would compile a graph of its own).
         shape: the shape of the largest tensor allocated.
         dtype: its dtype.
         device: where it goes.
@@ -50,6 +54,7 @@ def allocation(what: str, shape: Sequence[int], dtype: torch.dtype, device) -> I
             numel *= int(size)
         needed = numel * torch.empty((), dtype=dtype).element_size()
         where = "the default device" if device is None else str(device)
+        what = what() if callable(what) else what
         raise AllocationError(f"{what}: needs a {list(shape)} {dtype} tensor of {_bytes(needed)} on {where}, "
                               "which cannot be allocated; choose a smaller value") from error
 

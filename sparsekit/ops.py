@@ -60,7 +60,9 @@ def _integer(where: str, name: str, value: Any, optional: bool = False) -> Any:
     Python int would reach the dispatcher, whose message contradicts itself ("Expected a
     value of type 'int' ... found type 'int'")."""
     value = integer_argument(where, name, value, optional)
-    if isinstance(value, int) and not -(1 << 63) <= value < (1 << 63):
+    # Not while compiling: dynamo takes a traced SymInt for an int, and a data-dependent one
+    # (ids.max().item() + 1, a unique's size) cannot be compared without a graph break.
+    if isinstance(value, int) and not torch.compiler.is_compiling() and not -(1 << 63) <= value < (1 << 63):
         raise ValueError(f"{where}: {name} must fit in int64, [-2**63, 2**63), got {value}")
     return value
 
@@ -209,7 +211,7 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
     """
     num_segments = _integer("segment_sum", "num_segments", num_segments)
     deterministic = _flag("segment_sum", "deterministic", deterministic)
-    with allocation(f"segment_sum: num_segments={num_segments} (the output)",
+    with allocation(lambda: f"segment_sum: num_segments={num_segments} (the output)",
                     (num_segments,) + tuple(data.shape[1:]), data.dtype, data.device):
         return _ops.segment_sum(data, segment_ids, num_segments, _deterministic(deterministic))
 
@@ -225,7 +227,7 @@ def _segment_counts(segment_ids: Tensor, num_segments: int) -> Tensor:
     ids = segment_ids.long()
     # Dropped rows count in a spare last bucket, so no data-dependent mask (no host sync).
     bucket = torch.where(ids >= 0, ids, num_segments)
-    with allocation(f"segment_mean: num_segments={num_segments} (the counts)", (num_segments + 1,), torch.int64,
+    with allocation(lambda: f"segment_mean: num_segments={num_segments} (the counts)", (num_segments + 1,), torch.int64,
                     ids.device):
         counts = torch.zeros(num_segments + 1, dtype=torch.int64, device=ids.device)
     return counts.scatter_add_(0, bucket, torch.ones_like(bucket))[:num_segments]
@@ -249,7 +251,10 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
         raise type(error)("segment_mean:" + message[len("segment_sum:"):]) from None
     # Exact integer counts (a float count stops growing at 2^24 rows in float32), divided in
     # float32 at least.
-    if totals.numel() == 0:  # no column (or no segment): nothing to divide, and no [num_segments] counts
+    # No column: nothing to divide, and no [num_segments] counts (2**62 segments of nothing
+    # are a valid output). Tested on the row shape alone: num_segments may be traced from
+    # the data, where a test of it would be a graph break.
+    if math.prod(data.shape[1:]) == 0:
         return totals
     count_dtype = torch.promote_types(data.dtype, torch.float32)
     counts = _segment_counts(segment_ids, num_segments).clamp_(min=1).to(count_dtype)
@@ -745,7 +750,7 @@ def key_seeded_uniform(
         raise TypeError(f"{op}: dtype must be a torch.dtype or None, got {dtype!r} ({_type_name(dtype)})")
     for name, value in (("low", low), ("high", high)):
         _check_bound_fits_float64(op, name, value, dtype or torch.float32)
-    with allocation(f"key_seeded_uniform: {keys.shape[0] if keys.dim() else 1} keys x dim={dim} (the output)",
+    with allocation(lambda: f"key_seeded_uniform: {keys.shape[0] if keys.dim() else 1} keys x dim={dim} (the output)",
                     (keys.shape[0] if keys.dim() else 1, dim), dtype or torch.float32, keys.device):
         return _ops.key_seeded_uniform(keys, dim, seed, low, high, dtype)
 

@@ -349,3 +349,52 @@ def _compare_op_gradients(loss, compiled, rng, cases, trials):
                 assert bool((rows_seen[1:] > rows_seen[:-1]).all()), where
                 assert torch.equal(traced._indices(), eager._indices()), where
                 torch.testing.assert_close(traced._values(), eager._values(), rtol=1e-12, atol=1e-12, msg=str(where))
+
+
+class _CountingBackend:
+    """aot_eager that counts the graphs it is given (one per compiled frame and recompile)."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs):
+        self.graphs += 1
+        from torch._dynamo.backends.debugging import aot_eager
+        return aot_eager(graph, example_inputs)
+
+
+@pytest.mark.parametrize("combiner, weighted", [("mean", False), ("sum", True)])
+def test_a_half_table_compiles_once_for_every_batch_size(combiner, weighted):
+    """A bfloat16 table that pools through segment_sum (a mean, or weights): the batch size
+    traced as a SymInt must not be formatted into an error message on the way (that pinned
+    it, every size compiled a graph of its own, and fullgraph=True failed at the limit)."""
+    torch._dynamo.reset()
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 1000, ["a"], dtype=torch.bfloat16,
+                                                           combiner=combiner)])
+    backend = _CountingBackend()
+    compiled = torch.compile(collection, backend=backend, fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=4):
+        for batch in range(1, 11):
+            weights = torch.rand(batch) if weighted else None
+            inputs = sk.KeyedJagged(["a"], torch.arange(batch) * 7, lengths=torch.ones(batch, dtype=torch.long),
+                                    weights=weights)
+            compiled(inputs)["a"].float().sum().backward()
+    assert backend.graphs <= 2, backend.graphs  # a first static size, then a dynamic one
+
+
+def test_segment_sum_takes_a_data_dependent_num_segments_in_a_full_graph():
+    """num_segments from the data (a .item(), a unique's size) traces as an unbacked SymInt:
+    no int64 range check may compare it, and the result follows eager."""
+    data, ids = torch.randn(6, 3), torch.tensor([0, 2, 2, 1, 4, 0])
+
+    def from_item(data, ids):
+        return sk.ops.segment_sum(data, ids, ids.max().item() + 1)
+
+    def from_unique(data, keys):
+        unique, inverse = sk.ops.unique(keys)
+        return sk.ops.segment_mean(data, inverse, unique.shape[0])
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        for fn, args in ((from_item, (data, ids)), (from_unique, (data, ids * 1000))):
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(fn, backend="aot_eager", fullgraph=True)(*args), fn(*args))
