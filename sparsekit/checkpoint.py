@@ -161,15 +161,21 @@ def _optimizer_param_ids(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
 # ---- save -----------------------------------------------------------------------------------
 
 
-def _file_in_the_way(directory: str) -> Optional[str]:
-    """The file that ``directory`` is, or lies under, so that it cannot be a directory; None if none."""
+def _nearest_existing(directory: str) -> Optional[str]:
+    """``directory`` if it exists, else its nearest ancestor that does (a file included); None if none."""
     path = os.path.abspath(directory)
     while not os.path.exists(path):  # False under a file too (ENOTDIR): look at the parents
         parent = os.path.dirname(path)
         if parent == path:
             return None
         path = parent
-    return None if os.path.isdir(path) else path
+    return path
+
+
+def _file_in_the_way(directory: str) -> Optional[str]:
+    """The file that ``directory`` is, or lies under, so that it cannot be a directory; None if none."""
+    path = _nearest_existing(directory)
+    return None if path is None or os.path.isdir(path) else path
 
 
 def _check_not_a_file(directory: str, caller: str, fix: str) -> None:

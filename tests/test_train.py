@@ -492,6 +492,8 @@ def test_bad_settings_raise():
     (["--embedding-dtype", "bf16"], dict(embedding_dtype="bf16"), "needs --tables per-slot"),
     (["--keep-checkpoints", "0"], dict(keep_checkpoints=0), "--keep-checkpoints must be an integer >= 1"),
     (["--data", "/no/such/file.tsv"], dict(data="/no/such/file.tsv"), "--data '/no/such/file.tsv': no such file"),
+    (["--data", ROOT], dict(data=ROOT), f"--data {ROOT!r}: is a directory"),
+    (["--data", "/dev/null"], dict(data="/dev/null"), "--data '/dev/null': is not a regular file"),
     (["--data", README, "--eval-data", "/no/such/eval.tsv"], dict(data=README, eval_data="/no/such/eval.tsv"),
      "--eval-data '/no/such/eval.tsv': no such file"),
     # Seeds reach numpy (>= 0) and torch (int64).
@@ -598,6 +600,25 @@ def test_full_table_is_one_line_naming_the_flags(capsys, monkeypatch):
     line = _main_error(capsys, monkeypatch, ["--capacity-per-rank", "1"], 1)
     assert "the hash table of rank 0 is full" in line
     assert "raise --capacity-per-rank (now 1) or pass --eviction lru|lfu" in line
+    # With eviction given, a table is full only for a step of more keys than it: no advice
+    # to pass it; per-slot tables say the rows each table gets.
+    line = _main_error(capsys, monkeypatch, ["--tables", "per-slot", "--table-rows", "10", "--eviction", "lfu"], 1)
+    assert line.endswith("raise --table-rows (now 10, 26 tables of 1 rows)")
+
+
+@pytest.mark.parametrize("flag, value", [("--checkpoint-dir", "ckpt"), ("--metrics-json", "out/m.json")])
+def test_a_place_the_run_cannot_write_is_an_argparse_error_before_it_trains(capsys, monkeypatch, tmp_path, flag,
+                                                                             value):
+    """A read-only --checkpoint-dir or --metrics-json was found only after training (at the
+    first save, or when the metrics were written). As root, permission bits do not stop a
+    write; os.access answers for a read-only file system, and is what the check asks."""
+    import sparsekit.train.loop as loop
+
+    real_access = os.access
+    monkeypatch.setattr(loop.os, "access", lambda path, mode: False if path == str(tmp_path) else
+                        real_access(path, mode))
+    line = _main_error(capsys, monkeypatch, [flag, str(tmp_path / value)], 2)
+    assert f"{flag} {str(tmp_path / value)!r}: {str(tmp_path)!r} is not writable" in line
 
 
 # What torch's CPU allocator raises (a plain RuntimeError), e.g. for --batch-size 65536

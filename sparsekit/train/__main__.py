@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..allocator import keep_freed_memory
 from ..hashtable import HashTableFullError
 from .criteo import CriteoFormatError
+from .data import NUM_SLOTS
 from .loop import (
     MAX_BATCH_SIZE,
     MAX_LR,
@@ -211,8 +212,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except (HarnessError, CriteoFormatError) as error:  # both name the file (and line)
         _fail(str(error))
     except HashTableFullError as error:
-        _fail(f"{error}; here: raise --capacity-per-rank (now {_table_capacity(vars(config))[0]}) or pass "
-              "--eviction lru|lfu")
+        capacity, rows_flag = _table_capacity(vars(config))
+        tables = f", {NUM_SLOTS} tables of {max(1, capacity // NUM_SLOTS)} rows" if config.tables == "per-slot" else ""
+        # With eviction the table is full only when one step holds more distinct keys than it.
+        hint = " or pass --eviction lru|lfu" if config.eviction is None else ""
+        _fail(f"{error}; here: raise {rows_flag.split()[0]} (now {capacity}{tables}){hint}")
     except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
         detail = _out_of_memory(error)
         if detail is not None:

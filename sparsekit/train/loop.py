@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._checks import AllocationError, allocation
-from ..checkpoint import _file_in_the_way
+from ..checkpoint import _file_in_the_way, _nearest_existing
 from .data import NUM_SLOTS, SyntheticCriteo
 from .metrics import all_gather_1d, log_loss, roc_auc
 from .model import DLRM, SparsekitSlotEmbedding, SparsekitTableEmbedding, TorchSlotEmbedding
@@ -170,6 +170,11 @@ class TrainConfig:
             blocker = _file_in_the_way(directory) if directory else None
             if blocker:
                 raise ValueError(f"{flag} {value!r}: {blocker!r} is a file, not a directory")
+            # Written to after training (a resumed run may only evaluate, reading its checkpoint).
+            existing = _nearest_existing(directory) if directory and not (flag == "--checkpoint-dir"
+                                                                            and self.resume) else None
+            if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {value!r}: {existing!r} is not writable (read-only, or no permission)")
         if self.metrics_json and os.path.isdir(self.metrics_json):
             raise ValueError(f"--metrics-json {self.metrics_json!r} is a directory; name the file to write")
         if self.data == "synthetic":
@@ -183,7 +188,9 @@ class TrainConfig:
         for flag, path in (("--data", self.data if self.data != "synthetic" else None),
                            ("--eval-data", self.eval_data)):
             if path is not None and not os.path.isfile(path):
-                raise ValueError(f"{flag} {path!r}: no such file (a Criteo TSV file, or --data synthetic)")
+                what = ("is a directory" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path)
+                        else "no such file")
+                raise ValueError(f"{flag} {path!r}: {what} (a Criteo TSV file, or --data synthetic)")
 
     # Fields that must match between a checkpoint and the run resuming from it (with
     # --embedding sparsekit, table_rows and capacity_per_rank by the table size they give).
@@ -392,19 +399,30 @@ def _step_dir(config: TrainConfig, step: int) -> str:
     return os.path.join(config.checkpoint_dir, f"step_{step:09d}")
 
 
-def _atomic_write_text(path: str, text: str) -> None:
+def _atomic_write(path: str, write) -> None:
+    """``write(temporary)``, then the temporary file renamed to ``path``; an OSError names
+    ``path`` (the one the user gave), not the temporary file, which is removed."""
     temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise OSError(error.errno, f"cannot write {path!r}: {error.strerror or error}") from error
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    def write(temporary: str) -> None:
+        with open(temporary, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+    _atomic_write(path, write)
 
 
 def _atomic_torch_save(obj, path: str) -> None:
-    temporary = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, temporary)
-    os.replace(temporary, path)
+    _atomic_write(path, lambda temporary: torch.save(obj, temporary))
 
 
 def _barrier(context: Context) -> None:
