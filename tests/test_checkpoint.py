@@ -448,15 +448,26 @@ def test_a_mismatch_on_one_rank_raises_on_every_rank(tmp_path):
 
 def test_an_optimizer_state_the_optimizer_refuses_changes_nothing(tmp_path):
     """LazyAdam's load refuses a saved learning rate < 0; the model's dense state was loaded before it."""
+
+    def damage(optimizer_state):
+        optimizer_state["param_groups"][0]["lr"] = -1.0
+        return optimizer_state
+
+    _load_refuses_a_damaged_optimizer_state(tmp_path, damage, r"invalid learning rate lr -1.0")
+
+
+def _load_refuses_a_damaged_optimizer_state(tmp_path, damage, message):
+    """A checkpoint whose dense.pt optimizer entry is ``damage(entry)``: a trained model and
+    optimizer refuse it with ``message`` and stay as they were."""
     directory, folder, _ = _saved(tmp_path)
     dense_path = os.path.join(folder, "dense.pt")
     dense = torch.load(dense_path, weights_only=True)
-    dense["optimizer"]["param_groups"][0]["lr"] = -1.0
+    dense["optimizer"] = damage(dense["optimizer"])
     torch.save(dense, dense_path)
     model, optimizer = make()
     train(model, optimizer, range(5, 6))
     before = snapshot(model, optimizer)
-    with pytest.raises(ValueError, match=r"invalid learning rate lr -1.0"):
+    with pytest.raises(ValueError, match=message):
         sk.load_checkpoint(directory, model, optimizer)
     assert_same(model, optimizer, before)
 
@@ -471,17 +482,8 @@ def test_an_optimizer_state_the_optimizer_refuses_changes_nothing(tmp_path):
 def test_a_saved_optimizer_state_of_the_wrong_shape_is_refused_and_changes_nothing(tmp_path, damage):
     """A dense.pt whose optimizer entry is not a state_dict's shape is a ValueError naming
     the file (its checks had read it with .get and .items and raised an AttributeError)."""
-    directory, folder, _ = _saved(tmp_path)
-    dense_path = os.path.join(folder, "dense.pt")
-    dense = torch.load(dense_path, weights_only=True)
-    dense["optimizer"] = damage(dense["optimizer"])
-    torch.save(dense, dense_path)
-    model, optimizer = make()
-    train(model, optimizer, range(5, 6))
-    before = snapshot(model, optimizer)
-    with pytest.raises(ValueError, match=r"dense.pt: the saved optimizer state is not an optimizer's state_dict"):
-        sk.load_checkpoint(directory, model, optimizer)
-    assert_same(model, optimizer, before)
+    _load_refuses_a_damaged_optimizer_state(
+        tmp_path, damage, r"dense.pt: the saved optimizer state is not an optimizer's state_dict")
 
 
 @pytest.mark.parametrize("call", [sk.save_checkpoint, sk.load_checkpoint])
