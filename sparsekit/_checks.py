@@ -138,6 +138,15 @@ def index_dtype(op: str, name: str, tensor: torch.Tensor, what: str = "tensor") 
         raise RuntimeError(f"{op}: {name} must be an int64 or int32 {what}, got {tensor.dtype}")
 
 
+def tensor_arguments(op: str, **named: Any) -> None:
+    """TypeError naming the first of ``named`` (argument name -> value) that is not a
+    tensor: a list or None would otherwise reach the dispatcher, whose messages name no
+    argument ("Not yet supported ScalarType 46"), or an attribute read first."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type_name(value)}")
+
+
 def dense_layout(what: str, tensor: torch.Tensor) -> None:
     """TypeError unless ``tensor`` is dense (strided); ``what`` names it (``"op: name"``). A
     sparse tensor passes dtype and shape checks, then fails deep in an op (the dispatcher's

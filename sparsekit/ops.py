@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
 from ._checks import FLOAT_DTYPES, allocation, cpu_only, csr_offsets, dense_layout, float_dtype, hash_table_slots
-from ._checks import index_dtype, integer_argument, same_device, shape_of, shown
+from ._checks import index_dtype, integer_argument, same_device, shape_of, shown, tensor_arguments
 from ._checks import type_name as _type_name
 
 _ops = torch.ops.sparsekit
@@ -143,6 +143,7 @@ def unique(
         ``unique_keys`` (``[U]``, dtype of ``keys``), then ``inverse`` and/or ``counts`` when
         asked, in that order (the ``torch.unique`` convention); a bare tensor when neither is.
     """
+    tensor_arguments("unique", keys=keys)
     return_inverse = _flag("unique", "return_inverse", return_inverse)
     return_counts = _flag("unique", "return_counts", return_counts)
     unique_keys, inverse, counts = _ops.unique(keys)
@@ -170,16 +171,22 @@ def _segment_sum_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(segment_ids)
 
 
-def _segment_sum_backward(ctx, grad: Tensor):
-    (segment_ids,) = ctx.saved_tensors
+def _segment_rows_gradient(grad: Tensor, segment_ids: Tensor) -> Tensor:
+    """The gradient of a segment sum's data rows from its output's: ``grad[segment_ids[i]]``
+    for row ``i``, zeros for dropped rows (negative ids). Differentiable torch ops."""
     if grad.shape[0] == 0:
         # No segments: every row was dropped (all ids negative), so its gradient is zero.
-        return grad.new_zeros((segment_ids.shape[0],) + tuple(grad.shape[1:])), None, None, None
+        return grad.new_zeros((segment_ids.shape[0],) + tuple(grad.shape[1:]))
     # d out[s] / d data[i] is 1 exactly when segment_ids[i] == s; dropped rows get zeros.
     valid = segment_ids >= 0
     picked = grad.index_select(0, torch.where(valid, segment_ids, 0))
     mask = valid.view((-1,) + (1,) * (grad.dim() - 1))
-    return torch.where(mask, picked, torch.zeros((), dtype=grad.dtype, device=grad.device)), None, None, None
+    return torch.where(mask, picked, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def _segment_sum_backward(ctx, grad: Tensor):
+    (segment_ids,) = ctx.saved_tensors
+    return _segment_rows_gradient(grad, segment_ids), None, None, None
 
 
 torch.library.register_autograd(
@@ -209,6 +216,7 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
         TypeError: ``num_segments`` not an int (a bool is not one), ``deterministic`` not a
             bool.
     """
+    tensor_arguments("segment_sum", data=data, segment_ids=segment_ids)
     num_segments = _integer("segment_sum", "num_segments", num_segments)
     deterministic = _flag("segment_sum", "deterministic", deterministic)
     with allocation(lambda: f"segment_sum: num_segments={num_segments} (the output)",
@@ -238,6 +246,7 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
 
     Args and returns as :func:`segment_sum`. Differentiable in ``data``.
     """
+    tensor_arguments("segment_mean", data=data, segment_ids=segment_ids)
     num_segments = _integer("segment_mean", "num_segments", num_segments)
     deterministic = _flag("segment_mean", "deterministic", deterministic)
     try:
@@ -391,6 +400,7 @@ def hash_table_find(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Tenso
     Returns:
         int64 rows with the shape of ``keys``, ``-1`` where a key is absent.
     """
+    tensor_arguments("hash_table_find", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys)
     return _ops.hash_table_find(slot_keys, slot_rows, keys)
 
 
@@ -418,6 +428,7 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
         rows: int64 ``[n]`` rows ``>= 0``; the slot of ``keys[i]`` gets ``rows[i]``.
         num_occupied: the number of occupied slots, when the caller knows it; None: counted.
     """
+    tensor_arguments("hash_table_insert_absent_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys, rows=rows)
     num_occupied = _integer("hash_table_insert_absent_", "num_occupied", num_occupied, optional=True)
     _ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, rows, num_occupied)
 
@@ -446,6 +457,7 @@ def hash_table_erase_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Ten
     Returns:
         int64 rows the keys held (shape of ``keys``), ``-1`` for an absent key.
     """
+    tensor_arguments("hash_table_erase_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys)
     return _ops.hash_table_erase_(slot_keys, slot_rows, keys)
 
 
@@ -495,7 +507,27 @@ def select_smallest(columns: Sequence[Tensor], eligible: Tensor, k: int) -> Tens
         keys = torch.tensor([10, 20, 30, 5])
         select_smallest([last_seen, keys], torch.ones(4, dtype=torch.bool), 2)  # tensor([1, 3])
     """
-    return _ops.select_smallest(list(columns), eligible, _integer("select_smallest", "k", k))
+    if isinstance(columns, Tensor) or not isinstance(columns, Iterable):
+        raise TypeError(f"select_smallest: columns must be a list of tensors, got {_type_name(columns)}")
+    columns = list(columns)
+    tensor_arguments("select_smallest", eligible=eligible, **{f"columns[{i}]": c for i, c in enumerate(columns)})
+    return _ops.select_smallest(columns, eligible, _integer("select_smallest", "k", k))
+
+
+def _segment_sum_parts_setup_context(ctx, inputs, output) -> None:
+    data, segment_ids, _ = inputs
+    ctx.save_for_backward(segment_ids)
+    ctx.rows = [part.shape[0] for part in data]
+
+
+def _segment_sum_parts_backward(ctx, grad: Tensor):
+    """As segment_sum's, cut into the parts' rows."""
+    (segment_ids,) = ctx.saved_tensors
+    return list(_segment_rows_gradient(grad, segment_ids).split(ctx.rows)), None, None
+
+
+torch.library.register_autograd("sparsekit::segment_sum_parts", _segment_sum_parts_backward,
+                                setup_context=_segment_sum_parts_setup_context)
 
 
 @torch.library.register_fake("sparsekit::segment_sum_parts")
@@ -634,6 +666,7 @@ def lazy_adam_(
         eps: denominator term ``>= 0``.
         weight_decay: L2 penalty ``>= 0`` added to the gradient of the touched rows.
     """
+    tensor_arguments("lazy_adam_", weight=weight, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, rows=rows, grad=grad)
     step = _integer("lazy_adam_", "step", step)
     lr, beta1, beta2, eps, weight_decay = (
         _real("lazy_adam_", name, value) for name, value in
@@ -687,6 +720,7 @@ def partition_by_owner(keys: Tensor, world_size: int) -> Tuple[Tensor, Tensor, T
         ``positions`` (int64 ``[N]``) with ``keys_by_owner[positions[i]] == keys[i]``;
         ``counts`` (int64 ``[world_size]``) keys per owner. No host synchronisation.
     """
+    tensor_arguments("partition_by_owner", keys=keys)
     return _ops.partition_by_owner(keys, _integer("partition_by_owner", "world_size", world_size))
 
 
@@ -743,6 +777,7 @@ def key_seeded_uniform(
         RuntimeError: a bound not finite, outside ``dtype``'s range (an int or a long
             double beyond float64 included) or ``low > high``, as the kernel checks.
     """
+    tensor_arguments("key_seeded_uniform", keys=keys)
     op = "key_seeded_uniform"
     dim, seed = _integer(op, "dim", dim), _integer(op, "seed", seed)
     low, high = _real(op, "low", low), _real(op, "high", high)
@@ -1337,6 +1372,7 @@ def embedding_bag(
             None, ``include_last_offset`` not a bool (None or 0 would silently pick the
             other offsets convention).
     """
+    tensor_arguments("embedding_bag", weight=weight, rows=rows, offsets=offsets)
     mode = _choice("embedding_bag", "mode", mode)
     padding_idx = _integer("embedding_bag", "padding_idx", padding_idx, optional=True)
     include_last_offset = _flag("embedding_bag", "include_last_offset", include_last_offset)
@@ -1356,4 +1392,5 @@ def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
         differentiable: with ``create_graph=True`` that gradient is differentiable again in
         ``grad_output``, as for :func:`embedding_bag`.
     """
+    tensor_arguments("embedding_gather", weight=weight, rows=rows)
     return _ops.embedding_gather(weight, rows)

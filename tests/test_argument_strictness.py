@@ -558,3 +558,35 @@ def test_key_seeded_uniform_initializer_refuses_bounds_beyond_float32_by_name(bo
     name = "low" if bound < 0 else "high"
     with pytest.raises(ValueError, match=f"KeySeededUniform: {name} must lie in float32's finite range"):
         sk.KeySeededUniform(0, low, high)
+
+
+_W, _ROWS, _OFFSETS = torch.randn(4, 2), torch.tensor([0, 1]), torch.tensor([0, 1, 2])
+_SLOTS = torch.full((8,), -1, dtype=L)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda bad: sk.ops.unique(bad), "unique: keys"),
+    (lambda bad: sk.ops.segment_sum(bad, _ROWS, 2), "segment_sum: data"),
+    (lambda bad: sk.ops.segment_sum(torch.randn(2, 3), bad, 2), "segment_sum: segment_ids"),
+    (lambda bad: sk.ops.segment_mean(bad, _ROWS, 2), "segment_mean: data"),
+    (lambda bad: sk.ops.partition_by_owner(bad, 2), "partition_by_owner: keys"),
+    (lambda bad: sk.ops.key_seeded_uniform(bad, 3), "key_seeded_uniform: keys"),
+    (lambda bad: sk.ops.embedding_bag(bad, _ROWS, _OFFSETS), "embedding_bag: weight"),
+    (lambda bad: sk.ops.embedding_bag(_W, bad, _OFFSETS), "embedding_bag: rows"),
+    (lambda bad: sk.ops.embedding_bag(_W, _ROWS, bad), "embedding_bag: offsets"),
+    (lambda bad: sk.ops.embedding_gather(bad, _ROWS), "embedding_gather: weight"),
+    (lambda bad: sk.ops.embedding_gather(_W, bad), "embedding_gather: rows"),
+    (lambda bad: sk.ops.select_smallest([_ROWS], bad, 1), "select_smallest: eligible"),
+    (lambda bad: sk.ops.select_smallest([bad], torch.ones(2, dtype=torch.bool), 1), r"select_smallest: columns\[0\]"),
+    (lambda bad: sk.ops.lazy_adam_(_W, bad, _W.clone(), _ROWS, torch.ones(2, 2), 1, 0.1, 0.9, 0.99, 1e-8),
+     "lazy_adam_: exp_avg"),
+    (lambda bad: sk.ops.hash_table_find(_SLOTS, _SLOTS.clone(), bad), "hash_table_find: keys"),
+    (lambda bad: sk.ops.hash_table_erase_(_SLOTS, bad, _ROWS), "hash_table_erase_: slot_rows"),
+])
+@pytest.mark.parametrize("bad", [None, [0, 1]])
+def test_a_wrapper_names_an_argument_that_is_no_tensor(call, named, bad):
+    """None or a list for a tensor argument: the dispatcher's own messages named no
+    argument ("Not yet supported ScalarType 46"), or an attribute read raised first."""
+    with pytest.raises(TypeError, match=rf"{named} must be a torch.Tensor, got {type(bad).__name__}"):
+        call(bad)
+    assert torch.equal(_SLOTS, torch.full((8,), -1, dtype=L))

@@ -285,3 +285,22 @@ def test_segment_double_backward(device):
         assert torch.autograd.gradgradcheck(lambda x, d=flag: sk.ops.segment_sum(x, ids, 6, d), (data,))
         assert torch.autograd.gradgradcheck(lambda x, d=flag: sk.ops.segment_mean(x, ids, 6, d), (data,))
     assert torch.autograd.gradgradcheck(lambda x: sk.ops.segment_sum(x, torch.full_like(ids, -1), 0), (data,))
+
+
+def test_segment_sum_parts_is_differentiable_as_segment_sum_of_the_concatenation():
+    """The op's gradient reaches every part (it had no autograd kernel: the output required
+    grad, and backward left the parts' .grad None), twice over, dropped rows getting zeros."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(rows, 3, dtype=torch.float64, generator=g, requires_grad=True) for rows in (4, 0, 5)]
+    ids = torch.tensor([2, -1, 0, 2, 1, 1, -5, 3, 0])
+
+    def parts_sum(*data):
+        return torch.ops.sparsekit.segment_sum_parts(list(data), ids, 4)
+
+    torch.autograd.gradcheck(parts_sum, parts)
+    torch.autograd.gradgradcheck(parts_sum, parts)
+    weights = torch.randn(4, 3, dtype=torch.float64, generator=g)
+    (parts_sum(*parts) * weights).sum().backward()
+    expected = torch.autograd.grad((sk.ops.segment_sum(torch.cat(parts), ids, 4) * weights).sum(), parts)
+    for part, want in zip(parts, expected):
+        torch.testing.assert_close(part.grad, want, rtol=0, atol=0)
