@@ -585,15 +585,13 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     dynamic = None
     if layer.hash_table is not None:
         present = [d for d in dynamic_parts if d is not None]
+        # Totals: each saved rank held its share; a replica's ranks sum to the layer's totals
+        # (stats() sums a group's ranks), and each replica saved them alike. Kept by rank 0.
+        replicas = max(1, len(present) // max(1, int(saved_meta["world_size"])))
         dynamic = {"last_seen": state.pop("\0last_seen"), "count": state.pop("\0count"),
                    "clock": max((int(d["clock"]) for d in present), default=0),
-                   # Totals: summed over the saved ranks, kept by rank 0 (stats() sums them back).
-                   "evicted": sum(int(d["evicted"]) for d in present) if layer.rank == 0 and first is None else 0,
-                   "admitted": sum(int(d["admitted"]) for d in present) if layer.rank == 0 and first is None else 0}
-        if layer.rank == 0 and first is not None:
-            # Replicas saved the same totals once each.
-            dynamic["evicted"] = max((int(d["evicted"]) for d in present), default=0)
-            dynamic["admitted"] = max((int(d["admitted"]) for d in present), default=0)
+                   "evicted": sum(int(d["evicted"]) for d in present) // replicas if layer.rank == 0 else 0,
+                   "admitted": sum(int(d["admitted"]) for d in present) // replicas if layer.rank == 0 else 0}
         pendings = [d["pending"] for d in present if d.get("pending") is not None]
         if pendings:
             pending = {field: torch.cat([p[field] for p in pendings]) for field in ("keys", "last_seen", "count")}

@@ -30,11 +30,16 @@ _OWNER_EXCEPTION = 2
 def _resolve_group(process_group: Optional[dist.ProcessGroup],
                    where: str) -> Tuple[Optional[dist.ProcessGroup], int, int]:
     """(group, world_size, rank); no group at all when torch.distributed is not initialised.
-    Anything but a ProcessGroup or None raises TypeError, the message led by ``where``."""
+    Anything but a ProcessGroup or None raises TypeError, the message led by ``where``; the
+    marker dist.new_group gives ranks outside the group, ValueError."""
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1, 0
         process_group = dist.group.WORLD
+    elif dist.is_available() and process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group returns on the ranks it leaves out.
+        raise ValueError(f"{where}: this rank ({dist.get_rank()}) is not a member of process_group (dist.new_group "
+                         "gave it the non-member marker); build the layer only on the group's ranks")
     elif not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
         raise TypeError(f"{where}: process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r} "
                         f"({type(process_group).__qualname__})")

@@ -293,6 +293,39 @@ def test_a_layer_pickled_before_the_gradient_numbering_trains(tmp_path):
     assert loaded.stats()["evicted"] == 3
 
 
+def _replicas_worker(rank, world_size, init, directory):
+    init()
+    group = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    layer = sk.DistributedEmbedding("sum", 6, DIM, 1, 1, eviction="lru", process_group=group)
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.1)
+    for step in range(4):  # each replica sees the same keys: 5 new ones a step, 12 rows in all
+        keys = torch.arange(step * 5, step * 5 + 10).view(10, 1, 1)[(rank % 2) * 5:(rank % 2 + 1) * 5]
+        layer(keys).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    before = layer.stats()
+    assert before["evicted"] > 0
+    sk.save_checkpoint(directory, layer, optimizer)
+    fresh = sk.DistributedEmbedding("sum", 6, DIM, 1, 1, eviction="lru", process_group=group)
+    sk.load_checkpoint(directory, fresh)
+    assert fresh.stats() == before
+    if rank == 0:
+        torch.save(before, f"{directory}/stats.pt")
+
+
+def test_two_replicas_checkpoint_their_totals_once(tmp_path):
+    """Two replicas of a layer (groups [0, 1] and [2, 3]) each save their ranks' shares of
+    evicted / admitted: a load sums one replica's worth (it took the largest single rank's
+    share, about half), at the saved layout and in one process."""
+    directory = str(tmp_path / "ckpt")
+    spawn(_replicas_worker, 4, str(tmp_path), directory)
+    before = torch.load(f"{directory}/stats.pt")
+    alone = sk.DistributedEmbedding("sum", 12, DIM, 1, 1, eviction="lru")
+    sk.load_checkpoint(directory, alone)
+    stats = alone.stats()
+    assert (stats["evicted"], stats["admitted"]) == (before["evicted"], before["admitted"])
+
+
 def _clock_collection():
     return sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 2, ["f"], eviction="lru"),
                                       sk.TableConfig("b", 2, 4, ["g"], eviction="lfu", admit_after=2)])

@@ -706,6 +706,24 @@ def test_a_layer_refuses_another_rank_s_state(tmp_path):
     spawn(_foreign_state_worker, 2, str(tmp_path), str(tmp_path))
 
 
+def _non_member_worker(rank, world_size, init):
+    init()
+    group = dist.new_group([1])  # every rank calls new_group; rank 0 gets the non-member marker
+    builds = (lambda: sk.DistributedEmbedding("sum", 8, DIM, 1, 1, process_group=group),
+              lambda: sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 8, ["f"])], process_group=group))
+    for build in builds:
+        if rank == 0:
+            with pytest.raises(ValueError, match=r"this rank \(0\) is not a member of process_group"):
+                build()
+        else:
+            build()
+
+
+def test_a_rank_outside_the_layer_s_group_is_told_so(tmp_path):
+    """It had been a TypeError about the int -100 (torch's non-member marker)."""
+    spawn(_non_member_worker, 2, str(tmp_path))
+
+
 def test_ranks_that_disagree_on_the_configuration_all_raise(tmp_path):
     spawn(_config_mismatch_worker, 2, str(tmp_path))
 
