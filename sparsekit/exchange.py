@@ -93,6 +93,9 @@ class _CoalescedGradMarker:
     held the address cannot be recycled, so a gradient that merely reuses freed memory
     (after a backward that never reached ``.grad``, e.g. ``torch.autograd.grad``) can
     never be taken for the lookup's own. The hook releases it.
+
+    With eviction it also numbers the rows the shard gives to new keys, so that a lookup's
+    backward can leave out the rows given away since its forward (``own_rows``).
     """
 
     # With eviction (the shard sets row_since, int64 per row): the number of lookups that
@@ -112,18 +115,20 @@ class _CoalescedGradMarker:
         self.values = values
 
     def reused(self, rows: Tensor) -> None:
-        """Called by the shard when ``rows`` take new keys (evicted keys' rows among them)."""
-        if self.row_since is not None:
-            self.stamp += 1
-            self.row_since[rows] = self.stamp
+        """Called by a shard with eviction when ``rows`` take new keys (evicted keys' rows among them)."""
+        self.stamp += 1
+        self.row_since[rows] = self.stamp
 
-    def own_rows(self, rows: Tensor, values: Tensor, stamp: int) -> Tuple[Tensor, Tensor]:
-        """``rows`` and ``values``, a lookup's gradient of distinct rows (all >= 0) whose
-        forward ran at ``stamp``, without the rows given to new keys since: when a later
-        forward before the backward (two towers over one table, gradient accumulation)
-        evicted a key this lookup read and gave its row away, the evicted key's gradient
-        must not land on the new key. Nothing to do (and no host sync) unless rows were
-        given away since the forward; then one boolean selection."""
+    def own_rows(self, rows: Tensor, values: Tensor, stamp: int, may_miss: bool) -> Tuple[Tensor, Tensor]:
+        """``rows`` and ``values``, a lookup's gradient of distinct rows whose forward ran at
+        ``stamp``, without missing rows (-1, when ``may_miss``) and without the rows given to
+        new keys since: when a later forward before the backward (two towers over one table,
+        gradient accumulation) evicted a key this lookup read and gave its row away, the
+        evicted key's gradient must not land on the new key. No host sync for the second
+        unless rows were given away since the forward; then one boolean selection."""
+        if may_miss:
+            found = rows >= 0
+            rows, values = rows[found], values[found]
         if stamp == self.stamp or rows.numel() == 0:
             return rows, values
         keep = self.row_since.index_select(0, rows) <= stamp
@@ -245,10 +250,7 @@ class _LookupOwned(torch.autograd.Function):
             values = grad.index_select(0, grad_index)
         else:
             values = ops.segment_sum(grad.contiguous(), grad_index, sorted_rows.numel())
-        if ctx.has_missing:
-            found = sorted_rows >= 0
-            sorted_rows, values = sorted_rows[found], values[found]
-        sorted_rows, values = ctx.marker.own_rows(sorted_rows, values, ctx.stamp)
+        sorted_rows, values = ctx.marker.own_rows(sorted_rows, values, ctx.stamp, ctx.has_missing)
         weight_grad = torch.sparse_coo_tensor(sorted_rows.unsqueeze(0), values, ctx.weight_shape,
                                               is_coalesced=True, check_invariants=False)
         ctx.marker.produced(values)
@@ -309,10 +311,7 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
         if not ctx.needs_input_grad[first_weight + j]:
             grads.append(None)
             continue
-        if miss:
-            found = rows >= 0
-            rows, values = rows[found], values[found]
-        rows, values = marker.own_rows(rows, values, stamp)
+        rows, values = marker.own_rows(rows, values, stamp, miss)
         if values.dtype != dtype:
             values = values.to(dtype)
         grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
