@@ -139,13 +139,14 @@ def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -
     return {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
 
 
-def _model_layout(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> str:
-    """The model's embedding layers with their settings and its dense entries with their
-    shapes, as text that two ranks' models built alike give alike."""
+def _model_layout(layers: Dict[str, _ModelParallelEmbedding], dense: Dict[str, Any]) -> str:
+    """A model's embedding layers with their settings and its ``dense`` entries
+    (:func:`_dense_state`) with their shapes, as text that two ranks' models built alike
+    give alike."""
     return json.dumps({"layers": {name: [[str(k), str(v)] for k, v in layer._config().items()]
                                   for name, layer in layers.items()},
                        "dense": {key: list(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                                 for key, value in _dense_state(model, layers).items()}},
+                                 for key, value in dense.items()}},
                       sort_keys=True)
 
 
@@ -299,12 +300,14 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     """
     group, world_size, rank = _world()
     layers: Dict[str, _ModelParallelEmbedding] = {}
+    dense_state: Dict[str, Any] = {}
     error: Optional[BaseException] = None
     index = 0
     layout = ""
     try:
         model, layers = _model_and_layers("save_checkpoint", model, optimizer)
-        layout = _model_layout(model, layers)
+        dense_state = _dense_state(model, layers)
+        layout = _model_layout(layers, dense_state)
         _check_not_a_file(directory, "save_checkpoint", "give a directory (it is created when missing)")
         index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
     except Exception as exc:  # noqa: BLE001 - shared with every rank below (a rank alone would hang the rest)
@@ -345,7 +348,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         _write_file(os.path.join(temp_dir, _shard_name(rank, world_size)), lambda f: torch.save(shard, f))
         if rank == 0:
             dense = {"format": FORMAT_VERSION, "model": {k: v.cpu() if isinstance(v, Tensor) else v
-                                                         for k, v in _dense_state(model, layers).items()},
+                                                         for k, v in dense_state.items()},
                      "optimizer": _dense_optimizer_state(optimizer, model) if optimizer is not None else None}
             _write_file(os.path.join(temp_dir, "dense.pt"), lambda f: torch.save(dense, f))
             metadata = {
