@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._checks import AllocationError, allocation
-from ..checkpoint import _file_in_the_way, _nearest_existing
+from ..checkpoint import _file_in_the_way, _nearest_existing, _write_file
 from .data import NUM_SLOTS, SyntheticCriteo
 from .metrics import all_gather_1d, log_loss, roc_auc
 from .model import DLRM, SparsekitSlotEmbedding, SparsekitTableEmbedding, TorchSlotEmbedding
@@ -400,11 +400,11 @@ def _step_dir(config: TrainConfig, step: int) -> str:
 
 
 def _atomic_write(path: str, write) -> None:
-    """``write(temporary)``, then the temporary file renamed to ``path``; an OSError names
-    ``path`` (the one the user gave), not the temporary file, which is removed."""
+    """``write(file)`` into a temporary file flushed to disk, then renamed to ``path``; an
+    OSError names ``path`` (the one the user gave), not the temporary file, which is removed."""
     temporary = f"{path}.tmp{os.getpid()}"
     try:
-        write(temporary)
+        _write_file(temporary, write)
         os.replace(temporary, path)
     except OSError as error:
         with contextlib.suppress(OSError):
@@ -413,16 +413,11 @@ def _atomic_write(path: str, write) -> None:
 
 
 def _atomic_write_text(path: str, text: str) -> None:
-    def write(temporary: str) -> None:
-        with open(temporary, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-    _atomic_write(path, write)
+    _atomic_write(path, lambda out: out.write(text.encode()))
 
 
 def _atomic_torch_save(obj, path: str) -> None:
-    _atomic_write(path, lambda temporary: torch.save(obj, temporary))
+    _atomic_write(path, lambda out: torch.save(obj, out))
 
 
 def _barrier(context: Context) -> None:
