@@ -223,7 +223,8 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
             bytearray or memoryview (it would be hashed character by character: use
             :func:`hash_value`), is a mapping or set (no ``i``-th value for ``out[i]``), is a
             float, complex or bool array or tensor (convert bools with ``.astype(np.int64)`` /
-            ``.long()``), or holds a value :func:`hash_value` refuses; or ``slot`` or ``seed`` is not an int (checked even for no values).
+            ``.long()``), or holds a value :func:`hash_value` refuses; or ``slot`` or
+            ``seed`` is not an int (checked even for no values).
         ValueError: a value :func:`hash_value` refuses with ``ValueError``, or a ``slot``
             outside the int64 range.
     """
