@@ -293,6 +293,44 @@ def test_a_layer_pickled_before_the_gradient_numbering_trains(tmp_path):
     assert loaded.stats()["evicted"] == 3
 
 
+def _evicted_gradient_worker(rank, world_size, init):
+    init()
+    for kind in ("all2all", "distributed", "collection"):
+        for backward_each in (False, True):
+            evicting, roomy, call, vectors = _evicting_and_roomy(kind)
+            results = []
+            for layer in (evicting, roomy):
+                optimizer = sk.LazyAdam(layer.parameters(), lr=0.1)
+                # Each shard (key % 2) holds two of the keys 2..5 ...
+                weights = torch.tensor([[5.0], [3.0]]) if rank == 0 else torch.tensor([[2.0], [7.0]])
+                first = (call(layer, [2, 3] if rank == 0 else [4, 5]) * weights).sum()
+                if backward_each:
+                    first.backward()
+                # ... and takes a new key from the other rank: 6 evicts 2 on rank 0, 7 evicts 3.
+                second = -call(layer, [7] if rank == 0 else [6]).sum()
+                (second if backward_each else first + second).backward()
+                optimizer.step()
+                results.append((layer, optimizer))
+            stats = [layer.stats("t") if kind == "collection" else layer.stats() for layer in (evicting, roomy)]
+            assert (stats[0]["evicted"], stats[1]["evicted"]) == (2, 0), (kind, stats)
+            kept = [4, 6] if rank == 0 else [5, 7]
+            torch.testing.assert_close(vectors(evicting, kept), vectors(roomy, kept), rtol=0, atol=0,
+                                       msg=lambda m: f"{kind}, backward_each={backward_each}: {m}")
+            tables = [(layer.shards[0] if kind == "collection" else layer).hash_table for layer, _ in results]
+            rows = [table.find(torch.tensor(kept)) for table in tables]
+            (evicting_weight,), (roomy_weight,) = (list(layer.parameters()) for layer, _ in results)
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(results[0][1].state[evicting_weight][name][rows[0]],
+                                   results[1][1].state[roomy_weight][name][rows[1]]), (kind, backward_each, name)
+
+
+def test_an_evicted_key_s_gradient_does_not_reach_its_successor_across_ranks(tmp_path):
+    """The test above at world size 2 (gloo): each shard gives the row of a key that the
+    first lookup read on both ranks to a key that another rank asks for, and the first
+    lookup's gradient comes back to the owner through the exchange after that."""
+    spawn(_evicted_gradient_worker, 2, str(tmp_path))
+
+
 def _replicas_worker(rank, world_size, init, directory):
     init()
     group = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
