@@ -104,6 +104,34 @@ def bool_argument(where: str, name: str, value: Any) -> bool:
     raise TypeError(f"{where}: {name} must be a bool, got {value!r} ({type_name(value)})")
 
 
+def device_argument(where: str, value: Any) -> Any:
+    """``value`` (None, a ``torch.device``, a string or an int, as torch takes them) checked
+    as a device that this process has: an unknown name or a CUDA device without CUDA
+    raises naming ``where`` and the argument, not torch's bare message from deep inside
+    an allocation. Returns ``value`` unchanged.
+
+    Raises:
+        TypeError / ValueError / RuntimeError: ``"{where}: device ..."``.
+    """
+    if value is None:
+        return value
+    if is_bool(value) or not isinstance(value, (torch.device, str, int)):
+        raise TypeError(f"{where}: device must be a torch.device, a string, an int or None, got {value!r} "
+                        f"({type_name(value)})")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise ValueError(f"{where}: device={value!r} is not a device ({error})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{where}: device={value!r} but CUDA is not available in this process "
+                               "(no GPU, or a CPU-only torch)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"{where}: device={value!r} but this process sees "
+                               f"{torch.cuda.device_count()} CUDA device(s)")
+    return value
+
+
 # ---- argument checks of the fake (meta) kernels ------------------------------------------
 # The fakes run instead of the C++ kernels whenever an argument is a meta tensor (and under
 # torch.compile); these apply the checks the C++ headers apply, with the same messages, so

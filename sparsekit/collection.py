@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
+from ._checks import device_argument
 from .checkpoint import _collective_device
 from .exchange import (
     _BAD_KEY,
@@ -525,6 +526,7 @@ class EmbeddingBagCollection(nn.Module):
         if isinstance(tables, TableConfig) or not isinstance(tables, (list, tuple)) or not tables \
                 or not all(isinstance(t, TableConfig) for t in tables):
             raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig")
+        device_argument("EmbeddingBagCollection", device)
         for table in tables:
             table._check()  # again: a config may have been changed since it was built
         names = [t.name for t in tables]

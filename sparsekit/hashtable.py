@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import allocation, dense_layout
+from ._checks import allocation, dense_layout, device_argument
 from .allocator import table_full, table_zeros
 
 __all__ = ["HashTable", "HashTableFullError"]
@@ -182,6 +182,7 @@ class HashTable:
             raise TypeError(f"HashTable: key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
         if eviction not in _EVICTION_POLICIES:
             raise ValueError(f"HashTable: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
+        device_argument("HashTable", device)
         self._capacity = capacity
         self._key_dtype = key_dtype
         self._eviction = eviction

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import allocation, bool_argument, dense_layout
+from ._checks import allocation, bool_argument, dense_layout, device_argument
 from .allocator import table_zeros
 from .exchange import (
     _BAD_KEY,
@@ -248,14 +248,16 @@ class _ModelParallelEmbedding(nn.Module):
             raise ValueError(f"{name}: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
         if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
             raise ValueError(f"{name}: admit_after must be an int >= 1, got {admit_after!r}")
-        if admission_capacity is None:
+        default_admission = admission_capacity is None
+        if default_admission:
             admission_capacity = max_vocabulary_size_per_gpu
         if isinstance(admission_capacity, bool) or not isinstance(admission_capacity, int) or admission_capacity < 1:
             raise ValueError(f"{name}: admission_capacity must be a positive int or None, got {admission_capacity!r}")
         use_hashtable = bool_argument(name, "use_hashtable", use_hashtable)
-        if not use_hashtable and (eviction is not None or admit_after != 1):
-            raise ValueError(f"{name}: eviction and admit_after need use_hashtable=True (a direct-mapped shard has "
-                             "a row for every key)")
+        if not use_hashtable and (eviction is not None or admit_after != 1 or not default_admission):
+            raise ValueError(f"{name}: eviction, admit_after and admission_capacity need use_hashtable=True (a "
+                             "direct-mapped shard has a row for every key)")
+        device_argument(name, device)
         self.max_vocabulary_size_per_gpu = max_vocabulary_size_per_gpu
         self.embedding_vec_size = embedding_vec_size
         self.eviction = eviction

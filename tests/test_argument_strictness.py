@@ -590,3 +590,38 @@ def test_a_wrapper_names_an_argument_that_is_no_tensor(call, named, bad):
     with pytest.raises(TypeError, match=rf"{named} must be a torch.Tensor, got {type(bad).__name__}"):
         call(bad)
     assert torch.equal(_SLOTS, torch.full((8,), -1, dtype=L))
+
+
+_BUILDERS = {
+    "DistributedEmbedding": lambda device: sk.DistributedEmbedding("sum", 4, 2, 1, 2, device=device),
+    "All2AllDenseEmbedding": lambda device: sk.All2AllDenseEmbedding(4, 2, 1, 1, device=device),
+    "HashTable": lambda device: sk.HashTable(4, device=device),
+    "EmbeddingBagCollection": lambda device: sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 4, ["f"])],
+                                                                     device=device),
+}
+
+
+@pytest.mark.parametrize("builder", sorted(_BUILDERS))
+@pytest.mark.parametrize("device, error, pattern", [
+    ("nodevice", ValueError, r"device='nodevice' is not a device"),
+    (1.5, TypeError, r"device must be a torch.device, a string, an int or None, got 1.5 \(float\)"),
+    (True, TypeError, r"device must be .* got True \(bool\)"),
+])
+def test_a_layer_or_table_names_a_bad_device(builder, device, error, pattern):
+    with pytest.raises(error, match=f"{builder}: {pattern}"):
+        _BUILDERS[builder](device)
+
+
+@pytest.mark.parametrize("builder", sorted(_BUILDERS))
+def test_a_cuda_device_without_cuda_is_named(builder):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    for device in ("cuda", "cuda:1", 0, torch.device("cuda")):
+        with pytest.raises(RuntimeError, match=f"{builder}: device=.* but CUDA is not available"):
+            _BUILDERS[builder](device)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu"), "meta"])
+def test_layers_and_tables_take_the_devices_torch_takes(device):
+    for build in _BUILDERS.values():
+        build(device)

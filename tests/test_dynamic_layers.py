@@ -39,6 +39,7 @@ def test_defaults_change_nothing():
     (dict(eviction="fifo"), "eviction"), (dict(admit_after=0), "admit_after"),
     (dict(admission_capacity=0), "admission_capacity"),
     (dict(eviction="lru", use_hashtable=False), "use_hashtable"),
+    (dict(admission_capacity=3, use_hashtable=False), "admission_capacity need use_hashtable=True"),
 ])
 def test_bad_arguments_name_themselves(bad, match):
     with pytest.raises(ValueError, match=match):
