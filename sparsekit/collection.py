@@ -806,11 +806,13 @@ class EmbeddingBagCollection(nn.Module):
                 prepared = self._prepare(kjt, device)  # a table's new keys do not fit: its error comes from there
             counts = [prepared["pairs_per_table"]]
             if prepared["one_per_bag"] and prepared["weights"] is None and prepared["pair_keys"].numel() > 0:
-                # One key per bag: the features read their vectors straight from the weights.
+                # One key per bag: the features read their vectors straight from the weights
+                # (every feature of the batch has keys, so every table it reads gets a gradient).
                 rows = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True,
                                           vectors=False)
                 return self._pool(prepared, None, counts, rows)
-            per_group = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True)
+            per_group = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True,
+                                           present=self._listed(prepared))
             return self._pool(prepared, per_group, counts)
 
         if not self._config_agreed:
@@ -827,12 +829,14 @@ class EmbeddingBagCollection(nn.Module):
         # Per owner: pair count, error flags, train/eval mode, then pairs per table. One host
         # read gives every split size and every rank's verdict.
         mode = torch.full((world, 1), int(self.training), dtype=torch.int64, device=device)
-        # Then this rank's pairs per table over all owners: every rank learns which tables
-        # have a key anywhere this step, and each such table gets a gradient on every rank
-        # (empty where the rank owns none of its keys) and its step counted, as in one process.
+        # Then whether this rank's batch lists a feature of each table: every rank learns which
+        # tables some rank's batch names this step, and each such table gets a gradient on
+        # every rank (empty where the rank owns none of its keys, or where no rank has any)
+        # and its step counted, as in one process.
+        listed = torch.tensor(self._listed(prepared) if error is None else [False] * num_tables,
+                              dtype=torch.int64, device=device)
         send_header = torch.cat([per_owner_table.sum(1, keepdim=True), flags.expand(world, 1), mode,
-                                 per_owner_table, per_owner_table.sum(0, keepdim=True).expand(world, num_tables)],
-                                dim=1)
+                                 per_owner_table, listed.expand(world, num_tables)], dim=1)
         recv_header = torch.empty_like(send_header)
         dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
         header = torch.cat([send_header, recv_header]).tolist()
@@ -864,6 +868,15 @@ class EmbeddingBagCollection(nn.Module):
         recv_elements = [sum(n * d for n, d in zip(row, dims)) for row in got_counts]
         back = _AllToAll.apply(flat, send_elements, recv_elements, self.process_group)
         return self._pool(prepared, self._unpack(back, sent_counts), sent_counts)
+
+    def _listed(self, prepared: Dict[str, Any]) -> List[bool]:
+        """Per table, whether the batch names one of its features (even with no keys): such
+        a table joins the lookup and gets a gradient, empty if it read no row, so that its
+        optimizer step counts as nn.EmbeddingBag's does for an empty input."""
+        listed = [False] * len(self._shards)
+        for t in prepared["table_of_feature"]:
+            listed[t] = True
+        return listed
 
     def _table_offsets(self, counts: List[List[int]]) -> List[int]:
         """Row of each table's first pair in its dim group's block (tables of a group

@@ -744,6 +744,48 @@ def test_a_rank_owning_none_of_a_steps_keys_trains_as_one_process(tmp_path, worl
         torch.testing.assert_close(merged[key], vector, rtol=1e-5, atol=1e-6)
 
 
+def _listed_empty_run(rank, world_size, other_dim):
+    """Two steps: table a's feature listed with empty bags, then read (key 7, rank 0 only);
+    table b read every step. Returns a's step count and this rank's vector of key 7."""
+    model = sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 16, ["fa"]), sk.TableConfig("b", other_dim, 16, ["fb"])])
+    optimizer = sk.LazyAdam(model.parameters(), lr=0.1)
+    batches = [sk.KeyedJagged(["fa", "fb"], torch.tensor([5]), lengths=torch.tensor([0, 1])),
+               sk.KeyedJagged(["fa", "fb"], torch.tensor([7, 5] if rank == 0 else [5]),
+                              lengths=torch.tensor([1, 1] if rank == 0 else [0, 1]))]
+    for step, kjt in enumerate(batches):
+        optimizer.zero_grad()
+        out = model(kjt)
+        sum(v.sum() for v in out.values()).backward()
+        if step == 0:
+            grad = model.weights["a"].grad
+            assert grad is not None and grad.is_sparse and grad._nnz() == 0
+        optimizer.step()
+    keys, vectors = model.export("a")
+    return float(optimizer.state[model.weights["a"]]["step"]), vectors[keys == 7].clone()
+
+
+def _listed_empty_worker(rank, world_size, init, result_dir):
+    init()
+    torch.save([_listed_empty_run(rank, world_size, other_dim) for other_dim in (4, 8)],
+               f"{result_dir}/rank{rank}.pt")
+
+
+def test_a_table_listed_with_empty_bags_counts_its_step_at_every_world_size(tmp_path):
+    """As nn.EmbeddingBag(sparse=True) + SparseAdam: a call with no lookups still gives an
+    empty gradient and counts the step. It used to depend on the other tables' dims (one
+    process: only when no table of the same dim had keys) and on the world size (several:
+    only when some rank had a key of the table), so a's later update differed."""
+    spawn(_listed_empty_worker, 2, str(tmp_path), str(tmp_path))
+    for index, other_dim in enumerate((4, 8)):
+        step, vector = _listed_empty_run(0, 1, other_dim)
+        assert step == 2.0
+        for rank in range(2):
+            rank_step, rank_vector = torch.load(f"{tmp_path}/rank{rank}.pt")[index]
+            assert rank_step == 2.0
+            if rank_vector.numel():
+                torch.testing.assert_close(rank_vector, vector, rtol=0, atol=0)
+
+
 def _state_dropped_worker(rank, world_size, init, directory):
     init()
     model = _sparse_tables_model()
