@@ -20,8 +20,8 @@ inline void check_segment_sum_args(const Tensor& data, const Tensor& segment_ids
 }
 
 /// Message of the error raised for a segment id that is >= num_segments.
-inline std::string segment_id_range_message(int64_t bad_id, int64_t num_segments) {
-  return "segment_sum: segment_ids holds " + std::to_string(bad_id) + " but num_segments is " +
+inline std::string segment_id_range_message(int64_t bad_id, int64_t num_segments, const char* op = "segment_sum") {
+  return std::string(op) + ": segment_ids holds " + std::to_string(bad_id) + " but num_segments is " +
          std::to_string(num_segments) + "; ids must be < num_segments (negative ids are dropped as padding)";
 }
 

@@ -30,7 +30,7 @@ def _bytes(count: int) -> str:
 
 @contextlib.contextmanager
 def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype: torch.dtype,
-               device) -> Iterator[None]:
+               device, accumulator: bool = False) -> Iterator[None]:
     """Turns an allocation failure inside the block into an error that names what was being
     allocated (``what``: the argument that sized it) and the bytes it would need.
 
@@ -42,6 +42,8 @@ def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype:
         shape: the shape of the largest tensor allocated.
         dtype: its dtype.
         device: where it goes.
+        accumulator: a float16/bfloat16 result is summed in a float32 buffer of the same
+            shape first (segment sums): its bytes count too.
     """
     try:
         yield
@@ -53,10 +55,14 @@ def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype:
         for size in shape:
             numel *= int(size)
         needed = numel * torch.empty((), dtype=dtype).element_size()
+        tensors = f"a {list(shape)} {dtype} tensor of {_bytes(needed)}"
+        if accumulator and dtype in (torch.float16, torch.bfloat16):
+            needed += numel * 4
+            tensors += f" and its float32 accumulator, {_bytes(needed)} in all,"
         where = "the default device" if device is None else str(device)
         what = what() if callable(what) else what
-        raise AllocationError(f"{what}: needs a {list(shape)} {dtype} tensor of {_bytes(needed)} on {where}, "
-                              "which cannot be allocated; choose a smaller value") from error
+        raise AllocationError(f"{what}: needs {tensors} on {where}, which cannot be allocated; choose a smaller "
+                              "value") from error
 
 
 # ---- argument types -------------------------------------------------------------------------

@@ -220,7 +220,7 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
     num_segments = _integer("segment_sum", "num_segments", num_segments)
     deterministic = _flag("segment_sum", "deterministic", deterministic)
     with allocation(lambda: f"segment_sum: num_segments={num_segments} (the output)",
-                    (num_segments,) + tuple(data.shape[1:]), data.dtype, data.device):
+                    (num_segments,) + tuple(data.shape[1:]), data.dtype, data.device, accumulator=True):
         return _ops.segment_sum(data, segment_ids, num_segments, _deterministic(deterministic))
 
 
@@ -1354,8 +1354,9 @@ def embedding_bag(
     Returns:
         ``[bags, D]`` of ``weight``'s dtype; a bag with no valid row (or whose valid weights
         sum to zero in weighted mean) is zeros. Differentiable in ``weight`` (a sparse COO
-        gradient with one entry per distinct valid row looked up, gradients summed, rows in
-        order of first occurrence, so not marked coalesced; max sends each column's gradient
+        gradient with one entry per distinct valid row looked up, gradients summed: on the
+        CPU rows ascending and marked coalesced, on CUDA rows in order of first occurrence,
+        not marked; max sends each column's gradient
         to the arg-max row, ties to the first valid lookup in bag order) and in
         ``per_sample_weights`` (dense). Forward and gradients are bit-identical run to run;
         max mode (a selection) is also bit-identical between CPU and CUDA.

@@ -285,6 +285,28 @@ def test_raw_ops_name_the_argument_of_an_output_too_large(size):
         torch.ops.sparsekit.key_seeded_uniform(torch.tensor([1]), size, 0, -0.05, 0.05, None)
 
 
+@pytest.mark.parametrize("size", HUGE)
+def test_segment_sum_parts_names_itself_in_the_shared_kernel_s_errors(size):
+    """segment_sum_parts shares segment_sum's kernel; its range and allocation errors said
+    "segment_sum"."""
+    parts = [torch.ones(3, 2), torch.ones(2, 2)]
+    with pytest.raises(RuntimeError, match=r"^segment_sum_parts: segment_ids holds 7 but num_segments is 3"):
+        torch.ops.sparsekit.segment_sum_parts(parts, torch.tensor([0, 1, 2, 7, 0]), 3)
+    with pytest.raises(RuntimeError, match=rf"^segment_sum_parts: num_segments={size} \(the output\) cannot be"):
+        torch.ops.sparsekit.segment_sum_parts(parts, torch.zeros(5, dtype=torch.long), size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_segment_sum_too_large_counts_its_float32_accumulator(dtype):
+    """A float16/bfloat16 segment sum adds in a float32 buffer of the output's shape: the
+    error counts both (2 + 4 bytes a value), not the output's 2 alone."""
+    size = 2**40
+    with pytest.raises(MemoryError, match=rf"needs a \[{size}, 2\] {dtype} tensor of 4,398,046,511,104 bytes "
+                                                 r"\(4.0 TiB\) and its float32 accumulator, 13,194,139,533,312 bytes "
+                                                 r"\(12.0 TiB\) in all,"):
+        sk.ops.segment_sum(torch.ones(3, 2, dtype=dtype), torch.zeros(3, dtype=torch.long), size)
+
+
 @pytest.mark.parametrize("num_tables", [2**20 + 1, 2**40, 2**62])
 def test_unique_tables_bounds_the_table_count(num_tables):
     with pytest.raises(RuntimeError, match=r"unique_tables: num_tables must lie in \[0, 2\^20\]"):

@@ -191,15 +191,16 @@ std::vector<int64_t> balanced_segment_edges(const index_t* ids, int64_t n, int64
 }
 
 /// @brief The sum of rows data[i] into out[ids[i]], data given as parts of consecutive
-/// rows (contiguous, one dtype and row shape; `shape` is the row shape with any first size).
-Tensor segment_sum_rows(const std::vector<Tensor>& data, const Tensor& ids_in, int64_t num_segments,
+/// rows (contiguous, one dtype and row shape; `shape` is the row shape with any first size);
+/// `op` names the calling op in its errors.
+Tensor segment_sum_rows(const char* op, const std::vector<Tensor>& data, const Tensor& ids_in, int64_t num_segments,
                         std::vector<int64_t> shape) {
   const Tensor ids = as_contiguous(ids_in);
   const int64_t n = ids.numel();
   int64_t dim = 1;
   for (size_t d = 1; d < shape.size(); ++d) dim *= shape[d];
   shape[0] = num_segments;
-  Tensor out = allocate_or_fail("segment_sum", "num_segments=" + std::to_string(num_segments) + " (the output)",
+  Tensor out = allocate_or_fail(op, "num_segments=" + std::to_string(num_segments) + " (the output)",
                                 [&] { return zeros(shape, data.empty() ? kFloat : data[0].scalar_type(), ids.device()); });
   if (n == 0) return out;
 
@@ -208,7 +209,7 @@ Tensor segment_sum_rows(const std::vector<Tensor>& data, const Tensor& ids_in, i
     if (dim == 0 || num_segments == 0) {
       // No unit runs, so the ids are checked here.
       const int64_t max_id = *std::max_element(id_ptr, id_ptr + n);
-      SK_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments));
+      SK_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments, op));
       return;
     }
 
@@ -241,7 +242,7 @@ Tensor segment_sum_rows(const std::vector<Tensor>& data, const Tensor& ids_in, i
       });
     });
     const int64_t max_id = *std::max_element(max_ids.begin(), max_ids.end());
-    SK_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments));
+    SK_CHECK(max_id < num_segments, segment_id_range_message(max_id, num_segments, op));
   });
   return out;
 }
@@ -250,7 +251,7 @@ Tensor segment_sum_cpu(const Tensor& data_in, const Tensor& ids_in, int64_t num_
                        bool /*deterministic: always true on the CPU*/) {
   check_segment_sum_args(data_in, ids_in, num_segments);
   SK_CHECK(data_in.device().is_cpu(), "segment_sum: expected CPU tensors, got ", data_in.device());
-  return segment_sum_rows({as_contiguous(data_in)}, ids_in, num_segments, data_in.sizes().vec());
+  return segment_sum_rows("segment_sum", {as_contiguous(data_in)}, ids_in, num_segments, data_in.sizes().vec());
 }
 
 /// @brief segment_sum of the rows of several tensors taken one after the other, without
@@ -280,7 +281,7 @@ Tensor segment_sum_parts_cpu(const std::vector<Tensor>& data_in, const Tensor& i
   SK_CHECK(num_segments >= 0, op, ": num_segments must be >= 0, got ", num_segments);
   SK_CHECK(is_floating(data[0].scalar_type()), op, ": data must be float32, float64, float16 or bfloat16, got ",
            data[0].scalar_type());
-  return segment_sum_rows(data, ids, num_segments, data[0].sizes().vec());
+  return segment_sum_rows(op, data, ids, num_segments, data[0].sizes().vec());
 }
 
 }  // namespace
