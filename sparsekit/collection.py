@@ -305,8 +305,20 @@ class KeyedJagged:
             called = " and ".join(m for m, has in (("offsets()", has_offsets), ("lengths()", has_lengths)) if has)
             raise TypeError(f"{_INPUT}{called} returned None; one of them must return an int64 or int32 tensor")
         weights = kjt.weights_or_none() if callable(getattr(kjt, "weights_or_none", None)) else None
+        if callable(getattr(kjt, "variable_stride_per_key", None)) and kjt.variable_stride_per_key():
+            # TorchRec's variable batch per feature: lengths() then holds stride_per_key()[f]
+            # bags for feature f, which one batch size B for all would misread silently.
+            strides = kjt.stride_per_key() if callable(getattr(kjt, "stride_per_key", None)) else "?"
+            raise ValueError(f"{_INPUT}variable_stride_per_key() is True (batch sizes per feature {strides}): "
+                             "EmbeddingBagCollection needs one batch size B for every feature")
         out = cls.__new__(cls)
         out._set_checked(kjt.keys(), kjt.values(), lengths, offsets, weights, _INPUT, _METHOD_LABELS)
+        if callable(getattr(kjt, "stride", None)) and out._keys:
+            stride = kjt.stride()
+            if isinstance(stride, int) and not isinstance(stride, bool) and stride != out.stride():
+                raise ValueError(f"{_INPUT}stride() is {stride} but lengths()/offsets() give "
+                                 f"{out.lengths().numel()} bags for {len(out._keys)} features, a batch of "
+                                 f"{out.stride()}")
         return out
 
     def _set_checked(self, keys: Any, values: Any, lengths: Any, offsets: Any, weights: Any, owner: str,

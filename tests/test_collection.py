@@ -848,3 +848,59 @@ def _config_mismatch_worker(rank, world_size, init):
 
 def test_ranks_built_differently_or_given_no_features_all_raise(tmp_path):
     spawn(_config_mismatch_worker, 2, str(tmp_path))
+
+
+class _VariableBatch:
+    """A TorchRec KeyedJaggedTensor with a batch size per feature (VBE): fa has 1 sample,
+    fb 3; the 4 bags split evenly into 2 features, so B = 2 would misread them."""
+
+    def keys(self):
+        return ["fa", "fb"]
+
+    def values(self):
+        return torch.tensor([10, 20, 21, 22])
+
+    def lengths(self):
+        return torch.tensor([1, 1, 1, 1])
+
+    def offsets(self):
+        return torch.tensor([0, 1, 2, 3, 4])
+
+    def weights_or_none(self):
+        return None
+
+    def variable_stride_per_key(self):
+        return True
+
+    def stride_per_key(self):
+        return [1, 3]
+
+    def stride(self):
+        return 3
+
+
+def _two_tables():
+    return sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 16, ["fa"]), sk.TableConfig("b", 2, 16, ["fb"])])
+
+
+def test_a_variable_batch_per_feature_input_is_refused():
+    model = _two_tables()
+    with pytest.raises(ValueError, match=r"variable_stride_per_key\(\) is True \(batch sizes per feature \[1, 3\]\)"):
+        model(_VariableBatch())
+    assert model.stats("a")["size"] == 0 and model.stats("b")["size"] == 0
+
+
+def test_an_input_whose_stride_disagrees_with_its_lengths_is_refused():
+    class Uniform(_VariableBatch):
+        def variable_stride_per_key(self):
+            return False
+
+    with pytest.raises(ValueError, match=r"stride\(\) is 3 but lengths\(\)/offsets\(\) give 4 bags for 2 features, "
+                                         r"a batch of 2"):
+        _two_tables()(Uniform())
+
+    class Agreeing(Uniform):
+        def stride(self):
+            return 2
+
+    assert {k: tuple(v.shape) for k, v in _two_tables()(Agreeing()).items()} == {"fa": (2, 2), "fb": (2, 2)}
