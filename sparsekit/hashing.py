@@ -164,6 +164,11 @@ def _hash(value: Value, slot: int, seed: int) -> int:
         return _to_int64(_digest(value, _seed(slot, seed, _TEXT)))
     if isinstance(value, memoryview):
         return _to_int64(_digest(value if value.c_contiguous else value.tobytes(), _seed(slot, seed, _TEXT)))
+    if isinstance(value, torch.Tensor) and value.dim() != 0 and value.numel() == 1:
+        # A one-element tensor converts with operator.index; as a numpy array of shape [1]
+        # does not, neither does it here: it is a sequence, not one integer.
+        raise TypeError(f"sparsekit.hashing: cannot hash a {value.dim()}-d tensor of shape {list(value.shape)} as "
+                        "one value; pass a 0-d tensor or an int (hash_values hashes a tensor element by element)")
     if is_bool(value):
         raise TypeError(f"sparsekit.hashing: cannot hash a bool ({value!r}): it would share the key of the "
                         "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant")
@@ -239,6 +244,11 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
             hint = "; convert bools to int explicitly (.long())" if values.dtype == torch.bool else ""
             raise TypeError(f"sparsekit.hashing.hash_values: tensor of dtype {values.dtype}; pass integers, "
                             f"strings or bytes{hint}")
+        if values.layout != torch.strided or values.device.type == "meta":
+            what = "a meta tensor (it holds no values)" if values.device.type == "meta" else \
+                f"a {values.layout} tensor"
+            raise TypeError(f"sparsekit.hashing.hash_values: values is {what}; pass a dense tensor "
+                            "(.to_dense()) with values")
         values = values.reshape(-1).tolist()
     elif isinstance(values, np.ndarray):
         if values.dtype.kind not in "iuUSOT":

@@ -362,3 +362,21 @@ def test_numpy_buffers_are_not_bytes_like():
     for value in (np.array([1, 2]), torch.tensor([1, 2])):
         with pytest.raises(TypeError, match=r"cannot hash a (ndarray|Tensor); .*hash_values"):
             hashing.hash_value(value)
+
+
+def test_a_tensor_of_one_element_is_not_one_value():
+    """torch.tensor([7]) converts with operator.index, numpy's array([7]) does not: both are
+    sequences, refused as one value (a 3-d tensor of rows was read as a 2-d one)."""
+    assert hashing.hash_value(torch.tensor(7)) == hashing.hash_value(7)
+    for value in (torch.tensor([7]), torch.tensor([[7]])):
+        with pytest.raises(TypeError, match=r"cannot hash a \d-d tensor of shape"):
+            hashing.hash_value(value)
+    with pytest.raises(TypeError, match=r"cannot hash a 1-d tensor of shape \[1\]"):
+        hashing.hash_rows(torch.tensor([[[1], [2]]]))
+
+
+@pytest.mark.parametrize("values, what", [(torch.tensor([1, 2]).to_sparse(), "torch.sparse_coo tensor"),
+                                          (torch.tensor([1, 2], device="meta"), "meta tensor")])
+def test_hash_values_names_a_tensor_without_dense_values(values, what):
+    with pytest.raises(TypeError, match=rf"hash_values: values is a {what}"):
+        hashing.hash_values(values)
