@@ -380,6 +380,33 @@ def test_resume_gives_the_uninterrupted_result(tmp_path, embedding):
     assert again["resumed_from_step"] == 12 and again["logloss"] == straight["logloss"]
 
 
+def test_zero_steps_evaluates_once_and_checkpoints_the_untrained_model(tmp_path, monkeypatch):
+    """--steps 0: the untrained model is the end: scored once (it was scored twice), and
+    checkpointed when --checkpoint-dir is given ("0: only at the end"); resuming from it
+    trains as a run from scratch."""
+    from sparsekit.train import loop
+    calls = []
+    evaluate = loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", lambda *args: calls.append(1) or evaluate(*args))
+    result = train(tiny(steps=0, checkpoint_dir=str(tmp_path)))
+    assert len(calls) == 1 and result["steps"] == 0
+    assert _step_dirs(tmp_path) == ["step_000000000"]
+    straight = train(tiny())
+    resumed = train(tiny(checkpoint_dir=str(tmp_path), resume=True))
+    assert resumed["resumed_from_step"] == 0 and resumed["logloss"] == straight["logloss"]
+
+
+def test_the_metrics_file_holds_what_the_command_prints(tmp_path, capsys):
+    """python -m sparsekit.train printed a field (malloc_keeps_freed_memory) that its
+    --metrics-json file lacked."""
+    from sparsekit.train.__main__ import main
+    path = tmp_path / "metrics.json"
+    main(["--device", "cpu", "--no-progress", "--steps", "2", "--batch-size", "64", "--eval-samples", "512",
+          "--table-rows", "4096", "--metrics-json", str(path)])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "malloc_keeps_freed_memory" in printed and json.loads(path.read_text()) == printed
+
+
 def test_dynamic_table_run_logs_fill_evictions_and_admissions(tmp_path, capsys):
     """A table far smaller than the data evicts and still learns; the log shows the table."""
     metrics_path = tmp_path / "metrics.json"

@@ -204,7 +204,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     config = parse_args(argv, parser)
     # Both back ends reuse freed memory instead of faulting in fresh pages every step
     # (see sparsekit.allocator); the result JSON says whether it took.
-    kept = keep_freed_memory()
+    keep_freed_memory()
     try:
         result = train(config)
     except FlagError as error:
@@ -231,7 +231,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if error.filename is None:  # not about a path the user gave
             raise
         _fail(str(error))
-    result["malloc_keeps_freed_memory"] = kept
     if dist.is_initialized():
         # Tearing gloo down while a peer still finishes its last collective aborts that
         # peer now and then ("terminate called without an active exception"): wait for

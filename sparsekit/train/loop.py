@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._checks import AllocationError, allocation
+from ..allocator import freed_memory_kept
 from ..checkpoint import _file_in_the_way, _nearest_existing, _write_file
 from .data import NUM_SLOTS, SyntheticCriteo
 from .metrics import all_gather_1d, log_loss, roc_auc
@@ -728,6 +729,8 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     if start_step == 0 and config.eval_every:
         # The untrained model's score, so the log shows where the AUC rises from.
         untrained = evaluate(model, data, config, context)
+        if config.steps == 0:
+            metrics = untrained  # also the final score: no step will change the model
         if context.is_main:
             log(f"step {0:>6d}  {'':17s}  eval_auc {untrained['auc']:.4f}  "
                 f"eval_logloss {untrained['logloss']:.4f}")
@@ -778,6 +781,9 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     if bar is not None:
         bar.close()
 
+    if start_step == config.steps == 0 and config.checkpoint_dir:
+        # --steps 0: the untrained model is the end, and the end is checkpointed.
+        save(config, context, 0, model, optimizer, written)
     if not metrics:  # nothing left to train (resumed at the end): evaluate what was loaded
         metrics = evaluate(model, data, config, context)
     result = {
@@ -797,6 +803,8 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
         "resumed_from_step": start_step,
         "seed": config.seed,
         "data": config.data,
+        # Whether freed memory is reused (python -m sparsekit.train sets it; see allocator).
+        "malloc_keeps_freed_memory": freed_memory_kept(),
     }
     if context.is_main and config.metrics_json:
         directory = os.path.dirname(os.path.abspath(config.metrics_json))
