@@ -62,7 +62,9 @@ def _deepcopy_sharing_group(module: torch.nn.Module, memo: Dict[int, Any]) -> to
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows; its gradient goes back the way the rows came."""
+    """``all_to_all_single`` of rows; its gradient goes back the way the rows came, through
+    this same function, so that a ``create_graph=True`` backward is differentiable again
+    (a second-order term of a multi-rank layer went missing without a word otherwise)."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, output_splits: List[int], input_splits: List[int], group) -> Tensor:
@@ -71,7 +73,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_to_all_rows(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+        return _AllToAll.apply(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
 def _all_to_all_rows(rows: Tensor, output_splits: List[int], input_splits: List[int], group) -> Tensor:

@@ -835,3 +835,50 @@ def test_an_initializer_that_changes_its_keys_does_not_change_the_table(eviction
     for _ in range(2):
         collection(sk.KeyedJagged(["f"], torch.tensor([5, 6]), lengths=torch.tensor([1, 1])))
     assert sorted(collection.export("t")[0].tolist()) == [5, 6]
+
+
+# ---- second order: a gradient penalty through the exchange ----
+
+_PENALTY_KEYS = torch.tensor([[[1, 2, -1], [3, -1, -1]], [[4, 5, 6], [1, -1, -1]],
+                              [[7, 2, -1], [8, 9, -1]], [[3, 3, -1], [10, -1, -1]]])
+
+
+def _penalty_lin_grad(kind, keys):
+    """The dense layer's gradient of loss + |d loss / d table|^2 (a gradient penalty: the
+    table's gradient taken with create_graph=True, then differentiated again)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 1)
+    if kind == "collection":
+        table = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 100, ["f", "g"])])
+        lengths = (keys >= 0).sum(-1).t().reshape(-1)  # feature-major: every sample's f, then g
+        values = keys.transpose(0, 1)[keys.transpose(0, 1) >= 0]
+        out = table(sk.KeyedJagged(["f", "g"], values, lengths=lengths))
+        features = torch.cat([out["f"], out["g"]], dim=1)
+        weight = table.weights["t"]
+    else:
+        table = sk.DistributedEmbedding("sum", 100, 4, 2, 3)
+        features = table(keys).flatten(1)
+        weight = table.weight
+    loss = (lin(features) ** 2).sum()
+    (grad,) = torch.autograd.grad(loss, weight, create_graph=True)
+    (loss + (grad.to_dense() ** 2).sum()).backward()
+    return lin.weight.grad
+
+
+def _penalty_worker(rank, world_size, init, result_dir):
+    init()
+    for kind in ("distributed", "collection"):
+        grad = _penalty_lin_grad(kind, _PENALTY_KEYS[rank * 2:(rank + 1) * 2]).clone()
+        dist.all_reduce(grad)  # each rank holds its own samples' share, as under DDP
+        if rank == 0:
+            torch.save(grad, f"{result_dir}/{kind}.pt")
+
+
+def test_a_gradient_penalty_through_the_exchange_equals_one_process(tmp_path):
+    """create_graph=True through a multi-rank layer: the exchange's backward is itself
+    differentiable. It was not, and the penalty's second-order terms were silently lost
+    (the table's gradient did not require grad) at world size 2 only."""
+    spawn(_penalty_worker, 2, str(tmp_path), str(tmp_path))
+    for kind in ("distributed", "collection"):
+        alone = _penalty_lin_grad(kind, _PENALTY_KEYS)
+        torch.testing.assert_close(torch.load(f"{tmp_path}/{kind}.pt"), alone, rtol=1e-5, atol=1e-6)
