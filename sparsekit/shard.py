@@ -141,6 +141,15 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
                            "the hash table; take gradients with loss.backward() or torch.autograd.grad")
     if not training or torch.is_inference_mode_enabled():
         return
+    if not all(isinstance(weight, nn.Parameter) for weight in weights):
+        # torch.func.functional_call / nn.utils.stateless with plain tensors put in place of
+        # the weight: a training step would insert its new keys into the layer's own hash
+        # table and write their initial vectors into the caller's tensor, leaving the
+        # layer's rows for those keys zero for good.
+        raise RuntimeError(f"{name}: its weight is a plain tensor put in place of its parameter (functional_call "
+                           "or torch.nn.utils.stateless?); a training forward inserts keys into the layer's own "
+                           "hash table, so it needs the layer's own weight: call it in eval() mode (lookups only), "
+                           "or pass the layer's parameters themselves")
     # Every step: one flat list and one C-level test per tensor.
     tensors = weights + [shard._fresh_rows for shard in shards if shard._fresh_rows is not None]
     for shard in shards:

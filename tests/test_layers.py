@@ -882,3 +882,29 @@ def test_a_gradient_penalty_through_the_exchange_equals_one_process(tmp_path):
     for kind in ("distributed", "collection"):
         alone = _penalty_lin_grad(kind, _PENALTY_KEYS)
         torch.testing.assert_close(torch.load(f"{tmp_path}/{kind}.pt"), alone, rtol=1e-5, atol=1e-6)
+
+
+def test_functional_call_with_a_plain_weight_refuses_a_training_forward_and_looks_up_in_eval():
+    """torch.func.functional_call with a plain tensor for the weight: a training step would
+    insert the keys into the layer's own table and write their initial vectors into the
+    caller's tensor, leaving the layer's rows zero for good. It is refused, with nothing
+    changed; in eval() the substitute is read as the weight."""
+    from torch.func import functional_call
+    keys = torch.tensor([[[1, 2, -1], [3, -1, -1]]])
+    for layer in (sk.DistributedEmbedding("sum", 10, 2, 2, 3),
+                  sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 10, ["f"])])):
+        is_collection = isinstance(layer, sk.EmbeddingBagCollection)
+        batch = sk.KeyedJagged(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])) if is_collection \
+            else keys
+        name = "shards.0.weight" if is_collection else "weight"
+        substitute = torch.zeros(10, 2)
+        with pytest.raises(RuntimeError, match="plain tensor put in place of its parameter"):
+            functional_call(layer, {name: substitute}, (batch,))
+        assert torch.equal(substitute, torch.zeros(10, 2))
+        assert (layer.stats("t") if is_collection else layer.stats())["size"] == 0
+        layer(batch)  # the layer's own weight: keys inserted
+        layer.eval()
+        substitute = torch.arange(20.0).view(10, 2)
+        out = functional_call(layer, {name: substitute}, (batch,))
+        out = out["f"] if is_collection else out
+        assert out.abs().sum() > 0 and not torch.equal(out, (layer(batch)["f"] if is_collection else layer(batch)))
