@@ -4,7 +4,8 @@ Layout of ``directory``::
 
     LATEST                        name of the newest complete checkpoint (replaced atomically)
     ckpt-000007/
-        metadata.json             format, world size, the embedding layers and their shapes
+        metadata.json             format, world size, the embedding layers and their shapes (and
+                                  a collection's tables' names: they load by name)
         dense.pt                  rank 0: dense parameters/buffers + their optimizer state
         shard-00000-of-00002.pt   rank r: per embedding layer, the keys it owns, their rows,
         shard-00001-of-00002.pt   their per-row optimizer state (exp_avg, ...) and the step
@@ -49,7 +50,7 @@ from torch import Tensor, nn
 from . import ops
 from .exchange import _all_gather_digests, _owners
 from .hashtable import _MAX_CLOCK, HashTableFullError, _check_state_of
-from .optim import _saved_step
+from .optim import LazyAdam, _saved_step, _step_dtype
 from .shard import _ModelParallelEmbedding, is_embedding_variable
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -362,7 +363,9 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                                         "embedding_vec_size": layer.embedding_vec_size,
                                         "max_vocabulary_size_per_gpu": layer.max_vocabulary_size_per_gpu,
                                         "use_hashtable": layer.use_hashtable,
-                                        "world_size": layer.world_size}
+                                        "world_size": layer.world_size,
+                                        # A collection's table: loads into the table of this name.
+                                        **_table_entry(layer)}
                            for layer_name, layer in layers.items()},
             }
             _write_file(os.path.join(temp_dir, "metadata.json"),
@@ -378,6 +381,12 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             error = exc
     _agree_or_raise(group, error, "save_checkpoint (committing)")
     return final_dir
+
+
+def _table_entry(layer: _ModelParallelEmbedding) -> Dict[str, str]:
+    """``{"table": name}`` for a table of an EmbeddingBagCollection, else ``{}``."""
+    table = layer._config().get("table")
+    return {"table": table} if isinstance(table, str) else {}
 
 
 def _shard_name(rank: int, world_size: int) -> str:
@@ -445,6 +454,8 @@ def _read_metadata(path: str) -> Dict[str, Any]:
         dim = layer.get("embedding_vec_size")
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise bad(f"layer {name!r} has no valid 'embedding_vec_size' (got {dim!r})")
+        if "table" in layer and not isinstance(layer["table"], str):
+            raise bad(f"layer {name!r} has no valid 'table' name (got {layer['table']!r})")
     return metadata
 
 
@@ -523,6 +534,114 @@ def _checkpoint_dir(directory: str) -> str:
     return os.path.join(directory, name)
 
 
+def _saved_layers_of(layers: Dict[str, _ModelParallelEmbedding], saved: Dict[str, Any]) -> Dict[str, str]:
+    """For each embedding layer of the model, the saved layer it loads from.
+
+    A table of an :class:`~sparsekit.EmbeddingBagCollection` loads from the saved table of
+    its name in the collection of the same name, wherever each lists it (a table's layer
+    name holds its position, ``shards.<i>``, and a collection built with its tables in
+    another order must not load one table's keys into another). A checkpoint saved before
+    the tables were named in its metadata loads by position, as it did; any other layer
+    loads from the layer of its name.
+
+    Raises:
+        ValueError: the model's collection holds a table whose name the checkpoint lacks
+            where it names its tables (tables renamed or replaced).
+    """
+    saved_tables: Dict[Tuple[str, str], str] = {}
+    for saved_name, meta in saved.items():
+        if "table" in meta:
+            saved_tables[(saved_name.rpartition(".")[0], meta["table"])] = saved_name
+    sources: Dict[str, str] = {}
+    for name, layer in layers.items():
+        table = _table_entry(layer).get("table")
+        collection = name.rpartition(".")[0]
+        if table is not None and (collection, table) in saved_tables:
+            sources[name] = saved_tables[(collection, table)]
+        elif table is not None and "table" in saved.get(name, {}):
+            parent = collection.rpartition(".")[0]
+            raise ValueError(
+                f"load_checkpoint: {f'the collection {parent!r}' if parent else 'the collection (the model)'} was "
+                f"saved with tables {_tables_in(saved, collection, lambda n: saved[n].get('table'))} but has "
+                f"{_tables_in(layers, collection, lambda n: _table_entry(layers[n]).get('table'))}: the checkpoint "
+                f"holds no table {table!r}; build the collection with the saved tables (in any order)")
+        else:
+            sources[name] = name
+    return sources
+
+
+def _tables_in(layers: Dict[str, Any], collection: str, table_of) -> List[Any]:
+    """``table_of(name)`` of the ``layers`` named ``<collection>.<i>``, by position ``i``."""
+    listed = [name for name in layers if name.rpartition(".")[0] == collection]
+    listed.sort(key=lambda name: (len(name), name))  # shards.2 before shards.10
+    return [table_of(name) for name in listed]
+
+
+def _is_lazy_adam(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a LazyAdam, or a wrapper whose ``load_state_dict`` is one's."""
+    owner = getattr(getattr(optimizer, "load_state_dict", None), "__self__", None)
+    return isinstance(optimizer, LazyAdam) or isinstance(owner, LazyAdam)
+
+
+def _lazy_adam_step(step: Any) -> Tensor:
+    """A saved ``step`` (checked by :func:`_saved_step`) as LazyAdam keeps it: a 0-dim
+    float32 / float64 CPU tensor (``LazyAdam.__setstate__``'s conversion)."""
+    if isinstance(step, Tensor):
+        dtype = step.dtype if step.dtype in (torch.float32, torch.float64) else _step_dtype()
+        return step.detach().to(device="cpu", dtype=dtype).reshape(()).clone()
+    return torch.tensor(float(step), dtype=_step_dtype())
+
+
+# LazyAdam's next update of a layer is step + 1, an int64 (sparsekit.ops.lazy_adam_).
+_MAX_SAVED_STEP = 2**63 - 2
+
+
+def _check_part_state(shard_path: str, name: str, part: Dict[str, Any], layer: _ModelParallelEmbedding,
+                      lazy_adam: bool) -> None:
+    """One shard's optimizer state of layer ``name`` as the next ``optimizer.step()`` will
+    read it, or ValueError naming the file, the layer and the entry. Any optimizer: per-row
+    entries are dense floating-point tensors, a ``step`` is a finite integer in
+    ``[0, 2**63 - 2]``. A LazyAdam (``lazy_adam``) also needs ``step``, ``exp_avg`` and
+    ``exp_avg_sq``, both moments of one dtype it updates the weight with: the weight's,
+    float32 or float64 (as ``LazyAdam.step`` accepts them). Else the load went through and
+    the next step failed, with the model's and optimizer's state replaced."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"load_checkpoint: {shard_path}: layer {name!r}: {what}; the checkpoint is damaged")
+
+    state, scalars = part["state"], part["scalars"]
+    if not part["has_state"]:
+        if state or scalars:
+            raise bad(f"'has_state' is False but the shard holds optimizer state {sorted(state) + sorted(scalars)}")
+        return
+    if lazy_adam:
+        missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in (scalars if key == "step" else state)]
+        if missing:
+            raise bad(f"the saved optimizer state lacks {missing}: LazyAdam needs 'step' (in 'scalars'), 'exp_avg' "
+                      "and 'exp_avg_sq' (in 'state')")
+    weight_dtype = layer.weight.dtype
+    moment_dtypes = [weight_dtype] + [d for d in (torch.float32, torch.float64) if d != weight_dtype]
+    for key, value in state.items():
+        if value.layout != torch.strided:
+            raise bad(f"the saved optimizer state {key!r} must be a dense (strided) tensor, got {value.layout}")
+        if lazy_adam and key in ("exp_avg", "exp_avg_sq") and value.dtype not in moment_dtypes:
+            raise bad(f"the saved optimizer state {key!r} must be floating point of a dtype LazyAdam updates a "
+                      f"{weight_dtype} weight with ({', '.join(map(str, moment_dtypes))}), got {value.dtype}")
+        if not (value.is_floating_point() or value.is_complex()):
+            raise bad(f"the saved optimizer state {key!r} must be floating point (per-row moments), got {value.dtype}")
+    if lazy_adam and state["exp_avg"].dtype != state["exp_avg_sq"].dtype:
+        raise bad(f"the saved optimizer moments must share a dtype (LazyAdam updates them together), got 'exp_avg' "
+                  f"{state['exp_avg'].dtype} and 'exp_avg_sq' {state['exp_avg_sq'].dtype}")
+    if "step" not in scalars:
+        return
+    step = scalars["step"]
+    value, valid = _saved_step(step)
+    if valid and lazy_adam:
+        value = _lazy_adam_step(step).item()  # the value LazyAdam will count from (float32 may round)
+    if not valid or value > _MAX_SAVED_STEP:
+        raise bad(f"the saved optimizer 'step' must be a finite integer in [0, 2**63 - 2] (the next step's count "
+                  f"must fit in int64), got {step!r}")
+
+
 class _LayerRestore:
     """What one layer will receive: this rank's keys and their rows, checked before anything changes.
 
@@ -540,15 +659,21 @@ class _LayerRestore:
         self.initial: Optional[Tensor] = None
 
 
-def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]],
-                  saved_meta: Dict[str, Any]) -> _LayerRestore:
-    """The saved rows of ``layer`` that this rank owns now, from every saved shard."""
+def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]], shard_paths: List[str],
+                  saved_name: str, saved_meta: Dict[str, Any], lazy_adam: bool) -> _LayerRestore:
+    """The saved rows of ``layer`` that this rank owns now, from every saved shard (the
+    files ``shard_paths``), where the checkpoint calls the layer ``saved_name``;
+    ``lazy_adam``: the optimizer loading them is a LazyAdam (see :func:`_check_part_state`)."""
     if saved_meta["embedding_vec_size"] != layer.embedding_vec_size:
         raise ValueError(f"load_checkpoint: layer {name!r} was saved with embedding_vec_size "
                          f"{saved_meta['embedding_vec_size']} but has {layer.embedding_vec_size}")
-    parts = [shard["layers"][name] for shard in shards]
+    parts = [shard["layers"][saved_name] for shard in shards]
+    for shard_path, part in zip(shard_paths, parts):
+        _check_part_state(shard_path, name, part, layer, lazy_adam)
     keys = torch.cat([part["keys"] for part in parts])
     _check_key_range(name, layer, keys, "key")
+    if layer.hash_table is None and keys.numel() > 0:
+        _check_direct_keys(name, layer, keys)  # all of them: every rank names the same key
     weight = torch.cat([part["weight"] for part in parts])
     state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
     # A shard saved without optimizer state (its rank's optimizer never stepped the layer)
@@ -560,6 +685,9 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
                                 template.new_zeros((part["keys"].numel(), *template.shape[1:])) for part in parts])
     scalars = next((part["scalars"] for part in parts if part["has_state"]), {})
     has_state = any(part["has_state"] for part in parts)
+    if lazy_adam and has_state:
+        # As LazyAdam.load_state_dict (its __setstate__) keeps it: a 0-dim float CPU tensor.
+        scalars = {**scalars, "step": _lazy_adam_step(scalars["step"])}
 
     # Scores travel with their keys like optimizer state; a checkpoint from before dynamic
     # tables has none (zero scores).
@@ -621,12 +749,6 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             f"load_checkpoint: layer {name!r} on rank {layer.rank} of {layer.world_size} must hold {keys.numel()} "
             f"saved keys but max_vocabulary_size_per_gpu is {capacity}; build it with a larger "
             "max_vocabulary_size_per_gpu or load on more ranks")
-    if layer.hash_table is None and keys.numel() > 0:
-        if keys.min() < 0 or keys.max() >= layer.num_keys_capacity:
-            raise ValueError(
-                f"load_checkpoint: layer {name!r} (use_hashtable=False) holds trained key {keys.max().item()} but "
-                f"keys must lie in [0, {layer.num_keys_capacity}) on {layer.world_size} ranks; build it with a "
-                "larger max_vocabulary_size_per_gpu")
     if dynamic is not None and layer._pending is not None and "pending" in dynamic:
         waiting = dynamic["pending"]["keys"].numel()
         if waiting > layer.admission_capacity:
@@ -638,6 +760,25 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     restore = _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)
     _check_restore(name, restore)
     return restore
+
+
+def _check_direct_keys(name: str, layer: _ModelParallelEmbedding, keys: Tensor) -> None:
+    """ValueError naming a saved key (of any rank: every rank names the same) that a direct
+    layer has no row for: the smallest when one is negative, else the largest (>= its key
+    capacity)."""
+    capacity = layer.num_keys_capacity
+    low, high = (int(bound) for bound in torch.aminmax(keys))
+    if low >= 0 and high < capacity:
+        return
+    outside = int(((keys < 0) | (keys >= capacity)).sum()) - 1
+    more = f" (and {outside} more outside that range)" if outside else ""
+    fix = ("a direct layer has no row for a negative key (the checkpoint is damaged, or was saved by a layer "
+           "with use_hashtable=True)" if low < 0 else
+           f"build it with a larger {layer._capacity_argument} or load on more ranks")
+    raise ValueError(
+        f"load_checkpoint: layer {name!r} (use_hashtable=False): the checkpoint holds key "
+        f"{low if low < 0 else high}{more} but the layer's keys must lie in [0, {capacity}) on {layer.world_size} "
+        f"ranks; {fix}")
 
 
 def _check_key_range(name: str, layer: _ModelParallelEmbedding, keys: Tensor, what: str) -> None:
@@ -660,7 +801,6 @@ def _check_restore(name: str, restore: _LayerRestore) -> None:
     fail: the tables' states (distinct keys of the layer's key dtype, capacity, scores,
     clocks) and a direct layer's initial rows (the user's initializer may raise)."""
     layer, dynamic = restore.layer, restore.dynamic
-    _check_row_state(name, restore)
     if layer.hash_table is None:
         # Held until the write: one weight-sized tensor per direct layer for the load's length.
         with torch.no_grad():
@@ -676,25 +816,6 @@ def _check_restore(name: str, restore: _LayerRestore) -> None:
             "keys": pending["keys"].to(layer.key_dtype), "last_seen": pending["last_seen"],
             "count": pending["count"], "clock": pending["clock"]},
             f"load_checkpoint: layer {name!r} (pending admissions)")
-
-
-def _check_row_state(name: str, restore: _LayerRestore) -> None:
-    """The layer's saved optimizer state as the next step will read it: per-row entries of
-    floating point (moments), a ``step`` that is a finite integer >= 0. Else the load went
-    through and the next ``optimizer.step()`` failed (a NaN step: "cannot convert float NaN
-    to integer")."""
-    if not restore.has_state:
-        return
-    for key, value in restore.state.items():
-        if not (value.is_floating_point() or value.is_complex()):
-            raise ValueError(f"load_checkpoint: layer {name!r}: the saved optimizer state {key!r} must be floating "
-                             f"point (per-row moments), got {value.dtype}; the checkpoint is damaged")
-    if "step" not in restore.scalars:
-        return
-    step = restore.scalars["step"]
-    if not _saved_step(step)[1]:
-        raise ValueError(f"load_checkpoint: layer {name!r}: the saved optimizer 'step' must be a finite integer "
-                         f">= 0, got {step!r}; the checkpoint is damaged")
 
 
 def _first_of_each(keys: Tensor) -> Optional[Tensor]:
@@ -727,8 +848,14 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
             raise ValueError(f"load_checkpoint: dense {key!r} was saved with shape {shape} "
                              f"but the model has {list(value.shape)}")
     saved_optimizer = dense.get("optimizer")
-    if optimizer is None or saved_optimizer is None:
+    if optimizer is None:
         return
+    if saved_optimizer is None:
+        # Loading the weights alone would leave the optimizer's moments and steps of the keys
+        # it trained on whatever rows now hold other keys (and on the dense parameters).
+        raise ValueError(f"load_checkpoint: {dense_path}: the checkpoint was saved without an optimizer, so it holds "
+                         "no optimizer state to continue from; pass optimizer=None to load the weights only, and "
+                         "start from a new optimizer (or reset this one's state)")
     groups = saved_optimizer.get("param_groups") if isinstance(saved_optimizer, dict) else None
     states = saved_optimizer.get("state", {}) if isinstance(saved_optimizer, dict) else None
     if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
@@ -783,7 +910,11 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
         layer.weight.copy_(restore.initial)
         rows = layer._direct_rows(keys)
     layer.weight[rows] = restore.weight.to(device=device, dtype=layer.weight.dtype)
-    if optimizer is None or not restore.has_state:
+    if optimizer is None:
+        return
+    if not restore.has_state:
+        # Saved with no state for this weight (never stepped): none now, as for a dense parameter.
+        optimizer.state.pop(layer.weight, None)
         return
     state = {key: (value.clone() if isinstance(value, Tensor) else value) for key, value in restore.scalars.items()}
     for key, value in restore.state.items():
@@ -805,8 +936,12 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
 
     Args:
         directory: what :func:`save_checkpoint` was given.
-        model: a model built like the saved one (a DDP wrapper is looked through).
-        optimizer: optional; built over the model's parameters like the saved one.
+        model: a model built like the saved one (a DDP wrapper is looked through). The
+            tables of an :class:`~sparsekit.EmbeddingBagCollection` load by name, in
+            whatever order it lists them.
+        optimizer: optional; built over the model's parameters like the saved one. Its
+            state is replaced: a parameter the checkpoint holds no state for has none
+            afterwards.
 
     Returns:
         The path of the checkpoint loaded.
@@ -818,7 +953,10 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             ``torch.optim.Optimizer``.
         HashTableFullError: a rank's share of a layer's keys exceeds its capacity.
         ValueError: the model does not match the checkpoint (among others: a saved key
-            outside the range of a layer's ``key_dtype``), or the checkpoint is damaged.
+            outside the range of a layer's ``key_dtype``, a collection's table the
+            checkpoint lacks), an ``optimizer`` is given but the checkpoint was saved
+            without one, or the checkpoint is damaged (among others: a layer's optimizer
+            state that the optimizer's next step could not use).
         RuntimeError: another rank raised (its error names the cause).
         Exception: whatever a direct layer's ``embedding_initializer`` raises (it gives
             the rows the checkpoint does not hold).
@@ -832,15 +970,19 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         model, layers = _model_and_layers("load_checkpoint", model, optimizer)
         path = _checkpoint_dir(directory)
         metadata = _read_metadata(path)
-        if set(metadata["layers"]) != set(layers):
+        sources = _saved_layers_of(layers, metadata["layers"])
+        if sorted(sources.values()) != sorted(metadata["layers"]):
             raise ValueError(f"load_checkpoint: the checkpoint has embedding layers {sorted(metadata['layers'])} "
                              f"but the model has {sorted(layers)}")
-        shards = []
+        shards, shard_paths = [], []
         for shard_name in metadata["shards"]:
-            shard_path = os.path.join(path, shard_name)
-            shards.append(_load(shard_path))
-            _check_shard(shard_path, shards[-1], metadata)
-        restores = [_gather_layer(name, layer, shards, metadata["layers"][name]) for name, layer in layers.items()]
+            shard_paths.append(os.path.join(path, shard_name))
+            shards.append(_load(shard_paths[-1]))
+            _check_shard(shard_paths[-1], shards[-1], metadata)
+        lazy_adam = _is_lazy_adam(optimizer)
+        restores = [_gather_layer(name, layer, shards, shard_paths, sources[name], metadata["layers"][sources[name]],
+                                  lazy_adam)
+                    for name, layer in layers.items()]
         dense = _load(os.path.join(path, "dense.pt"))
         _check_dense(os.path.join(path, "dense.pt"), dense, _dense_state(model, layers), optimizer, metadata)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below

@@ -6,7 +6,8 @@ Every table is spread over all ranks of the collection's process group by key: t
 small keys of many direct-mapped tables do not all land on rank 0. Each table is one
 shard module (``ebc.shards[name]``) with the single layers' machinery: hash or direct
 rows, eviction, admission, stats, export and checkpoints (``ebc.shards[i]``, the i-th table;
-checkpoints name them by position, so keep the tables' order).
+``state_dict()`` names them by position and records their names, so a collection listing
+its tables in another order refuses it; ``load_checkpoint`` matches them by name).
 
 One forward step on every rank, for all tables together:
 
@@ -593,8 +594,36 @@ class EmbeddingBagCollection(nn.Module):
         process group; each table's weight keeps its marks (see ``_deepcopy_sharing_group``)."""
         return _deepcopy_sharing_group(self, memo)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # The entries name the tables by position (shards.<i>): their names ride along in the
+        # state dict's metadata (as nn.Module's versions do), so that a collection listing its
+        # tables in another order can refuse the state instead of loading one into another.
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None:
+            metadata.setdefault(prefix[:-1], {})["tables"] = [table.name for table in self.tables]
+
+    def _check_table_names(self, state_dict: Mapping[str, Any], prefix: str, saved: Any) -> None:
+        """ValueError when the state's tables (``saved``: their names by position, recorded
+        by ``state_dict()``) are not this collection's at the positions the state holds; a
+        state without names (saved before they were recorded) loads by position."""
+        if not isinstance(saved, (list, tuple)):
+            return
+        names = [table.name for table in self.tables]
+        start = f"{prefix}shards."
+        held = {key[len(start):].partition(".")[0] for key in state_dict if key.startswith(start)}
+        if any(str(index) in held and (index >= len(saved) or saved[index] != name)
+               for index, name in enumerate(names)):
+            raise ValueError(f"EmbeddingBagCollection: load_state_dict: the state holds tables {list(saved)} (in that "
+                             f"order) but this collection has {names}: its entries name tables by position "
+                             "(shards.<i>), so one table would load another's keys and vectors; build the collection "
+                             "with its tables in the saved order, or reshard with sk.save_checkpoint / "
+                             "sk.load_checkpoint, which match tables by name")
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # Before any table loads: the state's tables must be these, at these positions.
+        self._check_table_names(state_dict, prefix, local_metadata.get("tables"))
         # nn.Module loads the tables one after the other: every table's entries are checked
         # first, so that one table's bad state raises, or fails the call, before any table
         # changes (a table that finds the call failed already writes nothing).

@@ -277,7 +277,7 @@ def test_model_mismatch_and_no_optimizer(tmp_path):
     train(model, optimizer, range(1))
     sk.save_checkpoint(directory, model)  # weights only
     fresh, fresh_optimizer = make()
-    sk.load_checkpoint(directory, fresh, fresh_optimizer)
+    sk.load_checkpoint(directory, fresh)  # an optimizer is refused: see test_a_checkpoint_without_optimizer_...
     torch.testing.assert_close(fresh.top.weight, model.top.weight, rtol=0, atol=0)
     assert len(fresh_optimizer.state) == 0
 
@@ -364,6 +364,34 @@ def _huge_clock(part, shard):
     part["dynamic"]["clock"] = 2**63 - 1
 
 
+def _no_exp_avg_sq(part, shard):
+    part["state"].pop("exp_avg_sq")
+
+
+def _no_step(part, shard):
+    part["scalars"].pop("step")
+
+
+def _half_moments(part, shard):
+    part["state"]["exp_avg"] = part["state"]["exp_avg"].half()
+
+
+def _complex_moments(part, shard):
+    part["state"]["exp_avg"] = part["state"]["exp_avg"].to(torch.complex64)
+
+
+def _moments_of_two_dtypes(part, shard):
+    part["state"]["exp_avg"] = part["state"]["exp_avg"].double()
+
+
+def _step_past_int64(part, shard):
+    part["scalars"]["step"] = torch.tensor(1e30)
+
+
+def _state_without_has_state(part, shard):
+    part["has_state"] = False
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda folder: open(os.path.join(folder, "shard-00000-of-00001.pt"), "w").close(),
      r"shard-00000-of-00001.pt \(it is empty\)"),
@@ -384,6 +412,21 @@ def _huge_clock(part, shard):
     # Loaded before, and the next optimizer.step() failed ("cannot convert float NaN to integer").
     (lambda folder: _rewrite_shard(folder, _nan_step), r"layer 'pooled': the saved optimizer 'step' must be a finite"),
     (lambda folder: _rewrite_shard(folder, _integer_moments), r"optimizer state 'exp_avg' must be floating point"),
+    # Loaded before, and the next LazyAdam.step() failed: "lacks ['exp_avg_sq']", "'exp_avg' must
+    # be a dense torch.float32 or torch.float64 tensor", "step must fit in int64".
+    (lambda folder: _rewrite_shard(folder, _no_exp_avg_sq),
+     r"shard-00000-of-00001.pt: layer 'pooled': the saved optimizer state lacks \['exp_avg_sq'\]"),
+    (lambda folder: _rewrite_shard(folder, _no_step), r"layer 'pooled': the saved optimizer state lacks \['step'\]"),
+    (lambda folder: _rewrite_shard(folder, _half_moments),
+     (r"layer 'pooled': the saved optimizer state 'exp_avg' must be floating point of a dtype LazyAdam updates a "
+      r"torch.float32 weight with \(torch.float32, torch.float64\), got torch.float16")),
+    (lambda folder: _rewrite_shard(folder, _complex_moments),
+     r"'exp_avg' must be floating point of a dtype LazyAdam updates .* got torch.complex64"),
+    (lambda folder: _rewrite_shard(folder, _moments_of_two_dtypes),
+     r"moments must share a dtype .* got 'exp_avg' torch.float64 and 'exp_avg_sq' torch.float32"),
+    (lambda folder: _rewrite_shard(folder, _step_past_int64),
+     r"layer 'pooled': the saved optimizer 'step' must be a finite integer in \[0, 2\*\*63 - 2\]"),
+    (lambda folder: _rewrite_shard(folder, _state_without_has_state), r"'has_state' is False but the shard holds"),
 ])
 def test_damaged_checkpoints_name_the_file_and_change_nothing(tmp_path, damage, message):
     """Each kind of damage raises an error naming the file and what is wrong, and the model
@@ -787,3 +830,207 @@ def test_ranks_that_do_not_share_the_checkpoint_directory_all_raise(tmp_path):
     train(model, optimizer, range(2))
     sk.save_checkpoint(str(tmp_path / "stale"), model, optimizer)
     spawn(_directories_differ_worker, 2, str(tmp_path), str(tmp_path))
+
+
+# ---- optimizer state: what LazyAdam's next step reads, and nothing left of the old ----------
+
+
+def _rewrite_layer(directory, layer, change):
+    """``change(part)`` on ``layer``'s part of every shard of the latest checkpoint."""
+    with open(os.path.join(directory, "LATEST")) as latest:
+        folder = os.path.join(directory, latest.read())
+    for path in sorted(glob.glob(os.path.join(folder, "shard-*.pt"))):
+        shard = torch.load(path, weights_only=True)
+        change(shard["layers"][layer])
+        torch.save(shard, path)
+
+
+@pytest.mark.parametrize("change", [
+    lambda part: part["scalars"].update(step=int(part["scalars"]["step"])),        # a number
+    lambda part: part["scalars"].update(step=part["scalars"]["step"].long()),      # an int64 tensor
+    lambda part: part["scalars"].update(step=part["scalars"]["step"].reshape(1)),  # one element, 1-D
+    lambda part: part["state"].update({k: v.double() for k, v in part["state"].items()}),  # float64 moments
+])
+def test_a_saved_state_lazy_adam_accepts_loads_as_it_keeps_it_and_continues(tmp_path, change):
+    """What LazyAdam.load_state_dict accepts (a step as a number or a one-element tensor,
+    float64 moments of a float32 weight) loads as a state its next step takes (an int64
+    step was loaded as it was, and the step raised), and continues as the checkpoint does."""
+    directory, _, _ = _saved(tmp_path)
+    expected, expected_optimizer = make()
+    sk.load_checkpoint(directory, expected, expected_optimizer)
+    _rewrite_layer(directory, "pooled", change)
+    model, optimizer = make()
+    sk.load_checkpoint(directory, model, optimizer)
+    step = optimizer.state[model.pooled.weight]["step"]
+    assert step.dim() == 0 and step.dtype in (torch.float32, torch.float64) and step.item() == STEPS_BEFORE
+    torch.testing.assert_close(torch.stack(train(model, optimizer, range(2, 4))),
+                               torch.stack(train(expected, expected_optimizer, range(2, 4))), rtol=1e-6, atol=1e-7)
+
+
+def _one_table(dtype):
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 8, ["f"],
+                                                    dtype=torch.float32 if dtype == torch.float64 else dtype)])
+    ebc = ebc.double() if dtype == torch.float64 else ebc
+    return ebc, LazyAdam(ebc.parameters(), lr=0.1)
+
+
+def _one_table_step(ebc, optimizer, keys):
+    out = ebc(sk.KeyedJagged(["f"], torch.tensor(keys), lengths=torch.ones(len(keys), dtype=torch.long)))
+    out["f"].float().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("weight, moments, loads", [
+    (torch.float16, torch.float16, True), (torch.float16, torch.float32, True), (torch.float16, torch.float64, True),
+    (torch.float16, torch.bfloat16, False), (torch.bfloat16, torch.float16, False),
+    (torch.float64, torch.float64, True), (torch.float64, torch.float32, True), (torch.float64, torch.float16, False),
+])
+def test_a_tables_moments_load_in_exactly_the_dtypes_lazy_adam_updates_it_with(tmp_path, weight, moments, loads):
+    """LazyAdam updates a weight with moments of its dtype, float32 or float64 (both alike);
+    others loaded, and its next step raised with the model and optimizer replaced."""
+    saved, saved_optimizer = _one_table(weight)
+    _one_table_step(saved, saved_optimizer, [1, 2])
+    sk.save_checkpoint(str(tmp_path), saved, saved_optimizer)
+    _rewrite_layer(str(tmp_path), "shards.0", lambda part: part["state"].update(
+        {key: value.to(moments) for key, value in part["state"].items()}))
+    model, optimizer = _one_table(weight)
+    _one_table_step(model, optimizer, [5])
+    before = _keyed_snapshot_of(model, optimizer)
+    if loads:
+        sk.load_checkpoint(str(tmp_path), model, optimizer)
+        assert optimizer.state[model.weights["t"]]["exp_avg"].dtype == moments
+        _one_table_step(model, optimizer, [1, 3])
+        return
+    allowed = ", ".join(map(str, [weight] + [d for d in (torch.float32, torch.float64) if d != weight]))
+    with pytest.raises(ValueError, match=rf"shard-00000-of-00001.pt: layer 'shards.0': the saved optimizer state "
+                                         rf"'exp_avg' must be floating point of a dtype LazyAdam updates a {weight} "
+                                         rf"weight with \({allowed}\), got {moments}"):
+        sk.load_checkpoint(str(tmp_path), model, optimizer)
+    assert_equal_nested(_keyed_snapshot_of(model, optimizer), before)
+
+
+def _keyed_snapshot_of(model, optimizer):
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def test_a_wrapped_lazy_adam_gets_lazy_adams_checks(tmp_path):
+    directory, folder, _ = _saved(tmp_path)
+    _rewrite_shard(folder, _no_exp_avg_sq)
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=r"layer 'pooled': the saved optimizer state lacks \['exp_avg_sq'\]"):
+        sk.load_checkpoint(directory, model, _DelegatingOptimizer(optimizer))
+    assert_same(model, optimizer, before)
+
+
+def test_a_checkpoint_without_optimizer_refuses_an_optimizer_and_changes_nothing(tmp_path):
+    """The weights alone loaded into a trained optimizer, which kept its moments and steps:
+    key 100 took key 300's row, and with it key 300's exp_avg and step."""
+    directory = str(tmp_path / "ckpt")
+    saved, saved_optimizer = make()
+    train(saved, saved_optimizer, range(2))
+    sk.save_checkpoint(directory, saved)  # no optimizer
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=r"dense.pt: the checkpoint was saved without an optimizer, so it holds no "
+                                         r"optimizer state to continue from; pass optimizer=None"):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+    sk.load_checkpoint(directory, model)  # the weights only, as asked
+    assert torch.equal(model.top.weight, saved.top.weight)
+
+
+def _partly_stepped_model():
+    model = nn.ModuleDict({"emb": sk.DistributedEmbedding("sum", 8, DIM, 1, 1), "lin": nn.Linear(2, 2),
+                           "idle": nn.Linear(2, 2)})
+    return model, LazyAdam(model.parameters(), lr=0.1)
+
+
+def _partly_stepped_step(model, optimizer, key=None, idle=False):
+    out = model["lin"](torch.ones(1, 2)).sum()
+    if key is not None:
+        out = out + model["emb"](torch.tensor([[[key]]])).sum()
+    if idle:
+        out = out + model["idle"](torch.ones(1, 2)).sum()
+    out.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_parameters_saved_without_optimizer_state_load_without_any(tmp_path):
+    """An embedding layer and a dense layer the saved optimizer never stepped: the loading
+    optimizer keeps no state for them (its own moments and step would go on, on rows that
+    now hold other keys), so the next step is their first, as in the saved run."""
+    saved, saved_optimizer = _partly_stepped_model()
+    saved["emb"](torch.tensor([[[100]]]))  # key 100 takes row 0 but is never stepped
+    _partly_stepped_step(saved, saved_optimizer)
+    sk.save_checkpoint(str(tmp_path), saved, saved_optimizer)
+    model, optimizer = _partly_stepped_model()
+    _partly_stepped_step(model, optimizer, key=300, idle=True)  # key 300 in row 0, with moments
+    sk.load_checkpoint(str(tmp_path), model, optimizer)
+    assert model["emb"].hash_table.export()[0].tolist() == [100]
+    for param in (model["emb"].weight, model["idle"].weight, model["idle"].bias):
+        assert not optimizer.state.get(param)
+    for run in ((model, optimizer), (saved, saved_optimizer)):
+        _partly_stepped_step(*run, key=100, idle=True)
+    assert_equal_nested(_keyed_snapshot_of(model, optimizer), _keyed_snapshot_of(saved, saved_optimizer))
+
+
+def _damaged_checkpoints_save_worker(rank, world_size, init, tmp_dir):
+    init()
+    model, optimizer = make()
+    train(model, optimizer, range(STEPS_BEFORE), rank, world_size)
+    sk.save_checkpoint(os.path.join(tmp_dir, "a"), model, optimizer)
+    sk.save_checkpoint(os.path.join(tmp_dir, "c"), model, optimizer)
+    sk.save_checkpoint(os.path.join(tmp_dir, "b"), model)  # no optimizer
+
+
+def _damaged_checkpoints_load_worker(rank, world_size, init, tmp_dir):
+    init()
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6), rank, world_size)
+    before = snapshot(model, optimizer)
+    for name, message in (
+            ("a", r"shard-00001-of-00002.pt: layer 'pooled': the saved optimizer state lacks \['exp_avg_sq'\]"),
+            ("b", r"the checkpoint was saved without an optimizer"),
+            ("c", r"layer 'direct' \(use_hashtable=False\): the checkpoint holds key -5 but")):
+        # Every rank reads every file: each names the cause, none just "failed on another rank".
+        with pytest.raises(ValueError, match=message):
+            sk.load_checkpoint(os.path.join(tmp_dir, name), model, optimizer)
+        assert_same(model, optimizer, before)
+
+
+def test_damaged_or_optimizerless_checkpoints_raise_on_every_rank_and_change_nothing(tmp_path):
+    spawn(_damaged_checkpoints_save_worker, 2, str(tmp_path), str(tmp_path))
+
+    def damage(name, change):
+        path = os.path.join(str(tmp_path), name, "ckpt-000001", "shard-00001-of-00002.pt")
+        shard = torch.load(path, weights_only=True)
+        change(shard["layers"])
+        torch.save(shard, path)
+
+    damage("a", lambda layers: layers["pooled"]["state"].pop("exp_avg_sq"))
+    damage("c", lambda layers: layers["direct"]["keys"].__setitem__(0, -5))
+    spawn(_damaged_checkpoints_load_worker, 2, str(tmp_path), str(tmp_path))
+
+
+@pytest.mark.parametrize("keys, named", [([-5], -5), ([-5, 30], -5), ([-5, -7], -7), ([25, 30, 21], 30)])
+def test_a_direct_layer_names_the_saved_key_it_has_no_row_for(tmp_path, keys, named):
+    """A negative key was named as keys.max(), a valid key: the smallest key below 0 is
+    named, else the largest above the range."""
+    directory, _, _ = _saved(tmp_path)
+    _rewrite_layer(directory, "direct", lambda part: part["keys"].__setitem__(slice(len(keys)), torch.tensor(keys)))
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    more = len(keys) - 1
+    with pytest.raises(ValueError, match=rf"layer 'direct' \(use_hashtable=False\): the checkpoint holds key {named}"
+                                         rf"{f' [(]and {more} more outside that range[)]' if more else ''} but the "
+                                         rf"layer's keys must lie in \[0, {DIRECT_KEYS}\) on 1 ranks; "
+                                         + ("a direct layer has no row for a negative key" if named < 0 else
+                                            "build it with a larger max_vocabulary_size_per_gpu")):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)

@@ -4,7 +4,10 @@ weights, TorchRec-shaped input, errors (bad inputs, TorchRec-like or not, get th
 checks and change nothing; bad table configs and names), per-table dynamic tables and
 checkpoints, and world sizes 1, 2 and 4 equal to one process."""
 
+import copy
 import datetime
+import json
+import os
 import time
 import zlib
 
@@ -12,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _distributed import spawn
+from _state import assert_equal_nested
 
 import sparsekit as sk
 from sparsekit.collection import UnknownTableError
@@ -904,3 +908,192 @@ def test_an_input_whose_stride_disagrees_with_its_lengths_is_refused():
             return 2
 
     assert {k: tuple(v.shape) for k, v in _two_tables()(Agreeing()).items()} == {"fa": (2, 2), "fb": (2, 2)}
+
+
+# ---- tables listed in another order: checkpoints load them by name, state dicts refuse ----
+
+_NAMED = {"users": lambda: sk.TableConfig("users", 4, 32, ["user"]),
+          "items": lambda: sk.TableConfig("items", 4, 32, ["item"]),
+          "ids": lambda: sk.TableConfig("ids", 4, 32, ["id"], use_hashtable=False),
+          "tags": lambda: sk.TableConfig("tags", 3, 32, ["tag"])}
+_SAVED_ORDER = ["users", "items", "ids", "tags"]
+
+
+def _named_collection(order, names=None):
+    tables = [_NAMED[name]() for name in order]
+    for table, name in zip(tables, names or order):
+        table.name = name
+    return sk.EmbeddingBagCollection(tables)
+
+
+def _named_step(ebc, optimizer, step, rank=0, world_size=1):
+    """One training step on 8 samples (this rank's share), one key per feature each."""
+    g = torch.Generator().manual_seed(step)
+    keys = {"user": torch.randint(-20, 20, (8,), generator=g), "item": torch.randint(-20, 20, (8,), generator=g),
+            "id": torch.randint(0, 32, (8,), generator=g), "tag": torch.randint(0, 20, (8,), generator=g) * 1_000_003}
+    mine = slice(rank, None, world_size)
+    kjt = sk.KeyedJagged(list(keys), torch.cat([k[mine] for k in keys.values()]),
+                         lengths=torch.ones(4 * len(range(8)[mine]), dtype=torch.long))
+    out = ebc(kjt)
+    sum(value.sum() * (i + 1) for i, value in enumerate(out.values())).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out
+
+
+def _by_key(ebc, optimizer):
+    """{(table, key): [vector, exp_avg, exp_avg_sq]} of the keys this rank holds (a direct
+    table's trained keys) and {table: step}: what a load by name must hand each table."""
+    rows_of, steps = {}, {}
+    for name in ebc._by_name:
+        shard = ebc._shard(name)
+        if shard.hash_table is None:
+            keys, rows = shard.owned_keys(), torch.arange(shard.weight.shape[0])
+        else:
+            keys, rows = shard.hash_table.export()
+        state = optimizer.state.get(shard.weight) or {}
+        steps[name] = float(state["step"]) if state else None
+        for key, row in zip(keys.tolist(), rows.tolist()):
+            entry = [shard.weight[row].detach().clone()] + [state[m][row].clone() for m in ("exp_avg", "exp_avg_sq")
+                                                            if state]
+            if shard.hash_table is not None or (len(entry) > 1 and bool(entry[2].any())):
+                rows_of[(name, key)] = entry
+    return rows_of, steps
+
+
+def _assert_same_by_key(got, expected):
+    assert sorted(got[0]) == sorted(expected[0]) and got[1] == expected[1]
+    for key, values in expected[0].items():
+        for value, want in zip(got[0][key], values):
+            assert torch.equal(value, want), key
+
+
+@pytest.mark.parametrize("order", [["items", "users", "ids", "tags"], ["tags", "ids", "items", "users"]])
+def test_a_checkpoint_loads_a_collections_tables_by_name_in_any_order(tmp_path, order):
+    """The tables were saved by position (shards.<i>): a collection listing users and items
+    the other way round loaded users' keys, vectors and moments into items, silently."""
+    saved = _named_collection(_SAVED_ORDER)
+    saved_optimizer = sk.LazyAdam(saved.parameters(), lr=0.1)
+    for step in range(2):
+        _named_step(saved, saved_optimizer, step)
+    sk.save_checkpoint(str(tmp_path), saved, saved_optimizer)
+    loaded = _named_collection(order)
+    optimizer = sk.LazyAdam(loaded.parameters(), lr=0.1)
+    _named_step(loaded, optimizer, 7)  # state to replace
+    sk.load_checkpoint(str(tmp_path), loaded, optimizer)
+    _assert_same_by_key(_by_key(loaded, optimizer), _by_key(saved, saved_optimizer))
+    for name in _SAVED_ORDER:
+        assert loaded.stats(name) == saved.stats(name)
+    # Training goes on as if nothing had happened.
+    out, expected = _named_step(loaded, optimizer, 2), _named_step(saved, saved_optimizer, 2)
+    for feature, value in expected.items():
+        assert torch.equal(out[feature], value), feature
+    _assert_same_by_key(_by_key(loaded, optimizer), _by_key(saved, saved_optimizer))
+
+
+def test_a_checkpoint_of_other_tables_or_without_table_names_loads_as_before_or_is_refused(tmp_path):
+    saved = _named_collection(_SAVED_ORDER)
+    saved_optimizer = sk.LazyAdam(saved.parameters(), lr=0.1)
+    _named_step(saved, saved_optimizer, 0)
+    sk.save_checkpoint(str(tmp_path), saved, saved_optimizer)
+    # A table renamed (or replaced): refused, naming both lists of tables; nothing changed.
+    renamed = _named_collection(_SAVED_ORDER, ["users", "goods", "ids", "tags"])
+    optimizer = sk.LazyAdam(renamed.parameters(), lr=0.1)
+    before = _by_key(renamed, optimizer)
+    with pytest.raises(ValueError, match=r"load_checkpoint: the collection \(the model\) was saved with tables "
+                                         r"\['users', 'items', 'ids', 'tags'\] but has \['users', 'goods', 'ids', "
+                                         r"'tags'\]: the checkpoint holds no table 'goods'"):
+        sk.load_checkpoint(str(tmp_path), renamed, optimizer)
+    _assert_same_by_key(_by_key(renamed, optimizer), before)
+    # A checkpoint saved before the tables were named in its metadata loads by position.
+    folder = tmp_path / (tmp_path / "LATEST").read_text()
+    metadata = json.loads((folder / "metadata.json").read_text())
+    for layer in metadata["layers"].values():
+        del layer["table"]
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    loaded = _named_collection(_SAVED_ORDER)
+    optimizer = sk.LazyAdam(loaded.parameters(), lr=0.1)
+    sk.load_checkpoint(str(tmp_path), loaded, optimizer)
+    _assert_same_by_key(_by_key(loaded, optimizer), _by_key(saved, saved_optimizer))
+
+
+def _state_of(ebc):
+    return copy.deepcopy({"state": ebc.state_dict(), "stats": {name: ebc.stats(name) for name in ebc._by_name}})
+
+
+def test_a_state_dict_of_tables_in_another_order_is_refused_and_changes_nothing(tmp_path):
+    """state_dict() names tables by position: g.load_state_dict(e.state_dict()) of the same
+    tables listed otherwise put one table's keys and vectors in the other, silently."""
+    saved = _named_collection(_SAVED_ORDER)
+    _named_step(saved, sk.LazyAdam(saved.parameters(), lr=0.1), 0)
+    state = saved.state_dict()
+    torch.save(state, tmp_path / "state.pt")
+    message = (r"EmbeddingBagCollection: load_state_dict: the state holds tables \['users', 'items', 'ids', 'tags'\] "
+               r"\(in that order\) but this collection has \['items', 'users', 'ids', 'tags'\]")
+    for given in (state, torch.load(tmp_path / "state.pt", weights_only=True)):
+        swapped = _named_collection(["items", "users", "ids", "tags"])
+        _named_step(swapped, sk.LazyAdam(swapped.parameters(), lr=0.1), 5)
+        before = _state_of(swapped)
+        with pytest.raises(ValueError, match=message):
+            swapped.load_state_dict(given)
+        assert_equal_nested(_state_of(swapped), before)
+    # Inside a model too (nn.Module's own load visits the collection before its tables).
+    with pytest.raises(ValueError, match=message):
+        torch.nn.ModuleDict({"ebc": swapped}).load_state_dict(torch.nn.ModuleDict({"ebc": saved}).state_dict())
+    assert_equal_nested(_state_of(swapped), before)
+    # The same order loads; so does a state saved before the names were recorded.
+    same = _named_collection(_SAVED_ORDER)
+    same.load_state_dict(state)
+    assert_equal_nested(_state_of(same), _state_of(saved))
+    old = copy.copy(state)
+    old._metadata = copy.deepcopy(state._metadata)
+    del old._metadata[""]["tables"]
+    same = _named_collection(_SAVED_ORDER)
+    same.load_state_dict(old)
+    assert_equal_nested(_state_of(same), _state_of(saved))
+
+
+def _named_save_worker(rank, world_size, init, directory):
+    init()
+    ebc = _named_collection(_SAVED_ORDER)
+    optimizer = sk.LazyAdam(ebc.parameters(), lr=0.1)
+    for step in range(2):
+        _named_step(ebc, optimizer, step, rank, world_size)
+    sk.save_checkpoint(directory, ebc, optimizer)
+    torch.save(_by_key(ebc, optimizer), f"{directory}/saved-{rank}.pt")
+    # A rank's own state dict, into a collection listing the tables otherwise: refused here too.
+    swapped = _named_collection(["items", "users", "ids", "tags"])
+    with pytest.raises(ValueError, match=r"the state holds tables \['users', 'items', 'ids', 'tags'\]"):
+        swapped.load_state_dict(ebc.state_dict())
+
+
+def _named_load_worker(rank, world_size, init, directory):
+    init()
+    ebc = _named_collection(["items", "users", "tags", "ids"])  # every table at another position
+    optimizer = sk.LazyAdam(ebc.parameters(), lr=0.1)
+    sk.load_checkpoint(directory, ebc, optimizer)
+    torch.save(_by_key(ebc, optimizer), f"{directory}/loaded-{rank}.pt")
+
+
+def test_a_checkpoint_loads_tables_by_name_across_world_sizes(tmp_path):
+    """A table's key lives on rank uint64(key + position) % world_size: moved to another
+    position, its keys move to other ranks, with their vectors and moments."""
+    directory = str(tmp_path / "ckpt")
+    os.makedirs(directory)
+    spawn(_named_save_worker, 2, str(tmp_path), directory)
+    saved = [torch.load(f"{directory}/saved-{rank}.pt") for rank in range(2)]
+    merged = ({**saved[0][0], **saved[1][0]}, saved[0][1])
+    spawn(_named_load_worker, 2, str(tmp_path), directory)
+    positions = {"items": 0, "users": 1, "tags": 2, "ids": 3}
+    loaded = {}
+    for rank in range(2):
+        rows_of, steps = torch.load(f"{directory}/loaded-{rank}.pt")
+        assert steps == merged[1]
+        assert all(((key + positions[table]) % 2**64) % 2 == rank for table, key in rows_of)
+        loaded.update(rows_of)
+    _assert_same_by_key((loaded, merged[1]), merged)
+    # And into one process, the tables listed otherwise again.
+    ebc = _named_collection(["tags", "ids", "users", "items"])
+    optimizer = sk.LazyAdam(ebc.parameters(), lr=0.1)
+    sk.load_checkpoint(directory, ebc, optimizer)
+    _assert_same_by_key(_by_key(ebc, optimizer), merged)
