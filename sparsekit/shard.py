@@ -934,6 +934,12 @@ class _ModelParallelEmbedding(nn.Module):
             raise ValueError(f"{self._layer_name}: load_state_dict: the state holds {given!r} but not "
                              f"{absent!r}; a hash layer's weight rows belong to its table's keys, so both load "
                              "together or neither does")
+        if has_extra and self.hash_table is not None and self.hash_table.device.type == "meta":
+            # assign=True would put the weight in, but the table has no memory to rebuild
+            # itself in (its check alone runs ops that the meta device cannot).
+            raise RuntimeError(f"{self._layer_name}: load_state_dict into a layer on the meta device: its hash table "
+                               "holds no memory to load the keys into, even with assign=True; give the layer memory "
+                               "first (model.to_empty(device=...)), then load_state_dict")
         if has_extra:
             self._check_extra_state(state_dict[extra_key])
         if not has_weight:

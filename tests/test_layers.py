@@ -908,3 +908,20 @@ def test_functional_call_with_a_plain_weight_refuses_a_training_forward_and_look
         out = functional_call(layer, {name: substitute}, (batch,))
         out = out["f"] if is_collection else out
         assert out.abs().sum() > 0 and not torch.equal(out, (layer(batch)["f"] if is_collection else layer(batch)))
+
+
+def test_assign_into_a_layer_on_the_meta_device_says_to_give_it_memory_first():
+    """with torch.device("meta"): build, then load_state_dict(assign=True), as for
+    nn.EmbeddingBag: a hash layer's table has no memory to rebuild in; a clear error, the
+    layer unchanged, and the documented route (to_empty, then load) works."""
+    keys = torch.tensor([[[1, 2, -1], [3, -1, -1]]])
+    source = sk.DistributedEmbedding("sum", 10, 2, 2, 3)
+    source(keys)
+    with torch.device("meta"):
+        layer = sk.DistributedEmbedding("sum", 10, 2, 2, 3)
+    with pytest.raises(RuntimeError, match=r"on the meta device: .*model.to_empty\(device=...\)\), then load_state_dict"):
+        layer.load_state_dict(source.state_dict(), assign=True)
+    assert layer.weight.is_meta and layer.hash_table.device.type == "meta"
+    layer.to_empty(device="cpu")
+    layer.load_state_dict(source.state_dict())
+    assert torch.equal(layer(keys), source(keys))
