@@ -626,7 +626,10 @@ class HashTable:
         capacity, key dtype and eviction on ``device`` (as ``nn.Module.to_empty`` leaves
         parameters to be filled).
         """
-        device = torch.device(device)
+        if device is None or isinstance(device, torch.dtype):
+            raise TypeError(f"HashTable.to: device must be a torch.device, a string or an int, got {device!r} (a "
+                            "table's keys keep their key_dtype)")
+        device = torch.device(device_argument("HashTable.to", device))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device == self.device:

@@ -625,3 +625,16 @@ def test_a_cuda_device_without_cuda_is_named(builder):
 def test_layers_and_tables_take_the_devices_torch_takes(device):
     for build in _BUILDERS.values():
         build(device)
+
+
+@pytest.mark.parametrize("device, error, pattern", [
+    (torch.float16, TypeError, r"HashTable.to: device must be a torch.device, a string or an int, got torch.float16"),
+    (None, TypeError, r"HashTable.to: device must be .* got None"),
+    ("bogus", ValueError, r"HashTable.to: device='bogus' is not a device"),
+])
+def test_hash_table_to_names_what_is_not_a_device(device, error, pattern):
+    table = sk.HashTable(4)
+    table.insert(torch.tensor([5]))
+    with pytest.raises(error, match=pattern):
+        table.to(device)
+    assert table.find(torch.tensor([5])).tolist() == [0]
