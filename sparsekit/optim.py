@@ -7,6 +7,7 @@ import math
 import numbers
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
@@ -70,7 +71,9 @@ class LazyAdam(torch.optim.Optimizer):
       one multi-table call of the kernel.
     * A parameter with a dense gradient gets ordinary Adam, computed by
       ``torch.optim.adam.adam`` with the same settings ``torch.optim.Adam`` would use, so
-      the results are those of ``torch.optim.Adam``.
+      the results are those of ``torch.optim.Adam`` with its default execution, bit for bit
+      on the CPU for every dtype (its multi-tensor path for float32 / float64, its
+      one-tensor loop for the others, where the two differ in the last bit).
 
     ``weight_decay`` is L2 regularization added to the gradient (``torch.optim.Adam``'s
     convention); on sparse parameters it applies to the touched rows only.
@@ -79,6 +82,14 @@ class LazyAdam(torch.optim.Optimizer):
     one counter per parameter, incremented on every step the parameter has a gradient),
     ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape, dtype and device; float32 for a
     float16 / bfloat16 embedding shard). All of it is saved by ``state_dict()``.
+
+    Settings are real numbers (``numbers.Real``: Python or NumPy ints and floats, not bools
+    and not tensors, so a scheduler may set a NumPy ``lr``), converted to float for the lazy
+    kernels and passed as they are to torch's Adam for dense parameters (as
+    ``torch.optim.Adam`` passes them). There is no AMSGrad and no decoupled (AdamW) weight
+    decay: a group with ``amsgrad=True``, or ``decoupled_weight_decay=True`` and a non-zero
+    ``weight_decay`` (from a loaded ``torch.optim.Adam`` / ``AdamW`` state, say) raises
+    ``ValueError``.
 
     Args:
         params: parameters or parameter groups (dense tensors: sparse *parameters* raise
@@ -91,7 +102,8 @@ class LazyAdam(torch.optim.Optimizer):
             ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
 
     A step is all or nothing: every group's settings (``lr``, ``betas``, ``eps``,
-    ``weight_decay``, as edited in ``param_groups``: a bad one raises ``ValueError``) and
+    ``weight_decay``, ``amsgrad`` and ``decoupled_weight_decay`` if present, as edited in
+    ``param_groups``: a bad one raises ``ValueError``) and
     every gradient are checked first (layout, shape, dtype, device, and the rows of every
     sparse gradient, read back in one host read per step on CUDA), and so is the state each
     of them will update (``step``, ``exp_avg`` and ``exp_avg_sq`` present, with the shapes,
@@ -146,7 +158,11 @@ class LazyAdam(torch.optim.Optimizer):
                     param_state["step"] = step.detach().to(device="cpu", dtype=dtype).reshape(())
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state saved by ``LazyAdam.state_dict()`` (or ``torch.optim.Adam``'s).
+        """Loads a state saved by ``LazyAdam.state_dict()`` (or ``torch.optim.Adam``'s or
+        ``AdamW``'s, when LazyAdam computes its update: no ``amsgrad``, and a decoupled
+        weight decay only of 0; its ``foreach`` / ``fused`` / ``capturable`` /
+        ``differentiable`` flags are kept and ignored, and the state continues as torch's
+        default Adam would continue it).
 
         Every parameter's saved state is checked before anything is loaded: either empty
         (no step yet) or ``step`` (a finite integer >= 0: a number, or a one-element tensor
@@ -157,7 +173,9 @@ class LazyAdam(torch.optim.Optimizer):
 
         Raises:
             ValueError: the state lacks LazyAdam's settings (it was saved by another
-                optimizer) or holds invalid ones, or a parameter's saved state is invalid
+                optimizer) or holds invalid ones or ones LazyAdam cannot honour (the message
+                names each: ``amsgrad=True``, ``decoupled_weight_decay=True`` with a non-zero
+                ``weight_decay``), or a parameter's saved state is invalid
                 (the message names the parameter, its group and the field); nothing is
                 changed.
         """
@@ -333,7 +351,7 @@ class LazyAdam(torch.optim.Optimizer):
                 for column, value in zip(tables, (param, state["exp_avg"], state["exp_avg_sq"], rows, values)):
                     column.append(value)
                 steps.append(int(state["step"].item()) + 1)
-                hyper.extend((float(group["lr"]), *group["betas"], group["eps"], group["weight_decay"]))
+                hyper.extend(map(_float_setting, (group["lr"], *group["betas"], group["eps"], group["weight_decay"])))
                 states.append(state)
         try:
             torch.ops.sparsekit.lazy_adam_tables_(*tables, steps, hyper)
@@ -392,8 +410,8 @@ class LazyAdam(torch.optim.Optimizer):
                         values = -values  # exact, as SparseAdam's -grad
                     _reset_reused_rows(param, state, rows)
                     _lazy_adam_rows(param, state["exp_avg"], state["exp_avg_sq"], rows, values,
-                                    int(state["step"].item()), float(lr), beta1, beta2, group["eps"],
-                                    group["weight_decay"])
+                                    int(state["step"].item()),
+                                    *map(_float_setting, (lr, beta1, beta2, group["eps"], group["weight_decay"])))
                 else:
                     dense_params.append(param)
                     dense_grads.append(grad)
@@ -401,18 +419,46 @@ class LazyAdam(torch.optim.Optimizer):
                     dense_exp_avg_sqs.append(state["exp_avg_sq"])
                     dense_steps.append(state["step"])
             if dense_params:
-                # torch's own Adam (it increments the steps). Its multi-tensor path on CPU and
-                # CUDA: bit for bit the numbers of its one-tensor loop, which torch.optim.Adam
-                # picks on the CPU by default, at ~80% of its time for the harness's 12 dense
-                # tensors (the fused kernel would be faster still, but differs in the last bit).
-                foreach = True if all(p.device.type in ("cpu", "cuda") for p in dense_params) else None
-                _functional_adam(
-                    dense_params, dense_grads, dense_exp_avgs, dense_exp_avg_sqs, [], dense_steps,
-                    foreach=foreach, capturable=False, differentiable=False, fused=None, grad_scale=None,
-                    found_inf=None, has_complex=any(torch.is_complex(p) for p in dense_params),
-                    amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
-                    eps=group["eps"], maximize=maximize)
+                _dense_adam(dense_params, dense_grads, dense_exp_avgs, dense_exp_avg_sqs, dense_steps, group)
         return loss
+
+
+# The dense tensors torch's multi-tensor Adam updates on the CPU with the numbers of its
+# one-tensor loop, which torch.optim.Adam picks there by default, bit for bit (every setting,
+# weight decay and maximize included): float32 and float64. Not float16 and bfloat16 (their
+# exp_avg_sq and weights round differently, at the default settings for float16, at larger
+# lr and betas for bfloat16) nor complex tensors with weight decay (the loop adds the decay
+# in complex arithmetic, the multi-tensor path to the real views): those take the loop.
+_MULTI_TENSOR_EXACT_ON_CPU = (torch.float32, torch.float64)
+
+
+def _dense_adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
+                steps: List[Tensor], group: Dict[str, Any]) -> None:
+    """torch's own Adam (``torch.optim.adam.adam``, which increments ``steps``) on the dense
+    parameters of ``group``, with the numbers of ``torch.optim.Adam``'s default on their
+    device. On the CPU: its multi-tensor path where it equals the one-tensor loop bit for bit
+    (float32, float64: ~80% of the loop's time for the harness's 12 dense tensors), the loop
+    for the other dtypes; on CUDA its multi-tensor path, torch.optim.Adam's default there (the
+    fused kernel would be faster still, but differs in the last bit); elsewhere torch's choice.
+    """
+    buckets: Dict[Optional[bool], List[int]] = {}
+    for index, param in enumerate(params):
+        device = param.device.type
+        foreach = (True if device == "cuda" or param.dtype in _MULTI_TENSOR_EXACT_ON_CPU else False) \
+            if device in ("cpu", "cuda") else None
+        buckets.setdefault(foreach, []).append(index)
+    # torch.optim.Adam takes float betas only (a NumPy float64 is one, and is passed as it is).
+    beta1, beta2 = (beta if isinstance(beta, float) else float(beta) for beta in group["betas"])
+    for foreach, chosen in buckets.items():
+        every = len(chosen) == len(params)
+        pick = (lambda tensors: tensors) if every else (lambda tensors: [tensors[i] for i in chosen])
+        chosen_params = pick(params)
+        _functional_adam(
+            chosen_params, pick(grads), pick(exp_avgs), pick(exp_avg_sqs), [], pick(steps),
+            foreach=foreach, capturable=False, differentiable=False, fused=None, grad_scale=None, found_inf=None,
+            has_complex=any(torch.is_complex(p) for p in chosen_params), amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=_torch_adam_setting(group["lr"]), weight_decay=_torch_adam_setting(group["weight_decay"]),
+            eps=_torch_adam_setting(group["eps"]), maximize=group.get("maximize", False))
 
 
 def _gradient_name(group: int, position: int, param: Tensor) -> str:
@@ -421,18 +467,66 @@ def _gradient_name(group: int, position: int, param: Tensor) -> str:
     return f"LazyAdam: the gradient of parameter {position} of group {group} (shape {tuple(param.shape)})"
 
 
+def _is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number LazyAdam takes as a setting: any ``numbers.Real``
+    (a Python or NumPy int or float, as ``torch.optim.Adam`` takes, or what an LR scheduler's
+    lambda returns), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
-    """ValueError naming the first invalid setting."""
+    """ValueError naming the first invalid setting, or every one of torch.optim.Adam's /
+    AdamW's settings in ``settings`` that LazyAdam cannot honour."""
     betas = settings["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2) of floats, got {betas!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
+        tensor = " (a tensor beta is not supported)" if isinstance(betas, (tuple, list)) and any(
+            isinstance(b, Tensor) for b in betas) else ""
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2) of floats, got {betas!r}{tensor}")
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
         raise ValueError(f"{where}: invalid betas {tuple(betas)}; both must be in [0, 1)")
     for name, label in (("lr", "learning rate lr"), ("eps", "eps"), ("weight_decay", "weight_decay")):
         value = settings[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
-            raise ValueError(f"{where}: invalid {label} {value!r}; it must be a number >= 0")
+        if isinstance(value, Tensor):
+            # torch.optim.Adam takes a tensor lr in some configurations (not foreach=True
+            # without capturable); LazyAdam's kernels take a float, and reading a CUDA tensor
+            # back every step would be a hidden host sync.
+            raise ValueError(f"{where}: {label} is a tensor ({value!r}); a tensor {name} is not supported, pass a "
+                             f"float (e.g. {name}=float(value))")
+        if not _is_real(value) or not value >= 0.0:
+            raise ValueError(f"{where}: invalid {label} {value!r}; it must be a real number >= 0")
+    # torch.optim.Adam / AdamW settings that change the update, and which LazyAdam does not
+    # implement: refused rather than kept in param_groups and ignored (a loaded AdamW state
+    # would otherwise continue as L2 decay, an AMSGrad one without its max_exp_avg_sq).
+    # AdamW's decoupled decay with weight_decay 0 is the same update as Adam's (both skip
+    # the decay), so it is accepted. maximize is LazyAdam's own. torch's execution flags
+    # (foreach, fused, capturable, differentiable) choose how torch computes Adam, not what,
+    # and are accepted and ignored: LazyAdam computes the numbers of torch's default CPU
+    # Adam (a fused Adam's differ from them in the last bit, so its state continues as the
+    # default Adam would continue it), and its step is never differentiable (a saved state
+    # holds no graph, so loading one with differentiable=True loses nothing).
+    unsupported = []
+    if settings.get("amsgrad", False):
+        unsupported.append("amsgrad=True (LazyAdam keeps no max_exp_avg_sq)")
+    if settings.get("decoupled_weight_decay", False) and settings["weight_decay"] != 0:
+        unsupported.append(f"decoupled_weight_decay=True with weight_decay={settings['weight_decay']!r} (AdamW's "
+                           "decay of the weight; LazyAdam's weight_decay is L2 added to the gradient, as in "
+                           "torch.optim.Adam)")
+    if unsupported:
+        raise ValueError(f"{where}: LazyAdam cannot honour {' and '.join(unsupported)}; use the optimizer that "
+                         "made these settings, or set them to False to continue as plain Adam")
+
+
+def _float_setting(value: Any) -> float:
+    """A (checked) setting as the float the lazy kernels take."""
+    return value if type(value) is float else float(value)
+
+
+def _torch_adam_setting(value: Any) -> Any:
+    """A (checked) lr, eps or weight_decay as it goes to torch's Adam: as torch.optim.Adam
+    passes it, a Python or NumPy number unchanged (a NumPy float32 lr makes torch's step size
+    a float32, and LazyAdam's dense numbers stay torch.optim.Adam's); any other real number
+    (a Fraction, which torch's kernels refuse) as a float."""
+    return value if isinstance(value, (int, float, np.number)) else float(value)
 
 
 def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tensor, group_index: int,

@@ -2,6 +2,7 @@ import copy
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -760,24 +761,33 @@ def test_lazy_adam_load_state_dict_keeps_accepting_good_states(device):
     _assert_unchanged(resumed, params, _snapshot(opt, params))
 
 
-@pytest.mark.parametrize("settings", [{}, {"fused": True}, {"amsgrad": True}], ids=["foreach", "fused", "amsgrad"])
+@pytest.mark.parametrize("settings", [{}, {"foreach": True}, {"fused": True}, {"maximize": True},
+                                      {"decoupled_weight_decay": True}, {"saved_flags": True}],
+                         ids=["default", "foreach", "fused", "maximize", "adamw_without_decay",
+                              "capturable_differentiable_saved"])
 def test_lazy_adam_loads_torch_adam_states(device, settings):
     """torch.optim.Adam's state of a dense model loads (a fused Adam's step comes back to the
-    CPU from the parameter's device) and LazyAdam continues it as torch's default Adam does."""
+    CPU from the parameter's device) and LazyAdam continues it as torch's default Adam does:
+    execution flags are ignored, maximize is honoured, and AdamW's decoupled decay of 0 is
+    Adam's update."""
     gen = torch.Generator().manual_seed(3)
     ours = torch.nn.Parameter(torch.randn(4, 3, generator=gen).to(device))
     theirs = torch.nn.Parameter(ours.detach().clone())
+    settings = dict(settings)
+    saved_flags = settings.pop("saved_flags", False)
     adam = torch.optim.Adam([ours], lr=0.01, **settings)
     for _ in range(2):
         ours.grad = torch.randn(4, 3, generator=gen).to(device)
         adam.step()
     theirs.data.copy_(ours.detach())
+    if saved_flags:  # as a capturable / differentiable Adam saves them (neither steps a CPU leaf)
+        adam.param_groups[0].update(capturable=True, differentiable=True)
     opt = sk.LazyAdam([ours], lr=0.01)
     opt.load_state_dict(adam.state_dict())
     assert opt.state[ours]["step"].device.type == "cpu" and opt.state[ours]["step"].item() == 2
     reference = torch.optim.Adam([theirs], lr=0.01)
     state = copy.deepcopy(adam.state_dict())
-    state["param_groups"][0].update(fused=None, amsgrad=False)
+    state["param_groups"][0].update(fused=None, foreach=None, capturable=False, differentiable=False)
     reference.load_state_dict(state)
     grad = torch.randn(4, 3, generator=gen).to(device)
     ours.grad, theirs.grad = grad.clone(), grad.clone()
@@ -934,3 +944,265 @@ def test_repeated_rows_are_summed_alike_on_both_paths(dtype, num_rows, entries, 
     with pytest.raises(RuntimeError, match=f"names row {num_rows}, outside"):
         optimizer.step()
     assert not bool(weight.detach().any()) and not optimizer.state
+
+
+# ---- torch.optim.Adam's settings, dtypes and LR schedulers ----
+
+
+def _adam_state(optimizer_class, **settings):
+    """A dense parameter and the state of ``optimizer_class`` after two steps on it."""
+    gen = torch.Generator().manual_seed(4)
+    param = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
+    optimizer = optimizer_class([param], lr=0.1, **settings)
+    for _ in range(2):
+        param.grad = torch.randn(4, 3, generator=gen)
+        optimizer.step()
+    return param, optimizer.state_dict()
+
+
+@pytest.mark.parametrize("optimizer_class, settings, message", [
+    (torch.optim.Adam, {"amsgrad": True}, r"amsgrad=True \(LazyAdam keeps no max_exp_avg_sq\); use"),
+    (torch.optim.AdamW, {"weight_decay": 0.1}, r"decoupled_weight_decay=True with weight_decay=0.1 \(AdamW's"),
+    (torch.optim.AdamW, {}, r"decoupled_weight_decay=True with weight_decay=0.01 \(AdamW's"),
+    (torch.optim.Adam, {"decoupled_weight_decay": True, "weight_decay": 0.1}, r"decoupled_weight_decay=True with"),
+    (torch.optim.AdamW, {"weight_decay": 0.1, "amsgrad": True},
+     r"amsgrad=True .* and decoupled_weight_decay=True with weight_decay=0.1"),
+], ids=["adam_amsgrad", "adamw", "adamw_default_decay", "adam_decoupled", "adamw_amsgrad"])
+def test_lazy_adam_load_state_dict_refuses_adam_settings_it_cannot_honour(optimizer_class, settings, message):
+    """A torch.optim.Adam / AdamW state with AMSGrad or a non-zero decoupled weight decay is
+    refused, naming each setting, with LazyAdam's settings and state (of a step it took)
+    unchanged; it then steps as before. Turned off in the state, it loads."""
+    param, saved = _adam_state(optimizer_class, **settings)
+    opt = sk.LazyAdam([param], lr=0.01)
+    param.grad = torch.ones(4, 3)
+    opt.step()
+    groups_before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    before = _snapshot(opt, [param])
+    with pytest.raises(ValueError, match=r"LazyAdam.load_state_dict \(parameter group 0\): LazyAdam cannot honour "
+                       + ".*" + message):
+        opt.load_state_dict(saved)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups_before
+    _assert_unchanged(opt, [param], before)
+    opt.step()
+    assert opt.state[param]["step"].item() == 2
+    saved["param_groups"][0].update(amsgrad=False, decoupled_weight_decay=False)
+    opt.load_state_dict(saved)
+    assert opt.state[param]["step"].item() == 2 and opt.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("edit", ["constructor_group", "add_param_group", "param_groups"])
+@pytest.mark.parametrize("setting", [{"amsgrad": True}, {"decoupled_weight_decay": True, "weight_decay": 0.1}],
+                         ids=["amsgrad", "decoupled"])
+def test_lazy_adam_refuses_adam_settings_in_groups(edit, setting):
+    """The same settings in a group LazyAdam is given (or edited into param_groups) are
+    refused too, before anything is updated; decoupled_weight_decay with a decay of 0 is not."""
+    first, second = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    if edit == "constructor_group":
+        with pytest.raises(ValueError, match="LazyAdam cannot honour"):
+            sk.LazyAdam([{"params": [first]}, {"params": [second], **setting}])
+        return
+    opt = sk.LazyAdam([first])
+    if edit == "add_param_group":
+        with pytest.raises(ValueError, match=r"add_param_group \(parameter group 1\): LazyAdam cannot honour"):
+            opt.add_param_group({"params": [second], **setting})
+        assert len(opt.param_groups) == 1
+        opt.add_param_group({"params": [second], "decoupled_weight_decay": True})
+        return
+    opt.add_param_group({"params": [second]})
+    opt.param_groups[1].update(setting)
+    first.grad, second.grad = torch.ones(3), torch.ones(3)
+    with pytest.raises(ValueError, match=r"LazyAdam.step \(parameter group 1\): LazyAdam cannot honour"):
+        opt.step()
+    assert not opt.state and torch.equal(first.detach(), torch.zeros(3))
+
+
+def _bits(tensor):
+    """The tensor's bits as integers: NaNs (a float16 eps of 1e-8 is 0) compare as bits."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return tensor.detach().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+DENSE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+# torch's default settings, and larger ones under which its multi-tensor and one-tensor
+# paths round bfloat16 differently (float16 differs at both, complex with weight decay).
+ADAM_SETTINGS = {"default_lr": dict(), "large_lr": dict(lr=0.05, betas=(0.8, 0.95), eps=1e-3)}
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES, ids=str)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("settings", sorted(ADAM_SETTINGS))
+def test_lazy_adam_dense_matches_torch_adam_bit_for_bit_on_every_dtype(dtype, weight_decay, maximize, settings):
+    """Dense parameters of every dtype (odd sizes, a non-contiguous slice, a 0-d tensor):
+    weights, moments and steps equal torch.optim.Adam's with its default execution on the CPU,
+    bit for bit, over 12 steps."""
+    torch.manual_seed(0)
+    kwargs = dict(ADAM_SETTINGS[settings], weight_decay=weight_decay, maximize=maximize)
+    # The slice of each side is a slice of its own copy: torch's own numbers for a half-type
+    # slice differ from those of the same values contiguous.
+    initial = [torch.randn(shape, dtype=torch.float64).to(dtype) for shape in [(1000,), (17, 3), (), (9, 10)]]
+    ours, theirs = ([torch.nn.Parameter(t.clone()) for t in initial[:3]]
+                    + [torch.nn.Parameter(initial[3].clone()[:, ::3])] for _ in range(2))
+    assert not ours[3].is_contiguous() and ours[3].stride() == theirs[3].stride()
+    opt_ours, opt_theirs = sk.LazyAdam(ours, **kwargs), torch.optim.Adam(theirs, **kwargs)
+    for _ in range(12):
+        for mine, other in zip(ours, theirs):
+            grad = torch.randn(mine.shape, dtype=torch.float64).to(dtype)
+            mine.grad, other.grad = grad.clone(), grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    for index, (mine, other) in enumerate(zip(ours, theirs)):
+        assert torch.equal(_bits(mine), _bits(other)), index
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(_bits(opt_ours.state[mine][key]), _bits(opt_theirs.state[other][key])), (index, key)
+
+
+def test_lazy_adam_dense_dtypes_mixed_in_one_group_match_torch_adam():
+    """One group of every dtype (some take torch's multi-tensor path, the others its loop):
+    the same numbers as torch.optim.Adam's, bit for bit."""
+    torch.manual_seed(1)
+    ours = [torch.nn.Parameter(torch.randn(300, dtype=torch.float64).to(dtype)) for dtype in DENSE_DTYPES * 2]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt_ours = sk.LazyAdam(ours, lr=0.05, betas=(0.8, 0.95), weight_decay=0.1)
+    opt_theirs = torch.optim.Adam(theirs, lr=0.05, betas=(0.8, 0.95), weight_decay=0.1)
+    for _ in range(10):
+        for mine, other in zip(ours, theirs):
+            grad = torch.randn(300, dtype=torch.float64).to(mine.dtype)
+            mine.grad, other.grad = grad.clone(), grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    for mine, other in zip(ours, theirs):
+        assert torch.equal(_bits(mine), _bits(other)), mine.dtype
+        assert torch.equal(_bits(opt_ours.state[mine]["exp_avg_sq"]), _bits(opt_theirs.state[other]["exp_avg_sq"]))
+
+
+def _numpy_settings():
+    """Settings as NumPy numbers of several types."""
+    return dict(lr=np.float32(0.01), betas=(np.float32(0.9), np.float64(0.99)), eps=np.float16(1e-4),
+                weight_decay=np.int64(0))
+
+
+@pytest.mark.parametrize("where", ["constructor", "param_groups", "load_state_dict"])
+def test_lazy_adam_takes_numpy_settings(where):
+    """NumPy numbers (and any numbers.Real) as settings, at construction, edited in
+    param_groups or loaded: a sparse table and a dense vector step with them, the table as
+    with the same values as floats, the vector as torch.optim.Adam with the same lr."""
+    settings = _numpy_settings()
+    as_floats = dict(lr=float(settings["lr"]), betas=tuple(map(float, settings["betas"])),
+                     eps=float(settings["eps"]), weight_decay=0.0)
+
+    def model():
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(6, 3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))]
+
+    params, reference_params = model(), model()
+    if where == "constructor":
+        opt = sk.LazyAdam(params, **settings)
+    else:
+        opt = sk.LazyAdam(params)
+        if where == "param_groups":
+            opt.param_groups[0].update(settings)
+        else:
+            state = opt.state_dict()
+            state["param_groups"][0].update(settings)
+            opt.load_state_dict(state)
+    reference = sk.LazyAdam(reference_params, **as_floats)
+    dense_reference = torch.nn.Parameter(reference_params[1].detach().clone())
+    # torch.optim.Adam refuses NumPy float32 betas: it gets them as floats, as LazyAdam passes them.
+    torch_adam = torch.optim.Adam([dense_reference], lr=settings["lr"], betas=as_floats["betas"], eps=settings["eps"])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        rows, values = [1, 4], torch.randn(2, 3, generator=gen)
+        dense_grad = torch.randn(5, generator=gen)
+        for ps in (params, reference_params):
+            ps[0].grad, ps[1].grad = _sparse_grad(rows, values, (6, 3)), dense_grad.clone()
+        dense_reference.grad = dense_grad.clone()
+        opt.step()
+        reference.step()
+        torch_adam.step()
+    assert torch.equal(params[0].detach(), reference_params[0].detach())
+    assert not torch.equal(params[0].detach(), model()[0].detach())
+    # The dense vector: torch's Adam with the same NumPy lr (its step size then a float32).
+    assert torch.equal(params[1].detach(), dense_reference.detach())
+    assert isinstance(opt.param_groups[0]["lr"], np.float32)
+
+
+@pytest.mark.parametrize("value, message", [
+    (True, r"invalid learning rate lr True; it must be a real number >= 0"),
+    ("0.1", r"invalid learning rate lr '0.1'"),
+    (float("nan"), r"invalid learning rate lr nan"),
+    (-1e-3, r"invalid learning rate lr -0.001"),
+    (torch.tensor(0.01), r"learning rate lr is a tensor \(tensor\(0.0100\)\); a tensor lr is not supported, pass a "
+                         r"float \(e.g. lr=float\(value\)\)"),
+], ids=["bool", "str", "nan", "negative", "tensor"])
+def test_lazy_adam_refuses_lr_that_is_no_real_number(value, message):
+    """A bool, a string, NaN, a negative number or a tensor as lr: refused at construction, in
+    add_param_group and at step time (with nothing updated)."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"LazyAdam: " + message):
+        sk.LazyAdam([param], lr=value)
+    opt = sk.LazyAdam([param], lr=np.float32(0.1))
+    with pytest.raises(ValueError, match=r"add_param_group \(parameter group 1\): " + message):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": value})
+    opt.param_groups[0]["lr"] = value
+    param.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=r"LazyAdam.step \(parameter group 0\): " + message):
+        opt.step()
+    assert not opt.state and torch.equal(param.detach(), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"a tensor beta is not supported"):
+        sk.LazyAdam([param], betas=(torch.tensor(0.9), 0.99))
+
+
+def _schedulers():
+    return {
+        "lambda_numpy": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: np.float32(0.5) ** epoch),
+        "lambda_numpy_float64": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: np.float64(0.7) ** e),
+        "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=12),
+    }
+
+
+@pytest.mark.parametrize("scheduler", ["lambda_numpy", "lambda_numpy_float64", "step", "one_cycle"])
+def test_lazy_adam_under_lr_schedulers_mid_run(scheduler):
+    """An LR scheduler attached mid-run (after 3 plain steps; OneCycleLR also sets beta1):
+    a dense model's numbers are torch.optim.Adam's under the same scheduler, bit for bit, and
+    an embedding table's those of LazyAdam given each step's settings as floats."""
+    make = _schedulers()[scheduler]
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3)
+    table = torch.nn.Parameter(torch.randn(10, 3))
+    twin_linear = copy.deepcopy(linear)
+    float_table = torch.nn.Parameter(table.detach().clone())
+    opt = sk.LazyAdam([table, *linear.parameters()], lr=0.01)
+    torch_adam = torch.optim.Adam(twin_linear.parameters(), lr=0.01)
+    float_lazy = sk.LazyAdam([float_table], lr=0.01)
+    gen = torch.Generator().manual_seed(2)
+    schedulers = []
+    for step in range(10):
+        if step == 3:
+            schedulers = [make(opt), make(torch_adam)]
+        x = torch.randn(8, 4, generator=gen)
+        rows = torch.randperm(10, generator=gen)[:4].tolist()
+        values = torch.randn(4, 3, generator=gen)
+        for model, optimizer in ((linear, opt), (twin_linear, torch_adam)):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+        table.grad = _sparse_grad(rows, values, (10, 3))
+        float_table.grad = _sparse_grad(rows, values, (10, 3))
+        group = opt.param_groups[0]
+        float_lazy.param_groups[0].update(lr=float(group["lr"]), betas=tuple(map(float, group["betas"])))
+        opt.step()
+        torch_adam.step()
+        float_lazy.step()
+        for s in schedulers:
+            s.step()
+    assert schedulers and opt.param_groups[0]["lr"] != 0.01
+    assert opt.param_groups[0]["lr"] == torch_adam.param_groups[0]["lr"]
+    for mine, other in zip(linear.parameters(), twin_linear.parameters()):
+        assert torch.equal(mine, other)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[mine][key], torch_adam.state[other][key])
+    assert torch.equal(table.detach(), float_table.detach())
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(opt.state[table][key], float_lazy.state[float_table][key])
