@@ -327,3 +327,25 @@ def test_hash_table_insert_host_syncs_on_cuda():
     table = sk.HashTable(1 << 12, device="cuda")
     table.insert(torch.arange(100, device="cuda"))  # warm up (allocator, CUB temp sizes)
     assert _count_syncs(lambda: table.insert(torch.arange(50, 300, device="cuda"))) == 2
+
+
+def test_erase_select_and_score_ops_opcheck(device):
+    """opcheck (schema, fake kernel, aliasing of the in-place arguments) of the ops that
+    the other opcheck tests leave out: erase, the eviction's selection and the tables'
+    scoring."""
+    slot_keys, slot_rows = empty_slots(32, device)
+    keys = torch.tensor([5, INT64_MIN, -1, 0], device=device)
+    sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, torch.arange(4, device=device))
+    torch.library.opcheck(torch.ops.sparsekit.hash_table_erase_,
+                          (slot_keys.clone(), slot_rows.clone(), torch.tensor([5, 7, 0], device=device)))
+    columns = [torch.tensor([5, 1, 3, 1, 9], device=device), torch.tensor([10, 20, 30, 5, 1], device=device)]
+    eligible = torch.tensor([True, True, True, True, False], device=device)
+    for k in (0, 2, 4):
+        torch.library.opcheck(torch.ops.sparsekit.select_smallest, (columns, eligible, k))
+    if device == "cpu" or torch._C._dispatch_has_kernel_for_dispatch_key("sparsekit::hash_table_score_tables_",
+                                                                         "CUDA"):
+        last_seen = [torch.zeros(4, dtype=torch.int64, device=device), torch.zeros(3, dtype=torch.int64,
+                                                                                   device=device)]
+        count = [t.clone() for t in last_seen]
+        torch.library.opcheck(torch.ops.sparsekit.hash_table_score_tables_,
+                              (last_seen, count, torch.tensor([0, 3, 3, -1, 2], device=device), [0, 3, 5], [7, 2]))
