@@ -7,6 +7,7 @@ from ._loading import load_library
 
 _C = load_library()  # registers torch.ops.sparsekit.* kernels, or says clearly why it cannot
 from . import hashing, ops
+from . import tables_cuda  # noqa: F401  (CUDA kernels of the multi-table ops, as composites)
 from .allocator import keep_freed_memory
 from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam

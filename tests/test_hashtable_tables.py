@@ -8,6 +8,10 @@ Thresholds crossed (keep in step with csrc/cpu/hashtable_cpu.cpp): tasks of 4096
 (kHashGrain) that start inside a table, span several small tables or skip empty ones, and
 tables of 2^17 slots and more (the prefetching find) and of 2^16 rows and more (the
 prefetching scoring).
+
+Tests of the ops themselves take the `device` fixture (on CUDA the composites of
+sparsekit/tables_cuda.py); those marked "CPU only" are about the fakes (opcheck), the CPU
+kernel's prefetching paths, the Python helpers' CPU paths and the collection on the CPU.
 """
 
 from __future__ import annotations
@@ -29,42 +33,43 @@ score_tables = torch.ops.sparsekit.hash_table_score_tables_
 place_tables = torch.ops.sparsekit.hash_table_place_tables_
 
 
-def make_tables(capacities, seed):
+def make_tables(capacities, seed, device="cpu"):
     """Tables filled to about half their capacity with keys drawn from a range twice as
     wide (so about half the lookups below miss), the keys of each table [n_t]."""
     g = torch.Generator().manual_seed(seed)
     tables, contents = [], []
     for capacity in capacities:
-        table = HashTable(capacity)
-        keys = torch.unique(torch.randint(-capacity, capacity, (capacity // 2,), generator=g))
+        table = HashTable(capacity, device=device)
+        keys = torch.unique(torch.randint(-capacity, capacity, (capacity // 2,), generator=g)).to(device)
         table.insert(keys)
         tables.append(table)
         contents.append(keys)
     return tables, g
 
 
-def queries(capacities, counts, g, dtype=torch.int64):
+def queries(capacities, counts, g, dtype=torch.int64, device="cpu"):
     parts = [torch.randint(-c, c, (n,), generator=g) for c, n in zip(capacities, counts)]
     offsets = [0]
     for n in counts:
         offsets.append(offsets[-1] + n)
-    return torch.cat(parts).to(dtype), offsets
+    return torch.cat(parts).to(dtype).to(device), offsets
 
 
 @examples(15)
 @given(capacities=st.lists(st.sampled_from([1, 16, 100, 5_000, 70_000]), min_size=1, max_size=6),
        counts=st.lists(st.sampled_from([0, 1, 17, 4095, 4096, 4097, 9_000]), min_size=6, max_size=6),
        dtype=st.sampled_from([torch.int64, torch.int32]), threads=thread_counts, seed=st.integers(0, 2**31 - 1))
-def test_find_tables_matches_find_table_by_table(capacities, counts, dtype, threads, seed):
-    tables, g = make_tables(capacities, seed)
+def test_find_tables_matches_find_table_by_table(capacities, counts, dtype, threads, seed, device):
+    tables, g = make_tables(capacities, seed, device)
     counts = counts[:len(tables)]
-    keys, offsets = queries(capacities, counts, g, dtype)
+    keys, offsets = queries(capacities, counts, g, dtype, device)
     with num_threads(threads):
         got = find_tables([t._slot_keys for t in tables], [t._slot_rows for t in tables], keys, offsets)
     want = torch.cat([t.find(keys[a:b]) for t, a, b in zip(tables, offsets, offsets[1:])])
-    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got.dtype == torch.int64 and got.device == keys.device and torch.equal(got, want)
 
 
+# CPU only: the CPU kernel's prefetching loop.
 def test_find_tables_with_a_large_table_prefetches_and_agrees():
     tables, g = make_tables([200_000, 10], 5)  # 2^19 slots: the prefetching loop
     keys, offsets = queries([200_000, 10], [50_000, 5], g)
@@ -75,11 +80,11 @@ def test_find_tables_with_a_large_table_prefetches_and_agrees():
 @examples(15)
 @given(capacities=st.lists(st.sampled_from([1, 16, 100, 5_000, 70_000]), min_size=1, max_size=5),
        threads=thread_counts, seed=st.integers(0, 2**31 - 1), order=st.sampled_from(["random", "distinct", "sorted"]))
-def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, order):
+def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, order, device):
     """Rows in any order with repeats (atomic counts), distinct and ascending as the owner
     step gives them (plain writes), or ascending with repeats (equal neighbours: atomic)."""
-    tables, g = make_tables(capacities, seed)
-    references, _ = make_tables(capacities, seed)
+    tables, g = make_tables(capacities, seed, device)
+    references, _ = make_tables(capacities, seed, device)
     for table, reference in zip(tables, references):
         for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
             table.tick()
@@ -97,23 +102,24 @@ def test_score_tables_matches_the_tables_own_scoring(capacities, threads, seed, 
         offsets.append(offsets[-1] + rows.numel())
         present = rows[rows >= 0]
         distinct, counts = torch.unique(present, return_counts=True)
-        reference._score(distinct, counts)
+        reference._score(distinct.to(device), counts.to(device))
     with num_threads(threads):
-        score_tables([t._last_seen for t in tables], [t._count for t in tables], torch.cat(parts), offsets,
+        score_tables([t._last_seen for t in tables], [t._count for t in tables], torch.cat(parts).to(device), offsets,
                      [t.clock for t in tables])
     for table, reference in zip(tables, references):
         assert torch.equal(table._last_seen, reference._last_seen)
         assert torch.equal(table._count, reference._count)
 
 
-def test_score_tables_rejects_a_row_outside_its_table_and_changes_nothing():
-    tables, _ = make_tables([100, 100], 1)
+def test_score_tables_rejects_a_row_outside_its_table_and_changes_nothing(device):
+    tables, _ = make_tables([100, 100], 1, device)
     before = [(t._last_seen.clone(), t._count.clone()) for t in tables]
-    rows = torch.tensor([0, 1, 2, 3, 100, 5])
+    rows = torch.tensor([0, 1, 2, 3, 100, 5], device=device)
     with pytest.raises(RuntimeError, match=r"rows\[4\] = 100 of table 1 is outside its scores \[-1, 100\)"):
         score_tables([t._last_seen for t in tables], [t._count for t in tables], rows, [0, 3, 6], [1, 1])
     with pytest.raises(RuntimeError, match=r"rows\[0\] = -2 of table 0"):
-        score_tables([t._last_seen for t in tables], [t._count for t in tables], torch.tensor([-2, 0]), [0, 1, 2],
+        score_tables([t._last_seen for t in tables], [t._count for t in tables], torch.tensor([-2, 0], device=device),
+                     [0, 1, 2],
                      [1, 1])
     for t, (seen, count) in zip(tables, before):
         assert torch.equal(t._last_seen, seen) and torch.equal(t._count, count)
@@ -128,11 +134,12 @@ def _table_state(table):
 @given(capacities=st.lists(st.sampled_from([1, 16, 100, 5_000, 70_000]), min_size=1, max_size=6),
        fill=st.sampled_from([0.0, 0.3, 1.0]), erase=st.booleans(), dtype=st.sampled_from([torch.int64, torch.int32]),
        threads=thread_counts, seed=st.integers(0, 2**31 - 1), cpu_op=st.booleans())
-def test_place_tables_matches_the_tables_own_insert(capacities, fill, erase, dtype, threads, seed, cpu_op):
+def test_place_tables_matches_the_tables_own_insert(capacities, fill, erase, dtype, threads, seed, cpu_op, device):
     """New keys of several tables (some none, some filling the table to capacity, some
-    into tombstones left by an erase) take the rows and scores HashTable.insert gives them."""
-    tables, g = make_tables(capacities, seed)
-    references, _ = make_tables(capacities, seed)
+    into tombstones left by an erase) take the rows and scores HashTable.insert gives them:
+    the op (through _grow_tables on the CPU, directly elsewhere), or the fallback."""
+    tables, g = make_tables(capacities, seed, device)
+    references, _ = make_tables(capacities, seed, device)
     if erase:  # tombstones, and counts of freed rows to clear (the collection's truncate path)
         for table, reference in zip(tables, references):
             for t in (table, reference):
@@ -145,13 +152,14 @@ def test_place_tables_matches_the_tables_own_insert(capacities, fill, erase, dty
     for table in tables:
         room = table.capacity - len(table)
         candidates = torch.unique(torch.randint(-4 * table.capacity - 8, 4 * table.capacity + 8,
-                                                (4 * table.capacity + 16,), generator=g))
-        candidates = candidates[table.find(candidates) < 0]
+                                                (4 * table.capacity + 16,), generator=g)).to(device)
+        candidates = candidates[table.find(candidates) < 0].cpu()
         candidates = candidates[torch.randperm(candidates.numel(), generator=g)]
         parts.append(candidates[:int(room * fill)])
     offsets = [0]
     for part in parts:
         offsets.append(offsets[-1] + part.numel())
+    parts = [part.to(device) for part in parts]
     keys = torch.cat(parts).to(dtype)
     for reference, part in zip(references, parts):
         reference.insert(part.to(reference.key_dtype))
@@ -160,27 +168,32 @@ def test_place_tables_matches_the_tables_own_insert(capacities, fill, erase, dty
             reference._count[rows] = 0
             reference._last_seen[rows] = 0
     with num_threads(threads):
-        if cpu_op:
+        if cpu_op and device.type == "cpu":
             _grow_tables(tables, keys, offsets)
+        elif cpu_op:  # the op itself (_grow_tables takes the fallback on other devices)
+            place_tables([t._slot_keys for t in tables], [t._slot_rows for t in tables], [t._row_keys for t in tables],
+                         [t._count for t in tables], keys, offsets, [len(t) for t in tables])
+            for table, a, b in zip(tables, offsets, offsets[1:]):
+                table._size += b - a
         else:  # the fallback other devices take
             for table, a, b in zip(tables, offsets, offsets[1:]):
                 if b > a:
-                    table._place(keys[a:b], torch.arange(len(table), len(table) + b - a))
+                    table._place(keys[a:b], torch.arange(len(table), len(table) + b - a, device=device))
     for table, reference, part in zip(tables, references, parts):
         assert len(table) == len(reference)
         assert torch.equal(table.find(part), reference.find(part))
         assert torch.equal(table._row_keys[:len(table)], reference._row_keys[:len(reference)])
         assert torch.equal(table._count, reference._count) and torch.equal(table._last_seen, reference._last_seen)
-        everything = torch.cat([reference._row_keys[:len(reference)], part])
+        everything = torch.cat([reference._row_keys[:len(reference)], part.long()])
         assert torch.equal(table.find(everything), reference.find(everything))
 
 
-def test_place_tables_rejects_a_table_without_room_and_changes_no_table():
-    tables, _ = make_tables([100, 16, 100], 3)
+def test_place_tables_rejects_a_table_without_room_and_changes_no_table(device):
+    tables, _ = make_tables([100, 16, 100], 3, device)
     before = [_table_state(t) for t in tables]
     lists = ([t._slot_keys for t in tables], [t._slot_rows for t in tables], [t._row_keys for t in tables],
              [t._count for t in tables])
-    keys = torch.arange(1000, 1000 + 3 + 9 + 2)
+    keys = torch.arange(1000, 1000 + 3 + 9 + 2, device=device)
     sizes = [len(t) for t in tables]
     with pytest.raises(RuntimeError, match=rf"table 1 holds {sizes[1]} of its 16 rows, so its 9 new keys do not fit; "
                                            "nothing was inserted"):
@@ -200,6 +213,7 @@ def test_place_tables_rejects_a_table_without_room_and_changes_no_table():
         assert after[0] == state[0] and all(torch.equal(a, b) for a, b in zip(after[1:], state[1:]))
 
 
+# CPU only: the fakes of the multi-table ops accept CPU (and meta) tensors.
 def test_place_tables_opcheck():
     tables, _ = make_tables([100, 5_000], 4)
     keys = torch.arange(10**6, 10**6 + 40)
@@ -213,23 +227,25 @@ def test_place_tables_opcheck():
     ([0, 1, 3], "offsets must run from 0 to 2"),
     ([1, 1, 2], "offsets must run from 0 to 2"),
 ])
-def test_find_tables_rejects_bad_offsets(offsets, message):
-    tables, _ = make_tables([10, 10], 0)
+def test_find_tables_rejects_bad_offsets(offsets, message, device):
+    tables, _ = make_tables([10, 10], 0, device)
     with pytest.raises(RuntimeError, match=message):
-        find_tables([t._slot_keys for t in tables], [t._slot_rows for t in tables], torch.tensor([1, 2]), offsets)
+        find_tables([t._slot_keys for t in tables], [t._slot_rows for t in tables], torch.tensor([1, 2], device=device),
+                    offsets)
 
 
-def test_find_tables_rejects_decreasing_offsets_and_mismatched_lists():
-    tables, _ = make_tables([10, 10, 10], 0)
+def test_find_tables_rejects_decreasing_offsets_and_mismatched_lists(device):
+    tables, _ = make_tables([10, 10, 10], 0, device)
     slot_keys, slot_rows = [t._slot_keys for t in tables], [t._slot_rows for t in tables]
     with pytest.raises(RuntimeError, match=r"offsets must never decrease, got offsets\[1\] = 2 > offsets\[2\] = 1"):
-        find_tables(slot_keys, slot_rows, torch.tensor([1, 2]), [0, 2, 1, 2])
+        find_tables(slot_keys, slot_rows, torch.tensor([1, 2], device=device), [0, 2, 1, 2])
     with pytest.raises(RuntimeError, match="slot_keys holds 3 tables but slot_rows 2"):
-        find_tables(slot_keys, slot_rows[:2], torch.tensor([1, 2]), [0, 1, 2, 2])
+        find_tables(slot_keys, slot_rows[:2], torch.tensor([1, 2], device=device), [0, 1, 2, 2])
     with pytest.raises(RuntimeError, match="hash_table_find_tables: keys must be an int64 or int32 tensor"):
-        find_tables(slot_keys, slot_rows, torch.tensor([1.0, 2.0]), [0, 1, 2, 2])
+        find_tables(slot_keys, slot_rows, torch.tensor([1.0, 2.0], device=device), [0, 1, 2, 2])
 
 
+# CPU only: the fakes of the multi-table ops accept CPU (and meta) tensors.
 def test_find_tables_opcheck():
     tables, g = make_tables([100, 5_000], 2)
     keys, offsets = queries([100, 5_000], [30, 300], g)
@@ -237,6 +253,7 @@ def test_find_tables_opcheck():
                                         offsets))
 
 
+# CPU only: the helpers' CPU paths (one op for all tables); elsewhere they go table by table.
 def test_python_helpers_agree_with_the_tables():
     tables, g = make_tables([100, 300], 4)
     keys, offsets = queries([100, 300], [50, 80], g)
@@ -253,7 +270,7 @@ def test_python_helpers_agree_with_the_tables():
         assert bool((t._count[part] == 2).all())  # inserted once, touched once
 
 
-# -- the collection's owner step over many tables -------------------------------------------------
+# -- the collection's owner step over many tables (CPU only: the collection, not the ops) ---------
 
 def _collection(num_tables, **extra):
     configs = [sk.TableConfig(f"t{i}", 4 + 4 * (i % 2), 64, [f"f{i}"], **extra.get(i, {}))

@@ -1,4 +1,4 @@
-"""unique_bounded (CPU): the sorted unique of keys in [-1, bound) that numbers the rows of
+"""unique_bounded (CPU kernel; on CUDA the composite of sparsekit/tables_cuda.py): the sorted unique of keys in [-1, bound) that numbers the rows of
 embedding gradients, against torch.unique; and the row gradients built on it, against a
 dense reference, on both of its paths (bitmap, and hash + sort for a table far larger than
 its lookups).
@@ -7,6 +7,9 @@ Thresholds crossed (keep in step with csrc/cpu/unique_bounded_cpu.cpp): key piec
 2^15 (several workers, and as many parts of the counting sort), word blocks of 2^12 words
 (bounds past 2^18 bits) and blocks of 2^12 distinct keys in the offsets, the word boundary
 at multiples of 64, -1 at bit 0; and _BOUNDED_UNIQUE_BITS_PER_KEY in ops.py.
+
+Tests of the op itself take the `device` fixture; those marked "CPU only" are about the CPU
+kernel's threads, the fake (opcheck) or the CPU's row gradients.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ BOUNDS = [0, 1, 63, 64, 65, 4096 * 64 - 1, 4096 * 64, 4096 * 64 + 1, 1_000_003]
 
 
 def check(keys: torch.Tensor, bound: int, group: bool = True) -> None:
-    got_keys, got_inverse, got_offsets, got_order = unique_bounded(keys, bound, group)
+    got = unique_bounded(keys, bound, group)
+    assert all(t.device == keys.device for t in got)
+    got_keys, got_inverse, got_offsets, got_order = (t.cpu() for t in got)
+    keys = keys.cpu()
     want_keys, want_inverse, want_counts = torch.unique(keys.reshape(-1), sorted=True, return_inverse=True,
                                                         return_counts=True)
     assert got_keys.dtype == keys.dtype and torch.equal(got_keys, want_keys)
@@ -43,7 +49,7 @@ def check(keys: torch.Tensor, bound: int, group: bool = True) -> None:
        kind=st.sampled_from(["uniform", "hot", "missing", "edges", "sorted"]),
        dtype=st.sampled_from([torch.int64, torch.int32]), group=st.booleans(), threads=thread_counts,
        seed=st.integers(0, 2**31 - 1))
-def test_unique_bounded_matches_torch(n, bound, kind, dtype, group, threads, seed):
+def test_unique_bounded_matches_torch(n, bound, kind, dtype, group, threads, seed, device):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randint(-1, bound, (n,), generator=g) if bound > 0 else torch.full((n,), -1)
     if kind == "hot" and bound > 1:
@@ -57,9 +63,10 @@ def test_unique_bounded_matches_torch(n, bound, kind, dtype, group, threads, see
     elif kind == "sorted":
         keys = keys.sort().values
     with num_threads(threads):
-        check(keys.to(dtype), bound, group)
+        check(keys.to(dtype).to(device), bound, group)
 
 
+# CPU only: the CPU kernel's thread counts.
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_unique_bounded_same_result_for_every_thread_count(threads):
     keys = torch.randint(-1, 300_000, (200_001,), generator=torch.Generator().manual_seed(3))
@@ -70,36 +77,38 @@ def test_unique_bounded_same_result_for_every_thread_count(threads):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_unique_bounded_shapes_and_noncontiguous():
-    keys = torch.randint(-1, 50, (30, 7), generator=torch.Generator().manual_seed(1)).t()
+def test_unique_bounded_shapes_and_noncontiguous(device):
+    keys = torch.randint(-1, 50, (30, 7), generator=torch.Generator().manual_seed(1)).to(device).t()
     check(keys, 50)
     check(keys, 50, group=False)
-    check(torch.empty(0, dtype=torch.int64), 10)
-    check(torch.empty(0, dtype=torch.int32), 0, group=False)
+    check(torch.empty(0, dtype=torch.int64, device=device), 10)
+    check(torch.empty(0, dtype=torch.int32, device=device), 0, group=False)
 
 
 @pytest.mark.parametrize("bad", [-2, 10, 2**40, -(2**63)])
 @pytest.mark.parametrize("position", [0, 70_000, 199_999])
-def test_unique_bounded_rejects_keys_out_of_range(bad, position):
+def test_unique_bounded_rejects_keys_out_of_range(bad, position, device):
     keys = torch.randint(-1, 10, (200_000,))
     keys[position] = bad
+    keys = keys.to(device)
     with pytest.raises(RuntimeError, match=rf"keys must lie in \[-1, bound\) = \[-1, 10\), got {bad} at position "
                                            rf"{position}"):
         unique_bounded(keys, 10)
 
 
 @pytest.mark.parametrize("bound", [-1, 2**40])
-def test_unique_bounded_rejects_bad_bound(bound):
+def test_unique_bounded_rejects_bad_bound(bound, device):
     with pytest.raises(RuntimeError, match="bound must lie in"):
-        unique_bounded(torch.zeros(3, dtype=torch.int64), bound)
+        unique_bounded(torch.zeros(3, dtype=torch.int64, device=device), bound)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bool])
-def test_unique_bounded_rejects_non_key_dtypes(dtype):
+def test_unique_bounded_rejects_non_key_dtypes(dtype, device):
     with pytest.raises(RuntimeError, match="keys must be an int64 or int32 tensor"):
-        unique_bounded(torch.zeros(3, dtype=dtype), 5)
+        unique_bounded(torch.zeros(3, dtype=dtype, device=device), 5)
 
 
+# CPU only: the fake accepts CPU (and meta) keys, as the op's other callers do.
 def test_unique_bounded_opcheck():
     keys = torch.randint(-1, 100, (1000,))
     torch.library.opcheck(unique_bounded, (keys, 100, True))
@@ -115,6 +124,7 @@ def dense_row_gradient(num_rows, dim, rows, offsets, grad_out, psw):
     return torch.zeros(num_rows, dim, dtype=torch.float64).index_add(0, rows.clamp(min=0), contributions)
 
 
+# CPU only below: the CPU's coalesced row gradients (on CUDA rows come in order of first occurrence).
 @pytest.mark.parametrize("dim", [4, 16, 17, 64])
 @pytest.mark.parametrize("num_rows, nnz", [(1_000, 5_000), (400_000, 2_000), (400_000, 0), (70_000, 3)])
 @pytest.mark.parametrize("weighted", [False, True])
