@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -136,6 +136,22 @@ def device_argument(where: str, value: Any) -> Any:
             raise RuntimeError(f"{where}: device={value!r} but this process sees "
                                f"{torch.cuda.device_count()} CUDA device(s)")
     return value
+
+
+def memory_span(tensor: torch.Tensor) -> Tuple[int, int]:
+    """The bytes ``[begin, end)`` a non-empty strided tensor spans, from its first element
+    to its last whatever the strides in between (the kernel's conservative test)."""
+    begin = tensor.data_ptr()
+    if tensor.is_contiguous():  # the common case, without a loop over the strides
+        return begin, begin + tensor.numel() * tensor.element_size()
+    low = high = 0
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        reach = (size - 1) * stride
+        if reach < 0:
+            low += reach
+        else:
+            high += reach
+    return begin + low * tensor.element_size(), begin + (high + 1) * tensor.element_size()
 
 
 # ---- argument checks of the fake (meta) kernels ------------------------------------------

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
 
 from . import ops
+from ._checks import memory_span
 from .allocator import table_zeros
 
 __all__ = ["LazyAdam"]
@@ -583,25 +584,9 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
                                "the gradient": grad._values() if grad.is_sparse else grad})
 
 
-def _memory_span(tensor: Tensor) -> Tuple[int, int]:
-    """The bytes ``[begin, end)`` a non-empty strided tensor spans, from its first element
-    to its last whatever the strides in between (the kernel's conservative test)."""
-    begin = tensor.data_ptr()
-    if tensor.is_contiguous():  # the common case, without a loop over the strides
-        return begin, begin + tensor.numel() * tensor.element_size()
-    low = high = 0
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        reach = (size - 1) * stride
-        if reach < 0:
-            low += reach
-        else:
-            high += reach
-    return begin + low * tensor.element_size(), begin + (high + 1) * tensor.element_size()
-
-
 def _check_disjoint(name: Callable[[], str], tensors: Dict[str, Tensor]) -> None:
     """RuntimeError naming two of ``tensors`` (same device, strided) whose bytes intersect."""
-    spans = [(label, _memory_span(t)) for label, t in tensors.items() if t.numel() and t.layout == torch.strided]
+    spans = [(label, memory_span(t)) for label, t in tensors.items() if t.numel() and t.layout == torch.strided]
     for index, (label, (begin, end)) in enumerate(spans):
         for other, (other_begin, other_end) in spans[index + 1:]:
             if begin < other_end and other_begin < end:

@@ -50,6 +50,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ._checks import memory_span
+
 __all__ = ["hash_table_find_tables", "hash_table_place_tables_", "hash_table_score_tables_", "lazy_adam_tables_",
            "segment_sum_parts", "unique_bounded", "unique_tables"]
 
@@ -110,25 +112,22 @@ def _index_tensor(tensor: Tensor, op: str, arg: str) -> None:
         _fail(f"{op}: {arg} must be an int64 or int32 tensor, got {_dtype(tensor.dtype)}")
 
 
-def _span(tensor: Tensor) -> Tuple[int, int]:
-    """The bytes a tensor spans (common.h memory_span)."""
-    low = high = 0
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        reach = (size - 1) * stride
-        if reach < 0:
-            low += reach
-        else:
-            high += reach
-    size = tensor.element_size()
-    base = tensor.data_ptr()
-    return base + low * size, base + (high + 1) * size
+def _keys_on(keys: Tensor, op: str, device: Optional[torch.device]) -> torch.device:
+    """The device the kernel runs for (``keys``' by default), after the kernels' first two
+    checks: an int64 / int32 ``keys`` tensor, on that device."""
+    _key_tensor(keys, op, "keys")
+    if device is None:
+        device = keys.device
+    if keys.device != device:
+        _fail(f"{op}: expected a {_where(device)} tensor, got {_device(keys.device)}")
+    return device
 
 
 def _overlaps(a: Tensor, b: Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
-    a_begin, a_end = _span(a)
-    b_begin, b_end = _span(b)
+    a_begin, a_end = memory_span(a)
+    b_begin, b_end = memory_span(b)
     return a_begin < b_end and b_begin < a_end
 
 
@@ -138,7 +137,7 @@ def _no_shared_writes(op: str, uses: List[Tuple[Tensor, str, int, bool]]) -> Non
     for u, (tensor, _, _, _) in enumerate(uses):
         if tensor.numel() == 0:
             continue
-        begin, end = _span(tensor)
+        begin, end = memory_span(tensor)
         spans.append((begin, end, u))
     spans.sort(key=lambda span: span[0])  # stable, as std::stable_sort
     furthest = furthest_written = None
@@ -636,11 +635,7 @@ def unique_bounded(keys: Tensor, bound: int, group: bool = False,
         ``offsets`` and ``order`` int64.
     """
     op = "unique_bounded"
-    _key_tensor(keys, op, "keys")
-    if device is None:
-        device = keys.device
-    if keys.device != device:
-        _fail(f"{op}: expected a {_where(device)} tensor, got {_device(keys.device)}")
+    device = _keys_on(keys, op, device)
     if not (0 <= bound < 1 << 40):
         _fail(f"{op}: bound must lie in [0, 2^40), got {bound}")
     n = keys.numel()
@@ -683,11 +678,7 @@ def unique_tables(keys: Tensor, offsets: List[int], tables: List[int], num_table
         int64 ``[num_tables]``.
     """
     op = "unique_tables"
-    _key_tensor(keys, op, "keys")
-    if device is None:
-        device = keys.device
-    if keys.device != device:
-        _fail(f"{op}: expected a {_where(device)} tensor, got {_device(keys.device)}")
+    device = _keys_on(keys, op, device)
     if keys.dim() != 1:
         _fail(f"{op}: keys must be 1-D, got shape {_shape(keys.shape)}")
     if not (0 <= num_tables <= 1 << 20):

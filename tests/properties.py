@@ -90,6 +90,27 @@ def make_keys(n: int, distribution: str, seed: int, dtype: torch.dtype = torch.i
     return keys.to(dtype)
 
 
+BOUNDED_KINDS = ["uniform", "hot", "missing", "edges", "sorted"]
+
+
+def bounded_keys(n: int, bound: int, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """``n`` int64 row numbers in ``[-1, bound)`` (``-1``: a missing row) for the bounded
+    unique: uniform, ``hot`` (70% on one row), ``missing`` (half -1), ``edges`` (only -1, 0,
+    the last row and both sides of 64-bit word boundaries) or ``sorted``."""
+    keys = torch.randint(-1, bound, (n,), generator=generator) if bound > 0 else torch.full((n,), -1)
+    if kind == "hot" and bound > 1:
+        keys[torch.rand(n, generator=generator) < 0.7] = bound // 2
+    elif kind == "missing":
+        keys[torch.rand(n, generator=generator) < 0.5] = -1
+    elif kind == "edges":
+        values = (-1, 0, 62, 63, 64, 127, 128, bound - 1, bound - 64)
+        edges = torch.tensor(sorted({v for v in values if -1 <= v < bound}))
+        keys = edges[torch.randint(0, edges.numel(), (n,), generator=generator)]
+    elif kind == "sorted":
+        keys = keys.sort().values
+    return keys
+
+
 @contextlib.contextmanager
 def num_threads(n: int):
     """Runs the block with ``torch.set_num_threads(n)``, restoring the old count after."""

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import sparsekit as sk
 from sparsekit import tables_cuda
 from sparsekit.hashtable import HashTable
-from properties import KEY_DISTRIBUTIONS, examples, make_keys, num_threads, sizes, thread_counts
+from properties import (BOUNDED_KINDS, KEY_DISTRIBUTIONS, bounded_keys, examples, make_keys, num_threads, sizes,
+                        thread_counts)
 
 ops = torch.ops.sparsekit
 OPS = ["hash_table_find_tables", "hash_table_place_tables_", "hash_table_score_tables_", "lazy_adam_tables_",
@@ -72,17 +73,10 @@ def test_every_op_has_a_cuda_kernel_even_without_a_gpu():
 @examples(25)
 @given(n=sizes(100_000), bound=st.one_of(st.sampled_from([0, 1, 63, 64, 65, 4096, 1_000_003]),
                                          st.integers(0, 300_000)),
-       kind=st.sampled_from(["uniform", "hot", "missing", "sorted"]), dtype=st.sampled_from([torch.int64, torch.int32]),
+       kind=st.sampled_from(BOUNDED_KINDS), dtype=st.sampled_from([torch.int64, torch.int32]),
        group=st.booleans(), two_d=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_unique_bounded_composite_matches_the_cpu_kernel(n, bound, kind, dtype, group, two_d, seed):
-    g = torch.Generator().manual_seed(seed)
-    keys = torch.randint(-1, bound, (n,), generator=g) if bound > 0 else torch.full((n,), -1)
-    if kind == "hot" and bound > 1:
-        keys[torch.rand(n, generator=g) < 0.7] = bound // 2
-    elif kind == "missing":
-        keys[torch.rand(n, generator=g) < 0.5] = -1
-    elif kind == "sorted":
-        keys = keys.sort().values
+    keys = bounded_keys(n, bound, kind, torch.Generator().manual_seed(seed))
     keys = keys.to(dtype)
     if two_d and n % 2 == 0:
         keys = keys.view(2, n // 2).t()  # strided

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparsekit import ops
-from properties import examples, num_threads, sizes, thread_counts
+from properties import BOUNDED_KINDS, bounded_keys, examples, num_threads, sizes, thread_counts
 
 unique_bounded = torch.ops.sparsekit.unique_bounded
 BOUNDS = [0, 1, 63, 64, 65, 4096 * 64 - 1, 4096 * 64, 4096 * 64 + 1, 1_000_003]
@@ -46,22 +46,11 @@ def check(keys: torch.Tensor, bound: int, group: bool = True) -> None:
 
 @examples(20)
 @given(n=sizes(300_000), bound=st.one_of(st.sampled_from(BOUNDS), st.integers(0, 2_000_000)),
-       kind=st.sampled_from(["uniform", "hot", "missing", "edges", "sorted"]),
+       kind=st.sampled_from(BOUNDED_KINDS),
        dtype=st.sampled_from([torch.int64, torch.int32]), group=st.booleans(), threads=thread_counts,
        seed=st.integers(0, 2**31 - 1))
 def test_unique_bounded_matches_torch(n, bound, kind, dtype, group, threads, seed, device):
-    g = torch.Generator().manual_seed(seed)
-    keys = torch.randint(-1, bound, (n,), generator=g) if bound > 0 else torch.full((n,), -1)
-    if kind == "hot" and bound > 1:
-        keys[torch.rand(n, generator=g) < 0.7] = bound // 2
-    elif kind == "missing":
-        keys[torch.rand(n, generator=g) < 0.5] = -1
-    elif kind == "edges":  # only -1, 0, the last value and both sides of word boundaries
-        values = (-1, 0, 62, 63, 64, 127, 128, bound - 1, bound - 64)
-        edges = torch.tensor(sorted({v for v in values if -1 <= v < bound}))
-        keys = edges[torch.randint(0, edges.numel(), (n,), generator=g)]
-    elif kind == "sorted":
-        keys = keys.sort().values
+    keys = bounded_keys(n, bound, kind, torch.Generator().manual_seed(seed))
     with num_threads(threads):
         check(keys.to(dtype).to(device), bound, group)
 
