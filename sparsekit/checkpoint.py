@@ -664,12 +664,14 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     """The saved rows of ``layer`` that this rank owns now, from every saved shard (the
     files ``shard_paths``), where the checkpoint calls the layer ``saved_name``;
     ``lazy_adam``: the optimizer loading them is a LazyAdam (see :func:`_check_part_state`)."""
+    # A collection's table loaded from another position is named as both.
+    shown = repr(name) if saved_name == name else f"{name!r} (saved as {saved_name!r})"
     if saved_meta["embedding_vec_size"] != layer.embedding_vec_size:
-        raise ValueError(f"load_checkpoint: layer {name!r} was saved with embedding_vec_size "
+        raise ValueError(f"load_checkpoint: layer {shown} was saved with embedding_vec_size "
                          f"{saved_meta['embedding_vec_size']} but has {layer.embedding_vec_size}")
     parts = [shard["layers"][saved_name] for shard in shards]
     for shard_path, part in zip(shard_paths, parts):
-        _check_part_state(shard_path, name, part, layer, lazy_adam)
+        _check_part_state(shard_path, saved_name, part, layer, lazy_adam)  # the file's entry
     keys = torch.cat([part["keys"] for part in parts])
     _check_key_range(name, layer, keys, "key")
     if layer.hash_table is None and keys.numel() > 0:
@@ -974,6 +976,16 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         if sorted(sources.values()) != sorted(metadata["layers"]):
             raise ValueError(f"load_checkpoint: the checkpoint has embedding layers {sorted(metadata['layers'])} "
                              f"but the model has {sorted(layers)}")
+        moved = sorted(name for name, source in sources.items() if source != name)
+        if moved and optimizer is not None and len(optimizer.param_groups) > 1:
+            # The tables' rows and moments load by name, but the optimizer's groups (their lr,
+            # betas, weight decay) load by position: a group per table would hand each table
+            # another table's settings.
+            raise ValueError(f"load_checkpoint: the collection lists its tables in another order than when saved "
+                             f"({', '.join(f'{name} <- {sources[name]}' for name in moved)}) and the optimizer has "
+                             f"{len(optimizer.param_groups)} parameter groups, whose settings load by position; "
+                             "build the collection with its tables in the saved order (or the optimizer with one "
+                             "group)")
         shards, shard_paths = [], []
         for shard_name in metadata["shards"]:
             shard_paths.append(os.path.join(path, shard_name))

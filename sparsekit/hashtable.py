@@ -627,8 +627,8 @@ class HashTable:
         parameters to be filled).
         """
         if device is None or isinstance(device, torch.dtype):
-            raise TypeError(f"HashTable.to: device must be a torch.device, a string or an int, got {device!r} (a "
-                            "table's keys keep their key_dtype)")
+            hint = " (a table's keys keep their key_dtype)" if device is not None else ""
+            raise TypeError(f"HashTable.to: device must be a torch.device, a string or an int, got {device!r}{hint}")
         device = torch.device(device_argument("HashTable.to", device))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

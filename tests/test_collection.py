@@ -6,6 +6,7 @@ checkpoints, and world sizes 1, 2 and 4 equal to one process."""
 
 import copy
 import datetime
+import glob
 import json
 import os
 import time
@@ -989,6 +990,45 @@ def test_a_checkpoint_loads_a_collections_tables_by_name_in_any_order(tmp_path, 
     for feature, value in expected.items():
         assert torch.equal(out[feature], value), feature
     _assert_same_by_key(_by_key(loaded, optimizer), _by_key(saved, saved_optimizer))
+
+
+def test_reordered_tables_with_a_group_per_table_are_refused_with_nothing_changed(tmp_path):
+    """Rows and moments load by table name, the optimizer's groups by position: with a group
+    per table (its own lr) a reordered collection would hand each table another's settings,
+    silently. Refused; in the saved order it loads, each table with its own lr."""
+    lr = {"users": 0.5, "items": 0.001, "ids": 0.02, "tags": 0.1}
+
+    def build(order):
+        ebc = _named_collection(order)
+        return ebc, sk.LazyAdam([{"params": [ebc.weights[name]], "lr": lr[name]} for name in order])
+
+    saved, saved_optimizer = build(_SAVED_ORDER)
+    _named_step(saved, saved_optimizer, 0)
+    sk.save_checkpoint(str(tmp_path), saved, saved_optimizer)
+    reordered, optimizer = build(["items", "users", "ids", "tags"])
+    _named_step(reordered, optimizer, 7)
+    before = _by_key(reordered, optimizer)
+    with pytest.raises(ValueError, match=r"another order than when saved \(shards.0 <- shards.1, shards.1 <- "
+                                         r"shards.0\) and the optimizer has 4 parameter groups"):
+        sk.load_checkpoint(str(tmp_path), reordered, optimizer)
+    _assert_same_by_key(_by_key(reordered, optimizer), before)
+    same, optimizer = build(_SAVED_ORDER)
+    sk.load_checkpoint(str(tmp_path), same, optimizer)
+    assert [group["lr"] for group in optimizer.param_groups] == [lr[name] for name in _SAVED_ORDER]
+
+
+def test_a_damaged_entry_of_a_reordered_table_is_named_as_the_file_holds_it(tmp_path):
+    saved = _named_collection(_SAVED_ORDER)
+    saved_optimizer = sk.LazyAdam(saved.parameters(), lr=0.1)
+    _named_step(saved, saved_optimizer, 0)
+    sk.save_checkpoint(str(tmp_path), saved, saved_optimizer)
+    (path,) = glob.glob(os.path.join(str(tmp_path), "ckpt-*", "shard-*.pt"))
+    shard = torch.load(path, weights_only=True)
+    shard["layers"]["shards.1"]["state"].pop("exp_avg_sq")  # items, saved second
+    torch.save(shard, path)
+    loaded = _named_collection(["items", "users", "ids", "tags"])
+    with pytest.raises(ValueError, match=r"layer 'shards.1': the saved optimizer state lacks \['exp_avg_sq'\]"):
+        sk.load_checkpoint(str(tmp_path), loaded, sk.LazyAdam(loaded.parameters(), lr=0.1))
 
 
 def test_a_checkpoint_of_other_tables_or_without_table_names_loads_as_before_or_is_refused(tmp_path):
