@@ -896,6 +896,7 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
     # Everything that could fail was worked out by _check_restore before any rank wrote.
     if layer.hash_table is not None:
         dynamic = restore.dynamic
+        layer._rows_rebound()
         layer.hash_table._load_checked(restore.table)
         rows = torch.arange(keys.numel(), dtype=torch.int64, device=device)
         layer.weight.zero_()

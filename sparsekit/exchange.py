@@ -106,11 +106,21 @@ class _CoalescedGradMarker:
     # marker unpickled from a layer saved before they existed has neither.
     stamp = 0
     row_since: Optional[Tensor] = None
+    # The stamp at which every row changed hands at once (the table loaded or reset): a
+    # lookup made before it drops its whole gradient.
+    cleared = 0
 
     def __init__(self) -> None:
         self.values: Optional[Tensor] = None
         self.stamp = 0
         self.row_since = None
+        self.cleared = 0
+
+    def forget_all(self) -> None:
+        """Called by a hash shard whose table was loaded or reset: every row may hold another
+        key now, so no gradient of a lookup made before may land on it."""
+        self.stamp += 1
+        self.cleared = self.stamp
 
     def produced(self, values: Tensor) -> None:
         """Called by the lookup's backward with the values of the gradient it returns."""
@@ -133,6 +143,8 @@ class _CoalescedGradMarker:
             rows, values = rows[found], values[found]
         if stamp == self.stamp or rows.numel() == 0:
             return rows, values
+        if stamp < self.cleared or self.row_since is None:
+            return rows[:0], values[:0]
         keep = self.row_since.index_select(0, rows) <= stamp
         return rows[keep], values[keep]
 

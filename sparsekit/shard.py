@@ -331,6 +331,7 @@ class _ModelParallelEmbedding(nn.Module):
         if self.hash_table is None:
             self._initialize_direct_rows()
             return
+        self._rows_rebound()
         with torch.no_grad():
             self.weight.zero_()
         for table in (self.hash_table, self._pending):
@@ -910,9 +911,18 @@ class _ModelParallelEmbedding(nn.Module):
         """
         self._load_extra_state(self._check_extra_state(state))
 
+    def _rows_rebound(self) -> None:
+        """The hash table was just loaded or reset: its rows may hold other keys than a
+        lookup before saw. That lookup's backward drops its gradient (``forget_all``), and a
+        gradient accumulated before is dropped now (its rows are the old keys'); a direct
+        shard's rows are its keys' for good and keep theirs, as ``nn.Embedding``'s do."""
+        self._grad_marker.forget_all()
+        self.weight.grad = None
+
     def _load_extra_state(self, checked: Optional[_CheckedExtraState]) -> None:
         if checked is None:
             return
+        self._rows_rebound()
         if checked.pending is not None:
             self._pending._load_checked(checked.pending)
         self.hash_table._load_checked(checked.table)

@@ -449,3 +449,44 @@ def test_more_keys_waiting_in_one_step_than_admission_capacity_forgets_some_inst
     assert pending() == [1, 9]
     step([9])  # its third step: admitted
     assert pending() == [1]
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "reset_parameters", "load_checkpoint"])
+@pytest.mark.parametrize("kind", ["all2all", "collection"])
+def test_a_lookup_s_gradient_does_not_reach_rows_a_load_or_reset_gave_to_other_keys(tmp_path, how, kind):
+    """A forward, then the table loaded (or reset and refilled), then the backward: the rows
+    the forward read may hold other keys now, so its gradient lands nowhere, and one already
+    accumulated in weight.grad is dropped; the loaded keys keep their vectors through the
+    step. (The gradient of keys 1, 2 trained keys 7, 8 of the loaded state.)"""
+    def build():
+        if kind == "collection":
+            return sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 8, ["f"])])
+        return _layer(8)
+
+    def call(layer, keys):
+        if kind == "collection":
+            return layer(_one_key_per_bag("f", keys))["f"]
+        return layer(torch.tensor(keys))
+
+    source = build()
+    call(source, [7, 8])
+    if how == "load_checkpoint":
+        sk.save_checkpoint(str(tmp_path), source)
+    layer = build()
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.1)
+    weight = next(layer.parameters())
+    call(layer, [3]).sum().backward()  # accumulated before the load: rows of the old keys
+    pending = call(layer, [1, 2]).sum()
+    if how == "load_state_dict":
+        layer.load_state_dict(source.state_dict())
+    elif how == "load_checkpoint":
+        sk.load_checkpoint(str(tmp_path), layer)
+    else:
+        layer.reset_parameters()
+        call(layer, [7, 8])
+    before = weight.detach().clone()
+    assert weight.grad is None
+    pending.backward()
+    assert weight.grad is None or weight.grad.coalesce()._nnz() == 0
+    optimizer.step()
+    assert torch.equal(weight.detach(), before)
