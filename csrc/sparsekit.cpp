@@ -32,14 +32,16 @@ PyMODINIT_FUNC PyInit__C(void) {
 }
 
 STABLE_TORCH_LIBRARY(sparsekit, m) {
+  // The "Internal, C++ on CPU" ops have a C++ kernel for the CPU only; their CUDA kernels are
+  // Python composites of the per-table ops (sparsekit/tables_cuda.py).
   // Hash-based unique in order of first occurrence: keys == unique_keys[inverse].
   m.def("unique(Tensor keys) -> (Tensor unique_keys, Tensor inverse, Tensor counts)");
-  // Internal, CPU only: unique per table. Segment s (keys[offsets[s]:offsets[s+1]]) belongs
+  // Internal, C++ on CPU: unique per table. Segment s (keys[offsets[s]:offsets[s+1]]) belongs
   // to table tables[s]; the distinct keys come table after table, each table's in order of
   // first occurrence over its segments, with keys == unique_keys[inverse] and per_table
   // the distinct count of each table. Dedups an EmbeddingBagCollection's (table, key) pairs.
   m.def("unique_tables(Tensor keys, int[] offsets, int[] tables, int num_tables) -> (Tensor unique_keys, Tensor inverse, Tensor per_table)");
-  // Internal, CPU only: sorted unique of keys in [-1, bound) (a bitmap of the range), with
+  // Internal, C++ on CPU: sorted unique of keys in [-1, bound) (a bitmap of the range), with
   // keys == unique_keys[inverse]. With group: the positions grouped by key, ascending within
   // a group (order [nnz]), and the groups' CSR bounds in it (offsets [U + 1]); else both
   // empty. Numbers embedding rows for their sparse gradient.
@@ -48,7 +50,7 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // SymInt keeps torch.compile's symbolic sizes flowing; the stable kernels receive it as
   // an int64 (a concrete value by the time a kernel runs).
   m.def("segment_sum(Tensor data, Tensor segment_ids, SymInt num_segments, bool deterministic=False) -> Tensor");
-  // Internal, CPU only: segment_sum of the rows of several tensors one after the other
+  // Internal, C++ on CPU: segment_sum of the rows of several tensors one after the other
   // (segment_ids spans them all), without concatenating them.
   m.def("segment_sum_parts(Tensor[] data, Tensor segment_ids, int num_segments) -> Tensor");
   // Open-addressing table over plain tensors: slot_rows[s] == -1 marks an empty slot, so
@@ -56,14 +58,14 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   m.def("hash_table_find(Tensor slot_keys, Tensor slot_rows, Tensor keys) -> Tensor");
   // Places keys that are distinct and absent from the table; rows[i] is stored for keys[i].
   m.def("hash_table_insert_absent_(Tensor(a!) slot_keys, Tensor(b!) slot_rows, Tensor keys, Tensor rows, int? num_occupied=None) -> ()");
-  // Internal, CPU only: hash_table_find over several tables in one call, keys[offsets[t]
+  // Internal, C++ on CPU: hash_table_find over several tables in one call, keys[offsets[t]
   // : offsets[t + 1]] looked up in table t (an EmbeddingBagCollection's owner step).
   m.def("hash_table_find_tables(Tensor[] slot_keys, Tensor[] slot_rows, Tensor keys, int[] offsets) -> Tensor");
-  // Internal, CPU only: scores the rows of several tables, rows[offsets[t] : offsets[t + 1]]
+  // Internal, C++ on CPU: scores the rows of several tables, rows[offsets[t] : offsets[t + 1]]
   // of table t: last_seen[t][row] = clocks[t], count[t][row] += 1 per occurrence; -1 skipped.
   m.def("hash_table_score_tables_(Tensor(a!)[] last_seen, Tensor(b!)[] count, Tensor rows, int[] offsets, "
         "int[] clocks) -> ()");
-  // Internal, CPU only: places the new keys of several growing tables, keys[offsets[t] :
+  // Internal, C++ on CPU: places the new keys of several growing tables, keys[offsets[t] :
   // offsets[t + 1]] (distinct, absent) of table t at rows sizes[t], sizes[t] + 1, ...: their
   // slots, row_keys[t][row] = key, count[t][row] = 0.
   m.def("hash_table_place_tables_(Tensor(a!)[] slot_keys, Tensor(b!)[] slot_rows, Tensor(c!)[] row_keys, "
@@ -82,7 +84,7 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
         "bool include_last_offset=True) -> Tensor");
   m.def("embedding_gather(Tensor weight, Tensor rows) -> Tensor");
   m.def("lazy_adam_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, Tensor grad, int step, float lr, float beta1, float beta2, float eps, float weight_decay=0.0) -> ()");
-  // Internal, CPU only: lazy_adam_ over several tables at once (float32 moments and
+  // Internal, C++ on CPU: lazy_adam_ over several tables at once (float32 moments and
   // gradients; float32 weights, or float16 / bfloat16 ones updated in float32 and rounded;
   // hyper: lr, beta1, beta2, eps, weight_decay per table); every row is checked first.
   m.def("lazy_adam_tables_(Tensor(a!)[] weights, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor[] rows, Tensor[] grads, int[] steps, float[] hyper) -> ()");

@@ -257,11 +257,3 @@ def csr_offsets(op: str, offsets: Sequence[int], n) -> None:
         torch._check(offsets[i] <= offsets[i + 1],
                      lambda: f"{op}: offsets must never decrease, got offsets[{i}] = {shown(offsets[i])} > "
                              f"offsets[{i + 1}] = {shown(offsets[i + 1])}")
-
-
-def cpu_only(op: str, name: str, tensor: torch.Tensor) -> None:
-    """An op with a CPU kernel only: on another device the dispatcher finds no kernel and
-    raises NotImplementedError (a RuntimeError), so its fake does too, naming the argument.
-    A meta tensor passes: the fake is the op's meta kernel."""
-    if tensor.device.type not in ("cpu", "meta"):
-        raise NotImplementedError(f"{op}: {name} is on {tensor.device}, but the op has a CPU kernel only")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
-from ._checks import FLOAT_DTYPES, allocation, cpu_only, csr_offsets, dense_layout, float_dtype, hash_table_slots
+from ._checks import FLOAT_DTYPES, allocation, csr_offsets, dense_layout, float_dtype, hash_table_slots
 from ._checks import index_dtype, integer_argument, same_device, shape_of, shown, tensor_arguments
 from ._checks import type_name as _type_name
 
@@ -110,7 +110,6 @@ def _unique_tables_fake(keys: Tensor, offsets: List[int], tables: List[int],
                         num_tables: int) -> Tuple[Tensor, Tensor, Tensor]:
     op = "unique_tables"
     index_dtype(op, "keys", keys, "tensor of keys")
-    cpu_only(op, "keys", keys)
     torch._check(keys.dim() == 1, lambda: f"unique_tables: keys must be 1-D, got shape {shape_of(keys)}")
     # Per-table bookkeeping is allocated for every table (the kernel's bound).
     torch._check(0 <= num_tables <= 1 << 20,
@@ -326,7 +325,6 @@ def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor
                                  offsets: List[int]) -> Tensor:
     op = "hash_table_find_tables"
     same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
-    cpu_only(op, "keys", keys)
     torch._check(len(slot_keys) == len(slot_rows) and len(offsets) == len(slot_keys) + 1,
                  lambda: f"{op}: one slot_keys, slot_rows and offsets entry per table (and one more offset)")
     index_dtype(op, "keys", keys, "tensor of keys")
@@ -342,7 +340,6 @@ def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], 
                                   clocks: List[int]) -> None:
     op = "hash_table_score_tables_"
     same_device(op, rows=rows, last_seen=last_seen, count=count)
-    cpu_only(op, "rows", rows)
     torch._check(len(last_seen) == len(count) == len(clocks) and len(offsets) == len(count) + 1,
                  lambda: f"{op}: one last_seen, count, clock and offsets entry per table (and one more offset)")
     torch._check(rows.dtype == torch.int64 and rows.dim() == 1,
@@ -362,7 +359,6 @@ def _hash_table_place_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tenso
                                   count: List[Tensor], keys: Tensor, offsets: List[int], sizes: List[int]) -> None:
     op = "hash_table_place_tables_"
     same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows, row_keys=row_keys, count=count)
-    cpu_only(op, "keys", keys)
     torch._check(len(slot_keys) == len(slot_rows) == len(row_keys) == len(count) == len(sizes)
                  and len(offsets) == len(sizes) + 1,
                  lambda: f"{op}: one slot_keys, slot_rows, row_keys, count, sizes and offsets entry per table (and "
@@ -535,7 +531,6 @@ def _segment_sum_parts_fake(data: List[Tensor], segment_ids: Tensor, num_segment
     op = "segment_sum_parts"
     torch._check(len(data) > 0, lambda: f"{op}: data must hold at least one tensor")
     same_device(op, data=data, segment_ids=segment_ids)
-    cpu_only(op, "segment_ids", segment_ids)
     first = data[0]
     torch._check(first.dim() >= 1, lambda: f"{op}: data[0] must have at least one dimension [rows, ...], got a scalar")
     for p, part in enumerate(data):
@@ -558,8 +553,6 @@ def _lazy_adam_tables_fake(weights: List[Tensor], exp_avgs: List[Tensor], exp_av
                            rows: List[Tensor], grads: List[Tensor], steps: List[int], hyper: List[float]) -> None:
     op = "lazy_adam_tables_"
     same_device(op, weights=weights, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, rows=rows, grads=grads)
-    if weights:
-        cpu_only(op, "weights[0]", weights[0])
     torch._check(len(weights) == len(exp_avgs) == len(exp_avg_sqs) == len(rows) == len(grads) == len(steps)
                  and len(hyper) == 5 * len(weights),
                  lambda: f"{op}: one weight, moment pair, rows, grad and step per table, five hyper")
@@ -906,7 +899,6 @@ def _bitmap_numbers(bound: int, n: int) -> bool:
 @torch.library.register_fake("sparsekit::unique_bounded")
 def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     index_dtype("unique_bounded", "keys", keys, "tensor of keys")
-    torch._check(keys.device.type == "cpu", lambda: "unique_bounded: keys must be on the CPU")
     # The bitmaps take bound / 8 bytes per worker (the kernel's bound). Two checks: a traced
     # bound gets no guard on a compound condition.
     torch._check(bound >= 0, lambda: f"unique_bounded: bound must lie in [0, 2^40), got {bound}")

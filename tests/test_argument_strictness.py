@@ -16,6 +16,8 @@ from sparsekit.train.criteo import CriteoFormatError, CriteoTSV
 from sparsekit.train.data import NUM_DENSE, NUM_SLOTS
 from sparsekit.train.loop import CheckpointError, TrainConfig, train
 
+from _state import assert_equal_nested
+
 ops = torch.ops.sparsekit
 L = torch.int64
 
@@ -359,7 +361,7 @@ def test_the_fake_takes_what_the_cpu_kernel_takes(case):
         assert all(not isinstance(s, int) or s == t for s, t in zip(f.shape, r.shape))
 
 
-_CPU_ONLY = {
+_MULTI_TABLE = {
     "unique_tables": lambda d: (ops.unique_tables, (_keys().to(d), [0, 3], [0], 1)),
     "segment_sum_parts": lambda d: (ops.segment_sum_parts, ([torch.ones(3, 2, device=d)], torch.zeros(3, dtype=L,
                                                                                                      device=d), 2)),
@@ -372,21 +374,31 @@ _CPU_ONLY = {
 
 
 @pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a CUDA build of torch")
-@pytest.mark.parametrize("name", sorted(_CPU_ONLY))
-def test_the_fakes_of_cpu_only_ops_refuse_cuda_tensors(name):
-    """These ops have a CPU kernel only: on CUDA the dispatcher raises NotImplementedError,
-    and so does the fake, while tracing (they are internal; the layers call them on the CPU)."""
+@pytest.mark.parametrize("name", sorted(_MULTI_TABLE))
+def test_the_multi_table_ops_trace_and_run_on_cuda(name):
+    """Their CUDA kernels are composites of the per-table CUDA ops (sparsekit/tables_cuda.py):
+    the fakes trace CUDA tensors as they trace CPU ones (outputs on the inputs' device, with
+    the CPU fake's dtypes and ranks; they used to refuse CUDA), and with a GPU the op runs
+    and gives the CPU kernel's results."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with FakeTensorMode(shape_env=ShapeEnv()):
-            op, args = _CPU_ONLY[name]("cuda")
-            with pytest.raises(NotImplementedError, match=rf"{name}: .* is on cuda:0, but the op has a CPU kernel "
-                                                          "only"):
-                op(*args)
+            op, args = _MULTI_TABLE[name]("cuda")
+            fake = op(*args)
+            op, args = _MULTI_TABLE[name]("cpu")
+            fake_cpu = op(*args)
+    if fake is None:
+        assert fake_cpu is None
+    else:
+        for f, c in zip(*((out if isinstance(out, tuple) else (out,)) for out in (fake, fake_cpu))):
+            assert f.device.type == "cuda" and f.dtype == c.dtype and f.dim() == c.dim()
     if torch.cuda.is_available():
-        op, args = _CPU_ONLY[name]("cuda")
-        with pytest.raises(NotImplementedError):
-            op(*args)
+        op, cuda_args = _MULTI_TABLE[name]("cuda")
+        op, cpu_args = _MULTI_TABLE[name]("cpu")
+        got, expected = op(*cuda_args), op(*cpu_args)
+        got, expected = (cuda_args, cpu_args) if got is None else (got, expected)  # in place: the arguments
+        if name != "hash_table_place_tables_":  # its slots may differ where keys collide (the rows do not)
+            assert_equal_nested(_map(got, lambda t: t.cpu()), expected)
 
 
 def test_segment_sum_parts_refuses_a_0d_first_part_clearly():
