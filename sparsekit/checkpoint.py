@@ -352,6 +352,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                                                          for k, v in dense_state.items()},
                      "optimizer": _dense_optimizer_state(optimizer, model) if optimizer is not None else None}
             _write_file(os.path.join(temp_dir, "dense.pt"), lambda f: torch.save(dense, f))
+            param_ids = _optimizer_param_ids(optimizer) if optimizer is not None else {}
             metadata = {
                 "format": FORMAT_VERSION,
                 # Tells two checkpoints of one model apart: the ranks of a load compare it.
@@ -365,7 +366,10 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                                         "use_hashtable": layer.use_hashtable,
                                         "world_size": layer.world_size,
                                         # A collection's table: loads into the table of this name.
-                                        **_table_entry(layer)}
+                                        **_table_entry(layer),
+                                        # Its weight's place in the optimizer's state_dict.
+                                        **({"optimizer_index": param_ids[id(layer.weight)]}
+                                           if id(layer.weight) in param_ids else {})}
                            for layer_name, layer in layers.items()},
             }
             _write_file(os.path.join(temp_dir, "metadata.json"),
@@ -456,6 +460,9 @@ def _read_metadata(path: str) -> Dict[str, Any]:
             raise bad(f"layer {name!r} has no valid 'embedding_vec_size' (got {dim!r})")
         if "table" in layer and not isinstance(layer["table"], str):
             raise bad(f"layer {name!r} has no valid 'table' name (got {layer['table']!r})")
+        index = layer.get("optimizer_index", 0)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise bad(f"layer {name!r} has no valid 'optimizer_index' (got {index!r})")
     return metadata
 
 
@@ -568,6 +575,48 @@ def _saved_layers_of(layers: Dict[str, _ModelParallelEmbedding], saved: Dict[str
         else:
             sources[name] = name
     return sources
+
+
+def _check_moved_groups(layers: Dict[str, _ModelParallelEmbedding], sources: Dict[str, str],
+                        saved: Dict[str, Any], dense: Dict[str, Any], optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """ValueError when a collection's table loaded from another position would get another
+    table's optimizer settings. Its rows and moments load by name, but the optimizer's
+    groups (lr, betas, weight decay) load by position: the table's weight gets the settings
+    of the saved group at its own place, which must equal those of the group its saved
+    table was in (recorded as ``optimizer_index``; a checkpoint without it is not checked)."""
+    if optimizer is None:
+        return
+    moved = [name for name, source in sources.items() if source != name]
+    if not moved:
+        return
+    saved_optimizer = dense.get("optimizer")
+    groups = saved_optimizer.get("param_groups") if isinstance(saved_optimizer, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        return  # no optimizer saved, or a malformed one: _check_dense names it
+    saved_group = {index: g for g, group in enumerate(groups) for index in group["params"]}
+    ids = _optimizer_param_ids(optimizer)
+
+    def settings(g: int) -> Dict[str, Any]:
+        return {key: value for key, value in groups[g].items() if key != "params"}
+
+    wrong = []
+    for name in moved:
+        source_index = saved[sources[name]].get("optimizer_index")
+        place = ids.get(id(layers[name].weight))
+        # The saved state numbers parameters group by group, as _optimizer_param_ids does, and
+        # load_state_dict hands the weight at ``place`` the settings of saved parameter ``place``.
+        if source_index not in saved_group or place not in saved_group:
+            continue
+        if settings(saved_group[place]) != settings(saved_group[source_index]):
+            table = _table_entry(layers[name]).get("table", name)
+            wrong.append(f"{table!r} (saved with {settings(saved_group[source_index])}, would get "
+                         f"{settings(saved_group[place])})")
+    if wrong:
+        raise ValueError(f"load_checkpoint: the collection lists its tables in another order than when saved, and "
+                         f"the optimizer's groups load by position: table(s) {', '.join(wrong)}; build the "
+                         "collection with its tables in the saved order, or the optimizer's groups so that each "
+                         "table sits where its saved settings are")
 
 
 def _tables_in(layers: Dict[str, Any], collection: str, table_of) -> List[Any]:
@@ -977,16 +1026,6 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         if sorted(sources.values()) != sorted(metadata["layers"]):
             raise ValueError(f"load_checkpoint: the checkpoint has embedding layers {sorted(metadata['layers'])} "
                              f"but the model has {sorted(layers)}")
-        moved = sorted(name for name, source in sources.items() if source != name)
-        if moved and optimizer is not None and len(optimizer.param_groups) > 1:
-            # The tables' rows and moments load by name, but the optimizer's groups (their lr,
-            # betas, weight decay) load by position: a group per table would hand each table
-            # another table's settings.
-            raise ValueError(f"load_checkpoint: the collection lists its tables in another order than when saved "
-                             f"({', '.join(f'{name} <- {sources[name]}' for name in moved)}) and the optimizer has "
-                             f"{len(optimizer.param_groups)} parameter groups, whose settings load by position; "
-                             "build the collection with its tables in the saved order (or the optimizer with one "
-                             "group)")
         shards, shard_paths = [], []
         for shard_name in metadata["shards"]:
             shard_paths.append(os.path.join(path, shard_name))
@@ -998,6 +1037,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                     for name, layer in layers.items()]
         dense = _load(os.path.join(path, "dense.pt"))
         _check_dense(os.path.join(path, "dense.pt"), dense, _dense_state(model, layers), optimizer, metadata)
+        _check_moved_groups(layers, sources, metadata["layers"], dense, optimizer)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = exc
     # Nothing has been written on any rank yet: every rank raises, or every rank loads.

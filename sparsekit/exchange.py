@@ -131,6 +131,11 @@ class _CoalescedGradMarker:
         self.stamp += 1
         self.row_since[rows] = self.stamp
 
+    def lost(self, stamp: int) -> bool:
+        """Whether the table was loaded or reset since a lookup at ``stamp``: its whole
+        gradient is dropped, and the weight gets none from it (no optimizer step counted)."""
+        return stamp < self.cleared
+
     def own_rows(self, rows: Tensor, values: Tensor, stamp: int, may_miss: bool) -> Tuple[Tensor, Tensor]:
         """``rows`` and ``values``, a lookup's gradient of distinct rows whose forward ran at
         ``stamp``, without missing rows (-1, when ``may_miss``) and without the rows given to
@@ -258,6 +263,8 @@ class _LookupOwned(torch.autograd.Function):
     @torch.compiler.disable  # autograd calls it from compiled code too; dynamo cannot build sparse tensors
     def backward(ctx, grad: Tensor):
         sorted_rows, grad_index = ctx.saved_tensors
+        if ctx.marker.lost(ctx.stamp):
+            return None, None, None, None, None, None, None
         if grad_index is None:  # the rows were sorted already
             values = grad.contiguous()
         elif ctx.distinct:
@@ -322,7 +329,7 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
     for j, (rows, values, marker, stamp, miss, (shape, dtype)) in enumerate(zip(
             sorted_rows.split(ctx.sizes), values_all.split(ctx.sizes), ctx.markers, ctx.stamps, ctx.may_miss,
             ctx.weight_meta)):
-        if not ctx.needs_input_grad[first_weight + j]:
+        if not ctx.needs_input_grad[first_weight + j] or marker.lost(stamp):
             grads.append(None)
             continue
         rows, values = marker.own_rows(rows, values, stamp, miss)

@@ -992,29 +992,46 @@ def test_a_checkpoint_loads_a_collections_tables_by_name_in_any_order(tmp_path, 
     _assert_same_by_key(_by_key(loaded, optimizer), _by_key(saved, saved_optimizer))
 
 
-def test_reordered_tables_with_a_group_per_table_are_refused_with_nothing_changed(tmp_path):
-    """Rows and moments load by table name, the optimizer's groups by position: with a group
-    per table (its own lr) a reordered collection would hand each table another's settings,
-    silently. Refused; in the saved order it loads, each table with its own lr."""
+def test_reordered_tables_get_their_own_optimizer_settings_or_are_refused(tmp_path):
+    """Rows and moments load by table name, the optimizer's groups by position. With a group
+    per table built in the collection's order, a reordered collection would hand each table
+    another's lr, silently: refused, nothing changed. Groups that still line up load: every
+    table in one group (beside a dense group), or a group per table built by table name."""
     lr = {"users": 0.5, "items": 0.001, "ids": 0.02, "tags": 0.1}
+    reordered = ["items", "users", "ids", "tags"]
 
-    def build(order):
+    def by_position(order):
         ebc = _named_collection(order)
         return ebc, sk.LazyAdam([{"params": [ebc.weights[name]], "lr": lr[name]} for name in order])
 
-    saved, saved_optimizer = build(_SAVED_ORDER)
-    _named_step(saved, saved_optimizer, 0)
-    sk.save_checkpoint(str(tmp_path), saved, saved_optimizer)
-    reordered, optimizer = build(["items", "users", "ids", "tags"])
-    _named_step(reordered, optimizer, 7)
-    before = _by_key(reordered, optimizer)
-    with pytest.raises(ValueError, match=r"another order than when saved \(shards.0 <- shards.1, shards.1 <- "
-                                         r"shards.0\) and the optimizer has 4 parameter groups"):
-        sk.load_checkpoint(str(tmp_path), reordered, optimizer)
-    _assert_same_by_key(_by_key(reordered, optimizer), before)
-    same, optimizer = build(_SAVED_ORDER)
-    sk.load_checkpoint(str(tmp_path), same, optimizer)
-    assert [group["lr"] for group in optimizer.param_groups] == [lr[name] for name in _SAVED_ORDER]
+    def by_name(order):
+        ebc = _named_collection(order)
+        return ebc, sk.LazyAdam([{"params": [ebc.weights[name]], "lr": lr[name]} for name in _SAVED_ORDER])
+
+    def tables_apart(order):
+        ebc = _named_collection(order)
+        ebc.register_parameter("dense", torch.nn.Parameter(torch.zeros(3)))
+        return ebc, sk.LazyAdam([{"params": [ebc.dense], "lr": 0.3},
+                                 {"params": [ebc.weights[name] for name in order], "lr": 0.1}])
+
+    for build, refused in ((by_position, True), (by_name, False), (tables_apart, False)):
+        directory = tmp_path / build.__name__
+        saved, saved_optimizer = build(_SAVED_ORDER)
+        _named_step(saved, saved_optimizer, 0)
+        sk.save_checkpoint(str(directory), saved, saved_optimizer)
+        loaded, optimizer = build(reordered)
+        _named_step(loaded, optimizer, 7)
+        if refused:
+            before = _by_key(loaded, optimizer)
+            with pytest.raises(ValueError, match=r"another order than when saved, and the optimizer's groups load by "
+                                                 r"position: table\(s\) 'items' \(saved with \{'lr': 0.001"):
+                sk.load_checkpoint(str(directory), loaded, optimizer)
+            _assert_same_by_key(_by_key(loaded, optimizer), before)
+            continue
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in saved_optimizer.param_groups]
+        sk.load_checkpoint(str(directory), loaded, optimizer)
+        assert [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] == settings
+        _assert_same_by_key(_by_key(loaded, optimizer), _by_key(saved, saved_optimizer))
 
 
 def test_a_damaged_entry_of_a_reordered_table_is_named_as_the_file_holds_it(tmp_path):
