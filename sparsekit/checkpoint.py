@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from . import ops
 from .exchange import _all_gather_digests, _owners
 from .hashtable import _MAX_CLOCK, HashTableFullError, _check_state_of
-from .optim import LazyAdam, _saved_step, _step_dtype
+from .optim import LazyAdam, _kept_step, _saved_step
 from .shard import _ModelParallelEmbedding, is_embedding_variable
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -264,10 +264,11 @@ def _dynamic_payload(layer: _ModelParallelEmbedding) -> Dict[str, Any]:
     return dynamic
 
 
-def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dict[str, Any]:
-    """``optimizer.state_dict()`` without the state of embedding shards (saved by key instead)."""
+def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module,
+                           ids: Dict[int, int]) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` without the state of embedding shards (saved by key instead);
+    ``ids``: :func:`_optimizer_param_ids` of the optimizer."""
     state_dict = optimizer.state_dict()
-    ids = _optimizer_param_ids(optimizer)
     embedding_ids = {ids[id(p)] for p in model.parameters() if is_embedding_variable(p) and id(p) in ids}
     state_dict["state"] = {index: value for index, value in state_dict["state"].items() if index not in embedding_ids}
     return state_dict
@@ -348,11 +349,12 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                  "layers": _shard_payload(layers, optimizer)}
         _write_file(os.path.join(temp_dir, _shard_name(rank, world_size)), lambda f: torch.save(shard, f))
         if rank == 0:
+            param_ids = _optimizer_param_ids(optimizer) if optimizer is not None else {}
             dense = {"format": FORMAT_VERSION, "model": {k: v.cpu() if isinstance(v, Tensor) else v
                                                          for k, v in dense_state.items()},
-                     "optimizer": _dense_optimizer_state(optimizer, model) if optimizer is not None else None}
+                     "optimizer": (_dense_optimizer_state(optimizer, model, param_ids) if optimizer is not None
+                                   else None)}
             _write_file(os.path.join(temp_dir, "dense.pt"), lambda f: torch.save(dense, f))
-            param_ids = _optimizer_param_ids(optimizer) if optimizer is not None else {}
             metadata = {
                 "format": FORMAT_VERSION,
                 # Tells two checkpoints of one model apart: the ranks of a load compare it.
@@ -577,8 +579,8 @@ def _saved_layers_of(layers: Dict[str, _ModelParallelEmbedding], saved: Dict[str
     return sources
 
 
-def _check_moved_groups(layers: Dict[str, _ModelParallelEmbedding], sources: Dict[str, str],
-                        saved: Dict[str, Any], dense: Dict[str, Any], optimizer: Optional[torch.optim.Optimizer]) -> None:
+def _check_moved_groups(layers: Dict[str, _ModelParallelEmbedding], sources: Dict[str, str], saved: Dict[str, Any],
+                        dense: Dict[str, Any], optimizer: Optional[torch.optim.Optimizer]) -> None:
     """ValueError when a collection's table loaded from another position would get another
     table's optimizer settings. Its rows and moments load by name, but the optimizer's
     groups (lr, betas, weight decay) load by position: the table's weight gets the settings
@@ -589,11 +591,7 @@ def _check_moved_groups(layers: Dict[str, _ModelParallelEmbedding], sources: Dic
     moved = [name for name, source in sources.items() if source != name]
     if not moved:
         return
-    saved_optimizer = dense.get("optimizer")
-    groups = saved_optimizer.get("param_groups") if isinstance(saved_optimizer, dict) else None
-    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                                               for g in groups):
-        return  # no optimizer saved, or a malformed one: _check_dense names it
+    groups = dense["optimizer"]["param_groups"]  # present and well formed: _check_dense raised otherwise
     saved_group = {index: g for g, group in enumerate(groups) for index in group["params"]}
     ids = _optimizer_param_ids(optimizer)
 
@@ -630,15 +628,6 @@ def _is_lazy_adam(optimizer: Any) -> bool:
     """Whether ``optimizer`` is a LazyAdam, or a wrapper whose ``load_state_dict`` is one's."""
     owner = getattr(getattr(optimizer, "load_state_dict", None), "__self__", None)
     return isinstance(optimizer, LazyAdam) or isinstance(owner, LazyAdam)
-
-
-def _lazy_adam_step(step: Any) -> Tensor:
-    """A saved ``step`` (checked by :func:`_saved_step`) as LazyAdam keeps it: a 0-dim
-    float32 / float64 CPU tensor (``LazyAdam.__setstate__``'s conversion)."""
-    if isinstance(step, Tensor):
-        dtype = step.dtype if step.dtype in (torch.float32, torch.float64) else _step_dtype()
-        return step.detach().to(device="cpu", dtype=dtype).reshape(()).clone()
-    return torch.tensor(float(step), dtype=_step_dtype())
 
 
 # LazyAdam's next update of a layer is step + 1, an int64 (sparsekit.ops.lazy_adam_).
@@ -685,7 +674,7 @@ def _check_part_state(shard_path: str, name: str, part: Dict[str, Any], layer: _
     step = scalars["step"]
     value, valid = _saved_step(step)
     if valid and lazy_adam:
-        value = _lazy_adam_step(step).item()  # the value LazyAdam will count from (float32 may round)
+        value = _kept_step(step).item()  # the value LazyAdam will count from (float32 may round)
     if not valid or value > _MAX_SAVED_STEP:
         raise bad(f"the saved optimizer 'step' must be a finite integer in [0, 2**63 - 2] (the next step's count "
                   f"must fit in int64), got {step!r}")
@@ -738,7 +727,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     has_state = any(part["has_state"] for part in parts)
     if lazy_adam and has_state:
         # As LazyAdam.load_state_dict (its __setstate__) keeps it: a 0-dim float CPU tensor.
-        scalars = {**scalars, "step": _lazy_adam_step(scalars["step"])}
+        scalars = {**scalars, "step": _kept_step(scalars["step"]).clone()}
 
     # Scores travel with their keys like optimizer state; a checkpoint from before dynamic
     # tables has none (zero scores).

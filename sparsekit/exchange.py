@@ -148,8 +148,7 @@ class _CoalescedGradMarker:
             rows, values = rows[found], values[found]
         if stamp == self.stamp or rows.numel() == 0:
             return rows, values
-        if stamp < self.cleared or self.row_since is None:
-            return rows[:0], values[:0]
+        # Not lost(stamp) (the callers drop those first): only evictions moved the stamp since.
         keep = self.row_since.index_select(0, rows) <= stamp
         return rows[keep], values[keep]
 

@@ -27,6 +27,15 @@ def _step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def _kept_step(step: Any) -> Tensor:
+    """A saved ``step`` (a number or a one-element tensor) as LazyAdam keeps it: a 0-dim
+    float32 / float64 CPU tensor (a tensor's own dtype when it is one of those)."""
+    if not torch.is_tensor(step):
+        return torch.tensor(float(step), dtype=_step_dtype())
+    dtype = step.dtype if step.dtype in (torch.float32, torch.float64) else _step_dtype()
+    return step.detach().to(device="cpu", dtype=dtype).reshape(())
+
+
 def _moment_zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
     """A zeroed Adam moment of ``param``'s shape: in huge pages on the CPU (the rows of an
     embedding's moments are read and written at random, as its weight's), in its layout
@@ -151,12 +160,9 @@ class LazyAdam(torch.optim.Optimizer):
                 step = param_state.get("step")
                 if step is None:
                     continue
-                if not torch.is_tensor(step):
-                    param_state["step"] = torch.tensor(float(step), dtype=_step_dtype())
-                elif step.numel() == 1 and (step.device.type != "cpu" or step.dim()
-                                            or step.dtype not in (torch.float32, torch.float64)):
-                    dtype = step.dtype if step.dtype in (torch.float32, torch.float64) else _step_dtype()
-                    param_state["step"] = step.detach().to(device="cpu", dtype=dtype).reshape(())
+                if not torch.is_tensor(step) or (step.numel() == 1 and (
+                        step.device.type != "cpu" or step.dim() or step.dtype not in (torch.float32, torch.float64))):
+                    param_state["step"] = _kept_step(step)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state saved by ``LazyAdam.state_dict()`` (or ``torch.optim.Adam``'s or
