@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .exchange import _all_gather_digests, _owners
-from .hashtable import _MAX_CLOCK, HashTableFullError, _check_state_of
+from .hashtable import _MAX_CLOCK, HashTableFullError, _check_pending_of, _check_state_of
 from .optim import LazyAdam, _kept_step, _saved_step
 from .shard import _ModelParallelEmbedding, is_embedding_variable
 
@@ -103,6 +103,25 @@ def _agree_or_raise(group, error: Optional[BaseException], what: str) -> None:
 
 
 # ---- the model's pieces ---------------------------------------------------------------------
+
+
+def _check_optimizer_everywhere(group, caller: str, optimizer: Any) -> None:
+    """Every rank raises unless an optimizer was passed on every rank or on none (a rank
+    without one would save or load no optimizer state for its rows while the others do)."""
+    differing = _ranks_differing(group, "optimizer" if optimizer is not None else "none")
+    if differing:
+        # Rank 0 passed one exactly when this rank did and agrees with it.
+        rank_zero_has = (optimizer is not None) != (dist.get_rank(group) in differing)
+        raise ValueError(f"{caller}: the ranks disagree on the optimizer: rank 0 passed "
+                         f"{'one' if rank_zero_has else 'None'}, rank(s) {differing} "
+                         f"{'None' if rank_zero_has else 'one'}; pass the optimizer on every rank or on none; "
+                         "nothing was changed")
+
+
+def _check_directory_argument(caller: str, directory: Any) -> None:
+    """TypeError naming ``directory`` unless it is a path (os's own error names no argument)."""
+    if not isinstance(directory, (str, bytes, os.PathLike)):
+        raise TypeError(f"{caller}: directory must be a path (str or os.PathLike), got {type(directory).__name__}")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -307,6 +326,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     index = 0
     layout = ""
     try:
+        _check_directory_argument("save_checkpoint", directory)
         model, layers = _model_and_layers("save_checkpoint", model, optimizer)
         dense_state = _dense_state(model, layers)
         layout = _model_layout(layers, dense_state)
@@ -327,6 +347,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         raise ValueError(f"save_checkpoint: rank(s) {differing} hold other embedding layers, layer settings or dense "
                          f"parameters than rank 0 (this rank's layers: {sorted(layers)}); every rank must save the "
                          "same model; nothing was written")
+    _check_optimizer_everywhere(group, "save_checkpoint", optimizer)
     name = f"ckpt-{index:06d}"
     final_dir = os.path.join(directory, name)
     temp_dir = final_dir + ".tmp"
@@ -856,6 +877,7 @@ def _check_restore(name: str, restore: _LayerRestore) -> None:
             "keys": pending["keys"].to(layer.key_dtype), "last_seen": pending["last_seen"],
             "count": pending["count"], "clock": pending["clock"]},
             f"load_checkpoint: layer {name!r} (pending admissions)")
+        _check_pending_of(restore.table, restore.pending, f"load_checkpoint: layer {name!r} (pending admissions)")
 
 
 def _first_of_each(keys: Tensor) -> Optional[Tensor]:
@@ -1008,6 +1030,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     dense: Dict[str, Any] = {}
     error: Optional[BaseException] = None
     try:
+        _check_directory_argument("load_checkpoint", directory)
         model, layers = _model_and_layers("load_checkpoint", model, optimizer)
         path = _checkpoint_dir(directory)
         metadata = _read_metadata(path)
@@ -1036,6 +1059,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         raise ValueError(f"load_checkpoint: rank(s) {differing} found another checkpoint in {directory!r} than rank 0 "
                          f"({os.path.basename(path)} here); every rank must load one checkpoint from a directory "
                          "that they all reach (a shared file system); nothing was changed")
+    _check_optimizer_everywhere(group, "load_checkpoint", optimizer)
 
     # The optimizer first: its own load_state_dict checks the saved state (LazyAdam: the
     # hyperparameters) before it replaces anything, so if it still refuses, nothing has

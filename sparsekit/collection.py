@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import numbers
 import zlib
 from collections.abc import Iterable
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -316,6 +317,13 @@ class KeyedJagged:
         out._set_checked(kjt.keys(), kjt.values(), lengths, offsets, weights, _INPUT, _METHOD_LABELS)
         if callable(getattr(kjt, "stride", None)) and out._keys:
             stride = kjt.stride()
+            # An integer in any form (a one-element integer tensor, a NumPy integer) is
+            # compared; anything else is not a batch size and is left alone.
+            if isinstance(stride, Tensor) and stride.numel() == 1 and not stride.is_meta and \
+                    not (stride.is_floating_point() or stride.is_complex() or stride.dtype == torch.bool):
+                stride = int(stride.item())
+            elif isinstance(stride, numbers.Integral) and not isinstance(stride, bool):
+                stride = int(stride)
             if isinstance(stride, int) and not isinstance(stride, bool) and stride != out.stride():
                 raise ValueError(f"{_INPUT}stride() is {stride} but lengths()/offsets() give "
                                  f"{out.lengths().numel()} bags for {len(out._keys)} features, a batch of "
@@ -412,6 +420,7 @@ class _TableShard(_ModelParallelEmbedding):
     """One table of a collection on this rank: its weight shard, hash table, admissions."""
 
     _capacity_argument = "capacity"  # TableConfig's
+    _dim_argument = "embedding_dim"
 
     def __init__(self, config: TableConfig, index: int, process_group, device) -> None:
         object.__setattr__(self, "_layer_name", f"EmbeddingBagCollection table {config.name!r}")

@@ -85,6 +85,20 @@ def _check_state_of(table: "HashTable", state: Any, where: str) -> _CheckedState
         raise type(error)(f"{where}: {error}") from error
 
 
+def _check_pending_of(table: _CheckedState, pending: _CheckedState, where: str) -> None:
+    """A layer's pending admissions ``pending`` against its table's state ``table`` (both
+    checked): a pending key has been seen in at least one step and holds no row yet."""
+    if pending.keys.numel() == 0:
+        return
+    if bool((pending.count < 1).any()):
+        raise ValueError(f"{where}: a pending key's count (the steps it was seen in) must be at least 1, got "
+                         f"{int(pending.count.min())}; the state is damaged")
+    both = torch.isin(pending.keys, table.keys)
+    if bool(both.any()):
+        raise ValueError(f"{where}: key {int(pending.keys[both][0])} is both pending admission and in the table; "
+                         "the state is damaged")
+
+
 def _find_in_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]) -> Tensor:
     """Rows of ``keys[offsets[t]:offsets[t + 1]]`` in ``tables[t]`` for every t (-1: absent);
     nothing is changed. On the CPU one op for all tables (an EmbeddingBagCollection's owner
@@ -600,6 +614,18 @@ class HashTable:
         if isinstance(clock, bool) or not isinstance(clock, int) or not 0 <= clock < _MAX_CLOCK:
             raise ValueError(f"HashTable.load_state_dict: 'clock' must be a non-negative int64 scalar below 2**62, "
                              f"got {clock!r}")
+        # Scores a table can hold: a count of occurrences (0 for a state saved without
+        # scores), and a last sight at a clock reading already passed. A negative one would
+        # read as an absent key's -1 in scores() and skew LRU / LFU eviction.
+        last_seen, count = scores
+        if keys.numel() > 0:
+            wrong = torch.stack([(count < 0).any(), (last_seen < 0).any(), (last_seen > clock).any()]).tolist()
+            if any(wrong):
+                what = "'count' holds a negative count" if wrong[0] else \
+                    "'last_seen' holds a negative clock reading" if wrong[1] else \
+                    f"'last_seen' holds a clock reading past the state's clock {clock}"
+                raise ValueError(f"HashTable.load_state_dict: {what} (min count {int(count.min())}, last_seen in "
+                                 f"[{int(last_seen.min())}, {int(last_seen.max())}]); the state is damaged")
         keys = keys.to(device=self.device, dtype=self._key_dtype)
         if keys.numel() > 0 and ops.unique(keys, return_inverse=False).numel() != keys.numel():
             raise ValueError("HashTable.load_state_dict: the saved keys are not distinct")

@@ -242,14 +242,19 @@ def _segment_counts(segment_ids: Tensor, num_segments: int) -> Tensor:
 
 def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, deterministic: bool = False) -> Tensor:
     """Like :func:`segment_sum`, divided by the number of rows in each segment (empty -> 0).
+    float16 / bfloat16 rows are summed and divided in float32 and rounded once.
 
     Args and returns as :func:`segment_sum`. Differentiable in ``data``.
     """
     tensor_arguments("segment_mean", data=data, segment_ids=segment_ids)
     num_segments = _integer("segment_mean", "num_segments", num_segments)
     deterministic = _flag("segment_mean", "deterministic", deterministic)
+    # float16 / bfloat16 rows are summed in float32 and divided before the one rounding
+    # (as embedding_bag's mean): a sum rounded to the half type first would overflow to inf
+    # where the mean is representable (two rows of 60000 in float16), and round twice.
+    summed = data.float() if data.dtype in (torch.float16, torch.bfloat16) else data
     try:
-        totals = segment_sum(data, segment_ids, num_segments, deterministic)
+        totals = segment_sum(summed, segment_ids, num_segments, deterministic)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         # The sum's checks are the mean's: its errors name segment_mean, the op called.
         message = str(error)
@@ -1365,7 +1370,8 @@ def embedding_bag(
             None, ``include_last_offset`` not a bool (None or 0 would silently pick the
             other offsets convention).
     """
-    tensor_arguments("embedding_bag", weight=weight, rows=rows, offsets=offsets)
+    tensor_arguments("embedding_bag", weight=weight, rows=rows, offsets=offsets,
+                     **({} if per_sample_weights is None else {"per_sample_weights": per_sample_weights}))
     mode = _choice("embedding_bag", "mode", mode)
     padding_idx = _integer("embedding_bag", "padding_idx", padding_idx, optional=True)
     include_last_offset = _flag("embedding_bag", "include_last_offset", include_last_offset)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import allocation, bool_argument, dense_layout, device_argument
+from ._checks import AllocationError, allocation, bool_argument, dense_layout, device_argument
 from .allocator import table_zeros
 from .exchange import (
     _BAD_KEY,
@@ -36,7 +36,7 @@ from .exchange import (
     _sort_rows,
 )
 from .hashtable import _MAX_CLOCK as _MAX_COUNT
-from .hashtable import HashTable, HashTableFullError, _check_state_of, _grow_tables
+from .hashtable import HashTable, HashTableFullError, _check_pending_of, _check_state_of, _grow_tables
 
 Initializer = Callable[[Tensor, int], Tensor]
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -224,6 +224,7 @@ class _ModelParallelEmbedding(nn.Module):
     _layer_name = "embedding"
     # The constructor argument that sets the shard's rows, as errors name it.
     _capacity_argument = "max_vocabulary_size_per_gpu"
+    _dim_argument = "embedding_vec_size"
 
     def __init__(
         self,
@@ -285,7 +286,7 @@ class _ModelParallelEmbedding(nn.Module):
         # Key k lives on rank uint64(k + owner_offset) % world_size (0 for the SOK layers; a
         # collection's table index, so its tables' small keys spread over the ranks).
         self.owner_offset = owner_offset
-        with allocation(f"{name}: {self._capacity_argument}={max_vocabulary_size_per_gpu} x embedding_vec_size="
+        with allocation(f"{name}: {self._capacity_argument}={max_vocabulary_size_per_gpu} x {self._dim_argument}="
                         f"{embedding_vec_size} (the local shard)", shape, dtype, device or "cpu"):
             self.weight = nn.Parameter(table_zeros(shape, dtype, device))
         self._grad_marker = _CoalescedGradMarker()
@@ -298,9 +299,14 @@ class _ModelParallelEmbedding(nn.Module):
         # Keys seen in training but not admitted yet, with the number of steps they were
         # seen in (their LFU count); the least recently seen are forgotten beyond
         # admission_capacity (an LRU table: 5 int64 per pending key, see HashTable).
-        self._pending: Optional[HashTable] = HashTable(admission_capacity, key_dtype=key_dtype,
-                                                        device=self.weight.device, eviction="lru") \
-            if admit_after > 1 else None
+        self._pending: Optional[HashTable] = None
+        if admit_after > 1:
+            try:
+                self._pending = HashTable(admission_capacity, key_dtype=key_dtype, device=self.weight.device,
+                                          eviction="lru")
+            except AllocationError as error:
+                raise AllocationError(f"{name}: admission_capacity={admission_capacity} (the pending admissions' "
+                                      f"table): {error}") from None
         # Rows given to new keys since the optimizer last updated them: LazyAdam zeroes
         # their moments first, so a reused row never carries the evicted key's state.
         self._fresh_rows: Optional[Tensor] = None
@@ -366,6 +372,13 @@ class _ModelParallelEmbedding(nn.Module):
             got = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
             raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
                              f"return a [{keys.numel()}, {self.embedding_vec_size}] tensor, got {got}")
+        # Checked here, while nothing has changed: a sparse or meta tensor would only fail
+        # at the write into the weight, after the table took the keys, and a complex one
+        # would lose its imaginary part in the cast.
+        if rows.layout != torch.strided or rows.device.type == "meta" or rows.is_complex():
+            raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
+                             f"return a dense real tensor with values, got a {rows.dtype} tensor of layout "
+                             f"{rows.layout} on {rows.device}")
         return rows.to(device=self.weight.device, dtype=self.weight.dtype)
 
     def _direct_rows(self, keys: Tensor) -> Tensor:
@@ -874,6 +887,8 @@ class _ModelParallelEmbedding(nn.Module):
         table = {key: value for key, value in state.items() if key not in ("pending", "evicted", "admitted", "fresh")}
         checked_table = _check_state_of(self.hash_table, table,
                                         f"{name}: load_state_dict: '_extra_state' (the hash table)")
+        if checked_pending is not None:
+            _check_pending_of(checked_table, checked_pending, f"{name}: load_state_dict: '_extra_state'['pending']")
         num_keys = checked_table.keys.numel()
         if self.world_size > 1 and num_keys > 0:
             # A rank's state holds the keys it owns: another rank's (state files swapped) or

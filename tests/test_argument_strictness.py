@@ -604,6 +604,15 @@ def test_a_wrapper_names_an_argument_that_is_no_tensor(call, named, bad):
     assert torch.equal(_SLOTS, torch.full((8,), -1, dtype=L))
 
 
+@pytest.mark.parametrize("bad", [[1.0, 1.0], np.ones(2, dtype=np.float32)])
+def test_embedding_bag_names_per_sample_weights_that_are_no_tensor(bad):
+    """None is its default; a list or array reached the dispatcher ("Expected a value of type
+    'Optional[Tensor]'")."""
+    with pytest.raises(TypeError, match=r"embedding_bag: per_sample_weights must be a torch.Tensor, got "
+                                        r"(list|numpy.ndarray)"):
+        sk.ops.embedding_bag(_W, _ROWS, _OFFSETS, bad)
+
+
 _BUILDERS = {
     "DistributedEmbedding": lambda device: sk.DistributedEmbedding("sum", 4, 2, 1, 2, device=device),
     "All2AllDenseEmbedding": lambda device: sk.All2AllDenseEmbedding(4, 2, 1, 1, device=device),

@@ -542,6 +542,33 @@ def test_a_model_or_optimizer_of_the_wrong_type_is_named(tmp_path, call):
     assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000001"]
 
 
+    with pytest.raises(TypeError, match=rf"{name}: directory must be a path \(str or os.PathLike\), got int"):
+        call(5, model, optimizer)
+
+
+def _optimizer_on_one_rank_worker(rank, world_size, init, directory, call):
+    init()
+    model, optimizer = make()
+    if call == "load":
+        sk.save_checkpoint(directory, model, optimizer)
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=r"the ranks disagree on the optimizer: rank 0 passed one, rank\(s\) \[1\] "
+                                         r"None; pass the optimizer on every rank or on none"):
+        getattr(sk, f"{call}_checkpoint")(directory, model, optimizer if rank == 0 else None)
+    assert_same(model, optimizer, before)
+    assert sorted(os.listdir(directory)) == (["LATEST", "ckpt-000001"] if call == "load" else [])
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_an_optimizer_passed_on_some_ranks_only_raises_on_every_rank(tmp_path, call):
+    """No rank raised: a save wrote rank 0's choice in the metadata and the other ranks'
+    rows with or without their moments, so a later load continued some keys with zeroed
+    moments (or refused every optimizer); a load left the ranks' dense Adam states apart."""
+    directory = str(tmp_path / "ckpt")
+    os.makedirs(directory)
+    spawn(_optimizer_on_one_rank_worker, 2, str(tmp_path), directory, call)
+
+
 class _DelegatingOptimizer:
     """An optimizer wrapper that is no torch.optim.Optimizer subclass (as Lightning's is)."""
 

@@ -12,6 +12,7 @@ import os
 import time
 import zlib
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -909,6 +910,17 @@ def test_an_input_whose_stride_disagrees_with_its_lengths_is_refused():
             return 2
 
     assert {k: tuple(v.shape) for k, v in _two_tables()(Agreeing()).items()} == {"fa": (2, 2), "fb": (2, 2)}
+
+    # An integer stride in any form is compared (a 0-d tensor or a NumPy integer was let through).
+    for wrong in (torch.tensor(3), np.int64(3), torch.tensor([3], dtype=torch.int32)):
+        class Other(Uniform):
+            def stride(self, wrong=wrong):
+                return wrong
+
+        model = _two_tables()
+        with pytest.raises(ValueError, match=r"stride\(\) is 3 but"):
+            model(Other())
+        assert model.stats("a")["size"] == 0
 
 
 # ---- tables listed in another order: checkpoints load them by name, state dicts refuse ----

@@ -151,6 +151,42 @@ def test_state_dict_round_trip_keeps_scores_pending_and_totals():
     assert torch.equal(_step(copy, None, [7, 1]), _step(layer, None, [7, 1]))
 
 
+def _damage_pending(pending, damage):
+    """A layer's saved pending admissions (keys 8 and 50 pending, 9 in the table), damaged."""
+    if damage == "key_in_table":
+        pending["keys"] = torch.tensor([9, 50])
+    else:
+        pending["count"] = torch.tensor([1, 0])
+
+
+@pytest.mark.parametrize("via", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("damage, message", [("key_in_table", "key 9 is both pending admission and in the table"),
+                                             ("count_0", "a pending key's count .* must be at least 1, got 0")])
+def test_damaged_pending_admissions_are_refused_with_nothing_changed(tmp_path, via, damage, message):
+    """A key pending and in the table at once, or a pending key seen in no step, loaded and
+    skewed the stats and the admission count."""
+    layer = _layer(4, admit_after=2)
+    for keys in ([9], [9], [8, 50]):
+        _step(layer, None, keys)
+    fresh = _layer(4, admit_after=2)
+    _step(fresh, None, [3])
+    stats = fresh.stats()
+    if via == "state_dict":
+        state = layer.state_dict()
+        _damage_pending(state["_extra_state"]["pending"], damage)
+        with pytest.raises(ValueError, match=message):
+            fresh.load_state_dict(state)
+    else:
+        sk.save_checkpoint(str(tmp_path), layer)
+        path = tmp_path / "ckpt-000001" / "shard-00000-of-00001.pt"
+        shard = torch.load(path, weights_only=True)
+        _damage_pending(next(iter(shard["layers"].values()))["dynamic"]["pending"], damage)
+        torch.save(shard, path)
+        with pytest.raises(ValueError, match=message):
+            sk.load_checkpoint(str(tmp_path), fresh)
+    assert fresh.stats() == stats and fresh._pending.export()[0].tolist() == [3]
+
+
 STEPS = [[1, 2, 3, 4], [5, 6, 1, 2], [7, 8, 9, 1], [2, 3, 10, 11], [12, 1, 5, 13], [6, 7, 14, 15]]
 
 

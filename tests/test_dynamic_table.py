@@ -533,6 +533,28 @@ def test_state_with_mismatched_scores_is_a_value_error():
             sk.HashTable(4, eviction="lfu").load_state_dict(state)
 
 
+@pytest.mark.parametrize("name, values, message", [
+    ("count", [-1, 1, 1], "'count' holds a negative count"),
+    ("last_seen", [-1, 0, 0], "'last_seen' holds a negative clock reading"),
+    ("last_seen", [0, 500, 1], "'last_seen' holds a clock reading past the state's clock 1"),
+])
+def test_state_with_scores_no_table_can_hold_is_a_value_error(name, values, message):
+    """A negative score read back as an absent key's -1 from scores(), and skewed eviction."""
+    table = sk.HashTable(4, eviction="lfu")
+    table.insert(t([1, 2, 3]))
+    table.tick()
+    state = table.state_dict()
+    state[name] = t(values)
+    loaded = sk.HashTable(4, eviction="lfu")
+    loaded.insert(t([9]))
+    with pytest.raises(ValueError, match=message):
+        loaded.load_state_dict(state)
+    assert loaded.export()[0].tolist() == [9] and loaded.clock == 0
+    state[name] = t([1, 1, 1])  # in range (last_seen == clock: seen since the last tick)
+    loaded.load_state_dict(state)
+    assert loaded.scores(t([1]))[1].tolist() == [1]
+
+
 @pytest.mark.parametrize("clock", [torch.tensor(2.7), torch.tensor(2.0), torch.tensor(True), -1, 1.5])
 def test_state_with_a_clock_that_is_not_an_integer_is_a_value_error(clock):
     table = sk.HashTable(4, eviction="lru")

@@ -22,6 +22,17 @@ def test_sizes_too_large_to_allocate_name_the_argument_and_bytes(size):
 
 
 @pytest.mark.parametrize("size", HUGE)
+def test_sizes_too_large_name_the_argument_the_user_gave(size):
+    """A collection's table named the layers' embedding_vec_size, and a huge
+    admission_capacity the pending table's "HashTable: capacity"."""
+    with pytest.raises(MemoryError, match=rf"table 't': capacity=4 x embedding_dim={size} \(the local shard\)"):
+        sk.EmbeddingBagCollection([sk.TableConfig("t", size, 4, ["f"])])
+    with pytest.raises(MemoryError, match=rf"DistributedEmbedding: admission_capacity={size} \(the pending "
+                                          r"admissions' table\): HashTable: capacity="):
+        sk.DistributedEmbedding("sum", 8, 4, 1, 1, admit_after=2, admission_capacity=size)
+
+
+@pytest.mark.parametrize("size", HUGE)
 def test_op_outputs_too_large_name_the_argument(size):
     with pytest.raises(MemoryError, match=rf"segment_sum: num_segments={size} .*bytes"):
         sk.ops.segment_sum(torch.ones(3, 2), torch.zeros(3, dtype=torch.long), size)

@@ -754,6 +754,65 @@ def test_a_failing_initializer_leaves_the_table_as_it_was():
     torch.testing.assert_close(out[0, 0], want)
 
 
+_BAD_INITIAL_ROWS = {
+    "sparse": lambda keys, dim: torch.zeros(keys.numel(), dim).to_sparse(),
+    "meta": lambda keys, dim: torch.zeros(keys.numel(), dim, device="meta"),
+    "complex": lambda keys, dim: torch.ones(keys.numel(), dim, dtype=torch.complex64),
+}
+
+
+def _tables_state(tables, model):
+    return [(t.export()[0].tolist(), t.clock, [s.tolist() for s in t.scores(torch.arange(1, 9))], len(t))
+            for t in tables] + [model.weight.detach().clone() if hasattr(model, "weight") else None]
+
+
+@pytest.mark.parametrize("output", sorted(_BAD_INITIAL_ROWS))
+@pytest.mark.parametrize("kind", ["lru", "admit", "collection_lru", "collection_admit", "plain"])
+def test_an_initializer_output_the_weight_cannot_take_raises_naming_it_with_nothing_changed(kind, output):
+    """A sparse or meta tensor of the right shape passed the shape check and failed at the
+    write into the weight, after the table took the keys (tables with eviction or
+    admission: their keys half inserted, without rows); a complex one lost its imaginary
+    part. Refused by name before anything changes."""
+    kwargs = {"eviction": "lru"} if kind.endswith("lru") else {"admit_after": 2} if kind.endswith("admit") else {}
+    if kind.startswith("collection"):
+        model = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 8, ["f"], **kwargs)])
+        shard = model.shards[0]
+        def step(keys): return model(sk.KeyedJagged(["f"], torch.tensor(keys), lengths=torch.ones(len(keys), dtype=torch.int64)))
+    else:
+        model = shard = sk.DistributedEmbedding("sum", 8, DIM, 1, 2, **kwargs)
+        def step(keys): return model(torch.tensor([[keys]]))
+    step([1, 2])
+    step([1, 2])
+    if "admit" in kind:
+        step([3, 4])  # pending: their second sight below admits them
+    tables = [shard.hash_table] + ([shard._pending] if shard._pending is not None else [])
+    before, stats = _tables_state(tables, shard), shard.stats()
+    shard.embedding_initializer = _BAD_INITIAL_ROWS[output]
+    with pytest.raises(ValueError, match="embedding_initializer.*must return a dense real tensor"):
+        step([3, 4])
+    after = _tables_state(tables, shard)
+    assert after[:-1] == before[:-1] and torch.equal(after[-1], before[-1]) and shard.stats() == stats
+
+
+def _bad_initializer_on_one_rank_worker(rank, world_size, init):
+    init()
+    model = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 8, ["f"], eviction="lru")])
+    kjt = sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    model(kjt)
+    if rank == 0:
+        model.shards[0].embedding_initializer = _BAD_INITIAL_ROWS["sparse"]
+    keys = model.shards[0].hash_table.export()[0].tolist()
+    with pytest.raises((ValueError, RuntimeError), match="embedding_initializer|on rank 0"):
+        model(sk.KeyedJagged(["f"], torch.tensor([60, 61, 62, 63]), lengths=torch.tensor([2, 2])))
+    assert model.shards[0].hash_table.export()[0].tolist() == keys
+
+
+def test_a_bad_initializer_output_on_one_rank_raises_on_every_rank_with_nothing_changed(tmp_path):
+    """It raised on that rank after the ranks agreed to go on, with its table changed, and
+    the other rank waited in the vectors' all-to-all until the group's timeout."""
+    spawn(_bad_initializer_on_one_rank_worker, 2, str(tmp_path))
+
+
 # ---- the coalesced-gradient mark --------------------------------------------------------------
 
 

@@ -141,6 +141,24 @@ def test_segment_mean(device, dtype):
         sk.ops.segment_reduce(data, ids, 40, reduce="max")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_segment_mean_is_the_float32_mean_rounded_once(device, dtype):
+    """It was the sum rounded to the half type, then divided: two float16 rows of 60000
+    gave inf (as torch.segment_reduce does) and a quarter of random means were off by one
+    unit in the last place."""
+    big = torch.tensor([[60000.0], [60000.0]], device=device).to(dtype)
+    ids = torch.tensor([0, 0], device=device)
+    assert sk.ops.segment_mean(big, ids, 1).item() == torch.tensor(60000.0).to(dtype).item()
+    data, ids = random_case(device, n=3000, num_segments=300, dtype=dtype)
+    valid = ids >= 0
+    total = torch.zeros(300, data.shape[1], dtype=torch.float64, device=device).index_add_(
+        0, ids[valid], data[valid].double())
+    count = torch.bincount(ids[valid], minlength=300).clamp(min=1).unsqueeze(1)
+    exact = (total / count).to(dtype)  # the mean rounded once
+    # A float32 sum misses the exact one only near a rounding boundary of the half type.
+    assert (sk.ops.segment_mean(data, ids, 300) != exact).float().mean() < 0.01
+
+
 def test_segment_sum_opcheck(device):
     data, ids = random_case(device, n=50, dim=(4,), num_segments=7)
     for deterministic in (False, True):
