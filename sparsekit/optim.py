@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import operator
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import numpy as np
@@ -74,7 +75,9 @@ class LazyAdam(torch.optim.Optimizer):
       :func:`sparsekit.ops.embedding_bag`, ...) gets the lazy update of
       ``torch.optim.SparseAdam`` and TensorFlow's LazyAdam through the fused
       :func:`sparsekit.ops.lazy_adam_` kernel: only the rows in the gradient change, their
-      moments included; every other row keeps its weight and moments bit for bit. An
+      moments included; every other row keeps its weight and moments bit for bit (a
+      gradient with several sparse dims, as SparseAdam takes, changes only the elements or
+      slices it names: contiguous parameters). An
       uncoalesced gradient (duplicate rows) is summed per row first with
       :func:`sparsekit.ops.unique` and :func:`sparsekit.ops.segment_sum`. The CPU tables
       of a step (float32, and half-precision embedding shards) are updated together, in
@@ -236,8 +239,9 @@ class LazyAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _sparse_rows_and_values(param: Tensor, grad: Tensor) -> Tuple[Tensor, Tensor]:
-        """Distinct rows of a (checked) sparse gradient and the summed gradient of each."""
-        indices = grad._indices()[0]
+        """Distinct rows of a (checked) sparse gradient and the summed gradient of each; with
+        ``sparse_dim`` k > 1, rows of :func:`_row_view` (the first k dims as one)."""
+        indices = _row_indices(grad)
         values = grad._values()
         if grad.is_coalesced() or indices.numel() == 0:
             return indices, values
@@ -247,7 +251,7 @@ class LazyAdam(torch.optim.Optimizer):
         if indices.device.type == "cpu" and bool((indices[1:] > indices[:-1]).all()):
             return indices, values
         # The update is non-linear in the gradient, so duplicate rows must be summed first.
-        return _sum_repeated_rows(indices, values, param.shape[0])
+        return _sum_repeated_rows(indices, values, _row_view(param, grad.sparse_dim()).shape[0])
 
     def _check_gradients(self, rows_checked_later: Optional[Set[int]] = None) -> None:
         """Every gradient and the state it will update, before any update: layout, shape,
@@ -271,14 +275,21 @@ class LazyAdam(torch.optim.Optimizer):
                     if torch.is_complex(param):
                         raise RuntimeError(f"{_gradient_name(g, i, param)}: sparse gradients of complex parameters "
                                            "are not supported")
-                    if grad.sparse_dim() != 1 or grad.shape != param.shape:
+                    if grad.sparse_dim() < 1 or grad.shape != param.shape:
                         raise RuntimeError(
-                            f"{_gradient_name(g, i, param)} must index the first dimension only (sparse_dim 1, as "
-                            f"nn.Embedding(sparse=True) gives) and have the parameter's shape; got sparse_dim "
-                            f"{grad.sparse_dim()}, shape {tuple(grad.shape)}")
+                            f"{_gradient_name(g, i, param)} must have the parameter's shape and at least one "
+                            f"sparse dimension; got sparse_dim {grad.sparse_dim()}, shape {tuple(grad.shape)}")
+                    if grad.sparse_dim() > 1:
+                        _check_element_sparse(g, i, param, self.state.get(param))
                     if grad._nnz() and (rows_checked_later is None or id(param) not in rows_checked_later):
-                        indices = grad._indices()[0]
+                        indices = _row_indices(grad)
                         low, high = torch.aminmax(indices)
+                        if grad.sparse_dim() > 1:
+                            # An index past its own dimension could land on another valid row
+                            # of the flattened view: each is checked against its size.
+                            sizes = torch.tensor(param.shape[:grad.sparse_dim()], device=indices.device)
+                            outside = ((grad._indices() < 0) | (grad._indices() >= sizes.unsqueeze(1))).any()
+                            low = torch.where(outside, -1, low)
                         # A gradient marked coalesced is used as it is: rows that do not strictly
                         # ascend may repeat one, which lazy_adam_ refuses only once the parameters
                         # before this one are updated. Flagged here, read with the bounds.
@@ -304,12 +315,16 @@ class LazyAdam(torch.optim.Optimizer):
         # One host read for every sparse gradient of the step.
         bounds = torch.stack([r.to(ranges[0].device) for r in ranges]).tolist()
         for (low, high, unordered), (g, i, param) in zip(bounds, where):
-            if low < 0 or high >= param.shape[0]:
+            sparse_dim = param.grad.sparse_dim()
+            if sparse_dim > 1 and (low < 0 or high >= _row_view(param, sparse_dim).shape[0]):
+                raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} names an index "
+                                   f"outside the parameter's shape {tuple(param.shape)}; nothing was updated")
+            if sparse_dim == 1 and (low < 0 or high >= param.shape[0]):
                 bad = low if low < 0 else high
                 raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} names row {bad}, "
                                    f"outside [0, {param.shape[0]}); nothing was updated")
             if unordered:  # rare: a coalesced flag set by hand; repeated rows are what the update cannot take
-                distinct, counts = torch.unique(param.grad._indices()[0], return_counts=True)
+                distinct, counts = torch.unique(_row_indices(param.grad), return_counts=True)
                 repeated = distinct[counts > 1]
                 if repeated.numel():
                     raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} is marked "
@@ -416,7 +431,9 @@ class LazyAdam(torch.optim.Optimizer):
                     if maximize:
                         values = -values  # exact, as SparseAdam's -grad
                     _reset_reused_rows(param, state, rows)
-                    _lazy_adam_rows(param, state["exp_avg"], state["exp_avg_sq"], rows, values,
+                    k = grad.sparse_dim()
+                    _lazy_adam_rows(_row_view(param, k), _row_view(state["exp_avg"], k),
+                                    _row_view(state["exp_avg_sq"], k), rows, values,
                                     int(state["step"].item()),
                                     *map(_float_setting, (lr, beta1, beta2, group["eps"], group["weight_decay"])))
                 else:
@@ -644,6 +661,38 @@ def _check_saved_state(saved: Any, group_index: int, position: int, param: Tenso
             want = str(param.dtype) if param.is_complex() else "floating-point"
             raise ValueError(f"{name}: {key!r} must be a dense {want} tensor of the parameter's shape "
                              f"{tuple(param.shape)}, got {got}")
+
+
+def _row_view(tensor: Tensor, sparse_dim: int) -> Tensor:
+    """``tensor`` as the rows a gradient of ``sparse_dim`` sparse dimensions indexes: itself
+    for 1, else a view ``[prod(shape[:sparse_dim]), *shape[sparse_dim:]]`` (element-wise
+    sparse gradients, as torch.optim.SparseAdam takes them; the tensor is contiguous,
+    :func:`_check_element_sparse`)."""
+    return tensor if sparse_dim == 1 else tensor.view(-1, *tensor.shape[sparse_dim:])
+
+
+def _row_indices(grad: Tensor) -> Tensor:
+    """The rows of :func:`_row_view` a sparse gradient's entries name (its first index row
+    for ``sparse_dim`` 1, else the row-major number of its first ``sparse_dim`` indices;
+    ascending and distinct when the gradient is coalesced)."""
+    indices = grad._indices()
+    if indices.shape[0] == 1:
+        return indices[0]
+    sizes = grad.shape[1:indices.shape[0]]
+    strides = list(itertools.accumulate(reversed(sizes), operator.mul, initial=1))[::-1]
+    return (indices * torch.tensor(strides, device=indices.device).unsqueeze(1)).sum(0)
+
+
+def _check_element_sparse(group_index: int, position: int, param: Tensor, state: Optional[Dict[str, Any]]) -> None:
+    """An element-wise sparse gradient (``sparse_dim`` > 1) updates a row view of the
+    parameter and its moments, which needs them contiguous."""
+    if getattr(param, "sparsekit_model_parallel", False):
+        raise RuntimeError(f"{_gradient_name(group_index, position, param)} has sparse_dim > 1, but it is an "
+                           "embedding shard, whose gradient names rows (sparse_dim 1); nothing was updated")
+    moments = [state.get(name) for name in ("exp_avg", "exp_avg_sq")] if state else []
+    if not param.is_contiguous() or any(isinstance(m, Tensor) and not m.is_contiguous() for m in moments):
+        raise RuntimeError(f"{_gradient_name(group_index, position, param)} has sparse_dim > 1, which LazyAdam "
+                           "updates only on a contiguous parameter with contiguous moments; nothing was updated")
 
 
 def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Tensor) -> None:

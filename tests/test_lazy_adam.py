@@ -395,8 +395,57 @@ def test_lazy_adam_bad_arguments(device):
         sk.LazyAdam(params, weight_decay=-0.1)
     param = torch.nn.Parameter(torch.zeros(3, 2, device=device))
     opt = sk.LazyAdam([param])
-    param.grad = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.ones(2), (3, 2)).to(device)
-    with pytest.raises(RuntimeError, match="sparse_dim 1"):
+    param.grad = torch.sparse_coo_tensor(torch.zeros(0, 1, dtype=torch.int64), torch.ones(1, 3, 2), (3, 2)).to(device)
+    with pytest.raises(RuntimeError, match="must have the parameter's shape and at least one sparse dimension; got "
+                                           r"sparse_dim 0, shape \(3, 2\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("shape, sparse_dim", [((8, 3), 2), ((4, 3, 5), 2), ((4, 3, 5), 3), ((6,), 1),
+                                               ((4, 3, 5), 1)])
+@pytest.mark.parametrize("coalesced", [True, False])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_element_wise_sparse_gradients_step_as_sparse_adam(device, shape, sparse_dim, coalesced, maximize):
+    """torch.optim.SparseAdam takes a gradient with several sparse dimensions (an entry per
+    element or per slice); LazyAdam refused it. It now updates exactly the entries named,
+    with SparseAdam's numbers (its weight decay too: no SparseAdam twin for that)."""
+    gen = torch.Generator().manual_seed(sparse_dim * 10 + len(shape))
+    weight = torch.randn(shape, dtype=torch.float64, generator=gen)
+    mine, ref = (torch.nn.Parameter(weight.clone().to(device)) for _ in range(2))
+    opt, ref_opt = sk.LazyAdam([mine], lr=0.1, maximize=maximize), torch.optim.SparseAdam([ref], lr=0.1,
+                                                                                          maximize=maximize)
+    for _ in range(3):
+        indices = torch.stack([torch.randint(0, shape[d], (6,), generator=gen) for d in range(sparse_dim)])
+        grad = torch.sparse_coo_tensor(indices, torch.randn((6,) + shape[sparse_dim:], dtype=torch.float64,
+                                                            generator=gen), shape).to(device)
+        grad = grad.coalesce() if coalesced else grad
+        mine.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-14)
+    untouched = (ref.detach() == weight.to(device))
+    assert torch.equal(mine.detach()[untouched], weight.to(device)[untouched])
+
+
+def test_element_wise_sparse_gradient_errors_change_nothing(device):
+    param = torch.nn.Parameter(torch.zeros(4, 3, device=device))
+    opt = sk.LazyAdam([param])
+    for indices in ([[1], [3]], [[4], [0]], [[-1], [0]], [[0], [-1]]):  # each dim checked against its size
+        param.grad = torch.sparse_coo_tensor(torch.tensor(indices), torch.ones(1), (4, 3),
+                                             check_invariants=False).to(device)
+        with pytest.raises(RuntimeError, match=r"names an index outside the parameter's shape \(4, 3\); nothing "
+                                               "was updated"):
+            opt.step()
+        assert not param.detach().any() and not opt.state[param]
+    strided = torch.nn.Parameter(torch.zeros(3, 4, device=device).t())
+    opt = sk.LazyAdam([strided])
+    strided.grad = torch.sparse_coo_tensor(torch.tensor([[1], [1]]), torch.ones(1), (4, 3)).to(device)
+    with pytest.raises(RuntimeError, match="updates only on a contiguous parameter with contiguous moments"):
+        opt.step()
+    layer = sk.DistributedEmbedding("sum", 4, 3, 1, 1, device=device)
+    opt = sk.LazyAdam(layer.parameters())
+    layer.weight.grad = torch.sparse_coo_tensor(torch.tensor([[1], [1]]), torch.ones(1), (4, 3)).to(device)
+    with pytest.raises(RuntimeError, match="it is an embedding shard, whose gradient names rows"):
         opt.step()
 
 
