@@ -792,7 +792,9 @@ def _check_bound_fits_float64(op: str, name: str, value: Any, dtype: torch.dtype
     """A finite bound the kernel cannot take as a double (an int or a long double beyond
     float64, which the dispatcher refuses with a message of its own, or rounds to inf): the
     error the kernel gives a bound beyond ``dtype``'s range, naming the bound."""
-    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+    # Traced (dynamic=True makes a float argument symbolic, and dynamo cannot trace math.isinf
+    # of it): the op's fake kernel checks the bounds as it traces.
+    if isinstance(value, (torch.SymFloat, torch.SymInt)) or torch.compiler.is_compiling():
         return
     try:
         beyond = math.isinf(float(value)) and not np.isinf(value)

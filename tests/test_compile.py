@@ -398,3 +398,16 @@ def test_segment_sum_takes_a_data_dependent_num_segments_in_a_full_graph():
         for fn, args in ((from_item, (data, ids)), (from_unique, (data, ids * 1000))):
             torch._dynamo.reset()
             torch.testing.assert_close(torch.compile(fn, backend="aot_eager", fullgraph=True)(*args), fn(*args))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_key_seeded_uniform_with_its_default_bounds_traces_in_a_full_graph(dynamic):
+    """With dynamic=True its float bounds are symbolic, and the wrapper's check that a bound
+    fits a double (math.isinf of it) failed fullgraph ("torch.* op returned non-Tensor"), or
+    broke the graph without it. The fake kernel checks the bounds as it traces."""
+    def init(keys):
+        return sk.ops.key_seeded_uniform(keys, 4)
+
+    torch._dynamo.reset()
+    keys = torch.arange(6)
+    assert torch.equal(torch.compile(init, backend="aot_eager", fullgraph=True, dynamic=dynamic)(keys), init(keys))

@@ -971,7 +971,19 @@ def test_per_slot_tables_on_two_processes_match_one_process(tmp_path):
 def test_resume_on_another_world_size(tmp_path):
     """Checkpoint on 1 process, resume on 2: the run ends where the uninterrupted one does."""
     straight = train(tiny(embedding="sparsekit"))
+    # Another rank's trainer file of an earlier run on 2 ranks with other settings, in the
+    # step directory the next run writes: the save removes it (a resume on 2 ranks read it
+    # as this checkpoint's and refused "--embedding-dim 8 (now ...)").
+    step_dir = tmp_path / "step_000000005"
+    step_dir.mkdir()
+    stale = tmp_path / "stale_rank1.pt"
+    torch.save({"step": 5, "config": {"embedding_dim": 8}, "world_size": 2, "cpu_rng": torch.get_rng_state()}, stale)
+    shutil.copy(stale, step_dir / "trainer_rank1.pt")
     train(tiny(embedding="sparsekit", steps=5, checkpoint_dir=str(tmp_path)))
+    assert sorted(os.listdir(step_dir)) == ["model", "trainer_rank0.pt"]
+    # One left by an older version, which did not remove them: rank 0's file says one rank
+    # wrote the checkpoint, so rank 1 does not read it.
+    shutil.copy(stale, step_dir / "trainer_rank1.pt")
     resumed = _torchrun(tiny(embedding="sparsekit", checkpoint_dir=str(tmp_path), resume=True), 2,
                         str(tmp_path / "metrics.json"))
     assert resumed["resumed_from_step"] == 5 and resumed["world_size"] == 2

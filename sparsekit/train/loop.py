@@ -56,6 +56,8 @@ MAX_LR = 1.0
 MAX_TIMEOUT = 7 * 24 * 3600.0
 # Sizes, steps and seeds reach numpy and torch as int64.
 INT64_MAX = (1 << 63) - 1
+# A rank's trainer state file in a step directory.
+_TRAINER_FILE_NAME = re.compile(r"trainer_rank(\d+)\.pt")
 # A step directory of the harness's checkpoint directory (what ``latest`` names).
 _STEP_DIR_NAME = re.compile(r"step_(\d{9,})")
 
@@ -457,6 +459,13 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
     if context.device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(context.device)
     _atomic_torch_save(state, os.path.join(directory, f"trainer_rank{context.rank}.pt"))
+    if context.is_main:
+        # An earlier run on more ranks may have written this step: its other ranks' files
+        # would be read as this checkpoint's by a resume on that many ranks.
+        for name in os.listdir(directory):
+            match = _TRAINER_FILE_NAME.fullmatch(name)
+            if match and int(match.group(1)) >= context.world_size:
+                os.remove(os.path.join(directory, name))
     _barrier(context)
     if context.is_main:
         _atomic_write_text(os.path.join(config.checkpoint_dir, LATEST), os.path.basename(directory) + "\n")
@@ -591,11 +600,20 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
         CheckpointError: a file is missing, damaged or lacks what :func:`save` writes, or
             the checkpoint was written with other settings.
     """
-    own = os.path.join(directory, f"trainer_rank{context.rank}.pt")
     # A different world size: ranks without a file of their own take rank 0's RNG state.
-    path = own if os.path.exists(own) else os.path.join(directory, "trainer_rank0.pt")
+    # Rank 0's file says how many ranks wrote the checkpoint: a file of a rank beyond them is
+    # a leftover of an earlier run on more ranks (saves since remove them), never read.
+    path = os.path.join(directory, "trainer_rank0.pt")
     state = _load_file(path, directory)
     _check_trainer_state(state, path)
+    own = os.path.join(directory, f"trainer_rank{context.rank}.pt")
+    saved_ranks = state.get("world_size")
+    if not isinstance(saved_ranks, int) or isinstance(saved_ranks, bool) or saved_ranks < 1:
+        saved_ranks = None  # not recorded: every file present is taken as written with it
+    if context.rank > 0 and (saved_ranks is None or context.rank < saved_ranks) and os.path.exists(own):
+        path = own
+        state = _load_file(path, directory)
+        _check_trainer_state(state, path)
     saved = state["config"]
     # A key an older checkpoint lacks was its default then.
     saved = {key: saved.get(key, getattr(TrainConfig, key)) for key in TrainConfig.RESUME_KEYS}
