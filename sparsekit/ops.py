@@ -7,6 +7,8 @@ let ``torch.compile`` trace them, with data-dependent output sizes taken from
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -916,8 +918,44 @@ def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tens
             keys.new_empty(keys.numel() if group else 0, dtype=torch.int64))
 
 
+@contextlib.contextmanager
+def _dynamic_sizes_allowed(tensor: Tensor):
+    """Lets the ops' fakes make data-dependent sizes while ``tensor``'s fake mode traces a
+    lookup's backward. ``torch.compile`` allows them only under ``fullgraph=True`` or
+    ``capture_dynamic_output_shape_ops``: in its default mode AOT autograd's trace of the
+    backward (where a graph cannot break) failed on the distinct rows' count, and dynamo ran
+    the whole frame eagerly, the dense layers too, saying nothing. The backward's graph is
+    then the one ``fullgraph=True`` compiles. (torch keeps the permission in the shape
+    environment's settings; were they to move, the default mode runs eagerly as before.)"""
+    mode = torch._guards.detect_fake_mode(tensor)
+    env = getattr(mode, "shape_env", None)
+    settings = getattr(env, "settings", None)
+    if settings is None or getattr(settings, "allow_dynamic_output_shape_ops", True):
+        yield
+        return
+    try:
+        env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True)
+    except (TypeError, AttributeError):  # another torch's layout: as without this
+        yield
+        return
+    try:
+        yield
+    finally:
+        env.settings = settings
+
+
 def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Optional[Tensor],
                                                                      Optional[Tensor], int, bool]:
+    """:func:`_number_rows_of` (traced: with data-dependent sizes allowed, see
+    :func:`_dynamic_sizes_allowed`)."""
+    if torch._guards.detect_fake_mode(rows) is None:
+        return _number_rows_of(rows, num_rows, group)
+    with _dynamic_sizes_allowed(rows):
+        return _number_rows_of(rows, num_rows, group)
+
+
+def _number_rows_of(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Optional[Tensor],
+                                                                       Optional[Tensor], int, bool]:
     """The distinct rows of ``rows`` (values in ``[-1, num_rows)``) for a sparse gradient:
     ``(keys, inverse, offsets, order, skip, coalesced)``, ``rows == keys[inverse]``;
     ``keys[:skip]`` is the missing row -1 (``skip`` 0 or 1). With ``group``, the lookups
