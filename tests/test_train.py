@@ -182,6 +182,8 @@ def test_roc_auc_matches_pairwise_definition():
     assert roc_auc(torch.tensor([0.1, 0.9]), torch.tensor([0.0, 1.0])) == 1.0
     assert roc_auc(torch.tensor([0.9, 0.1]), torch.tensor([0.0, 1.0])) == 0.0
     assert math.isnan(roc_auc(torch.tensor([0.1, 0.9]), torch.tensor([1.0, 1.0])))
+    # A diverged model's NaN scores sorted above every number: a perfect AUC beside a NaN log loss.
+    assert math.isnan(roc_auc(torch.tensor([math.nan, math.nan, 0.3, 0.4]), torch.tensor([1.0, 1.0, 0.0, 0.0])))
 
 
 def test_log_loss():
@@ -552,6 +554,10 @@ def test_bad_settings_raise():
     (["--metrics-json", ROOT], dict(metrics_json=ROOT), "is a directory; name the file to write"),
     (["--metrics-json", os.path.join(README, "m.json")], dict(metrics_json=os.path.join(README, "m.json")),
      f"{README!r} is a file, not a directory"),
+    # An empty path was taken as the flag left out: nothing written, nothing said.
+    (["--metrics-json", ""], dict(metrics_json=""), "--metrics-json must not be empty"),
+    (["--checkpoint-dir", "", "--resume"], dict(checkpoint_dir="", resume=True), "--checkpoint-dir must not be empty"),
+    (["--data", ""], dict(data=""), "--data must not be empty"),
     pytest.param(["--device", "cuda"], dict(device="cuda"), "--device cuda: no CUDA device is available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")),
 ])
@@ -781,6 +787,16 @@ def _damage_latest(content):
     return damage
 
 
+def _replace_model_blob(change):
+    """The torch baseline's model.pt, changed in place by ``change``."""
+    def damage(directory):
+        path = directory / "step_000000001" / "model.pt"
+        blob = torch.load(path, weights_only=True)
+        change(blob)
+        torch.save(blob, path)
+    return damage
+
+
 def _replace_trainer_state(change):
     def damage(directory):
         path = directory / "step_000000001" / "trainer_rank0.pt"
@@ -816,6 +832,13 @@ def _replace_trainer_state(change):
      "model.pt does not fit the model (RuntimeError: Error(s) in loading state_dict"),
     ("torch", lambda d: torch.save({"x": 1}, d / "step_000000001" / "model.pt"),
      "model.pt holds no 'model' and 'optimizer' states"),
+    # Optimizer states torch's own load takes, and the first step then failed on with a traceback.
+    ("torch", _replace_model_blob(lambda blob: blob["optimizer"]["dense"]["state"][0].update(exp_avg=torch.zeros(3))),
+     "the dense optimizer's state holds exp_avg (3,) for a parameter of shape"),
+    ("torch", _replace_model_blob(lambda blob: blob.update(optimizer={"sparse": 5, "dense": 5})),
+     "the sparse optimizer's state is a int, not a dict with 'state' and 'param_groups'"),
+    ("torch", _replace_model_blob(lambda blob: blob["optimizer"]["dense"]["param_groups"][0].update(lr="0.1")),
+     "the dense optimizer's state holds lr='0.1', not a number"),
 ])
 def test_resume_from_a_damaged_checkpoint_is_one_line_naming_it(capsys, monkeypatch, tmp_path,
                                                                 saved_checkpoints, embedding, damage, message):

@@ -20,7 +20,7 @@ import shutil
 import struct
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,11 @@ class TrainConfig:
             raise ValueError("--tables per-slot needs --embedding sparsekit")
         if self.embedding_dtype != "fp32" and self.tables != "per-slot":
             raise ValueError("--embedding-dtype bf16/fp16 needs --tables per-slot (the shared table is float32)")
+        # An empty path was taken as the flag left out: the run wrote nothing and said nothing.
+        for flag, value in (("--data", self.data), ("--eval-data", self.eval_data),
+                            ("--checkpoint-dir", self.checkpoint_dir), ("--metrics-json", self.metrics_json)):
+            if value is not None and not value:
+                raise ValueError(f"{flag} must not be empty; leave the flag out for its default")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir")
         if self.resume and not self.checkpoint_dir:
@@ -372,8 +377,43 @@ class OptimizerGroup:
         return {name: optimizer.state_dict() for name, optimizer in self.optimizers.items()}
 
     def load_state_dict(self, state: Dict[str, dict]) -> None:
+        """Loads every optimizer's state, each checked first as the next step reads it (torch's
+        own load takes moments of any shape and settings of any type, and the step then
+        failed with a traceback): ValueError naming the optimizer and what is wrong."""
+        for name, optimizer in self.optimizers.items():
+            _check_adam_state(name, optimizer, state.get(name) if isinstance(state, dict) else None)
         for name, optimizer in self.optimizers.items():
             optimizer.load_state_dict(state[name])
+
+
+def _check_adam_state(name: str, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """A saved Adam / SparseAdam state that ``optimizer`` (built alike) can step from."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"the {name} optimizer's state {what}")
+
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
+            or not isinstance(saved.get("state"), dict):
+        raise bad(f"is a {type(saved).__name__}, not a dict with 'state' and 'param_groups'")
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and len(g["params"]) == len(mine["params"])
+            for g, mine in zip(groups, optimizer.param_groups)):
+        raise bad("has other parameter groups than the model's")
+    params = {}
+    for g, mine in zip(groups, optimizer.param_groups):
+        for key in ("lr", "eps"):
+            if isinstance(g.get(key), bool) or not isinstance(g.get(key), (int, float)):
+                raise bad(f"holds {key}={g.get(key)!r}, not a number")
+        params.update(zip(g["params"], mine["params"]))
+    for saved_id, entry in saved["state"].items():
+        param = params.get(saved_id)
+        if param is None or not isinstance(entry, dict):
+            raise bad(f"holds an entry {saved_id!r} for no parameter of the model")
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = entry.get(key)
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise bad(f"holds {key} {got} for a parameter of shape {tuple(param.shape)}")
 
 
 @torch.no_grad()

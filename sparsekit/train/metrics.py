@@ -17,13 +17,14 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
         labels: ``[N]`` 0/1 labels.
 
     Returns:
-        The AUC, or ``nan`` when only one class is present.
+        The AUC, or ``nan`` when only one class is present or a score is NaN (a diverged
+        model: NaN sorts above every number, so its scores would rank as the best).
     """
     scores = scores.detach().reshape(-1).double().cpu()
     positive = labels.detach().reshape(-1).cpu() > 0.5
     num_positive = int(positive.sum())
     num_negative = positive.numel() - num_positive
-    if num_positive == 0 or num_negative == 0:
+    if num_positive == 0 or num_negative == 0 or bool(scores.isnan().any()):
         return math.nan
     sorted_scores, order = torch.sort(scores)
     _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
