@@ -8,6 +8,7 @@ let ``torch.compile`` trace them, with data-dependent output sizes taken from
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -944,11 +945,38 @@ def _dynamic_sizes_allowed(tensor: Tensor):
         env.settings = settings
 
 
+# Whether the lookup backward being traced may make data-dependent sizes: not when its
+# weight gets a gradient from another lookup of the same trace (see _first_lookup_of).
+_SIZES_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("sparsekit_sizes_allowed", default=True)
+
+
+@contextlib.contextmanager
+def _first_lookup_of(weight_id: int, rows: Tensor):
+    """Around a lookup's backward: traced, whether its weight (``id`` of the forward's
+    weight) already had a lookup's backward traced in this trace. A weight with two sparse
+    gradients cannot be compiled (README, known limit: AOT autograd's fake dispatch fails
+    adding them); its second backward keeps torch's refusal of data-dependent sizes, so
+    that outside ``fullgraph=True`` dynamo runs the frame eagerly, as it did before
+    :func:`_dynamic_sizes_allowed`, instead of failing inside torch."""
+    mode = torch._guards.detect_fake_mode(rows)
+    env = getattr(mode, "shape_env", None)
+    if env is None:
+        yield
+        return
+    seen = env.__dict__.setdefault("_sparsekit_lookup_weights", set())
+    token = _SIZES_ALLOWED.set(weight_id not in seen)
+    seen.add(weight_id)
+    try:
+        yield
+    finally:
+        _SIZES_ALLOWED.reset(token)
+
+
 def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Optional[Tensor],
                                                                      Optional[Tensor], int, bool]:
     """:func:`_number_rows_of` (traced: with data-dependent sizes allowed, see
-    :func:`_dynamic_sizes_allowed`)."""
-    if torch._guards.detect_fake_mode(rows) is None:
+    :func:`_dynamic_sizes_allowed` and :func:`_first_lookup_of`)."""
+    if torch._guards.detect_fake_mode(rows) is None or not _SIZES_ALLOWED.get():
         return _number_rows_of(rows, num_rows, group)
     with _dynamic_sizes_allowed(rows):
         return _number_rows_of(rows, num_rows, group)
@@ -1076,6 +1104,7 @@ def _embedding_bag_setup_context(ctx, inputs, output) -> None:
     weight, rows, offsets, per_sample_weights, mode, padding_idx, include_last_offset = inputs
     ctx.mode = mode
     ctx.num_rows = weight.shape[0]
+    ctx.weight_id = id(weight)
     ctx.padding_idx = padding_idx
     ctx.include_last_offset = include_last_offset
     weighted = per_sample_weights is not None
@@ -1240,7 +1269,7 @@ def _lookup_gradients(spec: _LookupSpec, grad_output: Tensor, weight: Optional[T
     return spec.first_order(grad_output, weight, per_sample_weights)
 
 
-def _embedding_bag_backward(ctx, grad_output: Tensor):
+def _embedding_bag_backward_of(ctx, grad_output: Tensor):
     rows, offsets, per_sample_weights, weight, output = ctx.saved_tensors
     nnz = rows.shape[0]
     csr = _csr_offsets(offsets, nnz, ctx.include_last_offset)
@@ -1310,6 +1339,11 @@ def _embedding_bag_backward(ctx, grad_output: Tensor):
     return grad_weight, None, None, grad_per_sample_weights, None, None, None
 
 
+def _embedding_bag_backward(ctx, grad_output: Tensor):
+    with _first_lookup_of(ctx.weight_id, grad_output):
+        return _embedding_bag_backward_of(ctx, grad_output)
+
+
 torch.library.register_autograd(
     "sparsekit::embedding_bag", _embedding_bag_backward, setup_context=_embedding_bag_setup_context
 )
@@ -1318,10 +1352,11 @@ torch.library.register_autograd(
 def _embedding_gather_setup_context(ctx, inputs, output) -> None:
     weight, rows = inputs
     ctx.num_rows = weight.shape[0]
+    ctx.weight_id = id(weight)
     ctx.save_for_backward(rows)
 
 
-def _embedding_gather_backward(ctx, grad_output: Tensor):
+def _embedding_gather_backward_of(ctx, grad_output: Tensor):
     (rows,) = ctx.saved_tensors
     flat_rows = rows.reshape(-1)
     positions = torch.arange(flat_rows.shape[0], device=rows.device)
@@ -1338,6 +1373,11 @@ def _embedding_gather_backward(ctx, grad_output: Tensor):
     spec = _LookupSpec(flat_rows, positions, "gather", first_order)
     grad_weight, _ = _lookup_gradients(spec, grad_output, None, None)
     return grad_weight, None
+
+
+def _embedding_gather_backward(ctx, grad_output: Tensor):
+    with _first_lookup_of(ctx.weight_id, grad_output):
+        return _embedding_gather_backward_of(ctx, grad_output)
 
 
 torch.library.register_autograd(
