@@ -813,9 +813,13 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     if dynamic is not None and layer._pending is not None and "pending" in dynamic:
         waiting = dynamic["pending"]["keys"].numel()
         if waiting > layer.admission_capacity:
-            # The least recently seen are forgotten, as in training.
-            keep = torch.sort(dynamic["pending"]["last_seen"], stable=True, descending=True).indices[
-                :layer.admission_capacity].sort().values
+            # The least recently seen are forgotten, as the pending table evicts in training:
+            # on a tie the smaller key goes (DESIGN.md's rule), whatever order the saved ranks
+            # listed them in. Keys descending, then a stable sort by last_seen descending.
+            pending = dynamic["pending"]
+            by_key = torch.sort(pending["keys"], stable=True, descending=True).indices
+            by_seen = torch.sort(pending["last_seen"].index_select(0, by_key), stable=True, descending=True).indices
+            keep = by_key.index_select(0, by_seen)[:layer.admission_capacity].sort().values
             dynamic["pending"] = {field: (value[keep] if isinstance(value, Tensor) else value)
                                   for field, value in dynamic["pending"].items()}
     restore = _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)

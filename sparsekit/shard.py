@@ -375,7 +375,8 @@ class _ModelParallelEmbedding(nn.Module):
         # Checked here, while nothing has changed: a sparse or meta tensor would only fail
         # at the write into the weight, after the table took the keys, and a complex one
         # would lose its imaginary part in the cast.
-        if rows.layout != torch.strided or rows.device.type == "meta" or rows.is_complex():
+        if rows.layout != torch.strided or rows.is_complex() or (
+                rows.device.type == "meta" and self.weight.device.type != "meta"):  # a meta layer's are
             raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
                              f"return a dense real tensor with values, got a {rows.dtype} tensor of layout "
                              f"{rows.layout} on {rows.device}")

@@ -455,6 +455,18 @@ def _ragged(keys):
     return sk.Ragged(torch.tensor(keys, dtype=torch.long), torch.arange(len(keys) + 1))
 
 
+def test_a_load_with_fewer_pending_places_forgets_by_the_eviction_rule(tmp_path):
+    """More pending keys than the loading layer's admission_capacity: the least recently
+    seen are forgotten and, on a tie, the smaller key, as the pending table evicts (they
+    were kept in the order the saved ranks listed them: keys 1 and 5 here)."""
+    saved = sk.DistributedEmbedding("sum", 10, 2, 1, 1, admit_after=2, admission_capacity=4)
+    saved(sk.Ragged(torch.tensor([5, 1, 9, 3]), torch.tensor([0, 4])))
+    sk.save_checkpoint(str(tmp_path), saved)
+    loaded = sk.DistributedEmbedding("sum", 10, 2, 1, 1, admit_after=2, admission_capacity=2)
+    sk.load_checkpoint(str(tmp_path), loaded)
+    assert sorted(loaded._pending.export()[0].tolist()) == [5, 9]
+
+
 def test_admitted_keys_free_their_pending_places_before_the_step_counts_new_ones():
     # Key 2 is admitted in step 3 while key 3 arrives: 1 and 3 then pend, 2 <= capacity, so
     # key 1 must still be counted (it was forgotten, and not admitted on its second step).
