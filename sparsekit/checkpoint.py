@@ -120,8 +120,10 @@ def _check_optimizer_everywhere(group, caller: str, optimizer: Any) -> None:
 
 def _check_directory_argument(caller: str, directory: Any) -> None:
     """TypeError naming ``directory`` unless it is a path (os's own error names no argument)."""
-    if not isinstance(directory, (str, bytes, os.PathLike)):
-        raise TypeError(f"{caller}: directory must be a path (str or os.PathLike), got {type(directory).__name__}")
+    # Not bytes: the checkpoint's own names are str, and os.path.join cannot mix the two.
+    if not isinstance(directory, (str, os.PathLike)) or isinstance(os.fspath(directory), bytes):
+        raise TypeError(f"{caller}: directory must be a path (str or os.PathLike of str), got "
+                        f"{type(directory).__name__}")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

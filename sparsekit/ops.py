@@ -245,7 +245,8 @@ def _segment_counts(segment_ids: Tensor, num_segments: int) -> Tensor:
 
 def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, deterministic: bool = False) -> Tensor:
     """Like :func:`segment_sum`, divided by the number of rows in each segment (empty -> 0).
-    float16 / bfloat16 rows are summed and divided in float32 and rounded once.
+    float16 / bfloat16 rows are summed and divided in float32 and rounded once (through a
+    float32 copy of ``data``: twice its bytes more memory).
 
     Args and returns as :func:`segment_sum`. Differentiable in ``data``.
     """
@@ -271,7 +272,7 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
     # are a valid output). Tested on the row shape alone: num_segments may be traced from
     # the data, where a test of it would be a graph break.
     if math.prod(data.shape[1:]) == 0:
-        return totals
+        return totals.to(data.dtype)  # a half type's was summed in float32
     count_dtype = torch.promote_types(data.dtype, torch.float32)
     counts = _segment_counts(segment_ids, num_segments).clamp_(min=1).to(count_dtype)
     return (totals.to(count_dtype) / counts.view((-1,) + (1,) * (data.dim() - 1))).to(data.dtype)
@@ -919,30 +920,33 @@ def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tens
             keys.new_empty(keys.numel() if group else 0, dtype=torch.int64))
 
 
-@contextlib.contextmanager
-def _dynamic_sizes_allowed(tensor: Tensor):
-    """Lets the ops' fakes make data-dependent sizes while ``tensor``'s fake mode traces a
-    lookup's backward. ``torch.compile`` allows them only under ``fullgraph=True`` or
-    ``capture_dynamic_output_shape_ops``: in its default mode AOT autograd's trace of the
-    backward (where a graph cannot break) failed on the distinct rows' count, and dynamo ran
-    the whole frame eagerly, the dense layers too, saying nothing. The backward's graph is
-    then the one ``fullgraph=True`` compiles. (torch keeps the permission in the shape
-    environment's settings; were they to move, the default mode runs eagerly as before.)"""
+# torch from 2.13 compiles a lookup's traced backward with data-dependent sizes in the
+# default mode. Before, inductor cannot lower its slices of such a size, and max mode's
+# backward guards on one: failures dynamo does not fall back on, where torch's own refusal
+# of the sizes (DynamicOutputShapeException) makes it run the frame eagerly. So torch
+# before 2.13 keeps that refusal.
+_SIZES_IN_DEFAULT_MODE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def _allow_dynamic_sizes(tensor: Tensor) -> None:
+    """Lets the ops' fakes make data-dependent sizes for the rest of the compilation whose
+    fake mode traces ``tensor`` (a lookup's backward). ``torch.compile`` allows them only
+    under ``fullgraph=True`` or ``capture_dynamic_output_shape_ops``: in its default mode
+    AOT autograd's trace of the backward (where a graph cannot break) failed on the distinct
+    rows' count, and dynamo ran the whole frame eagerly, the dense layers too, saying
+    nothing. The backward's graph is then the one ``fullgraph=True`` compiles. For the rest
+    of the compilation: inductor compiles the backward at the first ``backward()`` and runs
+    the fakes again then. (torch keeps the permission in the shape environment's settings;
+    were they to move, the default mode runs eagerly as before.)"""
     mode = torch._guards.detect_fake_mode(tensor)
     env = getattr(mode, "shape_env", None)
     settings = getattr(env, "settings", None)
     if settings is None or getattr(settings, "allow_dynamic_output_shape_ops", True):
-        yield
         return
     try:
         env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True)
     except (TypeError, AttributeError):  # another torch's layout: as without this
-        yield
-        return
-    try:
-        yield
-    finally:
-        env.settings = settings
+        pass
 
 
 # Whether the lookup backward being traced may make data-dependent sizes: not when its
@@ -955,9 +959,9 @@ def _first_lookup_of(weight_id: int, rows: Tensor):
     """Around a lookup's backward: traced, whether its weight (``id`` of the forward's
     weight) already had a lookup's backward traced in this trace. A weight with two sparse
     gradients cannot be compiled (README, known limit: AOT autograd's fake dispatch fails
-    adding them); its second backward keeps torch's refusal of data-dependent sizes, so
+    adding them); its second backward raises torch's refusal of data-dependent sizes, so
     that outside ``fullgraph=True`` dynamo runs the frame eagerly, as it did before
-    :func:`_dynamic_sizes_allowed`, instead of failing inside torch."""
+    :func:`_allow_dynamic_sizes`, instead of failing inside torch."""
     mode = torch._guards.detect_fake_mode(rows)
     env = getattr(mode, "shape_env", None)
     if env is None:
@@ -974,12 +978,15 @@ def _first_lookup_of(weight_id: int, rows: Tensor):
 
 def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Optional[Tensor],
                                                                      Optional[Tensor], int, bool]:
-    """:func:`_number_rows_of` (traced: with data-dependent sizes allowed, see
-    :func:`_dynamic_sizes_allowed` and :func:`_first_lookup_of`)."""
-    if torch._guards.detect_fake_mode(rows) is None or not _SIZES_ALLOWED.get():
-        return _number_rows_of(rows, num_rows, group)
-    with _dynamic_sizes_allowed(rows):
-        return _number_rows_of(rows, num_rows, group)
+    """:func:`_number_rows_of` (traced, from torch 2.13: with data-dependent sizes allowed,
+    see :func:`_allow_dynamic_sizes`, unless :func:`_first_lookup_of` says no)."""
+    if _SIZES_IN_DEFAULT_MODE and torch._guards.detect_fake_mode(rows) is not None:
+        if not _SIZES_ALLOWED.get():
+            # The refusal dynamo falls back on (the permission may already stand for this
+            # compilation, given to the weight's first lookup).
+            raise torch._subclasses.fake_tensor.DynamicOutputShapeException(torch.ops.sparsekit.unique_bounded.default)
+        _allow_dynamic_sizes(rows)
+    return _number_rows_of(rows, num_rows, group)
 
 
 def _number_rows_of(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tensor, Optional[Tensor],

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
-import operator
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
 import numpy as np
@@ -287,9 +287,10 @@ class LazyAdam(torch.optim.Optimizer):
                         if grad.sparse_dim() > 1:
                             # An index past its own dimension could land on another valid row
                             # of the flattened view: each is checked against its size.
-                            sizes = torch.tensor(param.shape[:grad.sparse_dim()], device=indices.device)
-                            outside = ((grad._indices() < 0) | (grad._indices() >= sizes.unsqueeze(1))).any()
-                            low = torch.where(outside, -1, low)
+                            every = grad._indices()
+                            outside = functools.reduce(torch.logical_or, (
+                                (every[d] < 0) | (every[d] >= param.shape[d]) for d in range(grad.sparse_dim())))
+                            low = torch.where(outside.any(), -1, low)
                         # A gradient marked coalesced is used as it is: rows that do not strictly
                         # ascend may repeat one, which lazy_adam_ refuses only once the parameters
                         # before this one are updated. Flagged here, read with the bounds.
@@ -676,11 +677,10 @@ def _row_indices(grad: Tensor) -> Tensor:
     for ``sparse_dim`` 1, else the row-major number of its first ``sparse_dim`` indices;
     ascending and distinct when the gradient is coalesced)."""
     indices = grad._indices()
-    if indices.shape[0] == 1:
-        return indices[0]
-    sizes = grad.shape[1:indices.shape[0]]
-    strides = list(itertools.accumulate(reversed(sizes), operator.mul, initial=1))[::-1]
-    return (indices * torch.tensor(strides, device=indices.device).unsqueeze(1)).sum(0)
+    rows = indices[0]
+    for d in range(1, indices.shape[0]):  # scalar sizes: no host-to-device copy on CUDA
+        rows = rows * grad.shape[d] + indices[d]
+    return rows
 
 
 def _check_element_sparse(group_index: int, position: int, param: Tensor, state: Optional[Dict[str, Any]]) -> None:

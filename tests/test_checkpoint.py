@@ -542,8 +542,10 @@ def test_a_model_or_optimizer_of_the_wrong_type_is_named(tmp_path, call):
     assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000001"]
 
 
-    with pytest.raises(TypeError, match=rf"{name}: directory must be a path \(str or os.PathLike\), got int"):
-        call(5, model, optimizer)
+    for bad, kind in ((5, "int"), (directory.encode(), "bytes")):  # bytes: os.path.join could not mix them
+        with pytest.raises(TypeError, match=rf"{name}: directory must be a path \(str or os.PathLike of str\), "
+                                            rf"got {kind}"):
+            call(bad, model, optimizer)
 
 
 def _optimizer_on_one_rank_worker(rank, world_size, init, directory, call):

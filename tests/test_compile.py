@@ -86,12 +86,16 @@ def test_compiled_training_follows_eager():
 
 @pytest.mark.parametrize("embedding, backend, fullgraph", [
     pytest.param("shared", "inductor", True, marks=_SKIP_OLD_INDUCTOR), ("per-slot", "aot_eager", True),
-    ("shared", "aot_eager", False), ("per-slot", "aot_eager", False)])
+    pytest.param("shared", "inductor", False, marks=_SKIP_OLD_INDUCTOR), ("shared", "aot_eager", False),
+    ("per-slot", "aot_eager", False)])
 def test_compiled_dlrm_step(embedding, backend, fullgraph):
     """The harness's model compiled whole (inductor: the default backend, C++ codegen on
     the CPU) trains like the eager one. In torch.compile's default mode too: AOT autograd's
     trace of the lookups' backward failed on the distinct rows' data-dependent count, and
-    dynamo ran the whole frame eagerly without a word (explain() saw no graph break)."""
+    dynamo ran the whole frame eagerly without a word (explain() saw no graph break). Before
+    torch 2.13 the default mode still runs the frame eagerly (see README), with the eager
+    numbers; inductor then compiles the backward at the first backward(), and fakes its ops
+    again."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     cpu = torch.device("cpu")
@@ -107,7 +111,7 @@ def test_compiled_dlrm_step(embedding, backend, fullgraph):
         losses = []
         for model, optimizer in ((eager, opt_a), (compiled, opt_b)):
             out = model(dense, keys)
-            if model is compiled:
+            if model is compiled and (fullgraph or not _OLD_INDUCTOR):
                 assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"  # not run eagerly
             loss = nn.functional.binary_cross_entropy_with_logits(out, labels)
             loss.backward()

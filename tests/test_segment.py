@@ -157,6 +157,8 @@ def test_half_segment_mean_is_the_float32_mean_rounded_once(device, dtype):
     exact = (total / count).to(dtype)  # the mean rounded once
     # A float32 sum misses the exact one only near a rounding boundary of the half type.
     assert (sk.ops.segment_mean(data, ids, 300) != exact).float().mean() < 0.01
+    empty_rows = torch.zeros(3, 0, dtype=dtype, device=device)  # no column: the dtype still the data's
+    assert sk.ops.segment_mean(empty_rows, torch.tensor([0, 1, 1], device=device), 2).dtype == dtype
 
 
 def test_segment_sum_opcheck(device):

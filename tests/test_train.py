@@ -829,6 +829,8 @@ def _replace_trainer_state(change):
     ("sparsekit", lambda d: shutil.rmtree(d / "step_000000001" / "model"), "load_checkpoint: no checkpoint in"),
     ("torch", lambda d: (d / "step_000000001" / "model.pt").unlink(), "has no model.pt"),
     ("torch", lambda d: torch.save({"model": {}, "optimizer": {}}, d / "step_000000001" / "model.pt"),
+     "model.pt does not fit the model (ValueError: the sparse optimizer's state is a NoneType"),
+    ("torch", _replace_model_blob(lambda blob: blob.update(model={})),
      "model.pt does not fit the model (RuntimeError: Error(s) in loading state_dict"),
     ("torch", lambda d: torch.save({"x": 1}, d / "step_000000001" / "model.pt"),
      "model.pt holds no 'model' and 'optimizer' states"),

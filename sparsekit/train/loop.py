@@ -376,12 +376,16 @@ class OptimizerGroup:
     def state_dict(self) -> Dict[str, dict]:
         return {name: optimizer.state_dict() for name, optimizer in self.optimizers.items()}
 
-    def load_state_dict(self, state: Dict[str, dict]) -> None:
-        """Loads every optimizer's state, each checked first as the next step reads it (torch's
-        own load takes moments of any shape and settings of any type, and the step then
-        failed with a traceback): ValueError naming the optimizer and what is wrong."""
+    def check_state_dict(self, state: Dict[str, dict]) -> None:
+        """ValueError naming the optimizer and what is wrong unless every optimizer can step
+        from its part of ``state`` (torch's own load takes moments of any shape and settings
+        of any type, and the step then failed with a traceback)."""
         for name, optimizer in self.optimizers.items():
             _check_adam_state(name, optimizer, state.get(name) if isinstance(state, dict) else None)
+
+    def load_state_dict(self, state: Dict[str, dict]) -> None:
+        """Loads every optimizer's state, all checked first (:meth:`check_state_dict`)."""
+        self.check_state_dict(state)
         for name, optimizer in self.optimizers.items():
             optimizer.load_state_dict(state[name])
 
@@ -687,6 +691,7 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
             raise CheckpointError(f"--resume: {model_path} holds no 'model' and 'optimizer' states; "
                                   "it was not written by sparsekit.train or is damaged")
         try:
+            optimizer.check_state_dict(blob["optimizer"])  # before the model changes
             model.load_state_dict(blob["model"])
             optimizer.load_state_dict(blob["optimizer"])
         except (RuntimeError, ValueError, KeyError) as error:  # torch's errors for states that do not fit
