@@ -529,6 +529,12 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
     # Adam (a fused Adam's differ from them in the last bit, so its state continues as the
     # default Adam would continue it), and its step is never differentiable (a saved state
     # holds no graph, so loading one with differentiable=True loses nothing).
+    # A NAdam state holds Adam's moments under Adam's names, and its own update: loaded, it
+    # continued as plain Adam. Its groups carry momentum_decay. (RAdam's groups hold nothing
+    # Adam's may not: a RAdam state is not told apart.)
+    if "momentum_decay" in settings:
+        raise ValueError(f"{where}: these are torch.optim.NAdam's settings (momentum_decay; its update is not "
+                         "Adam's, which LazyAdam computes); load the state into torch.optim.NAdam")
     unsupported = []
     if settings.get("amsgrad", False):
         unsupported.append("amsgrad=True (LazyAdam keeps no max_exp_avg_sq)")

@@ -1039,6 +1039,24 @@ def test_lazy_adam_load_state_dict_refuses_adam_settings_it_cannot_honour(optimi
     assert opt.state[param]["step"].item() == 2 and opt.param_groups[0]["lr"] == 0.1
 
 
+def test_lazy_adam_refuses_a_nadam_state():
+    """Its state holds Adam's moments under Adam's names; loaded, it continued as plain
+    Adam. Refused, naming the optimizer, with LazyAdam's settings and state unchanged."""
+    optimizer_class = torch.optim.NAdam
+    param, saved = _adam_state(optimizer_class)
+    opt = sk.LazyAdam([param], lr=0.01)
+    param.grad = torch.ones(4, 3)
+    opt.step()
+    before = _snapshot(opt, [param])
+    with pytest.raises(ValueError, match=rf"LazyAdam.load_state_dict \(parameter group 0\): these are "
+                                         rf"torch.optim.{optimizer_class.__name__}'s settings"):
+        opt.load_state_dict(saved)
+    _assert_unchanged(opt, [param], before)
+    assert opt.param_groups[0]["lr"] == 0.01
+    # An Adam / AdamW state (amsgrad in every group) still loads.
+    opt.load_state_dict(_adam_state(torch.optim.Adam)[1])
+
+
 @pytest.mark.parametrize("edit", ["constructor_group", "add_param_group", "param_groups"])
 @pytest.mark.parametrize("setting", [{"amsgrad": True}, {"decoupled_weight_decay": True, "weight_decay": 0.1}],
                          ids=["amsgrad", "decoupled"])
