@@ -928,6 +928,15 @@ def _unique_bounded_fake(keys: Tensor, bound, group: bool = False) -> Tuple[Tens
 _SIZES_IN_DEFAULT_MODE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
+def _traced_fake_mode(tensor: Tensor) -> Any:
+    """The fake mode tracing ``tensor`` where :func:`_allow_dynamic_sizes` applies (torch
+    from 2.13, compiling), else None: an eager backward pays no search for one (torch from
+    2.13 says it is compiling while AOT autograd traces a compiled backward)."""
+    if not _SIZES_IN_DEFAULT_MODE or not torch.compiler.is_compiling():
+        return None
+    return torch._guards.detect_fake_mode(tensor)
+
+
 def _allow_dynamic_sizes(tensor: Tensor) -> None:
     """Lets the ops' fakes make data-dependent sizes for the rest of the compilation whose
     fake mode traces ``tensor`` (a lookup's backward). ``torch.compile`` allows them only
@@ -962,8 +971,7 @@ def _first_lookup_of(weight_id: int, rows: Tensor):
     adding them); its second backward raises torch's refusal of data-dependent sizes, so
     that outside ``fullgraph=True`` dynamo runs the frame eagerly, as it did before
     :func:`_allow_dynamic_sizes`, instead of failing inside torch."""
-    mode = torch._guards.detect_fake_mode(rows)
-    env = getattr(mode, "shape_env", None)
+    env = getattr(_traced_fake_mode(rows), "shape_env", None)
     if env is None:
         yield
         return
@@ -980,7 +988,7 @@ def _number_rows(rows: Tensor, num_rows: int, group: bool) -> Tuple[Tensor, Tens
                                                                      Optional[Tensor], int, bool]:
     """:func:`_number_rows_of` (traced, from torch 2.13: with data-dependent sizes allowed,
     see :func:`_allow_dynamic_sizes`, unless :func:`_first_lookup_of` says no)."""
-    if _SIZES_IN_DEFAULT_MODE and torch._guards.detect_fake_mode(rows) is not None:
+    if _traced_fake_mode(rows) is not None:
         if not _SIZES_ALLOWED.get():
             # The refusal dynamo falls back on (the permission may already stand for this
             # compilation, given to the weight's first lookup).
