@@ -79,6 +79,17 @@ def is_bool(value: Any) -> bool:
     return isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
 
 
+def tensor_integer(value: Any) -> Any:
+    """A one-element integer tensor with a value (not bool, floating, complex or meta: its
+    item would be truncated, be a bool, or could not be read) as a Python int; anything else
+    as it is, for the caller's own check to name. For saved states and duck-typed inputs
+    that may hold a tensor where an int belongs."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        return int(value.item())
+    return value
+
+
 def integer_argument(where: str, name: str, value: Any, optional: bool = False) -> Any:
     """``value`` as an int: a Python or numpy integer, an integer 0-d tensor or a traced
     SymInt; never a bool (True is not the int 1). None passes when ``optional``.

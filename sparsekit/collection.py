@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import device_argument
+from ._checks import device_argument, tensor_integer
 from .checkpoint import _collective_device
 from .exchange import (
     _BAD_KEY,
@@ -316,13 +316,10 @@ class KeyedJagged:
         out = cls.__new__(cls)
         out._set_checked(kjt.keys(), kjt.values(), lengths, offsets, weights, _INPUT, _METHOD_LABELS)
         if callable(getattr(kjt, "stride", None)) and out._keys:
-            stride = kjt.stride()
             # An integer in any form (a one-element integer tensor, a NumPy integer) is
             # compared; anything else is not a batch size and is left alone.
-            if isinstance(stride, Tensor) and stride.numel() == 1 and not stride.is_meta and \
-                    not (stride.is_floating_point() or stride.is_complex() or stride.dtype == torch.bool):
-                stride = int(stride.item())
-            elif isinstance(stride, numbers.Integral) and not isinstance(stride, bool):
+            stride = tensor_integer(kjt.stride())
+            if isinstance(stride, numbers.Integral) and not isinstance(stride, bool):
                 stride = int(stride)
             if isinstance(stride, int) and not isinstance(stride, bool) and stride != out.stride():
                 raise ValueError(f"{_INPUT}stride() is {stride} but lengths()/offsets() give "

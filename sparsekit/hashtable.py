@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import allocation, dense_layout, device_argument
+from ._checks import allocation, dense_layout, device_argument, tensor_integer
 from .allocator import table_full, table_zeros
 
 __all__ = ["HashTable", "HashTableFullError"]
@@ -605,10 +605,7 @@ class HashTable:
                                  f"got {getattr(value, 'dtype', type(value).__name__)} "
                                  f"{tuple(getattr(value, 'shape', ()))}")
             scores.append(value.to(self.device))
-        clock = state_dict.get("clock", 0)
-        if isinstance(clock, Tensor) and clock.numel() == 1 and not (clock.is_floating_point() or clock.is_complex()
-                                                                     or clock.dtype == torch.bool):
-            clock = int(clock.item())  # an integer tensor; a float one (2.7) would be truncated
+        clock = tensor_integer(state_dict.get("clock", 0))
         # Bounded well inside int64: every training step adds one, and an int64 past its end
         # would fail a later insert after it placed its keys.
         if isinstance(clock, bool) or not isinstance(clock, int) or not 0 <= clock < _MAX_CLOCK:

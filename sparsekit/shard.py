@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import AllocationError, allocation, bool_argument, dense_layout, device_argument
+from ._checks import AllocationError, allocation, bool_argument, dense_layout, device_argument, tensor_integer
 from .allocator import table_zeros
 from .exchange import (
     _BAD_KEY,
@@ -870,10 +870,7 @@ class _ModelParallelEmbedding(nn.Module):
                              "build it with use_hashtable=False")
         totals = []
         for total in ("evicted", "admitted"):
-            value = state.get(total, 0)
-            if isinstance(value, Tensor) and value.numel() == 1 and not value.is_meta \
-                    and not value.is_floating_point() and not value.is_complex():
-                value = int(value.item())
+            value = tensor_integer(state.get(total, 0))
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_COUNT:
                 raise ValueError(f"{name}: load_state_dict: '_extra_state'['{total}'] must be a non-negative "
                                  f"int below 2**62, got {value!r}")
