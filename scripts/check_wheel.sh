@@ -7,13 +7,22 @@
 #
 # The wheel is installed with its dependencies resolved by pip against the torch already
 # there, so a requirement the wheel could not keep fails here too. The venv is removed
-# afterwards unless KEEP_VENV=1 (a CUDA torch takes ~7 GB).
+# afterwards, also when a step fails, unless KEEP_VENV=1 (a CUDA torch takes ~7 GB).
 set -euo pipefail
 wheel=$(readlink -f "$1")
 torch_version=$2
 venv=${3:-$(mktemp -d)/venv}
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 start=$(date +%s)
+
+work=$(mktemp -d)
+# Whatever happens (a failed install included), the test copy goes, and the venv too
+# unless asked to keep it: a CUDA torch left behind by each failed run fills the disk.
+cleanup() {
+  rm -rf "$work"
+  [ "${KEEP_VENV:-0}" = 1 ] || { rm -rf "$venv"; rmdir "$(dirname "$venv")" 2>/dev/null || true; }
+}
+trap cleanup EXIT
 
 echo "== wheel $(basename "$wheel") under torch $torch_version"
 python3 -m venv "$venv"
@@ -22,7 +31,6 @@ python3 -m venv "$venv"
 "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$torch_version', torch.__version__"
 
 # Tests only, no source package beside them: `import sparsekit` must find the install.
-work=$(mktemp -d)
 cp -r "$repo/tests" "$repo/pyproject.toml" "$work/"
 cd "$work"
 "$venv/bin/python" - <<'PY'
@@ -38,8 +46,6 @@ set +e
 status=$?
 set -e
 cd "$repo"
-rm -rf "$work"
-[ "${KEEP_VENV:-0}" = 1 ] || rm -rf "$venv"
 echo "== torch $torch_version: pytest exit $status in $(( $(date +%s) - start )) s"
 [ "$status" -eq 5 ] && { echo "pytest collected no tests" >&2; exit 1; }
 exit "$status"
