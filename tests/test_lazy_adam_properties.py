@@ -164,3 +164,76 @@ def test_lazy_adam_bad_row_anywhere_writes_nothing(device, bad_at):
     with pytest.raises(RuntimeError, match="lazy_adam_: rows holds 60000"):
         sk.ops.lazy_adam_(w, m, v, rows.to(device), grad.to(device), 1, 0.1, 0.9, 0.999, 1e-8)
     assert torch.equal(w.cpu(), weight) and torch.equal(m.cpu(), exp_avg) and torch.equal(v.cpu(), exp_avg_sq)
+
+
+@st.composite
+def element_wise_problems(draw):
+    """A parameter of 1 to 3 dims and sparse gradients of sparse_dim 1..ndim, with repeated
+    entries or not, entry counts across the kernel's task edges (2^14 rows) and empty."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 5, 17, 64, 130]), min_size=ndim, max_size=ndim)))
+    if math.prod(shape) < 1 << 14 and draw(st.booleans()):
+        shape = (shape[0] * 128,) + shape[1:]  # enough rows for more than one task
+    sparse_dim = draw(st.integers(1, ndim))
+    rows = math.prod(shape[:sparse_dim])
+    entries = min(draw(sizes(1 << 16)), max(1, (1 << 20) // max(1, math.prod(shape[sparse_dim:]))))
+    return dict(shape=shape, sparse_dim=sparse_dim, entries=entries, rows=rows,
+                coalesced=draw(st.booleans()), dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+                maximize=draw(st.booleans()), weight_decay=draw(st.sampled_from([0.0, 0.1])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@examples(20)
+@given(problem=element_wise_problems(), threads=thread_counts)
+def test_lazy_adam_property_element_wise_gradients_match_sparse_adam(device, problem, threads):
+    """LazyAdam on element-wise sparse gradients (sparse_dim > 1, as torch.optim.SparseAdam
+    takes them) and on row gradients of the same parameters: two steps, moments bit for bit
+    SparseAdam's, weights within ulps, every entry no gradient names untouched."""
+    p = problem
+    g = torch.Generator().manual_seed(p["seed"])
+    weight = torch.randn(p["shape"], generator=g, dtype=torch.float64).to(p["dtype"])
+    mine, ref = (torch.nn.Parameter(weight.clone().to(device)) for _ in range(2))
+    opt = sk.LazyAdam([mine], lr=0.01, maximize=p["maximize"], weight_decay=p["weight_decay"])
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.01)  # maximize folded into its gradient below
+    named = torch.zeros(p["shape"][:p["sparse_dim"]], dtype=torch.bool)
+    for _ in range(2):
+        flat = torch.randint(0, p["rows"], (p["entries"],), generator=g)
+        if p["coalesced"]:
+            flat = flat.unique()
+        indices = torch.stack(torch.unravel_index(flat, p["shape"][:p["sparse_dim"]])) if flat.numel() else \
+            torch.zeros((p["sparse_dim"], 0), dtype=torch.long)
+        named[tuple(indices)] = True
+        values = torch.randn((flat.numel(),) + p["shape"][p["sparse_dim"]:], generator=g,
+                             dtype=torch.float64).to(p["dtype"])
+        grad = torch.sparse_coo_tensor(indices, values, p["shape"], check_invariants=True)
+        grad = grad.coalesce() if p["coalesced"] else grad
+        mine.grad = grad.clone().to(device)
+        # SparseAdam's gradient: repeated entries summed in their order (as LazyAdam does;
+        # torch's coalesce() adds them in another order), negated for maximize, then the
+        # weight decay added (SparseAdam has none), in torch.optim.Adam's order.
+        trailing = p["shape"][p["sparse_dim"]:]
+        summed = torch.zeros((p["rows"],) + trailing, dtype=p["dtype"]).index_add_(0, flat, values)
+        distinct = flat.unique()
+        ref_values = -summed[distinct] if p["maximize"] else summed[distinct]
+        if p["weight_decay"]:
+            ref_values = ref_values + p["weight_decay"] * ref.detach().cpu().reshape((p["rows"],) + trailing)[distinct]
+        ref_indices = torch.stack(torch.unravel_index(distinct, p["shape"][:p["sparse_dim"]])) if distinct.numel() \
+            else torch.zeros((p["sparse_dim"], 0), dtype=torch.long)
+        ref_grad = torch.sparse_coo_tensor(ref_indices, ref_values, p["shape"], is_coalesced=True,
+                                           check_invariants=True)
+        ref.grad = ref_grad.to(device)
+        before = mine.detach().clone()
+        with num_threads(threads):
+            opt.step()
+        if ref_grad._nnz():
+            ref_opt.step()
+        assert_weight_close(mine.detach().cpu(), ref.detach().cpu(), before.cpu())
+        if ref_grad._nnz():
+            state, ref_state = opt.state[mine], ref_opt.state[ref]
+            assert same_bits(state["exp_avg"].cpu(), ref_state["exp_avg"].cpu())
+            assert same_bits(state["exp_avg_sq"].cpu(), ref_state["exp_avg_sq"].cpu())
+        # Make the two parameters equal again so that ulp differences do not compound.
+        with torch.no_grad():
+            mine.copy_(ref)
+    untouched = ~named.to(device)
+    assert same_bits(mine.detach()[untouched].cpu(), weight[untouched.cpu()])
