@@ -20,7 +20,10 @@ namespace {
 // The vector paths below exist because the compiler cannot vectorize the scalar loop
 // itself: without -fno-math-errno, std::sqrt must be able to set errno. SSE2 is the x86-64
 // baseline, so no extra build flag is needed. Each intrinsic rounds once, exactly like
-// the scalar code, so both paths (and torch.optim.SparseAdam) agree bit for bit.
+// the scalar code, so both paths agree bit for bit, and their moments with
+// torch.optim.SparseAdam's; its weight update multiplies by a step size held in double
+// where this one rounds it to the weight's dtype first, a last-bit difference in some
+// weights.
 #if defined(__SSE2__)
 struct SimdFloat {
   using vec = __m128;
