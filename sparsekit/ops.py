@@ -52,6 +52,37 @@ for _name in sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_n
         _sparse_library.impl(_name, _refusing_sparse(_name, [a.name for a in _schema.arguments]), _key)
 
 
+def _marking_writes(op_name: str, written: List[int]):
+    """The autograd view/in-place kernel of an op that writes arguments in place: runs the
+    kernel, then marks what it wrote as modified, as torch's own in-place ops do, so that a
+    backward that saved one of them before raises ("modified by an inplace operation")
+    instead of using the new values (the dispatcher does not do it for ops defined in C++;
+    torch.library.custom_op registers the same). Only after a call that succeeded: a
+    refused call changed nothing."""
+    overload = getattr(_ops, op_name).default
+    after = torch._C._after_ADInplaceOrView_keyset
+
+    def kernel(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            result = overload.redispatch(keyset & after, *args, **kwargs)
+        tensors = []
+        for i in written:
+            arg = args[i] if i < len(args) else None
+            tensors.extend(arg if isinstance(arg, (list, tuple)) else [arg] if isinstance(arg, Tensor) else [])
+        if tensors:
+            torch.autograd.graph.increment_version(tensors)
+        return result
+    return kernel
+
+
+for _name in sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith("sparsekit::") and not n.startswith("sparsekit::_")):
+    _written = [i for i, a in enumerate(getattr(_ops, _name).default._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write]
+    if _written:
+        _sparse_library.impl(_name, _marking_writes(_name, _written), "ADInplaceOrView", with_keyset=True)
+
+
 # ---- argument types of the wrappers ----
 # The dispatcher reads True as 1 for an int argument and accepts None or 0 for a bool one,
 # so a mistyped flag or size would silently pick another behaviour; the wrappers check the
@@ -676,7 +707,6 @@ def lazy_adam_(
     updated = (("weight", weight), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
     _check_in_place_update("lazy_adam_", updated)
     _ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay)
-    _bump_versions(tensor for _, tensor in updated)
 
 
 def _check_in_place_update(op: str, tensors: Iterable[Tuple[str, Tensor]]) -> None:
@@ -689,16 +719,6 @@ def _check_in_place_update(op: str, tensors: Iterable[Tuple[str, Tensor]]) -> No
         if isinstance(tensor, Tensor) and tensor.requires_grad:
             raise RuntimeError(f"{op}: {name} requires grad and grad mode is on: the update is in place and not "
                                "differentiable; call it under torch.no_grad(), as optimizers do")
-
-
-def _bump_versions(tensors: Iterable[Tensor]) -> None:
-    """Marks tensors an optimizer kernel wrote in place as modified, as torch's own in-place
-    ops do: a backward that saved one of them before the update then raises ("modified by
-    an inplace operation") instead of using the updated values. (The dispatcher does not
-    do it for ops registered in C++.)"""
-    if torch.compiler.is_compiling():
-        return  # traced: functionalization tracks the mutation
-    torch.autograd.graph.increment_version(list(tensors))  # one call for all
 
 
 # ---- routing ----
@@ -1435,7 +1455,9 @@ def embedding_bag(
             (``"sum"`` and ``"mean"`` only; with ``"max"`` it raises, as in torch).
         mode: ``"sum"``, ``"mean"`` or ``"max"``. Mean divides by the number of valid rows
             of the bag (weighted: by the sum of their weights), bit for bit as
-            ``nn.EmbeddingBag`` does. Max takes each column's maximum over the valid rows as
+            ``nn.EmbeddingBag`` does for float32 and float64 (float16 and bfloat16 sum
+            and divide in float32 and round once, which can differ from torch's in the last
+            bit). Max takes each column's maximum over the valid rows as
             ``nn.EmbeddingBag`` does: the first valid row, then only a strictly larger value
             (a NaN wins only when it comes first; ties keep the earlier row).
         padding_idx: optional row skipped exactly like ``-1``: it adds nothing, is not

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import numbers
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
@@ -383,7 +382,6 @@ class LazyAdam(torch.optim.Optimizer):
                 del self.state[param]
             self._check_gradients()  # LazyAdam's own message for a bad row
             raise
-        ops._bump_versions(list(itertools.chain(*tables[:3])))
         # Counted even for an empty gradient, as torch.optim.SparseAdam does (one call for all).
         torch._foreach_add_([state["step"] for state in states], 1)
 

@@ -885,7 +885,8 @@ def test_lazy_adam_half_shard_state_round_trip():
 def test_update_marks_the_tensors_modified_for_autograd(device):
     # As torch's own optimizers: a backward that saved the weight before the step raises
     # instead of silently using the updated rows (the dispatcher does not bump the version
-    # counters of ops registered in C++; the wrappers do).
+    # counters of ops registered in C++; sparsekit's kernel for autograd's in-place key does,
+    # for the raw torch.ops.sparsekit ops too, and only after a call that succeeded).
     weight = torch.nn.Parameter(torch.randn(4, 2, device=device))
     scale = torch.ones(2, device=device, requires_grad=True)
     loss = sk.ops.embedding_bag(weight, torch.tensor([1, 2], device=device), torch.tensor([0, 2], device=device),
@@ -899,6 +900,26 @@ def test_update_marks_the_tensors_modified_for_autograd(device):
     sk.ops.lazy_adam_(*tensors, torch.tensor([1], device=device), torch.ones(1, 4, device=device), 1, .1, .9, .999,
                       1e-8)
     assert [t._version for t in tensors] == [v + 1 for v in before]
+    torch.ops.sparsekit.lazy_adam_(*tensors, torch.tensor([1], device=device), torch.ones(1, 4, device=device), 1,
+                                   .1, .9, .999, 1e-8)
+    assert [t._version for t in tensors] == [v + 2 for v in before]
+    with pytest.raises(RuntimeError, match="rows holds 8"):
+        torch.ops.sparsekit.lazy_adam_(*tensors, torch.tensor([8], device=device), torch.ones(1, 4, device=device),
+                                       1, .1, .9, .999, 1e-8)
+    assert [t._version for t in tensors] == [v + 2 for v in before]
+    lists = [[t.clone()] for t in tensors]
+    torch.ops.sparsekit.lazy_adam_tables_(*lists, [torch.tensor([1], device=device)],
+                                          [torch.ones(1, 4, device=device)], [1], [.1, .9, .999, 1e-8, 0.0])
+    assert [t[0]._version for t in lists] == [1, 1, 1]
+    # A saved weight updated by the raw op: the backward raises.
+    weight = torch.randn(4, 2, device=device, requires_grad=True)
+    out = weight.exp()  # saves its output
+    with torch.no_grad():
+        torch.ops.sparsekit.lazy_adam_(out, torch.zeros_like(out), torch.zeros_like(out),
+                                       torch.tensor([1], device=device), torch.ones(1, 2, device=device), 1, .1, .9,
+                                       .999, 1e-8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 def test_op_refuses_a_tensor_requiring_grad_in_grad_mode_and_a_step_beyond_int64():
@@ -1273,3 +1294,17 @@ def test_lazy_adam_under_lr_schedulers_mid_run(scheduler):
     assert torch.equal(table.detach(), float_table.detach())
     for key in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(opt.state[table][key], float_lazy.state[float_table][key])
+
+
+def test_every_op_that_writes_in_place_marks_what_it_wrote():
+    """Each op whose schema writes an argument has the version-marking autograd kernel."""
+    writing = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("sparsekit::")
+               and not name.startswith("sparsekit::_")
+               and any(a.alias_info is not None and a.alias_info.is_write
+                       for a in getattr(torch.ops.sparsekit, name.split("::")[1]).default._schema.arguments)]
+    assert {"sparsekit::lazy_adam_", "sparsekit::lazy_adam_tables_", "sparsekit::hash_table_insert_absent_",
+            "sparsekit::hash_table_erase_"} <= set(writing)
+    assert all(torch._C._dispatch_has_kernel_for_dispatch_key(name, "ADInplaceOrView") for name in writing)
+    slot_keys, slot_rows = torch.full((16,), -1, dtype=torch.int64), torch.full((16,), -1, dtype=torch.int64)
+    torch.ops.sparsekit.hash_table_insert_absent_(slot_keys, slot_rows, torch.tensor([5]), torch.tensor([0]))
+    assert (slot_keys._version, slot_rows._version) == (1, 1)
