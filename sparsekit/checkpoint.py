@@ -703,6 +703,14 @@ def _check_part_state(shard_path: str, name: str, part: Dict[str, Any], layer: _
                   f"must fit in int64), got {step!r}")
 
 
+def _layer_text(name: str, layer: _ModelParallelEmbedding) -> str:
+    """How a load's errors name a layer: its module name, and a collection's table by its
+    table name too (``'shards.0' (table 'users')``)."""
+    config = getattr(layer, "config", None)
+    table = getattr(config, "name", None)
+    return f"{name!r} (table {table!r})" if isinstance(table, str) else repr(name)
+
+
 class _LayerRestore:
     """What one layer will receive: this rank's keys and their rows, checked before anything changes.
 
@@ -726,9 +734,9 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     files ``shard_paths``), where the checkpoint calls the layer ``saved_name``;
     ``lazy_adam``: the optimizer loading them is a LazyAdam (see :func:`_check_part_state`)."""
     # A collection's table loaded from another position is named as both.
-    shown = repr(name) if saved_name == name else f"{name!r} (saved as {saved_name!r})"
+    shown = _layer_text(name, layer) if saved_name == name else f"{_layer_text(name, layer)} (saved as {saved_name!r})"
     if saved_meta["embedding_vec_size"] != layer.embedding_vec_size:
-        raise ValueError(f"load_checkpoint: layer {shown} was saved with embedding_vec_size "
+        raise ValueError(f"load_checkpoint: layer {shown} was saved with {layer._dim_argument} "
                          f"{saved_meta['embedding_vec_size']} but has {layer.embedding_vec_size}")
     parts = [shard["layers"][saved_name] for shard in shards]
     for shard_path, part in zip(shard_paths, parts):
@@ -809,9 +817,9 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     capacity = layer.max_vocabulary_size_per_gpu
     if layer.hash_table is not None and keys.numel() > capacity:
         raise HashTableFullError(
-            f"load_checkpoint: layer {name!r} on rank {layer.rank} of {layer.world_size} must hold {keys.numel()} "
-            f"saved keys but max_vocabulary_size_per_gpu is {capacity}; build it with a larger "
-            "max_vocabulary_size_per_gpu or load on more ranks")
+            f"load_checkpoint: layer {_layer_text(name, layer)} on rank {layer.rank} of {layer.world_size} must hold "
+            f"{keys.numel()} saved keys but {layer._capacity_argument} is {capacity}; build it with a larger "
+            f"{layer._capacity_argument} or load on more ranks")
     if dynamic is not None and layer._pending is not None and "pending" in dynamic:
         waiting = dynamic["pending"]["keys"].numel()
         if waiting > layer.admission_capacity:
@@ -843,7 +851,7 @@ def _check_direct_keys(name: str, layer: _ModelParallelEmbedding, keys: Tensor) 
            "with use_hashtable=True)" if low < 0 else
            f"build it with a larger {layer._capacity_argument} or load on more ranks")
     raise ValueError(
-        f"load_checkpoint: layer {name!r} (use_hashtable=False): the checkpoint holds key "
+        f"load_checkpoint: layer {_layer_text(name, layer)} (use_hashtable=False): the checkpoint holds key "
         f"{low if low < 0 else high}{more} but the layer's keys must lie in [0, {capacity}) on {layer.world_size} "
         f"ranks; {fix}")
 

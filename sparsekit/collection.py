@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import device_argument, tensor_integer
+from ._checks import device_argument, integer_argument, is_bool, tensor_integer, type_name
 from .checkpoint import _collective_device
 from .exchange import (
     _BAD_KEY,
@@ -104,10 +104,6 @@ __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection", "UnknownTable
 _TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 class UnknownTableError(KeyError, ValueError):
     """A table name the collection does not have: a ``KeyError`` (a failed look-up by
     name) and a ``ValueError`` (a bad argument, as the contract's errors are)."""
@@ -118,25 +114,39 @@ class UnknownTableError(KeyError, ValueError):
 
 
 def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: Any, combiner: Any, dtype: Any,
-                        use_hashtable: Any, eviction: Any, admit_after: Any, initializer: Any) -> None:
+                        use_hashtable: Any, eviction: Any, admit_after: Any,
+                        initializer: Any) -> Tuple[int, int, int]:
     """The rules of a :class:`TableConfig`'s fields, in one place: its constructor checks
     its arguments with them and :class:`EmbeddingBagCollection` its tables' attributes
     (a config changed after it was built).
 
+    Returns:
+        ``embedding_dim``, ``capacity`` and ``admit_after`` as Python ints (NumPy integers
+        are taken, as ``nn.Linear`` takes them).
+
     Raises:
-        TypeError: a field of the wrong type (``dtype``; ``use_hashtable`` not a bool;
-            ``eviction`` not None or a str; ``admit_after`` not an int, or a bool;
-            ``initializer`` not callable).
+        TypeError: a field of the wrong type (``name`` not a str; ``embedding_dim``,
+            ``capacity`` or ``admit_after`` not an integer, or a bool; ``features`` not a
+            list or tuple of str; ``dtype``; ``use_hashtable`` not a bool; ``eviction`` not
+            None or a str; ``initializer`` not callable).
         ValueError: a field out of range, naming the field and the table.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"TableConfig: name must be a non-empty str, got {name!r}")
-    if not _positive_int(embedding_dim):
-        raise ValueError(f"TableConfig {name!r}: embedding_dim must be a positive int, got {embedding_dim!r}")
-    if not _positive_int(capacity):
-        raise ValueError(f"TableConfig {name!r}: capacity must be a positive int, got {capacity!r}")
-    if isinstance(features, str) or not isinstance(features, (list, tuple)) or not features \
-            or not all(isinstance(f, str) and f for f in features):
+    if not isinstance(name, str):
+        raise TypeError(f"TableConfig: name must be a non-empty str, got {name!r} ({type_name(name)})")
+    if not name:
+        raise ValueError("TableConfig: name must be a non-empty str, got ''")
+    sizes = []
+    for field, value in (("embedding_dim", embedding_dim), ("capacity", capacity)):
+        # A Python or NumPy integer (as nn.Linear takes them), never a bool or a float.
+        value = integer_argument(f"TableConfig {name!r}", field, value)
+        if value < 1:
+            raise ValueError(f"TableConfig {name!r}: {field} must be a positive int, got {value!r}")
+        sizes.append(value)
+    if isinstance(features, str) or not isinstance(features, (list, tuple)) \
+            or not all(isinstance(f, str) for f in features):
+        raise TypeError(f"TableConfig {name!r}: features must be a non-empty list of feature names, "
+                        f"got {features!r}")
+    if not features or not all(features):
         raise ValueError(f"TableConfig {name!r}: features must be a non-empty list of feature names, "
                          f"got {features!r}")
     if len(set(features)) != len(features):
@@ -155,8 +165,9 @@ def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: 
         raise ValueError(f"TableConfig {name!r}: eviction must be None, 'lru' or 'lfu' (lower case), "
                          f"got {eviction!r}")
     # bool is an int subclass: admit_after=True would read as 1.
-    if isinstance(admit_after, bool) or not isinstance(admit_after, int):
+    if is_bool(admit_after) or not isinstance(admit_after, numbers.Integral):
         raise TypeError(f"TableConfig {name!r}: admit_after must be an int >= 1, got {admit_after!r}")
+    admit_after = int(admit_after)
     if admit_after < 1:
         raise ValueError(f"TableConfig {name!r}: admit_after must be an int >= 1, got {admit_after!r}")
     if not use_hashtable and (eviction is not None or admit_after != 1):
@@ -172,6 +183,7 @@ def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: 
         if max(abs(initializer.low), abs(initializer.high)) > largest:
             raise ValueError(f"TableConfig {name!r}: the initializer's bounds (low={initializer.low}, "
                              f"high={initializer.high}) must lie in {dtype}'s finite range [{-largest}, {largest}]")
+    return sizes[0], sizes[1], admit_after
 
 
 class TableConfig:
@@ -202,17 +214,21 @@ class TableConfig:
     def __init__(self, name: str, embedding_dim: int, capacity: int, features: Sequence[str], combiner: str = "sum",
                  dtype: torch.dtype = torch.float32, use_hashtable: bool = True, eviction: Optional[str] = None,
                  admit_after: int = 1, initializer: Optional[Callable[[Tensor, int], Tensor]] = None) -> None:
-        _check_table_fields(name, embedding_dim, capacity, features, combiner, dtype, use_hashtable, eviction,
-                            admit_after, initializer)
+        embedding_dim, capacity, admit_after = _check_table_fields(
+            name, embedding_dim, capacity, features, combiner, dtype, use_hashtable, eviction, admit_after, initializer)
         self.name, self.embedding_dim, self.capacity = name, embedding_dim, capacity
         self.features = list(features)
         self.combiner, self.dtype, self.use_hashtable = combiner, dtype, use_hashtable
         self.eviction, self.admit_after, self.initializer = eviction, admit_after, initializer
 
-    def _check(self) -> None:
-        """Checks the fields as they are now (see :func:`_check_table_fields`)."""
-        _check_table_fields(self.name, self.embedding_dim, self.capacity, self.features, self.combiner, self.dtype,
-                            self.use_hashtable, self.eviction, self.admit_after, self.initializer)
+    def _checked_copy(self) -> "TableConfig":
+        """A copy of the config as it is now, its fields checked (see
+        :func:`_check_table_fields`) and its sizes Python ints; the config is left as it is."""
+        sizes = _check_table_fields(self.name, self.embedding_dim, self.capacity, self.features, self.combiner,
+                                    self.dtype, self.use_hashtable, self.eviction, self.admit_after, self.initializer)
+        table = copy.copy(self)
+        table.embedding_dim, table.capacity, table.admit_after = sizes
+        return table
 
     def __repr__(self) -> str:
         return (f"TableConfig(name={self.name!r}, embedding_dim={self.embedding_dim}, capacity={self.capacity}, "
@@ -418,6 +434,7 @@ class _TableShard(_ModelParallelEmbedding):
 
     _capacity_argument = "capacity"  # TableConfig's
     _dim_argument = "embedding_dim"
+    _initializer_argument = "initializer"
 
     def __init__(self, config: TableConfig, index: int, process_group, device) -> None:
         object.__setattr__(self, "_layer_name", f"EmbeddingBagCollection table {config.name!r}")
@@ -546,14 +563,14 @@ class EmbeddingBagCollection(nn.Module):
                 or not all(isinstance(t, TableConfig) for t in tables):
             raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig")
         device_argument("EmbeddingBagCollection", device)
-        for table in tables:
-            table._check()  # again: a config may have been changed since it was built
-        names = [t.name for t in tables]
+        # Checked again (a config may have been changed since it was built), as copies: a
+        # config edited after the build (its combiner, dtype, capacity, ...) must not
+        # half-change the built tables; like nn.Linear's arguments, the configs are read once.
+        checked = [t._checked_copy() for t in tables]
+        names = [t.name for t in checked]
         if len(set(names)) != len(names):
             raise ValueError(f"EmbeddingBagCollection: table names must be distinct, got {names}")
-        # Copies: a config edited after the build (its combiner, dtype, capacity, ...) must not
-        # half-change the built tables; like nn.Linear's arguments, the configs are read once.
-        self.tables = [copy.copy(t) for t in tables]
+        self.tables = checked
         for table in self.tables:
             table.features = list(table.features)
         self._feature_table: Dict[str, int] = {}

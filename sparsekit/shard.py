@@ -225,6 +225,7 @@ class _ModelParallelEmbedding(nn.Module):
     # The constructor argument that sets the shard's rows, as errors name it.
     _capacity_argument = "max_vocabulary_size_per_gpu"
     _dim_argument = "embedding_vec_size"
+    _initializer_argument = "embedding_initializer"
 
     def __init__(
         self,
@@ -370,15 +371,15 @@ class _ModelParallelEmbedding(nn.Module):
         rows = self.embedding_initializer(given, self.embedding_vec_size)
         if not isinstance(rows, Tensor) or tuple(rows.shape) != (keys.numel(), self.embedding_vec_size):
             got = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
-            raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
-                             f"return a [{keys.numel()}, {self.embedding_vec_size}] tensor, got {got}")
+            raise ValueError(f"{self._layer_name}: {self._initializer_argument}(keys, {self.embedding_vec_size}) "
+                             f"must return a [{keys.numel()}, {self.embedding_vec_size}] tensor, got {got}")
         # Checked here, while nothing has changed: a sparse or meta tensor would only fail
         # at the write into the weight, after the table took the keys, and a complex one
         # would lose its imaginary part in the cast.
         if rows.layout != torch.strided or rows.is_complex() or (
                 rows.device.type == "meta" and self.weight.device.type != "meta"):  # a meta layer's are
-            raise ValueError(f"{self._layer_name}: embedding_initializer(keys, {self.embedding_vec_size}) must "
-                             f"return a dense real tensor with values, got a {rows.dtype} tensor of layout "
+            raise ValueError(f"{self._layer_name}: {self._initializer_argument}(keys, {self.embedding_vec_size}) "
+                             f"must return a dense real tensor with values, got a {rows.dtype} tensor of layout "
                              f"{rows.layout} on {rows.device}")
         return rows.to(device=self.weight.device, dtype=self.weight.dtype)
 

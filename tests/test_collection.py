@@ -229,7 +229,7 @@ def test_errors_name_what_is_wrong():
         sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 8, ["x"]), sk.TableConfig("b", 4, 8, ["x"])])
     with pytest.raises(TypeError, match="dtype must be"):
         sk.TableConfig("a", 4, 8, ["x"], dtype=torch.float64)
-    with pytest.raises(ValueError, match="features must be a non-empty list"):
+    with pytest.raises(TypeError, match="features must be a non-empty list"):
         sk.TableConfig("a", 4, 8, "x")
     with pytest.raises(KeyError, match="no table 'nope'"):
         ebc.stats("nope")
@@ -478,6 +478,37 @@ def test_unknown_table_name_is_a_key_error_and_a_value_error():
 def test_table_config_checks_its_fields_where_it_is_built(kwargs, error, message):
     with pytest.raises(error, match="^TableConfig 't': " + message):
         sk.TableConfig("t", 4, 8, ["x"], **kwargs)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (("t", 4.0, 8, ["x"]), TypeError, r"TableConfig 't': embedding_dim must be an int, got 4.0 \(float\)"),
+    (("t", True, 8, ["x"]), TypeError, "TableConfig 't': embedding_dim must be an int, got True"),
+    (("t", 4, "8", ["x"]), TypeError, "TableConfig 't': capacity must be an int, got '8'"),
+    (("t", 4, torch.tensor([8, 9]), ["x"]), TypeError, "TableConfig 't': capacity must be an int"),
+    (("t", 0, 8, ["x"]), ValueError, "TableConfig 't': embedding_dim must be a positive int, got 0"),
+    (("t", 4, -1, ["x"]), ValueError, "TableConfig 't': capacity must be a positive int, got -1"),
+    ((7, 4, 8, ["x"]), TypeError, r"TableConfig: name must be a non-empty str, got 7 \(int\)"),
+    (("", 4, 8, ["x"]), ValueError, "TableConfig: name must be a non-empty str, got ''"),
+    (("t", 4, 8, [3]), TypeError, "TableConfig 't': features must be a non-empty list of feature names"),
+    (("t", 4, 8, {"x"}), TypeError, "TableConfig 't': features must be a non-empty list of feature names"),
+    (("t", 4, 8, []), ValueError, "TableConfig 't': features must be a non-empty list of feature names"),
+    (("t", 4, 8, [""]), ValueError, "TableConfig 't': features must be a non-empty list of feature names"),
+])
+def test_table_config_wrong_types_are_type_errors_and_bad_values_value_errors(args, error, message):
+    with pytest.raises(error, match="^" + message):
+        sk.TableConfig(*args)
+
+
+def test_table_config_takes_numpy_integers_as_ints_and_the_collection_leaves_the_config_as_it_is():
+    config = sk.TableConfig("t", np.int64(4), np.int32(8), ["x"], admit_after=np.int64(2))
+    assert (config.embedding_dim, config.capacity, config.admit_after) == (4, 8, 2)
+    assert all(type(v) is int for v in (config.embedding_dim, config.capacity, config.admit_after))
+    config.capacity = np.int64(16)  # edited after it was built: checked and read again by the collection
+    ebc = sk.EmbeddingBagCollection([config])
+    assert type(ebc.tables[0].capacity) is int and ebc.tables[0].capacity == 16
+    assert type(config.capacity) is np.int64
+    out = ebc(sk.KeyedJagged(["x"], torch.tensor([5, 6]), lengths=torch.tensor([1, 1])))
+    assert out["x"].shape == (2, 4)
 
 
 def test_half_tables_take_a_key_seeded_uniform_up_to_their_largest_value():
@@ -1166,3 +1197,26 @@ def test_a_checkpoint_loads_tables_by_name_across_world_sizes(tmp_path):
     optimizer = sk.LazyAdam(ebc.parameters(), lr=0.1)
     sk.load_checkpoint(directory, ebc, optimizer)
     _assert_same_by_key(_by_key(ebc, optimizer), merged)
+
+
+def test_a_tables_load_and_initializer_errors_name_the_table_and_its_config_fields(tmp_path):
+    """A collection's table is named by its table name and TableConfig's fields (capacity,
+    embedding_dim, initializer), not the SOK layer's arguments."""
+    batch = sk.KeyedJagged(["u"], torch.arange(5), lengths=torch.ones(5, dtype=torch.long))
+    saved = sk.EmbeddingBagCollection([sk.TableConfig("users", 4, 100, ["u"])])
+    saved(batch)
+    sk.save_checkpoint(str(tmp_path), saved)
+    for config, error, message in [
+        (sk.TableConfig("users", 4, 2, ["u"]), HashTableFullError,
+         r"layer 'shards.0' \(table 'users'\) on rank 0 of 1 must hold 5 saved keys but capacity is 2; build it "
+         "with a larger capacity or load on more ranks"),
+        (sk.TableConfig("users", 4, 2, ["u"], use_hashtable=False), ValueError,
+         r"layer 'shards.0' \(table 'users'\) \(use_hashtable=False\).*build it with a larger capacity"),
+        (sk.TableConfig("users", 8, 100, ["u"]), ValueError,
+         r"layer 'shards.0' \(table 'users'\) was saved with embedding_dim 4 but has 8")]:
+        with pytest.raises(error, match=message):
+            sk.load_checkpoint(str(tmp_path), sk.EmbeddingBagCollection([config]))
+    bad = sk.EmbeddingBagCollection([sk.TableConfig("users", 4, 100, ["u"], initializer=lambda k, d: torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"^EmbeddingBagCollection table 'users': initializer\(keys, 4\) must "
+                                         r"return a \[5, 4\] tensor, got \(1,\)"):
+        bad(batch)
