@@ -109,6 +109,23 @@ def integer_argument(where: str, name: str, value: Any, optional: bool = False) 
     raise TypeError(f"{where}: {name} must be {kind}, got {value!r} ({type_name(value)}){hint}")
 
 
+def size_argument(where: str, name: str, value: Any, minimum: int = 1, optional: bool = False) -> Any:
+    """A size or count as a Python int: :func:`integer_argument`'s types (NumPy integers
+    too, as ``nn.Linear`` takes them; never a bool or a float), then at least ``minimum``.
+    None passes when ``optional``.
+
+    Raises:
+        TypeError: not an integer (``"{where}: {name} must be an int, got ..."``).
+        ValueError: below ``minimum`` (``"{where}: {name} must be a positive int, got ..."``,
+            or ``a non-negative int`` for ``minimum`` 0).
+    """
+    value = integer_argument(where, name, value, optional)
+    if value is not None and not isinstance(value, torch.SymInt) and value < minimum:
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"{where}: {name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
 def bool_argument(where: str, name: str, value: Any) -> bool:
     """``value`` as a bool: a Python or numpy bool only (a string such as ``"no"`` or an int
     would otherwise be read by its truth value).

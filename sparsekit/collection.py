@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import device_argument, integer_argument, is_bool, tensor_integer, type_name
+from ._checks import device_argument, size_argument, tensor_integer, type_name
 from .checkpoint import _collective_device
 from .exchange import (
     _BAD_KEY,
@@ -135,13 +135,8 @@ def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: 
         raise TypeError(f"TableConfig: name must be a non-empty str, got {name!r} ({type_name(name)})")
     if not name:
         raise ValueError("TableConfig: name must be a non-empty str, got ''")
-    sizes = []
-    for field, value in (("embedding_dim", embedding_dim), ("capacity", capacity)):
-        # A Python or NumPy integer (as nn.Linear takes them), never a bool or a float.
-        value = integer_argument(f"TableConfig {name!r}", field, value)
-        if value < 1:
-            raise ValueError(f"TableConfig {name!r}: {field} must be a positive int, got {value!r}")
-        sizes.append(value)
+    sizes = [size_argument(f"TableConfig {name!r}", field, value)
+             for field, value in (("embedding_dim", embedding_dim), ("capacity", capacity))]
     if isinstance(features, str) or not isinstance(features, (list, tuple)) \
             or not all(isinstance(f, str) for f in features):
         raise TypeError(f"TableConfig {name!r}: features must be a non-empty list of feature names, "
@@ -164,12 +159,7 @@ def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: 
     if eviction not in (None, "lru", "lfu"):
         raise ValueError(f"TableConfig {name!r}: eviction must be None, 'lru' or 'lfu' (lower case), "
                          f"got {eviction!r}")
-    # bool is an int subclass: admit_after=True would read as 1.
-    if is_bool(admit_after) or not isinstance(admit_after, numbers.Integral):
-        raise TypeError(f"TableConfig {name!r}: admit_after must be an int >= 1, got {admit_after!r}")
-    admit_after = int(admit_after)
-    if admit_after < 1:
-        raise ValueError(f"TableConfig {name!r}: admit_after must be an int >= 1, got {admit_after!r}")
+    admit_after = size_argument(f"TableConfig {name!r}", "admit_after", admit_after)
     if not use_hashtable and (eviction is not None or admit_after != 1):
         raise ValueError(f"TableConfig {name!r}: eviction and admit_after need use_hashtable=True (a "
                          f"direct-mapped table has a row for every key), got eviction={eviction!r}, "

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops, traced
-from ._checks import bool_argument
+from ._checks import bool_argument, size_argument
 from .exchange import _GatherRows, _mean_of_sum, _one_per_bag, _pool
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
     Initializer,
@@ -219,13 +219,9 @@ class DistributedEmbedding(_ModelParallelEmbedding):
     ) -> None:
         if combiner not in ("sum", "mean"):
             raise ValueError(f"DistributedEmbedding: combiner must be 'sum' or 'mean', got {combiner!r}")
-        for arg, value in (("slot_num", slot_num), ("max_nnz", max_nnz)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DistributedEmbedding: {arg} must be a positive int, got {value!r}")
-        if max_feature_num is not None and (isinstance(max_feature_num, bool) or not isinstance(max_feature_num, int)
-                                            or max_feature_num < 1):
-            raise ValueError(f"DistributedEmbedding: max_feature_num must be a positive int or None, "
-                             f"got {max_feature_num!r}")
+        slot_num = size_argument("DistributedEmbedding", "slot_num", slot_num)
+        max_nnz = size_argument("DistributedEmbedding", "max_nnz", max_nnz)
+        max_feature_num = size_argument("DistributedEmbedding", "max_feature_num", max_feature_num, optional=True)
         super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
                          embedding_initializer, process_group, device, eviction, admit_after, admission_capacity)
         self.combiner = combiner
@@ -349,9 +345,8 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         admit_after: int = 1,
         admission_capacity: Optional[int] = None,
     ) -> None:
-        for arg, value in (("slot_num", slot_num), ("nnz_per_slot", nnz_per_slot)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"All2AllDenseEmbedding: {arg} must be a positive int, got {value!r}")
+        slot_num = size_argument("All2AllDenseEmbedding", "slot_num", slot_num)
+        nnz_per_slot = size_argument("All2AllDenseEmbedding", "nnz_per_slot", nnz_per_slot)
         dynamic_input = bool_argument("All2AllDenseEmbedding", "dynamic_input", dynamic_input)
         super().__init__(max_vocabulary_size_per_gpu, embedding_vec_size, use_hashtable, key_dtype,
                          embedding_initializer, process_group, device, eviction, admit_after, admission_capacity)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import allocation, dense_layout, device_argument, tensor_integer
+from ._checks import allocation, dense_layout, device_argument, integer_argument, size_argument, tensor_integer
 from .allocator import table_full, table_zeros
 
 __all__ = ["HashTable", "HashTableFullError"]
@@ -190,8 +190,7 @@ class HashTable:
         device: Optional[Union[torch.device, str]] = None,
         eviction: Optional[str] = None,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"HashTable: capacity must be a non-negative int, got {capacity!r}")
+        capacity = size_argument("HashTable", "capacity", capacity, minimum=0)
         if key_dtype not in _KEY_DTYPES:
             raise TypeError(f"HashTable: key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
         if eviction not in _EVICTION_POLICIES:
@@ -497,8 +496,7 @@ class HashTable:
         keys = self._row_keys[:self._size]
         rows = torch.arange(self._size, dtype=torch.int64, device=self.device)
         if min_last_seen is not None:
-            if isinstance(min_last_seen, bool) or not isinstance(min_last_seen, int):
-                raise TypeError(f"HashTable.export: min_last_seen must be an int or None, got {min_last_seen!r}")
+            min_last_seen = integer_argument("HashTable.export", "min_last_seen", min_last_seen)
             # Clocks are int64: a bound past either end selects no key or every key (as a
             # Python comparison would), where torch would overflow converting it.
             if min_last_seen > _INT64_MAX:

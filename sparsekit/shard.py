@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import AllocationError, allocation, bool_argument, dense_layout, device_argument, tensor_integer
+from ._checks import (AllocationError, allocation, bool_argument, dense_layout, device_argument, integer_argument,
+                      size_argument, tensor_integer)
 from .allocator import table_zeros
 from .exchange import (
     _BAD_KEY,
@@ -244,12 +245,8 @@ class _ModelParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         name = self._layer_name
-        if isinstance(max_vocabulary_size_per_gpu, bool) or not isinstance(max_vocabulary_size_per_gpu, int) \
-                or max_vocabulary_size_per_gpu < 1:
-            raise ValueError(f"{name}: max_vocabulary_size_per_gpu must be a positive int, "
-                             f"got {max_vocabulary_size_per_gpu!r}")
-        if isinstance(embedding_vec_size, bool) or not isinstance(embedding_vec_size, int) or embedding_vec_size < 1:
-            raise ValueError(f"{name}: embedding_vec_size must be a positive int, got {embedding_vec_size!r}")
+        max_vocabulary_size_per_gpu = size_argument(name, "max_vocabulary_size_per_gpu", max_vocabulary_size_per_gpu)
+        embedding_vec_size = size_argument(name, "embedding_vec_size", embedding_vec_size)
         if key_dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name}: key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
         if embedding_initializer is not None and not callable(embedding_initializer):
@@ -257,13 +254,11 @@ class _ModelParallelEmbedding(nn.Module):
                             f"tensor or None, got {type(embedding_initializer).__name__}")
         if eviction not in (None, "lru", "lfu"):
             raise ValueError(f"{name}: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
-        if isinstance(admit_after, bool) or not isinstance(admit_after, int) or admit_after < 1:
-            raise ValueError(f"{name}: admit_after must be an int >= 1, got {admit_after!r}")
+        admit_after = size_argument(name, "admit_after", admit_after)
         default_admission = admission_capacity is None
+        admission_capacity = size_argument(name, "admission_capacity", admission_capacity, optional=True)
         if default_admission:
             admission_capacity = max_vocabulary_size_per_gpu
-        if isinstance(admission_capacity, bool) or not isinstance(admission_capacity, int) or admission_capacity < 1:
-            raise ValueError(f"{name}: admission_capacity must be a positive int or None, got {admission_capacity!r}")
         use_hashtable = bool_argument(name, "use_hashtable", use_hashtable)
         if not use_hashtable and (eviction is not None or admit_after != 1 or not default_admission):
             raise ValueError(f"{name}: eviction, admit_after and admission_capacity need use_hashtable=True (a "
@@ -492,6 +487,7 @@ class _ModelParallelEmbedding(nn.Module):
         (a detached copy), in row order; with ``min_last_seen``, only keys last seen at a
         table clock ``>= min_last_seen`` (the clock advances once per training forward).
         With ``use_hashtable=False``: every owned key, and ``min_last_seen`` must be None."""
+        min_last_seen = integer_argument(f"{self._layer_name}.export", "min_last_seen", min_last_seen, optional=True)
         if self.hash_table is None:
             if min_last_seen is not None:
                 raise ValueError(f"{self._layer_name}: export(min_last_seen=...) needs use_hashtable=True (a "

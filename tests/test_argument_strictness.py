@@ -659,3 +659,33 @@ def test_hash_table_to_names_what_is_not_a_device(device, error, pattern):
     with pytest.raises(error, match=pattern):
         table.to(device)
     assert table.find(torch.tensor([5])).tolist() == [0]
+
+
+def test_sizes_take_numpy_integers_and_refuse_other_types_with_type_errors():
+    """Sizes and counts of the layers, HashTable and TableConfig: NumPy integers are ints (as
+    nn.EmbeddingBag and nn.Linear take them); a str, float or bool is a TypeError naming the
+    argument; an int out of range a ValueError."""
+    layer = sk.DistributedEmbedding("sum", np.int64(10), np.int32(4), np.int64(2), np.int64(3),
+                                    admit_after=np.int64(2), admission_capacity=np.int16(5), max_feature_num=np.int8(6))
+    assert all(type(v) is int for v in (layer.max_vocabulary_size_per_gpu, layer.embedding_vec_size, layer.slot_num))
+    assert sk.All2AllDenseEmbedding(np.uint8(10), 4, np.int64(1), np.int64(2)).nnz_per_slot == 2
+    assert sk.HashTable(np.int64(10)).capacity == 10
+    assert sk.HashTable(3).export(min_last_seen=np.int64(0))[0].numel() == 0
+    for make, error, message in [
+        (lambda: sk.DistributedEmbedding("sum", "10", 4, 1, 1), TypeError,
+         r"DistributedEmbedding: max_vocabulary_size_per_gpu must be an int, got '10' \(str\)"),
+        (lambda: sk.DistributedEmbedding("sum", 10, 4.0, 1, 1), TypeError,
+         r"DistributedEmbedding: embedding_vec_size must be an int, got 4.0 \(float\)"),
+        (lambda: sk.DistributedEmbedding("sum", 10, 4, 1, 1, admit_after=True), TypeError,
+         "DistributedEmbedding: admit_after must be an int, got True"),
+        (lambda: sk.DistributedEmbedding("sum", 10, 4, 1, 1, admission_capacity=0), ValueError,
+         "DistributedEmbedding: admission_capacity must be a positive int or None, got 0"),
+        (lambda: sk.All2AllDenseEmbedding(10, 4, 0, 1), ValueError,
+         "All2AllDenseEmbedding: slot_num must be a positive int, got 0"),
+        (lambda: sk.HashTable(2.0), TypeError, r"HashTable: capacity must be an int, got 2.0 \(float\)"),
+        (lambda: sk.HashTable(-1), ValueError, "HashTable: capacity must be a non-negative int, got -1"),
+        (lambda: sk.DistributedEmbedding("sum", 10, 4, 1, 1).export(min_last_seen="a"), TypeError,
+         "DistributedEmbedding.export: min_last_seen must be an int or None, got 'a'"),
+    ]:
+        with pytest.raises(error, match="^" + message):
+            make()

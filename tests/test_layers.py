@@ -346,7 +346,7 @@ def test_single_process_errors():
     (lambda: sk.DistributedEmbedding("sum", 10, DIM, 1, 1, use_hashtable=1),
      r"DistributedEmbedding: use_hashtable must be a bool, got 1 \(int\)"),
     (lambda: sk.DistributedEmbedding("sum", 10, DIM, 1, 1, max_feature_num=True),
-     r"DistributedEmbedding: max_feature_num must be a positive int or None, got True"),
+     r"DistributedEmbedding: max_feature_num must be an int or None, got True"),
     (lambda: sk.DistributedEmbedding("sum", 10, DIM, 1, 1, process_group="x"),
      r"DistributedEmbedding: process_group must be a torch.distributed.ProcessGroup or None, got 'x'"),
     (lambda: sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 8, ["f"])], process_group=object()),
@@ -788,7 +788,7 @@ def test_an_initializer_output_the_weight_cannot_take_raises_naming_it_with_noth
     tables = [shard.hash_table] + ([shard._pending] if shard._pending is not None else [])
     before, stats = _tables_state(tables, shard), shard.stats()
     shard.embedding_initializer = _BAD_INITIAL_ROWS[output]
-    with pytest.raises(ValueError, match="embedding_initializer.*must return a dense real tensor"):
+    with pytest.raises(ValueError, match=r"(embedding_)?initializer\(keys, 4\) must return a dense real tensor"):
         step([3, 4])
     after = _tables_state(tables, shard)
     assert after[:-1] == before[:-1] and torch.equal(after[-1], before[-1]) and shard.stats() == stats
@@ -802,7 +802,7 @@ def _bad_initializer_on_one_rank_worker(rank, world_size, init):
     if rank == 0:
         model.shards[0].embedding_initializer = _BAD_INITIAL_ROWS["sparse"]
     keys = model.shards[0].hash_table.export()[0].tolist()
-    with pytest.raises((ValueError, RuntimeError), match="embedding_initializer|on rank 0"):
+    with pytest.raises((ValueError, RuntimeError), match=r"initializer\(keys|on rank 0"):
         model(sk.KeyedJagged(["f"], torch.tensor([60, 61, 62, 63]), lengths=torch.tensor([2, 2])))
     assert model.shards[0].hash_table.export()[0].tolist() == keys
 
