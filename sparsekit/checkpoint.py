@@ -334,7 +334,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         layout = _model_layout(layers, dense_state)
         _check_not_a_file(directory, "save_checkpoint", "give a directory (it is created when missing)")
         index = _latest_index(directory) + 1  # every rank reads LATEST before rank 0 may change it
-    except Exception as exc:  # noqa: BLE001 - shared with every rank below (a rank alone would hang the rest)
+    except BaseException as exc:  # noqa: BLE001 - shared with every rank below (a rank alone would hang the rest)
         error = exc
     _agree_or_raise(group, error, "save_checkpoint (reading the directory)")
     differing = _ranks_differing(group, str(index))
@@ -359,7 +359,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(temp_dir, ignore_errors=True)  # a crashed save's leftovers
             os.makedirs(temp_dir)
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        except BaseException as exc:  # noqa: BLE001 - shared with every rank below
             error = exc
     _agree_or_raise(group, error, "save_checkpoint (creating the directory)")
 
@@ -399,14 +399,14 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             }
             _write_file(os.path.join(temp_dir, "metadata.json"),
                         lambda f: f.write(json.dumps(metadata, indent=2).encode()))
-    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+    except BaseException as exc:  # noqa: BLE001 - shared with every rank below
         error = exc
     _agree_or_raise(group, error, "save_checkpoint (writing the shards)")
 
     if rank == 0:
         try:
             _commit(directory, temp_dir, final_dir, name)
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        except BaseException as exc:  # noqa: BLE001 - shared with every rank below
             error = exc
     _agree_or_raise(group, error, "save_checkpoint (committing)")
     return final_dir
@@ -1064,7 +1064,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         dense = _load(os.path.join(path, "dense.pt"))
         _check_dense(os.path.join(path, "dense.pt"), dense, _dense_state(model, layers), optimizer, metadata)
         _check_moved_groups(layers, sources, metadata["layers"], dense, optimizer)
-    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+    except BaseException as exc:  # noqa: BLE001 - shared with every rank below
         error = exc
     # Nothing has been written on any rank yet: every rank raises, or every rank loads.
     _agree_or_raise(group, error, "load_checkpoint")

@@ -97,6 +97,8 @@ from .shard import (
     _distinct_sorted_rows,
     _ModelParallelEmbedding,
     _place_new_keys,
+    _row_layout,
+    _row_layout_text,
 )
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection", "UnknownTableError"]
@@ -734,7 +736,8 @@ class EmbeddingBagCollection(nn.Module):
         # forward on every rank, as a single layer's does, also for a table with no key this
         # step: clocks that drifted apart between tables or ranks would mix scores of
         # different ages when a checkpoint is resharded.
-        _check_writable(self._shards, "EmbeddingBagCollection", self.training)
+        if self.world_size == 1:  # else in the forward, where every rank hears of it
+            _check_writable(self._shards, "EmbeddingBagCollection", self.training)
         clocks = self._clocks() if self.training else None
         out = forward()
         if clocks is not None:
@@ -844,9 +847,11 @@ class EmbeddingBagCollection(nn.Module):
         prepared = None
         flags = torch.zeros((), dtype=torch.int64, device=device)
         try:
+            if world > 1:
+                _check_writable(self._shards, "EmbeddingBagCollection", self.training)
             prepared = self._prepare(kjt, device, rows_first=self._rows_first())
             flags = prepared["flags"]
-        except Exception as exc:  # noqa: BLE001 - shared with every rank, then re-raised
+        except BaseException as exc:  # noqa: BLE001 - shared with every rank, then re-raised
             error = exc
 
         if world == 1:
@@ -889,8 +894,14 @@ class EmbeddingBagCollection(nn.Module):
         # and its step counted, as in one process.
         listed = torch.tensor(self._listed(prepared) if error is None else [False] * num_tables,
                               dtype=torch.int64, device=device)
+        # Then each table's weight dtype and row width: the configuration is compared once, and
+        # a collection converted after (.half(), .double()) on one rank would train on with
+        # tables that differ between the ranks.
+        layouts = torch.tensor([_row_layout(shard.weight) for shard in self._shards], dtype=torch.int64,
+                               device=device)
         send_header = torch.cat([per_owner_table.sum(1, keepdim=True), flags.expand(world, 1), mode,
-                                 per_owner_table, listed.expand(world, num_tables)], dim=1)
+                                 per_owner_table, listed.expand(world, num_tables), layouts.expand(world, num_tables)],
+                                dim=1)
         recv_header = torch.empty_like(send_header)
         dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
         header = torch.cat([send_header, recv_header]).tolist()
@@ -907,6 +918,15 @@ class EmbeddingBagCollection(nn.Module):
             evaluating = [rank for rank, row in enumerate(got) if not row[2]]
             raise RuntimeError(f"EmbeddingBagCollection: rank(s) {evaluating} are in eval() mode and the others "
                                "in train() mode; switch the collection's mode on every rank alike")
+        peer_layouts = [row[3 + 2 * num_tables:] for row in got]
+        differing = [t for t in range(num_tables) if len({layout[t] for layout in peer_layouts}) > 1]
+        if differing:
+            table = differing[0]
+            shown = ", ".join(f"rank {rank}: {_row_layout_text(layout[table])}"
+                              for rank, layout in enumerate(peer_layouts))
+            raise ValueError(f"EmbeddingBagCollection: table {self.tables[table].name!r}'s weight dtype or row width "
+                             f"differs between the ranks of the process group ({shown}); convert the collection alike "
+                             "on every rank")
         dims = [shard.embedding_vec_size for shard in self._shards]
         sent_counts = [row[3:3 + num_tables] for row in sent]
         got_counts = [row[3:3 + num_tables] for row in got]
@@ -1156,7 +1176,7 @@ class EmbeddingBagCollection(nn.Module):
         error: Optional[BaseException] = None
         try:
             self._plan_tables(owned_keys, owned_per_table, plans)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
             error = exc
         training_tables = self.training and any(s.hash_table is not None for s in self._shards)
         if self.world_size > 1 and training_tables:

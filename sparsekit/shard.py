@@ -624,7 +624,7 @@ class _ModelParallelEmbedding(nn.Module):
         plan = None
         try:
             plan = self._plan_lookup(owned_keys)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
             error = exc
         kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
         # Highest failing rank and its kind in one word: (rank + 1) * 4 + kind.
@@ -656,8 +656,8 @@ class _ModelParallelEmbedding(nn.Module):
         ``prepare``, in the dedup or in the checks is shared with every rank first (see
         :meth:`_exchange`), so no rank is left waiting.
         """
-        _check_writable([self], self._layer_name, self.training)
-        if self._rows_first():
+        if self._rows_first():  # one process
+            _check_writable([self], self._layer_name, self.training)
             keys, offsets, info = prepare()
             if offsets is not None:
                 self._raise_for_flags(int(_offsets_error_flags(offsets, keys.numel()).item()), None, offsets)
@@ -666,13 +666,15 @@ class _ModelParallelEmbedding(nn.Module):
         keys = offsets = info = unique_keys = inverse = flags = None
         error: Optional[BaseException] = None
         try:
+            # In here: a rank that refused alone would leave the others waiting in the exchange.
+            _check_writable([self], self._layer_name, self.training)
             keys, offsets, info = prepare()
             unique_keys, inverse = ops.unique(keys)
             flags = self._key_error_flags(unique_keys)
             if offsets is not None:
                 offsets_flags = _offsets_error_flags(offsets, keys.numel())
                 flags = offsets_flags if flags is None else flags | offsets_flags
-        except Exception as exc:  # noqa: BLE001 - folded into the counts exchange, re-raised there
+        except BaseException as exc:  # noqa: BLE001 - folded into the counts exchange, re-raised there
             error = exc
         vectors, positions = self._exchange(unique_keys, flags, offsets, error)
         index = inverse if positions is None else positions.index_select(0, inverse)

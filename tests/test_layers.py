@@ -3,6 +3,8 @@ gloo groups of 1 to 4 ranks checked against a one-process run of the same global
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ import sparsekit as sk
 from sparsekit import HashTableFullError, LazyAdam
 
 from _distributed import spawn
+from _state import assert_equal_nested
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -984,3 +987,62 @@ def test_assign_into_a_layer_on_the_meta_device_says_to_give_it_memory_first():
     layer.to_empty(device="cpu")
     layer.load_state_dict(source.state_dict())
     assert torch.equal(layer(keys), source(keys))
+
+
+def _one_rank_refuses_worker(rank, world_size, init):
+    init()
+    torch.manual_seed(0)
+    layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 2)
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 16, ["f"])])
+    kjt = sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    keys = torch.tensor([[[1, 2]], [[3, -1]]])
+    layer(keys)
+    ebc(kjt)
+    state = copy.deepcopy((layer.state_dict(), ebc.state_dict()))
+    # A plain tensor in place of the weight (functional_call) on rank 1 only: its own
+    # refusal was raised before the exchange, and rank 0 waited there until the timeout.
+    for model, call in ((layer, lambda m: m(keys)), (ebc, lambda m: m(kjt))):
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        with pytest.raises(RuntimeError, match="plain tensor put in place of its parameter" if rank == 1 else
+                           "rank\\(s\\) \\[1\\] of the process group rejected"):
+            if rank == 1:
+                torch.func.functional_call(model, params, (keys if model is layer else kjt,))
+            else:
+                call(model)
+    # A KeyboardInterrupt (or any BaseException) from an initializer on rank 1 only: the
+    # other rank waited, and a later collective then aborted it (gloo's size mismatch).
+    def interrupted(k, dim):
+        raise KeyboardInterrupt
+
+    for model, call in ((layer, lambda m: m(torch.tensor([[[7, 8]], [[9, -1]]]))),
+                        (ebc, lambda m: m(sk.KeyedJagged(["f"], torch.tensor([7, 8]), lengths=torch.tensor([1, 1]))))):
+        shard = model if model is layer else model.shards[0]
+        initializer = shard.embedding_initializer
+        if rank == 1:
+            shard.embedding_initializer = interrupted
+        with pytest.raises(KeyboardInterrupt if rank == 1 else RuntimeError):
+            call(model)
+        shard.embedding_initializer = initializer
+    assert_equal_nested((layer.state_dict(), ebc.state_dict()), state)
+    layer(keys)  # the ranks are still in step
+    ebc(kjt)
+    assert ebc.stats("t")["size"] == 2  # a collective after the interrupt: keys 1 and 2 only
+    # A collection converted on one rank after its first step trained on with tables that
+    # differed between the ranks (the layers refused it already, just above).
+    mixed = sk.EmbeddingBagCollection([sk.TableConfig("a", DIM, 16, ["f"]), sk.TableConfig("b", DIM, 16, ["g"])])
+    two = sk.KeyedJagged(["f", "g"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    mixed(two)
+    if rank == 1:
+        mixed.shards[1].half()
+    state = copy.deepcopy(mixed.state_dict())
+    with pytest.raises(ValueError, match=r"table 'b''s weight dtype or row width differs between the ranks of the "
+                                         rf"process group \(rank 0: torch.float32 rows of {DIM}, rank 1: "
+                                         rf"torch.float16 rows of {DIM}\); convert the collection alike"):
+        mixed(two)
+    assert_equal_nested(mixed.state_dict(), state)
+    mixed.shards[1].float()
+    mixed(two)
+
+
+def test_a_refusal_or_a_base_exception_on_one_rank_raises_on_every_rank(tmp_path):
+    spawn(_one_rank_refuses_worker, 2, str(tmp_path))
