@@ -88,6 +88,7 @@ from .exchange import (
     _sort_rows,
     _table_gradients,
     _unique_tables,
+    _wire_device,
 )
 from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import (
@@ -874,6 +875,7 @@ class EmbeddingBagCollection(nn.Module):
                                            present=self._listed(prepared))
             return self._pool(prepared, per_group, counts)
 
+        device = _wire_device(self._shards[0].weight, self.process_group)  # meta tables: refused above
         if not self._config_agreed:
             config: Dict[str, object] = {"tables": ",".join(t.name for t in self.tables)}
             for shard in self._shards:

@@ -458,6 +458,16 @@ def _owners(keys: Tensor, world_size: int, offset: Union[int, Tensor] = 0) -> Te
     return torch.remainder(torch.remainder(keys, world_size) + (keys < 0).long() * wrap, world_size)
 
 
+def _wire_device(weight: Tensor, group) -> torch.device:
+    """Where a layer's collectives run: its weight's device, or for tables on the meta
+    device (refused, but every rank must hear of it) the group backend's device."""
+    if weight.device.type != "meta":
+        return weight.device
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
     """Whether every rank built ``config`` alike; a value that differs between ranks (or a
     setting one rank has and another lacks: a layer of another type, one table more) raises

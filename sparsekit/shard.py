@@ -35,6 +35,7 @@ from .exchange import (
     _owners,
     _resolve_group,
     _sort_rows,
+    _wire_device,
 )
 from .hashtable import _MAX_CLOCK as _MAX_COUNT
 from .hashtable import HashTable, HashTableFullError, _check_pending_of, _check_state_of, _grow_tables
@@ -540,7 +541,7 @@ class _ModelParallelEmbedding(nn.Module):
                                       self._grad_marker), None
 
         self._agree_on_config()
-        device = self.weight.device
+        device = _wire_device(self.weight, self.process_group)
         if local_error is None:
             keys_by_owner, positions, send_counts = ops.partition_by_owner(unique_keys, self.world_size)
             if flags is None:
@@ -610,7 +611,8 @@ class _ModelParallelEmbedding(nn.Module):
         """On the first exchange: one all-gather of the configuration (see :func:`_agree_on_config`)."""
         if self._config_agreed:
             return
-        _agree_on_config(self._config(), self.weight.device, self.process_group, self.world_size, self._layer_name)
+        _agree_on_config(self._config(), _wire_device(self.weight, self.process_group), self.process_group,
+                         self.world_size, self._layer_name)
         self._config_agreed = True
 
     def _may_miss(self) -> bool:

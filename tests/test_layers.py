@@ -1009,6 +1009,13 @@ def _one_rank_refuses_worker(rank, world_size, init):
                 torch.func.functional_call(model, params, (keys if model is layer else kjt,))
             else:
                 call(model)
+    # Tables on the meta device on rank 1 only: refused there, and its collectives ran on meta.
+    meta_layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 2, device="meta" if rank == 1 else None)
+    meta_ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 16, ["f"])], device="meta" if rank == 1 else None)
+    for model, call in ((meta_layer, lambda m: m(keys)), (meta_ebc, lambda m: m(kjt))):
+        with pytest.raises(RuntimeError, match="on the meta device and hold no data" if rank == 1 else
+                           "rank\\(s\\) \\[1\\] of the process group rejected"):
+            call(model)
     # A KeyboardInterrupt (or any BaseException) from an initializer on rank 1 only: the
     # other rank waited, and a later collective then aborted it (gloo's size mismatch).
     def interrupted(k, dim):
