@@ -463,7 +463,10 @@ def _wire_device(weight: Tensor, group) -> torch.device:
     device (refused, but every rank must hear of it) the group backend's device."""
     if weight.device.type != "meta":
         return weight.device
-    if group is not None and dist.get_backend(group) == "nccl":
+    # The peers' weights are where the group sends: CUDA where the backend serves CUDA
+    # tensors (NCCL, or a default group "cpu:gloo,cuda:nccl") and the process has a GPU.
+    group = group if group is not None else dist.group.WORLD
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend_config(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -496,7 +496,7 @@ class HashTable:
         keys = self._row_keys[:self._size]
         rows = torch.arange(self._size, dtype=torch.int64, device=self.device)
         if min_last_seen is not None:
-            min_last_seen = integer_argument("HashTable.export", "min_last_seen", min_last_seen)
+            min_last_seen = integer_argument("HashTable.export", "min_last_seen", min_last_seen, optional=True)
             # Clocks are int64: a bound past either end selects no key or every key (as a
             # Python comparison would), where torch would overflow converting it.
             if min_last_seen > _INT64_MAX:

@@ -188,7 +188,8 @@ def element_wise_problems(draw):
 def test_lazy_adam_property_element_wise_gradients_match_sparse_adam(device, problem, threads):
     """LazyAdam on element-wise sparse gradients (sparse_dim > 1, as torch.optim.SparseAdam
     takes them) and on row gradients of the same parameters: two steps, moments bit for bit
-    SparseAdam's, weights within ulps, every entry no gradient names untouched."""
+    SparseAdam's, weights within ulps (on CUDA with repeated entries: within float
+    tolerances), every entry no gradient names untouched."""
     p = problem
     g = torch.Generator().manual_seed(p["seed"])
     weight = torch.randn(p["shape"], generator=g, dtype=torch.float64).to(p["dtype"])
@@ -196,6 +197,9 @@ def test_lazy_adam_property_element_wise_gradients_match_sparse_adam(device, pro
     opt = sk.LazyAdam([mine], lr=0.01, maximize=p["maximize"], weight_decay=p["weight_decay"])
     ref_opt = torch.optim.SparseAdam([ref], lr=0.01)  # maximize folded into its gradient below
     named = torch.zeros(p["shape"][:p["sparse_dim"]], dtype=torch.bool)
+    # CUDA sums an uncoalesced gradient's repeated entries with atomics, in no fixed order:
+    # there the numbers are compared within float tolerances, elsewhere bit for bit.
+    exact = device.type == "cpu" or p["coalesced"]
     for _ in range(2):
         flat = torch.randint(0, p["rows"], (p["entries"],), generator=g)
         if p["coalesced"]:
@@ -227,13 +231,19 @@ def test_lazy_adam_property_element_wise_gradients_match_sparse_adam(device, pro
             opt.step()
         if ref_grad._nnz():
             ref_opt.step()
-        assert_weight_close(mine.detach().cpu(), ref.detach().cpu(), before.cpu())
+        # Entries no gradient named so far keep their first value, bit for bit.
+        assert same_bits(mine.detach()[~named.to(device)].cpu(), weight[~named])
+        if exact:
+            assert_weight_close(mine.detach().cpu(), ref.detach().cpu(), before.cpu())
+        else:
+            torch.testing.assert_close(mine.detach().cpu(), ref.detach().cpu())
         if ref_grad._nnz():
             state, ref_state = opt.state[mine], ref_opt.state[ref]
-            assert same_bits(state["exp_avg"].cpu(), ref_state["exp_avg"].cpu())
-            assert same_bits(state["exp_avg_sq"].cpu(), ref_state["exp_avg_sq"].cpu())
+            for name in ("exp_avg", "exp_avg_sq"):
+                if exact:
+                    assert same_bits(state[name].cpu(), ref_state[name].cpu())
+                else:
+                    torch.testing.assert_close(state[name].cpu(), ref_state[name].cpu())
         # Make the two parameters equal again so that ulp differences do not compound.
         with torch.no_grad():
             mine.copy_(ref)
-    untouched = ~named.to(device)
-    assert same_bits(mine.detach()[untouched].cpu(), weight[untouched.cpu()])
