@@ -654,7 +654,10 @@ class EmbeddingBagCollection(nn.Module):
         ``strict=True`` missing and unexpected keys raise before anything loads, and every
         table's weight and hash table state are checked before any table changes. With
         ``strict=False`` the tables absent from the state keep theirs; a hash table's weight
-        without its table state (or the reverse) raises ValueError."""
+        without its table state (or the reverse) raises ValueError.
+        With state-dict or load hooks registered on it (or a submodule), which may rename,
+        add or drop entries, the missing and unexpected keys are torch's own check, after
+        the hooks ran."""
         _check_state_dict_keys(self, state_dict, strict)
         return super().load_state_dict(state_dict, strict, assign)
 

@@ -131,7 +131,8 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
     new keys, rows and scores) would fail halfway and leave a table half changed: one under
     a torch.func transform (grad, vmap, ...: the kernels read raw data pointers, and a
     training step inserts keys), or a training forward outside inference mode of a layer
-    whose tables were made inside it (inference tensors cannot be changed outside). Nor
+    whose tables were made inside it (inference tensors cannot be changed outside), or of a
+    hash layer whose weight is in shared memory (its table's count of keys is not). Nor
     can a layer on the meta device look anything up: its tables hold no data."""
     weights = [shard.weight for shard in shards]
     if any(weight.is_meta for weight in weights):
@@ -152,6 +153,16 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
                            "or torch.nn.utils.stateless?); a training forward inserts keys into the layer's own "
                            "hash table, so it needs the layer's own weight: call it in eval() mode (lookups only), "
                            "or pass the layer's parameters themselves")
+    if any(shard.hash_table is not None and shard.weight.device.type == "cpu" and shard.weight.is_shared()
+           for shard in shards):
+        # share_memory(), or a layer sent to another process by torch.multiprocessing: the
+        # weight is shared, the hash table's count of keys is not, so two processes would
+        # give the same rows to different keys.
+        raise RuntimeError(f"{name}: its weight is in shared memory (share_memory(), or the layer was sent to "
+                           "another process by torch.multiprocessing), but its hash table's count of keys is this "
+                           "process's own: processes training it would give one row to two keys. Build the layer in "
+                           "each process and shard it with a process group (as torchrun does); eval() lookups of a "
+                           "shared layer that no process trains are fine")
     # Every step: one flat list and one C-level test per tensor.
     tensors = weights + [shard._fresh_rows for shard in shards if shard._fresh_rows is not None]
     for shard in shards:
@@ -207,7 +218,9 @@ def _check_state_dict_keys(module: nn.Module, state_dict: Mapping[str, Any], str
     (nn.Module raises its TypeError)."""
     if not strict or not isinstance(state_dict, Mapping):
         return
-    expected = module.state_dict(keep_vars=True).keys()  # the entries a strict load needs, in order
+    expected = _state_dict_keys(module)  # the entries a strict load needs, in order
+    if expected is None:
+        return  # hooks may rename, add or drop entries: torch's own check, after them, decides
     errors = []
     missing = [key for key in expected if key not in state_dict]
     if missing:
@@ -218,6 +231,25 @@ def _check_state_dict_keys(module: nn.Module, state_dict: Mapping[str, Any], str
     if errors:
         raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(module).__name__,
                                                                                  "\n\t".join(errors)))
+
+
+def _state_dict_keys(module: nn.Module) -> Optional[List[str]]:
+    """The names ``module.state_dict()`` gives, worked out as it does (parameters, persistent
+    buffers, extra state, submodule by submodule) without building the entries (a table's
+    extra state copies its keys); None when a module has state-dict or load hooks, which may
+    change the names (a hook that migrates an old layout)."""
+    keys: List[str] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        if sub._state_dict_hooks or sub._state_dict_pre_hooks or sub._load_state_dict_pre_hooks \
+                or sub._load_state_dict_post_hooks:
+            return None
+        prefix = f"{prefix}." if prefix else ""
+        keys.extend(prefix + name for name, param in sub._parameters.items() if param is not None)
+        keys.extend(prefix + name for name, buffer in sub._buffers.items()
+                    if buffer is not None and name not in sub._non_persistent_buffers_set)
+        if type(sub).get_extra_state is not nn.Module.get_extra_state:
+            keys.append(prefix + "_extra_state")
+    return keys
 
 
 class _ModelParallelEmbedding(nn.Module):
@@ -1004,7 +1036,10 @@ class _ModelParallelEmbedding(nn.Module):
         ``strict=True`` missing and unexpected keys raise before anything loads, and the
         weight and the hash table are checked together before either changes. With
         ``strict=False`` a layer whose entries are absent keeps its state; a hash layer's
-        weight without its table state (or the reverse) raises ValueError."""
+        weight without its table state (or the reverse) raises ValueError.
+        With state-dict or load hooks registered on it (or a submodule), which may rename,
+        add or drop entries, the missing and unexpected keys are torch's own check, after
+        the hooks ran."""
         _check_state_dict_keys(self, state_dict, strict)
         return super().load_state_dict(state_dict, strict, assign)
 

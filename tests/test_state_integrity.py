@@ -555,3 +555,59 @@ def test_a_forward_on_the_meta_device_says_to_give_the_tables_memory(training):
         layer(torch.tensor([[[1]]]))
     with pytest.raises(RuntimeError, match=r"EmbeddingBagCollection: its tables are on the meta device"):
         collection(sk.KeyedJagged(["f"], torch.tensor([1]), lengths=torch.tensor([1])))
+
+
+def test_strict_load_runs_the_modules_load_hooks_before_the_key_check():
+    """A pre-hook that migrates an old layout (renamed entries) loads, as for nn.Linear; the
+    strict check without hooks names the same keys as state_dict() and builds no entry."""
+    from sparsekit.shard import _state_dict_keys
+    for module in [sk.DistributedEmbedding("sum", 100, 4, 1, 2, eviction="lru", admit_after=2),
+                   sk.All2AllDenseEmbedding(10, 4, 1, 1, use_hashtable=False),
+                   sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 10, ["f"]),
+                                              sk.TableConfig("b", 8, 10, ["g"], use_hashtable=False)]),
+                   torch.nn.Sequential(sk.DistributedEmbedding("sum", 100, 4, 1, 2), torch.nn.Linear(2, 2))]:
+        assert _state_dict_keys(module) == list(module.state_dict().keys())
+    trained = sk.DistributedEmbedding("sum", 100, 4, 1, 2)
+    trained(torch.tensor([[[1, 2]]]))
+    old = {"old_" + key: value for key, value in trained.state_dict().items()}
+
+    def migrate(module, state_dict, prefix, *args):
+        for key in [k for k in state_dict if k.startswith(prefix + "old_")]:
+            state_dict[prefix + key[len(prefix) + 4:]] = state_dict.pop(key)
+
+    for make in (lambda: sk.DistributedEmbedding("sum", 100, 4, 1, 2),
+                 lambda: sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 100, ["f"])])):
+        fresh = make()
+        source = trained if isinstance(fresh, sk.DistributedEmbedding) else None
+        if source is None:
+            source = make()
+            source(sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1])))
+            old = {"old_" + key: value for key, value in source.state_dict().items()}
+        fresh.register_load_state_dict_pre_hook(migrate)
+        result = fresh.load_state_dict(old)
+        assert not result.missing_keys and not result.unexpected_keys
+        assert_equal_nested(fresh.state_dict(), source.state_dict())
+        old = {"old_" + key: value for key, value in trained.state_dict().items()}
+
+
+def test_a_hash_layer_in_shared_memory_refuses_to_train_and_still_looks_up():
+    """share_memory() shared the weight but not the hash table's count of keys: a training
+    step in another process gave rows it had filled to other keys here. A direct table
+    (no hash table) trains shared, as nn.EmbeddingBag does."""
+    batch = torch.tensor([[[1, 2]]])
+    layer = sk.DistributedEmbedding("sum", 10, 4, 1, 2)
+    layer(batch)
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 10, ["f"])])
+    kjt = sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    ebc(kjt)
+    for model, call in ((layer, lambda: layer(batch)), (ebc, lambda: ebc(kjt))):
+        model.share_memory()
+        state = copy.deepcopy(model.state_dict())
+        with pytest.raises(RuntimeError, match="weight is in shared memory .* processes training it would give one "
+                                               "row to two keys"):
+            call()
+        assert_equal_nested(model.state_dict(), state)
+        model.eval()
+        call()
+    direct = sk.DistributedEmbedding("sum", 10, 4, 1, 2, use_hashtable=False).share_memory()
+    direct(batch).sum().backward()
