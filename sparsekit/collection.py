@@ -441,6 +441,10 @@ class _TableShard(_ModelParallelEmbedding):
         return {**super()._config(), "table": self.config.name, "features": ",".join(self.config.features),
                 "combiner": self.config.combiner}
 
+    def _repr_settings(self) -> str:
+        return (f"table={self.config.name!r}, features={self.config.features}, combiner={self.config.combiner!r}, "
+                f"dtype={self.weight.dtype}, ")
+
     def _plan(self, keys: Tensor) -> Any:
         """What this table does for its distinct owned keys this step (may raise; changes nothing)."""
         if self.hash_table is None:

@@ -233,6 +233,9 @@ class DistributedEmbedding(_ModelParallelEmbedding):
     def _config(self) -> Dict[str, object]:
         return {**super()._config(), "combiner": self.combiner, "slot_num": self.slot_num}
 
+    def _repr_settings(self) -> str:
+        return f"combiner={self.combiner!r}, slot_num={self.slot_num}, max_nnz={self.max_nnz}, "
+
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per layer (see README, torch.compile).
@@ -358,6 +361,9 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
     def _config(self) -> Dict[str, object]:
         return {**super()._config(), "slot_num": self.slot_num, "nnz_per_slot": self.nnz_per_slot,
                 "dynamic_input": self.dynamic_input}
+
+    def _repr_settings(self) -> str:
+        return f"slot_num={self.slot_num}, nnz_per_slot={self.nnz_per_slot}, dynamic_input={self.dynamic_input}, "
 
     def forward(self, inputs: Tensor) -> Tensor:
         if self.world_size == 1 and torch.compiler.is_compiling():  # as DistributedEmbedding.forward

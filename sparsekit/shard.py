@@ -1048,9 +1048,13 @@ class _ModelParallelEmbedding(nn.Module):
         return (f"{self._layer_name}: the hash table of rank {rank} is full "
                 f"({self._capacity_argument}={self.max_vocabulary_size_per_gpu})")
 
+    def _repr_settings(self) -> str:
+        """The front end's own settings, first in :meth:`extra_repr` (none here)."""
+        return ""
+
     def extra_repr(self) -> str:
-        return (f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}, "
-                f"embedding_vec_size={self.embedding_vec_size}, use_hashtable={self.use_hashtable}, "
+        return (self._repr_settings() + f"{self._capacity_argument}={self.max_vocabulary_size_per_gpu}, "
+                f"{self._dim_argument}={self.embedding_vec_size}, use_hashtable={self.use_hashtable}, "
                 f"key_dtype={self.key_dtype}, rank={self.rank}, world_size={self.world_size}"
                 + (f", eviction={self.eviction!r}" if self.eviction else "")
                 + (f", admit_after={self.admit_after}" if self.admit_after > 1 else ""))

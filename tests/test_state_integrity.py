@@ -611,3 +611,14 @@ def test_a_hash_layer_in_shared_memory_refuses_to_train_and_still_looks_up():
         call()
     direct = sk.DistributedEmbedding("sum", 10, 4, 1, 2, use_hashtable=False).share_memory()
     direct(batch).sum().backward()
+
+
+def test_repr_shows_the_settings_that_tell_layers_apart():
+    assert repr(sk.DistributedEmbedding("mean", 10, 4, 2, 3)).startswith(
+        "DistributedEmbedding(combiner='mean', slot_num=2, max_nnz=3, max_vocabulary_size_per_gpu=10, "
+        "embedding_vec_size=4, use_hashtable=True")
+    assert repr(sk.All2AllDenseEmbedding(10, 4, 2, 3)).startswith(
+        "All2AllDenseEmbedding(slot_num=2, nnz_per_slot=3, dynamic_input=False, max_vocabulary_size_per_gpu=10")
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 10, ["f", "g"], combiner="mean", dtype=torch.bfloat16)])
+    assert "_TableShard(table='a', features=['f', 'g'], combiner='mean', dtype=torch.bfloat16, capacity=10, " \
+           "embedding_dim=4, use_hashtable=True" in repr(ebc)
