@@ -84,6 +84,7 @@ from .exchange import (
     _owners,
     _PoolRows,
     _read_rows,
+    _reduce_without_group,
     _resolve_group,
     _sort_rows,
     _table_gradients,
@@ -608,6 +609,9 @@ class EmbeddingBagCollection(nn.Module):
         not touched. Local: no collective."""
         for shard in self._shards:
             shard.reset_parameters()
+
+    def __reduce_ex__(self, protocol):
+        return _reduce_without_group(self, "EmbeddingBagCollection", protocol)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> EmbeddingBagCollection:
         """An independent copy (its own tables, weights, flags and totals) over the same

@@ -61,6 +61,18 @@ def _deepcopy_sharing_group(module: torch.nn.Module, memo: Dict[int, Any]) -> to
     return clone
 
 
+def _reduce_without_group(module: torch.nn.Module, name: str, protocol: int):
+    """``__reduce_ex__`` of a layer or collection: pickling (``torch.save(model)``, ``pickle``,
+    ``torch.multiprocessing``) of one bound to a process group raises naming the layer and
+    what to do, where pickle's own error named only the ProcessGroup type; ``copy.deepcopy``
+    goes through ``__deepcopy__`` and is unaffected."""
+    if module.process_group is not None:
+        raise TypeError(f"{name}: a layer bound to a process group cannot be pickled (torch.save(model), pickle, "
+                        "torch.multiprocessing): the group is this process's connection to the other ranks; save "
+                        "it with sk.save_checkpoint, or torch.save(model.state_dict())")
+    return object.__reduce_ex__(module, protocol)  # nn.Module's own (it defines none)
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows; its gradient goes back the way the rows came, through
     this same function, so that a ``create_graph=True`` backward is differentiable again

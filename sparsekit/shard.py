@@ -33,6 +33,7 @@ from .exchange import (
     _LookupPieces,
     _offsets_error_flags,
     _owners,
+    _reduce_without_group,
     _resolve_group,
     _sort_rows,
     _wire_device,
@@ -842,6 +843,9 @@ class _ModelParallelEmbedding(nn.Module):
                                                       device=self._fresh_rows.device)
         self._mark_weight()
         traced.register(self)
+
+    def __reduce_ex__(self, protocol):
+        return _reduce_without_group(self, self._layer_name, protocol)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> _ModelParallelEmbedding:
         """An independent copy (its own weight, tables, flags and totals) over the same

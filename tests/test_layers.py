@@ -4,6 +4,7 @@ gloo groups of 1 to 4 ranks checked against a one-process run of the same global
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -1049,6 +1050,11 @@ def _one_rank_refuses_worker(rank, world_size, init):
     assert_equal_nested(mixed.state_dict(), state)
     mixed.shards[1].float()
     mixed(two)
+    # Pickling a model bound to the group named only pickle's ProcessGroup type; deepcopy works.
+    for model, name in ((layer, "DistributedEmbedding"), (mixed, "EmbeddingBagCollection")):
+        with pytest.raises(TypeError, match=f"^{name}: a layer bound to a process group cannot be pickled"):
+            pickle.dumps(model)
+        assert copy.deepcopy(model).process_group is model.process_group
 
 
 def test_a_refusal_or_a_base_exception_on_one_rank_raises_on_every_rank(tmp_path):
