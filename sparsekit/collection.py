@@ -764,8 +764,10 @@ class EmbeddingBagCollection(nn.Module):
         """One process under torch.compile: the rows of every feature's values from the opaque
         ``sparsekit::_collection_rows`` (:mod:`sparsekit.traced`; the eager checks and table
         changes), then per feature a traced, differentiable pooled read of its table's rows.
-        The numbers are the eager forward's: float32 sums in value order, then the mean and
-        the cast to the table's dtype."""
+        The numbers are the eager forward's (float32 sums in value order, then the mean and
+        the cast to the table's dtype), except for float32 tables with per-sample weights:
+        the pooled read applies each weight inside its sum (a fused multiply-add where the
+        CPU has one) where eager multiplies first, an ulp apart (README, torch.compile)."""
         kjt = _as_keyed_jagged(kjt)
         features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
         device = self._shards[0].weight.device
