@@ -43,15 +43,6 @@ def _refusing_sparse(op: str, names: List[str]) -> Callable[..., Any]:
     return kernel
 
 
-_sparse_library = torch.library.Library("sparsekit", "IMPL")
-# The kernels' ops (sparsekit._C defined them above); not the Python-defined traced ones.
-for _name in sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
-                    if n.startswith("sparsekit::") and not n.startswith("sparsekit::_")):
-    _schema = getattr(_ops, _name).default._schema
-    for _key in _SPARSE_KEYS:
-        _sparse_library.impl(_name, _refusing_sparse(_name, [a.name for a in _schema.arguments]), _key)
-
-
 def _marking_writes(op_name: str, written: List[int]):
     """The autograd view/in-place kernel of an op that writes arguments in place: runs the
     kernel, then marks what it wrote as modified, as torch's own in-place ops do, so that a
@@ -75,10 +66,14 @@ def _marking_writes(op_name: str, written: List[int]):
     return kernel
 
 
+_sparse_library = torch.library.Library("sparsekit", "IMPL")
+# The kernels' ops (sparsekit._C defined them above); not the Python-defined traced ones.
 for _name in sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
                     if n.startswith("sparsekit::") and not n.startswith("sparsekit::_")):
-    _written = [i for i, a in enumerate(getattr(_ops, _name).default._schema.arguments)
-                if a.alias_info is not None and a.alias_info.is_write]
+    _schema = getattr(_ops, _name).default._schema
+    for _key in _SPARSE_KEYS:
+        _sparse_library.impl(_name, _refusing_sparse(_name, [a.name for a in _schema.arguments]), _key)
+    _written = [i for i, a in enumerate(_schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if _written:
         _sparse_library.impl(_name, _marking_writes(_name, _written), "ADInplaceOrView", with_keyset=True)
 
