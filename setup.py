@@ -6,7 +6,7 @@ CUDA kernels are compiled when the installed torch was built with CUDA
 Environment overrides:
   SPARSEKIT_CUDA=0        CPU-only build, even with a CUDA torch and nvcc.
   SPARSEKIT_CUDA=1        CUDA build; fails loudly when torch or nvcc cannot do it.
-  TORCH_CUDA_ARCH_LIST    CUDA archs, default "8.0;9.0" (sm_80 and sm_90).
+  TORCH_CUDA_ARCH_LIST    CUDA archs, default "8.0;9.0+PTX" (sm_80, sm_90, and PTX that newer GPUs compile on load).
   MAX_JOBS                parallel compile jobs, default from cores and free memory.
   SPARSEKIT_DEBUG=1       -O0 -g host and device code.
 """
@@ -70,7 +70,7 @@ _cuda_home = find_cuda_home()
 if _cuda_home:
     os.environ["CUDA_HOME"] = _cuda_home
 os.environ.setdefault("MAX_JOBS", default_max_jobs())
-os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 
 import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402

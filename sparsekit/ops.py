@@ -1308,7 +1308,9 @@ def _embedding_bag_backward_of(ctx, grad_output: Tensor):
     padding_row = _padding_row(ctx.padding_idx, ctx.num_rows)
     # The padding row gets no gradient: in the backward it is one more missing row. (The
     # forward skips it in the kernel; this backward pass over rows is noise next to unique.)
-    lookup_rows = rows if padding_row is None else torch.where(rows == padding_row, -1, rows)
+    # (An int32 rows never holds a padding row past int32, and torch would wrap it to compare.)
+    unpadded = padding_row is None or padding_row > torch.iinfo(rows.dtype).max
+    lookup_rows = rows if unpadded else torch.where(rows == padding_row, -1, rows)
 
     if ctx.mode == "max":
         # Made of differentiable ops (a selection, segment_sum, sparse_coo_tensor): a second

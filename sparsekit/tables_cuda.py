@@ -646,7 +646,8 @@ def unique_bounded(keys: Tensor, bound: int, group: bool = False,
     flat = keys.reshape(-1)
     low, high = (int(v) for v in torch.stack(torch.aminmax(flat)).tolist())
     if low < -1 or high >= bound:
-        at, value = _first_bad((flat < -1) | (flat >= bound), flat)
+        # As int64: torch wraps a bound past int32 to an int32 keys' width in a comparison.
+        at, value = _first_bad((flat < -1) | (flat.long() >= bound), flat)
         _fail(f"{op}: keys must lie in [-1, bound) = [-1, {bound}), got {value} at position {at}")
     if not group:
         unique_keys, inverse = torch.unique(flat, sorted=True, return_inverse=True)

@@ -647,6 +647,16 @@ def test_embedding_bag_mean_divides_like_nn_embedding_bag_bit_for_bit(device, dt
         torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_embedding_bag_padding_row_past_int32_spares_int32_rows(device, mode):
+    """A padding row past int32 (a table of 2^32 + 5 empty rows) is no int32 row: row 4,
+    which that padding row wraps to in int32, keeps its gradient entry."""
+    weight = torch.zeros(2**32 + 5, 0, device=device, requires_grad=True)  # D = 0: no memory
+    rows = torch.tensor([4, 1], dtype=torch.int32, device=device)
+    ops.embedding_bag(weight, rows, torch.tensor([0, 2], device=device), None, mode, padding_idx=-1).sum().backward()
+    assert sorted(weight.grad._indices()[0].tolist()) == [1, 4]
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_embedding_bag_padding_row_gets_no_gradient(device, mode):
     weight = torch.randn(6, 3, dtype=torch.float64, device=device, requires_grad=True)

@@ -96,6 +96,8 @@ def test_unique_bounded_composite_empty(group, dtype):
     lambda m: m.unique_bounded(torch.tensor([[0, 1], [2**40, 3]]), 10, True),
     lambda m: m.unique_bounded(torch.tensor([-(2**63)], dtype=torch.int64), 10),
     lambda m: m.unique_bounded(torch.tensor([0, 2**31 - 1], dtype=torch.int32), 5),
+    # A bound past int32 over int32 keys (torch wraps it to compare them): the right key named.
+    lambda m: m.unique_bounded(torch.tensor([3, 7, -5], dtype=torch.int32), 2**32),
     lambda m: m.unique_bounded(torch.zeros(3, dtype=torch.int64), -1),
     lambda m: m.unique_bounded(torch.zeros(3, dtype=torch.int64), 2**40),
     lambda m: m.unique_bounded(torch.zeros(3), 5),
