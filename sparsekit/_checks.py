@@ -90,6 +90,22 @@ def tensor_integer(value: Any) -> Any:
     return value
 
 
+def as_index(value: Any) -> int:
+    """``operator.index(value)``, also for 0-d integer tensors that torch cannot read as an
+    int64: a uint64 one past 2^63 - 1 gives its value (torch raised a RuntimeError), a meta
+    one a TypeError (it holds no value).
+
+    Raises:
+        TypeError: as ``operator.index``, or a 0-d tensor on the meta device.
+    """
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        if value.device.type == "meta":
+            raise TypeError("a tensor on the meta device holds no value")
+        if value.dtype == torch.uint64:
+            return int(value.view(torch.int64)) % 2**64
+    return operator.index(value)
+
+
 def integer_argument(where: str, name: str, value: Any, optional: bool = False) -> Any:
     """``value`` as an int: a Python or numpy integer, an integer 0-d tensor or a traced
     SymInt; never a bool (True is not the int 1). None passes when ``optional``.
@@ -101,7 +117,7 @@ def integer_argument(where: str, name: str, value: Any, optional: bool = False) 
         return value
     if not is_bool(value):
         try:
-            return operator.index(value)
+            return as_index(value)
         except TypeError:
             pass
     kind = "an int or None" if optional else "an int"

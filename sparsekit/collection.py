@@ -246,6 +246,10 @@ def _check_dense(tensor: Tensor, name: str) -> None:
 
 
 _KEY_DTYPES = (torch.int64, torch.int32)
+# Per-value weights: the dtypes that convert to float32 (the float8 types as torch has them).
+_WEIGHT_DTYPES = tuple(getattr(torch, name) for name in (
+    "float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
 # How the errors call each part: the constructor's arguments, or the methods of a
 # TorchRec-like input (read by the collection).
 _ARGUMENT_LABELS = {arg: arg for arg in ("keys", "values", "lengths", "offsets", "weights")}
@@ -265,12 +269,13 @@ class KeyedJagged:
         offsets: int64 or int32 ``[len(keys) * B + 1]``, ``offsets[0] == 0``,
             ``offsets[-1] == nnz``. Both may be given when they agree (``offsets == [0,
             cumsum(lengths)]``).
-        weights: optional float ``[nnz]`` (float32, float64, float16 or bfloat16), one per
-            value (multiplied into its vector).
+        weights: optional float ``[nnz]`` (float32, float64, float16, bfloat16 or a float8
+            type), one per value (multiplied into its vector).
 
     Raises:
-        TypeError: ``keys`` not a list of str; a tensor argument that is no tensor or of the
-            wrong dtype (``weights`` not floating point: no int, bool or complex).
+        TypeError: ``keys`` not a list (or tuple, ...) of str, or a set (no fixed order); a
+            tensor argument that is no tensor or of the wrong dtype (``weights`` of another
+            dtype than above: no int, bool, complex or packed float4).
         ValueError: neither ``lengths`` nor ``offsets``; a tensor of the wrong shape
             (not 1-D, empty ``offsets``, ``weights`` not ``[nnz]``); ``lengths`` and
             ``offsets`` that disagree. The values of ``lengths`` / ``offsets`` (>= 0,
@@ -342,7 +347,8 @@ class KeyedJagged:
         """The one set of checks of an input (the constructor's and a TorchRec-like
         object's); an error reads ``owner + labels[arg] + " must be ..."``."""
         names = {arg: owner + label for arg, label in labels.items()}
-        if isinstance(keys, (str, bytes, Tensor)) or not isinstance(keys, Iterable):
+        if isinstance(keys, (str, bytes, Tensor, set, frozenset)) or not isinstance(keys, Iterable):
+            # (A set has no fixed order: values would go to other features in another process.)
             raise TypeError(f"{names['keys']} must be a list of feature names (str), got {_kind(keys)}")
         keys = list(keys)  # once: an iterator would be empty after the check below
         if not all(isinstance(k, str) for k in keys):
@@ -376,8 +382,10 @@ class KeyedJagged:
                                  "cumsum(lengths)] on the same device (or give only one of them)")
         if weights is not None:
             # is_floating_point excludes complex, int and bool: none of them is a weight.
-            if not isinstance(weights, Tensor) or not weights.is_floating_point():
-                raise TypeError(f"{names['weights']} must be a float tensor [nnz] or None, got {_kind(weights)}")
+            # (Not a packed float4: it does not convert to float32.)
+            if not isinstance(weights, Tensor) or weights.dtype not in _WEIGHT_DTYPES:
+                raise TypeError(f"{names['weights']} must be a float tensor [nnz] (float32, float64, float16, "
+                                f"bfloat16 or float8) or None, got {_kind(weights)}")
             _check_dense(weights, names["weights"])
             if weights.shape != values.shape:
                 raise ValueError(f"{names['weights']} must be [nnz] = [{values.numel()}] (one per value), got shape "
@@ -799,8 +807,8 @@ class EmbeddingBagCollection(nn.Module):
                                          table_offsets.numel() - 1)
             if shard.config.combiner == "mean":
                 pooled = _mean_of_sum(pooled, torch.cat([lengths[f * batch:(f + 1) * batch] for f in members]))
-            for f, part in zip(members, pooled.to(shard.weight.dtype).split(batch) if batch > 0 else
-                               [pooled] * len(members)):
+            pooled = pooled.to(shard.weight.dtype)
+            for f, part in zip(members, pooled.split(batch) if batch > 0 else [pooled] * len(members)):
                 pooled_of[features[f]] = part
         return {feature: pooled_of[feature] for feature in features}
 
@@ -1033,6 +1041,13 @@ class EmbeddingBagCollection(nn.Module):
             if tensor is not None and tensor.device != device:
                 raise RuntimeError(f"{_INPUT}{kjt._labels[arg]} is on {tensor.device} but the collection is on "
                                    f"{device}; move it there with .to({str(device)!r})")
+        if (weights is not None and not torch.compiler.is_compiling() and weights.is_inference()
+                and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+            # The weighted sum saves them for backward, which autograd refuses only after a
+            # training step's keys went into the tables.
+            raise RuntimeError(f"{_INPUT}{kjt._labels['weights']} was made under torch.inference_mode() and cannot "
+                               "be saved for backward; make it outside inference_mode (a clone() there will do), "
+                               "or run the forward under torch.no_grad() / inference_mode")
 
     def _prepare(self, kjt: Any, device: torch.device, rows_first: bool = False) -> Dict[str, Any]:
         """Reads and checks this rank's input; dedups its (table, key) pairs. With

@@ -295,6 +295,11 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         if isinstance(inputs, tuple):
             if len(inputs) != 2:
                 raise TypeError(f"{name}: a tuple input must be (values, offsets), got {len(inputs)} items")
+            if not (isinstance(pad_key, numbers.Integral) and not isinstance(pad_key, bool) and pad_key == -1):
+                # Padding is a dense input's: in a ragged one every value is a key, -1 too.
+                raise ValueError(f"{name}: pad_key applies to a dense [B, slot_num, max_nnz] input; a ragged "
+                                 f"input (sk.Ragged or (values, offsets)) has no padding, so pad_key={pad_key!r} "
+                                 "would be ignored: leave the padded keys out of its values, or drop pad_key")
             values = self._check_keys_tensor(inputs[0], "values")
             offsets = inputs[1]
             if not isinstance(offsets, Tensor) or offsets.dtype not in (torch.int64, torch.int32) \

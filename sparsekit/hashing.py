@@ -30,7 +30,6 @@ processes, machines and Python hash randomisation.
 
 from __future__ import annotations
 
-import operator
 import struct
 from collections.abc import ItemsView, KeysView, Mapping, Set as AbstractSet
 from functools import lru_cache
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ._checks import integer_argument, is_bool, type_name
+from ._checks import as_index, integer_argument, is_bool, type_name
 
 Value = Union[str, bytes, bytearray, memoryview, int]
 
@@ -169,11 +168,13 @@ def _hash(value: Value, slot: int, seed: int) -> int:
         # does not, neither does it here: it is a sequence, not one integer.
         raise TypeError(f"sparsekit.hashing: cannot hash a {value.dim()}-d tensor of shape {list(value.shape)} as "
                         "one value; pass a 0-d tensor or an int (hash_values hashes a tensor element by element)")
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        raise TypeError("sparsekit.hashing: cannot hash a tensor on the meta device: it holds no values")
     if is_bool(value):
         raise TypeError(f"sparsekit.hashing: cannot hash a bool ({value!r}): it would share the key of the "
                         "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant")
     try:
-        integer = operator.index(value)
+        integer = as_index(value)
     except TypeError:
         integer = None
     if integer is None:

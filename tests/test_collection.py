@@ -327,6 +327,9 @@ BAD_PARTS = [
     ("weights", torch.tensor([1, 2]), TypeError, "must be a float tensor"),
     ("weights", torch.tensor([True, False]), TypeError, "must be a float tensor"),
     ("weights", [1.0, 2.0], TypeError, "must be a float tensor .* got a list"),
+    # A packed float4 is a float dtype that does not convert to float32.
+    *([("weights", torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), TypeError,
+        "must be a float tensor")] if hasattr(torch, "float4_e2m1fn_x2") else []),
     ("weights", torch.ones(3), ValueError, r"must be \[nnz\] = \[2\]"),
     ("weights", torch.ones(2, 1), ValueError, r"must be \[nnz\] = \[2\]"),
     ("offsets", torch.tensor([0.0, 1.7, 2.0]), TypeError, "must be an int64 or int32 tensor"),
@@ -348,6 +351,8 @@ BAD_PARTS = [
     ("values", torch.tensor([[1, 2]]), ValueError, r"must be 1-D \[nnz\]"),
     ("keys", "user", TypeError, "must be a list of feature names"),
     ("keys", [0], TypeError, "must be a list of feature names"),
+    ("keys", {"user"}, TypeError, "must be a list of feature names .* got a set"),  # no fixed order
+    ("keys", frozenset(["user"]), TypeError, "must be a list of feature names"),
     # Sparse layouts pass the dtype checks; named before any op (and table) sees them.
     ("values", torch.tensor([1, 2]).to_sparse(), TypeError, r"must be a dense \(strided\) tensor, got a sparse_coo"),
     ("offsets", torch.tensor([0, 1, 2]).to_sparse(), TypeError, r"must be a dense \(strided\) tensor"),
@@ -442,6 +447,34 @@ def test_an_input_on_the_wrong_device_is_named():
         with pytest.raises(RuntimeError, match=f"the input's {name} is on meta but the collection is on cpu"):
             ebc(kjt)
     assert_unchanged(ebc, before)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_weights_made_under_inference_mode_are_refused_before_any_table_changes(training):
+    """Weights that autograd cannot save for backward (inference tensors, as a data loader
+    under inference_mode makes) were refused by autograd only after a training step had
+    put its keys in the tables; under no_grad / inference_mode they are fine."""
+    ebc = trained_collection().train(training)
+    before = snapshot(ebc)
+    with torch.inference_mode():
+        weights = torch.ones(3)
+    kjt = sk.KeyedJagged(["user"], torch.tensor([100, 101, 102]), lengths=torch.tensor([2, 1]), weights=weights)
+    with pytest.raises(RuntimeError, match=r"the input's weights was made under torch.inference_mode\(\)"):
+        ebc(kjt)
+    assert_unchanged(ebc, before)
+    with torch.no_grad():
+        ebc.eval()(kjt)
+    with torch.inference_mode():
+        ebc.eval()(kjt)
+
+
+def test_float8_weights_pool_as_their_float32_values():
+    ebc = trained_collection().eval()
+    values, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
+    weights = torch.tensor([0.5, 2.0, -1.5]).to(torch.float8_e4m3fn)
+    got = ebc(sk.KeyedJagged(["user"], values, lengths=lengths, weights=weights))["user"]
+    expected = ebc(sk.KeyedJagged(["user"], values, lengths=lengths, weights=weights.float()))["user"]
+    assert torch.equal(got, expected)
 
 
 def test_unknown_table_name_is_a_key_error_and_a_value_error():

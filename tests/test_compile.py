@@ -393,6 +393,22 @@ def test_a_half_table_compiles_once_for_every_batch_size(combiner, weighted):
     assert backend.graphs <= 2, backend.graphs  # a first static size, then a dynamic one
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("combiner, weighted", [("mean", False), ("sum", True), ("sum", False)])
+def test_an_empty_batch_compiled_keeps_the_tables_dtype(dtype, combiner, weighted):
+    """B = 0 through the traced forward: the pooled outputs are [0, D] in the table's dtype,
+    as eager gives them (the batch-0 branch skipped the cast and gave float32)."""
+    torch._dynamo.reset()
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 16, ["a", "b"], dtype=dtype, combiner=combiner)])
+    empty = torch.zeros(0, dtype=torch.int64)
+    inputs = sk.KeyedJagged(["a", "b"], empty, lengths=empty, weights=torch.zeros(0) if weighted else None)
+    eager = collection(inputs)
+    compiled = torch.compile(collection, backend="eager")(inputs)
+    for feature in ("a", "b"):
+        assert eager[feature].dtype == compiled[feature].dtype == dtype
+        assert compiled[feature].shape == eager[feature].shape == (0, 4)
+
+
 def test_segment_sum_takes_a_data_dependent_num_segments_in_a_full_graph():
     """num_segments from the data (a .item(), a unique's size) traces as an unbacked SymInt:
     no int64 range check may compare it, and the result follows eager."""

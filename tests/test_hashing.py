@@ -375,6 +375,23 @@ def test_a_tensor_of_one_element_is_not_one_value():
         hashing.hash_rows(torch.tensor([[[1], [2]]]))
 
 
+def test_a_uint64_scalar_past_int64_and_a_meta_scalar_get_the_documented_errors():
+    """A 0-d uint64 tensor of 2^63 was torch's RuntimeError (it reads tensors as int64) in
+    hash_value and hash_rows, where an int past int64 is an OverflowError; a meta one was
+    'Tensor.item() cannot be called on meta tensors'."""
+    big = torch.tensor(2**63, dtype=torch.uint64)
+    assert hashing.hash_value(torch.tensor(2**62, dtype=torch.uint64)) == hashing.hash_value(2**62)
+    for call in (lambda: hashing.hash_value(big), lambda: hashing.hash_rows([[big]])):
+        with pytest.raises(OverflowError, match="integer 9223372036854775808 is outside the int64 range"):
+            call()
+    meta = torch.empty((), dtype=torch.int64, device="meta")
+    for call in (lambda: hashing.hash_value(meta), lambda: hashing.hash_rows([[meta]])):
+        with pytest.raises(TypeError, match="cannot hash a tensor on the meta device"):
+            call()
+    # A seed given as such a tensor: its value, taken modulo 2^64 as every seed is.
+    assert hashing.hash_value("a", seed=big) == hashing.hash_value("a", seed=2**63)
+
+
 @pytest.mark.parametrize("values, what", [(torch.tensor([1, 2]).to_sparse(), "torch.sparse_coo tensor"),
                                           (torch.tensor([1, 2], device="meta"), "meta tensor")])
 def test_hash_values_names_a_tensor_without_dense_values(values, what):

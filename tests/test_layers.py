@@ -378,6 +378,22 @@ def test_bad_pad_key_raises_naming_it_and_changes_nothing(pad_key, error, messag
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.parametrize("pad_key", [2, 0, None, True])
+def test_a_pad_key_with_a_ragged_input_is_refused_not_ignored(pad_key):
+    """A ragged input has no padding: pad_key=2 looked key 2 up as a key without a word.
+    The default (-1, also given explicitly) is fine; -1 is then an ordinary key."""
+    layer = sk.DistributedEmbedding("sum", 8, DIM, 1, 2)
+    ragged = sk.Ragged(torch.tensor([1, 2, -1]), torch.tensor([0, 2, 3]))
+    before = layer.hash_table.export()
+    for inputs in (ragged, tuple(ragged)):
+        with pytest.raises(ValueError, match=r"DistributedEmbedding: pad_key applies to a dense .* a ragged input "
+                                             r"\(sk.Ragged or \(values, offsets\)\) has no padding"):
+            layer(inputs, pad_key=pad_key)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.hash_table.export()))
+    layer(ragged, pad_key=-1)
+    assert len(layer.hash_table) == 3
+
+
 def test_int32_keys_and_empty_batches():
     layer = sk.DistributedEmbedding("mean", 10, DIM, 2, 3, key_dtype=torch.int32)
     out = layer(torch.tensor([[[4, -1, -1], [-1, -1, -1]]], dtype=torch.int32))
