@@ -423,6 +423,93 @@ def test_dynamic_table_run_logs_fill_evictions_and_admissions(tmp_path, capsys):
     assert resumed["auc"] == result["auc"]
 
 
+def test_a_resumed_log_counts_evictions_since_the_last_line_as_the_straight_run(tmp_path):
+    """The table part of a log line counts evictions and admissions since the previous line;
+    after a resume it counted from zero (totals since the start) at its first line."""
+    settings = dict(steps=12, eval_every=4, capacity_per_rank=1000, eviction="lru", admit_after=2)
+    straight, resumed = [], []
+    train(tiny(**settings), log=straight.append)
+    train(tiny(**dict(settings, steps=8), checkpoint_dir=str(tmp_path)), log=lambda *_: None)
+    train(tiny(**settings, checkpoint_dir=str(tmp_path), resume=True), log=resumed.append)
+
+    def table_part(lines, step):
+        line = next(line for line in lines if line.startswith(f"step {step:>6d}"))
+        return line[line.index("  table"):]
+    assert "evicted +0 " not in table_part(straight, 12)
+    assert table_part(resumed, 12) == table_part(straight, 12)
+
+
+def test_the_torch_embedding_takes_an_empty_batch():
+    """A rank's last evaluation batch may hold no sample (fewer held-out samples than ranks
+    in it): view(B, 26, -1) cannot infer -1 from 0 elements."""
+    embedding = TorchSlotEmbedding(100, 8, torch.device("cpu"))
+    assert embedding(torch.zeros(0, 26, dtype=torch.int64)).shape == (0, 26, 8)
+
+
+def test_a_disk_error_without_a_file_name_is_one_line(capsys, monkeypatch, tmp_path):
+    """A full disk (or a failing one) while writing the result: an OSError with an errno
+    and no file name was re-raised with its traceback."""
+    import errno
+
+    from sparsekit.train import loop
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(loop, "_write_file", full)
+    line = _main_error(capsys, monkeypatch, ["--metrics-json", str(tmp_path / "m.json")], 1)
+    assert line.startswith("sparsekit.train: error: ") and "No space left on device" in line
+    assert "m.json" in line
+
+
+def test_a_rank_that_never_joins_is_one_line_on_the_waiting_rank(capsys, monkeypatch):
+    """Forming the process group times out (a rank stopped before joining: its data file
+    missing on its node): the waiting rank says so in one line, not with the store's traceback."""
+    import torch.distributed as dist
+
+    from sparsekit.train import loop
+
+    def never_joins(*args, **kwargs):
+        raise dist.DistStoreError("Timed out after 16 seconds waiting for clients. 1/2 clients joined.")
+    monkeypatch.setattr(loop.dist, "init_process_group", never_joins)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    line = _main_error(capsys, monkeypatch, [], 1)
+    assert line.startswith("sparsekit.train: error: rank 0: the process group did not form (Timed out after 16")
+    assert "did not join within --timeout" in line
+
+
+def test_resume_from_a_file_refuses_another_held_out_split(tmp_path):
+    """With --data FILE the held-out lines decide which lines train: --eval-samples and
+    --eval-data are settings a resume must keep (they were not compared)."""
+    path = str(tmp_path / "day.tsv")
+    write_synthetic_tsv(path, 1200, seed=0)
+    base = dict(data=path, steps=2, batch_size=64, eval_samples=200, eval_every=0)
+    train(tiny(**base, checkpoint_dir=str(tmp_path / "ckpt")), log=lambda *_: None)
+    with pytest.raises(ValueError, match=r"--eval-samples 200 \(now 300\)"):
+        train(tiny(**dict(base, eval_samples=300), checkpoint_dir=str(tmp_path / "ckpt"), resume=True))
+    with pytest.raises(ValueError, match=r"no --eval-data \(now '.*day.tsv'\)"):
+        train(tiny(**base, eval_data=path, checkpoint_dir=str(tmp_path / "ckpt"), resume=True))
+    resumed = train(tiny(**dict(base, steps=3), checkpoint_dir=str(tmp_path / "ckpt"), resume=True),
+                    log=lambda *_: None)
+    assert resumed["resumed_from_step"] == 2
+
+
+def test_a_rank_of_the_checkpoint_without_its_trainer_file_is_refused(tmp_path):
+    """Rank 1 of a checkpoint written by 2 ranks whose trainer_rank1.pt is gone: refused
+    naming it (it quietly took rank 0's file)."""
+    from sparsekit.train import loop
+
+    config = tiny(embedding="torch", steps=2, checkpoint_dir=str(tmp_path))
+    train(config, log=lambda *_: None)
+    step_dir = tmp_path / "step_000000002"
+    state = torch.load(step_dir / "trainer_rank0.pt", weights_only=True)
+    torch.save(dict(state, world_size=2), step_dir / "trainer_rank0.pt")
+    context = loop.Context(rank=1, world_size=2, device=torch.device("cpu"))
+    model, _, optimizer = loop.build(config, loop.Context(rank=0, world_size=1, device=torch.device("cpu")))
+    with pytest.raises(loop.CheckpointError, match=r"has no trainer_rank1.pt; it is incomplete"):
+        loop.load(config, context, str(step_dir), model, optimizer)
+
+
 def test_per_slot_tables_follow_the_shared_table():
     """26 tables in an EmbeddingBagCollection hold the same keys (salted per slot) with
     the same key-seeded vectors and Adam updates as one shared table: the same run."""
@@ -488,6 +575,16 @@ def test_keep_checkpoints_orders_earlier_runs_by_modification_time(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == "step_000000002"
 
 
+def test_a_gzip_data_file_is_named_before_the_run(tmp_path):
+    import gzip
+
+    path = tmp_path / "day_0.gz"
+    with gzip.open(path, "wt") as out:
+        out.write("0\t" + "\t".join(["1"] * 13 + ["a"] * 26) + "\n")
+    with pytest.raises(ValueError, match=r"--data '.*day_0.gz' is gzip-compressed; decompress it first"):
+        train(TrainConfig(data=str(path)))
+
+
 def test_resume_refuses_other_settings(tmp_path):
     train(tiny(embedding="torch", steps=2, checkpoint_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="--embedding-dim 8 .now 4."):
@@ -509,7 +606,8 @@ def test_bad_settings_raise():
     (["--eval-every", "-1"], dict(eval_every=-1), "--eval-every must be an integer >= 0"),
     (["--embedding-dim", "0"], dict(embedding_dim=0), "--embedding-dim must be an integer >= 1"),
     (["--lr", "0"], dict(lr=0.0), "--lr must be > 0"),
-    (["--timeout", "0"], dict(timeout=0.0), "--timeout must be > 0"),
+    (["--timeout", "0"], dict(timeout=0.0), "--timeout must be >= 1 second"),
+    (["--timeout", "1e-9"], dict(timeout=1e-9), "--timeout must be >= 1 second"),
     (["--checkpoint-every", "5"], dict(checkpoint_every=5), "--checkpoint-every needs --checkpoint-dir"),
     (["--resume"], dict(resume=True), "--resume needs --checkpoint-dir"),
     (["--capacity-per-rank", "0"], dict(capacity_per_rank=0), "--capacity-per-rank must be an integer >= 1"),
@@ -544,8 +642,8 @@ def test_bad_settings_raise():
     (["--lr", "1e308"], dict(lr=1e308), "--lr must be > 0 and at most 1"),
     (["--lr", "nan"], dict(lr=math.nan), "--lr must be > 0 and at most 1"),
     (["--lr", "-0.1"], dict(lr=-0.1), "--lr must be > 0"),
-    (["--timeout", "inf"], dict(timeout=math.inf), "--timeout must be > 0 seconds and at most 604800"),
-    (["--timeout", "1e300"], dict(timeout=1e300), "--timeout must be > 0 seconds and at most 604800"),
+    (["--timeout", "inf"], dict(timeout=math.inf), "--timeout must be >= 1 second and at most 604800"),
+    (["--timeout", "1e300"], dict(timeout=1e300), "--timeout must be >= 1 second and at most 604800"),
     # Flags that would be ignored, or fail only when the run writes.
     (["--eval-data", README], dict(eval_data=README), "--eval-data needs --data FILE"),
     (["--checkpoint-dir", README], dict(checkpoint_dir=README), "is a file, not a directory"),
@@ -558,6 +656,17 @@ def test_bad_settings_raise():
     (["--metrics-json", ""], dict(metrics_json=""), "--metrics-json must not be empty"),
     (["--checkpoint-dir", "", "--resume"], dict(checkpoint_dir="", resume=True), "--checkpoint-dir must not be empty"),
     (["--data", ""], dict(data=""), "--data must not be empty"),
+    # The result JSON must not replace a data file or a file of the checkpoints.
+    (["--data", README, "--metrics-json", README], dict(data=README, metrics_json=README),
+     "is the --data file; writing the result there would replace the data"),
+    (["--data", README, "--eval-data", README, "--metrics-json", README],
+     dict(data=README, eval_data=README, metrics_json=README), "is the --data file"),
+    (["--checkpoint-dir", os.path.join(ROOT, "no_ckpt"), "--metrics-json", os.path.join(ROOT, "no_ckpt", "latest")],
+     dict(checkpoint_dir=os.path.join(ROOT, "no_ckpt"), metrics_json=os.path.join(ROOT, "no_ckpt", "latest")),
+     "is --checkpoint-dir's 'latest', which the checkpoints own"),
+    (["--checkpoint-dir", ROOT, "--metrics-json", os.path.join(ROOT, "step_000000004", "m.json")],
+     dict(checkpoint_dir=ROOT, metrics_json=os.path.join(ROOT, "step_000000004", "m.json")),
+     "is --checkpoint-dir's 'step_000000004'"),
     pytest.param(["--device", "cuda"], dict(device="cuda"), "--device cuda: no CUDA device is available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")),
 ])

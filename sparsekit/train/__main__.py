@@ -167,6 +167,12 @@ def _peer_lost(error: BaseException) -> Optional[str]:
     process group of more than one rank, for torch.distributed's own errors (DistError) and
     gloo's RuntimeErrors that say the connection to a peer is gone."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        # Forming the group: a rank that stopped before joining leaves the others waiting
+        # in the rendezvous until --timeout (a DistStoreError).
+        forming = dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if forming and isinstance(error, getattr(dist, "DistError", ())):
+            text = str(error).strip().splitlines()
+            return text[0] if text else type(error).__name__
         return None
     text = str(error).strip().splitlines()
     first = text[0] if text else type(error).__name__
@@ -174,6 +180,14 @@ def _peer_lost(error: BaseException) -> Optional[str]:
                                                              and _PEER_LOST.search(str(error))):
         return first
     return None
+
+
+def _peer_lost_message(lost: str, timeout: float) -> str:
+    if not dist.is_initialized():
+        return (f"rank {os.environ.get('RANK', '?')}: the process group did not form ({lost}): another rank "
+                f"stopped before joining (see its own error) or did not join within --timeout ({timeout:g} s)")
+    return (f"rank {dist.get_rank()}: a collective with the other ranks failed ({lost}): another rank stopped "
+            f"(see its own error) or did not answer within --timeout ({timeout:g} s)")
 
 
 def _fail(message: str) -> NoReturn:
@@ -225,17 +239,24 @@ def main(argv: Optional[List[str]] = None) -> dict:
         lost = _peer_lost(error)
         if lost is None:
             raise
-        _fail(f"rank {dist.get_rank()}: a collective with the other ranks failed ({lost}): another rank "
-              f"stopped (see its own error) or did not answer within --timeout ({config.timeout:g} s)")
+        _fail(_peer_lost_message(lost, config.timeout))
     except OSError as error:
-        if error.filename is None:  # not about a path the user gave
+        # A path the user gave, or the disk under one (full, read-only, failing: an errno
+        # without a file name, from a write or a close). Anything else keeps its traceback.
+        if error.filename is None and error.errno is None:
             raise
         _fail(str(error))
     if dist.is_initialized():
         # Tearing gloo down while a peer still finishes its last collective aborts that
         # peer now and then ("terminate called without an active exception"): wait for
         # every rank first. Only on success: after an error the others may never come.
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as error:  # rank 0 failed after training (writing --metrics-json)
+            lost = _peer_lost(error)
+            if lost is None:
+                raise
+            _fail(_peer_lost_message(lost, config.timeout))
         dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result))

@@ -54,10 +54,20 @@ MAX_SYNTHETIC_EVAL_SAMPLES = 1 << 22
 MAX_LR = 1.0
 # A week; torch keeps the process group's timeout in an int64 count of nanoseconds.
 MAX_TIMEOUT = 7 * 24 * 3600.0
+MIN_TIMEOUT = 1.0
 # Sizes, steps and seeds reach numpy and torch as int64.
 INT64_MAX = (1 << 63) - 1
 # A rank's trainer state file in a step directory.
 _TRAINER_FILE_NAME = re.compile(r"trainer_rank(\d+)\.pt")
+
+
+def _is_compressed(path: str) -> bool:
+    """Whether the file starts with gzip's magic bytes (an unreadable file is left to the reader)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False
 # A step directory of the harness's checkpoint directory (what ``latest`` names).
 _STEP_DIR_NAME = re.compile(r"step_(\d{9,})")
 
@@ -140,9 +150,10 @@ class TrainConfig:
         if not 0 < self.lr <= MAX_LR:
             raise ValueError(f"--lr must be > 0 and at most {MAX_LR:g} (Adam moves every parameter by about "
                              f"lr per step), got {self.lr!r}")
-        if not 0 < self.timeout <= MAX_TIMEOUT:
-            raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_TIMEOUT:.0f} (a week), "
-                             f"got {self.timeout!r}")
+        if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:
+            # (Below a second even forming the process group times out, on every rank.)
+            raise ValueError(f"--timeout must be >= {MIN_TIMEOUT:g} second and at most {MAX_TIMEOUT:.0f} (a "
+                             f"week), got {self.timeout!r}")
         if self.embedding not in ("sparsekit", "torch"):
             raise ValueError(f"--embedding must be sparsekit or torch, got {self.embedding!r}")
         if self.device not in (None, "cpu", "cuda"):
@@ -185,6 +196,21 @@ class TrainConfig:
                 raise ValueError(f"{flag} {value!r}: {existing!r} is not writable (read-only, or no permission)")
         if self.metrics_json and os.path.isdir(self.metrics_json):
             raise ValueError(f"--metrics-json {self.metrics_json!r} is a directory; name the file to write")
+        if self.metrics_json:
+            # The result JSON replaces its file: never a data file or a file of the checkpoints.
+            target = os.path.realpath(self.metrics_json)
+            for flag, path in (("--data", self.data if self.data != "synthetic" else None),
+                               ("--eval-data", self.eval_data)):
+                if path and os.path.realpath(path) == target:
+                    raise ValueError(f"--metrics-json {self.metrics_json!r} is the {flag} file; writing the "
+                                     "result there would replace the data")
+            if self.checkpoint_dir:
+                checkpoints = os.path.realpath(self.checkpoint_dir)
+                inside = os.path.relpath(target, checkpoints).split(os.sep)[0]
+                if os.path.commonpath([checkpoints, target]) == checkpoints and (
+                        inside == LATEST or _STEP_DIR_NAME.fullmatch(inside)):
+                    raise ValueError(f"--metrics-json {self.metrics_json!r} is --checkpoint-dir's {inside!r}, "
+                                     "which the checkpoints own (a save replaces or prunes it); write it elsewhere")
         if self.data == "synthetic":
             if self.eval_data is not None:
                 raise ValueError("--eval-data needs --data FILE (the synthetic data holds out samples of its "
@@ -199,12 +225,16 @@ class TrainConfig:
                 what = ("is a directory" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path)
                         else "no such file")
                 raise ValueError(f"{flag} {path!r}: {what} (a Criteo TSV file, or --data synthetic)")
+            if path is not None and _is_compressed(path):
+                raise ValueError(f"{flag} {path!r} is gzip-compressed; decompress it first (gunzip -k), the "
+                                 "reader takes the plain Criteo TSV")
 
     # Fields that must match between a checkpoint and the run resuming from it (with
-    # --embedding sparsekit, table_rows and capacity_per_rank by the table size they give).
+    # --embedding sparsekit, table_rows and capacity_per_rank by the table size they give;
+    # eval_samples and eval_data with --data FILE only, where they decide the lines trained on).
     RESUME_KEYS = ("embedding", "embedding_dim", "batch_size", "seed", "data", "table_rows",
                    "vocab_per_slot", "lr", "capacity_per_rank", "eviction", "admit_after", "tables",
-                   "embedding_dtype")
+                   "embedding_dtype", "eval_samples", "eval_data")
 
 
 @dataclass
@@ -279,15 +309,21 @@ def _sized_by(flags: str, shape: Sequence[int], dtype: torch.dtype, device: torc
         raise FlagError(str(error)) from error
 
 
-def _table_stats(model: nn.Module, config: TrainConfig) -> str:
-    """The log's table part: fill, evictions and admissions since the last line (sparsekit
-    embedding with a dynamic table only; a collective under a process group)."""
+def _logging_layer(model: nn.Module, config: TrainConfig) -> Optional[nn.Module]:
+    """The sparsekit embedding whose dynamic table the log reports, or None."""
     layer = getattr(model, "embedding", None)
     if isinstance(layer, SparsekitSlotEmbedding):
         layer = layer.embedding
     elif not isinstance(layer, SparsekitTableEmbedding):
-        return ""
-    if config.eviction is None and config.admit_after == 1:
+        return None
+    return None if config.eviction is None and config.admit_after == 1 else layer
+
+
+def _table_stats(model: nn.Module, config: TrainConfig) -> str:
+    """The log's table part: fill, evictions and admissions since the last line (sparsekit
+    embedding with a dynamic table only; a collective under a process group)."""
+    layer = _logging_layer(model, config)
+    if layer is None:
         return ""
     stats = layer.stats()
     last = getattr(layer, "_logged_stats", {"evicted": 0, "admitted": 0})
@@ -502,6 +538,9 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
     }
     if context.device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(context.device)
+    logged = getattr(_logging_layer(model, config), "_logged_stats", None)
+    if logged is not None:  # the totals at the last log line: a resumed log counts on from them
+        state["logged_stats"] = {key: int(logged[key]) for key in ("evicted", "admitted")}
     _atomic_torch_save(state, os.path.join(directory, f"trainer_rank{context.rank}.pt"))
     if context.is_main:
         # An earlier run on more ranks may have written this step: its other ranks' files
@@ -637,6 +676,12 @@ def _table_capacity(settings: Dict) -> Tuple[int, str]:
     return settings["table_rows"], f"--table-rows {settings['table_rows']}"
 
 
+def _flag_text(key: str, value) -> str:
+    """A setting as its flag: ``--eviction 'lru'``, or ``no --eviction`` when it was left out."""
+    flag = "--" + key.replace("_", "-")
+    return f"no {flag}" if value is None else f"{flag} {value!r}"
+
+
 def load(config: TrainConfig, context: Context, directory: str, model: nn.Module, optimizer) -> Dict:
     """Restore a checkpoint written by :func:`save` (any world size); returns the trainer state.
 
@@ -654,7 +699,9 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
     saved_ranks = state.get("world_size")
     if not isinstance(saved_ranks, int) or isinstance(saved_ranks, bool) or saved_ranks < 1:
         saved_ranks = None  # not recorded: every file present is taken as written with it
-    if context.rank > 0 and (saved_ranks is None or context.rank < saved_ranks) and os.path.exists(own):
+    # A rank the checkpoint had must find its own file (a missing one is reported by
+    # _load_file); without a recorded count, a file present is taken as its own.
+    if context.rank > 0 and (context.rank < saved_ranks if saved_ranks is not None else os.path.exists(own)):
         path = own
         state = _load_file(path, directory)
         _check_trainer_state(state, path)
@@ -663,6 +710,8 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
     saved = {key: saved.get(key, getattr(TrainConfig, key)) for key in TrainConfig.RESUME_KEYS}
     now = {key: getattr(config, key) for key in TrainConfig.RESUME_KEYS}
     keys = TrainConfig.RESUME_KEYS
+    if now["data"] == "synthetic":  # the synthetic stream does not depend on the held-out samples
+        keys = tuple(key for key in keys if key not in ("eval_samples", "eval_data"))
     details = []
     if saved["embedding"] == now["embedding"] == "sparsekit":
         # The table's size is what must match: --capacity-per-rank N, or --table-rows N
@@ -671,8 +720,8 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
         old, new = _table_capacity(saved), _table_capacity(now)
         if old[0] != new[0]:
             details.append(f"a table capacity per rank of {old[0]} ({old[1]}; now {new[0]} from {new[1]})")
-    details += [f"--{key.replace('_', '-')} {saved[key]!r} (now {now[key]!r})" for key in keys
-                if saved[key] != now[key]]
+    details += [f"{_flag_text(key, saved[key])} (now {'left out' if now[key] is None else repr(now[key])})"
+                for key in keys if saved[key] != now[key]]
     if details:
         raise CheckpointError(f"--resume: the checkpoint {directory} was written with {', '.join(details)}; "
                               "resume with the same settings or use a fresh --checkpoint-dir")
@@ -762,6 +811,10 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
         else:
             state = load(config, context, directory, model, optimizer)
             start_step = state["step"]
+            layer, logged = _logging_layer(model, config), state.get("logged_stats")
+            if layer is not None and isinstance(logged, dict) and all(
+                    isinstance(logged.get(key), int) for key in ("evicted", "admitted")):
+                layer._logged_stats = logged  # the log's "+N since the last line" goes on as it would have
             if context.is_main:
                 log(f"resumed from {directory} at step {start_step}")
                 if start_step >= config.steps:

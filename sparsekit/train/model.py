@@ -137,7 +137,8 @@ class TorchSlotEmbedding(nn.Module):
     def forward(self, keys: Tensor) -> Tensor:
         """int64 keys ``[B, 26]`` -> ``[B, 26, dim]``."""
         rows = torch.remainder(keys, self.num_rows).reshape(-1, 1)
-        return self.bag(rows).view(keys.shape[0], keys.shape[1], -1)
+        # (Not view(B, 26, -1): a rank's last evaluation batch may hold no sample.)
+        return self.bag(rows).view(keys.shape[0], keys.shape[1], self.bag.embedding_dim)
 
 
 def _mlp(sizes: Sequence[int], last_activation: bool) -> nn.Sequential:
