@@ -127,8 +127,16 @@ def _check_directory_argument(caller: str, directory: Any) -> None:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    # A DistributedDataParallel wrapper adds "module." to every name; checkpoints do not carry it.
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The model inside its wrappers: DistributedDataParallel adds "module." to every name
+    and torch.compile "_orig_mod."; checkpoints carry neither, so a compiled or wrapped
+    model and the plain one save and load each other's."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _embedding_layers(model: nn.Module) -> Dict[str, _ModelParallelEmbedding]:
@@ -157,7 +165,10 @@ def _model_and_layers(caller: str, model: Any,
 def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> Dict[str, Tensor]:
     if "" in layers:  # the model is itself an embedding layer
         return {}
-    prefixes = tuple(f"{name}." for name in layers)
+    # Every name of a layer: one registered twice (two towers sharing it) is listed by
+    # named_modules() once but is in state_dict() under both, and its shard is no dense state.
+    prefixes = tuple(f"{name}." for name, module in model.named_modules(remove_duplicate=False)
+                     if isinstance(module, _ModelParallelEmbedding))
     return {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
 
 
@@ -584,21 +595,33 @@ def _saved_layers_of(layers: Dict[str, _ModelParallelEmbedding], saved: Dict[str
     for saved_name, meta in saved.items():
         if "table" in meta:
             saved_tables[(saved_name.rpartition(".")[0], meta["table"])] = saved_name
+    named_collections = {collection for collection, _ in saved_tables}
+
+    def differ(collection: str, what: str) -> ValueError:
+        parent = collection.rpartition(".")[0]
+        return ValueError(
+            f"load_checkpoint: {f'the collection {parent!r}' if parent else 'the collection (the model)'} was "
+            f"saved with tables {_tables_in(saved, collection, lambda n: saved[n].get('table'))} but has "
+            f"{_tables_in(layers, collection, lambda n: _table_entry(layers[n]).get('table'))}: {what}; build "
+            "the collection with the saved tables (in any order)")
+
     sources: Dict[str, str] = {}
     for name, layer in layers.items():
         table = _table_entry(layer).get("table")
         collection = name.rpartition(".")[0]
         if table is not None and (collection, table) in saved_tables:
             sources[name] = saved_tables[(collection, table)]
-        elif table is not None and "table" in saved.get(name, {}):
-            parent = collection.rpartition(".")[0]
-            raise ValueError(
-                f"load_checkpoint: {f'the collection {parent!r}' if parent else 'the collection (the model)'} was "
-                f"saved with tables {_tables_in(saved, collection, lambda n: saved[n].get('table'))} but has "
-                f"{_tables_in(layers, collection, lambda n: _table_entry(layers[n]).get('table'))}: the checkpoint "
-                f"holds no table {table!r}; build the collection with the saved tables (in any order)")
+        elif table is not None and (collection in named_collections or "table" in saved.get(name, {})):
+            raise differ(collection, f"the checkpoint holds no table {table!r}")
         else:
             sources[name] = name
+    # A saved table of a collection the model has, which no table of the model loads.
+    loaded = set(sources.values())
+    model_collections = {name.rpartition(".")[0] for name, layer in layers.items()
+                         if _table_entry(layer).get("table") is not None}
+    for (collection, table), saved_name in saved_tables.items():
+        if collection in model_collections and saved_name not in loaded:
+            raise differ(collection, f"the model has no table {table!r}")
     return sources
 
 
@@ -746,6 +769,16 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     if layer.hash_table is None and keys.numel() > 0:
         _check_direct_keys(name, layer, keys)  # all of them: every rank names the same key
     weight = torch.cat([part["weight"] for part in parts])
+    if weight.dtype != layer.weight.dtype and weight.is_floating_point() and weight.numel() > 0:
+        # Loaded across dtypes the rows are cast (as load_state_dict copies), but a finite
+        # saved value past the table dtype's range would become inf: refused, by value.
+        overflow = torch.isinf(weight.to(layer.weight.dtype)) & torch.isfinite(weight)
+        if bool(overflow.any()):
+            value = weight[overflow][0].item()
+            raise ValueError(f"load_checkpoint: layer {shown} was saved as {weight.dtype} with values past "
+                             f"{layer.weight.dtype}'s range (e.g. {value:g}; largest finite "
+                             f"{torch.finfo(layer.weight.dtype).max:g}): they would load as inf. Load it into a "
+                             f"{weight.dtype} table (or one with a wider range, as bfloat16 has)")
     state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
     # A shard saved without optimizer state (its rank's optimizer never stepped the layer)
     # holds zero moments for its rows.

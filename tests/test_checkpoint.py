@@ -489,6 +489,81 @@ def test_a_mismatch_on_one_rank_raises_on_every_rank(tmp_path):
     spawn(_dense_mismatch_on_rank_1_worker, 2, str(tmp_path), directory)
 
 
+def test_a_compiled_model_and_the_plain_one_load_each_others_checkpoints(tmp_path):
+    """torch.compile wraps the model in an OptimizedModule ("_orig_mod." names): the
+    checkpoint looks through it as through DDP."""
+    def build():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"ebc": sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 8, ["f"])]),
+                              "top": nn.Linear(2, 1)})
+    trained = build()
+    trained["ebc"](sk.KeyedJagged(["f"], torch.tensor([3, 5]), lengths=torch.tensor([1, 1])))
+    sk.save_checkpoint(str(tmp_path / "compiled"), torch.compile(trained))
+    sk.save_checkpoint(str(tmp_path / "plain"), trained)
+    for source, target in (("compiled", build()), ("plain", torch.compile(build()))):
+        sk.load_checkpoint(str(tmp_path / source), target)
+        plain = getattr(target, "_orig_mod", target)
+        assert torch.equal(plain["ebc"].export("t")[0].sort().values, torch.tensor([3, 5]))
+        assert torch.equal(plain["top"].weight, trained["top"].weight)
+
+
+def test_a_table_loaded_into_another_dtype_is_cast_unless_it_would_overflow(tmp_path):
+    """float32 rows past float16's range (65504) loaded as inf without a word; now refused,
+    with nothing changed. Rows that fit load cast to the table's dtype (bfloat16 has
+    float32's range), as load_state_dict copies across dtypes."""
+    def collection(dtype):
+        init = sk.KeySeededUniform(low=7e4, high=8e4) if dtype == torch.float32 else None
+        return sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 8, ["f"], dtype=dtype, initializer=init)])
+    kjt = sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    saved = collection(torch.float32)
+    saved(kjt)
+    sk.save_checkpoint(str(tmp_path), saved)
+    half = collection(torch.float16)
+    half(sk.KeyedJagged(["f"], torch.tensor([9]), lengths=torch.tensor([1])))
+    before = [t.clone() for t in half.export("t")]
+    with pytest.raises(ValueError, match=r"layer .*'t'.* was saved as torch.float32 with values past "
+                                         r"torch.float16's range \(e.g. 7\d{4}"):
+        sk.load_checkpoint(str(tmp_path), half)
+    assert all(torch.equal(a, b) for a, b in zip(before, half.export("t")))
+    bf16 = collection(torch.bfloat16)
+    sk.load_checkpoint(str(tmp_path), bf16)
+    keys, rows = saved.export("t")
+    loaded_keys, loaded_rows = bf16.export("t")
+    assert torch.equal(loaded_keys, keys) and torch.equal(loaded_rows, rows.to(torch.bfloat16))
+
+
+def _aliased_layer_worker(rank, world_size, init, directory, phase):
+    """One layer registered under two names (two towers sharing it)."""
+    init()
+    torch.manual_seed(0)
+    layer = sk.DistributedEmbedding("sum", 32, DIM, 1, 2)
+    model = nn.ModuleDict({"a": layer, "b": layer, "top": nn.Linear(DIM, 1)})
+    optimizer = LazyAdam(model.parameters(), lr=0.1)
+    keys = torch.arange(12).view(6, 1, 2)[rank * 3:(rank + 1) * 3] + (0 if phase == "save" else 100)
+    (model["top"](model["a"](keys).sum(1)).sum() + model["b"](keys).sum()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    owned = os.path.join(os.path.dirname(directory), f"keys_{rank}.pt")
+    if phase == "save":
+        sk.save_checkpoint(directory, model, optimizer)
+        torch.save(layer.hash_table.export()[0].sort().values, owned)
+        return
+    sk.load_checkpoint(directory, model, optimizer)  # rank 1 refused rank 0's shard, saved as dense state
+    assert torch.equal(layer.hash_table.export()[0].sort().values, torch.load(owned, weights_only=True))
+    assert float(optimizer.state[layer.weight]["step"]) == 1
+
+
+def test_a_layer_registered_under_two_names_saves_and_loads_on_every_rank(tmp_path):
+    """named_modules() lists a shared layer once, state_dict() under both names: the second
+    name's shard went into dense.pt, and a load at world 2 refused it on rank 1 only, after
+    that rank's optimizer state was replaced (rank 0 then waited in its next collective)."""
+    directory = str(tmp_path / "ckpt")
+    spawn(_aliased_layer_worker, 2, str(tmp_path), directory, "save")
+    dense = torch.load(os.path.join(directory, "ckpt-000001", "dense.pt"), weights_only=True)
+    assert not [key for key in dense["model"] if key.startswith(("a.", "b."))], list(dense["model"])
+    spawn(_aliased_layer_worker, 2, str(tmp_path), directory, "load")
+
+
 def test_an_optimizer_state_the_optimizer_refuses_changes_nothing(tmp_path):
     """LazyAdam's load refuses a saved learning rate < 0; the model's dense state was loaded before it."""
 

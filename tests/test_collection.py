@@ -9,6 +9,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import time
 import zlib
 
@@ -1138,6 +1139,18 @@ def test_a_checkpoint_of_other_tables_or_without_table_names_loads_as_before_or_
                                          r"'tags'\]: the checkpoint holds no table 'goods'"):
         sk.load_checkpoint(str(tmp_path), renamed, optimizer)
     _assert_same_by_key(_by_key(renamed, optimizer), before)
+    # A table fewer or one more: the same error naming the table (it listed positions,
+    # 'shards.0' ... 'shards.3', of which the model's 'shards.0' was another table).
+    for order, missing in ((["items", "ids", "tags"], "the model has no table 'users'"),
+                           (["users", "items", "ids"], "the model has no table 'tags'")):
+        fewer = _named_collection(order)
+        with pytest.raises(ValueError, match=rf"was saved with tables \['users', 'items', 'ids', 'tags'\] but has "
+                                             rf"{re.escape(str(order))}: {missing}"):
+            sk.load_checkpoint(str(tmp_path), fewer)
+    more = sk.EmbeddingBagCollection([_NAMED[name]() for name in _SAVED_ORDER] + [sk.TableConfig("new", 4, 8, ["n"])])
+    with pytest.raises(ValueError, match=r"but has \['users', 'items', 'ids', 'tags', 'new'\]: the checkpoint holds "
+                                         r"no table 'new'"):
+        sk.load_checkpoint(str(tmp_path), more)
     # A checkpoint saved before the tables were named in its metadata loads by position.
     folder = tmp_path / (tmp_path / "LATEST").read_text()
     metadata = json.loads((folder / "metadata.json").read_text())
