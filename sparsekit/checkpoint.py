@@ -36,6 +36,7 @@ rank (one machine or a shared file system).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -133,8 +134,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            model = model._orig_mod
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod  # (by name: torch keeps the class in a private module)
         else:
             return model
 
@@ -165,11 +166,16 @@ def _model_and_layers(caller: str, model: Any,
 def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> Dict[str, Tensor]:
     if "" in layers:  # the model is itself an embedding layer
         return {}
-    # Every name of a layer: one registered twice (two towers sharing it) is listed by
-    # named_modules() once but is in state_dict() under both, and its shard is no dense state.
-    prefixes = tuple(f"{name}." for name, module in model.named_modules(remove_duplicate=False)
-                     if isinstance(module, _ModelParallelEmbedding))
+    prefixes = _layer_prefixes(model)
     return {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
+
+
+def _layer_prefixes(model: nn.Module) -> Tuple[str, ...]:
+    """Every name of every embedding layer, with its dot: one registered twice (two towers
+    sharing it) is listed by named_modules() once but is in state_dict() under both, and
+    its shard is no dense state."""
+    return tuple(f"{name}." for name, module in model.named_modules(remove_duplicate=False)
+                 if isinstance(module, _ModelParallelEmbedding))
 
 
 def _model_layout(layers: Dict[str, _ModelParallelEmbedding], dense: Dict[str, Any]) -> str:
@@ -232,17 +238,33 @@ def _latest_index(directory: str) -> int:
 
 
 def _write_file(path: str, write) -> None:
-    """Writes ``path`` through ``write(file)`` and flushes it to disk."""
-    with open(path, "wb") as out:
-        write(out)
-        out.flush()
-        os.fsync(out.fileno())
+    """Writes ``path`` through ``write(file)`` and flushes it to disk. A failed write is an
+    OSError naming ``path``: also one from a flush or fsync (a full disk: an errno, no file
+    name), and torch.save's zip writer's, which it raises as a RuntimeError."""
+    try:
+        with open(path, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), path) from error
+    except RuntimeError as error:
+        text = str(error)
+        if "PytorchStreamWriter" not in text and "inline_container" not in text:
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        raise OSError(errno.EIO, f"torch.save could not write the file ({first}); is the disk full?",
+                      path) from error
 
 
 def _fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:  # named, as _write_file's
+        raise OSError(error.errno, error.strerror or str(error), path) from error
     finally:
         os.close(fd)
 
@@ -938,10 +960,15 @@ def _first_of_each(keys: Tensor) -> Optional[Tensor]:
 
 
 def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
-                 optimizer: Optional[torch.optim.Optimizer], metadata: Dict[str, Any]) -> None:
-    """The dense state fits the model (names and shapes) and the optimizer (groups and sizes)."""
+                 optimizer: Optional[torch.optim.Optimizer], metadata: Dict[str, Any],
+                 layer_prefixes: Tuple[str, ...] = ()) -> None:
+    """The dense state fits the model (names and shapes) and the optimizer (groups and sizes).
+    Entries under ``layer_prefixes`` (a shared layer's second name, which saves before the
+    fix wrote into the dense state) are dropped from ``dense`` first."""
     if not isinstance(dense, dict) or not isinstance(dense.get("model"), dict):
         raise ValueError(f"load_checkpoint: {dense_path}: not a sparsekit dense state (no 'model' table)")
+    if layer_prefixes:
+        dense["model"] = {key: value for key, value in dense["model"].items() if not key.startswith(layer_prefixes)}
     saved = dense["model"]
     if set(saved) != set(expected):
         raise ValueError(f"load_checkpoint: dense state keys differ: missing {sorted(set(expected) - set(saved))}, "
@@ -1095,7 +1122,8 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                                   lazy_adam)
                     for name, layer in layers.items()]
         dense = _load(os.path.join(path, "dense.pt"))
-        _check_dense(os.path.join(path, "dense.pt"), dense, _dense_state(model, layers), optimizer, metadata)
+        _check_dense(os.path.join(path, "dense.pt"), dense, _dense_state(model, layers), optimizer, metadata,
+                     _layer_prefixes(model) if "" not in layers else ())
         _check_moved_groups(layers, sources, metadata["layers"], dense, optimizer)
     except BaseException as exc:  # noqa: BLE001 - shared with every rank below
         error = exc

@@ -1042,7 +1042,8 @@ class EmbeddingBagCollection(nn.Module):
                 raise RuntimeError(f"{_INPUT}{kjt._labels[arg]} is on {tensor.device} but the collection is on "
                                    f"{device}; move it there with .to({str(device)!r})")
         if (weights is not None and not torch.compiler.is_compiling() and weights.is_inference()
-                and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+                and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+                and any(shard.weight.requires_grad for shard in self._shards)):
             # The weighted sum saves them for backward, which autograd refuses only after a
             # training step's keys went into the tables.
             raise RuntimeError(f"{_INPUT}{kjt._labels['weights']} was made under torch.inference_mode() and cannot "

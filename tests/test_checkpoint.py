@@ -553,6 +553,25 @@ def _aliased_layer_worker(rank, world_size, init, directory, phase):
     assert float(optimizer.state[layer.weight]["step"]) == 1
 
 
+def test_a_checkpoint_whose_dense_state_holds_a_shared_layers_second_name_loads(tmp_path):
+    """Saves before the fix wrote a shared layer's second name ('b.weight', 'b._extra_state')
+    into dense.pt; such a checkpoint still loads (one process: those entries are dropped)."""
+    layer = sk.DistributedEmbedding("sum", 32, DIM, 1, 2)
+    model = nn.ModuleDict({"a": layer, "b": layer, "top": nn.Linear(DIM, 1)})
+    layer(torch.arange(6).view(3, 1, 2))
+    sk.save_checkpoint(str(tmp_path), model)
+    dense_path = tmp_path / (tmp_path / "LATEST").read_text() / "dense.pt"
+    dense = torch.load(dense_path, weights_only=True)
+    old = model.state_dict()
+    dense["model"].update({"b.weight": old["b.weight"], "b._extra_state": old["b._extra_state"]})
+    torch.save(dense, dense_path)
+    fresh_layer = sk.DistributedEmbedding("sum", 32, DIM, 1, 2)
+    fresh = nn.ModuleDict({"a": fresh_layer, "b": fresh_layer, "top": nn.Linear(DIM, 1)})
+    sk.load_checkpoint(str(tmp_path), fresh)
+    assert torch.equal(fresh_layer.hash_table.export()[0].sort().values, torch.arange(6))
+    assert torch.equal(fresh["top"].weight, model["top"].weight)
+
+
 def test_a_layer_registered_under_two_names_saves_and_loads_on_every_rank(tmp_path):
     """named_modules() lists a shared layer once, state_dict() under both names: the second
     name's shard went into dense.pt, and a load at world 2 refused it on rank 1 only, after

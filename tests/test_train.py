@@ -461,6 +461,18 @@ def test_a_disk_error_without_a_file_name_is_one_line(capsys, monkeypatch, tmp_p
     assert "m.json" in line
 
 
+def test_a_full_disk_under_a_sparsekit_checkpoint_is_one_line(capsys, monkeypatch, tmp_path):
+    """torch.save's zip writer reports a write that failed (a full disk) as a RuntimeError
+    ("[enforce fail at inline_container.cc:...] unexpected pos"): save_checkpoint raised it
+    with a traceback; it is an OSError naming the file now."""
+    def full(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 16384 vs 16280")
+    monkeypatch.setattr(torch, "save", full)
+    line = _main_error(capsys, monkeypatch, ["--checkpoint-dir", str(tmp_path / "ckpt")], 1)
+    assert line.startswith("sparsekit.train: error: [Errno 5] torch.save could not write the file")
+    assert "is the disk full?" in line and str(tmp_path / "ckpt") in line
+
+
 def test_a_rank_that_never_joins_is_one_line_on_the_waiting_rank(capsys, monkeypatch):
     """Forming the process group times out (a rank stopped before joining: its data file
     missing on its node): the waiting rank says so in one line, not with the store's traceback."""
@@ -476,6 +488,16 @@ def test_a_rank_that_never_joins_is_one_line_on_the_waiting_rank(capsys, monkeyp
     line = _main_error(capsys, monkeypatch, [], 1)
     assert line.startswith("sparsekit.train: error: rank 0: the process group did not form (Timed out after 16")
     assert "did not join within --timeout" in line
+    # This rank's own failure to form it (its port in use) is not blamed on another rank.
+    from sparsekit.train import __main__
+
+    def port_in_use(*args, **kwargs):
+        raise dist.DistNetworkError("The server socket has failed to listen on any local network address. "
+                                    "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE")
+    monkeypatch.setattr(loop.dist, "init_process_group", port_in_use)
+    monkeypatch.setattr(__main__, "keep_freed_memory", lambda: False)
+    with pytest.raises(dist.DistNetworkError):
+        __main__.main(TINY_FLAGS)
 
 
 def test_resume_from_a_file_refuses_another_held_out_split(tmp_path):
@@ -492,6 +514,15 @@ def test_resume_from_a_file_refuses_another_held_out_split(tmp_path):
     resumed = train(tiny(**dict(base, steps=3), checkpoint_dir=str(tmp_path / "ckpt"), resume=True),
                     log=lambda *_: None)
     assert resumed["resumed_from_step"] == 2
+    # A checkpoint written before these were recorded is not held to them.
+    trainer = tmp_path / "ckpt" / "step_000000003" / "trainer_rank0.pt"
+    state = torch.load(trainer, weights_only=True)
+    for key in ("eval_samples", "eval_data"):
+        del state["config"][key]
+    torch.save(state, trainer)
+    older = train(tiny(**dict(base, steps=4, eval_samples=300), checkpoint_dir=str(tmp_path / "ckpt"), resume=True),
+                  log=lambda *_: None)
+    assert older["resumed_from_step"] == 3
 
 
 def test_a_rank_of_the_checkpoint_without_its_trainer_file_is_refused(tmp_path):

@@ -168,9 +168,10 @@ def _peer_lost(error: BaseException) -> Optional[str]:
     gloo's RuntimeErrors that say the connection to a peer is gone."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         # Forming the group: a rank that stopped before joining leaves the others waiting
-        # in the rendezvous until --timeout (a DistStoreError).
+        # in the rendezvous until --timeout (a store or socket timeout). Not this rank's
+        # own failure to form it (a port in use), which keeps its traceback.
         forming = dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-        if forming and isinstance(error, getattr(dist, "DistError", ())):
+        if forming and isinstance(error, getattr(dist, "DistError", ())) and _PEER_LOST.search(str(error)):
             text = str(error).strip().splitlines()
             return text[0] if text else type(error).__name__
         return None
@@ -241,9 +242,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             raise
         _fail(_peer_lost_message(lost, config.timeout))
     except OSError as error:
-        # A path the user gave, or the disk under one (full, read-only, failing: an errno
-        # without a file name, from a write or a close). Anything else keeps its traceback.
-        if error.filename is None and error.errno is None:
+        # A path the user gave, or a file written under one (the writes name their file
+        # also when the disk under it is full or failing). Anything else keeps its traceback.
+        if error.filename is None:
             raise
         _fail(str(error))
     if dist.is_initialized():

@@ -492,7 +492,7 @@ def _atomic_write(path: str, write) -> None:
     except OSError as error:
         with contextlib.suppress(OSError):
             os.remove(temporary)
-        raise OSError(error.errno, f"cannot write {path!r}: {error.strerror or error}") from error
+        raise OSError(error.errno, error.strerror or str(error), path) from error
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -705,13 +705,15 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
         path = own
         state = _load_file(path, directory)
         _check_trainer_state(state, path)
-    saved = state["config"]
+    recorded = state["config"]
     # A key an older checkpoint lacks was its default then.
-    saved = {key: saved.get(key, getattr(TrainConfig, key)) for key in TrainConfig.RESUME_KEYS}
+    saved = {key: recorded.get(key, getattr(TrainConfig, key)) for key in TrainConfig.RESUME_KEYS}
     now = {key: getattr(config, key) for key in TrainConfig.RESUME_KEYS}
     keys = TrainConfig.RESUME_KEYS
-    if now["data"] == "synthetic":  # the synthetic stream does not depend on the held-out samples
-        keys = tuple(key for key in keys if key not in ("eval_samples", "eval_data"))
+    # The synthetic stream does not depend on the held-out samples; a checkpoint written
+    # before they were recorded is not held to them.
+    keys = tuple(key for key in keys if key not in ("eval_samples", "eval_data")
+                 or (now["data"] != "synthetic" and key in recorded))
     details = []
     if saved["embedding"] == now["embedding"] == "sparsekit":
         # The table's size is what must match: --capacity-per-rank N, or --table-rows N
