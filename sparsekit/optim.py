@@ -167,7 +167,8 @@ class LazyAdam(torch.optim.Optimizer):
                     param_state["step"] = _kept_step(step)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state saved by ``LazyAdam.state_dict()`` (or ``torch.optim.Adam``'s or
+        """Loads a state saved by ``LazyAdam.state_dict()`` (or ``torch.optim.SparseAdam``'s,
+        continued with ``weight_decay`` 0, or ``torch.optim.Adam``'s or
         ``AdamW``'s, when LazyAdam computes its update: no ``amsgrad``, and a decoupled
         weight decay only of 0; its ``foreach`` / ``fused`` / ``capturable`` /
         ``differentiable`` flags are kept and ignored, and the state continues as torch's
@@ -192,6 +193,13 @@ class LazyAdam(torch.optim.Optimizer):
         if not isinstance(groups, list):
             raise ValueError("LazyAdam.load_state_dict: expected what LazyAdam.state_dict() returns "
                              f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}")
+        if any(isinstance(group, dict) and "weight_decay" not in group and {"lr", "betas", "eps"} <= set(group)
+               for group in groups):
+            # torch.optim.SparseAdam's state: Adam's settings without weight decay (it has
+            # none), continued with weight_decay 0. The caller's dict is left as it is.
+            groups = [dict(group, weight_decay=0.0) if isinstance(group, dict) and "weight_decay" not in group
+                      and {"lr", "betas", "eps"} <= set(group) else group for group in groups]
+            state_dict = dict(state_dict, param_groups=groups)
         for index, group in enumerate(groups):
             missing = sorted({"lr", "betas", "eps", "weight_decay"} - set(group))
             if missing:

@@ -810,6 +810,35 @@ def test_lazy_adam_load_state_dict_keeps_accepting_good_states(device):
     _assert_unchanged(resumed, params, _snapshot(opt, params))
 
 
+@pytest.mark.parametrize("maximize", [False, True])
+def test_lazy_adam_loads_a_sparse_adam_state_and_continues_it(maximize):
+    """torch.optim.SparseAdam's state (Adam's settings without weight_decay) was refused as
+    another optimizer's; it continues as SparseAdam would, and the caller's dict is kept."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(10, 3, generator=gen))
+    twin = torch.nn.Parameter(weight.detach().clone())
+
+    def grad():
+        rows = torch.tensor([1, 4, 7])
+        return torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(3, 3, generator=gen), (10, 3)).coalesce()
+    sparse_adam = torch.optim.SparseAdam([weight], lr=0.01, maximize=maximize)
+    for _ in range(2):
+        weight.grad = grad()
+        sparse_adam.step()
+    twin.data.copy_(weight.detach())
+    saved = copy.deepcopy(sparse_adam.state_dict())  # (a live state dict shares its moments, as torch's)
+    kept = copy.deepcopy(saved)
+    lazy = sk.LazyAdam([twin], lr=0.5)
+    lazy.load_state_dict(saved)
+    assert saved["param_groups"] == kept["param_groups"]
+    assert lazy.param_groups[0]["weight_decay"] == 0.0 and lazy.param_groups[0]["lr"] == 0.01
+    g = grad()
+    weight.grad, twin.grad = g, g.clone()
+    sparse_adam.step()
+    lazy.step()
+    torch.testing.assert_close(twin.detach(), weight.detach(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("settings", [{}, {"foreach": True}, {"fused": True}, {"maximize": True},
                                       {"decoupled_weight_decay": True}, {"saved_flags": True}],
                          ids=["default", "foreach", "fused", "maximize", "adamw_without_decay",
