@@ -346,6 +346,11 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
         rows, values = marker.own_rows(rows, values, stamp, miss)
         if values.dtype != dtype:
             values = values.to(dtype)
+        if rows.numel() == 0:
+            # Empty splits of one buffer share its storage: tables whose gradients are empty
+            # would share one (autograd accumulates a later gradient into an empty one in
+            # place, and every such table then held the last one's rows). Their own, empty.
+            rows, values = rows.new_empty(0), values.new_empty(values.shape)
         grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True,
                                              check_invariants=False))
         marker.produced(values)

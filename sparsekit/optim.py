@@ -444,6 +444,7 @@ class LazyAdam(torch.optim.Optimizer):
                                     int(state["step"].item()),
                                     *map(_float_setting, (lr, beta1, beta2, group["eps"], group["weight_decay"])))
                 else:
+                    _reset_reused_rows(param, state, None)  # a dense gradient updates every row
                     dense_params.append(param)
                     dense_grads.append(grad)
                     dense_exp_avgs.append(state["exp_avg"])
@@ -707,18 +708,26 @@ def _check_element_sparse(group_index: int, position: int, param: Tensor, state:
                            "updates only on a contiguous parameter with contiguous moments; nothing was updated")
 
 
-def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Tensor) -> None:
-    """Zeroes the moments of ``rows`` that a dynamic layer gave to new keys since their last
-    update (``param.sparsekit_fresh_rows``, a bool flag per row the layer sets when it reuses
-    an evicted key's row), and clears the flags: a new key never inherits the evicted key's
-    moments. No host sync; costs two gathers and two scatters of the gradient's rows."""
+def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Optional[Tensor]) -> None:
+    """Zeroes the moments of ``rows`` (None: every row, for a dense gradient) that a dynamic
+    layer gave to new keys since their last update (``param.sparsekit_fresh_rows``, a bool
+    flag per row the layer sets when it reuses an evicted key's row), and clears the flags:
+    a new key never inherits the evicted key's moments (set to zero, not multiplied by a
+    mask: an inf moment times 0 is NaN). No host sync; costs two gathers and two scatters
+    of the gradient's rows."""
     fresh = getattr(param, "sparsekit_fresh_rows", None)
     if fresh is None:
         return
-    keep = (~fresh.index_select(0, rows)).to(state["exp_avg"].dtype).view((-1,) + (1,) * (param.dim() - 1))
+    shape = (-1,) + (1,) * (param.dim() - 1)
+    if rows is None:
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name].masked_fill_(fresh.view(shape), 0)
+        fresh.fill_(False)
+        return
+    reset = fresh.index_select(0, rows).view(shape)
     for name in ("exp_avg", "exp_avg_sq"):
         moments = state[name]
-        moments.index_copy_(0, rows, moments.index_select(0, rows) * keep)
+        moments.index_copy_(0, rows, moments.index_select(0, rows).masked_fill_(reset, 0))
     fresh.index_fill_(0, rows, False)
 
 

@@ -480,6 +480,28 @@ def test_float8_weights_pool_as_their_float32_values():
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("first", ["one key elsewhere", "every bag empty"])
+def test_tables_with_empty_gradients_accumulate_their_own_next_gradients(first):
+    """Two tables of one dim both got an empty gradient (a micro-batch without their keys,
+    or, on a rank, without keys it owns): the empty parts of one buffer shared its storage,
+    autograd added the next micro-batches into them in place, and table a ended with
+    table b's gradient."""
+    def kjt(features, values, lengths):
+        return sk.KeyedJagged(features, torch.tensor(values, dtype=torch.int64), lengths=torch.tensor(lengths))
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 5, ["fa"]), sk.TableConfig("b", 2, 6, ["fb"]),
+                                     sk.TableConfig("c", 3, 6, ["fc"])])
+    batch = kjt(["fa", "fb", "fc"], [9], [0, 0, 1]) if first == "one key elsewhere" else \
+        kjt(["fa", "fb"], [], [0, 0, 0, 0])
+    sum(v.sum() for v in ebc(batch).values()).backward()
+    assert ebc.weights["a"].grad._nnz() == ebc.weights["b"].grad._nnz() == 0
+    ebc(kjt(["fa"], [1], [1]))["fa"].sum().backward()          # key 1 in table a, once
+    ebc(kjt(["fb"], [7, 7, 7], [3]))["fb"].sum().backward()    # key 7 in table b, three times
+    row_a = ebc.export("a")[0].tolist().index(1)
+    row_b = ebc.export("b")[0].tolist().index(7)
+    assert torch.equal(ebc.weights["a"].grad.to_dense(), torch.zeros(5, 2).index_fill_(0, torch.tensor([row_a]), 1))
+    assert torch.equal(ebc.weights["b"].grad.to_dense(), torch.zeros(6, 2).index_fill_(0, torch.tensor([row_b]), 3))
+
+
 def test_unknown_table_name_is_a_key_error_and_a_value_error():
     ebc = trained_collection()
     before = snapshot(ebc)

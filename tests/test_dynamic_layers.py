@@ -95,6 +95,41 @@ def test_reused_row_starts_with_zero_moments():
     assert torch.equal(layer.weight[row_of_1], fresh.weight[fresh_row])
 
 
+def test_a_reused_row_forgets_infinite_moments():
+    """Moments were reset by multiplying with a 0/1 mask: an evicted key's inf second
+    moment became NaN (inf * 0) for the key taking its row, and so did its weight."""
+    layer = sk.All2AllDenseEmbedding(1, 2, 1, 1, dynamic_input=True, eviction="lru")
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.01)
+    (layer(torch.tensor([1])) * 1e20).sum().backward()    # exp_avg_sq overflows to inf
+    optimizer.step()
+    optimizer.zero_grad()
+    assert torch.isinf(optimizer.state[layer.weight]["exp_avg_sq"][0]).all()
+    layer(torch.tensor([2])).sum().backward()             # key 2 takes key 1's row
+    optimizer.step()
+    state = optimizer.state[layer.weight]
+    assert torch.isfinite(layer.weight[0]).all()
+    assert torch.equal(state["exp_avg"][0], torch.full((2,), 0.1))
+    assert torch.equal(state["exp_avg_sq"][0], torch.full((2,), 0.001))
+
+
+def test_a_dense_gradient_resets_a_reused_rows_moments():
+    """A dense gradient (an L2 term over the whole weight) updated a reused row with the
+    evicted key's moments and left its fresh flag set."""
+    def run(keys):
+        layer = sk.All2AllDenseEmbedding(1, 2, 1, 1, dynamic_input=True, eviction="lru")
+        optimizer = sk.LazyAdam(layer.parameters(), lr=0.01)
+        for key in keys:
+            (layer(torch.tensor([key])).sum() + 1e-3 * layer.weight.pow(2).sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return layer, optimizer
+    reused, optimizer = run([1, 1, 1, 2])
+    fresh, fresh_optimizer = run([2])
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(optimizer.state[reused.weight][name][0], fresh_optimizer.state[fresh.weight][name][0])
+    assert not reused.weight.sparsekit_fresh_rows.any()
+
+
 def test_admission_after_k_steps():
     layer = _layer(8, admit_after=3)
     assert torch.equal(_step(layer, None, [5, 6]), torch.zeros(2, DIM))  # seen once
