@@ -193,13 +193,11 @@ class LazyAdam(torch.optim.Optimizer):
         if not isinstance(groups, list):
             raise ValueError("LazyAdam.load_state_dict: expected what LazyAdam.state_dict() returns "
                              f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}")
-        if any(isinstance(group, dict) and "weight_decay" not in group and {"lr", "betas", "eps"} <= set(group)
-               for group in groups):
-            # torch.optim.SparseAdam's state: Adam's settings without weight decay (it has
-            # none), continued with weight_decay 0. The caller's dict is left as it is.
-            groups = [dict(group, weight_decay=0.0) if isinstance(group, dict) and "weight_decay" not in group
-                      and {"lr", "betas", "eps"} <= set(group) else group for group in groups]
-            state_dict = dict(state_dict, param_groups=groups)
+        # torch.optim.SparseAdam's groups: Adam's settings without weight decay (it has none),
+        # continued with weight_decay 0. The caller's dict is left as it is.
+        groups = [dict(group, weight_decay=0.0) if isinstance(group, dict) and "weight_decay" not in group
+                  and {"lr", "betas", "eps"} <= set(group) else group for group in groups]
+        state_dict = dict(state_dict, param_groups=groups)
         for index, group in enumerate(groups):
             missing = sorted({"lr", "betas", "eps", "weight_decay"} - set(group))
             if missing:

@@ -165,18 +165,18 @@ _PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Timed 
 def _peer_lost(error: BaseException) -> Optional[str]:
     """The first line of a collective's failure caused by another rank, or None: only with a
     process group of more than one rank, for torch.distributed's own errors (DistError) and
-    gloo's RuntimeErrors that say the connection to a peer is gone."""
+    gloo's RuntimeErrors that say the connection to a peer is gone; or, while the group of
+    WORLD_SIZE > 1 forms, a DistError saying the rendezvous timed out."""
+    text = str(error).strip().splitlines()
+    first = text[0] if text else type(error).__name__
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         # Forming the group: a rank that stopped before joining leaves the others waiting
         # in the rendezvous until --timeout (a store or socket timeout). Not this rank's
         # own failure to form it (a port in use), which keeps its traceback.
         forming = dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         if forming and isinstance(error, getattr(dist, "DistError", ())) and _PEER_LOST.search(str(error)):
-            text = str(error).strip().splitlines()
-            return text[0] if text else type(error).__name__
+            return first
         return None
-    text = str(error).strip().splitlines()
-    first = text[0] if text else type(error).__name__
     if isinstance(error, getattr(dist, "DistError", ())) or (isinstance(error, RuntimeError)
                                                              and _PEER_LOST.search(str(error))):
         return first

@@ -59,6 +59,8 @@ MIN_TIMEOUT = 1.0
 INT64_MAX = (1 << 63) - 1
 # A rank's trainer state file in a step directory.
 _TRAINER_FILE_NAME = re.compile(r"trainer_rank(\d+)\.pt")
+# A step directory of the harness's checkpoint directory (what ``latest`` names).
+_STEP_DIR_NAME = re.compile(r"step_(\d{9,})")
 
 
 def _is_compressed(path: str) -> bool:
@@ -68,8 +70,6 @@ def _is_compressed(path: str) -> bool:
             return file.read(2) == b"\x1f\x8b"
     except OSError:
         return False
-# A step directory of the harness's checkpoint directory (what ``latest`` names).
-_STEP_DIR_NAME = re.compile(r"step_(\d{9,})")
 
 
 class HarnessError(ValueError):
