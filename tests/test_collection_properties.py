@@ -1,12 +1,13 @@
 """EmbeddingBagCollection against plain torch on drawn configurations: 1-6 tables of
 mixed dims (tables of one dim pool together), float32 and bfloat16, hash or direct rows,
 sum or mean, features sharing tables, empty bags and empty features, per-value weights,
-batch sizes 0..40, int32 and int64 values; forward values and every table's gradient."""
+batch sizes 0..40, int32 and int64 values, 1-3 micro-batches whose gradients accumulate
+before they are read; forward values and every table's gradient."""
 
 import zlib
 
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from properties import examples
 
@@ -30,54 +31,64 @@ def configurations(draw):
     batch = draw(st.sampled_from([0, 1, 7, 40]))
     weighted = draw(st.booleans())
     int32 = draw(st.booleans())
+    micro_batches = draw(st.integers(1, 3))
     seed = draw(st.integers(0, 2**31))
-    return tables, list(used), batch, weighted, int32, seed
+    return tables, list(used), batch, weighted, int32, micro_batches, seed
 
 
 def _initial(table, keys):
     return sk.KeySeededUniform(seed=zlib.crc32(table["name"].encode()))(keys, table["dim"]).to(table["dtype"]).float()
 
 
+# Three tables of one dim; the second micro-batch gives keys to tables that had empty
+# gradients in the first (the empty gradients once shared one buffer's storage).
+@example(([dict(name=f"t{t}", dim=1, features=[f"f{t}_0"], combiner="sum", dtype=torch.float32, direct=False)
+           for t in range(3)], ["f0_0", "f1_0", "f2_0"], 7, False, False, 2, 0))
 @given(configurations())
 @examples(10)
 def test_collection_matches_plain_torch(config):
-    tables, used, batch, weighted, int32, seed = config
+    tables, used, batch, weighted, int32, micro_batches, seed = config
     g = torch.Generator().manual_seed(seed)
     ebc = sk.EmbeddingBagCollection([
         sk.TableConfig(t["name"], t["dim"], 64, t["features"], combiner=t["combiner"], dtype=t["dtype"],
                        use_hashtable=not t["direct"]) for t in tables])
     table_of = {f: t for t in tables for f in t["features"]}
-    lengths = torch.randint(0, 4, (len(used) * batch,), generator=g)
-    values = torch.randint(0, 64, (int(lengths.sum()),), generator=g)
-    if int32:
-        values = values.int()
-    weights = torch.rand(values.numel(), generator=g) if weighted else None
-    kjt = sk.KeyedJagged(used, values, lengths=lengths, weights=weights)
-    out = ebc(kjt)
-    assert list(out) == used
+    grads = {t["name"]: {} for t in tables}
+    for micro_batch in range(micro_batches):
+        # A later micro-batch may leave out features (and so tables) an earlier one had, or
+        # hold no keys at all; an earlier one may miss tables a later one has.
+        features = used if micro_batch == 0 else [f for f in used if torch.rand((), generator=g) < 0.5]
+        most = int(torch.randint(1, 5, (), generator=g)) if micro_batches > 1 else 4
+        lengths = torch.randint(0, most, (len(features) * batch,), generator=g)
+        values = torch.randint(0, 64, (int(lengths.sum()),), generator=g)
+        if int32:
+            values = values.int()
+        weights = torch.rand(values.numel(), generator=g) if weighted else None
+        kjt = sk.KeyedJagged(features, values, lengths=lengths, weights=weights)
+        out = ebc(kjt)
+        assert list(out) == features
 
-    offsets = kjt.offsets()
-    expected, grads = {}, {t["name"]: {} for t in tables}
-    for f, feature in enumerate(used):
-        table = table_of[feature]
-        rows = []
-        for b in range(batch):
-            lo, hi = int(offsets[f * batch + b]), int(offsets[f * batch + b + 1])
-            keys = values[lo:hi].long()
-            scale = weights[lo:hi] if weighted else torch.ones(hi - lo)
-            pooled = (_initial(table, keys) * scale.unsqueeze(1)).sum(0)
-            denominator = max(1, hi - lo) if table["combiner"] == "mean" else 1
-            rows.append(pooled / denominator)
-            for key, w in zip(keys.tolist(), scale.tolist()):
-                grads[table["name"]][key] = grads[table["name"]].get(key, 0.0) + w / denominator
-        expected[feature] = (torch.stack(rows) if rows else torch.zeros(0, table["dim"])).to(table["dtype"])
-        assert out[feature].dtype == table["dtype"] and out[feature].shape == (batch, table["dim"])
-        tolerance = dict(rtol=1e-2, atol=1e-3) if table["dtype"] == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(out[feature], expected[feature], **tolerance)
+        offsets = kjt.offsets()
+        for f, feature in enumerate(features):
+            table = table_of[feature]
+            rows = []
+            for b in range(batch):
+                lo, hi = int(offsets[f * batch + b]), int(offsets[f * batch + b + 1])
+                keys = values[lo:hi].long()
+                scale = weights[lo:hi] if weighted else torch.ones(hi - lo)
+                pooled = (_initial(table, keys) * scale.unsqueeze(1)).sum(0)
+                denominator = max(1, hi - lo) if table["combiner"] == "mean" else 1
+                rows.append(pooled / denominator)
+                for key, w in zip(keys.tolist(), scale.tolist()):
+                    grads[table["name"]][key] = grads[table["name"]].get(key, 0.0) + w / denominator
+            expected = (torch.stack(rows) if rows else torch.zeros(0, table["dim"])).to(table["dtype"])
+            assert out[feature].dtype == table["dtype"] and out[feature].shape == (batch, table["dim"])
+            tolerance = dict(rtol=1e-2, atol=1e-3) if table["dtype"] == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out[feature], expected, **tolerance)
 
-    loss = sum(v.float().sum() for v in out.values())
-    if loss.requires_grad:
-        loss.backward()
+        loss = sum((v.float().sum() for v in out.values()), torch.zeros(()))
+        if loss.requires_grad:
+            loss.backward()
     for table in tables:
         grad = ebc.weights[table["name"]].grad
         want = grads[table["name"]]
