@@ -382,7 +382,11 @@ class LazyAdam(torch.optim.Optimizer):
                 hyper.extend(map(_float_setting, (group["lr"], *group["betas"], group["eps"], group["weight_decay"])))
                 states.append(state)
         try:
-            torch.ops.sparsekit.lazy_adam_tables_(*tables, steps, hyper)
+            if len(states) == 1 and tables[0][0].dtype == torch.float32:
+                # One float32 table: the single-table kernel itself (the same arithmetic).
+                torch.ops.sparsekit.lazy_adam_(*(column[0] for column in tables), steps[0], *hyper)
+            else:
+                torch.ops.sparsekit.lazy_adam_tables_(*tables, steps, hyper)
         except RuntimeError:
             for param in created:
                 del self.state[param]

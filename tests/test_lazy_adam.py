@@ -1337,3 +1337,32 @@ def test_every_op_that_writes_in_place_marks_what_it_wrote():
     slot_keys, slot_rows = torch.full((16,), -1, dtype=torch.int64), torch.full((16,), -1, dtype=torch.int64)
     torch.ops.sparsekit.hash_table_insert_absent_(slot_keys, slot_rows, torch.tensor([5]), torch.tensor([0]))
     assert (slot_keys._version, slot_rows._version) == (1, 1)
+
+
+def test_one_sparse_table_steps_through_the_lazy_adam_kernel():
+    """DESIGN: sparse gradients -> the fused lazy_adam_ op (one float32 table calls it
+    itself; several, or a half table, go through the multi-table kernel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(10, 4, sparse=True)
+    reference = copy.deepcopy(table)
+    optimizer, sparse_adam = sk.LazyAdam(table.parameters(), lr=0.1), torch.optim.SparseAdam(reference.parameters(), lr=0.1)
+    for keys in ([1, 2, 2], [7], [2, 9]):
+        for module, opt in ((table, optimizer), (reference, sparse_adam)):
+            opt.zero_grad()
+            module(torch.tensor(keys)).pow(2).sum().backward()
+        with Calls() as calls:
+            optimizer.step()
+        sparse_adam.step()
+        assert calls.ops.count("sparsekit.lazy_adam_.default") == 1 and not any("tables" in op for op in calls.ops)
+        torch.testing.assert_close(table.weight, reference.weight, **WEIGHT_TOL[torch.float32])
