@@ -222,7 +222,8 @@ torch.library.register_autograd(
 )
 
 
-def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, deterministic: bool = False) -> Tensor:
+def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, deterministic: bool = False, *,
+                reduce: str = "sum") -> Tensor:
     """TensorFlow ``unsorted_segment_sum``: ``out[s] = sum(data[i] for i with segment_ids[i] == s)``.
 
     Args:
@@ -234,6 +235,8 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
             this switches from atomics to a sort-based reduction. Also on whenever
             ``torch.use_deterministic_algorithms(True)`` is in force, as for torch's own
             ``index_add_``.
+        reduce: ``"sum"``, or ``"mean"`` for :func:`segment_mean` (keyword only; also
+            :func:`segment_reduce`).
 
     Returns:
         ``[num_segments, ...]`` of ``data``'s dtype, zeros for empty segments.
@@ -242,8 +245,14 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
 
     Raises:
         TypeError: ``num_segments`` not an int (a bool is not one), ``deterministic`` not a
-            bool.
+            bool, ``reduce`` not a str.
+        ValueError: ``reduce`` neither ``"sum"`` nor ``"mean"``.
     """
+    if reduce != "sum":
+        reduce = _choice("segment_sum", "reduce", reduce)
+        if reduce != "mean":
+            raise ValueError(f"segment_sum: reduce must be 'sum' or 'mean', got {reduce!r}")
+        return segment_mean(data, segment_ids, num_segments, deterministic)
     tensor_arguments("segment_sum", data=data, segment_ids=segment_ids)
     num_segments = _integer("segment_sum", "num_segments", num_segments)
     deterministic = _flag("segment_sum", "deterministic", deterministic)

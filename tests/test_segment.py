@@ -137,8 +137,13 @@ def test_segment_mean(device, dtype):
     empty = sk.ops.segment_mean(torch.ones(2, 3, device=device), torch.tensor([0, 0], device=device), 2)
     assert torch.equal(empty.cpu(), torch.tensor([[1.0] * 3, [0.0] * 3]))
     assert torch.equal(sk.ops.segment_reduce(data, ids, 40, reduce="mean"), out)
-    with pytest.raises(ValueError, match="reduce must be 'sum' or 'mean'"):
-        sk.ops.segment_reduce(data, ids, 40, reduce="max")
+    assert torch.equal(sk.ops.segment_sum(data, ids, 40, reduce="mean"), out)  # DESIGN's `reduce="mean"`
+    assert torch.equal(sk.ops.segment_sum(data, ids, 40, reduce="sum"), sk.ops.segment_sum(data, ids, 40))
+    for reduce_of in (sk.ops.segment_reduce, sk.ops.segment_sum):
+        with pytest.raises(ValueError, match="reduce must be 'sum' or 'mean', got 'max'"):
+            reduce_of(data, ids, 40, reduce="max")
+        with pytest.raises(TypeError, match="reduce must be a str, got None"):
+            reduce_of(data, ids, 40, reduce=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
