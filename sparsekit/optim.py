@@ -426,6 +426,7 @@ class LazyAdam(torch.optim.Optimizer):
             dense_exp_avgs: List[Tensor] = []
             dense_exp_avg_sqs: List[Tensor] = []
             dense_steps: List[Tensor] = []
+            widened: List[Tuple[Tensor, Tensor]] = []
             for param in group["params"]:
                 if param.grad is None or id(param) in fused:
                     continue
@@ -447,6 +448,11 @@ class LazyAdam(torch.optim.Optimizer):
                                     *map(_float_setting, (lr, beta1, beta2, group["eps"], group["weight_decay"])))
                 else:
                     _reset_reused_rows(param, state, None)  # a dense gradient updates every row
+                    if state["exp_avg"].dtype != param.dtype:
+                        # A half shard with float32 moments (checked above): Adam on a float32
+                        # copy of the weight, rounded to nearest once, as its lazy rows are.
+                        widened.append((param, param.float()))
+                        param, grad = widened[-1][1], grad.float()
                     dense_params.append(param)
                     dense_grads.append(grad)
                     dense_exp_avgs.append(state["exp_avg"])
@@ -454,6 +460,9 @@ class LazyAdam(torch.optim.Optimizer):
                     dense_steps.append(state["step"])
             if dense_params:
                 _dense_adam(dense_params, dense_grads, dense_exp_avgs, dense_exp_avg_sqs, dense_steps, group)
+            for param, updated in widened:
+                param.copy_(updated)
+            widened.clear()
         return loss
 
 
@@ -603,7 +612,12 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
     # float64 moments (an embedding shard's float32 ones, a checkpoint's of another precision:
     # load_checkpoint keeps their dtype), as long as both moments share it.
     dtypes = [param.dtype]
-    if grad.is_sparse:
+    if not grad.is_sparse and param.dtype in (torch.float16, torch.bfloat16):
+        # A half embedding shard's float32 moments: its dense gradient (an L2 term over the
+        # weight) is also applied in float32 and the weight rounded once (see step).
+        first = state["exp_avg"].dtype if isinstance(state["exp_avg"], Tensor) else None
+        dtypes = [first] if first in (param.dtype, torch.float32) else [param.dtype, torch.float32]
+    elif grad.is_sparse:
         first = state["exp_avg"].dtype if isinstance(state["exp_avg"], Tensor) else None
         if first is not None and (first == param.dtype or first in (torch.float32, torch.float64)):
             dtypes = [first]

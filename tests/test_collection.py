@@ -1290,3 +1290,29 @@ def test_a_tables_load_and_initializer_errors_name_the_table_and_its_config_fiel
     with pytest.raises(ValueError, match=r"^EmbeddingBagCollection table 'users': initializer\(keys, 4\) must "
                                          r"return a \[5, 4\] tensor, got \(1,\)"):
         bad(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_table_with_a_dense_gradient_steps_in_float32(dtype):
+    """A dense gradient of a half table (an L2 term over its weight, alone or added to a
+    lookup's sparse one) failed in torch's Adam against the shard's float32 moments, after
+    the parameters before it were updated. It is Adam in float32 on the widened weight,
+    rounded to nearest once, as torch.optim.Adam on a float32 copy is."""
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 8, ["f"], dtype=dtype)])
+    linear = torch.nn.Linear(4, 1)
+    weight = ebc.weights["t"]
+    optimizer = sk.LazyAdam(list(linear.parameters()) + list(ebc.parameters()), lr=0.01, weight_decay=0.1)
+    kjt = sk.KeyedJagged(["f"], torch.tensor([1, 3, 3]), lengths=torch.tensor([2, 1]))
+    linear(ebc(kjt)["f"].float()).sum().backward()
+    (1e-1 * weight.float().pow(2).sum()).backward()  # the sparse gradient becomes a dense one
+    assert weight.grad.layout == torch.strided and weight.grad.dtype == dtype
+    wide = weight.detach().float().clone().requires_grad_()
+    wide.grad = weight.grad.float()
+    reference = torch.optim.Adam([wide], lr=0.01, weight_decay=0.1)
+    for _ in range(2):
+        optimizer.step()
+        reference.step()
+        assert torch.equal(weight.detach(), wide.detach().to(dtype))
+        assert torch.equal(optimizer.state[weight]["exp_avg"], reference.state[wide]["exp_avg"])
+        wide.data.copy_(weight.detach().float())  # the reference goes on from the rounded weight
+    assert optimizer.state[weight]["step"].item() == 2
