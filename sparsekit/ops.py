@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the kernels)
-from ._checks import FLOAT_DTYPES, allocation, csr_offsets, dense_layout, float_dtype, hash_table_slots
+from ._checks import FLOAT_DTYPES, AllocationError, allocation, csr_offsets, dense_layout, float_dtype
+from ._checks import hash_table_slots
 from ._checks import index_dtype, integer_argument, same_device, shape_of, shown, tensor_arguments
 from ._checks import type_name as _type_name
 
@@ -297,7 +298,7 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         # The sum's checks are the mean's: its errors name segment_mean, the op called.
         message = str(error)
-        if type(error) not in (RuntimeError, ValueError, TypeError, IndexError) or \
+        if type(error) not in (RuntimeError, ValueError, TypeError, IndexError, AllocationError) or \
                 not message.startswith("segment_sum:"):
             raise
         raise type(error)("segment_mean:" + message[len("segment_sum:"):]) from None

@@ -36,6 +36,11 @@ def test_sizes_too_large_name_the_argument_the_user_gave(size):
 def test_op_outputs_too_large_name_the_argument(size):
     with pytest.raises(MemoryError, match=rf"segment_sum: num_segments={size} .*bytes"):
         sk.ops.segment_sum(torch.ones(3, 2), torch.zeros(3, dtype=torch.long), size)
+    for mean in (lambda: sk.ops.segment_mean(torch.ones(3, 2), torch.zeros(3, dtype=torch.long), size),
+                 lambda: sk.ops.segment_sum(torch.ones(3, 2), torch.zeros(3, dtype=torch.long), size, reduce="mean")):
+        with pytest.raises(MemoryError,
+                           match=rf"^segment_mean: num_segments={size} .*bytes"):  # it had named segment_sum
+            mean()
     with pytest.raises(MemoryError, match=rf"key_seeded_uniform: 1 keys x dim={size} .*bytes"):
         sk.ops.key_seeded_uniform(torch.tensor([1]), size)
     # Ordinary errors still pass through unchanged.
