@@ -355,7 +355,31 @@ class LazyAdam(torch.optim.Optimizer):
         moments = [state.get(name) for name in ("exp_avg", "exp_avg_sq")]
         return all(isinstance(m, Tensor) and m.dtype == torch.float32 and m.is_contiguous() for m in moments)
 
-    def _fused_sparse_step(self, fused: Set[int]) -> None:
+    def _check_step_values(self) -> Dict[int, int]:
+        """The step counter of every parameter with a gradient and a state (by ``id``), read
+        in one host transfer, each checked before anything is updated (a value edited into
+        ``state`` by hand, NaN or 2**70, failed in the update after the parameters before it
+        had been updated).
+
+        Raises:
+            RuntimeError: naming the parameter whose counter an update cannot advance.
+        """
+        where: List[Tuple[int, int, Tensor]] = []
+        for g, group in enumerate(self.param_groups):
+            for i, param in enumerate(group["params"]):
+                if param.grad is not None and self.state.get(param):
+                    where.append((g, i, param))
+        if not where:
+            return {}
+        values = torch.stack([self.state[param]["step"].reshape(()).double() for _, _, param in where]).tolist()
+        for (g, i, param), value in zip(where, values):
+            if not _valid_step(value):
+                raise RuntimeError(f"LazyAdam: the state of parameter {i} of group {g} (shape {tuple(param.shape)}): "
+                                   f"'step' must be a finite integer >= 0 below 2**63 - 1, got {value}; nothing "
+                                   "was updated")
+        return {id(param): int(value) for (_, _, param), value in zip(where, values)}
+
+    def _fused_sparse_step(self, fused: Set[int], counted: Dict[int, int]) -> None:
         """The sparse updates of the ``fused`` parameters (ids), every group at once: one
         multi-table call of the lazy Adam kernel (the arithmetic of
         :func:`sparsekit.ops.lazy_adam_`), which checks every row of every table before it
@@ -378,7 +402,7 @@ class LazyAdam(torch.optim.Optimizer):
                 values = values.float()  # a half shard's gradient, widened as _lazy_adam_rows does
                 for column, value in zip(tables, (param, state["exp_avg"], state["exp_avg_sq"], rows, values)):
                     column.append(value)
-                steps.append(int(state["step"].item()) + 1)
+                steps.append(counted.get(id(param), 0) + 1)
                 hyper.extend(map(_float_setting, (group["lr"], *group["betas"], group["eps"], group["weight_decay"])))
                 states.append(state)
         try:
@@ -415,8 +439,9 @@ class LazyAdam(torch.optim.Optimizer):
             _check_hyperparameters(group, f"LazyAdam.step (parameter group {index})")
         fused = {id(p) for group in self.param_groups for p in group["params"] if self._fusable(p)}
         self._check_gradients(fused)
+        steps = self._check_step_values()
         if fused:
-            self._fused_sparse_step(fused)
+            self._fused_sparse_step(fused, steps)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = group["lr"]
@@ -656,7 +681,16 @@ def _saved_step(step: Any) -> Tuple[Optional[float], bool]:
     else:
         usable = isinstance(step, numbers.Real) and not isinstance(step, bool)
         value = step if usable else None
-    return value, usable and math.isfinite(value) and value >= 0 and float(value).is_integer()
+    return value, usable and _valid_step(value)
+
+
+def _valid_step(value: float) -> bool:
+    """Whether a step counter's value is one an update can advance: a finite integer >= 0
+    whose successor fits in int64 (the lazy kernel's step)."""
+    return math.isfinite(value) and 0 <= value < _STEP_LIMIT and float(value).is_integer()
+
+
+_STEP_LIMIT = 2**63 - 1
 
 
 def _check_saved_state(saved: Any, group_index: int, position: int, param: Tensor, saved_id: Any) -> None:

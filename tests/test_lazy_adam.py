@@ -1366,3 +1366,30 @@ def test_one_sparse_table_steps_through_the_lazy_adam_kernel():
         sparse_adam.step()
         assert calls.ops.count("sparsekit.lazy_adam_.default") == 1 and not any("tables" in op for op in calls.ops)
         torch.testing.assert_close(table.weight, reference.weight, **WEIGHT_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -3.0, 2.5, 2.0**70])
+def test_a_step_counter_no_update_can_advance_changes_nothing(bad):
+    """A step value edited into the state failed in the update (NaN, inf, 2**70 in torch's
+    or the kernel's conversion, -3 in the kernel's check) after the parameters before it had
+    been updated; every counter is now checked first."""
+    first = torch.nn.Parameter(torch.randn(20, 4))                         # the fused path
+    second = torch.nn.Parameter(torch.randn(20, 4, dtype=torch.float64))   # one table at a time
+    optimizer = sk.LazyAdam([first, second], lr=0.01)
+
+    def gradients():
+        for p in (first, second):
+            p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.ones(2, 4, dtype=p.dtype), (20, 4))
+    gradients()
+    optimizer.step()
+    optimizer.state[second]["step"] = torch.tensor(bad, dtype=torch.float64)
+    gradients()
+    before = copy.deepcopy(optimizer.state_dict()), first.detach().clone(), second.detach().clone()
+    with pytest.raises(RuntimeError, match=r"^LazyAdam: the state of parameter 1 of group 0 \(shape \(20, 4\)\): "
+                                           r"'step' must be a finite integer >= 0 below 2\*\*63 - 1, got "):
+        optimizer.step()
+    assert torch.equal(first, before[1]) and torch.equal(second, before[2])
+    assert optimizer.state[first]["step"].item() == 1
+    optimizer.state[second]["step"] = torch.tensor(1.0, dtype=torch.float64)
+    optimizer.step()
+    assert optimizer.state[first]["step"].item() == optimizer.state[second]["step"].item() == 2
