@@ -356,9 +356,9 @@ class LazyAdam(torch.optim.Optimizer):
         return all(isinstance(m, Tensor) and m.dtype == torch.float32 and m.is_contiguous() for m in moments)
 
     def _check_step_values(self) -> Dict[int, int]:
-        """The step counter of every parameter with a gradient and a state (by ``id``), read
-        in one host transfer, each checked before anything is updated (a value edited into
-        ``state`` by hand, NaN or 2**70, failed in the update after the parameters before it
+        """The step counter of every parameter with a gradient and a state (by ``id``), each
+        checked before anything is updated (a value edited into ``state`` by hand, NaN or
+        2**70, failed in the update after the parameters before it
         had been updated).
 
         Raises:
@@ -371,7 +371,7 @@ class LazyAdam(torch.optim.Optimizer):
                     where.append((g, i, param))
         if not where:
             return {}
-        values = torch.stack([self.state[param]["step"].reshape(()).double() for _, _, param in where]).tolist()
+        values = [self.state[param]["step"].item() for _, _, param in where]  # CPU scalars: cheaper than a stack
         for (g, i, param), value in zip(where, values):
             if not _valid_step(value):
                 raise RuntimeError(f"LazyAdam: the state of parameter {i} of group {g} (shape {tuple(param.shape)}): "
