@@ -271,7 +271,9 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         if self.combiner == "mean":
             lengths = offsets[1:] - offsets[:-1]
             pooled = _mean_of_sum(pooled, lengths)
-        return pooled.view(batch, self.slot_num, self.embedding_vec_size)
+        # One process reads a half table's rows in float32 (and an empty batch pools into
+        # float32 zeros): the output has the table's dtype on every path.
+        return pooled.to(self.weight.dtype).view(batch, self.slot_num, self.embedding_vec_size)
 
     def _check_padded(self, inputs: Tensor, pad_key: int) -> Tensor:
         """Padded dense keys ``[B, slot_num, n <= max_nnz]`` checked (with ``pad_key``), as key_dtype."""
@@ -379,7 +381,8 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
     @torch.compiler.disable  # one graph break, as DistributedEmbedding.forward
     def _eager_forward(self, inputs: Tensor) -> Tensor:
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs), lambda keys, info: True)
-        return (vectors if index is None else _GatherRows.apply(vectors, index)).view(out_shape)
+        vectors = vectors if index is None else _GatherRows.apply(vectors, index)
+        return vectors.to(self.weight.dtype).view(out_shape)  # as DistributedEmbedding's
 
     def _flatten(self, inputs: Tensor) -> Tuple[Tensor, None, Tuple[int, ...]]:
         """(keys [n], no offsets, the output shape)."""

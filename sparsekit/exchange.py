@@ -358,11 +358,14 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
 
 
 def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] = None) -> Tensor:
-    """float32 ``weight[rows]``, rows of -1 (``miss``) read as zeros; into ``out`` if given."""
+    """``weight[rows]`` in float32 (a float64 weight's in float64), rows of -1 (``miss``)
+    read as zeros; into ``out`` if given."""
     found = rows >= 0 if miss else None
     index = torch.where(found, rows, 0) if miss else rows
     if out is None:
-        out = weight.index_select(0, index).float()
+        out = weight.index_select(0, index)
+        if out.dtype in (torch.float16, torch.bfloat16):
+            out = out.float()
     elif weight.dtype == torch.float32:
         torch.index_select(weight, 0, index, out=out)
     else:

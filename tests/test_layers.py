@@ -572,6 +572,44 @@ def test_rows_first_lookup_leaves_everything_as_the_general_path(monkeypatch, ke
         assert layers[0].stats() == layers[1].stats()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("kind", ["all2all", "one key per bag", "bags"])
+def test_one_process_lookup_keeps_the_tables_dtype(monkeypatch, kind, dtype):
+    """One process training a CPU hash table (the rows-first lookup) returned float32 for
+    a float16 / bfloat16 / float64 layer (All2AllDenseEmbedding always, DistributedEmbedding
+    with one key per bag), and every path returned float32 for an empty batch; a float64
+    layer's rows were read through float32. Each path now gives the table's dtype, and the
+    rows-first and general paths the same numbers."""
+    from sparsekit.shard import _ModelParallelEmbedding
+
+    general = _ModelParallelEmbedding._rows_first
+
+    def make():
+        if kind == "all2all":
+            return sk.All2AllDenseEmbedding(64, DIM, 2, 3).to(dtype)
+        return sk.DistributedEmbedding("sum", 64, DIM, 2, 1 if kind == "one key per bag" else 3).to(dtype)
+    layers = [make() for _ in range(2)]
+    optimizers = [LazyAdam(layer.parameters(), lr=0.01) for layer in layers]
+    width = 1 if kind == "one key per bag" else 3
+    g = torch.Generator().manual_seed(5)
+    for batch in (4, 0, 3, 4):
+        keys = torch.randint(0, 20, (batch, 2, width), generator=g)
+        outs = []
+        for layer, optimizer, rows_first in zip(layers, optimizers, (True, False)):
+            monkeypatch.setattr(_ModelParallelEmbedding, "_rows_first", general if rows_first else (lambda self: False))
+            out = layer(keys)
+            assert out.dtype == dtype
+            target = torch.randn(out.shape, generator=torch.Generator().manual_seed(batch)).to(dtype)
+            (out * target).sum().backward()
+            outs.append(out.detach())
+            optimizer.step()
+            optimizer.zero_grad()
+            assert layer.eval()(keys).dtype == dtype
+            layer.train()
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(layers[0].weight, layers[1].weight)
+
+
 # ---- DDP on the dense part -----------------------------------------------------------------
 
 
