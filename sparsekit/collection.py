@@ -800,7 +800,7 @@ class EmbeddingBagCollection(nn.Module):
                 # A half table's kernel sums in float32 and rounds once, as the eager cast does.
                 pooled = ops.embedding_bag(shard.weight, rows, table_offsets, scale, "sum")
             else:  # float32 sums of the half rows, weighted or divided before the one rounding, as eager
-                vectors = ops.embedding_gather(shard.weight, rows).float()  # -1: zeros
+                vectors = ops._embedding_gather_float(shard.weight, rows)  # -1: zeros; one rounding back
                 if scale is not None:
                     vectors = vectors * torch.where(positions >= 0, scale, 0).unsqueeze(1)
                 pooled = ops.segment_sum(vectors, ops._bag_index(table_offsets, rows.shape[0]),

@@ -1427,6 +1427,39 @@ torch.library.register_autograd(
 )
 
 
+@torch.library.custom_op("sparsekit::_embedding_gather_float", mutates_args=())
+def _embedding_gather_float(weight: Tensor, rows: Tensor) -> Tensor:
+    """Internal: ``embedding_gather(weight, rows)`` of a float16 / bfloat16 table, widened to
+    float32 in one op (the traced collection's weighted and mean half tables). Its backward
+    sums each row's float32 gradients and rounds them to the table's dtype once, as the
+    eager lookup does: ``embedding_gather(...).float()`` rounded every lookup's gradient to
+    the half type before the sum."""
+    return _ops.embedding_gather(weight, rows).float()
+
+
+@_embedding_gather_float.register_fake
+def _embedding_gather_float_fake(weight: Tensor, rows: Tensor) -> Tensor:
+    return _embedding_gather_fake(weight, rows).float()
+
+
+def _embedding_gather_float_setup_context(ctx, inputs, output) -> None:
+    _embedding_gather_setup_context(ctx, inputs, output)
+    ctx.weight_dtype = inputs[0].dtype
+
+
+def _embedding_gather_float_backward(ctx, grad_output: Tensor):
+    (rows,) = ctx.saved_tensors
+    flat_rows = rows.reshape(-1)
+    positions = torch.arange(flat_rows.shape[0], device=rows.device)
+    with _first_lookup_of(ctx.weight_id, grad_output):
+        source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])
+        return _sparse_row_gradient(source, positions, flat_rows, ctx.num_rows, dtype=ctx.weight_dtype), None
+
+
+_embedding_gather_float.register_autograd(_embedding_gather_float_backward,
+                                          setup_context=_embedding_gather_float_setup_context)
+
+
 def embedding_bag(
     weight: Tensor,
     rows: Tensor,

@@ -529,6 +529,23 @@ def test_embedding_gather_opcheck(device):
         torch.library.opcheck(torch.ops.sparsekit.embedding_gather.default, (weight, rows), test_utils=OPCHECK_TESTS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_widening_gather_rounds_each_rows_gradient_once(device, dtype):
+    """The traced collection's internal gather of a half table into float32: the rows'
+    float32 values, -1 as zeros, and a gradient summed in float32 and rounded once."""
+    weight = torch.randn(12, 8, device=device).to(dtype).requires_grad_()
+    rows = torch.tensor([3, -1, 3, 7, 3], device=device)
+    out = torch.ops.sparsekit._embedding_gather_float(weight, rows)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.where(rows.unsqueeze(1) >= 0, weight.detach()[rows.clamp(min=0)].float(), 0))
+    grad_out = torch.randn(5, 8, device=device)
+    out.backward(grad_out)
+    expected = torch.zeros(12, 8, device=device).index_add_(0, torch.tensor([3, 3, 7, 3], device=device),
+                                                            grad_out[[0, 2, 3, 4]])
+    assert weight.grad.dtype == dtype and torch.equal(weight.grad.to_dense(), expected.to(dtype))
+    torch.library.opcheck(torch.ops.sparsekit._embedding_gather_float.default, (weight, rows), test_utils=OPCHECK_TESTS)
+
+
 def test_embedding_bag_compiles(device):
     weight = torch.randn(12, 8, device=device)
     rows = torch.tensor([3, -1, 3, 7, 0, 11], device=device)
