@@ -357,15 +357,16 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
     return grads
 
 
-def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] = None) -> Tensor:
-    """``weight[rows]`` in float32 (a float64 weight's in float64), rows of -1 (``miss``)
-    read as zeros; into ``out`` if given."""
+def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] = None,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """``weight[rows]`` in ``dtype`` (float32, or float64 where a float64 weight is read),
+    rows of -1 (``miss``) read as zeros; into ``out`` if given."""
     found = rows >= 0 if miss else None
     index = torch.where(found, rows, 0) if miss else rows
     if out is None:
         out = weight.index_select(0, index)
-        if out.dtype in (torch.float16, torch.bfloat16):
-            out = out.float()
+        if out.dtype != dtype:
+            out = out.to(dtype)
     elif weight.dtype == torch.float32:
         torch.index_select(weight, 0, index, out=out)
     else:
@@ -374,7 +375,8 @@ def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] =
 
 
 class _LookupPieces(torch.autograd.Function):
-    """One process, one key per bag: each feature's float32 vectors read straight from its
+    """One process, one key per bag: each feature's float32 vectors (float64 when a table is
+    float64: one dtype for all, as the backward sums them together) read straight from its
     table's weight, one output per feature (``value_rows[k]`` of ``weights[tables[k]]``).
     The backward sums the features' gradients where they lie straight into every table's
     distinct rows in sorted order (one ``segment_sum_parts``; ``sorted_position`` is each
@@ -389,7 +391,8 @@ class _LookupPieces(torch.autograd.Function):
         ctx.sizes, ctx.markers, ctx.may_miss = sizes, markers, may_miss
         ctx.stamps = [marker.stamp for marker in markers]
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
-        return tuple(_read_rows(weights[t], rows, may_miss[t]) for rows, t in zip(value_rows, tables))
+        dtype = torch.float64 if any(w.dtype == torch.float64 for w in weights) else torch.float32
+        return tuple(_read_rows(weights[t], rows, may_miss[t], dtype=dtype) for rows, t in zip(value_rows, tables))
 
     @staticmethod
     @torch.compiler.disable  # as _LookupOwned.backward

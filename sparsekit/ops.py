@@ -1,8 +1,9 @@
 """Typed wrappers, fake (meta) kernels and autograd for ``torch.ops.sparsekit.*``.
 
-Every op has a CPU and a CUDA kernel compiled into ``sparsekit._C``; the fakes below
-let ``torch.compile`` trace them, with data-dependent output sizes taken from
-``torch.library.get_ctx().new_dynamic_size()``.
+Every op has a CPU and a CUDA kernel compiled into ``sparsekit._C`` (a few internal ones
+are composites of others: ``sparsekit.tables_cuda`` on CUDA, ``_embedding_gather_float``
+here); the fakes below let ``torch.compile`` trace them, with data-dependent output sizes
+taken from ``torch.library.get_ctx().new_dynamic_size()``.
 """
 
 from __future__ import annotations
@@ -1451,9 +1452,16 @@ def _embedding_gather_float_backward(ctx, grad_output: Tensor):
     (rows,) = ctx.saved_tensors
     flat_rows = rows.reshape(-1)
     positions = torch.arange(flat_rows.shape[0], device=rows.device)
-    with _first_lookup_of(ctx.weight_id, grad_output):
-        source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])
+
+    def first_order(grad_output: Tensor, weight: None, per_sample_weights: None):
+        source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])  # float32 already
         return _sparse_row_gradient(source, positions, flat_rows, ctx.num_rows, dtype=ctx.weight_dtype), None
+
+    # As embedding_gather's: differentiable again under create_graph=True.
+    with _first_lookup_of(ctx.weight_id, grad_output):
+        grad_weight, _ = _lookup_gradients(_LookupSpec(flat_rows, positions, "gather", first_order), grad_output,
+                                           None, None)
+    return grad_weight, None
 
 
 _embedding_gather_float.register_autograd(_embedding_gather_float_backward,

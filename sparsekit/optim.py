@@ -80,12 +80,14 @@ class LazyAdam(torch.optim.Optimizer):
       uncoalesced gradient (duplicate rows) is summed per row first with
       :func:`sparsekit.ops.unique` and :func:`sparsekit.ops.segment_sum`. The CPU tables
       of a step (float32, and half-precision embedding shards) are updated together, in
-      one multi-table call of the kernel.
+      one multi-table call of the kernel (one float32 table: ``lazy_adam_`` itself).
     * A parameter with a dense gradient gets ordinary Adam, computed by
       ``torch.optim.adam.adam`` with the same settings ``torch.optim.Adam`` would use, so
       the results are those of ``torch.optim.Adam`` with its default execution, bit for bit
       on the CPU for every dtype (its multi-tensor path for float32 / float64, its
-      one-tensor loop for the others, where the two differ in the last bit).
+      one-tensor loop for the others, where the two differ in the last bit). A float16 /
+      bfloat16 embedding shard keeps float32 moments: its dense gradient is applied to a
+      float32 copy of the weight (Adam's numbers there), rounded to nearest once.
 
     ``weight_decay`` is L2 regularization added to the gradient (``torch.optim.Adam``'s
     convention); on sparse parameters it applies to the touched rows only.
@@ -175,7 +177,7 @@ class LazyAdam(torch.optim.Optimizer):
         default Adam would continue it).
 
         Every parameter's saved state is checked before anything is loaded: either empty
-        (no step yet) or ``step`` (a finite integer >= 0: a number, or a one-element tensor
+        (no step yet) or ``step`` (a finite integer >= 0 below 2**63 - 1: a number, or a one-element tensor
         as ``torch.optim.Adam`` saves it), ``exp_avg`` and ``exp_avg_sq`` (floating-point
         tensors of the parameter's shape; the parameter's dtype for a complex one). Moments
         are cast to the parameter's dtype and device, as ``torch.optim.Adam`` does (float32
@@ -487,7 +489,6 @@ class LazyAdam(torch.optim.Optimizer):
                 _dense_adam(dense_params, dense_grads, dense_exp_avgs, dense_exp_avg_sqs, dense_steps, group)
             for param, updated in widened:
                 param.copy_(updated)
-            widened.clear()
         return loss
 
 
@@ -611,8 +612,8 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
     entry, a ``step`` that is not a one-element float32 / float64 CPU tensor, moments that
     are not strided tensors of the parameter's shape, device and dtype (with a sparse
     gradient, float32 or float64 too, the same for both moments), or (``check_memory``) memory
-    shared by any two of weight, moments and gradient. The step's value is checked by ``load_state_dict``, not
-    here: that would read every counter back to the host on every step."""
+    shared by any two of weight, moments and gradient. The step's value is checked by
+    ``load_state_dict`` and by ``LazyAdam._check_step_values``, not here."""
     # Built only to raise: this runs for every parameter on every step.
     def name() -> str:
         return f"LazyAdam: the state of parameter {position} of group {group_index} (shape {tuple(param.shape)})"
@@ -674,14 +675,16 @@ def _check_disjoint(name: Callable[[], str], tensors: Dict[str, Tensor]) -> None
 
 def _saved_step(step: Any) -> Tuple[Optional[float], bool]:
     """A saved ``step`` (a number or a one-element tensor): its value (None when it is
-    neither a real number nor such a tensor) and whether it is a finite integer >= 0."""
+    neither a real number nor such a tensor) and whether it is a finite integer >= 0 that
+    an update can advance once it is kept as LazyAdam keeps it (:func:`_kept_step`: a float,
+    in which 2**63 - 2 becomes 2**63)."""
     if isinstance(step, Tensor):
         usable = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
         value = step.item() if usable else None
     else:
         usable = isinstance(step, numbers.Real) and not isinstance(step, bool)
         value = step if usable else None
-    return value, usable and _valid_step(value)
+    return value, usable and _valid_step(value) and _valid_step(_kept_step(step).item())
 
 
 def _valid_step(value: float) -> bool:
@@ -711,7 +714,8 @@ def _check_saved_state(saved: Any, group_index: int, position: int, param: Tenso
         got = (f"a {step.dtype} tensor of shape {tuple(step.shape)}" + (f" holding {value}" if value is not None
                                                                          else "")
                if isinstance(step, Tensor) else repr(step))
-        raise ValueError(f"{name}: 'step' must be a finite integer >= 0 (a number or a one-element tensor), "
+        raise ValueError(f"{name}: 'step' must be a finite integer >= 0 below 2**63 - 1 (a number or a one-element "
+                         "tensor; kept as a float, it must stay below that), "
                          f"got {got}")
     for key in ("exp_avg", "exp_avg_sq"):
         moment = saved[key]

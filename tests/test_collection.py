@@ -1316,3 +1316,18 @@ def test_half_table_with_a_dense_gradient_steps_in_float32(dtype):
         assert torch.equal(optimizer.state[weight]["exp_avg"], reference.state[wide]["exp_avg"])
         wide.data.copy_(weight.detach().float())  # the reference goes on from the rounded weight
     assert optimizer.state[weight]["step"].item() == 2
+
+
+def test_a_float64_shard_pools_with_float32_tables_of_its_dim():
+    """One process, one key per bag: a shard made float64 (.double(), or a state loaded with
+    assign=True) read its rows in float64 beside float32 ones of the same dim group, and the
+    backward's one segment sum over them refused the mix."""
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 64, ["a"]), sk.TableConfig("u", 4, 64, ["b"])])
+    ebc.shards[0].double()
+    kjt = sk.KeyedJagged(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    out = ebc(kjt)
+    assert out["a"].dtype == torch.float64 and out["b"].dtype == torch.float32
+    (out["a"].sum() + 2 * out["b"].sum()).backward()
+    assert ebc.weights["t"].grad.dtype == torch.float64 and ebc.weights["u"].grad.dtype == torch.float32
+    assert torch.equal(ebc.weights["t"].grad.to_dense().sum(0), torch.full((4,), 2.0, dtype=torch.float64))
+    assert torch.equal(ebc.weights["u"].grad.to_dense().sum(0), torch.full((4,), 4.0))

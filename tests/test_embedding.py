@@ -544,6 +544,13 @@ def test_widening_gather_rounds_each_rows_gradient_once(device, dtype):
                                                             grad_out[[0, 2, 3, 4]])
     assert weight.grad.dtype == dtype and torch.equal(weight.grad.to_dense(), expected.to(dtype))
     torch.library.opcheck(torch.ops.sparsekit._embedding_gather_float.default, (weight, rows), test_utils=OPCHECK_TESTS)
+    # Differentiable twice, as embedding_gather: d/d(grad_out) of <grad_weight, v> is v[rows].
+    grad_out = torch.randn(5, 8, device=device, requires_grad=True)
+    (grad_weight,) = torch.autograd.grad(torch.ops.sparsekit._embedding_gather_float(weight, rows), weight, grad_out,
+                                         create_graph=True)
+    probe = torch.randn(12, 8, device=device).to(dtype).float()  # the gradient is of the half type
+    (second,) = torch.autograd.grad((grad_weight.to_dense().float() * probe).sum(), grad_out)
+    assert torch.equal(second, torch.where(rows.unsqueeze(1) >= 0, probe[rows.clamp(min=0)], 0))
 
 
 def test_embedding_bag_compiles(device):

@@ -1393,3 +1393,20 @@ def test_a_step_counter_no_update_can_advance_changes_nothing(bad):
     optimizer.state[second]["step"] = torch.tensor(1.0, dtype=torch.float64)
     optimizer.step()
     assert optimizer.state[first]["step"].item() == optimizer.state[second]["step"].item() == 2
+
+
+@pytest.mark.parametrize("saved", [2**63 - 2, float(2**63 - 1024), 2**63 - 1, 2.0**70])
+def test_a_step_counter_that_loads_is_one_a_step_advances(saved):
+    """load_state_dict checked the saved value and step the kept one (a float, where
+    2**63 - 2 is 2**63): such a state loaded, then every step raised."""
+    param = torch.nn.Parameter(torch.zeros(4, 2))
+    optimizer = sk.LazyAdam([param], lr=0.1)
+    state = {"state": {0: {"step": saved, "exp_avg": torch.zeros(4, 2), "exp_avg_sq": torch.zeros(4, 2)}},
+             "param_groups": [dict(optimizer.param_groups[0], params=[0])]}
+    with pytest.raises(ValueError, match=r"'step' must be a finite integer >= 0 below 2\*\*63 - 1"):
+        optimizer.load_state_dict(state)
+    assert not optimizer.state
+    state["state"][0]["step"] = torch.tensor(2.0**63 - 1024, dtype=torch.float64)  # kept as it is
+    optimizer.load_state_dict(state)
+    param.grad = torch.ones(4, 2)
+    optimizer.step()
