@@ -94,6 +94,7 @@ from .exchange import (
 from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import (
     KeySeededUniform,
+    _check_modes_agree,
     _check_state_dict_keys,
     _check_writable,
     _distinct_sorted_rows,
@@ -431,6 +432,10 @@ def _as_keyed_jagged(kjt: Any) -> KeyedJagged:
     return kjt if type(kjt) is KeyedJagged else KeyedJagged._from_methods(kjt)
 
 
+# The single layers' setting names in a table shard's configuration, as TableConfig names them.
+_TABLE_FIELDS = {"embedding_vec_size": "embedding_dim", "max_vocabulary_size_per_gpu": "capacity",
+                 "embedding_initializer": "initializer"}
+
 class _TableShard(_ModelParallelEmbedding):
     """One table of a collection on this rank: its weight shard, hash table, admissions."""
 
@@ -447,7 +452,9 @@ class _TableShard(_ModelParallelEmbedding):
         self.config = config
 
     def _config(self) -> Dict[str, object]:
-        return {**super()._config(), "table": self.config.name, "features": ",".join(self.config.features),
+        # Named by TableConfig's fields, which the mismatch error then names.
+        config = {_TABLE_FIELDS.get(key, key): value for key, value in super()._config().items()}
+        return {**config, "table": self.config.name, "features": ",".join(self.config.features),
                 "combiner": self.config.combiner}
 
     def _repr_settings(self) -> str:
@@ -901,7 +908,7 @@ class EmbeddingBagCollection(nn.Module):
             config: Dict[str, object] = {"tables": ",".join(t.name for t in self.tables)}
             for shard in self._shards:
                 config.update({f"{shard.config.name}.{key}": value for key, value in shard._config().items()})
-            _agree_on_config(config, device, self.process_group, world, "EmbeddingBagCollection")
+            _agree_on_config(config, device, self.process_group, world, "EmbeddingBagCollection", "collection")
             self._config_agreed = True
         if error is None:
             per_owner_table = prepared["per_owner_table"]
@@ -910,7 +917,9 @@ class EmbeddingBagCollection(nn.Module):
             flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
         # Per owner: pair count, error flags, train/eval mode, then pairs per table. One host
         # read gives every split size and every rank's verdict.
-        mode = torch.full((world, 1), int(self.training), dtype=torch.int64, device=device)
+        # Bit 1: this forward records a backward (see shard._check_modes_agree).
+        records = torch.is_grad_enabled() and any(shard.weight.requires_grad for shard in self._shards)
+        mode = torch.full((world, 1), int(self.training) | int(records) << 1, dtype=torch.int64, device=device)
         # Then whether this rank's batch lists a feature of each table: every rank learns which
         # tables some rank's batch names this step, and each such table gets a gradient on
         # every rank (empty where the rank owns none of its keys, or where no rank has any)
@@ -937,10 +946,7 @@ class EmbeddingBagCollection(nn.Module):
             failed = [rank for rank, flag in enumerate(peer_flags) if flag]
             raise RuntimeError(f"EmbeddingBagCollection: rank(s) {failed} of the process group rejected their "
                                "input (see the error on those ranks); no rank went on with this step")
-        if len({row[2] for row in got}) > 1:
-            evaluating = [rank for rank, row in enumerate(got) if not row[2]]
-            raise RuntimeError(f"EmbeddingBagCollection: rank(s) {evaluating} are in eval() mode and the others "
-                               "in train() mode; switch the collection's mode on every rank alike")
+        _check_modes_agree("EmbeddingBagCollection", "collection", [row[2] for row in got])
         peer_layouts = [row[3 + 2 * num_tables:] for row in got]
         differing = [t for t in range(num_tables) if len({layout[t] for layout in peer_layouts}) > 1]
         if differing:

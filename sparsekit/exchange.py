@@ -494,7 +494,8 @@ def _wire_device(weight: Tensor, group) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str) -> None:
+def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str,
+                     what: str = "layer") -> None:
     """Whether every rank built ``config`` alike; a value that differs between ranks (or a
     setting one rank has and another lacks: a layer of another type, one table more) raises
     the same error on every rank, naming it and each rank's value, before any key or vector
@@ -513,7 +514,7 @@ def _agree_on_config(config: Dict[str, object], device: torch.device, group, wor
             shown = ", ".join(f"rank {rank}: {'(none)' if value is None else value[:200]}"
                               for rank, value in enumerate(values))
             raise ValueError(f"{name}: {key} differs between the ranks of the process group ({shown}); build "
-                             f"the layer with the same {key} on every rank")
+                             f"the {what} with the same {key} on every rank")
     raise AssertionError("configurations of different text but equal settings")
 
 

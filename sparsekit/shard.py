@@ -186,6 +186,23 @@ def _row_layout(weight: Tensor) -> int:
     return dtype << 40 | weight.shape[1]
 
 
+def _check_modes_agree(name: str, what: str, modes: List[int]) -> None:
+    """RuntimeError on every rank when the ranks' forward modes (bit 0: train(), bit 1: the
+    forward records a backward) differ: training ranks would wait for the table-status
+    all-reduce that eval ranks skip, and ranks that record a backward for the backward's
+    all-to-all of ranks that do not (``torch.no_grad()``, ``inference_mode`` or a frozen
+    weight on some ranks only), until the group's timeout or a gloo abort."""
+    if len({mode & 1 for mode in modes}) > 1:
+        evaluating = [rank for rank, mode in enumerate(modes) if not mode & 1]
+        raise RuntimeError(f"{name}: rank(s) {evaluating} are in eval() mode and the others in train() mode; "
+                           f"switch the {what}'s mode on every rank alike")
+    if modes[0] & 1 and len({mode >> 1 for mode in modes}) > 1:
+        without = [rank for rank, mode in enumerate(modes) if not mode >> 1]
+        raise RuntimeError(f"{name}: rank(s) {without} run this training forward without a gradient "
+                           "(torch.no_grad(), inference_mode or a frozen weight) and the others with one, whose "
+                           "backward would wait for them; run it alike on every rank")
+
+
 def _row_layout_text(code: int) -> str:
     dtype = code >> 40
     name = str(_LAYOUT_DTYPES[dtype]) if dtype < len(_LAYOUT_DTYPES) else "another dtype"
@@ -584,7 +601,10 @@ class _ModelParallelEmbedding(nn.Module):
             flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
         # Counts, error word and train/eval mode travel together; one host read gives both
         # split-size lists and every rank's verdict.
-        mode = torch.full((self.world_size,), int(self.training), dtype=torch.int64, device=device)
+        # Bit 1: this forward records a backward (whose all-to-all every rank must join).
+        records = torch.is_grad_enabled() and self.weight.requires_grad
+        mode = torch.full((self.world_size,), int(self.training) | int(records) << 1, dtype=torch.int64,
+                          device=device)
         # The weight's dtype and row width, which the vectors' all-to-all relies on, travel
         # too: the configuration is compared once, and a layer converted after (.double(),
         # .half()) on one rank would have the others read its bytes as theirs, or abort.
@@ -606,11 +626,7 @@ class _ModelParallelEmbedding(nn.Module):
             failed = [rank for rank, flag in enumerate(peer_flags) if flag]
             raise RuntimeError(f"{self._layer_name}: rank(s) {failed} of the process group rejected their input "
                                "(see the error on those ranks); no rank went on with this step")
-        if len(set(peer_modes)) > 1:
-            # Training ranks would wait for the table-status all-reduce that eval ranks skip.
-            evaluating = [rank for rank, training in enumerate(peer_modes) if not training]
-            raise RuntimeError(f"{self._layer_name}: rank(s) {evaluating} are in eval() mode and the others in "
-                               "train() mode; switch the layer's mode on every rank alike")
+        _check_modes_agree(self._layer_name, "layer", peer_modes)
         if len(set(peer_layouts)) > 1:
             shown = ", ".join(f"rank {rank}: {_row_layout_text(code)}" for rank, code in enumerate(peer_layouts))
             raise ValueError(f"{self._layer_name}: the weight's dtype or row width differs between the ranks of the "

@@ -912,7 +912,13 @@ def _config_mismatch_worker(rank, world_size, init):
         # One table more on rank 1: settings one rank lacks (a gather of unequal sizes aborted gloo).
         ([sk.TableConfig("users", 4, 8, ["u"])] + ([sk.TableConfig("items", 4, 8, ["i"])] if rank else []),
          users, r"tables differs .*rank 0: users, rank 1: users,items"),
-        ([sk.TableConfig("users", 4 + rank, 8, ["u"])], users, r"users.embedding_vec_size differs .*rank 0: 4, rank 1: 5"),
+        # Named by TableConfig's fields (they were the single layers' argument names).
+        ([sk.TableConfig("users", 4 + rank, 8, ["u"])], users,
+         r"users.embedding_dim differs .*rank 0: 4, rank 1: 5\); build the collection with the same "
+         r"users.embedding_dim on every rank"),
+        ([sk.TableConfig("users", 4, 8 + rank, ["u"])], users, r"users.capacity differs .*rank 0: 8, rank 1: 9"),
+        ([sk.TableConfig("users", 4, 8, ["u"], initializer=sk.KeySeededUniform(seed=rank))], users,
+         r"users.initializer differs .*rank 0: KeySeededUniform"),
         # Names and features that differ only past their 48th character, listed in another
         # order on rank 1: the check compared 48 characters and let the tables mix.
         ([sk.TableConfig(long + s, 4, 8, [long + s]) for s in (("a", "b") if rank == 0 else ("b", "a"))],

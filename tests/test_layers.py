@@ -3,6 +3,7 @@ gloo groups of 1 to 4 ranks checked against a one-process run of the same global
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
@@ -608,6 +609,43 @@ def test_one_process_lookup_keeps_the_tables_dtype(monkeypatch, kind, dtype):
             layer.train()
         assert torch.equal(outs[0], outs[1])
         assert torch.equal(layers[0].weight, layers[1].weight)
+
+
+def _check_grad_modes_agree(rank, world_size, init):
+    """A training forward that records no backward on one rank (torch.no_grad(),
+    inference_mode, a frozen weight) while the others record one: the others waited in their
+    backward's all-to-all until the group's timeout, or gloo aborted the process at the next
+    forward. Every rank now raises at the forward, and the group stays in step."""
+    init()
+    last = world_size - 1
+    layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 2)
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 16, ["a"]), sk.TableConfig("u", 3, 16, ["b"])])
+    kjt = sk.KeyedJagged(["a", "b"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1, 0]))
+    keys = torch.tensor([[[1, 2]], [[3, 5]]])
+    for how in ("no_grad", "inference_mode", "frozen"):
+        for module, call in ((layer, lambda: layer(keys)), (ebc, lambda: ebc(kjt))):
+            context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how)
+            if rank == last and how == "frozen":
+                module.requires_grad_(False)
+            with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{last}\] run this training forward without a "
+                                                   r"gradient \(torch.no_grad\(\), inference_mode or a frozen weight\)"):
+                with (context() if rank == last and context else contextlib.nullcontext()):
+                    call()
+            module.requires_grad_(True)
+    # Alike on every rank: no_grad forwards (warming the tables) and training steps work.
+    with torch.no_grad():
+        layer(keys)
+        ebc(kjt)
+    layer(keys).sum().backward()
+    sum(v.sum() for v in ebc(kjt).values()).backward()
+    # eval() forwards may differ in grad mode: no backward follows them.
+    layer.eval()
+    with (torch.no_grad() if rank == last else contextlib.nullcontext()):
+        layer(keys)
+
+
+def test_grad_modes_agree_across_ranks(tmp_path):
+    spawn(_check_grad_modes_agree, 2, str(tmp_path))
 
 
 # ---- DDP on the dense part -----------------------------------------------------------------
