@@ -1174,3 +1174,34 @@ def test_resuming_past_steps_says_there_is_nothing_to_train(tmp_path):
     result = train(tiny(steps=2, checkpoint_dir=str(tmp_path), resume=True), log=lines.append)
     assert result["steps"] == 4 and result["resumed_from_step"] == 4
     assert any("nothing to train: the checkpoint is at step 4, --steps is 2" in line for line in lines), lines
+
+
+def test_results_written_to_a_special_file_or_through_a_link_leave_it_in_place(tmp_path):
+    """--metrics-json /dev/null (or /dev/stdout) was written to a temporary file renamed onto
+    it: as root that replaced the machine's /dev/null with a regular file. A path that is no
+    regular file is written in place, and a link's file is replaced, not the link."""
+    import stat
+    import threading
+
+    from sparsekit.train.loop import _atomic_write_text
+
+    link = tmp_path / "null-link"
+    link.symlink_to(os.devnull)
+    _atomic_write_text(str(link), "discarded\n")
+    assert link.is_symlink() and stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    _atomic_write_text(str(fifo), "to the reader\n")
+    reader.join(timeout=30)
+    assert got == ["to the reader\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+    target, file_link = tmp_path / "metrics.json", tmp_path / "latest-metrics.json"
+    target.write_text("old")
+    file_link.symlink_to(target)
+    _atomic_write_text(str(file_link), "new\n")
+    assert file_link.is_symlink() and target.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "latest-metrics.json", "metrics.json", "null-link"]

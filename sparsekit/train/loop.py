@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -484,11 +485,30 @@ def _step_dir(config: TrainConfig, step: int) -> str:
 
 def _atomic_write(path: str, write) -> None:
     """``write(file)`` into a temporary file flushed to disk, then renamed to ``path``; an
-    OSError names ``path`` (the one the user gave), not the temporary file, which is removed."""
-    temporary = f"{path}.tmp{os.getpid()}"
+    OSError names ``path`` (the one the user gave), not the temporary file, which is removed.
+
+    The rename goes to the file a symbolic link names (the link stays). A ``path`` that is
+    no regular file (``--metrics-json /dev/null`` or ``/dev/stdout``, a FIFO) is written in
+    place: renamed onto, a device node would become a regular file (as root, ``/dev/null``
+    of the whole machine)."""
+    target = os.path.realpath(path)
+    try:
+        special = not stat.S_ISREG(os.stat(target).st_mode)
+    except FileNotFoundError:
+        special = False
+    except OSError as error:
+        raise OSError(error.errno, error.strerror or str(error), path) from error
+    if special:
+        try:
+            with open(target, "wb") as out:
+                write(out)
+        except OSError as error:
+            raise OSError(error.errno, error.strerror or str(error), path) from error
+        return
+    temporary = f"{target}.tmp{os.getpid()}"
     try:
         _write_file(temporary, write)
-        os.replace(temporary, path)
+        os.replace(temporary, target)
     except OSError as error:
         with contextlib.suppress(OSError):
             os.remove(temporary)
