@@ -436,6 +436,7 @@ def _as_keyed_jagged(kjt: Any) -> KeyedJagged:
 _TABLE_FIELDS = {"embedding_vec_size": "embedding_dim", "max_vocabulary_size_per_gpu": "capacity",
                  "embedding_initializer": "initializer"}
 
+
 class _TableShard(_ModelParallelEmbedding):
     """One table of a collection on this rank: its weight shard, hash table, admissions."""
 

@@ -1399,7 +1399,8 @@ def _embedding_gather_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(rows)
 
 
-def _embedding_gather_backward_of(ctx, grad_output: Tensor):
+def _embedding_gather_backward_of(ctx, grad_output: Tensor, dtype: Optional[torch.dtype] = None):
+    """The weight's gradient, of ``dtype`` (default: the output gradient's)."""
     (rows,) = ctx.saved_tensors
     flat_rows = rows.reshape(-1)
     positions = torch.arange(flat_rows.shape[0], device=rows.device)
@@ -1410,7 +1411,7 @@ def _embedding_gather_backward_of(ctx, grad_output: Tensor):
         source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])
         if source.dtype in (torch.float16, torch.bfloat16):
             source = source.float()
-        return _sparse_row_gradient(source, positions, flat_rows, num_rows, dtype=grad_output.dtype), None
+        return _sparse_row_gradient(source, positions, flat_rows, num_rows, dtype=dtype or grad_output.dtype), None
 
     # Each lookup is its own bag of one; the gradient does not depend on the weight's values.
     spec = _LookupSpec(flat_rows, positions, "gather", first_order)
@@ -1449,19 +1450,9 @@ def _embedding_gather_float_setup_context(ctx, inputs, output) -> None:
 
 
 def _embedding_gather_float_backward(ctx, grad_output: Tensor):
-    (rows,) = ctx.saved_tensors
-    flat_rows = rows.reshape(-1)
-    positions = torch.arange(flat_rows.shape[0], device=rows.device)
-
-    def first_order(grad_output: Tensor, weight: None, per_sample_weights: None):
-        source = grad_output.reshape(flat_rows.shape[0], grad_output.shape[-1])  # float32 already
-        return _sparse_row_gradient(source, positions, flat_rows, ctx.num_rows, dtype=ctx.weight_dtype), None
-
-    # As embedding_gather's: differentiable again under create_graph=True.
+    # embedding_gather's, from the float32 gradient to the table's dtype (differentiable again).
     with _first_lookup_of(ctx.weight_id, grad_output):
-        grad_weight, _ = _lookup_gradients(_LookupSpec(flat_rows, positions, "gather", first_order), grad_output,
-                                           None, None)
-    return grad_weight, None
+        return _embedding_gather_backward_of(ctx, grad_output, ctx.weight_dtype)
 
 
 _embedding_gather_float.register_autograd(_embedding_gather_float_backward,

@@ -260,9 +260,10 @@ class LazyAdam(torch.optim.Optimizer):
         # The update is non-linear in the gradient, so duplicate rows must be summed first.
         return _sum_repeated_rows(indices, values, _row_view(param, grad.sparse_dim()).shape[0])
 
-    def _check_gradients(self, rows_checked_later: Optional[Set[int]] = None) -> None:
+    def _check_gradients(self, rows_checked_later: Optional[Set[int]] = None) -> Dict[int, int]:
         """Every gradient and the state it will update, before any update: layout, shape,
-        dtype, device, the state's entries (:func:`_check_step_state`), and the rows of
+        dtype, device, the state's entries and step counter (:func:`_check_step_state`;
+        returned: each counter by the parameter's ``id``), and the rows of
         sparse gradients and the memory they share (except for the parameters whose ``id``
         is in ``rows_checked_later``: the fused update's kernel checks both itself, every
         table before it writes anything, and on its error this runs again in full for
@@ -273,6 +274,7 @@ class LazyAdam(torch.optim.Optimizer):
         """
         ranges: List[Tensor] = []
         where: List[Tuple[int, int, Tensor]] = []
+        steps: Dict[int, int] = {}
         for g, group in enumerate(self.param_groups):
             for i, param in enumerate(group["params"]):
                 grad = param.grad
@@ -317,9 +319,11 @@ class LazyAdam(torch.optim.Optimizer):
                                        f"parameter is {param.dtype} on {param.device}; a gradient must have its "
                                        "parameter's dtype and device")
                 checked_later = rows_checked_later is not None and id(param) in rows_checked_later
-                _check_step_state(self.state.get(param), param, grad, g, i, check_memory=not checked_later)
+                step = _check_step_state(self.state.get(param), param, grad, g, i, check_memory=not checked_later)
+                if step is not None:
+                    steps[id(param)] = step
         if not ranges:
-            return
+            return steps
         # One host read for every sparse gradient of the step.
         bounds = torch.stack([r.to(ranges[0].device) for r in ranges]).tolist()
         for (low, high, unordered), (g, i, param) in zip(bounds, where):
@@ -338,6 +342,7 @@ class LazyAdam(torch.optim.Optimizer):
                     raise RuntimeError(f"LazyAdam: the sparse gradient of parameter {i} of group {g} is marked "
                                        f"coalesced but holds row {int(repeated[0])} more than once (coalesce() it, "
                                        "or build it without is_coalesced=True); nothing was updated")
+        return steps
 
     def _fusable(self, param: Tensor) -> bool:
         """Whether the sparse update of ``param`` can go through the one multi-table CPU
@@ -357,35 +362,12 @@ class LazyAdam(torch.optim.Optimizer):
         moments = [state.get(name) for name in ("exp_avg", "exp_avg_sq")]
         return all(isinstance(m, Tensor) and m.dtype == torch.float32 and m.is_contiguous() for m in moments)
 
-    def _check_step_values(self) -> Dict[int, int]:
-        """The step counter of every parameter with a gradient and a state (by ``id``), each
-        checked before anything is updated (a value edited into ``state`` by hand, NaN or
-        2**70, failed in the update after the parameters before it
-        had been updated).
-
-        Raises:
-            RuntimeError: naming the parameter whose counter an update cannot advance.
-        """
-        where: List[Tuple[int, int, Tensor]] = []
-        for g, group in enumerate(self.param_groups):
-            for i, param in enumerate(group["params"]):
-                if param.grad is not None and self.state.get(param):
-                    where.append((g, i, param))
-        if not where:
-            return {}
-        values = [self.state[param]["step"].item() for _, _, param in where]  # CPU scalars: cheaper than a stack
-        for (g, i, param), value in zip(where, values):
-            if not _valid_step(value):
-                raise RuntimeError(f"LazyAdam: the state of parameter {i} of group {g} (shape {tuple(param.shape)}): "
-                                   f"'step' must be a finite integer >= 0 below 2**63 - 1, got {value}; nothing "
-                                   "was updated")
-        return {id(param): int(value) for (_, _, param), value in zip(where, values)}
-
     def _fused_sparse_step(self, fused: Set[int], counted: Dict[int, int]) -> None:
         """The sparse updates of the ``fused`` parameters (ids), every group at once: one
         multi-table call of the lazy Adam kernel (the arithmetic of
         :func:`sparsekit.ops.lazy_adam_`), which checks every row of every table before it
-        writes; then their step counters."""
+        writes; then their step counters (``counted``: each one's value before the step, by
+        the parameter's ``id``, as :meth:`_check_gradients` read it)."""
         tables: List[List[Any]] = [[] for _ in range(5)]
         steps: List[int] = []
         hyper: List[float] = []
@@ -440,8 +422,7 @@ class LazyAdam(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"LazyAdam.step (parameter group {index})")
         fused = {id(p) for group in self.param_groups for p in group["params"] if self._fusable(p)}
-        self._check_gradients(fused)
-        steps = self._check_step_values()
+        steps = self._check_gradients(fused)
         if fused:
             self._fused_sparse_step(fused, steps)
         for group in self.param_groups:
@@ -605,15 +586,17 @@ def _torch_adam_setting(value: Any) -> Any:
 
 
 def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tensor, group_index: int,
-                      position: int, check_memory: bool = True) -> None:
+                      position: int, check_memory: bool = True) -> Optional[int]:
     """RuntimeError naming the entry of ``state`` (the state of ``param``, parameter
     ``position`` of group ``group_index``, about to be updated with the (checked) gradient
     ``grad``; none or empty: created at the update) that the update could not use: a missing
     entry, a ``step`` that is not a one-element float32 / float64 CPU tensor, moments that
     are not strided tensors of the parameter's shape, device and dtype (with a sparse
     gradient, float32 or float64 too, the same for both moments), or (``check_memory``) memory
-    shared by any two of weight, moments and gradient. The step's value is checked by
-    ``load_state_dict`` and by ``LazyAdam._check_step_values``, not here."""
+    shared by any two of weight, moments and gradient; or a ``step`` whose value an update
+    cannot advance (a value edited into the state by hand, NaN or 2**70, failed in the
+    update after the parameters before it had been updated). Returns that value (None
+    without a state)."""
     # Built only to raise: this runs for every parameter on every step.
     def name() -> str:
         return f"LazyAdam: the state of parameter {position} of group {group_index} (shape {tuple(param.shape)})"
@@ -624,7 +607,7 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
     if not state:
         if check_memory:
             _check_disjoint(name, {"the parameter": param, "the gradient": grad._values() if grad.is_sparse else grad})
-        return
+        return None
     missing = [key for key in _STATE_KEYS if key not in state]
     if missing:
         raise RuntimeError(f"{name()} lacks {missing}: load a complete state (LazyAdam.state_dict()) or none")
@@ -634,17 +617,20 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
         got = (f"{step.dtype} tensor of shape {tuple(step.shape)} on {step.device}" if isinstance(step, Tensor)
                else type(step).__name__)
         raise RuntimeError(f"{name()}: 'step' must be a one-element float32 or float64 CPU tensor, got {got}")
+    value = step.item()
+    if not _valid_step(value):
+        raise RuntimeError(f"{name()}: 'step' must be a finite integer >= 0 below 2**63 - 1, got {value}; nothing "
+                           "was updated")
     # torch's Adam wants the parameter's dtype. The lazy update also runs in float32 or
     # float64 moments (an embedding shard's float32 ones, a checkpoint's of another precision:
     # load_checkpoint keeps their dtype), as long as both moments share it.
     dtypes = [param.dtype]
+    first = state["exp_avg"].dtype if isinstance(state["exp_avg"], Tensor) else None
     if not grad.is_sparse and param.dtype in (torch.float16, torch.bfloat16):
         # A half embedding shard's float32 moments: its dense gradient (an L2 term over the
         # weight) is also applied in float32 and the weight rounded once (see step).
-        first = state["exp_avg"].dtype if isinstance(state["exp_avg"], Tensor) else None
         dtypes = [first] if first in (param.dtype, torch.float32) else [param.dtype, torch.float32]
     elif grad.is_sparse:
-        first = state["exp_avg"].dtype if isinstance(state["exp_avg"], Tensor) else None
         if first is not None and (first == param.dtype or first in (torch.float32, torch.float64)):
             dtypes = [first]
         else:
@@ -661,6 +647,7 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
         _check_disjoint(name, {"the parameter": param, "'exp_avg'": state["exp_avg"],
                                "'exp_avg_sq'": state["exp_avg_sq"],
                                "the gradient": grad._values() if grad.is_sparse else grad})
+    return int(value)
 
 
 def _check_disjoint(name: Callable[[], str], tensors: Dict[str, Tensor]) -> None:

@@ -492,23 +492,18 @@ def _atomic_write(path: str, write) -> None:
     place: renamed onto, a device node would become a regular file (as root, ``/dev/null``
     of the whole machine)."""
     target = os.path.realpath(path)
-    try:
-        special = not stat.S_ISREG(os.stat(target).st_mode)
-    except FileNotFoundError:
-        special = False
-    except OSError as error:
-        raise OSError(error.errno, error.strerror or str(error), path) from error
-    if special:
-        try:
-            with open(target, "wb") as out:
-                write(out)
-        except OSError as error:
-            raise OSError(error.errno, error.strerror or str(error), path) from error
-        return
     temporary = f"{target}.tmp{os.getpid()}"
     try:
-        _write_file(temporary, write)
-        os.replace(temporary, target)
+        try:
+            special = not stat.S_ISREG(os.stat(target).st_mode)
+        except FileNotFoundError:
+            special = False
+        if special:
+            with open(target, "wb") as out:
+                write(out)
+        else:
+            _write_file(temporary, write)
+            os.replace(temporary, target)
     except OSError as error:
         with contextlib.suppress(OSError):
             os.remove(temporary)
