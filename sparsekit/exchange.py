@@ -181,32 +181,11 @@ def _unique_tables(keys: Tensor, offsets: List[int], tables: List[int],
     """Distinct keys per table: ``keys[offsets[s]:offsets[s + 1]]`` belong to table
     ``tables[s]`` (segments in key order). Returns the distinct keys table after table,
     each table's in order of first occurrence; ``inverse`` with ``keys ==
-    unique_keys[inverse]``; int64 ``[num_tables]`` distinct counts. On the CPU one op (a
-    small table per table, no merge); elsewhere two :func:`sparsekit.ops.unique` calls
-    (keys, then ``key_id * num_tables + table``) and a stable sort by table, which give the
-    same result."""
-    if keys.device.type == "cpu":
-        return torch.ops.sparsekit.unique_tables(keys, offsets, tables, num_tables)
-    return _unique_tables_by_pairs(keys, offsets, tables, num_tables)
-
-
-def _unique_tables_by_pairs(keys: Tensor, offsets: List[int], tables: List[int],
-                            num_tables: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_unique_tables` on any device, from :func:`sparsekit.ops.unique`."""
-    device = keys.device
-    if keys.numel() == 0:
-        return keys.new_zeros(0), keys.new_zeros(0, dtype=torch.int64), \
-            torch.zeros(num_tables, dtype=torch.int64, device=device)
-    sizes = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], dtype=torch.int64)
-    table_of_key = torch.repeat_interleave(torch.tensor(tables, dtype=torch.int64), sizes,
-                                           output_size=keys.numel()).to(device)
-    unique_keys, key_id = ops.unique(keys)
-    pair_ids, pair_of_key = ops.unique(key_id * num_tables + table_of_key)
-    pair_tables = torch.remainder(pair_ids, num_tables)
-    order = torch.sort(pair_tables, stable=True).indices
-    position = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
-    out = unique_keys.index_select(0, torch.div(pair_ids.index_select(0, order), num_tables, rounding_mode="floor"))
-    return out, position.index_select(0, pair_of_key), torch.bincount(pair_tables, minlength=num_tables)
+    unique_keys[inverse]``; int64 ``[num_tables]`` distinct counts. One op on every device
+    (``sparsekit::unique_tables``: on the CPU a small table per table, no merge; on CUDA
+    :func:`sparsekit.tables_cuda.unique_tables`, two host syncs whatever the number of
+    tables)."""
+    return torch.ops.sparsekit.unique_tables(keys, offsets, tables, num_tables)
 
 
 # Above this many rows torch's CPU sort beats numpy's (453 vs 524 us for 50,000 rows on the

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _cuda import count_host_syncs
 from _distributed import spawn
 from _state import assert_equal_nested
 
@@ -1337,3 +1338,33 @@ def test_a_float64_shard_pools_with_float32_tables_of_its_dim():
     assert ebc.weights["t"].grad.dtype == torch.float64 and ebc.weights["u"].grad.dtype == torch.float32
     assert torch.equal(ebc.weights["t"].grad.to_dense().sum(0), torch.full((4,), 2.0, dtype=torch.float64))
     assert torch.equal(ebc.weights["u"].grad.to_dense().sum(0), torch.full((4,), 4.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_host_syncs_per_step_do_not_grow_with_the_number_of_tables_on_cuda():
+    """A training step (forward, backward, LazyAdam) whose keys are all in the tables makes
+    as many host syncs with 12 tables of two dims as with 2 (README: "the host syncs do not
+    depend on the number of tables")."""
+    def syncs(num_tables):
+        torch.manual_seed(0)
+        features = [f"f{t}" for t in range(num_tables)]
+        ebc = sk.EmbeddingBagCollection([sk.TableConfig(f"t{t}", 8 if t % 2 else 16, 1000, [features[t]])
+                                         for t in range(num_tables)], device="cuda")
+        opt = sk.LazyAdam(ebc.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.randint(1, 3, (num_tables * 32,), generator=g)
+        values = torch.randint(0, 100, (int(lengths.sum()),), generator=g)
+        kjt = sk.KeyedJagged(features, values.cuda(), lengths=lengths.cuda())
+
+        def step():
+            out = ebc(kjt)
+            sum(v.sum() for v in out.values()).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()  # places the keys
+        step()  # warm: allocator, CUB's scratch sizes
+        return count_host_syncs(step)
+
+    few, many = syncs(2), syncs(12)
+    assert few == many, (few, many)

@@ -2,7 +2,7 @@
 mixed dims (tables of one dim pool together), float32 and bfloat16, hash or direct rows,
 sum or mean, features sharing tables, empty bags and empty features, per-value weights,
 batch sizes 0..40, int32 and int64 values, 1-3 micro-batches whose gradients accumulate
-before they are read; forward values and every table's gradient."""
+before they are read; forward values and every table's gradient, on every device."""
 
 import zlib
 
@@ -42,16 +42,16 @@ def _initial(table, keys):
 
 # Three tables of one dim; the second micro-batch gives keys to tables that had empty
 # gradients in the first (the empty gradients once shared one buffer's storage).
-@example(([dict(name=f"t{t}", dim=1, features=[f"f{t}_0"], combiner="sum", dtype=torch.float32, direct=False)
+@example(config=([dict(name=f"t{t}", dim=1, features=[f"f{t}_0"], combiner="sum", dtype=torch.float32, direct=False)
            for t in range(3)], ["f0_0", "f1_0", "f2_0"], 7, False, False, 2, 0))
-@given(configurations())
+@given(config=configurations())
 @examples(10)
-def test_collection_matches_plain_torch(config):
+def test_collection_matches_plain_torch(config, device):
     tables, used, batch, weighted, int32, micro_batches, seed = config
     g = torch.Generator().manual_seed(seed)
     ebc = sk.EmbeddingBagCollection([
         sk.TableConfig(t["name"], t["dim"], 64, t["features"], combiner=t["combiner"], dtype=t["dtype"],
-                       use_hashtable=not t["direct"]) for t in tables])
+                       use_hashtable=not t["direct"]) for t in tables], device=device)
     table_of = {f: t for t in tables for f in t["features"]}
     grads = {t["name"]: {} for t in tables}
     for micro_batch in range(micro_batches):
@@ -64,11 +64,12 @@ def test_collection_matches_plain_torch(config):
         if int32:
             values = values.int()
         weights = torch.rand(values.numel(), generator=g) if weighted else None
-        kjt = sk.KeyedJagged(features, values, lengths=lengths, weights=weights)
+        kjt = sk.KeyedJagged(features, values.to(device), lengths=lengths.to(device),
+                             weights=None if weights is None else weights.to(device))
         out = ebc(kjt)
         assert list(out) == features
 
-        offsets = kjt.offsets()
+        offsets = kjt.offsets().cpu()
         for f, feature in enumerate(features):
             table = table_of[feature]
             rows = []
@@ -84,9 +85,10 @@ def test_collection_matches_plain_torch(config):
             expected = (torch.stack(rows) if rows else torch.zeros(0, table["dim"])).to(table["dtype"])
             assert out[feature].dtype == table["dtype"] and out[feature].shape == (batch, table["dim"])
             tolerance = dict(rtol=1e-2, atol=1e-3) if table["dtype"] == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(out[feature], expected, **tolerance)
+            assert out[feature].device == device
+            torch.testing.assert_close(out[feature].cpu(), expected, **tolerance)
 
-        loss = sum((v.float().sum() for v in out.values()), torch.zeros(()))
+        loss = sum((v.float().sum() for v in out.values()), torch.zeros((), device=device))
         if loss.requires_grad:
             loss.backward()
     for table in tables:
@@ -95,9 +97,9 @@ def test_collection_matches_plain_torch(config):
         if grad is None:
             assert not want
             continue
-        grad = grad.coalesce()
+        grad = grad.coalesce().cpu()
         shard = ebc.shards[int(table["name"][1:])]
-        keys = shard.owned_keys() if shard.hash_table is None else shard.hash_table.export()[0]
+        keys = (shard.owned_keys() if shard.hash_table is None else shard.hash_table.export()[0]).cpu()
         got = {}
         for row, value in zip(grad.indices()[0].tolist(), grad.values().float()):
             got[int(keys[row])] = value

@@ -2,6 +2,7 @@ import io
 
 import pytest
 import torch
+from _cuda import count_host_syncs
 
 import sparsekit as sk
 
@@ -307,26 +308,12 @@ def test_raw_insert_that_does_not_fit_writes_nothing_on_every_device(device, pas
     assert torch.equal(rows.cpu(), torch.arange(16))
 
 
-def _count_syncs(fn):
-    import warnings
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_hash_table_insert_host_syncs_on_cuda():
     """HashTable.insert syncs exactly as documented: unique's size and the count of new keys."""
     table = sk.HashTable(1 << 12, device="cuda")
     table.insert(torch.arange(100, device="cuda"))  # warm up (allocator, CUB temp sizes)
-    assert _count_syncs(lambda: table.insert(torch.arange(50, 300, device="cuda"))) == 2
+    assert count_host_syncs(lambda: table.insert(torch.arange(50, 300, device="cuda"))) == 2
 
 
 def test_erase_select_and_score_ops_opcheck(device):

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from torch.library import opcheck
 
 import sparsekit as sk
-from sparsekit.exchange import _NUMPY_SORT_MAX_ROWS, _sort_rows, _unique_tables, _unique_tables_by_pairs
+from sparsekit.exchange import _NUMPY_SORT_MAX_ROWS, _sort_rows
 from properties import examples, make_keys, num_threads, thread_counts
 
 unique_tables = torch.ops.sparsekit.unique_tables
@@ -85,23 +85,6 @@ def test_unique_tables_matches_a_dedup_table_by_table(sizes, num_tables, distrib
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
     assert torch.equal(got[0][got[1]], keys)
-
-
-# CPU only: the exchange's own two paths.
-@examples(10)
-@given(sizes=st.lists(st.sampled_from([0, 1, 17, 4096, 70_000]), min_size=1, max_size=5),
-       num_tables=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
-def test_unique_tables_matches_the_two_unique_path_of_other_devices(sizes, num_tables, seed):
-    """Segments in key order, as the collection passes them (features of a shared table
-    apart): the CPU op and the path the collection takes on CUDA agree exactly."""
-    g = torch.Generator().manual_seed(seed)
-    tables = torch.randint(0, num_tables, (len(sizes),), generator=g).tolist()
-    offsets, tables = segments(sizes, tables)
-    keys = make_keys(offsets[-1], "zipf", seed)
-    got = _unique_tables(keys, offsets, tables, num_tables)
-    want = _unique_tables_by_pairs(keys, offsets, tables, num_tables)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
 
 
 def test_unique_tables_empty_and_tableless(device):

@@ -498,6 +498,9 @@ Tensor embedding_bag_cuda(const Tensor& weight_in, const Tensor& rows_in, const 
         weighted ? launch_pieces(long_bag_pieces_kernel<scalar_t, index_t, 1, true>)
                  : launch_pieces(long_bag_pieces_kernel<scalar_t, index_t, 1, false>);
       }
+      // With no column the pieces only checked their rows and wrote no partial: nothing to
+      // combine (the combine would read the unwritten counts).
+      if (dim == 0) return;
       auto launch_combine = [&](auto kernel) {
         kernel<<<grid_for(chunks, group_log2), kThreadsPerBlock, 0, stream>>>(
             args, chunks, mean, partial_ptr, partial_valid_ptr, partial_weight_ptr, out_ptr, group_log2);
