@@ -142,8 +142,9 @@ __global__ void __launch_bounds__(kOutputThreads)
     unsigned int slot = (static_cast<unsigned int>(id[k]) * 2654435769u) >> (32 - kCountSlotBits);
     bool counted = false;
     for (int probe = 0; probe < kCountProbes; ++probe) {
-      pos_t held = *reinterpret_cast<volatile pos_t*>(&tile_ids[slot]);  // CASed by the block's threads
-      if (held == kEmpty) held = atomic_cas(&tile_ids[slot], kEmpty, id[k]);
+      // Always the CAS (a plain read first would race with the other threads' CAS, which
+      // compute-sanitizer's racecheck reports): the old value says claimed, ours, or taken.
+      const pos_t held = atomic_cas(&tile_ids[slot], kEmpty, id[k]);
       if (held == kEmpty || held == id[k]) {
         atomicAdd(&tile_counts[slot], 1u);
         counted = true;
