@@ -91,14 +91,18 @@ def tensor_integer(value: Any) -> Any:
 
 
 def as_index(value: Any) -> int:
-    """``operator.index(value)``, also for 0-d integer tensors that torch cannot read as an
+    """``operator.index(value)``, for tensors only 0-d ones (torch also reads any tensor of
+    one element, which a numpy array of shape [1] is not), also those torch cannot read as an
     int64: a uint64 one past 2^63 - 1 gives its value (torch raised a RuntimeError), a meta
     one a TypeError (it holds no value).
 
     Raises:
-        TypeError: as ``operator.index``, or a 0-d tensor on the meta device.
+        TypeError: as ``operator.index``, a tensor that is not 0-d, or a 0-d tensor on the
+            meta device.
     """
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise TypeError(f"a {value.dim()}-d tensor of shape {list(value.shape)} is not one integer")
         if value.device.type == "meta":
             raise TypeError("a tensor on the meta device holds no value")
         if value.dtype == torch.uint64:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import struct
 from collections.abc import ItemsView, KeysView, Mapping, Set as AbstractSet
 from functools import lru_cache
-from typing import Iterable, Sequence, Union
+from typing import Iterable, List, Sequence, Union
 
 import numpy as np
 import torch
@@ -144,18 +144,48 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
         ValueError: a ``str`` with no UTF-8 encoding (a lone surrogate), or a ``slot``
             outside the int64 range.
     """
-    return _hash(value, *_slot_and_seed(slot, seed, "sparsekit.hashing"))
+    where = "sparsekit.hashing.hash_value"
+    slot, seed = _slot_and_seed(slot, seed, where)
+    try:
+        return _hash(value, slot, seed)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise _named(error, where) from error.__cause__
+
+
+def _named(error: Exception, prefix: str) -> Exception:
+    """``error`` again, its message after ``prefix`` (the function and the value's place)."""
+    return type(error)(f"{prefix}: {error}")
+
+
+def _hash_all(values: Iterable[Value], slot: int, seed: int, where: str, name: str) -> List[int]:
+    """:func:`_hash` of each value; a refused one is named by its position, ``name[i]``."""
+    keys: List[int] = []
+    try:
+        for value in values:
+            keys.append(_hash(value, slot, seed))
+    except (TypeError, ValueError, OverflowError) as error:
+        raise _named(error, f"{where}: {name}[{len(keys)}]") from error.__cause__
+    return keys
+
+
+def _hash_cell(value: Value, slot: int, seed: int, where: str, row: int, column: int) -> int:
+    """:func:`_hash` of ``rows[row][column]``; a refused one is named by its place."""
+    try:
+        return _hash(value, slot, seed)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise _named(error, f"{where}: rows[{row}][{column}]") from error.__cause__
 
 
 def _hash(value: Value, slot: int, seed: int) -> int:
-    """:func:`hash_value` of a slot and seed already checked (``seed`` taken modulo 2**64)."""
+    """:func:`hash_value` of a slot and seed already checked (``seed`` taken modulo 2**64).
+    Its errors say what is wrong with the value; the caller puts where in front."""
     if isinstance(value, str):
         try:
             encoded = value.encode("utf-8")
         except UnicodeEncodeError as error:
             shown = value if len(value) <= 64 else value[:61] + "..."
             raise ValueError(
-                f"sparsekit.hashing: cannot hash {shown!r}: str values are hashed as their UTF-8 bytes and "
+                f"cannot hash {shown!r}: str values are hashed as their UTF-8 bytes and "
                 f"{value[error.start:error.end]!r} (a lone surrogate, at index {error.start}) has no UTF-8 "
                 "encoding; pass bytes, or repair the string first") from error
         return _to_int64(_digest(encoded, _seed(slot, seed, _TEXT)))
@@ -166,12 +196,12 @@ def _hash(value: Value, slot: int, seed: int) -> int:
     if isinstance(value, torch.Tensor) and value.dim() != 0 and value.numel() == 1:
         # A one-element tensor converts with operator.index; as a numpy array of shape [1]
         # does not, neither does it here: it is a sequence, not one integer.
-        raise TypeError(f"sparsekit.hashing: cannot hash a {value.dim()}-d tensor of shape {list(value.shape)} as "
+        raise TypeError(f"cannot hash a {value.dim()}-d tensor of shape {list(value.shape)} as "
                         "one value; pass a 0-d tensor or an int (hash_values hashes a tensor element by element)")
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        raise TypeError("sparsekit.hashing: cannot hash a tensor on the meta device: it holds no values")
+        raise TypeError("cannot hash a tensor on the meta device: it holds no values")
     if is_bool(value):
-        raise TypeError(f"sparsekit.hashing: cannot hash a bool ({value!r}): it would share the key of the "
+        raise TypeError(f"cannot hash a bool ({value!r}): it would share the key of the "
                         "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant")
     try:
         integer = as_index(value)
@@ -190,13 +220,13 @@ def _hash(value: Value, slot: int, seed: int) -> int:
         hint = ("; hash an array element by element with hash_values, or its raw bytes with .tobytes()"
                 if isinstance(value, (np.ndarray, torch.Tensor)) else "")
         raise TypeError(
-            f"sparsekit.hashing: cannot hash a {type(value).__name__}; pass str, bytes (or another "
+            f"cannot hash a {type(value).__name__}; pass str, bytes (or another "
             f"bytes-like object) or int (convert floats to a string or an int first){hint}")
     try:
         packed = _INT_LAYOUT.pack(integer)
     except struct.error:
         raise OverflowError(
-            f"sparsekit.hashing: integer {integer} is outside the int64 range; "
+            f"integer {integer} is outside the int64 range; "
             "pass it as a string instead") from None
     return _to_int64(_digest(packed, _seed(slot, seed, _INT)))
 
@@ -263,7 +293,7 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
         except TypeError:
             raise TypeError(f"{where}: values must be {_VALUES_WANTED}, got {_shown(values)}; hash a single "
                             "value with hash_value") from None
-    keys = [_hash(value, slot, seed) for value in values]
+    keys = _hash_all(values, slot, seed, where, "values")
     return torch.tensor(keys, dtype=torch.int64).reshape(len(keys))
 
 
@@ -313,5 +343,6 @@ def hash_rows(rows: Sequence[Sequence[Value]], *, seed: int = 0, first_slot: int
         if length != width:
             raise ValueError(f"{where}: row {index} has {length} values, "
                              f"row 0 has {width}; every row needs one value per slot")
-        keys.append([_hash(value, first_slot + column, seed) for column, value in enumerate(row)])
+        keys.append([_hash_cell(value, first_slot + column, seed, where, index, column)
+                     for column, value in enumerate(row)])
     return torch.tensor(keys, dtype=torch.int64).reshape(len(keys), width)

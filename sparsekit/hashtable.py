@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import allocation, dense_layout, device_argument, integer_argument, size_argument, tensor_integer
+from ._checks import (allocation, as_index, dense_layout, device_argument, integer_argument, is_bool, size_argument,
+                      tensor_integer)
 from .allocator import table_full, table_zeros
 
 __all__ = ["HashTable", "HashTableFullError"]
@@ -604,6 +605,11 @@ class HashTable:
                                  f"{tuple(getattr(value, 'shape', ()))}")
             scores.append(value.to(self.device))
         clock = tensor_integer(state_dict.get("clock", 0))
+        if not isinstance(clock, (int, Tensor)) and not is_bool(clock):
+            try:
+                clock = as_index(clock)  # a numpy integer
+            except TypeError:
+                pass
         # Bounded well inside int64: every training step adds one, and an int64 past its end
         # would fail a later insert after it placed its keys.
         if isinstance(clock, bool) or not isinstance(clock, int) or not 0 <= clock < _MAX_CLOCK:
@@ -614,12 +620,17 @@ class HashTable:
         # read as an absent key's -1 in scores() and skew LRU / LFU eviction.
         last_seen, count = scores
         if keys.numel() > 0:
-            wrong = torch.stack([(count < 0).any(), (last_seen < 0).any(), (last_seen > clock).any()]).tolist()
+            wrong = torch.stack([(count < 0).any(), (count >= _MAX_CLOCK).any(), (last_seen < 0).any(),
+                                 (last_seen > clock).any()]).tolist()
             if any(wrong):
+                # A count, as the clock, loads only below 2**62: each insert or touch adds one,
+                # and past int64's end it would wrap to a negative count, which LFU evicts first.
                 what = "'count' holds a negative count" if wrong[0] else \
-                    "'last_seen' holds a negative clock reading" if wrong[1] else \
+                    "'count' holds a count of 2**62 or more" if wrong[1] else \
+                    "'last_seen' holds a negative clock reading" if wrong[2] else \
                     f"'last_seen' holds a clock reading past the state's clock {clock}"
-                raise ValueError(f"HashTable.load_state_dict: {what} (min count {int(count.min())}, last_seen in "
+                raise ValueError(f"HashTable.load_state_dict: {what} (count in [{int(count.min())}, "
+                                 f"{int(count.max())}], last_seen in "
                                  f"[{int(last_seen.min())}, {int(last_seen.max())}]); the state is damaged")
         keys = keys.to(device=self.device, dtype=self._key_dtype)
         if keys.numel() > 0 and ops.unique(keys, return_inverse=False).numel() != keys.numel():

@@ -689,3 +689,17 @@ def test_sizes_take_numpy_integers_and_refuse_other_types_with_type_errors():
     ]:
         with pytest.raises(error, match="^" + message):
             make()
+
+
+@pytest.mark.parametrize("value", [torch.tensor([3]), torch.tensor([[3]]), torch.tensor([2**63], dtype=torch.uint64)])
+def test_an_integer_argument_is_not_a_tensor_of_one_element(value):
+    """A 0-d integer tensor passes as an int; a tensor of shape [1] (or [1, 1]) does not, as a
+    numpy array of shape [1] does not: a TypeError naming the argument, not torch's overflow
+    error for a uint64 past int64."""
+    with pytest.raises(TypeError, match=r"HashTable: capacity must be an int, got tensor"):
+        sk.HashTable(value)
+    with pytest.raises(TypeError, match=r"hash_value: seed must be an int, got tensor"):
+        sk.hashing.hash_value("a", seed=value)
+    assert sk.HashTable(torch.tensor(3)).capacity == 3
+    assert sk.hashing.hash_value("a", seed=torch.tensor(2**64 - 1, dtype=torch.uint64)) == \
+        sk.hashing.hash_value("a", seed=-1)

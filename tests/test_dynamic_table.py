@@ -23,6 +23,7 @@ which the soak crosses many times.
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -535,6 +536,9 @@ def test_state_with_mismatched_scores_is_a_value_error():
 
 @pytest.mark.parametrize("name, values, message", [
     ("count", [-1, 1, 1], "'count' holds a negative count"),
+    # One more insert would wrap it past int64's end to a negative count, evicted first.
+    ("count", [2**63 - 1, 1, 1], r"'count' holds a count of 2\*\*62 or more"),
+    ("count", [1, 2**62, 1], r"'count' holds a count of 2\*\*62 or more"),
     ("last_seen", [-1, 0, 0], "'last_seen' holds a negative clock reading"),
     ("last_seen", [0, 500, 1], "'last_seen' holds a clock reading past the state's clock 1"),
 ])
@@ -568,6 +572,9 @@ def test_state_with_a_clock_that_is_not_an_integer_is_a_value_error(clock):
     state["clock"] = torch.tensor([3], dtype=torch.int32)  # any one-element integer tensor
     loaded.load_state_dict(state)
     assert loaded.clock == 3
+    state["clock"] = np.int64(4)  # and a numpy integer, as every integer argument takes
+    loaded.load_state_dict(state)
+    assert loaded.clock == 4
 
 
 # ---- random streams against the reference ----

@@ -162,11 +162,11 @@ def test_no_collisions_among_many_distinct_values():
 def test_bools_are_refused_as_values(value):
     """True is an int to Python, but a flag hashed as 1 would share the integer 1's key: every
     kind of bool is refused, as it is for slot and seed, with the explicit conversion to use."""
-    with pytest.raises(TypeError, match=r"sparsekit.hashing: cannot hash a bool .*convert it to int explicitly"):
+    with pytest.raises(TypeError, match=r"sparsekit.hashing.hash_value: cannot hash a bool .*convert it to int explicitly"):
         hashing.hash_value(value)
-    with pytest.raises(TypeError, match="cannot hash a bool"):
+    with pytest.raises(TypeError, match=r"hash_values: values\[1\]: cannot hash a bool"):
         hashing.hash_values([1, value])
-    with pytest.raises(TypeError, match="cannot hash a bool"):
+    with pytest.raises(TypeError, match=r"hash_rows: rows\[0\]\[1\]: cannot hash a bool"):
         hashing.hash_rows([["a", value]])
     assert hashing.hash_value(int(value)) == hashing.hash_value(int(bool(value)))
 
@@ -205,7 +205,7 @@ def test_hash_rows_refuses_a_row_that_is_one_string():
 def test_lone_surrogate_raises_value_error_naming_the_value(value):
     """str is hashed as its UTF-8 bytes, and a lone surrogate has none: a ValueError naming
     sparsekit.hashing and the value, not a bare UnicodeEncodeError from inside."""
-    with pytest.raises(ValueError, match=r"sparsekit.hashing: cannot hash '.*': .* lone surrogate") as info:
+    with pytest.raises(ValueError, match=r"sparsekit.hashing.hash_value: cannot hash '.*': .* lone surrogate") as info:
         hashing.hash_value(value)
     assert not isinstance(info.value, UnicodeError)
     assert repr(value[:20])[1:-1] in str(info.value)
@@ -397,3 +397,14 @@ def test_a_uint64_scalar_past_int64_and_a_meta_scalar_get_the_documented_errors(
 def test_hash_values_names_a_tensor_without_dense_values(values, what):
     with pytest.raises(TypeError, match=rf"hash_values: values is a {what}"):
         hashing.hash_values(values)
+
+
+def test_a_refused_value_is_named_by_its_place():
+    """A bad value among many names the function and its position, keeping its error type."""
+    with pytest.raises(TypeError, match=r"^sparsekit.hashing.hash_values: values\[1000000\]: cannot hash a float"):
+        hashing.hash_values([1, 2] * 500_000 + [3.0])
+    with pytest.raises(TypeError, match=r"^sparsekit.hashing.hash_rows: rows\[1\]\[1\]: cannot hash a float"):
+        hashing.hash_rows([[1, 2], [3, 4.5]])
+    with pytest.raises(OverflowError, match=r"^sparsekit.hashing.hash_values: values\[2\]: integer 2\*\*64|"
+                                            r"^sparsekit.hashing.hash_values: values\[2\]: integer 18446744073709551616"):
+        hashing.hash_values(iter([1, "a", 2**64]))
