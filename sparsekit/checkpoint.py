@@ -12,7 +12,10 @@ Layout of ``directory``::
 
 Each shard file maps every embedding layer's name to that rank's part: ``keys`` (int64
 ``[n]``), ``weight`` (``[n, dim]``), ``state`` (per-row optimizer state, each ``[n, dim]``),
-``scalars`` (the rest of its optimizer state, e.g. ``step``), ``has_state`` and, for a
+``scalars`` (the rest of its optimizer state, e.g. ``step``), ``has_state``, ``fill`` (the
+value a per-row state holds in every row the part does not list, when that is one value other
+than 0: Adagrad's ``initial_accumulator_value``; rows the load leaves without a key get it)
+and, for a
 hash-table layer, ``dynamic``: ``last_seen`` and ``count`` (int64 ``[n]``, the keys'
 scores), ``clock``, ``evicted``, ``admitted``, ``pending`` (the keys waiting for admission,
 with their scores and clock) and, with eviction, ``fresh`` (bool ``[n]``: the key took an
@@ -38,12 +41,14 @@ from __future__ import annotations
 
 import errno
 import json
+import numbers
 import os
 import re
 import shutil
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -127,21 +132,53 @@ def _check_directory_argument(caller: str, directory: Any) -> None:
                         f"{type(directory).__name__}")
 
 
+def _wrapped_attribute(module: nn.Module) -> Optional[str]:
+    """The attribute through which a wrapper holds its module: DistributedDataParallel's
+    "module", torch.compile's "_orig_mod" (by class name: torch keeps that class in a
+    private module); None for any other module."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return "module"
+    if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        return "_orig_mod"
+    return None
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The model inside its wrappers: DistributedDataParallel adds "module." to every name
     and torch.compile "_orig_mod."; checkpoints carry neither, so a compiled or wrapped
-    model and the plain one save and load each other's."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod  # (by name: torch keeps the class in a private module)
-        else:
-            return model
+    model and the plain one save and load each other's (wrapped submodules too: see
+    :func:`_plain_name`)."""
+    while (attribute := _wrapped_attribute(model)) is not None:
+        model = getattr(model, attribute)
+    return model
+
+
+def _wrapper_paths(model: nn.Module) -> frozenset:
+    """The names a wrapped submodule's wrapper adds (``"tower.module"`` for a DDP-wrapped
+    ``tower``, ``"emb._orig_mod"`` for a compiled ``emb``), as named_modules() and
+    state_dict() spell them."""
+    return frozenset(f"{name}.{attribute}" if name else attribute
+                     for name, module in model.named_modules(remove_duplicate=False)
+                     if (attribute := _wrapped_attribute(module)) is not None)
+
+
+def _plain_name(name: str, wrappers: frozenset) -> str:
+    """``name`` without the segments of ``wrappers`` (:func:`_wrapper_paths`): the name the
+    plain model gives the same module, parameter or buffer."""
+    if not wrappers:
+        return name
+    kept, path = [], ""
+    for part in name.split("."):
+        path = f"{path}.{part}" if path else part
+        if path not in wrappers:
+            kept.append(part)
+    return ".".join(kept)
 
 
 def _embedding_layers(model: nn.Module) -> Dict[str, _ModelParallelEmbedding]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, _ModelParallelEmbedding)}
+    wrappers = _wrapper_paths(model)
+    return {_plain_name(name, wrappers): module for name, module in model.named_modules()
+            if isinstance(module, _ModelParallelEmbedding)}
 
 
 _OPTIMIZER_API = ("param_groups", "state", "state_dict", "load_state_dict")
@@ -164,17 +201,21 @@ def _model_and_layers(caller: str, model: Any,
 
 
 def _dense_state(model: nn.Module, layers: Dict[str, _ModelParallelEmbedding]) -> Dict[str, Tensor]:
+    """``model.state_dict()`` without the embedding layers, under the plain model's names."""
     if "" in layers:  # the model is itself an embedding layer
         return {}
+    wrappers = _wrapper_paths(model)
     prefixes = _layer_prefixes(model)
-    return {key: value for key, value in model.state_dict().items() if not key.startswith(prefixes)}
+    dense = {_plain_name(key, wrappers): value for key, value in model.state_dict().items()}
+    return {key: value for key, value in dense.items() if not key.startswith(prefixes)}
 
 
 def _layer_prefixes(model: nn.Module) -> Tuple[str, ...]:
     """Every name of every embedding layer, with its dot: one registered twice (two towers
     sharing it) is listed by named_modules() once but is in state_dict() under both, and
-    its shard is no dense state."""
-    return tuple(f"{name}." for name, module in model.named_modules(remove_duplicate=False)
+    its shard is no dense state. The plain model's names (:func:`_plain_name`)."""
+    wrappers = _wrapper_paths(model)
+    return tuple(f"{_plain_name(name, wrappers)}." for name, module in model.named_modules(remove_duplicate=False)
                  if isinstance(module, _ModelParallelEmbedding))
 
 
@@ -269,6 +310,25 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+def _initial_rows(layer: _ModelParallelEmbedding, keys: Tensor) -> Tensor:
+    """``layer.initial_rows(keys)`` with the global RNG left where it was: a user's
+    initializer that draws from it (``torch.randn``) must not move the training's stream
+    (dropout, sampling) because a checkpoint was saved or loaded."""
+    devices = [layer.weight.device] if layer.weight.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return layer.initial_rows(keys)
+
+
+def _fill_of(values: Tensor) -> Optional[float]:
+    """The one value every element of ``values`` holds, when they hold one other than 0."""
+    if values.numel() == 0:
+        return None
+    first = values.reshape(-1)[0]
+    if bool(first == 0) or not bool((values == first).all()):
+        return None
+    return first.item()
+
+
 def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
                    optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
     payload: Dict[str, Any] = {}
@@ -278,16 +338,23 @@ def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
         per_row = {key: value for key, value in state.items()
                    if isinstance(value, Tensor) and value.shape == weight.shape}
         scalars = {key: value for key, value in state.items() if key not in per_row}
+        # Rows the part does not list hold the optimizer's initial state: 0 for Adam's
+        # moments, not for Adagrad's sums (initial_accumulator_value), whose value is saved.
         if layer.hash_table is not None:
             keys, rows = layer.hash_table.export()
             keys = keys.long()
+            unlisted = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
+            unlisted[rows] = False
+            fill = {key: _fill_of(value[unlisted]) for key, value in per_row.items()}
         else:
-            # Only rows that moved away from their initial value or carry optimizer state:
-            # the others are re-created by the initializer, whatever the new world size.
+            # Only rows that moved away from their initial value or carry optimizer state
+            # other than the initial one: the others are re-created by the initializer,
+            # whatever the new world size.
             keys = layer.owned_keys()
-            touched = (weight != layer.initial_rows(keys)).any(dim=1)
-            for value in per_row.values():
-                touched |= (value != 0).flatten(1).any(dim=1)
+            touched = (weight != _initial_rows(layer, keys)).any(dim=1)
+            fill = {key: _fill_of(value[~touched]) for key, value in per_row.items()}
+            for key, value in per_row.items():
+                touched |= (value != (fill[key] or 0)).flatten(1).any(dim=1)
             rows = touched.nonzero().squeeze(1)
             keys = keys[rows]
         payload[name] = {
@@ -296,6 +363,7 @@ def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
             "state": {key: value[rows].cpu() for key, value in per_row.items()},
             "scalars": {key: value.cpu() if isinstance(value, Tensor) else value for key, value in scalars.items()},
             "has_state": bool(state),
+            "fill": {key: value for key, value in fill.items() if value is not None},
         }
         if layer.hash_table is not None:
             payload[name]["dynamic"] = _dynamic_payload(layer)
@@ -325,7 +393,27 @@ def _dense_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module,
     state_dict = optimizer.state_dict()
     embedding_ids = {ids[id(p)] for p in model.parameters() if is_embedding_variable(p) and id(p) in ids}
     state_dict["state"] = {index: value for index, value in state_dict["state"].items() if index not in embedding_ids}
+    state_dict["param_groups"] = [{key: _plain(value) for key, value in group.items()}
+                                  for group in state_dict["param_groups"]]
     return state_dict
+
+
+def _plain(value: Any) -> Any:
+    """A setting as the plain Python number that ``torch.load(weights_only=True)`` reads back:
+    an LR scheduler's numpy float, or a ``Fraction``, would make ``dense.pt`` unreadable
+    there (tuples such as ``betas`` element by element)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(v) for v in value)
+    # By exact type: numpy's float64 is a float subclass that weights_only refuses.
+    if type(value) in (bool, int, float, str) or isinstance(value, Tensor) or value is None:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> str:
@@ -521,6 +609,9 @@ def _read_metadata(path: str) -> Dict[str, Any]:
         index = layer.get("optimizer_index", 0)
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise bad(f"layer {name!r} has no valid 'optimizer_index' (got {index!r})")
+        world_size = layer.get("world_size")
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise bad(f"layer {name!r} has no valid 'world_size' (got {world_size!r})")
     return metadata
 
 
@@ -553,6 +644,10 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
         # The load writes these without further checks: a bad one must fail here, before anything changes.
         if not isinstance(part.get("scalars"), dict) or not isinstance(part.get("has_state"), bool):
             raise bad(f"layer {name!r}: 'scalars' must be a table and 'has_state' a bool")
+        fill = part.get("fill", {})
+        if not isinstance(fill, dict) or any(key not in state or isinstance(value, bool)
+                                             or not isinstance(value, (int, float)) for key, value in fill.items()):
+            raise bad(f"layer {name!r}: 'fill' must map per-row optimizer states to numbers, got {fill!r}")
         dynamic = part.get("dynamic")
         if dynamic is not None:
             if not isinstance(dynamic, dict):
@@ -771,6 +866,7 @@ class _LayerRestore:
         self.table: Any = None
         self.pending: Any = None
         self.initial: Optional[Tensor] = None
+        self.fill: Dict[str, float] = {}
 
 
 def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]], shard_paths: List[str],
@@ -804,11 +900,16 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
     # A shard saved without optimizer state (its rank's optimizer never stepped the layer)
     # holds zero moments for its rows.
+    # A part's unlisted rows held `fill` (its initial value, when not 0); the first part
+    # that saw one gives it.
+    fill = {key: next((part["fill"][key] for part in parts if key in part.get("fill", {})), 0)
+            for key in state_names}
     state = {}
     for key in state_names:
         template = next(part["state"][key] for part in parts if key in part["state"])
         state[key] = torch.cat([part["state"][key] if key in part["state"] else
-                                template.new_zeros((part["keys"].numel(), *template.shape[1:])) for part in parts])
+                                template.new_full((part["keys"].numel(), *template.shape[1:]), fill[key])
+                                for part in parts])
     scalars = next((part["scalars"] for part in parts if part["has_state"]), {})
     has_state = any(part["has_state"] for part in parts)
     if lazy_adam and has_state:
@@ -888,6 +989,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             dynamic["pending"] = {field: (value[keep] if isinstance(value, Tensor) else value)
                                   for field, value in dynamic["pending"].items()}
     restore = _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)
+    restore.fill = fill
     _check_restore(name, restore)
     return restore
 
@@ -934,7 +1036,7 @@ def _check_restore(name: str, restore: _LayerRestore) -> None:
     if layer.hash_table is None:
         # Held until the write: one weight-sized tensor per direct layer for the load's length.
         with torch.no_grad():
-            restore.initial = layer.initial_rows(layer.owned_keys())
+            restore.initial = _initial_rows(layer, layer.owned_keys())
         return
     # The keys fit key_dtype (checked above), so the cast is exact.
     restore.table = _check_state_of(layer.hash_table, {
@@ -1055,12 +1157,15 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
         return
     state = {key: (value.clone() if isinstance(value, Tensor) else value) for key, value in restore.scalars.items()}
     for key, value in restore.state.items():
-        full = torch.zeros(layer.weight.shape, dtype=value.dtype, device=device)
+        full = torch.full(layer.weight.shape, restore.fill.get(key, 0), dtype=value.dtype, device=device)
         full[rows] = value.to(device=device, dtype=full.dtype)
         state[key] = full
     optimizer.state[layer.weight] = state
 
 
+# Under a caller's torch.inference_mode() the loaded optimizer state would be inference
+# tensors, which the next step outside it cannot update in place.
+@torch.inference_mode(False)
 def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> str:
     """Loads the latest checkpoint under ``directory``; collective: every rank calls it.
 
@@ -1145,7 +1250,9 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         # load_state_dict rebuilt the dense state; embedding shards get theirs by key.
         for restore in restores:
             optimizer.state.pop(restore.layer.weight, None)
-    model.load_state_dict(dense["model"], strict=False)
+    wrappers = _wrapper_paths(model)
+    named = {_plain_name(key, wrappers): key for key in model.state_dict()}  # the model's own names
+    model.load_state_dict({named[key]: value for key, value in dense["model"].items()}, strict=False)
     for restore in restores:
         _apply_layer(restore, optimizer)
     return path

@@ -643,6 +643,13 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
                    if isinstance(moment, Tensor) else type(moment).__name__)
             raise RuntimeError(f"{name()}: {key!r} must be a dense {' or '.join(map(str, dtypes))} tensor of the "
                                f"parameter's shape on {param.device}, got {got}")
+    # An inference tensor (made or loaded under torch.inference_mode()) cannot be updated in
+    # place outside it: the update failed after the parameters before it had been updated.
+    made_there = [key for key in _STATE_KEYS if isinstance(state[key], Tensor) and state[key].is_inference()]
+    if made_there and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name()}: {made_there} were made under torch.inference_mode() (a state loaded "
+                           "there?), and a step outside it cannot update them in place; load the state outside "
+                           "inference mode; nothing was updated")
     if check_memory:  # else the fused kernel checks it before it writes
         _check_disjoint(name, {"the parameter": param, "'exp_avg'": state["exp_avg"],
                                "'exp_avg_sq'": state["exp_avg_sq"],

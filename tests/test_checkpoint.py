@@ -1157,3 +1157,146 @@ def test_a_direct_layer_names_the_saved_key_it_has_no_row_for(tmp_path, keys, na
                                             "build it with a larger max_vocabulary_size_per_gpu")):
         sk.load_checkpoint(directory, model, optimizer)
     assert_same(model, optimizer, before)
+
+
+# ---- optimizers other than LazyAdam, settings, wrapped submodules, modes ---------------------
+
+
+def _adagrad_model():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"hashed": sk.DistributedEmbedding("sum", 32, 4, 1, 2),
+                           "direct": sk.DistributedEmbedding("sum", 40, 4, 1, 2, use_hashtable=False)})
+    return model, torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.1)
+
+
+def _adagrad_step(model, optimizer, keys):
+    keys = torch.tensor(keys).view(-1, 1, 2)
+    (model["hashed"](keys).pow(2).sum() + model["direct"](keys).pow(2).sum()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_rows_without_a_saved_key_get_the_optimizers_initial_state(tmp_path):
+    """Adagrad's sums start at initial_accumulator_value, not 0: a key first seen after the
+    resume trains as in the uninterrupted run (the rows no saved key held got zeros)."""
+    reference, ref_optimizer = _adagrad_model()
+    model, optimizer = _adagrad_model()
+    for m, o in ((reference, ref_optimizer), (model, optimizer)):
+        _adagrad_step(m, o, [[1, 2]])
+    sk.save_checkpoint(str(tmp_path), model, optimizer)
+    loaded, loaded_optimizer = _adagrad_model()
+    sk.load_checkpoint(str(tmp_path), loaded, loaded_optimizer)
+    for m, o in ((reference, ref_optimizer), (loaded, loaded_optimizer)):
+        _adagrad_step(m, o, [[5, 1], [7, 2]])  # 5 and 7 are new
+    for name in ("hashed", "direct"):
+        keys = torch.tensor([1, 2, 5, 7])
+        rows = [(reference[name].hash_table.find(keys) if name == "hashed" else keys),
+                (loaded[name].hash_table.find(keys) if name == "hashed" else keys)]
+        assert torch.equal(loaded[name].weight[rows[1]], reference[name].weight[rows[0]])
+        assert torch.equal(loaded_optimizer.state[loaded[name].weight]["sum"][rows[1]],
+                           ref_optimizer.state[reference[name].weight]["sum"][rows[0]])
+    # Only the direct rows that moved or whose sums left the initial value were saved.
+    shard = torch.load(glob.glob(str(tmp_path / "ckpt-*" / "shard-*"))[0], weights_only=True)
+    assert sorted(shard["layers"]["direct"]["keys"].tolist()) == [1, 2]
+    assert shard["layers"]["direct"]["fill"] == {"sum": pytest.approx(0.1)}
+
+
+@pytest.mark.parametrize("lr", ["numpy", "fraction"])
+def test_settings_an_lr_scheduler_makes_save_as_plain_numbers(tmp_path, lr):
+    """A scheduler's numpy float (or a Fraction) lr, which LazyAdam takes: the checkpoint
+    loads with weights_only (it was called damaged) and continues with the same lr."""
+    import fractions
+
+    import numpy as np
+
+    model, optimizer = make()
+    train(model, optimizer, range(1))
+    value = np.float64(0.015) if lr == "numpy" else fractions.Fraction(3, 200)
+    optimizer.param_groups[0]["lr"] = value
+    sk.save_checkpoint(str(tmp_path), model, optimizer)
+    loaded, loaded_optimizer = make()
+    sk.load_checkpoint(str(tmp_path), loaded, loaded_optimizer)
+    assert type(loaded_optimizer.param_groups[0]["lr"]) is float
+    assert loaded_optimizer.param_groups[0]["lr"] == float(value)
+
+
+def test_a_load_under_inference_mode_gives_state_a_step_can_update(tmp_path):
+    """Under torch.inference_mode() the loaded state was inference tensors: the next step
+    updated the embedding rows, then failed on the step counter."""
+    model, optimizer = make()
+    train(model, optimizer, range(STEPS_BEFORE))
+    sk.save_checkpoint(str(tmp_path), model, optimizer)
+    reference, ref_optimizer = make()
+    sk.load_checkpoint(str(tmp_path), reference, ref_optimizer)
+    loaded, loaded_optimizer = make()
+    with torch.inference_mode():
+        sk.load_checkpoint(str(tmp_path), loaded, loaded_optimizer)
+    assert not any(v.is_inference() for state in loaded_optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor))
+    train(loaded, loaded_optimizer, range(STEPS_BEFORE, STEPS_BEFORE + 1))
+    train(reference, ref_optimizer, range(STEPS_BEFORE, STEPS_BEFORE + 1))
+    assert torch.equal(loaded.pooled.weight, reference.pooled.weight)
+
+
+class _Towers(nn.Module):
+    def __init__(self, compiled):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = sk.DistributedEmbedding("sum", 32, 4, 2, 3)
+        self.top = nn.Sequential(nn.Linear(8, 1))
+        if compiled:  # compiled parts, not the whole model
+            self.emb = torch.compile(self.emb, backend="eager")
+            self.top = torch.compile(self.top, backend="eager")
+
+    def forward(self, keys):
+        return self.top(self.emb(keys).flatten(1))
+
+
+@pytest.mark.parametrize("saved, loaded", [(True, False), (False, True)])
+def test_a_model_with_compiled_submodules_saves_and_loads_as_the_plain_one(tmp_path, saved, loaded):
+    """Compiling a submodule adds "_orig_mod." inside the names: the checkpoint names the
+    plain model's layers and dense entries, so either model loads the other's."""
+    model = _Towers(saved)
+    optimizer = LazyAdam(model.parameters(), lr=0.1)
+    model(torch.tensor([[[1, 2, 3], [4, 5, 6]]])).sum().backward()
+    optimizer.step()
+    path = sk.save_checkpoint(str(tmp_path), model, optimizer)
+    metadata = json.load(open(os.path.join(path, "metadata.json")))
+    assert list(metadata["layers"]) == ["emb"]
+    assert sorted(torch.load(os.path.join(path, "dense.pt"), weights_only=True)["model"]) == ["top.0.bias",
+                                                                                            "top.0.weight"]
+    other = _Towers(loaded)
+    other_optimizer = LazyAdam(other.parameters(), lr=0.1)
+    sk.load_checkpoint(str(tmp_path), other, other_optimizer)
+    plain = [m._orig_mod if hasattr(m, "_orig_mod") else m for m in (model.emb, other.emb, model.top, other.top)]
+    assert torch.equal(plain[0].weight, plain[1].weight)
+    assert torch.equal(plain[2][0].weight, plain[3][0].weight)
+
+
+def test_saving_a_layer_whose_initializer_draws_from_the_global_rng_leaves_the_rng_alone(tmp_path):
+    """The save compares a direct layer's rows with its initial ones: a torch.randn
+    initializer moved the training's random stream (dropout, sampling) at every save."""
+    layer = sk.DistributedEmbedding("sum", 100, 4, 1, 2, use_hashtable=False,
+                                    embedding_initializer=lambda keys, dim: torch.randn(keys.numel(), dim) * 0.01)
+    model = nn.ModuleDict({"emb": layer})
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    sk.save_checkpoint(str(tmp_path), model)
+    sk.load_checkpoint(str(tmp_path), model)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("world_size", ["missing", "two", 0, True])
+def test_a_layer_without_a_valid_world_size_in_metadata_is_named(tmp_path, world_size):
+    model = nn.ModuleDict({"emb": sk.DistributedEmbedding("sum", 32, 4, 1, 2)})
+    path = sk.save_checkpoint(str(tmp_path), model)
+    meta_path = os.path.join(path, "metadata.json")
+    metadata = json.load(open(meta_path))
+    if world_size == "missing":
+        del metadata["layers"]["emb"]["world_size"]
+    else:
+        metadata["layers"]["emb"]["world_size"] = world_size
+    json.dump(metadata, open(meta_path, "w"))
+    with pytest.raises(ValueError, match=r"metadata.json: layer 'emb' has no valid 'world_size'"):
+        sk.load_checkpoint(str(tmp_path), model)

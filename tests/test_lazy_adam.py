@@ -1410,3 +1410,29 @@ def test_a_step_counter_that_loads_is_one_a_step_advances(saved):
     optimizer.load_state_dict(state)
     param.grad = torch.ones(4, 2)
     optimizer.step()
+
+
+def test_state_made_under_inference_mode_is_refused_before_anything_changes():
+    """Moments loaded under torch.inference_mode() cannot be updated in place outside it:
+    the step raises naming them, with every parameter unchanged (an embedding shard's rows
+    and moments were updated before the step counter's add failed)."""
+    torch.manual_seed(0)
+    emb = sk.DistributedEmbedding("sum", 32, 4, 1, 2)
+    dense = torch.nn.Linear(4, 1)
+    optimizer = sk.LazyAdam([*emb.parameters(), *dense.parameters()], lr=0.1)
+    keys = torch.tensor([[[1, 5]], [[3, 9]]])
+
+    def backward():
+        dense(emb(keys).flatten(1)).sum().backward()
+
+    backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.inference_mode():  # as a state copied or loaded there holds them
+        optimizer.state[emb.weight] = {key: value.clone() for key, value in optimizer.state[emb.weight].items()}
+    backward()
+    before = [p.detach().clone() for p in (emb.weight, dense.weight, dense.bias)]
+    with pytest.raises(RuntimeError, match=r"made under torch.inference_mode\(\).*nothing was updated"):
+        optimizer.step()
+    for p, b in zip((emb.weight, dense.weight, dense.bias), before):
+        assert torch.equal(p.detach(), b)
