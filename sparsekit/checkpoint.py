@@ -99,13 +99,17 @@ def _ranks_differing(group, text: str) -> List[int]:
     return [rank for rank, digest in enumerate(digests) if digest != digests[0]]
 
 
+class OtherRankError(RuntimeError):
+    """A collective save or load failed on another rank; that rank's own error names the cause."""
+
+
 def _agree_or_raise(group, error: Optional[BaseException], what: str) -> None:
     """Every rank raises when any rank failed: its own error, or one naming the step."""
     if _all_ok(group, error is None):
         return
     if error is not None:
         raise error
-    raise RuntimeError(f"{what} failed on another rank (see the error there); nothing was changed on this rank")
+    raise OtherRankError(f"{what} failed on another rank (see the error there); nothing was changed on this rank")
 
 
 # ---- the model's pieces ---------------------------------------------------------------------
@@ -441,6 +445,8 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             ``torch.optim.Optimizer``.
         ValueError: the ranks' models differ (embedding layers, their settings, or the
             dense parameters' names and shapes); nothing is written.
+        OtherRankError: writing failed on another rank (its error names the cause); a
+            RuntimeError.
     """
     group, world_size, rank = _world()
     layers: Dict[str, _ModelParallelEmbedding] = {}
@@ -1199,7 +1205,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             checkpoint lacks), an ``optimizer`` is given but the checkpoint was saved
             without one, or the checkpoint is damaged (among others: a layer's optimizer
             state that the optimizer's next step could not use).
-        RuntimeError: another rank raised (its error names the cause).
+        OtherRankError: another rank raised (its error names the cause); a RuntimeError.
         Exception: whatever a direct layer's ``embedding_initializer`` raises (it gives
             the rows the checkpoint does not hold).
     """

@@ -485,6 +485,8 @@ def test_a_rank_that_never_joins_is_one_line_on_the_waiting_rank(capsys, monkeyp
     monkeypatch.setattr(loop.dist, "init_process_group", never_joins)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     line = _main_error(capsys, monkeypatch, [], 1)
     assert line.startswith("sparsekit.train: error: rank 0: the process group did not form (Timed out after 16")
     assert "did not join within --timeout" in line
@@ -1205,3 +1207,75 @@ def test_results_written_to_a_special_file_or_through_a_link_leave_it_in_place(t
     _atomic_write_text(str(file_link), "new\n")
     assert file_link.is_symlink() and target.read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "latest-metrics.json", "metrics.json", "null-link"]
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but RANK, MASTER_ADDR, MASTER_PORT are not set: launch the ranks with torchrun"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2 but MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "abc"}, "the environment variable WORLD_SIZE='abc' must be a non-negative integer"),
+    ({"LOCAL_RANK": "-1"}, "the environment variable LOCAL_RANK='-1' must be a non-negative integer"),
+])
+def test_a_distributed_environment_set_by_hand_and_wrong_is_one_line(capsys, monkeypatch, environment, message):
+    """Run by hand rather than by torchrun: torch's ValueError with its traceback before."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    line = _main_error(capsys, monkeypatch, [], 1)
+    assert message in line, line
+
+
+@pytest.mark.parametrize("where", ["save", "load"])
+def test_a_checkpoint_that_failed_on_another_rank_is_one_line(capsys, monkeypatch, tmp_path, where):
+    """save_checkpoint / load_checkpoint raise OtherRankError on the ranks whose own part was
+    fine: the harness printed its traceback there, one line on the rank that failed."""
+    import sparsekit as sk
+    from sparsekit.checkpoint import OtherRankError
+
+    directory = str(tmp_path / "ckpt")
+    if where == "load":
+        from sparsekit.train import __main__
+
+        monkeypatch.setattr(__main__, "keep_freed_memory", lambda: False)
+        __main__.main(TINY_FLAGS + ["--checkpoint-dir", directory])
+
+    def other_rank_failed(*args, **kwargs):
+        raise OtherRankError(f"{where}_checkpoint failed on another rank (see the error there); nothing was changed "
+                             "on this rank")
+    monkeypatch.setattr(sk, f"{where}_checkpoint", other_rank_failed)
+    line = _main_error(capsys, monkeypatch, ["--checkpoint-dir", directory] + (["--resume"] if where == "load" else []),
+                       1)
+    assert line == (f"sparsekit.train: error: rank 0: {where}_checkpoint failed on another rank (see the error there); "
+                    "nothing was changed on this rank")
+
+
+def test_a_fresh_run_rewriting_the_step_latest_names_unlinks_it_first(tmp_path, monkeypatch):
+    """A fresh run into a directory whose latest names the step it saves rewrote that step
+    in place: killed between the model and the trainer files, --resume loaded one run's
+    model with the other's trainer state, silently. Now the pointer goes first, and a
+    resume without one, where step directories are, is refused."""
+    import sparsekit as sk
+    from sparsekit.train.loop import LATEST, CheckpointError
+
+    directory = str(tmp_path / "ckpt")
+    train(tiny(steps=2, eval_every=0, checkpoint_dir=directory))
+    assert open(os.path.join(directory, LATEST)).read().strip() == "step_000000002"
+    original = sk.save_checkpoint
+
+    def dies_after_the_model(*args, **kwargs):
+        original(*args, **kwargs)
+        raise KeyboardInterrupt  # killed before the trainer files and the pointer
+    monkeypatch.setattr(sk, "save_checkpoint", dies_after_the_model)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(steps=2, eval_every=0, lr=3e-2, checkpoint_dir=directory))
+    monkeypatch.setattr(sk, "save_checkpoint", original)
+    assert not os.path.exists(os.path.join(directory, LATEST))
+    with pytest.raises(CheckpointError, match=r"holds step directories \(step_000000002 .. step_000000002\) but no "
+                                              r"'latest' file"):
+        train(tiny(steps=4, eval_every=0, checkpoint_dir=directory, resume=True))
+
+
+def test_metrics_json_that_is_the_checkpoint_directory_is_refused_before_the_run(tmp_path):
+    directory = str(tmp_path / "out")
+    with pytest.raises(ValueError, match="--metrics-json .* is --checkpoint-dir itself"):
+        tiny(checkpoint_dir=directory, metrics_json=directory).validate()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..allocator import keep_freed_memory
+from ..checkpoint import OtherRankError
 from ..hashtable import HashTableFullError
 from .criteo import CriteoFormatError
 from .data import NUM_SLOTS
@@ -232,6 +233,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         # With eviction the table is full only when one step holds more distinct keys than it.
         hint = " or pass --eviction lru|lfu" if config.eviction is None else ""
         _fail(f"{error}; here: raise {rows_flag.split()[0]} (now {capacity}{tables}){hint}")
+    except OtherRankError as error:  # a checkpoint's save or load failed on another rank, which says why
+        _fail(f"rank {dist.get_rank() if dist.is_initialized() else 0}: {error}")
     except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
         detail = _out_of_memory(error)
         if detail is not None:

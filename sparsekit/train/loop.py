@@ -208,6 +208,9 @@ class TrainConfig:
             if self.checkpoint_dir:
                 checkpoints = os.path.realpath(self.checkpoint_dir)
                 inside = os.path.relpath(target, checkpoints).split(os.sep)[0]
+                if target == checkpoints:
+                    raise ValueError(f"--metrics-json {self.metrics_json!r} is --checkpoint-dir itself; name a "
+                                     "file to write")
                 if os.path.commonpath([checkpoints, target]) == checkpoints and (
                         inside == LATEST or _STEP_DIR_NAME.fullmatch(inside)):
                     raise ValueError(f"--metrics-json {self.metrics_json!r} is --checkpoint-dir's {inside!r}, "
@@ -260,10 +263,21 @@ def setup(device_name: Optional[str], timeout: float = 300.0) -> Context:
         raise FlagError(f"--device must be cpu or cuda, got {device_name!r}")
     if device_name == "cuda" and not torch.cuda.is_available():
         raise FlagError("--device cuda: no CUDA device is available; use --device cpu")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # torchrun sets these; by hand, a missing or malformed one is named in one line.
+    environment = {name: os.environ.get(name) for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    for name, value in environment.items():
+        if value is not None and not (value.strip().isdigit()):
+            raise HarnessError(f"the environment variable {name}={value!r} must be a non-negative integer "
+                               "(torchrun sets it)")
+    world_size = int(environment["WORLD_SIZE"] or 1)
     if world_size > 1 and not dist.is_initialized():
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise HarnessError(f"WORLD_SIZE={world_size} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                               " not set: launch the ranks with torchrun (python -m torch.distributed.run "
+                               "--nproc-per-node N -m sparsekit.train ...), or set them as it does")
         if device_name == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(int(environment["LOCAL_RANK"] or 0))
         dist.init_process_group("nccl" if device_name == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout))
     if dist.is_initialized():
@@ -537,6 +551,13 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
             written now is moved to its end. Pass the same list to every save of a run.
     """
     directory = _step_dir(config, step)
+    pointer = os.path.join(config.checkpoint_dir, LATEST)
+    if context.is_main and _pointer_names(pointer, os.path.basename(directory)):
+        # Rewriting the step `latest` names (a fresh run into an old directory): until the new
+        # checkpoint is whole there is none, so the pointer goes first. A crash then leaves
+        # no pointer, which --resume refuses, rather than one at a mix of the two runs.
+        os.remove(pointer)
+    _barrier(context)
     os.makedirs(directory, exist_ok=True)
     if config.embedding == "sparsekit":
         import sparsekit as sk
@@ -604,6 +625,15 @@ def _prune(checkpoint_dir: str, keep: int, written: Sequence[str]) -> None:
     for name in newest_first[keep:]:
         if not written or name != written[-1]:
             shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+
+
+def _pointer_names(pointer: str, name: str) -> bool:
+    """Whether the ``latest`` file ``pointer`` exists and names step directory ``name``."""
+    try:
+        with open(pointer, "rb") as file:
+            return file.read(256).decode("ascii", errors="replace").strip() == name
+    except FileNotFoundError:
+        return False
 
 
 def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
@@ -747,7 +777,10 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
 
         try:
             sk.load_checkpoint(os.path.join(directory, "model"), model, optimizer)
-        except (ValueError, OSError, sk.HashTableFullError) as error:  # what it raises for a bad checkpoint
+        except sk.HashTableFullError as error:  # the capacity is the checkpoint's: only more ranks help
+            raise CheckpointError(f"--resume: cannot load the checkpoint {directory}: {error} (here the capacity "
+                                  "must stay the checkpoint's: resume on more ranks)") from error
+        except (ValueError, OSError) as error:  # what it raises for a bad checkpoint
             raise CheckpointError(f"--resume: cannot load the checkpoint {directory}: {error}") from error
     else:
         model_path = os.path.join(directory, "model.pt")
@@ -822,6 +855,16 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     written: List[str] = []  # this run's step directories, oldest first (what save keeps)
     if config.resume:
         directory = latest_checkpoint(config.checkpoint_dir)
+        steps = sorted(name for name in (os.listdir(config.checkpoint_dir) if os.path.isdir(config.checkpoint_dir)
+                                         else ()) if _STEP_DIR_NAME.fullmatch(name))
+        if directory is None and steps:
+            # Step directories without a pointer: a save that rewrote the step `latest` named
+            # was interrupted, or the pointer was deleted. Which one is whole is unknown.
+            raise CheckpointError(f"--resume: {config.checkpoint_dir} holds step directories ({steps[0]} .. "
+                                  f"{steps[-1]}) but no {LATEST!r} file naming the one to resume from (a save "
+                                  "was interrupted, or the file was deleted); write the name of a complete step "
+                                  f"directory into {os.path.join(config.checkpoint_dir, LATEST)}, or use a fresh "
+                                  "--checkpoint-dir")
         if directory is None:
             if context.is_main:
                 log(f"--resume: no checkpoint in {config.checkpoint_dir}, starting from step 0")
