@@ -8,8 +8,9 @@
 # folder, which ends with a one-screen summary and summary.json.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run] [--prebuilt] [--stages LIST] [--archive FILE]
+#                             [--deadline SECONDS]
 #
-#   OUT_DIR     output folder (default gpu-check-out/); emptied first
+#   OUT_DIR     output folder (default gpu-check-out/ in the repository); emptied first
 #   --dry-run   the same stages on the CPU at tiny sizes, the sanitizer skipped (CI runs
 #               this so the script cannot rot); builds CPU-only, in place
 #   --prebuilt  use the library already in sparsekit/ (built on another machine against
@@ -19,14 +20,16 @@
 #               a family name takes all of its stages, or name one (sanitizer-memcheck,
 #               bench-collection, ...). Default: all
 #   --archive   also pack OUT_DIR into FILE (.tgz): one file to bring back
+#   --deadline  end within SECONDS of the start: a stage gets at most the time left (less
+#               a margin for the summary) and is skipped when too little is left
 #
 # The stages' time boxes add up to about 25 minutes (build 240 s, tests 330 s, tests-slow
 # 90 s, sanitizer 4 x 90 s, benchmarks 540 s), more than one 10-minute command on a lent
-# GPU machine: there, run it in two commands, each one whole (nothing is kept between them),
-# with the library built here (CUDA build, in place) carried in --prebuilt:
-#   1) --prebuilt --stages build,tests,tests-slow,sanitizer-memcheck --archive $OUT/gc1.tgz
-#   2) --prebuilt --stages build,sanitizer,bench --archive $OUT/gc2.tgz
-#      (sanitizer-memcheck then runs again; name the other three to leave it out)
+# GPU machine: there, run it as whole commands (nothing is kept between them) with the
+# library built here (CUDA build, in place) carried in, each with a deadline inside the
+# command's limit; the summary lists what a deadline skipped, for a further command:
+#   1) --prebuilt --stages build,tests,tests-slow,sanitizer --deadline 540 --archive $OUT/gc1.tgz
+#   2) --prebuilt --stages build,bench --deadline 540 --archive $OUT/gc2.tgz
 #
 # Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS
 # (default all cores), GPU_CHECK_BUDGET_SCALE (multiplies every stage's time box),
@@ -35,6 +38,7 @@
 # machine lacks are installed from wheels in .whl/ when that folder exists (no network).
 # The benchmark JSON goes to OUT_DIR/bench/; copy it to benchmarks/results/ to commit it.
 set -uo pipefail
+caller=$(pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo=$(pwd)
 
@@ -43,6 +47,7 @@ dry_run=0
 prebuilt=0
 stages=build,tests,tests-slow,sanitizer,bench
 archive=
+deadline=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
@@ -51,13 +56,24 @@ while [ $# -gt 0 ]; do
     --stages=*) stages=${1#--stages=} ;;
     --archive) archive=$2; shift ;;
     --archive=*) archive=${1#--archive=} ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    --deadline) deadline=$2; shift ;;
+    --deadline=*) deadline=${1#--deadline=} ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out=$1 ;;
   esac
   shift
 done
-case "$out" in /*) ;; *) out="$repo/$out" ;; esac
+# Relative paths are the caller's (the default folder lies in the repository).
+case "$out" in /*) ;; gpu-check-out) out="$repo/$out" ;; *) out="$caller/$out" ;; esac
+case "$archive" in ""|/*) ;; *) archive="$caller/$archive" ;; esac
+case "$deadline" in ''|*[!0-9]*) echo "gpu_check.sh: --deadline takes whole seconds, got '$deadline'" >&2; exit 2 ;; esac
+known=" build tests tests-slow sanitizer sanitizer-memcheck sanitizer-racecheck sanitizer-synccheck
+ sanitizer-initcheck bench bench-ops bench-embedding bench-hashtable bench-lazy-adam bench-layers bench-train
+ bench-criteo-reader bench-dynamic bench-collection bench-compile "
+for stage in ${stages//,/ }; do
+  case "$known" in *" $stage "*) ;; *) echo "gpu_check.sh: unknown stage '$stage' (see --help)" >&2; exit 2 ;; esac
+done
 rm -rf "$out"
 mkdir -p "$out/logs" "$out/bench"
 PY=${PYTHON:-python3}
@@ -68,11 +84,21 @@ records="$out/stages.tsv"
 : > "$records"
 run_start=$(date +%s)
 
-# run_stage NAME BUDGET_S COMMAND...: runs COMMAND time-boxed, its output in logs/NAME.log.
+# run_stage NAME BUDGET_S COMMAND...: runs COMMAND time-boxed, its output in logs/NAME.log;
+# with --deadline, boxed by the time left too (30 s kept for the summary and the archive),
+# and skipped when less than 20 s would be left to it.
 run_stage() {
   local name=$1 budget=$2
   shift 2
   budget=$(awk -v b="$budget" -v s="$scale" 'BEGIN { printf "%d", b * s }')
+  if [ "$deadline" -gt 0 ]; then
+    local left=$(( deadline - 30 - ($(date +%s) - run_start) ))
+    if [ "$left" -lt 20 ]; then
+      skip_stage "$name" "no time left before --deadline $deadline"
+      return
+    fi
+    [ "$left" -lt "$budget" ] && budget=$left
+  fi
   local log="$out/logs/$name.log" start status
   start=$(date +%s)
   printf '== %-22s (time box %4d s) ' "$name" "$budget"
@@ -101,7 +127,7 @@ wants() {
   case "$1" in sanitizer-*|bench-*) case ",$stages," in *",${1%%-*},"*) return 0 ;; esac ;; esac
   return 1
 }
-wants_any() { local s; for s in "$@"; do wants "$s" && return 0; done; return 1; }
+
 
 # ---- environment -------------------------------------------------------------------
 {
@@ -170,7 +196,7 @@ if wants tests; then
     xdist=()
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_CHECK_WORKERS:-12}")
     # The slow tests (one holds ~65 GiB of GPU memory) run alone, in tests-slow.
-    run_stage tests 330 "${pytest_base[@]}" "${xdist[@]}" -m "not slow" --junitxml "$out/pytest.xml" tests
+    run_stage tests 330 "${pytest_base[@]}" ${xdist[@]+"${xdist[@]}"} -m "not slow" --junitxml "$out/pytest.xml" tests
   fi
 fi
 if wants tests-slow; then
@@ -195,10 +221,11 @@ if [ ${#sanitizer_tools[@]} -gt 0 ]; then
     # Only sparsekit's kernels (namespace sparsekit) are instrumented: torch's, cuBLAS's and
     # CUB's run at full speed and their reports cannot fail the stage.
     only_ours=()
-    compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name" && only_ours=(--kernel-name kns=sparsekit)
+    sanitizer_help=$(compute-sanitizer --help 2>&1)
+    case "$sanitizer_help" in *--kernel-name*) only_ours=(--kernel-name kns=sparsekit) ;; esac
     for tool in "${sanitizer_tools[@]}"; do
       run_stage "sanitizer-$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 86 \
-        --target-processes all --print-limit 20 "${only_ours[@]}" \
+        --target-processes all --print-limit 20 ${only_ours[@]+"${only_ours[@]}"} \
         "${pytest_base[@]}" -x --junitxml "$out/sanitizer-$tool.xml" tests/test_cuda_smoke.py
     done
   fi
@@ -258,6 +285,11 @@ sys.exit(0 if summary["ok"] else 1)
 PY
 status=$?
 if [ -n "$archive" ]; then
-  tar czf "$archive" -C "$(dirname "$out")" "$(basename "$out")" && echo "archive: $archive"
+  if tar czf "$archive" -C "$(dirname "$out")" "$(basename "$out")"; then
+    echo "archive: $archive"
+  else
+    echo "gpu_check.sh: could not write the archive $archive" >&2
+    status=1
+  fi
 fi
 exit $status

@@ -12,10 +12,7 @@ Layout of ``directory``::
 
 Each shard file maps every embedding layer's name to that rank's part: ``keys`` (int64
 ``[n]``), ``weight`` (``[n, dim]``), ``state`` (per-row optimizer state, each ``[n, dim]``),
-``scalars`` (the rest of its optimizer state, e.g. ``step``), ``has_state``, ``fill`` (the
-value a per-row state holds in every row the part does not list, when that is one value other
-than 0: Adagrad's ``initial_accumulator_value``; rows the load leaves without a key get it)
-and, for a
+``scalars`` (the rest of its optimizer state, e.g. ``step``), ``has_state`` and, for a
 hash-table layer, ``dynamic``: ``last_seen`` and ``count`` (int64 ``[n]``, the keys'
 scores), ``clock``, ``evicted``, ``admitted``, ``pending`` (the keys waiting for admission,
 with their scores and clock) and, with eviction, ``fresh`` (bool ``[n]``: the key took an
@@ -46,7 +43,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -157,7 +154,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _wrapper_paths(model: nn.Module) -> frozenset:
+def _wrapper_paths(model: nn.Module) -> FrozenSet[str]:
     """The names a wrapped submodule's wrapper adds (``"tower.module"`` for a DDP-wrapped
     ``tower``, ``"emb._orig_mod"`` for a compiled ``emb``), as named_modules() and
     state_dict() spell them."""
@@ -166,7 +163,7 @@ def _wrapper_paths(model: nn.Module) -> frozenset:
                      if (attribute := _wrapped_attribute(module)) is not None)
 
 
-def _plain_name(name: str, wrappers: frozenset) -> str:
+def _plain_name(name: str, wrappers: FrozenSet[str]) -> str:
     """``name`` without the segments of ``wrappers`` (:func:`_wrapper_paths`): the name the
     plain model gives the same module, parameter or buffer."""
     if not wrappers:
@@ -177,6 +174,14 @@ def _plain_name(name: str, wrappers: frozenset) -> str:
         if path not in wrappers:
             kept.append(part)
     return ".".join(kept)
+
+
+def _compile_names_dropped(entries: Dict[str, Any]) -> Dict[str, Any]:
+    """``entries`` under names without torch.compile's "_orig_mod" segments: checkpoints
+    saved before names were made plain (:func:`_plain_name`) kept them for a compiled
+    submodule."""
+    return {".".join(part for part in name.split(".") if part != "_orig_mod") if isinstance(name, str) else name:
+            value for name, value in entries.items()}
 
 
 def _embedding_layers(model: nn.Module) -> Dict[str, _ModelParallelEmbedding]:
@@ -323,14 +328,15 @@ def _initial_rows(layer: _ModelParallelEmbedding, keys: Tensor) -> Tensor:
         return layer.initial_rows(keys)
 
 
-def _fill_of(values: Tensor) -> Optional[float]:
-    """The one value every element of ``values`` holds, when they hold one other than 0."""
-    if values.numel() == 0:
-        return None
-    first = values.reshape(-1)[0]
-    if bool(first == 0) or not bool((values == first).all()):
-        return None
-    return first.item()
+def _initial_row_state(optimizer: Optional[torch.optim.Optimizer], param: Tensor, key: str) -> float:
+    """The value ``optimizer`` gives per-row state ``key`` of a row it has not updated yet:
+    Adagrad's ``sum`` starts at its group's ``initial_accumulator_value``; every other
+    optimizer's per-row state at 0 (Adam's and LazyAdam's moments, RMSprop's averages...)."""
+    if isinstance(optimizer, torch.optim.Adagrad) and key == "sum":
+        for group in optimizer.param_groups:
+            if any(p is param for p in group["params"]):
+                return float(group.get("initial_accumulator_value", 0.0))
+    return 0.0
 
 
 def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
@@ -342,23 +348,17 @@ def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
         per_row = {key: value for key, value in state.items()
                    if isinstance(value, Tensor) and value.shape == weight.shape}
         scalars = {key: value for key, value in state.items() if key not in per_row}
-        # Rows the part does not list hold the optimizer's initial state: 0 for Adam's
-        # moments, not for Adagrad's sums (initial_accumulator_value), whose value is saved.
         if layer.hash_table is not None:
             keys, rows = layer.hash_table.export()
             keys = keys.long()
-            unlisted = torch.ones(weight.shape[0], dtype=torch.bool, device=weight.device)
-            unlisted[rows] = False
-            fill = {key: _fill_of(value[unlisted]) for key, value in per_row.items()}
         else:
             # Only rows that moved away from their initial value or carry optimizer state
             # other than the initial one: the others are re-created by the initializer,
             # whatever the new world size.
             keys = layer.owned_keys()
             touched = (weight != _initial_rows(layer, keys)).any(dim=1)
-            fill = {key: _fill_of(value[~touched]) for key, value in per_row.items()}
             for key, value in per_row.items():
-                touched |= (value != (fill[key] or 0)).flatten(1).any(dim=1)
+                touched |= (value != _initial_row_state(optimizer, layer.weight, key)).flatten(1).any(dim=1)
             rows = touched.nonzero().squeeze(1)
             keys = keys[rows]
         payload[name] = {
@@ -367,7 +367,6 @@ def _shard_payload(layers: Dict[str, _ModelParallelEmbedding],
             "state": {key: value[rows].cpu() for key, value in per_row.items()},
             "scalars": {key: value.cpu() if isinstance(value, Tensor) else value for key, value in scalars.items()},
             "has_state": bool(state),
-            "fill": {key: value for key, value in fill.items() if value is not None},
         }
         if layer.hash_table is not None:
             payload[name]["dynamic"] = _dynamic_payload(layer)
@@ -406,8 +405,8 @@ def _plain(value: Any) -> Any:
     """A setting as the plain Python number that ``torch.load(weights_only=True)`` reads back:
     an LR scheduler's numpy float, or a ``Fraction``, would make ``dense.pt`` unreadable
     there (tuples such as ``betas`` element by element)."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(_plain(v) for v in value)
+    if isinstance(value, (tuple, list)):  # a plain tuple or list (a namedtuple's fields stay in order)
+        return (list if isinstance(value, list) else tuple)(_plain(v) for v in value)
     # By exact type: numpy's float64 is a float subclass that weights_only refuses.
     if type(value) in (bool, int, float, str) or isinstance(value, Tensor) or value is None:
         return value
@@ -571,7 +570,8 @@ def _commit(directory: str, temp_dir: str, final_dir: str, name: str) -> None:
 def _load(path: str) -> Any:
     """A checkpoint file's contents; a file that cannot be read is named in the error."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.inference_mode(False):  # ordinary tensors: optimizer state is updated in place later
+            return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"load_checkpoint: {path} is missing") from None
     except Exception as exc:  # noqa: BLE001 - EOFError with no message, UnpicklingError, ...
@@ -650,10 +650,6 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
         # The load writes these without further checks: a bad one must fail here, before anything changes.
         if not isinstance(part.get("scalars"), dict) or not isinstance(part.get("has_state"), bool):
             raise bad(f"layer {name!r}: 'scalars' must be a table and 'has_state' a bool")
-        fill = part.get("fill", {})
-        if not isinstance(fill, dict) or any(key not in state or isinstance(value, bool)
-                                             or not isinstance(value, (int, float)) for key, value in fill.items()):
-            raise bad(f"layer {name!r}: 'fill' must map per-row optimizer states to numbers, got {fill!r}")
         dynamic = part.get("dynamic")
         if dynamic is not None:
             if not isinstance(dynamic, dict):
@@ -872,13 +868,15 @@ class _LayerRestore:
         self.table: Any = None
         self.pending: Any = None
         self.initial: Optional[Tensor] = None
-        self.fill: Dict[str, float] = {}
+        self.initial_state: Dict[str, float] = {}
 
 
 def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]], shard_paths: List[str],
-                  saved_name: str, saved_meta: Dict[str, Any], lazy_adam: bool) -> _LayerRestore:
+                  saved_name: str, saved_meta: Dict[str, Any], lazy_adam: bool,
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> _LayerRestore:
     """The saved rows of ``layer`` that this rank owns now, from every saved shard (the
-    files ``shard_paths``), where the checkpoint calls the layer ``saved_name``;
+    files ``shard_paths``), where the checkpoint calls the layer ``saved_name``; ``optimizer``:
+    the one loading them (rows without saved state get its initial state);
     ``lazy_adam``: the optimizer loading them is a LazyAdam (see :func:`_check_part_state`)."""
     # A collection's table loaded from another position is named as both.
     shown = _layer_text(name, layer) if saved_name == name else f"{_layer_text(name, layer)} (saved as {saved_name!r})"
@@ -906,15 +904,13 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
     # A shard saved without optimizer state (its rank's optimizer never stepped the layer)
     # holds zero moments for its rows.
-    # A part's unlisted rows held `fill` (its initial value, when not 0); the first part
-    # that saw one gives it.
-    fill = {key: next((part["fill"][key] for part in parts if key in part.get("fill", {})), 0)
-            for key in state_names}
+    # Rows without saved state hold the optimizer's initial state (Adagrad's sums are not 0).
+    initial_state = {key: _initial_row_state(optimizer, layer.weight, key) for key in state_names}
     state = {}
     for key in state_names:
         template = next(part["state"][key] for part in parts if key in part["state"])
         state[key] = torch.cat([part["state"][key] if key in part["state"] else
-                                template.new_full((part["keys"].numel(), *template.shape[1:]), fill[key])
+                                template.new_full((part["keys"].numel(), *template.shape[1:]), initial_state[key])
                                 for part in parts])
     scalars = next((part["scalars"] for part in parts if part["has_state"]), {})
     has_state = any(part["has_state"] for part in parts)
@@ -972,7 +968,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
     if layer._fresh_rows is None and bool(fresh.any()):
         # This layer keeps no pending resets (it does not evict): the saved moments of those
         # keys are still the evicted keys', so they are reset now.
-        state = {key: value.masked_fill(fresh.view((-1,) + (1,) * (value.dim() - 1)), 0)
+        state = {key: value.masked_fill(fresh.view((-1,) + (1,) * (value.dim() - 1)), initial_state[key])
                  for key, value in state.items()}
     if dynamic is not None:
         dynamic["fresh"] = fresh
@@ -995,7 +991,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             dynamic["pending"] = {field: (value[keep] if isinstance(value, Tensor) else value)
                                   for field, value in dynamic["pending"].items()}
     restore = _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)
-    restore.fill = fill
+    restore.initial_state = initial_state
     _check_restore(name, restore)
     return restore
 
@@ -1161,17 +1157,19 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
         # Saved with no state for this weight (never stepped): none now, as for a dense parameter.
         optimizer.state.pop(layer.weight, None)
         return
-    state = {key: (value.clone() if isinstance(value, Tensor) else value) for key, value in restore.scalars.items()}
-    for key, value in restore.state.items():
-        full = torch.full(layer.weight.shape, restore.fill.get(key, 0), dtype=value.dtype, device=device)
-        full[rows] = value.to(device=device, dtype=full.dtype)
-        state[key] = full
+    # Ordinary tensors even under the caller's torch.inference_mode() (a model built there
+    # keeps its inference tensors): the next step, outside it, updates them in place.
+    with torch.inference_mode(False):
+        state = {key: (value.clone() if isinstance(value, Tensor) else value)
+                 for key, value in restore.scalars.items()}
+        for key, value in restore.state.items():
+            full = torch.full(layer.weight.shape, restore.initial_state.get(key, 0.0), dtype=value.dtype,
+                              device=device)
+            full[rows] = value.to(device=device, dtype=full.dtype)
+            state[key] = full
     optimizer.state[layer.weight] = state
 
 
-# Under a caller's torch.inference_mode() the loaded optimizer state would be inference
-# tensors, which the next step outside it cannot update in place.
-@torch.inference_mode(False)
 def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> str:
     """Loads the latest checkpoint under ``directory``; collective: every rank calls it.
 
@@ -1219,6 +1217,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         model, layers = _model_and_layers("load_checkpoint", model, optimizer)
         path = _checkpoint_dir(directory)
         metadata = _read_metadata(path)
+        metadata["layers"] = _compile_names_dropped(metadata["layers"])
         sources = _saved_layers_of(layers, metadata["layers"])
         if sorted(sources.values()) != sorted(metadata["layers"]):
             raise ValueError(f"load_checkpoint: the checkpoint has embedding layers {sorted(metadata['layers'])} "
@@ -1227,12 +1226,16 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
         for shard_name in metadata["shards"]:
             shard_paths.append(os.path.join(path, shard_name))
             shards.append(_load(shard_paths[-1]))
+            if isinstance(shards[-1], dict) and isinstance(shards[-1].get("layers"), dict):
+                shards[-1]["layers"] = _compile_names_dropped(shards[-1]["layers"])
             _check_shard(shard_paths[-1], shards[-1], metadata)
         lazy_adam = _is_lazy_adam(optimizer)
         restores = [_gather_layer(name, layer, shards, shard_paths, sources[name], metadata["layers"][sources[name]],
-                                  lazy_adam)
+                                  lazy_adam, optimizer)
                     for name, layer in layers.items()]
         dense = _load(os.path.join(path, "dense.pt"))
+        if isinstance(dense, dict) and isinstance(dense.get("model"), dict):
+            dense["model"] = _compile_names_dropped(dense["model"])
         _check_dense(os.path.join(path, "dense.pt"), dense, _dense_state(model, layers), optimizer, metadata,
                      _layer_prefixes(model) if "" not in layers else ())
         _check_moved_groups(layers, sources, metadata["layers"], dense, optimizer)
@@ -1252,7 +1255,8 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     # changed; every rank reads the same dense.pt into an optimizer built alike (checked
     # above), so they refuse alike. What follows was checked above and cannot fail.
     if optimizer is not None and dense.get("optimizer") is not None:
-        optimizer.load_state_dict(dense["optimizer"])
+        with torch.inference_mode(False):  # as _apply_layer's state
+            optimizer.load_state_dict(dense["optimizer"])
         # load_state_dict rebuilt the dense state; embedding shards get theirs by key.
         for restore in restores:
             optimizer.state.pop(restore.layer.weight, None)

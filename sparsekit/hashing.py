@@ -148,23 +148,33 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
     slot, seed = _slot_and_seed(slot, seed, where)
     try:
         return _hash(value, slot, seed)
-    except (TypeError, ValueError, OverflowError) as error:
+    except _Refused as error:
         raise _named(error, where) from error.__cause__
 
 
-def _named(error: Exception, prefix: str) -> Exception:
-    """``error`` again, its message after ``prefix`` (the function and the value's place)."""
-    return type(error)(f"{prefix}: {error}")
+class _Refused(Exception):
+    """Why :func:`_hash` refuses a value: ``error`` (a TypeError, ValueError or
+    OverflowError) still to be named by its caller."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _named(refused: _Refused, prefix: str) -> Exception:
+    """The refusal's error again, its message after ``prefix`` (the function and the value's place)."""
+    return type(refused.error)(f"{prefix}: {refused.error}")
 
 
 def _hash_all(values: Iterable[Value], slot: int, seed: int, where: str, name: str) -> List[int]:
-    """:func:`_hash` of each value; a refused one is named by its position, ``name[i]``."""
+    """:func:`_hash` of each value; a refused one is named by its position, ``name[i]``
+    (what the iteration itself raises, a generator's own error, passes as it is)."""
     keys: List[int] = []
-    try:
-        for value in values:
+    for value in values:
+        try:
             keys.append(_hash(value, slot, seed))
-    except (TypeError, ValueError, OverflowError) as error:
-        raise _named(error, f"{where}: {name}[{len(keys)}]") from error.__cause__
+        except _Refused as error:
+            raise _named(error, f"{where}: {name}[{len(keys)}]") from error.__cause__
     return keys
 
 
@@ -172,7 +182,7 @@ def _hash_cell(value: Value, slot: int, seed: int, where: str, row: int, column:
     """:func:`_hash` of ``rows[row][column]``; a refused one is named by its place."""
     try:
         return _hash(value, slot, seed)
-    except (TypeError, ValueError, OverflowError) as error:
+    except _Refused as error:
         raise _named(error, f"{where}: rows[{row}][{column}]") from error.__cause__
 
 
@@ -184,10 +194,10 @@ def _hash(value: Value, slot: int, seed: int) -> int:
             encoded = value.encode("utf-8")
         except UnicodeEncodeError as error:
             shown = value if len(value) <= 64 else value[:61] + "..."
-            raise ValueError(
+            raise _Refused(ValueError(
                 f"cannot hash {shown!r}: str values are hashed as their UTF-8 bytes and "
                 f"{value[error.start:error.end]!r} (a lone surrogate, at index {error.start}) has no UTF-8 "
-                "encoding; pass bytes, or repair the string first") from error
+                "encoding; pass bytes, or repair the string first")) from error
         return _to_int64(_digest(encoded, _seed(slot, seed, _TEXT)))
     if isinstance(value, (bytes, bytearray)):
         return _to_int64(_digest(value, _seed(slot, seed, _TEXT)))
@@ -196,13 +206,13 @@ def _hash(value: Value, slot: int, seed: int) -> int:
     if isinstance(value, torch.Tensor) and value.dim() != 0 and value.numel() == 1:
         # A one-element tensor converts with operator.index; as a numpy array of shape [1]
         # does not, neither does it here: it is a sequence, not one integer.
-        raise TypeError(f"cannot hash a {value.dim()}-d tensor of shape {list(value.shape)} as "
-                        "one value; pass a 0-d tensor or an int (hash_values hashes a tensor element by element)")
+        raise _Refused(TypeError(f"cannot hash a {value.dim()}-d tensor of shape {list(value.shape)} as "
+                        "one value; pass a 0-d tensor or an int (hash_values hashes a tensor element by element)"))
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        raise TypeError("cannot hash a tensor on the meta device: it holds no values")
+        raise _Refused(TypeError("cannot hash a tensor on the meta device: it holds no values"))
     if is_bool(value):
-        raise TypeError(f"cannot hash a bool ({value!r}): it would share the key of the "
-                        "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant")
+        raise _Refused(TypeError(f"cannot hash a bool ({value!r}): it would share the key of the "
+                        "integer 1 or 0; convert it to int explicitly (int(value)) if that is what is meant"))
     try:
         integer = as_index(value)
     except TypeError:
@@ -219,15 +229,15 @@ def _hash(value: Value, slot: int, seed: int) -> int:
                 return _to_int64(_digest(view if view.c_contiguous else view.tobytes(), _seed(slot, seed, _TEXT)))
         hint = ("; hash an array element by element with hash_values, or its raw bytes with .tobytes()"
                 if isinstance(value, (np.ndarray, torch.Tensor)) else "")
-        raise TypeError(
+        raise _Refused(TypeError(
             f"cannot hash a {type(value).__name__}; pass str, bytes (or another "
-            f"bytes-like object) or int (convert floats to a string or an int first){hint}")
+            f"bytes-like object) or int (convert floats to a string or an int first){hint}"))
     try:
         packed = _INT_LAYOUT.pack(integer)
     except struct.error:
-        raise OverflowError(
+        raise _Refused(OverflowError(
             f"integer {integer} is outside the int64 range; "
-            "pass it as a string instead") from None
+            "pass it as a string instead")) from None
     return _to_int64(_digest(packed, _seed(slot, seed, _INT)))
 
 

@@ -1,11 +1,12 @@
 """Helpers of the CUDA-only tests."""
 
 import warnings
+from typing import Callable
 
 import torch
 
 
-def count_host_syncs(fn) -> int:
+def count_host_syncs(fn: Callable[[], object]) -> int:
     """How many times ``fn()`` makes the host wait for the GPU, as torch's sync debug mode
     sees them (``.item()``, ``.cpu()``, a copy to pageable memory, ``nonzero`` ...)."""
     torch.cuda.synchronize()

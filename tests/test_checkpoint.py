@@ -1198,7 +1198,24 @@ def test_rows_without_a_saved_key_get_the_optimizers_initial_state(tmp_path):
     # Only the direct rows that moved or whose sums left the initial value were saved.
     shard = torch.load(glob.glob(str(tmp_path / "ckpt-*" / "shard-*"))[0], weights_only=True)
     assert sorted(shard["layers"]["direct"]["keys"].tolist()) == [1, 2]
-    assert shard["layers"]["direct"]["fill"] == {"sum": pytest.approx(0.1)}
+
+
+def test_a_full_table_loaded_into_a_larger_one_gives_the_new_rows_adagrads_initial_sums(tmp_path):
+    """No row of a full table is free, so the saved rows say nothing of the initial state:
+    the loading optimizer's initial_accumulator_value gives it."""
+    def build(capacity):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"emb": sk.DistributedEmbedding("sum", capacity, 4, 1, 2)})
+        return model, torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.1)
+    model, optimizer = build(4)
+    model["emb"](torch.tensor([[[1, 2]], [[3, 4]]])).pow(2).sum().backward()
+    optimizer.step()
+    sk.save_checkpoint(str(tmp_path), model, optimizer)
+    loaded, loaded_optimizer = build(8)
+    sk.load_checkpoint(str(tmp_path), loaded, loaded_optimizer)
+    sums = loaded_optimizer.state[loaded["emb"].weight]["sum"]
+    assert torch.equal(sums[:4], optimizer.state[model["emb"].weight]["sum"])
+    assert torch.all(sums[4:] == 0.1)
 
 
 @pytest.mark.parametrize("lr", ["numpy", "fraction"])
@@ -1218,6 +1235,20 @@ def test_settings_an_lr_scheduler_makes_save_as_plain_numbers(tmp_path, lr):
     sk.load_checkpoint(str(tmp_path), loaded, loaded_optimizer)
     assert type(loaded_optimizer.param_groups[0]["lr"]) is float
     assert loaded_optimizer.param_groups[0]["lr"] == float(value)
+
+
+def test_a_model_built_under_inference_mode_loads_a_checkpoint(tmp_path):
+    """Serving: the model and the load under torch.inference_mode(), no optimizer."""
+    model, optimizer = make()
+    train(model, optimizer, range(STEPS_BEFORE))
+    sk.save_checkpoint(str(tmp_path), model, optimizer)
+    with torch.inference_mode():
+        served = Model()
+        sk.load_checkpoint(str(tmp_path), served)
+        pooled, direct, _ = batch(STEPS_BEFORE)
+        served.eval()
+        model.eval()
+        assert torch.equal(served(pooled, direct), model(pooled, direct))
 
 
 def test_a_load_under_inference_mode_gives_state_a_step_can_update(tmp_path):
@@ -1261,8 +1292,8 @@ def test_a_model_with_compiled_submodules_saves_and_loads_as_the_plain_one(tmp_p
     model(torch.tensor([[[1, 2, 3], [4, 5, 6]]])).sum().backward()
     optimizer.step()
     path = sk.save_checkpoint(str(tmp_path), model, optimizer)
-    metadata = json.load(open(os.path.join(path, "metadata.json")))
-    assert list(metadata["layers"]) == ["emb"]
+    with open(os.path.join(path, "metadata.json")) as file:
+        assert list(json.load(file)["layers"]) == ["emb"]
     assert sorted(torch.load(os.path.join(path, "dense.pt"), weights_only=True)["model"]) == ["top.0.bias",
                                                                                             "top.0.weight"]
     other = _Towers(loaded)
@@ -1292,11 +1323,42 @@ def test_a_layer_without_a_valid_world_size_in_metadata_is_named(tmp_path, world
     model = nn.ModuleDict({"emb": sk.DistributedEmbedding("sum", 32, 4, 1, 2)})
     path = sk.save_checkpoint(str(tmp_path), model)
     meta_path = os.path.join(path, "metadata.json")
-    metadata = json.load(open(meta_path))
+    with open(meta_path) as file:
+        metadata = json.load(file)
     if world_size == "missing":
         del metadata["layers"]["emb"]["world_size"]
     else:
         metadata["layers"]["emb"]["world_size"] = world_size
-    json.dump(metadata, open(meta_path, "w"))
+    with open(meta_path, "w") as file:
+        json.dump(metadata, file)
     with pytest.raises(ValueError, match=r"metadata.json: layer 'emb' has no valid 'world_size'"):
         sk.load_checkpoint(str(tmp_path), model)
+
+
+def test_a_checkpoint_that_kept_compile_names_still_loads(tmp_path):
+    """Checkpoints saved before names were made plain kept "_orig_mod" for a compiled
+    submodule (layers 'emb._orig_mod', dense 'top._orig_mod.0.weight'): they still load,
+    into the compiled model as into the plain one."""
+    model = _Towers(False)
+    path = sk.save_checkpoint(str(tmp_path), model)
+    with open(os.path.join(path, "metadata.json")) as file:
+        metadata = json.load(file)
+    metadata["layers"] = {"emb._orig_mod": metadata["layers"]["emb"]}
+    with open(os.path.join(path, "metadata.json"), "w") as file:
+        json.dump(metadata, file)
+    for name in glob.glob(os.path.join(path, "shard-*")):
+        shard = torch.load(name, weights_only=True)
+        shard["layers"] = {"emb._orig_mod": shard["layers"]["emb"]}
+        torch.save(shard, name)
+    dense = torch.load(os.path.join(path, "dense.pt"), weights_only=True)
+    dense["model"] = {key.replace("top.", "top._orig_mod."): value for key, value in dense["model"].items()}
+    torch.save(dense, os.path.join(path, "dense.pt"))
+    for compiled in (True, False):
+        other = _Towers(compiled)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        sk.load_checkpoint(str(tmp_path), other)
+        emb = other.emb._orig_mod if compiled else other.emb
+        top = other.top._orig_mod if compiled else other.top
+        assert torch.equal(emb.weight, model.emb.weight) and torch.equal(top[0].weight, model.top[0].weight)
