@@ -1227,7 +1227,8 @@ class EmbeddingBagCollection(nn.Module):
                 if error is not None:
                     raise error
                 failed_rank, failed_kind = word // 4 - 1, word % 4
-                what = "a hash table is full" if failed_kind == _TABLE_FULL else "the lookup failed"
+                what = ("a hash table is full (or, with eviction, one call holds more distinct keys than it "
+                        "holds)" if failed_kind == _TABLE_FULL else "the lookup failed")
                 raise (HashTableFullError if failed_kind == _TABLE_FULL else RuntimeError)(
                     f"EmbeddingBagCollection: on rank {failed_rank} {what} (see the error there); no rank went on "
                     "with this step")

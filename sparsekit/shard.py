@@ -690,8 +690,11 @@ class _ModelParallelEmbedding(nn.Module):
             raise error
         failed_rank, failed_kind = word // 4 - 1, word % 4
         if failed_kind == _TABLE_FULL:
+            # With eviction a table is "full" only for one call of more distinct keys than it holds.
+            why = ("; with eviction, one call there holds more distinct keys than the table holds, so eviction "
+                   "cannot make room" if self.hash_table is not None and self.hash_table.eviction is not None else "")
             raise HashTableFullError(
-                f"{self._table_full(failed_rank)}; nothing was inserted on that rank. Build the layer with a "
+                f"{self._table_full(failed_rank)}{why}; nothing was inserted on that rank. Build the layer with a "
                 f"larger {self._capacity_argument}")
         raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
                            "no rank went on with this step")

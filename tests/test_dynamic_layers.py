@@ -573,3 +573,17 @@ def test_a_lookup_s_gradient_does_not_reach_rows_a_load_or_reset_gave_to_other_k
     assert weight.grad is None  # not even an empty gradient: no optimizer step is counted
     optimizer.step()
     assert torch.equal(weight.detach(), before) and weight not in optimizer.state
+
+
+def _overflowing_call_worker(rank, world_size, init):
+    init()
+    layer = sk.DistributedEmbedding("sum", 4, 2, 1, 10, eviction="lru")
+    with pytest.raises(HashTableFullError, match=r"the hash table of rank 1 is full \(max_vocabulary_size_per_gpu=4\)"
+                                                 r"(; with eviction, one call there holds more distinct keys|: HashTable)"):
+        layer(torch.arange(1, 20, 2).view(1, 1, 10))  # ten keys, all owned by rank 1
+
+
+def test_an_evicting_table_overflowed_by_one_call_is_named_so_on_every_rank(tmp_path):
+    """With eviction a table is full only for one call of more distinct keys than it holds:
+    the other ranks said only "is full", which an evicting table never is otherwise."""
+    spawn(_overflowing_call_worker, 2, str(tmp_path))
