@@ -33,7 +33,7 @@ from __future__ import annotations
 import struct
 from collections.abc import ItemsView, KeysView, Mapping, Set as AbstractSet
 from functools import lru_cache
-from typing import Iterable, List, Sequence, Union
+from typing import Iterable, Sequence, Union
 
 import numpy as np
 import torch
@@ -145,11 +145,7 @@ def hash_value(value: Value, slot: int = 0, *, seed: int = 0) -> int:
             outside the int64 range.
     """
     where = "sparsekit.hashing.hash_value"
-    slot, seed = _slot_and_seed(slot, seed, where)
-    try:
-        return _hash(value, slot, seed)
-    except _Refused as error:
-        raise _named(error, where) from error.__cause__
+    return _hash_at(value, *_slot_and_seed(slot, seed, where), where)
 
 
 class _Refused(Exception):
@@ -161,29 +157,19 @@ class _Refused(Exception):
         self.error = error
 
 
-def _named(refused: _Refused, prefix: str) -> Exception:
-    """The refusal's error again, its message after ``prefix`` (the function and the value's place)."""
-    return type(refused.error)(f"{prefix}: {refused.error}")
+def _renamed(refused: _Refused, where: str, name: str = "", *index: int) -> Exception:
+    """The refusal's error, named by the function ``where`` and, given ``name``, the value's
+    place (``values[i]``, ``rows[i][j]``)."""
+    place = f": {name}" + "".join(f"[{i}]" for i in index) if name else ""
+    return type(refused.error)(f"{where}{place}: {refused.error}")
 
 
-def _hash_all(values: Iterable[Value], slot: int, seed: int, where: str, name: str) -> List[int]:
-    """:func:`_hash` of each value; a refused one is named by its position, ``name[i]``
-    (what the iteration itself raises, a generator's own error, passes as it is)."""
-    keys: List[int] = []
-    for value in values:
-        try:
-            keys.append(_hash(value, slot, seed))
-        except _Refused as error:
-            raise _named(error, f"{where}: {name}[{len(keys)}]") from error.__cause__
-    return keys
-
-
-def _hash_cell(value: Value, slot: int, seed: int, where: str, row: int, column: int) -> int:
-    """:func:`_hash` of ``rows[row][column]``; a refused one is named by its place."""
+def _hash_at(value: Value, slot: int, seed: int, where: str, name: str = "", *index: int) -> int:
+    """:func:`_hash` of one value, a refusal :func:`_renamed`."""
     try:
         return _hash(value, slot, seed)
-    except _Refused as error:
-        raise _named(error, f"{where}: rows[{row}][{column}]") from error.__cause__
+    except _Refused as refused:
+        raise _renamed(refused, where, name, *index) from refused.__cause__
 
 
 def _hash(value: Value, slot: int, seed: int) -> int:
@@ -303,7 +289,12 @@ def hash_values(values: Union[Iterable[Value], np.ndarray, torch.Tensor], slot: 
         except TypeError:
             raise TypeError(f"{where}: values must be {_VALUES_WANTED}, got {_shown(values)}; hash a single "
                             "value with hash_value") from None
-    keys = _hash_all(values, slot, seed, where, "values")
+    keys = []
+    for value in values:  # what the caller's iterable itself raises passes as it is
+        try:
+            keys.append(_hash(value, slot, seed))
+        except _Refused as refused:  # (not _hash_at: a call per value costs a fifth more)
+            raise _renamed(refused, where, "values", len(keys)) from refused.__cause__
     return torch.tensor(keys, dtype=torch.int64).reshape(len(keys))
 
 
@@ -353,6 +344,6 @@ def hash_rows(rows: Sequence[Sequence[Value]], *, seed: int = 0, first_slot: int
         if length != width:
             raise ValueError(f"{where}: row {index} has {length} values, "
                              f"row 0 has {width}; every row needs one value per slot")
-        keys.append([_hash_cell(value, first_slot + column, seed, where, index, column)
+        keys.append([_hash_at(value, first_slot + column, seed, where, "rows", index, column)
                      for column, value in enumerate(row)])
     return torch.tensor(keys, dtype=torch.int64).reshape(len(keys), width)
