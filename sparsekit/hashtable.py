@@ -21,14 +21,14 @@ eviction and checkpoints read them without touching the slots.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import (allocation, as_index, dense_layout, device_argument, integer_argument, is_bool, size_argument,
-                      tensor_integer)
+from ._checks import allocation, dense_layout, device_argument, integer_argument, size_argument, tensor_integer
 from .allocator import table_full, table_zeros
 
 __all__ = ["HashTable", "HashTableFullError"]
@@ -605,11 +605,8 @@ class HashTable:
                                  f"{tuple(getattr(value, 'shape', ()))}")
             scores.append(value.to(self.device))
         clock = tensor_integer(state_dict.get("clock", 0))
-        if not isinstance(clock, (int, Tensor)) and not is_bool(clock):
-            try:
-                clock = as_index(clock)  # a numpy integer
-            except TypeError:
-                pass
+        with contextlib.suppress(TypeError):  # a numpy integer too; anything else is refused below
+            clock = integer_argument("HashTable.load_state_dict", "clock", clock)
         # Bounded well inside int64: every training step adds one, and an int64 past its end
         # would fail a later insert after it placed its keys.
         if isinstance(clock, bool) or not isinstance(clock, int) or not 0 <= clock < _MAX_CLOCK:

@@ -619,12 +619,19 @@ def _prune(checkpoint_dir: str, keep: int, written: Sequence[str]) -> None:
             modified = -1
         return (order.get(name, -1), modified, int(name[len("step_"):]))
 
-    names = [name for name in os.listdir(checkpoint_dir)
-             if _STEP_DIR_NAME.fullmatch(name) and os.path.isdir(os.path.join(checkpoint_dir, name))]
-    newest_first = sorted(names, key=age, reverse=True)
+    newest_first = sorted(_step_dirs(checkpoint_dir), key=age, reverse=True)
     for name in newest_first[keep:]:
         if not written or name != written[-1]:
             shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+
+
+def _step_dirs(checkpoint_dir: str) -> List[str]:
+    """The names of the ``step_NNNNNNNNN`` directories in ``checkpoint_dir`` (none when it
+    does not exist), in name order."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(name for name in os.listdir(checkpoint_dir)
+                  if _STEP_DIR_NAME.fullmatch(name) and os.path.isdir(os.path.join(checkpoint_dir, name)))
 
 
 def _pointer_names(pointer: str, name: str) -> bool:
@@ -855,9 +862,8 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     written: List[str] = []  # this run's step directories, oldest first (what save keeps)
     if config.resume:
         directory = latest_checkpoint(config.checkpoint_dir)
-        steps = sorted(name for name in (os.listdir(config.checkpoint_dir) if os.path.isdir(config.checkpoint_dir)
-                                         else ()) if _STEP_DIR_NAME.fullmatch(name))
-        if directory is None and steps:
+        steps = _step_dirs(config.checkpoint_dir) if directory is None else []
+        if steps:
             # Step directories without a pointer: a save that rewrote the step `latest` named
             # was interrupted, or the pointer was deleted. Which one is whole is unknown.
             raise CheckpointError(f"--resume: {config.checkpoint_dir} holds step directories ({steps[0]} .. "
