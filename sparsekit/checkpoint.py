@@ -862,13 +862,14 @@ class _LayerRestore:
     """
 
     def __init__(self, layer: _ModelParallelEmbedding, keys: Tensor, weight: Tensor, state: Dict[str, Tensor],
-                 scalars: Dict[str, Any], has_state: bool, dynamic: Optional[Dict[str, Any]] = None) -> None:
+                 scalars: Dict[str, Any], has_state: bool, dynamic: Optional[Dict[str, Any]],
+                 initial_state: Dict[str, float]) -> None:
         self.layer, self.keys, self.weight, self.state = layer, keys, weight, state
         self.scalars, self.has_state, self.dynamic = scalars, has_state, dynamic
+        self.initial_state = initial_state  # per-row state of the rows the load leaves without a key
         self.table: Any = None
         self.pending: Any = None
         self.initial: Optional[Tensor] = None
-        self.initial_state: Dict[str, float] = {}
 
 
 def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]], shard_paths: List[str],
@@ -902,9 +903,8 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
                              f"{torch.finfo(layer.weight.dtype).max:g}): they would load as inf. Load it into a "
                              f"{weight.dtype} table (or one with a wider range, as bfloat16 has)")
     state_names = sorted(set().union(*(part["state"].keys() for part in parts))) if parts else []
-    # A shard saved without optimizer state (its rank's optimizer never stepped the layer)
-    # holds zero moments for its rows.
-    # Rows without saved state hold the optimizer's initial state (Adagrad's sums are not 0).
+    # Rows without saved state (a shard whose rank's optimizer never stepped the layer) hold
+    # the loading optimizer's initial state: zero moments, Adagrad's initial sums.
     initial_state = {key: _initial_row_state(optimizer, layer.weight, key) for key in state_names}
     state = {}
     for key in state_names:
@@ -990,8 +990,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             keep = by_key.index_select(0, by_seen)[:layer.admission_capacity].sort().values
             dynamic["pending"] = {field: (value[keep] if isinstance(value, Tensor) else value)
                                   for field, value in dynamic["pending"].items()}
-    restore = _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic)
-    restore.initial_state = initial_state
+    restore = _LayerRestore(layer, keys, weight, state, scalars, has_state, dynamic, initial_state)
     _check_restore(name, restore)
     return restore
 
@@ -1163,8 +1162,7 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
         state = {key: (value.clone() if isinstance(value, Tensor) else value)
                  for key, value in restore.scalars.items()}
         for key, value in restore.state.items():
-            full = torch.full(layer.weight.shape, restore.initial_state.get(key, 0.0), dtype=value.dtype,
-                              device=device)
+            full = torch.full(layer.weight.shape, restore.initial_state[key], dtype=value.dtype, device=device)
             full[rows] = value.to(device=device, dtype=full.dtype)
             state[key] = full
     optimizer.state[layer.weight] = state
