@@ -273,9 +273,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             pooled = _mean_of_sum(pooled, lengths)
         # One process reads a half table's rows in float32 (and an empty batch pools into
         # float32 zeros): the output has the table's dtype on every path.
-        if pooled.dtype != self.weight.dtype:
-            pooled = pooled.to(self.weight.dtype)
-        return pooled.view(batch, self.slot_num, self.embedding_vec_size)
+        return pooled.to(self.weight.dtype).view(batch, self.slot_num, self.embedding_vec_size)
 
     def _check_padded(self, inputs: Tensor, pad_key: int) -> Tensor:
         """Padded dense keys ``[B, slot_num, n <= max_nnz]`` checked (with ``pad_key``), as key_dtype."""
@@ -384,9 +382,7 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
     def _eager_forward(self, inputs: Tensor) -> Tensor:
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs), lambda keys, info: True)
         vectors = vectors if index is None else _GatherRows.apply(vectors, index)
-        if vectors.dtype != self.weight.dtype:  # as DistributedEmbedding's
-            vectors = vectors.to(self.weight.dtype)
-        return vectors.view(out_shape)
+        return vectors.to(self.weight.dtype).view(out_shape)  # as DistributedEmbedding's
 
     def _flatten(self, inputs: Tensor) -> Tuple[Tensor, None, Tuple[int, ...]]:
         """(keys [n], no offsets, the output shape)."""

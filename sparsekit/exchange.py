@@ -343,9 +343,7 @@ def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] =
     found = rows >= 0 if miss else None
     index = torch.where(found, rows, 0) if miss else rows
     if out is None:
-        out = weight.index_select(0, index)
-        if out.dtype != dtype:
-            out = out.to(dtype)
+        out = weight.index_select(0, index).to(dtype)
     elif weight.dtype == torch.float32:
         torch.index_select(weight, 0, index, out=out)
     else:
