@@ -51,6 +51,7 @@ above.
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import numbers
 import zlib
@@ -421,6 +422,64 @@ class KeyedJagged:
         bags = self.lengths().numel()
         return bags // len(self._keys) if self._keys else 0
 
+    # -- TorchRec's KeyedJaggedTensor conveniences --------------------------------------------
+
+    def weights(self) -> Tensor:
+        """The per-value weights; ValueError when there are none (TorchRec's ``weights()``)."""
+        if self._weights is None:
+            raise ValueError("KeyedJagged.weights: this input has no weights (use weights_or_none())")
+        return self._weights
+
+    def _split_bags(self) -> int:
+        """``B``, ValueError unless the bags split into the features (``lengths`` ``[len(keys) * B]``)."""
+        bags = self.lengths().numel()
+        if not self._keys:
+            if bags:
+                raise ValueError(f"KeyedJagged: {bags} bags but no keys")
+            return 0
+        if bags % len(self._keys):
+            raise ValueError(f"KeyedJagged: {bags} bags do not split into {len(self._keys)} features of equal "
+                             "batch size (lengths must be [len(keys) * B])")
+        return bags // len(self._keys)
+
+    def offset_per_key(self) -> List[int]:
+        """Where each feature's values start in ``values()``, then ``nnz``: ``len(keys) + 1``
+        ints (one host read)."""
+        batch = self._split_bags()
+        return self.offsets()[::batch].tolist() if batch else [0] * (len(self._keys) + 1)
+
+    def length_per_key(self) -> List[int]:
+        """The number of values of each feature (TorchRec's ``length_per_key()``)."""
+        bounds = self.offset_per_key()
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def __getitem__(self, key: str) -> KeyedJagged:
+        """One feature's bags, as a one-key KeyedJagged (``values()``, ``lengths()`` ``[B]``,
+        ``offsets()`` ``[B + 1]`` from 0, ``weights_or_none()``: the methods of TorchRec's
+        ``JaggedTensor``, which ``kjt[key]`` returns there). KeyError for a key it lacks."""
+        if not isinstance(key, str) or key not in self._keys:
+            raise KeyError(f"KeyedJagged: no feature {key!r}; keys: {self._keys}")
+        f, batch = self._keys.index(key), self._split_bags()
+        bounds = self.offset_per_key()
+        start, end = bounds[f], bounds[f + 1]
+        offsets = self.offsets()[f * batch:(f + 1) * batch + 1].long() - start if batch else \
+            torch.zeros(1, dtype=torch.int64, device=self._values.device)
+        weights = None if self._weights is None else self._weights[start:end]
+        return KeyedJagged([key], self._values[start:end], offsets=offsets, weights=weights)
+
+    def to_dict(self) -> Dict[str, KeyedJagged]:
+        """``{key: self[key]}`` in key order (TorchRec's ``to_dict()``)."""
+        return {key: self[key] for key in self._keys}
+
+    def to(self, device: Union[torch.device, str], non_blocking: bool = False) -> KeyedJagged:
+        """A copy with every tensor on ``device`` (TorchRec's ``KeyedJaggedTensor.to``)."""
+        moved = [None if t is None else t.to(device, non_blocking=non_blocking)
+                 for t in (self._values, self._lengths, self._offsets, self._weights)]
+        out = KeyedJagged.__new__(KeyedJagged)
+        out._keys, out._values, out._lengths, out._offsets, out._weights = list(self._keys), *moved
+        out._labels = self._labels
+        return out
+
     def __repr__(self) -> str:
         return f"KeyedJagged(keys={self._keys}, nnz={self._values.numel()}, batch={self.stride()})"
 
@@ -437,6 +496,27 @@ _TABLE_FIELDS = {"embedding_vec_size": "embedding_dim", "max_vocabulary_size_per
                  "embedding_initializer": "initializer"}
 
 
+def _default_seed(name: str) -> int:
+    """The seed of a table's default initializer: the CRC-32 of its name."""
+    return zlib.crc32(name.encode())
+
+
+def _default_seeds(tables: Sequence[TableConfig]) -> List[Optional[int]]:
+    """Per table, the seed its default initializer takes (None: it has its own initializer).
+    A name's CRC-32, unless another table of the collection with a default initializer
+    has the same one (CRC-32 collides for distinct names: 'plumless' / 'buckeroo'), then,
+    for each of them, 63 bits of the name's BLAKE2b digest: two tables never share a
+    default seed, so the same key starts independent in each, and every other table keeps
+    the seed it always had."""
+    crc = [None if t.initializer is not None else _default_seed(t.name) for t in tables]
+    seeds: List[Optional[int]] = list(crc)
+    for i, (table, seed) in enumerate(zip(tables, crc)):
+        if seed is not None and crc.count(seed) > 1:
+            digest = hashlib.blake2b(table.name.encode(), digest_size=8, person=b"sparsekit-seed").digest()
+            seeds[i] = int.from_bytes(digest, "little") >> 1
+    return seeds
+
+
 class _TableShard(_ModelParallelEmbedding):
     """One table of a collection on this rank: its weight shard, hash table, admissions."""
 
@@ -444,10 +524,11 @@ class _TableShard(_ModelParallelEmbedding):
     _dim_argument = "embedding_dim"
     _initializer_argument = "initializer"
 
-    def __init__(self, config: TableConfig, index: int, process_group, device) -> None:
+    def __init__(self, config: TableConfig, index: int, process_group, device,
+                 default_seed: Optional[int] = None) -> None:
         object.__setattr__(self, "_layer_name", f"EmbeddingBagCollection table {config.name!r}")
         initializer = config.initializer if config.initializer is not None else \
-            KeySeededUniform(seed=zlib.crc32(config.name.encode()))
+            KeySeededUniform(seed=_default_seed(config.name) if default_seed is None else default_seed)
         super().__init__(config.capacity, config.embedding_dim, config.use_hashtable, torch.int64, initializer,
                          process_group, device, config.eviction, config.admit_after, None, config.dtype, index)
         self.config = config
@@ -597,7 +678,8 @@ class EmbeddingBagCollection(nn.Module):
                 self._feature_table[feature] = index
         self.process_group, self.world_size, self.rank = _resolve_group(process_group, "EmbeddingBagCollection")
         # A list, not a ModuleDict: a table may be called "items" or "a.b".
-        self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device) for i, t in enumerate(self.tables)])
+        self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device, seed)
+                                     for i, (t, seed) in enumerate(zip(self.tables, _default_seeds(self.tables)))])
         self._shards: List[_TableShard] = list(self.shards)
         self._by_name = {t.name: shard for t, shard in zip(self.tables, self._shards)}
         # Tables of one dim are pooled together: one gather + segment_sum per dim, not per table.

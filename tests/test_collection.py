@@ -1368,3 +1368,46 @@ def test_host_syncs_per_step_do_not_grow_with_the_number_of_tables_on_cuda():
 
     few, many = syncs(2), syncs(12)
     assert few == many, (few, many)
+
+
+def test_tables_whose_names_share_a_crc32_start_independent():
+    """The default seed is the name's CRC-32, which 'plumless' and 'buckeroo' share: their
+    keys started with identical vectors. Colliding names get seeds of their own; every
+    other table keeps its CRC-32 seed."""
+    assert zlib.crc32(b"plumless") == zlib.crc32(b"buckeroo")
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("plumless", 8, 100, ["a"]),
+                                     sk.TableConfig("buckeroo", 8, 100, ["b"]),
+                                     sk.TableConfig("users", 8, 100, ["u"])])
+    keys = torch.arange(5)
+    out = ebc(sk.KeyedJagged(["a", "b", "u"], torch.cat([keys, keys, keys]), lengths=torch.ones(15, dtype=torch.int64)))
+    assert not torch.equal(out["a"], out["b"])
+    assert torch.equal(out["u"], sk.KeySeededUniform(seed=zlib.crc32(b"users"))(keys, 8))
+    # The seeds depend on the names only: another collection of the same tables agrees.
+    again = sk.EmbeddingBagCollection([sk.TableConfig("buckeroo", 8, 100, ["b"]),
+                                       sk.TableConfig("plumless", 8, 100, ["a"])])
+    out2 = again(sk.KeyedJagged(["a", "b"], torch.cat([keys, keys]), lengths=torch.ones(10, dtype=torch.int64)))
+    assert torch.equal(out2["a"], out["a"]) and torch.equal(out2["b"], out["b"])
+
+
+def test_keyed_jagged_has_torchrecs_per_key_views():
+    """TorchRec's KeyedJaggedTensor methods a TorchRec user reaches for: kjt[key] and
+    to_dict() (a feature's bags, offsets from 0), length_per_key(), offset_per_key(),
+    weights() and to(device)."""
+    kjt = sk.KeyedJagged(["user", "item"], torch.tensor([7, 8, 9, 3]), lengths=torch.tensor([2, 0, 1, 1]),
+                         weights=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert kjt.length_per_key() == [2, 2] and kjt.offset_per_key() == [0, 2, 4]
+    item = kjt["item"]
+    assert item.keys() == ["item"] and item.values().tolist() == [9, 3]
+    assert item.lengths().tolist() == [1, 1] and item.offsets().tolist() == [0, 1, 2]
+    assert item.weights().tolist() == [3.0, 4.0]
+    assert list(kjt.to_dict()) == ["user", "item"] and kjt.to_dict()["user"].lengths().tolist() == [2, 0]
+    with pytest.raises(KeyError, match="no feature 'price'"):
+        kjt["price"]
+    with pytest.raises(ValueError, match="no weights"):
+        sk.KeyedJagged(["user"], torch.tensor([1]), lengths=torch.tensor([1])).weights()
+    moved = kjt.to("cpu")
+    assert moved.keys() == kjt.keys() and torch.equal(moved.values(), kjt.values())
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("u", 4, 50, ["user"]), sk.TableConfig("i", 4, 50, ["item"])])
+    assert torch.equal(ebc(kjt)["item"], ebc(item)["item"])
+    empty = sk.KeyedJagged(["a", "b"], torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64))
+    assert empty.length_per_key() == [0, 0] and empty["b"].offsets().tolist() == [0]
