@@ -191,6 +191,16 @@ class LazyAdam(torch.optim.Optimizer):
                 (the message names the parameter, its group and the field); nothing is
                 changed.
         """
+        # torch runs the load pre-hooks (register_load_state_dict_pre_hook: the documented way
+        # to adapt a saved state, e.g. to rename fields or remap parameters by param_names)
+        # first: what they return is the state to check and load, not the raw argument.
+        hooks = getattr(self, "_optimizer_load_state_dict_pre_hooks", None)
+        if hooks and isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch's load_state_dict does
+            for pre_hook in hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(groups, list):
             raise ValueError("LazyAdam.load_state_dict: expected what LazyAdam.state_dict() returns "
@@ -223,7 +233,15 @@ class LazyAdam(torch.optim.Optimizer):
             for saved_id, saved in saved_states.items():
                 if saved_id in where:
                     _check_saved_state(saved, *where[saved_id], saved_id)
-        super().load_state_dict(state_dict)
+        if hooks and isinstance(state_dict, dict):
+            # The hooks ran above: torch's load_state_dict must not run them a second time.
+            self._optimizer_load_state_dict_pre_hooks = type(hooks)()
+            try:
+                super().load_state_dict(state_dict)
+            finally:
+                self._optimizer_load_state_dict_pre_hooks = hooks  # the same dict: hook handles stay valid
+        else:
+            super().load_state_dict(state_dict)
         # torch casts every state tensor to its parameter's dtype; a half embedding shard's
         # moments stay float32, so take them again from the saved state, uncast.
         for saved_id, saved in saved_states.items():

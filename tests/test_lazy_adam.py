@@ -1436,3 +1436,37 @@ def test_state_made_under_inference_mode_is_refused_before_anything_changes():
         optimizer.step()
     for p, b in zip((emb.weight, dense.weight, dense.bias), before):
         assert torch.equal(p.detach(), b)
+
+
+def test_load_state_dict_pre_hooks_run_before_lazy_adams_checks():
+    """torch runs register_load_state_dict_pre_hook hooks first and loads what they return
+    (the documented way to migrate a saved state): LazyAdam checks and loads that, once."""
+    param = torch.nn.Parameter(torch.randn(3))
+    optimizer = sk.LazyAdam([param])
+    param.grad = torch.ones(3)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    old = {"state": {0: {"t": saved["state"][0]["step"], "m": saved["state"][0]["exp_avg"],
+                         "v": saved["state"][0]["exp_avg_sq"]}},
+           "param_groups": saved["param_groups"]}
+    calls = []
+
+    def migrate(opt, state_dict):
+        calls.append(1)
+        return {"state": {k: {"step": v["t"], "exp_avg": v["m"], "exp_avg_sq": v["v"]}
+                          for k, v in state_dict["state"].items()},
+                "param_groups": state_dict["param_groups"]}
+
+    other = torch.nn.Parameter(torch.randn(3))
+    loaded = sk.LazyAdam([other])
+    handle = loaded.register_load_state_dict_pre_hook(migrate)
+    loaded.load_state_dict(old)
+    assert len(calls) == 1
+    state = loaded.state[other]
+    assert state["step"].item() == 1
+    assert torch.equal(state["exp_avg"], saved["state"][0]["exp_avg"])
+    assert torch.equal(state["exp_avg_sq"], saved["state"][0]["exp_avg_sq"])
+    handle.remove()  # the handle still reaches the optimizer's hooks
+    with pytest.raises(ValueError, match="lacks"):
+        loaded.load_state_dict(old)
+    assert len(calls) == 1
