@@ -358,13 +358,20 @@ class _ModelParallelEmbedding(nn.Module):
         # their moments first, so a reused row never carries the evicted key's state.
         self._fresh_rows: Optional[Tensor] = None
         if eviction is not None:
-            self._fresh_rows = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.bool, device=self.weight.device)
-            self._grad_marker.row_since = torch.zeros(max_vocabulary_size_per_gpu, dtype=torch.int64,
-                                                      device=self.weight.device)
+            self._keep_fresh_rows()
         self._mark_weight()
         traced.register(self)
         if self.hash_table is None:
             self._initialize_direct_rows()
+
+    def _keep_fresh_rows(self) -> None:
+        """Allocates the per-row flags of rows given to new keys (``_fresh_rows``) and the
+        marker's ``row_since``: an evicting layer has them from the start; a layer without
+        eviction only once it loads a state with such rows pending (an evicting layer's,
+        saved before the optimizer updated its new keys)."""
+        rows, device = self.max_vocabulary_size_per_gpu, self.weight.device
+        self._fresh_rows = torch.zeros(rows, dtype=torch.bool, device=device)
+        self._grad_marker.row_since = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def _initialize_direct_rows(self) -> None:
         """Gives every row of a direct (``use_hashtable=False``) table its key's initial values."""
@@ -994,8 +1001,18 @@ class _ModelParallelEmbedding(nn.Module):
         self._rows_rebound()
         if checked.pending is not None:
             self._pending._load_checked(checked.pending)
+        elif self._pending is not None:
+            # A state saved without pending admissions (admit_after=1) has none: the layer's
+            # own would outlive the table they were counted against (load_checkpoint clears them too).
+            self._pending.clear()
         self.hash_table._load_checked(checked.table)
         self._evicted, self._admitted = checked.evicted, checked.admitted
+        if self._fresh_rows is None and bool(checked.fresh.any()):
+            # The saved optimizer moments of those rows are still the evicted keys'; the
+            # optimizer state is loaded apart from the layer's, so LazyAdam must reset them
+            # at their next update here too (load_checkpoint resets them at load).
+            self._keep_fresh_rows()
+            self._mark_weight()
         if self._fresh_rows is not None:
             self._fresh_rows.zero_()
             self._fresh_rows[:checked.fresh.numel()] = checked.fresh

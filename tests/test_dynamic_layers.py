@@ -186,6 +186,20 @@ def test_state_dict_round_trip_keeps_scores_pending_and_totals():
     assert torch.equal(_step(copy, None, [7, 1]), _step(layer, None, [7, 1]))
 
 
+def test_a_state_without_pending_admissions_clears_the_layer_s_own():
+    """A state saved by a layer without admission (no 'pending' entry) loads as no key pending:
+    the layer's own pending keys were counted against the table the load replaces."""
+    source = _layer(8)
+    _step(source, None, [1, 2])
+    layer = _layer(8, admit_after=2)
+    _step(layer, None, [7, 1])  # 7 and 1 pending, seen once
+    layer.load_state_dict(source.state_dict())
+    assert layer.stats()["pending"] == 0
+    assert len(layer._pending) == 0
+    _step(layer, None, [7])  # seen once since the load: still waiting
+    assert layer.export()[0].tolist() == [1, 2]
+
+
 def _damage_pending(pending, damage):
     """A layer's saved pending admissions (keys 8 and 50 pending, 9 in the table), damaged."""
     if damage == "key_in_table":
@@ -587,3 +601,28 @@ def test_an_evicting_table_overflowed_by_one_call_is_named_so_on_every_rank(tmp_
     """With eviction a table is full only for one call of more distinct keys than it holds:
     the other ranks said only "is full", which an evicting table never is otherwise."""
     spawn(_overflowing_call_worker, 2, str(tmp_path))
+
+
+def test_a_layer_without_eviction_resets_the_moments_of_rows_an_evicting_state_gave_away():
+    """An evicting layer saved after a key took an evicted key's row, before the optimizer
+    updated it: a layer without eviction that loads it (state_dict route, optimizer loaded
+    apart) gives that key fresh moments at its first update, as load_checkpoint does."""
+    def build(eviction):
+        layer = _layer(2, eviction=eviction)
+        return layer, sk.LazyAdam(layer.parameters(), lr=0.1)
+
+    source, optimizer = build("lru")
+    for _ in range(2):
+        _step(source, optimizer, [1, 2])
+    source(torch.tensor([3]))  # evicts key 1: key 3 takes its row, no update yet
+    layer, loaded = build(None)
+    layer.load_state_dict(source.state_dict())
+    loaded.load_state_dict(optimizer.state_dict())
+    _step(layer, loaded, [3])
+    row = layer.hash_table.find(torch.tensor([3]))
+    grad = torch.ones(DIM)  # d(sum)/d(row): (1 - beta1) * grad is the first moment of a fresh key
+    assert torch.allclose(loaded.state[layer.weight]["exp_avg"][row[0]], 0.1 * grad)
+    assert torch.allclose(loaded.state[layer.weight]["exp_avg_sq"][row[0]], 0.001 * grad)
+    # Key 2 kept its row and its moments went on.
+    assert not torch.allclose(loaded.state[layer.weight]["exp_avg"][layer.hash_table.find(torch.tensor([2]))[0]],
+                              torch.zeros(DIM))
