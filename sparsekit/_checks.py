@@ -183,6 +183,15 @@ def device_argument(where: str, value: Any) -> Any:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise RuntimeError(f"{where}: device={value!r} but this process sees "
                                f"{torch.cuda.device_count()} CUDA device(s)")
+    elif device.type not in ("cpu", "meta"):
+        # Another backend torch names (xpu, mps, hpu, xla, privateuseone, ...): torch's own
+        # refusal of one this process lacks is an AssertionError, a ModuleNotFoundError or a
+        # NotImplementedError from deep inside the first allocation, naming no argument.
+        try:
+            torch.empty(0, device=device)
+        except Exception as error:  # noqa: BLE001 (any of torch's refusals, named below)
+            reason = str(error).split("\n", 1)[0] or type(error).__name__
+            raise RuntimeError(f"{where}: device={value!r} is not available in this process ({reason})") from None
     return value
 
 

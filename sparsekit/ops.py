@@ -473,6 +473,7 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
     """
     tensor_arguments("hash_table_insert_absent_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys, rows=rows)
     num_occupied = _integer("hash_table_insert_absent_", "num_occupied", num_occupied, optional=True)
+    _check_not_inference("hash_table_insert_absent_", (("slot_keys", slot_keys), ("slot_rows", slot_rows)))
     _ops.hash_table_insert_absent_(slot_keys, slot_rows, keys, rows, num_occupied)
 
 
@@ -501,6 +502,7 @@ def hash_table_erase_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor) -> Ten
         int64 rows the keys held (shape of ``keys``), ``-1`` for an absent key.
     """
     tensor_arguments("hash_table_erase_", slot_keys=slot_keys, slot_rows=slot_rows, keys=keys)
+    _check_not_inference("hash_table_erase_", (("slot_rows", slot_rows),))
     return _ops.hash_table_erase_(slot_keys, slot_rows, keys)
 
 
@@ -713,7 +715,23 @@ def lazy_adam_(
         (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)))
     updated = (("weight", weight), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))
     _check_in_place_update("lazy_adam_", updated)
+    _check_not_inference("lazy_adam_", updated)
     _ops.lazy_adam_(weight, exp_avg, exp_avg_sq, rows, grad, step, lr, beta1, beta2, eps, weight_decay)
+
+
+def _check_not_inference(op: str, tensors: Iterable[Tuple[str, Tensor]]) -> None:
+    """Refuses to write in place to an inference tensor (made under ``torch.inference_mode()``)
+    outside inference mode, as torch's own in-place ops do ("Inplace update to inference
+    tensor outside InferenceMode is not allowed"). Such a tensor has no autograd or
+    ADInplaceOrView dispatch key, so no kernel of the op's dispatch sees it first; checked
+    here before anything is written."""
+    if torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+        return
+    for name, tensor in tensors:
+        if isinstance(tensor, Tensor) and tensor.is_inference():
+            raise RuntimeError(f"{op}: {name} was made under torch.inference_mode() and cannot be updated in "
+                               "place outside it (as torch's in-place ops refuse); make it outside inference "
+                               "mode (a clone() there will do), or call this under torch.inference_mode()")
 
 
 def _check_in_place_update(op: str, tensors: Iterable[Tuple[str, Tensor]]) -> None:

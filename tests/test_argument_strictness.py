@@ -642,6 +642,30 @@ def test_a_cuda_device_without_cuda_is_named(builder):
             _BUILDERS[builder](device)
 
 
+@pytest.mark.parametrize("builder", sorted(_BUILDERS))
+@pytest.mark.parametrize("device", ["hpu", "xpu", "mps", "privateuseone", "xla"])
+def test_a_backend_this_process_lacks_is_named(builder, device):
+    """torch refuses these with an AssertionError, a ModuleNotFoundError or a
+    NotImplementedError from inside an allocation, naming no argument."""
+    try:
+        torch.empty(0, device=device)
+    except Exception:  # noqa: BLE001
+        pass
+    else:
+        pytest.skip(f"this process has a {device} device")
+    with pytest.raises(RuntimeError, match=f"{builder}: device='{device}' is not available in this process"):
+        _BUILDERS[builder](device)
+
+
+def test_hash_table_to_a_backend_this_process_lacks_is_named_and_keeps_the_table():
+    table = sk.HashTable(4)
+    table.insert(torch.tensor([5]))
+    for device in ("hpu", "xpu", "privateuseone"):
+        with pytest.raises(RuntimeError, match=f"HashTable.to: device='{device}' is not available"):
+            table.to(device)
+    assert table.find(torch.tensor([5])).tolist() == [0]
+
+
 @pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu"), "meta"])
 def test_layers_and_tables_take_the_devices_torch_takes(device):
     for build in _BUILDERS.values():
@@ -703,3 +727,27 @@ def test_an_integer_argument_is_not_a_tensor_of_one_element(value):
     assert sk.HashTable(torch.tensor(3)).capacity == 3
     assert sk.hashing.hash_value("a", seed=torch.tensor(2**64 - 1, dtype=torch.uint64)) == \
         sk.hashing.hash_value("a", seed=-1)
+
+
+def test_in_place_wrappers_refuse_inference_tensors_outside_inference_mode_and_write_nothing():
+    """torch's in-place ops refuse to update an inference tensor outside inference mode; the
+    kernels, which such a tensor reaches with no autograd key in front, wrote it silently."""
+    with torch.inference_mode():
+        weight, exp_avg, exp_avg_sq = torch.randn(10, 4), torch.zeros(10, 4), torch.zeros(10, 4)
+        slot_keys = torch.zeros(16, dtype=torch.int64)
+        slot_rows = torch.full((16,), -1, dtype=torch.int64)
+    before = [t.clone() for t in (weight, exp_avg, exp_avg_sq, slot_keys, slot_rows)]
+    with pytest.raises(RuntimeError, match=r"lazy_adam_: weight was made under torch.inference_mode\(\)"):
+        sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, torch.tensor([1]), torch.ones(1, 4), 1, 0.1, 0.9, 0.999,
+                          1e-8, 0.0)
+    with pytest.raises(RuntimeError, match=r"hash_table_insert_absent_: slot_keys was made under"):
+        sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, torch.tensor([5]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"hash_table_erase_: slot_rows was made under"):
+        sk.ops.hash_table_erase_(slot_keys, slot_rows, torch.tensor([5]))
+    for old, new in zip(before, (weight, exp_avg, exp_avg_sq, slot_keys, slot_rows)):
+        assert torch.equal(old, new)
+    with torch.inference_mode():  # inside inference mode they are ordinary in-place updates
+        sk.ops.hash_table_insert_absent_(slot_keys, slot_rows, torch.tensor([5]), torch.tensor([0]))
+        sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, torch.tensor([1]), torch.ones(1, 4), 1, 0.1, 0.9, 0.999,
+                          1e-8, 0.0)
+    assert sk.ops.hash_table_find(slot_keys, slot_rows, torch.tensor([5])).tolist() == [0]
