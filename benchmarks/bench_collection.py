@@ -26,8 +26,10 @@ Also (1) with bfloat16 tables: its step time and the tables' bytes against float
 weights; LazyAdam's moments stay float32 either way). Ratios are competitor time /
 collection time per interleaved round, given as median (min-max). World 2 runs (1) and
 (2) under gloo, one process per rank, each timing its step; the slowest rank counts.
-Goal (CPU, world 1): the collection >= 2x the 26 layers and >= 1.5x torch. Writes
-benchmarks/results/collection_<device>.json.
+Before timing, the three sides' pooled outputs of one batch must agree (the collection's
+vectors copied into the others). Goal (CPU, world 1): the collection >= 2x the 26 layers
+and >= 1.5x torch. Writes
+benchmarks/results/collection_<device>.json (collection_busy_<device>.json with --busy-core).
 """
 
 from __future__ import annotations
@@ -136,6 +138,30 @@ class Steps:
         return sum(shard.weight.numel() * shard.weight.element_size() for shard in self.collection.shards)
 
 
+def check_same_pooling(steps: Steps, keys: torch.Tensor) -> None:
+    """The three sides must pool the same vectors before any is timed: the collection's
+    vectors of the batch's keys (given rows by one forward) are copied into the 26 layers
+    (at the rows their own forward gave the keys) and into the 26 nn.EmbeddingBag (at the
+    keys, which are their indices), and the three forwards compared."""
+    with torch.no_grad():
+        pooled = steps.collection(sk.KeyedJagged(steps.names, keys.reshape(-1), lengths=steps.lengths))
+        for i, layer in enumerate(steps.layers):
+            table_keys, vectors = steps.collection.export(f"t{i}")
+            layer(sk.Ragged(keys[i], steps.offsets))
+            layer.weight[layer.hash_table.find(table_keys)] = vectors.float()
+            got = layer(sk.Ragged(keys[i], steps.offsets)).view(steps.batch, -1)
+            expected = pooled[steps.names[i]].float()
+            if steps.bags is not None:
+                steps.bags[i].weight[table_keys] = vectors.float()
+                from_torch = steps.bags[i](keys[i], steps.offsets[:-1])
+                if not torch.allclose(from_torch, expected, rtol=1e-5, atol=1e-6):
+                    raise RuntimeError(f"table t{i}: the collection and nn.EmbeddingBag pool different vectors: "
+                                       "not timing a wrong answer")
+            if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+                raise RuntimeError(f"table t{i}: the collection and its DistributedEmbedding pool different "
+                                   "vectors: not timing a wrong answer")
+
+
 def distinct_per_table(batches: List[torch.Tensor]) -> List[int]:
     return [int(torch.unique(torch.cat([b[t] for b in batches])).numel()) for t in range(NUM_TABLES)]
 
@@ -160,6 +186,7 @@ def bench_world_one(args, device: torch.device, config: str) -> Dict:
     batches = [b.to(device) for b in batches]
     fp32 = Steps(caps, distinct, dims, args.batch, args.pooling, device, 1)
     bf16 = Steps(caps, distinct, dims, args.batch, args.pooling, device, 1, torch.bfloat16)
+    check_same_pooling(fp32, batches[0])
     times = time_rounds({
         "collection": cycling(fp32.collection_step, batches),
         "layers": cycling(fp32.layers_step, batches),
@@ -277,9 +304,10 @@ def main() -> None:
                 elif device.type == "cpu":
                     rows.append(bench_world(args, world_size, config))
     print_table(rows, device)
-    path = write_results("collection", device, rows, extra={"threads_per_process": args.threads,
-                                                            "busy_core": args.busy_core, "rounds": args.rounds,
-                                                            "repeat": args.repeat, "goal": GOAL})
+    # A busy-core run is a figure of its own: it must not overwrite the idle one.
+    path = write_results("collection_busy" if args.busy_core else "collection", device, rows,
+                         extra={"threads_per_process": args.threads, "busy_core": args.busy_core,
+                                "rounds": args.rounds, "repeat": args.repeat, "goal": GOAL})
     print(f"wrote {path}")
 
 

@@ -11,8 +11,9 @@ and `LazyAdam.step`; the compiled side runs forward and loss through
 stays eager, as torch's sparse optimizers do). Each side trains its own copy of the model
 on the same batches; a call is `--steps` steps. Ratios are eager time / compiled time per
 interleaved round (> 1: compiling pays), given as median (min-max), beside the first
-compiled call's seconds (tracing and code generation). Writes
-benchmarks/results/compile_<device>.json.
+compiled call's seconds (tracing and code generation). The first call's losses of the two
+sides must agree before either is timed. Writes benchmarks/results/compile_<device>.json
+(compile_busy_<device>.json with --busy-core).
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import add_round_args, busy_core, fmt_ratio, ratio_stats, time_rounds, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_round_args,
+    busy_core,
+    fmt_ratio,
+    ratio_stats,
+    synchronize,
+    time_rounds,
+    write_results,
+)
 from sparsekit.train.loop import TrainConfig, build, make_data, setup  # noqa: E402
 
 
@@ -43,8 +52,10 @@ def training(config: TrainConfig, context, batches: List, steps: int, compile_ba
 
     forward = torch.compile(step_loss, backend=compile_backend, fullgraph=True) if compile_backend else step_loss
     position = [0]
+    first_losses: list[float] = []  # the first call's, to check the sides against each other
 
     def call() -> None:
+        record = not first_losses
         for _ in range(steps):
             b = batches[position[0] % len(batches)]
             position[0] += 1
@@ -52,6 +63,9 @@ def training(config: TrainConfig, context, batches: List, steps: int, compile_ba
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            if record:
+                first_losses.append(float(loss))
+    call.first_losses = first_losses
     return call
 
 
@@ -64,9 +78,18 @@ def bench(args, device: torch.device, tables: str) -> Dict:
     batches = [data.train_batch(s, args.batch, 0, 1).to(device) for s in range(64)]
     eager = training(config, context, batches, args.steps, None)
     compiled = training(config, context, batches, args.steps, args.backend)
+    synchronize(device)
     start = time.perf_counter()
     compiled()  # the first call compiles
+    synchronize(device)
     first_call_s = time.perf_counter() - start
+    # Both models start from the same seed and train on the same batches: the first call's
+    # losses must agree before either side is timed (the eager side's call is untimed too,
+    # so both sides then start the timed rounds at the same batch).
+    eager()
+    if not np.allclose(compiled.first_losses, eager.first_losses, rtol=1e-4, atol=1e-5):
+        raise RuntimeError(f"{tables}: compiled losses {compiled.first_losses} differ from eager "
+                           f"{eager.first_losses}: not timing a wrong answer")
     times = time_rounds({"eager": eager, "compiled": compiled}, device, rounds=args.rounds, repeat=args.repeat)
     speedup = ratio_stats(times["eager"], times["compiled"])
     samples = args.steps * args.batch
@@ -94,8 +117,8 @@ def main() -> None:
     with busy_core(args.busy_core):
         for tables in ("shared", "per-slot"):
             rows.append(bench(args, device, tables))
-    path = write_results("compile", device, rows, {"busy_core": args.busy_core, "rounds": args.rounds,
-                                                   "repeat": args.repeat})
+    path = write_results("compile_busy" if args.busy_core else "compile", device, rows,
+                         {"busy_core": args.busy_core, "rounds": args.rounds, "repeat": args.repeat})
     print(f"wrote {path}")
 
 

@@ -181,6 +181,16 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
         for sides in other_modes.values():
             torch.testing.assert_close(sides["sparsekit"](), sides["nn.EmbeddingBag"]().detach())
 
+        # The timed forward + backward must give nn.EmbeddingBag's gradient (summed per row).
+        sparsekit_step()
+        torch_step()
+        ours, theirs = weight.grad.coalesce(), reference.weight.grad.coalesce()
+        if not torch.equal(ours.indices(), theirs.indices()):
+            raise RuntimeError(f"D={dim} {distribution}: sparsekit's embedding_bag gradient touches other rows "
+                               "than nn.EmbeddingBag's: not timing a wrong answer")
+        torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-4, atol=1e-4)
+        weight.grad = reference.weight.grad = ours = theirs = None
+
         step = {"sparsekit": sparsekit_step, "nn.EmbeddingBag": torch_step}
         if training is not None:
             step["fbgemm_training"] = lambda: training(rows, offsets).backward(grad_out)

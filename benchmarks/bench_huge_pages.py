@@ -15,7 +15,7 @@ table at random rows:
 
 Ratios are 4 KiB-page time / huge-page time per interleaved round, median (min-max).
 Where transparent huge pages are off (``never``) both sides are the same. Writes
-benchmarks/results/huge_pages_cpu.json.
+benchmarks/results/huge_pages_cpu.json (huge_pages_busy_cpu.json with --busy-core).
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def bench_embedding_bag(dim: int, args) -> dict:
     for name, enabled in (("huge", True), ("4k", False)):
         with _HugePages(enabled):
             tables[name] = allocator.table_zeros((ROWS, dim), torch.float32, "cpu").copy_(values)
+    if not torch.equal(sk.ops.embedding_bag(tables["huge"], rows, offsets),
+                       sk.ops.embedding_bag(tables["4k"], rows, offsets)):
+        raise RuntimeError("the huge-page and 4 KiB tables pool different values: not timing a wrong answer")
     times = time_rounds({name: (lambda t=t: sk.ops.embedding_bag(t, rows, offsets)) for name, t in tables.items()},
                         torch.device("cpu"), rounds=args.rounds, repeat=args.repeat)
     stats = ratio_stats(times["4k"], times["huge"])
@@ -89,7 +92,9 @@ def bench_layer_step(dim: int, args) -> dict:
                 layer(keys).sum().backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            step(torch.randperm(LAYER_KEYS).view(-1, SLOTS, 1))  # every key in, the moments made
+            # Every key in, the moments made; the same order on both sides, so that both
+            # tables place every key in the same row.
+            step(torch.randperm(LAYER_KEYS, generator=torch.Generator().manual_seed(0)).view(-1, SLOTS, 1))
             steps[name] = (lambda step=step, batches=batches: [step(b) for b in batches])
     times = time_rounds(steps, torch.device("cpu"), rounds=args.rounds, repeat=args.repeat)
     stats = ratio_stats(times["4k"], times["huge"])
@@ -115,7 +120,8 @@ def main() -> None:
         for dim in [int(d) for d in args.layer_dims.split(",") if d]:
             rows.append(bench_layer_step(dim, args))
     extra = {"thp": allocator.huge_page_mode(), "threads": args.threads, "busy_core": args.busy_core}
-    print("wrote", write_results("huge_pages", torch.device("cpu"), rows, extra))
+    print("wrote", write_results("huge_pages_busy" if args.busy_core else "huge_pages", torch.device("cpu"), rows,
+                                 extra))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,17 @@ def bench_case(name: str, rows: int, dim: int, unique: int, duplicates: int, dev
         param = torch.nn.Parameter(torch.zeros(rows, dim, device=device))
         param.grad = grad
         steps[label] = make_opt([param], lr=1e-3).step
+    # Two untimed steps of each from the same (zero) weights must agree before any is timed.
+    params = {}
+    for label, step in steps.items():
+        step()
+        step()
+        params[label] = step.__self__.param_groups[0]["params"][0].detach()
+    if not torch.allclose(params["sparsekit"], params["torch"], rtol=1e-5, atol=1e-6):
+        raise RuntimeError(f"{name}: LazyAdam's weights differ from SparseAdam's after two steps (max abs diff "
+                           f"{float((params['sparsekit'] - params['torch']).abs().max()):.3g}): "
+                           "not timing a wrong answer")
+    del params
     times = time_rounds(steps, device, rounds=rounds, repeat=repeat)
     stats = ratio_stats(times["torch"], times["sparsekit"])
     ours, theirs = float(np.median(times["sparsekit"])), float(np.median(times["torch"]))

@@ -48,8 +48,31 @@ def make_keys(distribution: str, n: int, alpha: float) -> torch.Tensor:
     return torch.randint(0, max(1, n // 4), (n,), generator=g) * 0x9E3779B97F4A7C15 % (2**61)  # "uniform"
 
 
+def check_unique(keys: torch.Tensor, distribution: str) -> None:
+    """sparsekit's unique must give torch.unique's keys and counts (in first-occurrence
+    order) and an inverse that rebuilds the input, or the timing below means nothing."""
+    unique_keys, inverse, counts = sparsekit.ops.unique(keys, return_inverse=True, return_counts=True)
+    expected_keys, expected_counts = torch.unique(keys, sorted=True, return_counts=True)
+    order = torch.argsort(unique_keys)
+    if not (torch.equal(unique_keys[inverse], keys) and torch.equal(unique_keys[order], expected_keys)
+            and torch.equal(counts[order], expected_counts)):
+        raise RuntimeError(f"sparsekit.ops.unique disagrees with torch.unique on the {distribution} keys: "
+                           "not timing a wrong answer")
+
+
+def check_segment_sum(data: torch.Tensor, ids: torch.Tensor, segments: int, expected: torch.Tensor) -> None:
+    """Both segment_sum paths must match index_add_ before either is timed."""
+    for deterministic in (False, True):
+        got = sparsekit.ops.segment_sum(data, ids, segments, deterministic=deterministic)
+        if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"sparsekit.ops.segment_sum(deterministic={deterministic}) disagrees with "
+                               f"index_add_ (max abs diff {float((got - expected).abs().max()):.3g}): "
+                               "not timing a wrong answer")
+
+
 def bench_unique(device: torch.device, distribution: str, n: int, alpha: float, repeat: int, rounds: int) -> dict:
     keys = make_keys(distribution, n, alpha).to(device)
+    check_unique(keys, distribution)
     times = time_rounds({
         "ours": lambda: sparsekit.ops.unique(keys, return_inverse=True, return_counts=True),
         "sorted": lambda: torch.unique(keys, sorted=True, return_inverse=True, return_counts=True),
@@ -82,6 +105,7 @@ def bench_segment_sum(device: torch.device, rows: int, dim: int, segments: int, 
     gen = torch.Generator().manual_seed(0)
     data = torch.randn(rows, dim, generator=gen).to(device)
     ids = torch.randint(0, segments, (rows,), generator=gen).to(device)
+    check_segment_sum(data, ids, segments, torch.zeros(segments, dim, device=device).index_add_(0, ids, data))
     times = time_rounds({
         "index_add_": lambda: torch.zeros(segments, dim, device=device).index_add_(0, ids, data),
         "False": lambda: sparsekit.ops.segment_sum(data, ids, segments, deterministic=False),

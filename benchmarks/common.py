@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import subprocess
 import time
 from typing import Callable, Dict, Iterator, List, Sequence
@@ -101,9 +102,15 @@ def fmt_ratio(stats: Dict) -> str:
     return f"x{stats['median']:.2f} ({stats['min']:.2f}-{stats['max']:.2f})"
 
 
-def _spin() -> None:
-    while True:
-        pass
+def _spin(parent: int, ready) -> None:
+    """Spin until the benchmark that started it is gone: its ``finally`` stops the spinner,
+    but a benchmark killed by a signal (SIGTERM, SIGKILL) never runs it, and the spinner
+    must not stay behind at 100% of a core. Ctrl-C is left to the benchmark."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ready.set()
+    while os.getppid() == parent:
+        for _ in range(1 << 16):  # well under a millisecond between checks
+            pass
 
 
 @contextlib.contextmanager
@@ -113,10 +120,17 @@ def busy_core(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    spinner = context.Process(target=_spin, args=(os.getpid(), ready), daemon=True)
     spinner.start()
     try:
-        time.sleep(0.2)  # let it get going
+        # A spawned process imports this module (torch, numpy) before it spins: seconds, not
+        # the 0.2 s once slept here, during which the first rounds ran with no busy core.
+        while not ready.wait(timeout=0.1):
+            if not spinner.is_alive():
+                raise RuntimeError(f"--busy-core: the spinning process exited (code {spinner.exitcode}) "
+                                   "before it started spinning")
         yield
     finally:
         spinner.terminate()
@@ -149,19 +163,48 @@ def zipf_keys(n: int, *, alpha: float = 1.2, vocabulary: int = 1 << 40, seed: in
     return torch.from_numpy(keys.copy())
 
 
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 7763 64-Core Processor"): platform.processor() is
+    empty on Linux and platform.machine() only says x86_64."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return f"{cpu_model()} ({torch.get_num_threads()} threads)"
+
+
+def _git(*args: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # GIT_OPTIONAL_LOCKS=0: `git status` must not rewrite the index of the checkout it reads.
+    return subprocess.check_output(["git", "-C", root, *args], text=True, stderr=subprocess.DEVNULL,
+                                   env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
 
 
 def git_commit() -> str:
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.check_output(["git", "-C", root, "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return _git("rev-parse", "HEAD").strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def uncommitted_changes() -> list[str] | None:
+    """Tracked files that differ from the commit (benchmarks/results/ aside): a run measures
+    the working tree, so "commit" alone does not say which code made the figures when this
+    is not empty. None where git is not available."""
+    try:
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sorted(line[3:] for line in status.splitlines() if line.strip())
 
 
 def write_results(name: str, device: torch.device, rows: List[Dict], extra: Dict | None = None) -> str:
@@ -173,6 +216,7 @@ def write_results(name: str, device: torch.device, rows: List[Dict], extra: Dict
         "device_type": device.type,
         "torch": torch.__version__,
         "commit": git_commit(),
+        "uncommitted_changes": uncommitted_changes(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "malloc": MALLOC,
         "results": rows,

@@ -1,0 +1,153 @@
+"""The benchmarks' own machinery (benchmarks/common.py and the checks the bench_*.py scripts
+make before timing): tiny sizes, CPU only."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import sparsekit
+from benchmarks import (
+    bench_collection,
+    bench_compile,
+    bench_hashtable,
+    bench_huge_pages,
+    bench_lazy_adam,
+    bench_ops,
+    common,
+)
+
+CPU = torch.device("cpu")
+
+
+def _children(pid: int) -> list:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+def _spawned(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"spawn_main" in cmdline.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_busy_core_spinner_dies_with_a_killed_benchmark():
+    child = (f"import sys, time\nsys.path.insert(0, {ROOT!r})\nfrom benchmarks.common import busy_core\n"
+             "with busy_core(True):\n    print('busy', flush=True)\n    time.sleep(120)\n")
+    bench = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout.readline().strip() == "busy"
+        spinners = [pid for pid in _children(bench.pid) if _spawned(pid)]
+        assert spinners
+    finally:
+        bench.send_signal(signal.SIGTERM)  # no finally runs in the benchmark
+        bench.wait()
+    deadline = time.time() + 30
+    while any(_spawned(pid) for pid in spinners) and time.time() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in spinners if _spawned(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the busy-core spinner outlived its benchmark"
+
+
+def test_json_names_the_cpu_and_records_uncommitted_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    with open(common.write_results("probe", CPU, [])) as f:
+        record = json.load(f)
+    assert record["device"].startswith(common.cpu_model())
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        if "model name" in cpuinfo.read():
+            assert common.cpu_model() not in ("x86_64", "aarch64", "")
+    assert "uncommitted_changes" in record
+    monkeypatch.setattr(common, "_git", lambda *args: " M csrc/cpu/embedding_cpu.cpp\nM  sparsekit/ops.py\n")
+    assert common.uncommitted_changes() == ["csrc/cpu/embedding_cpu.cpp", "sparsekit/ops.py"]
+
+
+@pytest.mark.parametrize("module, argv", [
+    (bench_collection, ["--world-sizes", "1", "--configs", "dim16"]),
+    (bench_compile, []),
+    (bench_huge_pages, ["--dims", "", "--layer-dims", ""]),
+])
+def test_busy_core_runs_do_not_overwrite_the_idle_json(module, argv, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(module, "busy_core", lambda enabled: contextlib.nullcontext())
+    if module is bench_collection:
+        monkeypatch.setattr(module, "bench_world_one", lambda args, device, config: {"world_size": 1})
+        monkeypatch.setattr(module, "print_table", lambda rows, device: None)
+    if module is bench_compile:
+        monkeypatch.setattr(module, "bench", lambda args, device, tables: {"tables": tables})
+    monkeypatch.setattr(sys, "argv", ["bench", "--busy-core", *argv])
+    module.main()
+    assert all("_busy_" in name for name in os.listdir(tmp_path)), os.listdir(tmp_path)
+
+
+def test_hashtable_bench_skips_insert_existing_that_does_not_fit():
+    torch.set_num_threads(1)
+    row = bench_hashtable.bench_cell("zipf", 0.25, 1024, 16384, CPU, 1, 1)
+    assert row["insert_existing_keys_per_s"] is None
+    assert row["find_keys_per_s"] > 0
+
+
+def test_benchmarks_refuse_to_time_a_wrong_answer(monkeypatch):
+    real_unique = sparsekit.ops.unique
+
+    def wrong_inverse(keys, return_inverse=True, return_counts=False):
+        unique_keys, inverse, *rest = real_unique(keys, return_inverse=True, return_counts=return_counts)
+        return (unique_keys, torch.zeros_like(inverse), *rest)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sparsekit.ops, "unique", wrong_inverse)
+        with pytest.raises(RuntimeError, match="not timing a wrong answer"):
+            bench_ops.bench_unique(CPU, "zipf", 2000, 1.2, 1, 1)
+    with monkeypatch.context() as patch:
+        patch.setattr(sparsekit.ops, "segment_sum", lambda data, ids, n, deterministic=False:
+                      torch.zeros(n, *data.shape[1:], dtype=data.dtype))
+        with pytest.raises(RuntimeError, match="not timing a wrong answer"):
+            bench_ops.bench_segment_sum(CPU, 2000, 4, 50, None, 1, 1)
+
+    class NoOpLazyAdam(sparsekit.LazyAdam):
+        def step(self, closure=None):
+            return None
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sparsekit, "LazyAdam", NoOpLazyAdam)
+        with pytest.raises(RuntimeError, match="not timing a wrong answer"):
+            bench_lazy_adam.bench_case("coalesced", 1000, 4, 100, 1, CPU, None, 1, 1)
+    # The unbroken library passes the same checks.
+    bench_ops.bench_unique(CPU, "zipf", 2000, 1.2, 1, 1)
+    bench_ops.bench_segment_sum(CPU, 2000, 4, 50, None, 1, 1)
+    bench_lazy_adam.bench_case("duplicates", 1000, 4, 100, 3, CPU, None, 1, 1)
+
+
+def test_collection_bench_checks_the_three_sides_pool_alike(monkeypatch):
+    torch.set_num_threads(1)
+    caps, dims = bench_collection.capacities(True, "mixed"), bench_collection.dims_of("mixed")
+    batches = bench_collection.make_batches(caps, 32, 1, 1)
+    distinct = bench_collection.distinct_per_table(batches)
+    steps = bench_collection.Steps(caps, distinct, dims, 32, 1, CPU, 1)
+    bench_collection.check_same_pooling(steps, batches[0])
+    real_forward = sparsekit.EmbeddingBagCollection.forward
+    monkeypatch.setattr(sparsekit.EmbeddingBagCollection, "forward",
+                        lambda self, kjt: {k: 2 * v for k, v in real_forward(self, kjt).items()})
+    steps = bench_collection.Steps(caps, distinct, dims, 32, 1, CPU, 1)
+    with pytest.raises(RuntimeError, match="not timing a wrong answer"):
+        bench_collection.check_same_pooling(steps, batches[0])
