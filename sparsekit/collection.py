@@ -96,6 +96,7 @@ from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import (
     KeySeededUniform,
     _check_modes_agree,
+    _check_own_weights,
     _check_state_dict_keys,
     _check_writable,
     _distinct_sorted_rows,
@@ -866,6 +867,9 @@ class EmbeddingBagCollection(nn.Module):
         the cast to the table's dtype), except for float32 tables with per-sample weights:
         the pooled read applies each weight inside its sum (a fused multiply-add where the
         CPU has one) where eager multiplies first, an ulp apart (README, torch.compile)."""
+        # The row op runs while the module holds its own parameters: a functional_call
+        # substitute is seen here only.
+        _check_own_weights(self._shards, "EmbeddingBagCollection", self.training)
         kjt = _as_keyed_jagged(kjt)
         features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
         device = self._shards[0].weight.device

@@ -76,6 +76,7 @@ from .exchange import _GatherRows, _mean_of_sum, _one_per_bag, _pool
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
     Initializer,
     KeySeededUniform,
+    _check_own_weights,
     _ModelParallelEmbedding,
     is_embedding_variable,
 )
@@ -244,6 +245,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
         return self._eager_forward(inputs, pad_key)
 
     def _traced_forward(self, inputs, pad_key: int) -> Tensor:
+        _check_own_weights([self], self._layer_name, self.training)  # the row op cannot see a substitute
         if isinstance(inputs, tuple):
             keys, user_offsets, (batch, offsets) = self._flatten(inputs, pad_key)
             rows = traced.layer_rows(keys, user_offsets, id(self), None)
@@ -374,6 +376,7 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
 
     def forward(self, inputs: Tensor) -> Tensor:
         if self.world_size == 1 and torch.compiler.is_compiling():  # as DistributedEmbedding.forward
+            _check_own_weights([self], self._layer_name, self.training)
             keys, _, out_shape = self._flatten(inputs)
             return ops.embedding_gather(self.weight, traced.layer_rows(keys, None, id(self), None)).view(out_shape)
         return self._eager_forward(inputs)

@@ -127,6 +127,28 @@ def _place_new_keys(shards: List["_ModelParallelEmbedding"], keys: Tensor, count
     return sizes
 
 
+def _check_own_weights(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
+    """Refuses a training forward whose weight is a plain tensor put in place of the layer's
+    parameter. Part of :func:`_check_writable` (which lets it pass under inference mode),
+    and called on its own where a one-process layer is traced by ``torch.compile``: there
+    the opaque row op runs while the module holds its own parameter again (dynamo replays
+    ``functional_call``'s swap around the graph, not inside it), so only the trace sees the
+    substitute. (Not ``torch.is_inference_mode_enabled()`` here: dynamo cannot trace it.
+    The raise is a graph break, after which the default mode runs the eager forward and its
+    full check; ``fullgraph=True`` reports this error.)"""
+    if not training:
+        return
+    if not all(isinstance(shard.weight, nn.Parameter) for shard in shards):
+        # torch.func.functional_call / nn.utils.stateless with plain tensors put in place of
+        # the weight: a training step would insert its new keys into the layer's own hash
+        # table and write their initial vectors into the caller's tensor, leaving the
+        # layer's rows for those keys zero for good.
+        raise RuntimeError(f"{name}: its weight is a plain tensor put in place of its parameter (functional_call "
+                           "or torch.nn.utils.stateless?); a training forward inserts keys into the layer's own "
+                           "hash table, so it needs the layer's own weight: call it in eval() mode (lookups only), "
+                           "or pass the layer's parameters themselves")
+
+
 def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
     """Refuses, before anything changes, a forward whose in-place writes (a training step's
     new keys, rows and scores) would fail halfway and leave a table half changed: one under
@@ -145,15 +167,7 @@ def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training
                            "the hash table; take gradients with loss.backward() or torch.autograd.grad")
     if not training or torch.is_inference_mode_enabled():
         return
-    if not all(isinstance(weight, nn.Parameter) for weight in weights):
-        # torch.func.functional_call / nn.utils.stateless with plain tensors put in place of
-        # the weight: a training step would insert its new keys into the layer's own hash
-        # table and write their initial vectors into the caller's tensor, leaving the
-        # layer's rows for those keys zero for good.
-        raise RuntimeError(f"{name}: its weight is a plain tensor put in place of its parameter (functional_call "
-                           "or torch.nn.utils.stateless?); a training forward inserts keys into the layer's own "
-                           "hash table, so it needs the layer's own weight: call it in eval() mode (lookups only), "
-                           "or pass the layer's parameters themselves")
+    _check_own_weights(shards, name, training)
     if any(shard.hash_table is not None and shard.weight.device.type == "cpu" and shard.weight.is_shared()
            for shard in shards):
         # share_memory(), or a layer sent to another process by torch.multiprocessing: the

@@ -469,3 +469,37 @@ def test_half_tables_compiled_give_the_eager_gradients(dtype, combiner, weighted
         assert torch.equal(grads[0].indices(), grads[1].indices()), step
         assert torch.equal(grads[0].values(), grads[1].values()), step
         assert torch.equal(eager.weights["t"], twin.weights["t"]), step
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_functional_call_substitute_is_refused_in_compiled_training_as_in_eager(fullgraph):
+    """torch.func.functional_call with a plain tensor in place of a weight: eager refuses a
+    training forward (README). Compiled, the row op ran while the module held its own
+    parameter again, so it took the keys into the layer's table and wrote their initial
+    vectors into the layer's weight while the graph read the caller's zeros, with no error.
+    The trace now refuses it (fullgraph: torch's Unsupported naming the error; default mode:
+    the eager forward's RuntimeError), and nothing changes. eval() still reads the substitute."""
+    torch._dynamo.reset()
+    cases = [
+        (sk.DistributedEmbedding("sum", 100, DIM, 2, 3), "weight", torch.tensor([[[1, 2, -1], [3, -1, -1]]])),
+        (sk.All2AllDenseEmbedding(100, DIM, 1, 1, dynamic_input=True), "weight", torch.tensor([1, 2, 3])),
+        (sk.EmbeddingBagCollection([sk.TableConfig("t", DIM, 100, ["a"])]), "shards.0.weight",
+         sk.KeyedJagged(["a"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))),
+    ]
+    for layer, name, inputs in cases:
+        own = dict(layer.named_parameters())[name]
+        before = own.detach().clone()
+        run = torch.compile(lambda params, x: torch.func.functional_call(layer, params, (x,)), backend="aot_eager",
+                            fullgraph=fullgraph)
+        error = torch._dynamo.exc.Unsupported if fullgraph else RuntimeError
+        with pytest.raises(error, match="Observed exception" if fullgraph else "plain tensor put in place"):
+            run({name: torch.zeros(100, DIM)}, inputs)
+        tables = [layer.hash_table] if name == "weight" else [s.hash_table for s in layer._shards]
+        assert all(len(t) == 0 and t.clock == 0 for t in tables), type(layer).__name__
+        assert torch.equal(own.detach(), before), type(layer).__name__
+        layer.eval()
+        substitute = torch.randn(100, DIM)
+        got = run({name: substitute}, inputs)
+        want = torch.func.functional_call(layer, {name: substitute}, (inputs,))
+        got, want = (got, want) if isinstance(got, torch.Tensor) else (got["a"], want["a"])
+        assert torch.equal(got, want), type(layer).__name__
