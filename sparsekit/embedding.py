@@ -188,7 +188,8 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             update. ``eval()`` never counts.
         admission_capacity: pending keys counted exactly per rank (default
             ``max_vocabulary_size_per_gpu``); beyond it the least recently seen pending keys
-            are forgotten. Memory: 5 int64 per pending key (two slots, key, last seen, count).
+            are forgotten. Memory: 7-11 int64 per pending key (2-4 slots of a key and a row,
+            then key, last seen, count).
 
     Forward:
         ``inputs``: a :class:`Ragged` (or ``(values, offsets)`` tuple) with

@@ -359,7 +359,7 @@ class _ModelParallelEmbedding(nn.Module):
             self.hash_table = None
         # Keys seen in training but not admitted yet, with the number of steps they were
         # seen in (their LFU count); the least recently seen are forgotten beyond
-        # admission_capacity (an LRU table: 5 int64 per pending key, see HashTable).
+        # admission_capacity (an LRU table: 7-11 int64 per pending key, see HashTable).
         self._pending: Optional[HashTable] = None
         if admit_after > 1:
             try:

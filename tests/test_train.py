@@ -439,6 +439,27 @@ def test_a_resumed_log_counts_evictions_since_the_last_line_as_the_straight_run(
     assert table_part(resumed, 12) == table_part(straight, 12)
 
 
+def test_a_resumed_log_averages_the_train_loss_over_the_same_steps_as_the_straight_run(tmp_path):
+    """A log line's train_loss averages the steps since the previous line; after a resume
+    from a checkpoint between two lines it averaged only the steps after the save, while the
+    same line's evictions and admissions counted from the previous line."""
+    settings = dict(steps=12, eval_every=4)
+    straight, resumed = [], []
+    train(tiny(**settings), log=straight.append)
+
+    def train_loss(lines, step):
+        line = next(line for line in lines if line.startswith(f"step {step:>6d}"))
+        return line.split("train_loss")[1].split()[0]
+    # A checkpoint at step 10, between the lines of steps 8 and 12 (as after a crash at step 11).
+    ckpt = tmp_path / "mid"
+    train(tiny(**dict(settings, steps=12, checkpoint_every=10, keep_checkpoints=5),
+               checkpoint_dir=str(ckpt)), log=lambda *_: None)
+    (ckpt / "latest").write_text("step_000000010\n")
+    train(tiny(**settings, checkpoint_dir=str(ckpt), resume=True, keep_checkpoints=5), log=resumed.append)
+    assert any(line.startswith("resumed from") for line in resumed)
+    assert train_loss(resumed, 12) == train_loss(straight, 12)
+
+
 def test_the_torch_embedding_takes_an_empty_batch():
     """A rank's last evaluation batch may hold no sample (fewer held-out samples than ranks
     in it): view(B, 26, -1) cannot infer -1 from 0 elements."""

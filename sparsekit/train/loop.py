@@ -538,7 +538,7 @@ def _barrier(context: Context) -> None:
 
 
 def save(config: TrainConfig, context: Context, step: int, model: nn.Module, optimizer,
-         written: Optional[List[str]] = None) -> str:
+         written: Optional[List[str]] = None, logged_loss: Optional[Tuple[float, int]] = None) -> str:
     """Checkpoint the model, optimizer, step and RNG states; collective.
 
     The ``latest`` pointer moves only once every rank has finished writing, so an
@@ -549,6 +549,9 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
     Args:
         written: names of the step directories this run wrote, oldest first; the one
             written now is moved to its end. Pass the same list to every save of a run.
+        logged_loss: the training loss summed over the steps since the last log line (the
+            ranks' mean) and their number, so a resumed log's first ``train_loss`` averages
+            the same steps as the uninterrupted run's.
     """
     directory = _step_dir(config, step)
     pointer = os.path.join(config.checkpoint_dir, LATEST)
@@ -577,6 +580,8 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
     logged = getattr(_logging_layer(model, config), "_logged_stats", None)
     if logged is not None:  # the totals at the last log line: a resumed log counts on from them
         state["logged_stats"] = {key: int(logged[key]) for key in ("evicted", "admitted")}
+    if logged_loss is not None:  # the loss since the last log line: a resumed log averages on from it
+        state["logged_loss"] = {"sum": float(logged_loss[0]), "steps": int(logged_loss[1])}
     _atomic_torch_save(state, os.path.join(directory, f"trainer_rank{context.rank}.pt"))
     if context.is_main:
         # An earlier run on more ranks may have written this step: its other ranks' files
@@ -859,6 +864,7 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     model, trained, optimizer = build(config, context)
 
     start_step = 0
+    resumed_loss: Tuple[float, int] = (0.0, 0)  # the loss since the last log line before the save
     written: List[str] = []  # this run's step directories, oldest first (what save keeps)
     if config.resume:
         directory = latest_checkpoint(config.checkpoint_dir)
@@ -881,6 +887,11 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
             if layer is not None and isinstance(logged, dict) and all(
                     isinstance(logged.get(key), int) for key in ("evicted", "admitted")):
                 layer._logged_stats = logged  # the log's "+N since the last line" goes on as it would have
+            logged_loss = state.get("logged_loss")
+            if isinstance(logged_loss, dict) and isinstance(logged_loss.get("sum"), float) and isinstance(
+                    logged_loss.get("steps"), int) and not isinstance(logged_loss["steps"], bool) \
+                    and logged_loss["steps"] >= 0:
+                resumed_loss = (logged_loss["sum"], logged_loss["steps"])  # train_loss goes on likewise
             if context.is_main:
                 log(f"resumed from {directory} at step {start_step}")
                 if start_step >= config.steps:
@@ -902,8 +913,10 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
             f"data={config.data}")
 
     loss_fn = nn.BCEWithLogitsLoss()
-    interval_loss = torch.zeros((), device=context.device)
-    interval_steps = 0
+    # Each rank's loss summed over the steps since the last log line. After a resume it
+    # starts from the ranks' mean of those sums at the save (its global mean is the same).
+    interval_loss = torch.full((), resumed_loss[0], device=context.device)
+    interval_steps = resumed_loss[1]
     interval_seconds = 0.0
     session_seconds = 0.0
     session_samples = 0
@@ -957,7 +970,8 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
             interval_steps = 0
             interval_seconds = 0.0
         if checkpoint_now:
-            save(config, context, step, model, optimizer, written)
+            logged_loss = (_global_mean(interval_loss, context), interval_steps)  # collective, as save is
+            save(config, context, step, model, optimizer, written, logged_loss)
         _synchronize(context.device)
         tick = time.perf_counter()
     if bar is not None:
