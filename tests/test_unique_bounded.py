@@ -148,3 +148,27 @@ def test_embedding_gather_gradient_on_a_large_table():
     assert grad.is_coalesced() and grad._indices()[0].tolist() == [0, 7, 499_999]
     expected = torch.stack([grad_out[1, 1], grad_out[0, 0] + grad_out[1, 0], grad_out[0, 2]])
     torch.testing.assert_close(grad._values(), expected)
+
+
+def test_bitmaps_that_cannot_be_allocated_name_the_op_and_the_bound():
+    """The raw op takes bounds below 2^40 (the wrappers pick the hash-based unique far
+    below that): bitmaps that do not fit in memory are named, not a bare 'out of memory'."""
+    with pytest.raises(RuntimeError, match=r"unique_bounded: bound=1099511627775 \(.* bitmaps .*\) cannot be "
+                                           r"allocated"):
+        torch.ops.sparsekit.unique_bounded(torch.tensor([1]), 2**40 - 1, False)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads /proc")
+def test_a_key_out_of_range_does_not_keep_the_bitmaps():
+    """The bitmaps of a large bound (here 3 x 256 MiB) are freed after the call, also when a
+    key out of range raises after they were written."""
+    with num_threads(1):
+        before = _resident_bytes()
+        with pytest.raises(RuntimeError, match="keys must lie in"):
+            torch.ops.sparsekit.unique_bounded(torch.tensor([1, -5]), 2**31, False)
+        assert _resident_bytes() - before < 64 << 20

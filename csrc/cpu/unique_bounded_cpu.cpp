@@ -64,6 +64,13 @@ inline int64_t popcount64(uint64_t x) {
 #endif
 }
 
+/// @brief Trims a thread's scratch when the kernel leaves, by an error too: a call that
+/// raises (a key out of range) must not keep a large bitmap for the thread's next call.
+struct TrimOnExit {
+  Scratch& scratch;
+  ~TrimOnExit() { scratch.trim(); }
+};
+
 /// @brief E: a stable counting sort of positions [0, n) by their rank inv[i] in [0,
 /// num_unique): order lists the positions of rank 0, then of rank 1, ..., each rank's in
 /// increasing order, and offsets ([num_unique + 1]) bounds each rank's run. The positions
@@ -76,7 +83,10 @@ void group_by_key(const int64_t* inv, int64_t n, int64_t num_unique, int64_t par
   int64_t* out_offsets = offsets.mutable_data_ptr<int64_t>();
   int64_t* out_order = order.mutable_data_ptr<int64_t>();
   thread_local Scratch cursor_scratch;
-  int64_t* cursors = static_cast<int64_t*>(cursor_scratch.get(sizeof(int64_t) * static_cast<size_t>(parts * num_unique)));
+  const TrimOnExit trim_cursors{cursor_scratch};
+  int64_t* cursors = static_cast<int64_t*>(allocate_or_fail("unique_bounded", "the grouping's cursors", [&] {
+    return cursor_scratch.get(sizeof(int64_t) * static_cast<size_t>(parts * num_unique));
+  }));
   auto part_begin = [&](int64_t p) { return n * p / parts; };
 
   // Counts per part, each part's counters in a block of their own. A block of ranks is
@@ -109,7 +119,6 @@ void group_by_key(const int64_t* inv, int64_t n, int64_t num_unique, int64_t par
       }
     }
   });
-  cursor_scratch.trim();
 }
 
 template <typename key_t>
@@ -120,8 +129,10 @@ void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool gro
   const int64_t num_blocks = (num_words + kWordGrain - 1) / kWordGrain;
   const int64_t workers = chunk_workers(n, kKeyGrain);
   thread_local Scratch scratch;
-  uint64_t* bitmaps = static_cast<uint64_t*>(
-      scratch.get(sizeof(uint64_t) * static_cast<size_t>((workers + 2) * num_words)));
+  const TrimOnExit trim_bitmaps{scratch};  // on an error too (a key out of range)
+  uint64_t* bitmaps = static_cast<uint64_t*>(allocate_or_fail(
+      "unique_bounded", message("bound=", bound, " (", workers + 2, " bitmaps of bound + 1 bits)"),
+      [&] { return scratch.get(sizeof(uint64_t) * static_cast<size_t>((workers + 2) * num_words)); }));
   uint64_t* merged = bitmaps + workers * num_words;
   int64_t* ranks = reinterpret_cast<int64_t*>(merged + num_words);  // set bits in the words before each word
   std::vector<int64_t> block_first(num_blocks + 1, 0);
@@ -194,7 +205,6 @@ void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool gro
     }
   });
   if (group) group_by_key(inv, n, num_unique, workers, offsets, order);
-  scratch.trim();
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> unique_bounded_cpu(const Tensor& keys_in, int64_t bound, bool group) {
