@@ -244,15 +244,7 @@ class HashTable:
         return self._clock
 
     def tick(self) -> int:
-        """Advances :attr:`clock` by one (the layers tick once per training forward); returns the new clock.
-
-        Raises:
-            OverflowError: the clock would reach 2**62, the bound ``load_state_dict`` accepts
-                (only a loaded clock gets there): the clock is unchanged.
-        """
-        if self._clock + 1 >= _MAX_CLOCK:
-            raise OverflowError(f"HashTable.tick: the clock would reach 2**62 (it is {self._clock}), past what "
-                                "load_state_dict accepts; the clock is unchanged")
+        """Advances :attr:`clock` by one (the layers tick once per training forward); returns the new clock."""
         self._clock += 1
         return self._clock
 

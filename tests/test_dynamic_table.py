@@ -577,20 +577,6 @@ def test_state_with_a_clock_that_is_not_an_integer_is_a_value_error(clock):
     assert loaded.clock == 4
 
 
-
-def test_the_clock_stops_below_the_bound_its_state_loads_with():
-    """load_state_dict takes a clock below 2**62: a table loaded just under it refuses the
-    tick that would save a state no table loads, and keeps its clock."""
-    table = sk.HashTable(4, eviction="lru")
-    state = table.state_dict()
-    state["clock"] = 2**62 - 2
-    table.load_state_dict(state)
-    assert table.tick() == 2**62 - 1
-    with pytest.raises(OverflowError, match="HashTable.tick: the clock would reach 2\\*\\*62"):
-        table.tick()
-    assert table.clock == 2**62 - 1
-    sk.HashTable(4, eviction="lru").load_state_dict(table.state_dict())
-
 # ---- random streams against the reference ----
 
 
