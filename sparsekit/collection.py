@@ -472,6 +472,9 @@ class KeyedJagged:
         """``{key: self[key]}`` in key order (TorchRec's ``to_dict()``)."""
         return {key: self[key] for key in self._keys}
 
+    # Indexed by feature name only: iteration (and ``in``) would fall back on integer indexes.
+    __iter__ = None
+
     def to(self, device: Union[torch.device, str], non_blocking: bool = False) -> KeyedJagged:
         """A copy with every tensor on ``device`` (TorchRec's ``KeyedJaggedTensor.to``)."""
         moved = [None if t is None else t.to(device, non_blocking=non_blocking)

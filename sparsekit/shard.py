@@ -138,6 +138,13 @@ def _check_own_weights(shards: List["_ModelParallelEmbedding"], name: str, train
     full check; ``fullgraph=True`` reports this error.)"""
     if not training:
         return
+    if torch.compiler.is_compiling() and any(shard.weight is not shard._own_weight for shard in shards):
+        # A Parameter put in place of the layer's own (functional_call with another model's
+        # parameters): eager writes the new keys' rows into it, but the traced row op runs
+        # against the module's own weight, so compiled and eager would train differently.
+        raise RuntimeError(f"{name}: its weight is a parameter put in place of its own (functional_call?); a "
+                           "compiled training forward writes new keys' rows into the layer's own weight: call it "
+                           "eagerly (torch.compiler.disable) or in eval() mode, or pass the layer's own parameters")
     if not all(isinstance(shard.weight, nn.Parameter) for shard in shards):
         # torch.func.functional_call / nn.utils.stateless with plain tensors put in place of
         # the weight: a training step would insert its new keys into the layer's own hash
@@ -865,6 +872,9 @@ class _ModelParallelEmbedding(nn.Module):
         ``load_state_dict(assign=True)``, a conversion that replaces parameters): they are
         attributes of the Parameter object and a hook of its tensor, which no copy keeps."""
         weight = self.weight
+        # The layer's own Parameter, which a compiled forward compares with the one it is
+        # given (functional_call's substitute); in __dict__, not registered as a parameter.
+        self.__dict__["_own_weight"] = weight
         weight.sparsekit_model_parallel = True
         if self._fresh_rows is not None:
             weight.sparsekit_fresh_rows = self._fresh_rows
@@ -873,6 +883,11 @@ class _ModelParallelEmbedding(nn.Module):
         # A hook on a tensor that needs no gradient raises (a frozen weight gets none anyway).
         if weight.requires_grad and not any(hook is self._grad_marker for hook in hooks.values()):
             weight.register_post_accumulate_grad_hook(self._grad_marker)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "weight" and isinstance(value, nn.Parameter) and "_own_weight" in self.__dict__:
+            self._mark_weight()  # a Parameter the user put in: the layer's own from now on, marked
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # copy.deepcopy and unpickling (torch.load of a whole module) end here, with a new
@@ -1012,6 +1027,14 @@ class _ModelParallelEmbedding(nn.Module):
     def _load_extra_state(self, checked: Optional[_CheckedExtraState]) -> None:
         if checked is None:
             return
+        if self._fresh_rows is None and bool(checked.fresh.any()):
+            # The saved optimizer moments of those rows are still the evicted keys'; the
+            # optimizer state is loaded apart from the layer's, so LazyAdam must reset them
+            # at their next update here too (load_checkpoint resets them at load). Allocated
+            # first: an allocation that fails leaves the layer as it was. (The layer keeps
+            # the flags from then on, and LazyAdam steps its weight on its own.)
+            self._keep_fresh_rows()
+            self._mark_weight()
         self._rows_rebound()
         if checked.pending is not None:
             self._pending._load_checked(checked.pending)
@@ -1021,12 +1044,6 @@ class _ModelParallelEmbedding(nn.Module):
             self._pending.clear()
         self.hash_table._load_checked(checked.table)
         self._evicted, self._admitted = checked.evicted, checked.admitted
-        if self._fresh_rows is None and bool(checked.fresh.any()):
-            # The saved optimizer moments of those rows are still the evicted keys'; the
-            # optimizer state is loaded apart from the layer's, so LazyAdam must reset them
-            # at their next update here too (load_checkpoint resets them at load).
-            self._keep_fresh_rows()
-            self._mark_weight()
         if self._fresh_rows is not None:
             self._fresh_rows.zero_()
             self._fresh_rows[:checked.fresh.numel()] = checked.fresh

@@ -14,6 +14,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Importing benchmarks.common would keep this whole pytest process's freed memory
+# (sk.keep_freed_memory, a mallopt): the rest of the suite runs with glibc's defaults.
+os.environ.setdefault("SPARSEKIT_BENCH_SYSTEM_MALLOC", "1")
 
 import sparsekit
 from benchmarks import (
@@ -27,6 +30,15 @@ from benchmarks import (
 )
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads_and_malloc(monkeypatch):
+    """The benchmarks set the thread count and keep freed memory: not for the rest of the suite."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sparsekit, "keep_freed_memory", lambda *args, **kwargs: None)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _children(pid: int) -> list:
