@@ -109,7 +109,7 @@ def _spin(parent: int, ready) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ready.set()
     while os.getppid() == parent:
-        for _ in range(1 << 16):  # well under a millisecond between checks
+        for _ in range(1 << 16):  # about a millisecond between checks
             pass
 
 

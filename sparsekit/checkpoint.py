@@ -873,12 +873,13 @@ class _LayerRestore:
 
 
 def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[str, Any]], shard_paths: List[str],
-                  saved_name: str, saved_meta: Dict[str, Any], lazy_adam: bool,
-                  optimizer: Optional[torch.optim.Optimizer] = None) -> _LayerRestore:
+                  saved_name: str, saved_meta: Dict[str, Any],
+                  optimizer: Optional[torch.optim.Optimizer]) -> _LayerRestore:
     """The saved rows of ``layer`` that this rank owns now, from every saved shard (the
     files ``shard_paths``), where the checkpoint calls the layer ``saved_name``; ``optimizer``:
-    the one loading them (rows without saved state get its initial state);
-    ``lazy_adam``: the optimizer loading them is a LazyAdam (see :func:`_check_part_state`)."""
+    the one loading them (rows without saved state get its initial state; a LazyAdam needs
+    more of the saved state, see :func:`_check_part_state`)."""
+    lazy_adam = _is_lazy_adam(optimizer)
     # A collection's table loaded from another position is named as both.
     shown = _layer_text(name, layer) if saved_name == name else f"{_layer_text(name, layer)} (saved as {saved_name!r})"
     if saved_meta["embedding_vec_size"] != layer.embedding_vec_size:
@@ -1227,9 +1228,8 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             if isinstance(shards[-1], dict) and isinstance(shards[-1].get("layers"), dict):
                 shards[-1]["layers"] = _compile_names_dropped(shards[-1]["layers"])
             _check_shard(shard_paths[-1], shards[-1], metadata)
-        lazy_adam = _is_lazy_adam(optimizer)
         restores = [_gather_layer(name, layer, shards, shard_paths, sources[name], metadata["layers"][sources[name]],
-                                  lazy_adam, optimizer)
+                                  optimizer)
                     for name, layer in layers.items()]
         dense = _load(os.path.join(path, "dense.pt"))
         if isinstance(dense, dict) and isinstance(dense.get("model"), dict):

@@ -443,16 +443,28 @@ class KeyedJagged:
                              "batch size (lengths must be [len(keys) * B])")
         return bags // len(self._keys)
 
+    def _bounds(self, batch: int) -> List[int]:
+        """Where each feature's values start, then ``nnz`` (one host read), for ``batch`` =
+        :meth:`_split_bags`."""
+        return self.offsets()[::batch].tolist() if batch else [0] * (len(self._keys) + 1)
+
     def offset_per_key(self) -> List[int]:
         """Where each feature's values start in ``values()``, then ``nnz``: ``len(keys) + 1``
         ints (one host read)."""
-        batch = self._split_bags()
-        return self.offsets()[::batch].tolist() if batch else [0] * (len(self._keys) + 1)
+        return self._bounds(self._split_bags())
 
     def length_per_key(self) -> List[int]:
         """The number of values of each feature (TorchRec's ``length_per_key()``)."""
         bounds = self.offset_per_key()
         return [b - a for a, b in zip(bounds, bounds[1:])]
+
+    def _feature(self, f: int, batch: int, bounds: List[int]) -> KeyedJagged:
+        """Feature ``f``'s bags as a one-key KeyedJagged (``bounds``: :meth:`_bounds`)."""
+        start, end = bounds[f], bounds[f + 1]
+        offsets = self.offsets()[f * batch:(f + 1) * batch + 1].long() - start if batch else \
+            torch.zeros(1, dtype=torch.int64, device=self._values.device)
+        weights = None if self._weights is None else self._weights[start:end]
+        return KeyedJagged([self._keys[f]], self._values[start:end], offsets=offsets, weights=weights)
 
     def __getitem__(self, key: str) -> KeyedJagged:
         """One feature's bags, as a one-key KeyedJagged (``values()``, ``lengths()`` ``[B]``,
@@ -460,17 +472,14 @@ class KeyedJagged:
         ``JaggedTensor``, which ``kjt[key]`` returns there). KeyError for a key it lacks."""
         if not isinstance(key, str) or key not in self._keys:
             raise KeyError(f"KeyedJagged: no feature {key!r}; keys: {self._keys}")
-        f, batch = self._keys.index(key), self._split_bags()
-        bounds = self.offset_per_key()
-        start, end = bounds[f], bounds[f + 1]
-        offsets = self.offsets()[f * batch:(f + 1) * batch + 1].long() - start if batch else \
-            torch.zeros(1, dtype=torch.int64, device=self._values.device)
-        weights = None if self._weights is None else self._weights[start:end]
-        return KeyedJagged([key], self._values[start:end], offsets=offsets, weights=weights)
+        batch = self._split_bags()
+        return self._feature(self._keys.index(key), batch, self._bounds(batch))
 
     def to_dict(self) -> Dict[str, KeyedJagged]:
-        """``{key: self[key]}`` in key order (TorchRec's ``to_dict()``)."""
-        return {key: self[key] for key in self._keys}
+        """``{key: self[key]}`` in key order (TorchRec's ``to_dict()``), with one host read."""
+        batch = self._split_bags()
+        bounds = self._bounds(batch)
+        return {key: self._feature(f, batch, bounds) for f, key in enumerate(self._keys)}
 
     # Indexed by feature name only: iteration (and ``in``) would fall back on integer indexes.
     __iter__ = None
@@ -500,25 +509,18 @@ _TABLE_FIELDS = {"embedding_vec_size": "embedding_dim", "max_vocabulary_size_per
                  "embedding_initializer": "initializer"}
 
 
-def _default_seed(name: str) -> int:
-    """The seed of a table's default initializer: the CRC-32 of its name."""
-    return zlib.crc32(name.encode())
-
-
-def _default_seeds(tables: Sequence[TableConfig]) -> List[Optional[int]]:
-    """Per table, the seed its default initializer takes (None: it has its own initializer).
-    A name's CRC-32, unless another table of the collection with a default initializer
+def _default_seeds(tables: Sequence[TableConfig]) -> List[int]:
+    """Per table, the seed of its default initializer (unused by a table with its own): the
+    CRC-32 of its name, unless another table of the collection with a default initializer
     has the same one (CRC-32 collides for distinct names: 'plumless' / 'buckeroo'), then,
     for each of them, 63 bits of the name's BLAKE2b digest: two tables never share a
     default seed, so the same key starts independent in each, and every other table keeps
     the seed it always had."""
-    crc = [None if t.initializer is not None else _default_seed(t.name) for t in tables]
-    seeds: List[Optional[int]] = list(crc)
-    for i, (table, seed) in enumerate(zip(tables, crc)):
-        if seed is not None and crc.count(seed) > 1:
-            digest = hashlib.blake2b(table.name.encode(), digest_size=8, person=b"sparsekit-seed").digest()
-            seeds[i] = int.from_bytes(digest, "little") >> 1
-    return seeds
+    crc = [zlib.crc32(t.name.encode()) for t in tables]
+    defaults = [seed for seed, t in zip(crc, tables) if t.initializer is None]
+    return [int.from_bytes(hashlib.blake2b(t.name.encode(), digest_size=8, person=b"sparsekit-seed").digest(),
+                           "little") >> 1 if t.initializer is None and defaults.count(seed) > 1 else seed
+            for seed, t in zip(crc, tables)]
 
 
 class _TableShard(_ModelParallelEmbedding):
@@ -528,11 +530,9 @@ class _TableShard(_ModelParallelEmbedding):
     _dim_argument = "embedding_dim"
     _initializer_argument = "initializer"
 
-    def __init__(self, config: TableConfig, index: int, process_group, device,
-                 default_seed: Optional[int] = None) -> None:
+    def __init__(self, config: TableConfig, index: int, process_group, device, default_seed: int) -> None:
         object.__setattr__(self, "_layer_name", f"EmbeddingBagCollection table {config.name!r}")
-        initializer = config.initializer if config.initializer is not None else \
-            KeySeededUniform(seed=_default_seed(config.name) if default_seed is None else default_seed)
+        initializer = config.initializer if config.initializer is not None else KeySeededUniform(seed=default_seed)
         super().__init__(config.capacity, config.embedding_dim, config.use_hashtable, torch.int64, initializer,
                          process_group, device, config.eviction, config.admit_after, None, config.dtype, index)
         self.config = config

@@ -129,11 +129,11 @@ def _place_new_keys(shards: List["_ModelParallelEmbedding"], keys: Tensor, count
 
 def _check_own_weights(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
     """Refuses a training forward whose weight is a plain tensor put in place of the layer's
-    parameter. Part of :func:`_check_writable` (which lets it pass under inference mode),
-    and called on its own where a one-process layer is traced by ``torch.compile``: there
-    the opaque row op runs while the module holds its own parameter again (dynamo replays
-    ``functional_call``'s swap around the graph, not inside it), so only the trace sees the
-    substitute. (Not ``torch.is_inference_mode_enabled()`` here: dynamo cannot trace it.
+    parameter, and, while compiling, any weight but the layer's own Parameter. Part of
+    :func:`_check_writable` (which lets it pass under inference mode), and called on its own
+    where a one-process layer is traced by ``torch.compile``: there the opaque row op runs
+    while the module holds its own parameter again (dynamo replays ``functional_call``'s
+    swap around the graph, not inside it), so only the trace sees the substitute. (Not ``torch.is_inference_mode_enabled()`` here: dynamo cannot trace it.
     The raise is a graph break, after which the default mode runs the eager forward and its
     full check; ``fullgraph=True`` reports this error.)"""
     if not training:
