@@ -107,3 +107,39 @@ def test_collection_matches_plain_torch(config, device):
         for key, value in want.items():
             tolerance = 2e-2 if table["dtype"] == torch.bfloat16 else 1e-5
             torch.testing.assert_close(got[key], torch.full((table["dim"],), value), rtol=tolerance, atol=tolerance)
+
+
+@examples(20)
+@given(num_features=st.integers(1, 5), batch=st.sampled_from([0, 1, 3, 17]), weighted=st.booleans(),
+       int32=st.booleans(), by_offsets=st.booleans(), seed=st.integers(0, 2**31))
+def test_keyed_jagged_per_key_views_slice_the_feature_major_layout(num_features, batch, weighted, int32,
+                                                                    by_offsets, seed):
+    """kjt[key], to_dict(), length_per_key() and offset_per_key() against slicing the
+    feature-major lengths and values by hand."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.int32 if int32 else torch.int64
+    lengths = torch.randint(0, 4, (num_features * batch,), generator=g).to(dtype)
+    nnz = int(lengths.sum())
+    values = torch.randint(-5, 50, (nnz,), generator=g).to(dtype)
+    weights = torch.rand(nnz, generator=g) if weighted else None
+    keys = [f"f{i}" for i in range(num_features)]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.long().cumsum(0)]).to(dtype)
+    kjt = sk.KeyedJagged(keys, values, offsets=offsets, weights=weights) if by_offsets else \
+        sk.KeyedJagged(keys, values, lengths=lengths, weights=weights)
+    per_feature = lengths.long().view(num_features, batch).sum(1).tolist() if batch else [0] * num_features
+    assert kjt.length_per_key() == per_feature
+    assert kjt.offset_per_key() == [0] + torch.tensor(per_feature, dtype=torch.int64).cumsum(0).tolist()
+    views = kjt.to_dict()
+    assert list(views) == keys
+    start = 0
+    for f, key in enumerate(keys):
+        view, end = kjt[key], start + per_feature[f]
+        for got in (view, views[key]):
+            assert got.keys() == [key]
+            assert torch.equal(got.values(), values[start:end])
+            assert got.lengths().tolist() == lengths[f * batch:(f + 1) * batch].tolist()
+            assert got.offsets().tolist() == [0] + lengths[f * batch:(f + 1) * batch].long().cumsum(0).tolist()
+            assert (got.weights_or_none() is None) == (weights is None)
+            if weights is not None:
+                assert torch.equal(got.weights(), weights[start:end])
+        start = end
