@@ -162,6 +162,36 @@ def check_same_pooling(steps: Steps, keys: torch.Tensor) -> None:
                                    "vectors: not timing a wrong answer")
 
 
+def check_same_pooling_sharded(steps: Steps, keys: torch.Tensor) -> None:
+    """:func:`check_same_pooling` for one rank of a world of several: each rank exports its
+    shard of every collection table, the shards are gathered, and every rank writes the
+    vectors of the keys its own layer shard holds into that shard. Collective: every rank
+    calls it with its own batch, and every rank raises if any rank's outputs differ."""
+    with torch.no_grad():
+        pooled = steps.collection(sk.KeyedJagged(steps.names, keys.reshape(-1), lengths=steps.lengths))
+        world_size = dist.get_world_size()
+        mismatch = []
+        for i, layer in enumerate(steps.layers):
+            table_keys, vectors = steps.collection.export(f"t{i}")
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (table_keys, vectors.float()))
+            all_keys = torch.cat([k for k, _ in gathered])
+            all_vectors = torch.cat([v for _, v in gathered])
+            layer(sk.Ragged(keys[i], steps.offsets))
+            rows = layer.hash_table.find(all_keys)
+            mine = rows >= 0
+            layer.weight[rows[mine]] = all_vectors[mine]
+            got = layer(sk.Ragged(keys[i], steps.offsets)).view(steps.batch, -1)
+            if not torch.allclose(got, pooled[steps.names[i]].float(), rtol=1e-5, atol=1e-6):
+                mismatch.append(i)
+        flags = torch.tensor([len(mismatch)])
+        dist.all_reduce(flags)
+        if int(flags) or mismatch:
+            raise RuntimeError(f"rank {dist.get_rank()}: tables {['t%d' % i for i in mismatch]} (and "
+                               f"{int(flags)} in all ranks): the collection and its DistributedEmbedding "
+                               "pool different vectors: not timing a wrong answer")
+
+
 def distinct_per_table(batches: List[torch.Tensor]) -> List[int]:
     return [int(torch.unique(torch.cat([b[t] for b in batches])).numel()) for t in range(NUM_TABLES)]
 
@@ -231,6 +261,7 @@ def _rank_main(rank: int, world_size: int, store: str, args, config: str, result
     batches = [b.view(NUM_TABLES, args.batch, args.pooling)[:, rank * per_rank:(rank + 1) * per_rank]
                .reshape(NUM_TABLES, -1).contiguous() for b in full]
     steps = Steps(caps, distinct_per_table(full), dims, per_rank, args.pooling, device, world_size)
+    check_same_pooling_sharded(steps, batches[0])
     times = time_rounds({"collection": cycling(steps.collection_step, batches),
                          "layers": cycling(steps.layers_step, batches)},
                         device, rounds=args.rounds, repeat=args.repeat)

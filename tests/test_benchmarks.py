@@ -163,3 +163,27 @@ def test_collection_bench_checks_the_three_sides_pool_alike(monkeypatch):
     steps = bench_collection.Steps(caps, distinct, dims, 32, 1, CPU, 1)
     with pytest.raises(RuntimeError, match="not timing a wrong answer"):
         bench_collection.check_same_pooling(steps, batches[0])
+
+
+def _sharded_check_rank(rank: int, world_size: int, init, broken: bool) -> None:
+    init()
+    caps, dims = bench_collection.capacities(True, "mixed"), bench_collection.dims_of("mixed")
+    full = bench_collection.make_batches(caps, 32, 1, 1)
+    per_rank = 32 // world_size
+    batch = full[0][:, rank * per_rank:(rank + 1) * per_rank].contiguous()
+    steps = bench_collection.Steps(caps, bench_collection.distinct_per_table(full), dims, per_rank, 1, CPU,
+                                   world_size)
+    if broken and rank == 1:  # one rank's collection pools twice its vectors
+        real_forward = steps.collection.forward
+        steps.collection.forward = lambda kjt: {k: 2 * v for k, v in real_forward(kjt).items()}
+    if broken:  # every rank raises, not only the one whose outputs differ
+        with pytest.raises(RuntimeError, match="not timing a wrong answer"):
+            bench_collection.check_same_pooling_sharded(steps, batch)
+    else:
+        bench_collection.check_same_pooling_sharded(steps, batch)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_collection_bench_checks_the_sides_pool_alike_at_world_two(tmp_path, broken):
+    from _distributed import spawn
+    spawn(_sharded_check_rank, 2, str(tmp_path), broken)
