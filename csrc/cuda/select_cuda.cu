@@ -131,8 +131,10 @@ Tensor select_smallest_cuda(const std::vector<Tensor>& columns, const Tensor& el
   auto* scratch_ptr = reinterpret_cast<unsigned long long*>(scratch.mutable_data_ptr<int64_t>());
   while (!state.done) {
     if (state.wants_min_max()) {
-      const int64_t init[2] = {-1, 0};  // all ones (the largest unsigned), zero
-      SK_CUDA_CHECK(cudaMemcpyAsync(scratch_ptr, init, sizeof(init), cudaMemcpyHostToDevice, stream));
+      // The running minimum starts at all ones (the largest unsigned), the maximum at zero;
+      // set on the stream, not copied from pageable host memory (which would wait for it).
+      SK_CUDA_CHECK(cudaMemsetAsync(scratch_ptr, 0xFF, sizeof(unsigned long long), stream));
+      SK_CUDA_CHECK(cudaMemsetAsync(scratch_ptr + 1, 0, sizeof(unsigned long long), stream));
       min_max_kernel<<<blocks, kThreads, 0, stream>>>(cols, state, ok, n, scratch_ptr);
       SK_CUDA_KERNEL_LAUNCH_CHECK();
       // Host sync: the bucket's extremes (through torch's copy, which
