@@ -245,11 +245,27 @@ inline Tensor zeros(IntArrayRef sizes, ScalarType dtype, const Device& device) {
   return out;
 }
 
+/// @brief A contiguous copy of t as dtype. One that cannot be allocated raises "a
+/// contiguous copy of an input: cannot allocate a [shape] dtype tensor on device: <torch's
+/// reason>" (torch::stable::contiguous / to say only "API call failed at ops.h");
+/// sparsekit/_checks.py passes it on as it is, since no argument of the op's sized it.
+inline Tensor contiguous_copy(const Tensor& t, ScalarType dtype) {
+  Tensor out = [&] {
+    try {
+      return empty(t.sizes(), dtype, t.device());
+    } catch (const std::exception& error) {
+      fail("a contiguous copy of an input: ", error.what());
+    }
+  }();
+  call_op("aten::copy_", "", out, t, false);
+  return out;
+}
+
 /// @brief t itself when contiguous (no dispatcher round trip), else a contiguous copy.
-inline Tensor as_contiguous(const Tensor& t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
+inline Tensor as_contiguous(const Tensor& t) { return t.is_contiguous() ? t : contiguous_copy(t, t.scalar_type()); }
 
 inline Tensor to_dtype(const Tensor& t, ScalarType dtype) {
-  return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
+  return t.scalar_type() == dtype ? t : contiguous_copy(t, dtype);
 }
 
 inline Tensor cpu(const Tensor& t) {

@@ -499,3 +499,22 @@ def test_segment_mean_without_columns_needs_no_counts():
         assert sk.ops.segment_mean(torch.randn(4, 0), ids, num_segments).shape == (num_segments, 0)
     torch.testing.assert_close(sk.ops.segment_mean(torch.tensor([[1.0], [2.0], [3.0], [4.0]]), ids, 3),
                                torch.tensor([[2.0], [3.0], [0.0]]))
+
+
+@pytest.mark.parametrize("case", ["unique", "raw unique", "segment_sum data"])
+def test_a_contiguous_copy_too_large_says_so_with_its_shape(case):
+    """A stride-0 view of 2^46 elements (2^49 bytes: more than any address space) copied to
+    a contiguous one inside a kernel: the stable shim said only "API call failed at ops.h";
+    the error gives the copy's shape and torch's reason, and is not blamed on an argument
+    that sized an output (segment_sum's num_segments=3 is not the culprit)."""
+    huge = 2**46
+    keys = torch.zeros(1, dtype=torch.int64).expand(huge)
+    calls = {
+        "unique": lambda: sk.ops.unique(keys),
+        "raw unique": lambda: torch.ops.sparsekit.unique(keys),
+        "segment_sum data": lambda: sk.ops.segment_sum(torch.zeros(1, 1).expand(huge, 1), keys, 3),
+    }
+    with pytest.raises(RuntimeError, match=rf"a contiguous copy of an input: cannot allocate a \[{huge}(, 1)?\] "
+                                           r"(Long|Float) tensor on cpu: .*can't allocate memory") as error:
+        calls[case]()
+    assert "num_segments" not in str(error.value)
