@@ -76,6 +76,7 @@ from .exchange import (
     _AllToAll,
     _CoalescedGradMarker,
     _deepcopy_sharing_group,
+    _device_ints,
     _GatherPieces,
     _GatherRows,
     _LookupPieces,
@@ -574,8 +575,8 @@ def _sort_table_rows(rows: List[Tensor], weights: Sequence[Tensor]) -> Tuple[Ten
     sizes = [r.numel() for r in rows]
     bases = list(itertools.accumulate((w.shape[0] + 1 for w in weights[:-1]), initial=0))
     flat = torch.cat(rows) if len(rows) > 1 else rows[0]
-    base_of = torch.repeat_interleave(torch.tensor(bases, dtype=torch.int64, device=device),
-                                      torch.tensor(sizes, dtype=torch.int64, device=device), output_size=flat.numel())
+    base_of = torch.repeat_interleave(_device_ints(bases, device), _device_ints(sizes, device),
+                                      output_size=flat.numel())
     sorted_codes, order = _sort_rows(flat + (base_of + 1))
     return sorted_codes - (base_of + 1), order
 
@@ -1014,13 +1015,11 @@ class EmbeddingBagCollection(nn.Module):
         # tables some rank's batch names this step, and each such table gets a gradient on
         # every rank (empty where the rank owns none of its keys, or where no rank has any)
         # and its step counted, as in one process.
-        listed = torch.tensor(self._listed(prepared) if error is None else [False] * num_tables,
-                              dtype=torch.int64, device=device)
+        listed = _device_ints(self._listed(prepared) if error is None else [False] * num_tables, device)
         # Then each table's weight dtype and row width: the configuration is compared once, and
         # a collection converted after (.half(), .double()) on one rank would train on with
         # tables that differ between the ranks.
-        layouts = torch.tensor([_row_layout(shard.weight) for shard in self._shards], dtype=torch.int64,
-                               device=device)
+        layouts = _device_ints([_row_layout(shard.weight) for shard in self._shards], device)
         send_header = torch.cat([per_owner_table.sum(1, keepdim=True), flags.expand(world, 1), mode,
                                  per_owner_table, listed.expand(world, num_tables), layouts.expand(world, num_tables)],
                                 dim=1)
@@ -1212,8 +1211,8 @@ class EmbeddingBagCollection(nn.Module):
                                               output_size=pair_keys.numel())
         # Direct-mapped tables: keys must lie in [0, capacity * world_size).
         if any(s.hash_table is None for s in self._shards) and pair_keys.numel() > 0:
-            limits = torch.tensor([-1 if s.hash_table is not None else s.num_keys_capacity for s in self._shards],
-                                  dtype=torch.int64, device=device)
+            limits = _device_ints([-1 if s.hash_table is not None else s.num_keys_capacity for s in self._shards],
+                                  device)
             limit = limits.index_select(0, pair_tables)
             bad = (limit >= 0) & ((pair_keys < 0) | (pair_keys >= limit))
             flags = flags | (bad.any().long() * _BAD_KEY)
@@ -1308,8 +1307,9 @@ class EmbeddingBagCollection(nn.Module):
         training_tables = self.training and any(s.hash_table is not None for s in self._shards)
         if self.world_size > 1 and training_tables:
             kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
-            status = torch.tensor([0 if error is None else (self.rank + 1) * 4 + kind], dtype=torch.int64,
-                                  device=device)
+            # torch.full: a fill, where torch.tensor(..., device=cuda) would wait for the stream.
+            status = torch.full((1,), 0 if error is None else (self.rank + 1) * 4 + kind, dtype=torch.int64,
+                                device=device)
             dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
             word = int(status.item())
             if word != 0:
@@ -1347,9 +1347,10 @@ class EmbeddingBagCollection(nn.Module):
         # its table plus the table's offset in the group); then the received pairs in block
         # order (group by group, table by table, each in received order).
         table_starts = itertools.accumulate(owned_per_table, initial=0)
-        shift = torch.tensor([o - s for o, s in zip(owned_offsets, table_starts)], dtype=torch.int64, device=device)
+        shift = _device_ints([o - s for o, s in zip(owned_offsets, table_starts)], device)
         row_of_received = owned_of_received + shift.index_select(0, tables)
-        in_block_order = torch.sort(self._sequence_position.to(device).index_select(0, tables), stable=True).indices
+        in_block_order = torch.sort(_device_ints(self._sequence_position.tolist(), device).index_select(0, tables),
+                                    stable=True).indices
         out: List[Optional[Tensor]] = []
         start = 0
         for g, members in enumerate(self._groups):
@@ -1381,7 +1382,7 @@ class EmbeddingBagCollection(nn.Module):
             if self.training:
                 missing = found < 0
                 misses = missing.long().cumsum(0).index_select(
-                    0, torch.tensor(segments[1:], device=found.device) - 1).tolist()
+                    0, _device_ints(segments[1:], found.device) - 1).tolist()
                 misses = [b - a for a, b in zip([0] + misses, misses)]
                 new_keys = part[missing].split(misses) if sum(misses) > 0 else ()
             for i, t in enumerate(searched):
@@ -1436,9 +1437,9 @@ class EmbeddingBagCollection(nn.Module):
         lengths = [plan.rows.numel() for plan in plans]
         rows = torch.cat([plan.rows for plan in plans]) if len(plans) > 1 else plans[0].rows
         missing = rows < 0
-        shift = torch.tensor([size - before for size, before in zip(sizes, itertools.accumulate(counts, initial=0))],
-                             dtype=torch.int64, device=rows.device)
-        shift = torch.repeat_interleave(shift, torch.tensor(lengths, device=rows.device), output_size=rows.numel())
+        shift = _device_ints([size - before for size, before in zip(sizes, itertools.accumulate(counts, initial=0))],
+                             rows.device)
+        shift = torch.repeat_interleave(shift, _device_ints(lengths, rows.device), output_size=rows.numel())
         new_rows = missing.cumsum(0).sub_(1).add_(shift)
         return list(torch.where(missing, new_rows, rows).split(lengths))
 
@@ -1473,7 +1474,7 @@ class EmbeddingBagCollection(nn.Module):
         batch, bounds, offsets, weights = prepared["batch"], prepared["bounds"], prepared["offsets"], \
             prepared["weights"]
         bag_of_value = prepared["bag_of_value"]
-        shift = torch.tensor(self._table_offsets(counts), dtype=torch.int64, device=device)
+        shift = _device_ints(self._table_offsets(counts), device)
         # Each value's row in its dim group's block (its pair's row in its table's part).
         value_row = (prepared["pair_row"] + shift.index_select(0, prepared["pair_tables"])).index_select(
             0, prepared["pair_of_value"])

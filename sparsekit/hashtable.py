@@ -115,8 +115,10 @@ def _find_in_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[i
 def _touch_tables(tables: Sequence["HashTable"], rows: Tensor, offsets: List[int]) -> None:
     """Scores distinct present rows, ``rows[offsets[t]:offsets[t + 1]]`` of ``tables[t]``
     (-1 skipped), as an insert of keys already present would: ``last_seen`` becomes each
-    table's clock and ``count`` grows by one."""
-    if rows.device.type == "cpu":
+    table's clock and ``count`` grows by one. One op for all tables on the CPU and on CUDA
+    (there :func:`sparsekit.tables_cuda.hash_table_score_tables_`: one host sync whatever the
+    number of tables; dropping each table's -1 rows with a mask would sync once per table)."""
+    if rows.device.type in ("cpu", "cuda"):
         torch.ops.sparsekit.hash_table_score_tables_([t._last_seen for t in tables], [t._count for t in tables],
                                                      rows, offsets, [t._clock for t in tables])
         return

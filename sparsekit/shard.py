@@ -707,8 +707,10 @@ class _ModelParallelEmbedding(nn.Module):
             error = exc
         kind = 0 if error is None else (_TABLE_FULL if isinstance(error, HashTableFullError) else _OWNER_EXCEPTION)
         # Highest failing rank and its kind in one word: (rank + 1) * 4 + kind.
-        status = torch.tensor([0 if error is None else (self.rank + 1) * 4 + kind], dtype=torch.int64,
-                              device=self.weight.device)
+        # torch.full: a fill, where torch.tensor(..., device=cuda) would wait for the stream
+        # (a host sync the counts in sparsekit/embedding.py do not have).
+        status = torch.full((1,), 0 if error is None else (self.rank + 1) * 4 + kind, dtype=torch.int64,
+                            device=self.weight.device)
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.process_group)
         word = int(status.item())
         if word == 0:

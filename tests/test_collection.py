@@ -1370,6 +1370,39 @@ def test_host_syncs_per_step_do_not_grow_with_the_number_of_tables_on_cuda():
     assert few == many, (few, many)
 
 
+def test_step_paths_build_no_device_tensor_from_pageable_memory():
+    """torch.tensor(list, device=cuda) (or .to(cuda) of a CPU tensor) is a host sync on
+    CUDA (a pageable copy waits for the stream); the collection's and the layers' per-step
+    paths built a dozen small index tensors that way, syncs their documented counts leave
+    out. They go through exchange._device_ints (pinned memory, non_blocking) or torch.full.
+    Checked on the source, since this machine may have no GPU to count them."""
+    import ast
+    import inspect
+
+    from sparsekit import collection, exchange, shard
+
+    step = {collection: {"_sort_table_rows", "_forward", "_prepare", "_owner_lookup", "_plan_tables", "_grow",
+                         "_pool"},
+            shard: {"_agree_on_lookup"}}
+    found = []
+    for module, names in step.items():
+        for fn in ast.walk(ast.parse(inspect.getsource(module))):
+            if not (isinstance(fn, ast.FunctionDef) and fn.name in names):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = ast.unparse(node.func)
+                if name == "torch.tensor" and any(k.arg == "device" for k in node.keywords) and not (
+                        node.args and ast.unparse(node.args[0]) == "_LOCAL_EXCEPTION"):  # an error path
+                    found.append((module.__name__, fn.name, node.lineno))
+                elif name.endswith("_sequence_position.to"):
+                    found.append((module.__name__, fn.name, node.lineno))
+    assert not found, found
+    values = exchange._device_ints([3, -1, 2**40], torch.device("cpu"))
+    assert values.dtype == torch.int64 and values.tolist() == [3, -1, 2**40]
+
+
 def test_tables_whose_names_share_a_crc32_start_independent():
     """The default seed is the name's CRC-32, which 'plumless' and 'buckeroo' share: their
     keys started with identical vectors. Colliding names get seeds of their own; every

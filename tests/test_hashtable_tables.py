@@ -270,6 +270,51 @@ def test_python_helpers_agree_with_the_tables():
         assert bool((t._count[part] == 2).all())  # inserted once, touched once
 
 
+class _ReportsCuda(torch.Tensor):
+    """A CPU tensor whose ``.device`` says cuda: drives a helper's CUDA branch on the CPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_touch_tables_on_cuda_reads_nothing_back_per_table():
+    """_touch_tables' CUDA branch scored table by table, dropping each table's -1 rows with a
+    boolean mask: a host sync per table, so a collection's training step synced once more per
+    table (README: the host syncs do not depend on the number of tables). It now calls the one
+    multi-table op on CUDA too (tables_cuda's composite: one sync for all tables). Counted
+    here on the CPU: the data-dependent-shape ops the branch issues, each a host read on CUDA."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SyncingOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("nonzero", "_local_scalar_dense", "masked_select") or (
+                    name in ("index", "index_put_", "index_put")
+                    and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def touch(num_tables):
+        tables = [HashTable(64) for _ in range(num_tables)]
+        rows = torch.cat([t.insert(torch.arange(10)) for t in tables] + [torch.tensor([-1])])
+        offsets = [10 * t for t in range(num_tables)] + [10 * num_tables + 1]  # the last table holds a -1
+        for t in tables:
+            t.tick()
+        mode = SyncingOps()
+        with mode:
+            _touch_tables(tables, rows.as_subclass(_ReportsCuda), offsets)
+        for t in tables:
+            assert torch.equal(torch.Tensor(t._count[:10]), torch.full((10,), 2))
+            assert torch.equal(torch.Tensor(t._last_seen[:10]), torch.full((10,), 1))
+            assert int(t._count[10:].sum()) == 0
+        return mode.count
+
+    assert touch(2) == touch(12) == 0
+
+
 # -- the collection's owner step over many tables (CPU only: the collection, not the ops) ---------
 
 def _collection(num_tables, **extra):
