@@ -36,7 +36,9 @@ rank (one machine or a shared file system).
 
 from __future__ import annotations
 
+import collections
 import errno
+import io
 import json
 import numbers
 import os
@@ -309,6 +311,56 @@ def _write_file(path: str, write) -> None:
                       path) from error
 
 
+def _skeleton(value: Any) -> Any:
+    """``value`` with every plain dense tensor replaced by an empty one of its dtype: what
+    ``torch.load(weights_only=True)`` must accept of it, without the tensors' bytes. The
+    containers keep their exact types (a dict subclass is refused by weights_only)."""
+    if type(value) is torch.Tensor and value.layout == torch.strided and not value.is_meta and not value.is_quantized:
+        return torch.empty(0, dtype=value.dtype)
+    if type(value) in (dict, collections.OrderedDict):
+        return type(value)((_skeleton(k), _skeleton(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(v) for v in value)
+    return value
+
+
+def _loads_weights_only(value: Any) -> bool:
+    buffer = io.BytesIO()
+    torch.save(_skeleton(value), buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - UnpicklingError, or whatever a refused global raises
+        return False
+    return True
+
+
+def _check_weights_only(file_path: str, payload: Dict[str, Any]) -> None:
+    """ValueError naming the entry of ``payload`` that ``torch.load(weights_only=True)``
+    would refuse (a numpy scalar or a user's object in a module's extra state or in the
+    optimizer's state): such a file would be written, made the latest checkpoint (the
+    previous one removed) and then refused by every load as damaged."""
+    if _loads_weights_only(payload):
+        return
+    path, value = "", payload
+    while True:
+        if type(value) in (dict, collections.OrderedDict):
+            children = [(f"[{k!r}]", v) for k, v in value.items()]
+        elif type(value) in (list, tuple):
+            children = [(f"[{i}]", v) for i, v in enumerate(value)]
+        else:
+            break
+        bad = next(((step, child) for step, child in children if not _loads_weights_only(child)), None)
+        if bad is None:
+            break
+        path, value = path + bad[0], bad[1]
+    raise ValueError(f"save_checkpoint: {os.path.basename(file_path)}: entry {path or '(the file)'} holds a "
+                     f"{type(value).__module__}.{type(value).__qualname__}, which torch.load(weights_only=True) "
+                     "refuses, so no load could read the checkpoint; keep plain tensors, numbers and strings "
+                     "in module extra state and optimizer state (e.g. float(x) for a numpy scalar). Nothing "
+                     "was committed: the previous checkpoint is kept")
+
+
 def _fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -496,13 +548,16 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
                                     "system)")
         shard = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size,
                  "layers": _shard_payload(layers, optimizer)}
-        _write_file(os.path.join(temp_dir, _shard_name(rank, world_size)), lambda f: torch.save(shard, f))
+        shard_path = os.path.join(temp_dir, _shard_name(rank, world_size))
+        _check_weights_only(shard_path, shard)
+        _write_file(shard_path, lambda f: torch.save(shard, f))
         if rank == 0:
             param_ids = _optimizer_param_ids(optimizer) if optimizer is not None else {}
             dense = {"format": FORMAT_VERSION, "model": {k: v.cpu() if isinstance(v, Tensor) else v
                                                          for k, v in dense_state.items()},
                      "optimizer": (_dense_optimizer_state(optimizer, model, param_ids) if optimizer is not None
                                    else None)}
+            _check_weights_only(os.path.join(temp_dir, "dense.pt"), dense)
             _write_file(os.path.join(temp_dir, "dense.pt"), lambda f: torch.save(dense, f))
             metadata = {
                 "format": FORMAT_VERSION,
@@ -633,6 +688,18 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
         if not isinstance(part, dict):
             raise bad(f"no entry for layer {name!r}")
         keys, weight, state = part.get("keys"), part.get("weight"), part.get("state", {})
+        # A sparse or meta tensor passes the dtype and shape checks below, then fails (a meta
+        # one while the rows are written, after other layers and the dense state loaded).
+        dynamic_part = part.get("dynamic") if isinstance(part.get("dynamic"), dict) else {}
+        pending_part = dynamic_part.get("pending") if isinstance(dynamic_part.get("pending"), dict) else {}
+        for field, value in [("keys", keys), ("weight", weight),
+                             *((f"state[{k!r}]", v) for k, v in (state.items() if isinstance(state, dict) else ())),
+                             *((f"dynamic[{k!r}]", dynamic_part.get(k)) for k in ("last_seen", "count", "fresh")),
+                             *((f"dynamic['pending'][{k!r}]", pending_part.get(k))
+                               for k in ("keys", "last_seen", "count"))]:
+            if isinstance(value, Tensor) and (value.is_meta or value.layout != torch.strided):
+                raise bad(f"layer {name!r}: {field!r} is a {'meta' if value.is_meta else str(value.layout)} tensor; "
+                          "the shard holds dense (strided) tensors with data")
         if not isinstance(keys, Tensor) or keys.dim() != 1 or keys.dtype not in (torch.int64, torch.int32):
             raise bad(f"layer {name!r}: 'keys' must be a 1-D int64 tensor")
         dim = layer_meta["embedding_vec_size"]
@@ -1083,6 +1150,11 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
         if isinstance(saved[key], Tensor) and saved[key].layout != torch.strided:
             raise ValueError(f"load_checkpoint: dense {key!r} was saved as a {saved[key].layout} tensor; the "
                              "dense state holds dense (strided) tensors")
+        if isinstance(saved[key], Tensor) and saved[key].is_meta:
+            # It would fail inside model.load_state_dict, after the optimizer and the entries
+            # before it were loaded.
+            raise ValueError(f"load_checkpoint: {dense_path}: dense {key!r} is a meta tensor, which holds no data; "
+                             "the checkpoint is damaged")
         if not isinstance(saved[key], Tensor) or saved[key].shape != value.shape:
             shape = list(saved[key].shape) if isinstance(saved[key], Tensor) else type(saved[key]).__name__
             raise ValueError(f"load_checkpoint: dense {key!r} was saved with shape {shape} "

@@ -1362,3 +1362,71 @@ def test_a_checkpoint_that_kept_compile_names_still_loads(tmp_path):
         emb = other.emb._orig_mod if compiled else other.emb
         top = other.top._orig_mod if compiled else other.top
         assert torch.equal(emb.weight, model.emb.weight) and torch.equal(top[0].weight, model.top[0].weight)
+
+
+@pytest.mark.parametrize("where", ["extra_state", "dense_optimizer_state", "shard_optimizer_state"])
+def test_a_save_that_weights_only_could_not_load_raises_and_keeps_the_previous_checkpoint(tmp_path, where):
+    """A numpy scalar (or any object torch.load(weights_only=True) refuses) in a module's
+    extra state or in the optimizer's state: the save raises naming the entry, before it is
+    committed, where it made the unreadable checkpoint the latest and removed the good one."""
+    import numpy as np
+
+    model, optimizer = make()
+    model.extra = _WithExtraState()
+    train(model, optimizer, range(2))
+    sk.save_checkpoint(str(tmp_path), model, optimizer)
+    if where == "extra_state":
+        model.extra.note = {"epoch": np.int64(4)}
+        named = "['epoch']"
+    elif where == "dense_optimizer_state":
+        optimizer.state[model.top.weight]["note"] = np.float64(1.5)
+        named = "['note']"
+    else:
+        optimizer.state[model.pooled.weight]["note"] = np.float64(1.5)
+        named = "['scalars']['note']"
+    with pytest.raises(ValueError, match=r"weights_only.*previous checkpoint is kept") as raised:
+        sk.save_checkpoint(str(tmp_path), model, optimizer)
+    assert named in str(raised.value) and "numpy" in str(raised.value)
+    assert (tmp_path / "LATEST").read_text() == "ckpt-000001"
+    restored, restored_optimizer = make()
+    restored.extra = _WithExtraState()
+    sk.load_checkpoint(str(tmp_path), restored, restored_optimizer)
+    assert restored.extra.note == {"epoch": 3}
+
+
+def _as_meta(tensor):
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+@pytest.mark.parametrize("entry", ["weight", "exp_avg", "keys", "last_seen", "dense", "sparse weight"])
+def test_a_meta_or_sparse_tensor_in_a_checkpoint_is_named_and_changes_nothing(tmp_path, entry):
+    """A meta tensor passed every check and failed while the rows were written, after the
+    optimizer and the dense state had loaded and the layer's table was replaced and its
+    weight zeroed; a sparse one failed in torch naming no file. Both are refused first."""
+    directory, folder, _ = _saved(tmp_path)
+    if entry == "dense":
+        path = os.path.join(folder, "dense.pt")
+        dense = torch.load(path, weights_only=True)
+        dense["model"]["top.weight"] = _as_meta(dense["model"]["top.weight"])
+        torch.save(dense, path)
+        message = r"dense.pt: dense 'top.weight' is a meta tensor"
+    else:
+        def damage(part, shard):
+            if entry == "weight":
+                part["weight"] = _as_meta(part["weight"])
+            elif entry == "exp_avg":
+                part["state"]["exp_avg"] = _as_meta(part["state"]["exp_avg"])
+            elif entry == "keys":
+                part["keys"] = _as_meta(part["keys"])
+            elif entry == "last_seen":
+                part["dynamic"]["last_seen"] = part["dynamic"]["last_seen"].to_sparse()
+            else:
+                part["weight"] = part["weight"].to_sparse()
+        _rewrite_shard(folder, damage)
+        message = r"shard-00000-of-00001.pt: layer 'pooled': .* is a (meta|torch.sparse_coo) tensor"
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=message):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
