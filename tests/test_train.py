@@ -460,6 +460,60 @@ def test_a_resumed_log_averages_the_train_loss_over_the_same_steps_as_the_straig
     assert train_loss(resumed, 12) == train_loss(straight, 12)
 
 
+def test_a_resumed_log_rates_only_the_steps_this_process_trained(tmp_path, monkeypatch):
+    """A log line's samples/s is the rate since the previous line. After a resume from a
+    checkpoint between two lines, the steps trained before the save (restored so that
+    train_loss averages the same steps) were divided by this process's seconds only: the
+    first line's rate was overstated (2x here). A fake clock makes every step one second."""
+    import types
+    from sparsekit.train import loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    make_data = loop.make_data
+
+    def timed_data(config):
+        data = make_data(config)
+        batch = data.train_batch
+
+        def train_batch(*args, **kwargs):
+            clock[0] += 1.0
+            return batch(*args, **kwargs)
+        data.train_batch = train_batch
+        return data
+    monkeypatch.setattr(loop, "make_data", timed_data)
+    settings = dict(steps=12, eval_every=4, keep_checkpoints=5)
+
+    def rate(lines, step):
+        line = next(line for line in lines if line.startswith(f"step {step:>6d}"))
+        return line.split("samples/s")[1].split()[0]
+    straight, resumed = [], []
+    train(tiny(**settings), log=straight.append)
+    ckpt = tmp_path / "mid"
+    train(tiny(**settings, checkpoint_every=10, checkpoint_dir=str(ckpt)), log=lambda *_: None)
+    (ckpt / "latest").write_text("step_000000010\n")
+    train(tiny(**settings, checkpoint_dir=str(ckpt), resume=True), log=resumed.append)
+    assert rate(straight, 12) == f"{TINY['batch_size']:,}"  # one batch per (fake) second
+    assert rate(resumed, 12) == rate(straight, 12)
+
+
+def test_a_one_process_run_prints_its_result_whatever_rank_the_environment_says(tmp_path, monkeypatch, capsys):
+    """Without a process group the run is rank 0 (it logs and writes --metrics-json as such),
+    but main() printed the result JSON only when the environment's RANK was unset or "0": a
+    stray RANK=1 dropped the line."""
+    from sparsekit.train import __main__
+
+    monkeypatch.setattr(__main__, "keep_freed_memory", lambda: False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = tmp_path / "metrics.json"
+    __main__.main(["--device", "cpu", "--no-progress", "--steps", "1", "--batch-size", "32", "--eval-every", "0",
+                   "--eval-samples", "64", "--table-rows", "4096", "--embedding-dim", "4", "--vocab-per-slot", "100",
+                   "--metrics-json", str(path)])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert printed and json.loads(printed[-1]) == json.loads(path.read_text())
+
+
 def test_the_torch_embedding_takes_an_empty_batch():
     """A rank's last evaluation batch may hold no sample (fewer held-out samples than ranks
     in it): view(B, 26, -1) cannot infer -1 from 0 elements."""

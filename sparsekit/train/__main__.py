@@ -250,6 +250,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if error.filename is None:
             raise
         _fail(str(error))
+    # The run's own rank: a one-process run is rank 0 (and logged and wrote its files as
+    # such) whatever a stray RANK in the environment says.
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if dist.is_initialized():
         # Tearing gloo down while a peer still finishes its last collective aborts that
         # peer now and then ("terminate called without an active exception"): wait for
@@ -262,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 raise
             _fail(_peer_lost_message(lost, config.timeout))
         dist.destroy_process_group()
-    if os.environ.get("RANK", "0") == "0":
+    if rank == 0:
         print(json.dumps(result))
     return result
 

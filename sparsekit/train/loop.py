@@ -917,6 +917,9 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
     # starts from the ranks' mean of those sums at the save (its global mean is the same).
     interval_loss = torch.full((), resumed_loss[0], device=context.device)
     interval_steps = resumed_loss[1]
+    # The steps of this process since the last log line: the rate's (interval_steps also
+    # counts those trained before a resume, whose seconds are not in interval_seconds).
+    rate_steps = 0
     interval_seconds = 0.0
     session_seconds = 0.0
     session_samples = 0
@@ -941,6 +944,7 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
         optimizer.step()
         interval_loss += loss.detach()
         interval_steps += 1
+        rate_steps += 1
         step += 1
         session_samples += config.batch_size
 
@@ -959,7 +963,7 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
         interval_seconds += elapsed
         if evaluate_now:
             # The log shows the rate since its previous line, so changes of speed show.
-            samples_per_s = interval_steps * config.batch_size / interval_seconds
+            samples_per_s = rate_steps * config.batch_size / interval_seconds
             train_loss = _global_mean(interval_loss / interval_steps, context)
             metrics = evaluate(model, data, config, context)
             table = _table_stats(model, config)  # collective: every rank asks
@@ -968,6 +972,7 @@ def _train(config: TrainConfig, context: Context, data, log, cleanup: contextlib
                     f"eval_logloss {metrics['logloss']:.4f}  samples/s {samples_per_s:,.0f}" + table)
             interval_loss.zero_()
             interval_steps = 0
+            rate_steps = 0
             interval_seconds = 0.0
         if checkpoint_now:
             logged_loss = (_global_mean(interval_loss, context), interval_steps)  # collective, as save is
