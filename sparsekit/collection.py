@@ -832,6 +832,8 @@ class EmbeddingBagCollection(nn.Module):
         """
         return self._shard(table_name).export(min_last_seen)
 
+    __prepare_scriptable__ = traced._refuse_scripting
+
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
@@ -843,6 +845,8 @@ class EmbeddingBagCollection(nn.Module):
 
     @torch.compiler.disable
     def _eager_forward(self, kjt: Any) -> Dict[str, Tensor]:
+        if torch.jit.is_tracing():
+            traced.refuse_torchscript("EmbeddingBagCollection")
         return self._ticking(lambda: self._forward(kjt))
 
     def _ticking(self, forward: Callable[[], Any]) -> Any:

@@ -22,6 +22,8 @@ eviction and checkpoints read them without touching the slots.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -150,6 +152,21 @@ def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]
 _TABLE_TENSORS = ("_slot_keys", "_slot_rows", "_row_keys", "_last_seen", "_count")
 
 
+def _locked(method):
+    """Runs a :class:`HashTable` method under the table's lock. A table's calls release the
+    GIL inside their kernels and keep Python state between them (an insert plans new rows
+    from ``len(table)``, then places them), so two threads inserting into one table at once
+    gave two keys one row, and a find during another thread's rebuild missed present keys.
+    The lock makes each public call atomic; it is re-entrant (methods call one another)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class HashTable:
     """Find-or-insert map from keys to consecutive row ids, stored in plain tensors.
 
@@ -214,6 +231,7 @@ class HashTable:
         self._size = 0
         self._tombstones = 0
         self._clock = 0
+        self._lock = threading.RLock()
 
     # -- properties -------------------------------------------------------------------
 
@@ -245,6 +263,7 @@ class HashTable:
         """The table's clock: starts at 0, :meth:`tick` adds 1; inserts and touches stamp keys with it."""
         return self._clock
 
+    @_locked
     def tick(self) -> int:
         """Advances :attr:`clock` by one (the layers tick once per training forward); returns the new clock."""
         self._clock += 1
@@ -256,6 +275,16 @@ class HashTable:
     def __repr__(self) -> str:
         return (f"HashTable(size={self._size}, capacity={self._capacity}, key_dtype={self._key_dtype}, "
                 f"eviction={self._eviction!r}, clock={self._clock}, device={self.device})")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # A lock is no state (and pickle, deepcopy and torch.multiprocessing refuse one).
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     # -- lookups ----------------------------------------------------------------------
 
@@ -272,6 +301,7 @@ class HashTable:
             raise RuntimeError(f"HashTable.{method}: keys are on {keys.device} but the table is on "
                                f"{self.device}; move them with .to(table.device)")
 
+    @_locked
     def find(self, keys: Tensor) -> Tensor:
         """Rows of ``keys``; the table (scores included) is not changed.
 
@@ -284,6 +314,7 @@ class HashTable:
         self._check_keys(keys, "find", exact_dtype=False)
         return ops.hash_table_find(self._slot_keys, self._slot_rows, keys)
 
+    @_locked
     def touch(self, keys: Tensor) -> Tensor:
         """A :meth:`find` that also scores the present keys (for training).
 
@@ -302,6 +333,7 @@ class HashTable:
         self._score(rows[found], counts[found])
         return rows[inverse].view(keys.shape)
 
+    @_locked
     def scores(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
         """``(last_seen, count)`` of ``keys`` (int64, shape of ``keys``), ``-1`` for absent keys."""
         self._check_keys(keys, "scores", exact_dtype=False)
@@ -331,6 +363,7 @@ class HashTable:
 
     # -- inserts and eviction -----------------------------------------------------------
 
+    @_locked
     def insert(self, keys: Tensor, return_evicted: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor, Tensor]]:
         """Find-or-insert: rows of ``keys``, giving absent keys rows.
 
@@ -484,6 +517,7 @@ class HashTable:
                                           torch.arange(self._size, dtype=torch.int64, device=self.device), 0)
         self._tombstones = 0
 
+    @_locked
     def export(self, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
         """The entries, ordered by row.
 
@@ -510,6 +544,7 @@ class HashTable:
         # A copy, not a view of the table's keys: later inserts must not change a dump.
         return keys.to(self._key_dtype, copy=min_last_seen is None), rows
 
+    @_locked
     def clear(self) -> None:
         """Removes every key (and its scores); capacity, dtype, policy, clock and device stay."""
         self._slot_keys.zero_()
@@ -537,6 +572,7 @@ class HashTable:
 
     # -- persistence and devices ------------------------------------------------------
 
+    @_locked
     def state_dict(self) -> Dict[str, Tensor]:
         """Plain tensors that :func:`torch.load` reads with ``weights_only=True``.
 
@@ -551,6 +587,7 @@ class HashTable:
                 "last_seen": self._last_seen[:self._size].clone(), "count": self._count[:self._size].clone(),
                 "clock": torch.tensor(self._clock, dtype=torch.int64)}
 
+    @_locked
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replaces the contents with a saved state: key ``keys[i]`` gets row ``i`` and its scores.
 
@@ -649,6 +686,7 @@ class HashTable:
         """The tensors that hold the table: its slots, and its rows' keys and scores."""
         return tuple(getattr(self, name) for name in _TABLE_TENSORS)
 
+    @_locked
     def to(self, device: Union[torch.device, str]) -> "HashTable":
         """The table on ``device``: ``self`` when already there, else a copy.
 
@@ -668,7 +706,7 @@ class HashTable:
         if self.device.type == "meta":
             return HashTable(self._capacity, key_dtype=self._key_dtype, eviction=self._eviction, device=device)
         moved = HashTable.__new__(HashTable)
-        moved.__dict__.update(self.__dict__)
+        moved.__setstate__(self.__getstate__())
         for name in _TABLE_TENSORS:
             setattr(moved, name, getattr(self, name).to(device))
         return moved

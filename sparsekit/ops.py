@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad as _forward_ad
 
 from . import _C  # noqa: F401  (registers the kernels)
 from ._checks import FLOAT_DTYPES, AllocationError, allocation, csr_offsets, dense_layout, float_dtype
@@ -96,6 +97,23 @@ def _integer(where: str, name: str, value: Any, optional: bool = False) -> Any:
     if isinstance(value, int) and not torch.compiler.is_compiling() and not -(1 << 63) <= value < (1 << 63):
         raise ValueError(f"{where}: {name} must fit in int64, [-2**63, 2**63), got {value}")
     return value
+
+
+def _refuse_forward_ad(op: str, **named: Optional[Tensor]) -> None:
+    """RuntimeError when a differentiable argument carries a forward-mode tangent
+    (``torch.autograd.forward_ad.make_dual``, ``torch.func.jvp`` / ``jacfwd`` / ``hessian``).
+    The ops' autograd (``torch.library.register_autograd``) is reverse mode only, and torch
+    drops the tangent without a word: ``unpack_dual(out).tangent`` was None, and
+    ``torch.func.jvp`` / ``jacfwd`` returned zeros, a silently wrong Jacobian. Outside a dual
+    level (every ordinary call) this is one integer compare."""
+    if getattr(_forward_ad, "_current_level", 0) < 0:
+        return
+    for name, tensor in named.items():
+        if tensor is not None and _forward_ad.unpack_dual(tensor).tangent is not None:
+            raise RuntimeError(
+                f"{op}: forward-mode AD is not supported ({name} carries a tangent from "
+                "torch.autograd.forward_ad or torch.func.jvp / jacfwd / hessian, which the op would drop, "
+                "giving a zero derivative); use reverse mode: backward() or torch.autograd.grad")
 
 
 def _flag(op: str, name: str, value: Any) -> bool:
@@ -256,6 +274,7 @@ def segment_sum(data: Tensor, segment_ids: Tensor, num_segments: int, determinis
             raise ValueError(f"segment_sum: reduce must be 'sum' or 'mean', got {reduce!r}")
         return segment_mean(data, segment_ids, num_segments, deterministic)
     tensor_arguments("segment_sum", data=data, segment_ids=segment_ids)
+    _refuse_forward_ad("segment_sum", data=data)
     num_segments = _integer("segment_sum", "num_segments", num_segments)
     deterministic = _flag("segment_sum", "deterministic", deterministic)
     with allocation(lambda: f"segment_sum: num_segments={num_segments} (the output)",
@@ -288,6 +307,7 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
     Args and returns as :func:`segment_sum`. Differentiable in ``data``.
     """
     tensor_arguments("segment_mean", data=data, segment_ids=segment_ids)
+    _refuse_forward_ad("segment_mean", data=data)
     num_segments = _integer("segment_mean", "num_segments", num_segments)
     deterministic = _flag("segment_mean", "deterministic", deterministic)
     # float16 / bfloat16 rows are summed in float32 and divided before the one rounding
@@ -1547,6 +1567,7 @@ def embedding_bag(
     """
     tensor_arguments("embedding_bag", weight=weight, rows=rows, offsets=offsets,
                      **({} if per_sample_weights is None else {"per_sample_weights": per_sample_weights}))
+    _refuse_forward_ad("embedding_bag", weight=weight, per_sample_weights=per_sample_weights)
     mode = _choice("embedding_bag", "mode", mode)
     padding_idx = _integer("embedding_bag", "padding_idx", padding_idx, optional=True)
     include_last_offset = _flag("embedding_bag", "include_last_offset", include_last_offset)
@@ -1567,4 +1588,5 @@ def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
         ``grad_output``, as for :func:`embedding_bag`.
     """
     tensor_arguments("embedding_gather", weight=weight, rows=rows)
+    _refuse_forward_ad("embedding_gather", weight=weight)
     return _ops.embedding_gather(weight, rows)

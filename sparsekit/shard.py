@@ -865,6 +865,8 @@ class _ModelParallelEmbedding(nn.Module):
 
     # -- module plumbing --------------------------------------------------------------------
 
+    __prepare_scriptable__ = traced._refuse_scripting
+
     def _mark_weight(self) -> None:
         """Puts the layer's marks on ``weight``: ``sparsekit_model_parallel`` (read by
         :func:`is_embedding_variable`, the checkpoint, the DDP recipe and LazyAdam, which keeps

@@ -27,6 +27,23 @@ from torch import Tensor
 _LAYERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
+def refuse_torchscript(name: str) -> None:
+    """TorchScript (``torch.jit.trace`` / ``torch.jit.script``) cannot hold a layer's lookup:
+    which row a key reads is Python work on the hash table that changes it. Tracing a layer
+    failed with "Graphs differed across invocations" (training) or an AttributeError
+    (eval), and a trace kept with ``check_trace=False`` replayed the rows of the traced
+    batch (an IndexError, or wrong vectors, on another batch); scripting failed on a
+    ``ForwardRef`` in ``Ragged``. A clear refusal instead, naming what works."""
+    raise RuntimeError(f"{name}: torch.jit.trace / torch.jit.script are not supported (a lookup's rows come from "
+                       "the hash table in Python, which a TorchScript graph cannot replay); use torch.compile or "
+                       "eager mode")
+
+
+def _refuse_scripting(self: Any) -> None:
+    """``__prepare_scriptable__`` of the layers and the collection (``torch.jit.script`` calls it first)."""
+    refuse_torchscript(type(self).__name__)
+
+
 def register(layer: Any) -> None:
     """Lets :func:`layer_rows` find ``layer`` by its ``id`` (a later object at a dead one's
     address replaces it)."""

@@ -1025,3 +1025,33 @@ def test_embedding_bag_third_derivative_matches_plain_torch(mode):
     assert got_psw.abs().max() > 0
     torch.testing.assert_close(got_psw, want_psw)
     torch.testing.assert_close(got_weight.to_dense(), want_weight)
+
+
+def test_forward_mode_ad_is_refused_not_silently_dropped():
+    # register_autograd is reverse mode only: torch dropped the tangent without a word
+    # (unpack_dual(out).tangent None; torch.func.jvp / jacfwd gave zeros).
+    import torch.autograd.forward_ad as fwAD
+
+    w = torch.randn(5, 2)
+    rows, offsets = torch.tensor([0, 3, -1, 3]), torch.tensor([0, 2, 4])
+    ids = torch.tensor([0, 1, 0])
+    calls = {
+        "segment_sum": lambda d: ops.segment_sum(d, ids, 2),
+        "segment_mean": lambda d: ops.segment_mean(d, ids, 2),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name}: forward-mode AD is not supported"):
+            torch.func.jvp(call, (torch.randn(3),), (torch.ones(3),))
+        with pytest.raises(RuntimeError, match=f"{name}: forward-mode AD is not supported"):
+            torch.func.jacfwd(call)(torch.randn(3))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(w, torch.ones(5, 2))
+        with pytest.raises(RuntimeError, match="embedding_bag: forward-mode AD is not supported \\(weight"):
+            ops.embedding_bag(dual, rows, offsets)
+        with pytest.raises(RuntimeError, match="embedding_gather: forward-mode AD is not supported"):
+            ops.embedding_gather(dual, rows)
+        psw = fwAD.make_dual(torch.ones(4), torch.ones(4))
+        with pytest.raises(RuntimeError, match="embedding_bag: forward-mode AD is not supported \\(per_sample"):
+            ops.embedding_bag(w, rows, offsets, psw)
+        # Inside a dual level, arguments without a tangent are ordinary calls.
+        assert torch.equal(ops.embedding_bag(w, rows, offsets), ops.embedding_gather(w, torch.tensor([[0, 3], [3, -1]])).sum(1))

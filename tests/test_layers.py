@@ -1151,3 +1151,25 @@ def _one_rank_refuses_worker(rank, world_size, init):
 
 def test_a_refusal_or_a_base_exception_on_one_rank_raises_on_every_rank(tmp_path):
     spawn(_one_rank_refuses_worker, 2, str(tmp_path))
+
+
+def test_torchscript_is_refused_clearly():
+    # Tracing used to fail its own check, raise AttributeError in eval or, unchecked, replay
+    # the traced batch's rows; scripting failed on a ForwardRef in Ragged.
+    import warnings
+
+    keys = torch.randint(0, 50, (4, 3, 2))
+    layer = sk.DistributedEmbedding("sum", 100, 4, 3, 2)
+    for train in (True, False):
+        layer.train(train)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(RuntimeError, match="DistributedEmbedding: torch.jit.trace / torch.jit.script are not"):
+                torch.jit.trace(layer, (keys,), check_trace=False)
+    assert len(layer.hash_table) == 0  # refused before any key went in
+    modules = [layer, sk.All2AllDenseEmbedding(100, 4, 3, 2),
+               sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 100, ["a"])]),
+               torch.nn.Sequential(sk.DistributedEmbedding("sum", 100, 4, 3, 2))]
+    for module in modules:
+        with pytest.raises(RuntimeError, match="torch.jit.trace / torch.jit.script are not supported"):
+            torch.jit.script(module)
