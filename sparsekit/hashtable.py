@@ -161,6 +161,11 @@ def _locked(method):
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # Dynamo cannot enter a lock ("Unsupported context manager: RLock"): a table's
+            # call in compiled code (fullgraph=True refused it, the default mode broke the
+            # graph) is traced as before the lock; a compiled graph holds no Python lock.
+            return method(self, *args, **kwargs)
         with self._lock:
             return method(self, *args, **kwargs)
 

@@ -367,3 +367,25 @@ def test_one_table_inserted_into_from_two_threads_gives_every_key_its_own_row():
     for clone in (copy.deepcopy(table), pickle.loads(pickle.dumps(table)), copy.copy(table)):
         assert torch.equal(clone.find(every_key), rows)
         assert clone._lock is not table._lock
+
+
+def test_a_table_call_still_compiles_whole_with_its_lock():
+    # Dynamo cannot enter the table's RLock ("Unsupported context manager"): with the lock
+    # taken under torch.compile, fullgraph=True refused table.find and the default mode
+    # broke the graph, where the call compiled whole before the lock.
+    import torch._dynamo
+
+    table = sk.HashTable(64)
+    table.insert(torch.arange(10))
+
+    def lookup(keys):
+        return table.find(keys) + 1
+
+    keys = torch.tensor([3, 11, 0])
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(torch.compile(lookup, fullgraph=True, backend="eager")(keys), lookup(keys))
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(lookup)(keys).graph_break_count == 0
+    finally:
+        torch._dynamo.reset()
