@@ -35,7 +35,11 @@ weight a sparse gradient over the rows this rank owns.
 Host synchronisations per training step on CUDA (``world_size > 1``): the two local
 ``unique`` calls, the feature boundaries of the input, the header, the two owner
 ``unique`` calls, the owner's pairs per table, one read of every hash table's count of
-new keys, and the status all-reduce: independent of the number of tables. The tables
+new keys, one row check of the scoring of every table's found rows
+(``hash_table_score_tables_``), and the status all-reduce: independent of the number of
+tables. Pooling adds one per dim group (the ``embedding_bag`` or ``segment_sum`` kernel's
+range read; none where every bag holds one key and there are no weights), and so does the
+backward (its ``segment_sum``): they grow with the distinct dims, not the tables. The tables
 that place new keys without eviction or admission add one for all of them (their new
 keys, picked out of the search at once); a table with eviction or admission that meets
 new keys adds its insert's two (``HashTable.insert``); a direct table adds none.
