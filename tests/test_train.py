@@ -1188,6 +1188,39 @@ def test_an_error_on_one_rank_ends_every_rank_with_one_line(tmp_path):
     assert not re.search(r'File ".*sparsekit[/\\]', completed.stderr), completed.stderr[-3000:]
 
 
+def test_a_trainer_file_that_fails_on_one_rank_is_shared_with_the_others(tmp_path):
+    """The trainer_rankR.pt part of a checkpoint, saved or read on one rank only, failed
+    there alone: the other rank went on into its next collective and reported a peer that
+    vanished (gloo's "Connection reset by peer") instead of the README's OtherRankError line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    directory = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "sparsekit.train", "--device", "cpu", "--no-progress", "--eval-every", "0", "--steps", "2",
+               "--batch-size", "64", "--eval-samples", "128", "--table-rows", "20000", "--timeout", "60",
+               "--checkpoint-dir", str(directory)]
+
+    def errors_of(args):
+        completed = subprocess.run(command + args, env=env, capture_output=True, text=True, timeout=300)
+        assert completed.returncode != 0
+        errors = [line for line in completed.stderr.splitlines() if "sparsekit.train: error:" in line]
+        assert len(errors) == 2, completed.stderr[-3000:]
+        assert any("rank 0: " in line and "failed on another rank" in line for line in errors), errors
+        return errors
+
+    # Save: rank 1's trainer file cannot be written (its path is a directory).
+    (directory / "step_000000002" / "trainer_rank1.pt" / "x").mkdir(parents=True)
+    errors = errors_of([])
+    assert any("Is a directory" in line and "trainer_rank1.pt" in line for line in errors), errors
+    assert not (directory / "latest").exists()
+    # Resume: rank 1's trainer file is damaged.
+    shutil.rmtree(directory)
+    subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=True)
+    (directory / "step_000000002" / "trainer_rank1.pt").write_text("garbage")
+    errors = errors_of(["--steps", "4", "--resume"])
+    assert any("trainer_rank1.pt" in line and "damaged" in line for line in errors), errors
+
+
 @pytest.mark.parametrize("embedding", EMBEDDINGS)
 def test_two_processes_match_one_process(tmp_path, embedding):
     """torchrun, 2 ranks on gloo, same global batches: DDP over the dense layers plus the

@@ -582,7 +582,12 @@ def save(config: TrainConfig, context: Context, step: int, model: nn.Module, opt
         state["logged_stats"] = {key: int(logged[key]) for key in ("evicted", "admitted")}
     if logged_loss is not None:  # the loss since the last log line: a resumed log averages on from it
         state["logged_loss"] = {"sum": float(logged_loss[0]), "steps": int(logged_loss[1])}
-    _atomic_torch_save(state, os.path.join(directory, f"trainer_rank{context.rank}.pt"))
+    error: Optional[BaseException] = None
+    try:
+        _atomic_torch_save(state, os.path.join(directory, f"trainer_rank{context.rank}.pt"))
+    except Exception as exc:  # shared below: the other ranks say it failed here, not that a peer vanished
+        error = exc
+    _agree(context, error, "saving the checkpoint's trainer state")
     if context.is_main:
         # An earlier run on more ranks may have written this step: its other ranks' files
         # would be read as this checkpoint's by a resume on that many ranks.
@@ -739,13 +744,9 @@ def _flag_text(key: str, value) -> str:
     return f"no {flag}" if value is None else f"{flag} {value!r}"
 
 
-def load(config: TrainConfig, context: Context, directory: str, model: nn.Module, optimizer) -> Dict:
-    """Restore a checkpoint written by :func:`save` (any world size); returns the trainer state.
-
-    Raises:
-        CheckpointError: a file is missing, damaged or lacks what :func:`save` writes, or
-            the checkpoint was written with other settings.
-    """
+def _load_trainer_state(config: TrainConfig, context: Context, directory: str) -> Dict:
+    """This rank's trainer state of the checkpoint in ``directory``, checked against the
+    settings of this run (see :func:`load`)."""
     # A different world size: ranks without a file of their own take rank 0's RNG state.
     # Rank 0's file says how many ranks wrote the checkpoint: a file of a rank beyond them is
     # a leftover of an earlier run on more ranks (saves since remove them), never read.
@@ -784,6 +785,31 @@ def load(config: TrainConfig, context: Context, directory: str, model: nn.Module
     if details:
         raise CheckpointError(f"--resume: the checkpoint {directory} was written with {', '.join(details)}; "
                               "resume with the same settings or use a fresh --checkpoint-dir")
+    return state
+
+
+def _agree(context: Context, error: Optional[BaseException], what: str) -> None:
+    """Every rank raises when ``what`` failed on any rank: its own error, or
+    ``OtherRankError`` (a rank that stopped alone would leave the others to find it gone
+    in their next collective)."""
+    from ..checkpoint import _agree_or_raise
+
+    _agree_or_raise(dist.group.WORLD if context.world_size > 1 else None, error, what)
+
+
+def load(config: TrainConfig, context: Context, directory: str, model: nn.Module, optimizer) -> Dict:
+    """Restore a checkpoint written by :func:`save` (any world size); returns the trainer state.
+
+    Raises:
+        CheckpointError: a file is missing, damaged or lacks what :func:`save` writes, or
+            the checkpoint was written with other settings.
+    """
+    error: Optional[BaseException] = None
+    try:
+        state = _load_trainer_state(config, context, directory)
+    except Exception as exc:  # one rank's own trainer file: every rank raises, none waits in the load
+        error = exc
+    _agree(context, error, "--resume (reading the trainer state)")
     if config.embedding == "sparsekit":
         import sparsekit as sk
 
