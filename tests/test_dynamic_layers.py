@@ -626,3 +626,67 @@ def test_a_layer_without_eviction_resets_the_moments_of_rows_an_evicting_state_g
     # Key 2 kept its row and its moments went on.
     assert not torch.allclose(loaded.state[layer.weight]["exp_avg"][layer.hash_table.find(torch.tensor([2]))[0]],
                               torch.zeros(DIM))
+
+
+def test_admitted_keys_get_their_gradients_with_pending_keys_in_the_batch():
+    """With admission on, a batch mixes admitted keys (rows 0, 1, ...) and pending ones (-1):
+    every admitted row, row 0 included, gets its gradient (plain torch: the sum of the
+    output gradients of its lookups); the pending keys none."""
+    layer = _layer(8, admit_after=2)
+    _step(layer, None, [10, 20])                       # seen once: pending
+    layer.weight.grad = None
+    keys = torch.tensor([10, 20, 30, 10])              # 10, 20 admitted now; 30 pending
+    out = layer(keys)
+    grad_out = torch.arange(1.0, 1.0 + 4 * DIM).view(4, DIM)
+    out.backward(grad_out)
+    rows = layer.hash_table.find(torch.tensor([10, 20]))
+    assert rows.tolist() == [0, 1]
+    expected = torch.zeros(8, DIM)
+    expected[0] = grad_out[0] + grad_out[3]
+    expected[1] = grad_out[1]
+    torch.testing.assert_close(layer.weight.grad.to_dense(), expected, rtol=0, atol=0)
+
+
+def test_a_dense_gradient_of_an_evicted_keys_row_does_not_reach_the_key_that_takes_it():
+    """A dense gradient accumulated before a forward that evicts a key (an L2 term over the
+    weight, then another micro-batch) loses the evicted key's row: the new key starts from
+    its initializer's vector, with no state of the old key."""
+    layer = _layer(2, eviction="lru")
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.1)
+    layer(torch.tensor([1, 2]))
+    layer(torch.tensor([2]))                            # key 1 is now the least recent
+    (layer.weight ** 2).sum().backward()                # a dense gradient on every row
+    row_of_1 = int(layer.hash_table.find(torch.tensor([1])))
+    with torch.no_grad():
+        layer(torch.tensor([3]))                        # evicts 1; 3 takes its row
+    assert int(layer.hash_table.find(torch.tensor([3]))) == row_of_1
+    assert torch.equal(layer.weight.grad[row_of_1], torch.zeros(DIM))
+    optimizer.step()
+    torch.testing.assert_close(layer.weight.detach()[row_of_1], sk.KeySeededUniform()(torch.tensor([3]), DIM)[0],
+                               rtol=0, atol=0)
+
+
+def test_a_pending_key_moved_by_an_admission_keeps_its_own_count():
+    """Admitting a key removes it from the pending keys (the last pending row moves into its
+    place): the moved key keeps its own count of steps, and is admitted at its own k-th step."""
+    layer = _layer(8, admit_after=3)
+    _step(layer, None, [1])          # 1: seen once
+    _step(layer, None, [2])          # 2: once
+    _step(layer, None, [1])          # 1: twice
+    _step(layer, None, [1])          # 1: third step, admitted; 2 moves into 1's pending place
+    assert torch.equal(_step(layer, None, [2]), torch.zeros(1, DIM))      # 2: twice, still pending
+    out = _step(layer, None, [2])                                          # 2: third step
+    assert torch.equal(out[0], sk.KeySeededUniform()(torch.tensor([2]), DIM)[0])
+
+
+def test_a_pending_key_moved_by_an_admission_keeps_its_own_last_sight():
+    """Which pending key is forgotten (the least recently seen) does not change when an
+    admission moves a pending key to another place."""
+    layer = _layer(8, admit_after=3, admission_capacity=3)
+    for keys in ([1], [3], [2], [3], [1]):   # last seen: 3 at step 4, 2 at step 3; 1 twice
+        _step(layer, None, keys)
+    _step(layer, None, [1])                  # 1 admitted; 2 moves into its pending place
+    _step(layer, None, [8, 9])               # one pending key must go: 2 (seen at step 3), not 3
+    out = _step(layer, None, [3])            # 3: its third step, still counted
+    assert torch.equal(out[0], sk.KeySeededUniform()(torch.tensor([3]), DIM)[0])
+    assert int(layer.hash_table.find(torch.tensor([2]))) == -1

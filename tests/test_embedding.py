@@ -1055,3 +1055,28 @@ def test_forward_mode_ad_is_refused_not_silently_dropped():
             ops.embedding_bag(w, rows, offsets, psw)
         # Inside a dual level, arguments without a tangent are ordinary calls.
         assert torch.equal(ops.embedding_bag(w, rows, offsets), ops.embedding_gather(w, torch.tensor([[0, 3], [3, -1]])).sum(1))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_weighted_bags_whose_weights_sum_to_zero_match_plain_torch(device, mode):
+    # Mean of a bag whose weights sum to zero (and of one whose only weight is 0) is zeros
+    # (the contract); its gradients are then zero too. Against a plain-torch pooling.
+    weight = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([1, 2, 3, 4, 0])
+    offsets = torch.tensor([0, 2, 4, 5])
+    psw = torch.tensor([0.5, -0.5, 1.0, 2.0, 0.0], dtype=torch.float64)
+    grad_out = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    bag = torch.tensor([0, 0, 1, 1, 2])
+    ref_w, ref_p = weight.clone().requires_grad_(), psw.clone().requires_grad_()
+    summed = torch.zeros(3, 3, dtype=torch.float64).index_add(0, bag, ref_w[rows] * ref_p[:, None])
+    if mode == "mean":
+        total = torch.zeros(3, dtype=torch.float64).index_add(0, bag, ref_p)
+        nonzero = total != 0
+        summed = torch.where(nonzero[:, None], summed / torch.where(nonzero, total, 1)[:, None], 0)
+    summed.backward(grad_out)
+    our_w, our_p = weight.to(device).requires_grad_(), psw.to(device).requires_grad_()
+    out = ops.embedding_bag(our_w, rows.to(device), offsets.to(device), our_p, mode)
+    out.backward(grad_out.to(device))
+    torch.testing.assert_close(out.detach().cpu(), summed.detach())
+    torch.testing.assert_close(our_w.grad.to_dense().cpu(), ref_w.grad)
+    torch.testing.assert_close(our_p.grad.cpu(), ref_p.grad)

@@ -1173,3 +1173,24 @@ def test_torchscript_is_refused_clearly():
     for module in modules:
         with pytest.raises(RuntimeError, match="torch.jit.trace / torch.jit.script are not supported"):
             torch.jit.script(module)
+
+
+@pytest.mark.parametrize("layer_type", ["distributed", "all2all"])
+def test_eval_reads_a_missing_key_as_zeros(layer_type):
+    """In eval() a key the table does not hold reads as a zero vector (and a present key as
+    its key-seeded first vector), whatever the row the table holds first: plain torch."""
+    if layer_type == "distributed":
+        layer = sk.DistributedEmbedding("sum", 16, DIM, 1, 2)
+    else:
+        layer = sk.All2AllDenseEmbedding(16, DIM, 1, 1, dynamic_input=True)
+    present = torch.tensor([5, -3])
+    layer(sk.Ragged(present, torch.arange(3)) if layer_type == "distributed" else present)  # training: inserted
+    layer.eval()
+    keys = torch.tensor([5, 123, -3, 77])
+    with torch.no_grad():
+        out = layer(sk.Ragged(keys, torch.arange(5)) if layer_type == "distributed" else keys).reshape(4, DIM)
+    expected = sk.ops.key_seeded_uniform(keys, DIM)
+    expected[1] = 0
+    expected[3] = 0
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert len(layer.hash_table) == 2  # eval inserted nothing

@@ -1470,3 +1470,27 @@ def test_load_state_dict_pre_hooks_run_before_lazy_adams_checks():
     with pytest.raises(ValueError, match="lacks"):
         loaded.load_state_dict(old)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_shard_dense_gradient_is_adam_on_a_float32_copy(dtype):
+    """A float16 / bfloat16 embedding shard (float32 moments) with a dense gradient (an L2
+    term over the whole weight, say) is updated: torch.optim.Adam's numbers on a float32 copy
+    of the weight, rounded to the shard's dtype once per step."""
+    start = torch.randn(6, 4, generator=torch.Generator().manual_seed(5)).to(dtype)
+    shard = torch.nn.Parameter(start.clone())
+    shard.sparsekit_model_parallel = True
+    reference = torch.nn.Parameter(start.float())
+    ours = sk.LazyAdam([shard], lr=0.05)
+    adam = torch.optim.Adam([reference], lr=0.05, foreach=False)
+    for step in range(3):
+        grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 + step))
+        shard.grad = grad.to(dtype)
+        reference.grad = grad.to(dtype).float()
+        ours.step()
+        adam.step()
+        with torch.no_grad():
+            reference.copy_(reference.to(dtype).float())  # the shard holds the rounded weight
+        assert not torch.equal(shard.detach(), start)
+        torch.testing.assert_close(shard.detach().float(), reference.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(ours.state[shard]["exp_avg"], adam.state[reference]["exp_avg"])
