@@ -325,11 +325,13 @@ def _skeleton(value: Any) -> Any:
 
 
 def _loads_weights_only(value: Any) -> bool:
+    # torch.serialization's own functions: an in-memory round trip, not the file writer
+    # (torch.save) that a caller may wrap or patch and whose failures the save reports.
     buffer = io.BytesIO()
-    torch.save(_skeleton(value), buffer)
+    torch.serialization.save(_skeleton(value), buffer)
     buffer.seek(0)
     try:
-        torch.load(buffer, map_location="cpu", weights_only=True)
+        torch.serialization.load(buffer, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - UnpicklingError, or whatever a refused global raises
         return False
     return True
