@@ -198,7 +198,9 @@ def _fail(message: str) -> NoReturn:
     (os._exit): a peer may still be inside a collective, and tearing the group down in the
     interpreter's exit aborts the process now and then ("terminate called without an
     active exception")."""
-    print("sparsekit.train: error: " + " ".join(message.splitlines()), file=sys.stderr)
+    # One write, newline included: print's two writes (text, then newline) interleave with
+    # another rank's line on a shared unbuffered stderr (PYTHONUNBUFFERED=1).
+    sys.stderr.write("sparsekit.train: error: " + " ".join(message.splitlines()) + "\n")
     if dist.is_available() and dist.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
