@@ -415,6 +415,45 @@ def test_a_failed_scratch_allocation_leaves_the_next_call_working():
     assert done.stdout.rstrip().endswith("ok")
 
 
+_SCRATCH_KEPT_AFTER_FAILURE = """
+import ctypes, gc, resource, sys, torch, sparsekit as sk
+torch.set_num_threads(1)
+trim = ctypes.CDLL("libc.so.6").malloc_trim
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+keys = torch.randperm(20_000_000)
+sk.ops.unique(keys[:1000])
+gc.collect(); trim(0); base = status("VmRSS")
+# Room for the inverse and unique's 320 MB of scratch, not for the unique keys after them.
+resource.setrlimit(resource.RLIMIT_AS, ((status("VmSize") << 10) + (600 << 20), resource.RLIM_INFINITY))
+try:
+    sk.ops.unique(keys, return_inverse=True)
+    failed = False
+except RuntimeError:
+    failed = True
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+for _ in range(10):
+    sk.ops.unique(torch.randint(0, 100, (1000,)))
+gc.collect(); trim(0)
+print(int(failed), (status("VmRSS") - base) >> 10)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_unique_call_that_fails_does_not_keep_its_large_scratch():
+    """unique's partitioned path trims its scratch (16 bytes a key, freed above 256 MiB) on
+    its last line: a call that raised on the way (an allocation refused) kept 312 MiB for
+    the thread's life. The trim now runs on the way out by an error too."""
+    done = subprocess.run([sys.executable, "-c", _SCRATCH_KEPT_AFTER_FAILURE], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    failed, kept_mib = (int(v) for v in done.stdout.split()[-2:])
+    if not failed:
+        pytest.skip("the address-space limit did not refuse the call on this machine")
+    assert kept_mib < 128, f"a unique call that raised left {kept_mib} MiB of scratch resident"
+
+
 def test_table_states_with_sparse_tensors_or_huge_clocks_are_refused_before_anything_changes():
     """A sparse tensor passes dtype and shape checks, and the load cleared the table before
     the copy failed; a clock near int64's end made a later insert fail after placing keys."""

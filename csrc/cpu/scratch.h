@@ -47,4 +47,12 @@ class Scratch {
   size_t size_ = 0;
 };
 
+/// @brief Trims a thread's scratch when the kernel leaves, by an error too: a call that
+/// raises (a key out of range, an allocation refused) must not keep a large buffer for
+/// the thread's later calls.
+struct TrimOnExit {
+  Scratch& scratch;
+  ~TrimOnExit() { scratch.trim(); }
+};
+
 }  // namespace sparsekit

@@ -64,13 +64,6 @@ inline int64_t popcount64(uint64_t x) {
 #endif
 }
 
-/// @brief Trims a thread's scratch when the kernel leaves, by an error too: a call that
-/// raises (a key out of range) must not keep a large bitmap for the thread's next call.
-struct TrimOnExit {
-  Scratch& scratch;
-  ~TrimOnExit() { scratch.trim(); }
-};
-
 /// @brief E: a stable counting sort of positions [0, n) by their rank inv[i] in [0,
 /// num_unique): order lists the positions of rank 0, then of rank 1, ..., each rank's in
 /// increasing order, and offsets ([num_unique + 1]) bounds each rank's run. The positions

@@ -657,6 +657,7 @@ std::tuple<Tensor, Tensor, Tensor> unique_tables_cpu(const Tensor& keys_in, cons
     std::vector<std::vector<key_t>> distinct(num_tables);
     parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t w_begin, int64_t w_end) {
       thread_local Scratch scratch;
+      const TrimOnExit trim_table{scratch};  // on an error too (a std::bad_alloc of `out`)
       for (int64_t w = w_begin; w < w_end; ++w) {
         const int64_t t = work[w];
         ScratchTable<key_t> table(scratch, keys_of[t]);
@@ -668,7 +669,6 @@ std::tuple<Tensor, Tensor, Tensor> unique_tables_cpu(const Tensor& keys_in, cons
           });
         }
       }
-      scratch.trim();
     });
     // Table t's ids start after the distinct keys of tables 0 .. t-1.
     std::vector<int64_t> base(num_tables + 1, 0);

@@ -172,6 +172,7 @@ void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct,
   const std::vector<int64_t> cursor_d = cursor;
 
   thread_local Scratch entry_scratch;
+  const TrimOnExit trim_entries{entry_scratch};  // on an error too (an allocation refused below)
   Entry<key_t>* entries = static_cast<Entry<key_t>*>(entry_scratch.get(n * sizeof(Entry<key_t>)));
 
   // B: scatter.
@@ -190,13 +191,16 @@ void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct,
   std::vector<int64_t> firsts(workers * num_blocks, 0);
   parallel_chunks_indexed(num_buckets, 1, [&](int64_t worker, int64_t p_begin, int64_t p_end) {
     thread_local BucketTable<key_t> table;
+    struct TrimTable {
+      BucketTable<key_t>& table;
+      ~TrimTable() { table.trim(); }
+    } const trim_table{table};  // a growth that fails must not keep the table's old slots either
     int64_t* my_firsts = firsts.data() + worker * num_blocks;
     for (int64_t p = p_begin; p < p_end; ++p) {
       Entry<key_t>* bucket = entries + bucket_start[p];
       const int64_t m = bucket_start[p + 1] - bucket_start[p];
       dedup_bucket(bucket, m, guess, table, my_firsts, block_shift);
     }
-    table.trim();
   });
   std::vector<int64_t> first_id(num_blocks + 1, 0);
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -234,7 +238,6 @@ void unique_partitioned(const key_t* keys, int64_t n, int64_t expected_distinct,
       if (inverse[i] < 0) inverse[i] = inverse[~inverse[i]];
     }
   });
-  entry_scratch.trim();
 }
 
 }  // namespace partitioned
