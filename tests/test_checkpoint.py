@@ -325,6 +325,17 @@ def _saved(tmp_path):
     return directory, os.path.join(directory, "ckpt-000001"), snapshot(model, optimizer)
 
 
+def _load_is_refused_and_changes_nothing(directory, message):
+    """A model trained past the checkpoint refuses to load it (ValueError matching
+    ``message``) and keeps every tensor and counter of the model and its optimizer."""
+    model, optimizer = make()
+    train(model, optimizer, range(5, 6))
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=message):
+        sk.load_checkpoint(directory, model, optimizer)
+    assert_same(model, optimizer, before)
+
+
 def _rewrite_shard(folder, change):
     path = os.path.join(folder, "shard-00000-of-00001.pt")
     shard = torch.load(path, weights_only=True)
@@ -601,12 +612,7 @@ def _load_refuses_a_damaged_optimizer_state(tmp_path, damage, message):
     dense = torch.load(dense_path, weights_only=True)
     dense["optimizer"] = damage(dense["optimizer"])
     torch.save(dense, dense_path)
-    model, optimizer = make()
-    train(model, optimizer, range(5, 6))
-    before = snapshot(model, optimizer)
-    with pytest.raises(ValueError, match=message):
-        sk.load_checkpoint(directory, model, optimizer)
-    assert_same(model, optimizer, before)
+    _load_is_refused_and_changes_nothing(directory, message)
 
 
 @pytest.mark.parametrize("damage", [
@@ -1424,9 +1430,4 @@ def test_a_meta_or_sparse_tensor_in_a_checkpoint_is_named_and_changes_nothing(tm
                 part["weight"] = part["weight"].to_sparse()
         _rewrite_shard(folder, damage)
         message = r"shard-00000-of-00001.pt: layer 'pooled': .* is a (meta|torch.sparse_coo) tensor"
-    model, optimizer = make()
-    train(model, optimizer, range(5, 6))
-    before = snapshot(model, optimizer)
-    with pytest.raises(ValueError, match=message):
-        sk.load_checkpoint(directory, model, optimizer)
-    assert_same(model, optimizer, before)
+    _load_is_refused_and_changes_nothing(directory, message)
