@@ -80,7 +80,6 @@ from .exchange import (
     _AllToAll,
     _CoalescedGradMarker,
     _deepcopy_sharing_group,
-    _device_ints,
     _GatherPieces,
     _GatherRows,
     _LookupPieces,
@@ -110,6 +109,7 @@ from .shard import (
     _row_layout,
     _row_layout_text,
 )
+from .tables_cuda import _device_ints
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection", "UnknownTableError"]
 
@@ -1357,7 +1357,7 @@ class EmbeddingBagCollection(nn.Module):
         table_starts = itertools.accumulate(owned_per_table, initial=0)
         shift = _device_ints([o - s for o, s in zip(owned_offsets, table_starts)], device)
         row_of_received = owned_of_received + shift.index_select(0, tables)
-        in_block_order = torch.sort(_device_ints(self._sequence_position.tolist(), device).index_select(0, tables),
+        in_block_order = torch.sort(_device_ints(self._sequence_position, device).index_select(0, tables),
                                     stable=True).indices
         out: List[Optional[Tensor]] = []
         start = 0

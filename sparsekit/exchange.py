@@ -88,17 +88,6 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
-def _device_ints(values: Sequence[int], device: torch.device) -> Tensor:
-    """An int64 tensor of a few host values on ``device``. ``torch.tensor(values,
-    device=cuda)`` copies from pageable memory, which makes the host wait for the stream (a
-    host sync, as torch's sync debug mode reports it); on CUDA this copy goes through pinned
-    memory without waiting (the caching host allocator keeps the buffer until the copy ran)."""
-    host = torch.tensor(list(values), dtype=torch.int64)
-    if device.type != "cuda":
-        return host if device.type == "cpu" else host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _all_to_all_rows(rows: Tensor, output_splits: List[int], input_splits: List[int], group) -> Tensor:
     out = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
     dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)

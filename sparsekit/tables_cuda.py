@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -196,12 +196,15 @@ def _hash_table_find_args(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, op
               "keys with .to(table.device)")
 
 
-def _small(values: Sequence[int], device: torch.device) -> Tensor:
-    """An int64 tensor of a few host values on ``device``, without a host sync on CUDA (a
-    pageable copy would wait for the stream: this one goes through pinned memory)."""
-    host = torch.tensor(list(values), dtype=torch.int64)
-    if device.type == "cpu":
-        return host
+def _device_ints(values: Union[Sequence[int], Tensor], device: torch.device) -> Tensor:
+    """An int64 tensor of a few host values (ints, or a CPU int64 tensor, used as it is on
+    the CPU) on ``device``. ``torch.tensor(values, device=cuda)`` or ``.to(cuda)`` copies
+    from pageable memory, which makes the host wait for the stream (a host sync, as torch's
+    sync debug mode reports it); on CUDA this copy goes through pinned memory without
+    waiting (the caching host allocator keeps the buffer until the copy ran)."""
+    host = values if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.int64)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -281,7 +284,7 @@ def hash_table_score_tables_(last_seen: List[Tensor], count: List[Tensor], rows:
         return
     device = rows.device
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    bound = torch.repeat_interleave(_small([c.shape[0] for c in count], device), _small(lengths, device),
+    bound = torch.repeat_interleave(_device_ints([c.shape[0] for c in count], device), _device_ints(lengths, device),
                                     output_size=n)
     at, value = _first_bad((rows < -1) | (rows >= bound), rows)
     if at < n:
@@ -514,9 +517,9 @@ def _check_rows(op: str, rows: List[Tensor], counts: List[int], num_rows: List[i
     num_tables = len(rows)
     total = sum(counts)
     every = torch.cat([r for r in rows if r.shape[0] > 0])
-    per_table = _small(counts, device)
+    per_table = _device_ints(counts, device)
     table = torch.repeat_interleave(torch.arange(num_tables, device=device), per_table, output_size=total)
-    bound = torch.repeat_interleave(_small(num_rows, device), per_table, output_size=total)
+    bound = torch.repeat_interleave(_device_ints(num_rows, device), per_table, output_size=total)
     bad = (every < 0) | (every >= bound)
     first_bad = torch.where(bad, torch.arange(total, device=device), total).amin()
     # Repeats: rows made distinct across tables (table t's start after the rows of the tables
@@ -524,7 +527,7 @@ def _check_rows(op: str, rows: List[Tensor], counts: List[int], num_rows: List[i
     starts = [0]
     for r in num_rows[:-1]:
         starts.append(starts[-1] + r)
-    global_rows = every + _small(starts, device).index_select(0, table)
+    global_rows = every + _device_ints(starts, device).index_select(0, table)
     ordered, position = torch.sort(global_rows, stable=True)
     repeat = ordered[1:] == ordered[:-1]
     later = position[1:]
@@ -701,8 +704,8 @@ def unique_tables(keys: Tensor, offsets: List[int], tables: List[int], num_table
     # Segments cover the keys in order, so a table's first occurrences over its segments are
     # its first occurrences in the keys: the (key, table) pairs deduplicated in key order,
     # then grouped stably by table.
-    table_of_key = torch.repeat_interleave(_small(tables, device),
-                                           _small([b - a for a, b in zip(offsets, offsets[1:])], device),
+    table_of_key = torch.repeat_interleave(_device_ints(tables, device),
+                                           _device_ints([b - a for a, b in zip(offsets, offsets[1:])], device),
                                            output_size=n)
     distinct_keys, key_id, _ = _ops.unique(keys)
     pair_ids, pair_of_key, _ = _ops.unique(key_id * num_tables + table_of_key)

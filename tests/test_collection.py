@@ -1374,12 +1374,12 @@ def test_step_paths_build_no_device_tensor_from_pageable_memory():
     """torch.tensor(list, device=cuda) (or .to(cuda) of a CPU tensor) is a host sync on
     CUDA (a pageable copy waits for the stream); the collection's and the layers' per-step
     paths built a dozen small index tensors that way, syncs their documented counts leave
-    out. They go through exchange._device_ints (pinned memory, non_blocking) or torch.full.
+    out. They go through tables_cuda._device_ints (pinned memory, non_blocking) or torch.full.
     Checked on the source, since this machine may have no GPU to count them."""
     import ast
     import inspect
 
-    from sparsekit import collection, exchange, shard
+    from sparsekit import collection, shard, tables_cuda
 
     step = {collection: {"_sort_table_rows", "_forward", "_prepare", "_owner_lookup", "_plan_tables", "_grow",
                          "_pool"},
@@ -1399,7 +1399,7 @@ def test_step_paths_build_no_device_tensor_from_pageable_memory():
                 elif name.endswith("_sequence_position.to"):
                     found.append((module.__name__, fn.name, node.lineno))
     assert not found, found
-    values = exchange._device_ints([3, -1, 2**40], torch.device("cpu"))
+    values = tables_cuda._device_ints([3, -1, 2**40], torch.device("cpu"))
     assert values.dtype == torch.int64 and values.tolist() == [3, -1, 2**40]
 
 
