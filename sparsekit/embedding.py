@@ -266,8 +266,6 @@ class DistributedEmbedding(_ModelParallelEmbedding):
 
     @torch.compiler.disable
     def _eager_forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int) -> Tensor:
-        if torch.jit.is_tracing():
-            traced.refuse_torchscript(self._layer_name)
         keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key),
                                                              lambda keys, info: _one_per_bag(info[1], keys.numel()))
         # The offsets were checked on every rank by now, so the lengths are >= 0. No index:
@@ -386,8 +384,6 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
 
     @torch.compiler.disable  # one graph break, as DistributedEmbedding.forward
     def _eager_forward(self, inputs: Tensor) -> Tensor:
-        if torch.jit.is_tracing():
-            traced.refuse_torchscript(self._layer_name)
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs), lambda keys, info: True)
         vectors = vectors if index is None else _GatherRows.apply(vectors, index)
         return vectors.to(self.weight.dtype).view(out_shape)  # as DistributedEmbedding's

@@ -133,9 +133,10 @@ def _check_own_weights(shards: List["_ModelParallelEmbedding"], name: str, train
     :func:`_check_writable` (which lets it pass under inference mode), and called on its own
     where a one-process layer is traced by ``torch.compile``: there the opaque row op runs
     while the module holds its own parameter again (dynamo replays ``functional_call``'s
-    swap around the graph, not inside it), so only the trace sees the substitute. (Not ``torch.is_inference_mode_enabled()`` here: dynamo cannot trace it.
-    The raise is a graph break, after which the default mode runs the eager forward and its
-    full check; ``fullgraph=True`` reports this error.)"""
+    swap around the graph, not inside it), so only the trace sees the substitute. (Not
+    ``torch.is_inference_mode_enabled()`` here: dynamo cannot trace it. The raise is a
+    graph break, after which the default mode runs the eager forward and its full check;
+    ``fullgraph=True`` reports this error.)"""
     if not training:
         return
     if torch.compiler.is_compiling() and any(shard.weight is not shard._own_weight for shard in shards):
@@ -738,8 +739,11 @@ class _ModelParallelEmbedding(nn.Module):
         ``keys[j]``; ``index`` None: ``vectors[j]`` is (one process may give that when
         ``every_value(keys, info)`` says the caller reads every key's vector). An error in
         ``prepare``, in the dedup or in the checks is shared with every rank first (see
-        :meth:`_exchange`), so no rank is left waiting.
+        :meth:`_exchange`), so no rank is left waiting. Refused under ``torch.jit.trace``,
+        before any key goes in (see :func:`sparsekit.traced.refuse_torchscript`).
         """
+        if torch.jit.is_tracing():
+            traced.refuse_torchscript(self._layer_name)
         if self._rows_first():  # one process
             _check_writable([self], self._layer_name, self.training)
             keys, offsets, info = prepare()
