@@ -1195,6 +1195,11 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
             raise ValueError(f"load_checkpoint: {dense_path}: optimizer state for parameter {index!r}, "
                              f"which the optimizer does not have")
         for name, value in state.items():
+            if isinstance(value, Tensor) and (value.is_meta or value.layout != torch.strided):
+                # It would fail inside optimizer.load_state_dict or the next step, naming no file.
+                raise ValueError(f"load_checkpoint: {dense_path}: optimizer state {name!r} of parameter {index} is a "
+                                 f"{'meta' if value.is_meta else str(value.layout)} tensor; the dense state holds "
+                                 "dense (strided) tensors with data; the checkpoint is damaged")
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape != params[index].shape:
                 raise ValueError(f"load_checkpoint: optimizer state {name!r} of parameter {index} was saved with "
                                  f"shape {list(value.shape)} but the parameter has {list(params[index].shape)}")

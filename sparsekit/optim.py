@@ -691,7 +691,9 @@ def _saved_step(step: Any) -> Tuple[Optional[float], bool]:
     an update can advance once it is kept as LazyAdam keeps it (:func:`_kept_step`: a float,
     in which 2**63 - 2 becomes 2**63)."""
     if isinstance(step, Tensor):
-        usable = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
+        # A meta or sparse one holds no value that .item() can read.
+        usable = (step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool and not step.is_meta
+                  and step.layout == torch.strided)
         value = step.item() if usable else None
     else:
         usable = isinstance(step, numbers.Real) and not isinstance(step, bool)

@@ -1404,7 +1404,8 @@ def _as_meta(tensor):
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
-@pytest.mark.parametrize("entry", ["weight", "exp_avg", "keys", "last_seen", "dense", "sparse weight"])
+@pytest.mark.parametrize("entry", ["weight", "exp_avg", "keys", "last_seen", "step", "sparse step", "dense",
+                                   "dense optimizer", "sparse weight"])
 def test_a_meta_or_sparse_tensor_in_a_checkpoint_is_named_and_changes_nothing(tmp_path, entry):
     """A meta tensor passed every check and failed while the rows were written, after the
     optimizer and the dense state had loaded and the layer's table was replaced and its
@@ -1416,6 +1417,13 @@ def test_a_meta_or_sparse_tensor_in_a_checkpoint_is_named_and_changes_nothing(tm
         dense["model"]["top.weight"] = _as_meta(dense["model"]["top.weight"])
         torch.save(dense, path)
         message = r"dense.pt: dense 'top.weight' is a meta tensor"
+    elif entry == "dense optimizer":
+        path = os.path.join(folder, "dense.pt")
+        dense = torch.load(path, weights_only=True)
+        state = next(iter(dense["optimizer"]["state"].values()))
+        state["exp_avg"] = _as_meta(state["exp_avg"])
+        torch.save(dense, path)
+        message = r"dense.pt: optimizer state 'exp_avg' of parameter \d+ is a meta tensor"
     else:
         def damage(part, shard):
             if entry == "weight":
@@ -1426,8 +1434,13 @@ def test_a_meta_or_sparse_tensor_in_a_checkpoint_is_named_and_changes_nothing(tm
                 part["keys"] = _as_meta(part["keys"])
             elif entry == "last_seen":
                 part["dynamic"]["last_seen"] = part["dynamic"]["last_seen"].to_sparse()
+            elif entry == "step":
+                part["scalars"]["step"] = _as_meta(torch.as_tensor(part["scalars"]["step"]))
+            elif entry == "sparse step":
+                part["scalars"]["step"] = torch.as_tensor(part["scalars"]["step"]).reshape(1).to_sparse()
             else:
                 part["weight"] = part["weight"].to_sparse()
         _rewrite_shard(folder, damage)
-        message = r"shard-00000-of-00001.pt: layer 'pooled': .* is a (meta|torch.sparse_coo) tensor"
+        message = (r"shard-00000-of-00001.pt: layer 'pooled': .*(is a (meta|torch.sparse_coo) tensor"
+                   r"|'step' must be a finite integer)")
     _load_is_refused_and_changes_nothing(directory, message)
