@@ -313,7 +313,14 @@ def segment_mean(data: Tensor, segment_ids: Tensor, num_segments: int, determini
     # float16 / bfloat16 rows are summed in float32 and divided before the one rounding
     # (as embedding_bag's mean): a sum rounded to the half type first would overflow to inf
     # where the mean is representable (two rows of 60000 in float16), and round twice.
-    summed = data.float() if data.dtype in (torch.float16, torch.bfloat16) else data
+    if data.dtype in (torch.float16, torch.bfloat16):
+        # Named like the op's other allocations: torch's own message names neither the op
+        # nor the argument.
+        with allocation(lambda: "segment_mean: a float32 copy of data (float16 / bfloat16 rows are summed in float32)",
+                        tuple(data.shape), torch.float32, data.device):
+            summed = data.float()
+    else:
+        summed = data
     try:
         totals = segment_sum(summed, segment_ids, num_segments, deterministic)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:

@@ -329,3 +329,16 @@ def test_segment_sum_parts_is_differentiable_as_segment_sum_of_the_concatenation
     expected = torch.autograd.grad((sk.ops.segment_sum(torch.cat(parts), ids, 4) * weights).sum(), parts)
     for part, want in zip(parts, expected):
         torch.testing.assert_close(part.grad, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_segment_mean_names_its_float32_copy_of_half_data(dtype):
+    """segment_mean sums float16 / bfloat16 rows through a float32 copy of data: when that
+    copy cannot be allocated, the error names the op and the argument, as its other
+    allocations do (it was torch's bare "DefaultCPUAllocator: can't allocate memory")."""
+    # A stride-0 view: no memory until copied, and a copy whose byte count overflows int64,
+    # so no machine can allocate it (whatever its overcommit policy).
+    data = torch.ones(1, 1, dtype=dtype).expand(1, 2**62)
+    with pytest.raises(MemoryError, match=r"^segment_mean: a float32 copy of data .*\[1, 4611686018427387904\] "
+                                          r"torch\.float32"):
+        sk.ops.segment_mean(data, torch.tensor([0]), 1)
