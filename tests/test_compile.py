@@ -507,3 +507,28 @@ def test_a_functional_call_substitute_is_refused_in_compiled_training_as_in_eage
         want = torch.func.functional_call(layer, {name: substitute}, (inputs,))
         got, want = (got, want) if isinstance(got, torch.Tensor) else (got["a"], want["a"])
         assert torch.equal(got, want), type(layer).__name__
+
+
+@_SKIP_OLD_INDUCTOR
+def test_a_returned_view_of_a_lookup_compiles_under_inductor_once_detached():
+    """The README's way around the known limit: a compiled function that returns a view of
+    a lookup's output (as SOK's demo models return their embedding vector) fails in
+    inductor's backward; returned ``.detach()``ed it compiles, with eager's gradient."""
+    keys = torch.randint(0, 30, (8, 3, 3), generator=torch.Generator().manual_seed(0))
+
+    def run(compiled):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        layer, head = sk.All2AllDenseEmbedding(30, 4, 3, 3), nn.Linear(36, 1)
+
+        def step(k):
+            flat = layer(k).reshape(8, -1)
+            return head(flat).sum(), flat.detach()
+
+        loss, flat = (torch.compile(step, backend="inductor") if compiled else step)(keys)
+        loss.backward()
+        return flat, layer.weight.grad.to_dense()
+
+    (flat, grad), (want_flat, want_grad) = run(True), run(False)
+    torch.testing.assert_close(flat, want_flat)
+    torch.testing.assert_close(grad, want_grad)
