@@ -259,9 +259,17 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             offsets = torch.arange(0, keys.numel() + 1, max(width, 1), device=keys.device) if width > 0 else \
                 torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=keys.device)
             rows = traced.layer_rows(keys, None, id(self), int(pad_key))
-        pooled = ops.embedding_bag(self.weight, rows, offsets, None, "sum")
-        if self.combiner == "mean":
-            pooled = _mean_of_sum(pooled, lengths)
+        if self.combiner == "mean" and self.weight.dtype in (torch.float16, torch.bfloat16):
+            # float32 sums of the half rows, divided before the one rounding, as eager (a
+            # sum rounded to the half type first rounds twice, and two float16 rows of
+            # 60000 would make a mean of inf).
+            vectors = ops._embedding_gather_float(self.weight, rows)  # -1: zeros
+            pooled = ops.segment_sum(vectors, ops._bag_index(offsets, rows.shape[0]), offsets.numel() - 1)
+            pooled = _mean_of_sum(pooled, lengths).to(self.weight.dtype)
+        else:
+            pooled = ops.embedding_bag(self.weight, rows, offsets, None, "sum")
+            if self.combiner == "mean":
+                pooled = _mean_of_sum(pooled, lengths)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 
     @torch.compiler.disable
@@ -270,6 +278,11 @@ class DistributedEmbedding(_ModelParallelEmbedding):
                                                              lambda keys, info: _one_per_bag(info[1], keys.numel()))
         # The offsets were checked on every rank by now, so the lengths are >= 0. No index:
         # one key per bag, each bag's vector its key's.
+        if index is not None and self.combiner == "mean" and vectors.dtype in (torch.float16, torch.bfloat16):
+            # A half table's bags are summed and divided in float32 and rounded once, as the
+            # collection's and embedding_bag's means are: a sum rounded to the half type
+            # first rounded twice, and two float16 rows of 60000 made a mean of inf.
+            vectors = vectors.float()
         pooled = vectors if index is None else _pool(vectors, index, offsets, _one_per_bag(offsets, keys.numel()))
         if self.combiner == "mean":
             lengths = offsets[1:] - offsets[:-1]

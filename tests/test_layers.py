@@ -611,6 +611,38 @@ def test_one_process_lookup_keeps_the_tables_dtype(monkeypatch, kind, dtype):
         assert torch.equal(layers[0].weight, layers[1].weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_half_layer_mean_sums_in_float32_and_rounds_once(dtype, compiled):
+    """A float16 / bfloat16 DistributedEmbedding with combiner "mean" rounded each bag's sum
+    to the half type before dividing it (eager and compiled): two float16 rows of 60000 made
+    a mean of inf, and long bags were an ulp off the once-rounded mean in about a third of
+    their elements. Bags are summed and divided in float32 and rounded once, as the
+    collection's, embedding_bag's and segment_mean's means are."""
+    layer = sk.DistributedEmbedding("mean", 64, DIM, slot_num=2, max_nnz=40).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randint(-1, 30, (3, 2, 40), generator=g)  # -1: the pad key
+    keys[0, 0] = -1
+    keys[0, 0, :2] = torch.tensor([100, 101])  # bag (0, 0): two keys of its own
+    layer(keys)  # inserts the keys
+    big = 60000.0 if dtype == torch.float16 else 1e38  # float16: a sum past its range
+    with torch.no_grad():
+        layer.weight[layer.hash_table.find(torch.tensor([100, 101]))] = big
+    forward = torch.compile(layer, backend="aot_eager") if compiled else layer
+    out = forward(keys)
+    weight = layer.weight.detach()
+    expected = torch.empty_like(out)
+    for b in range(3):
+        for s in range(2):
+            k = keys[b, s][keys[b, s] >= 0]
+            expected[b, s] = (weight[layer.hash_table.find(k)].double().sum(0) / len(k)).to(dtype)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert torch.equal(out[0, 0], torch.full((DIM,), big).to(dtype))
+    assert torch.equal(out, expected)
+    out.float().sum().backward()
+    assert layer.weight.grad.dtype == dtype
+
+
 def _check_grad_modes_agree(rank, world_size, init):
     """A training forward that records no backward on one rank (torch.no_grad(),
     inference_mode, a frozen weight) while the others record one: the others waited in their
