@@ -136,20 +136,25 @@ class LazyAdam(torch.optim.Optimizer):
     ) -> None:
         _check_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "LazyAdam")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
+        # torch's constructor adds every group through add_param_group, which refuses sparse
+        # parameters (naming the group and index of each).
         super().__init__(params, defaults)
-        sparse = [[g, i] for g, group in enumerate(self.param_groups)
-                  for i, param in enumerate(group["params"]) if param.is_sparse]
-        if sparse:
-            raise ValueError(f"LazyAdam: sparse parameters at indices {sparse} (group, index): LazyAdam needs dense "
-                             "parameter tensors; their gradients may be sparse")
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the group's settings (its own or
-        the defaults) checked as the constructor's are before it is added."""
+        the defaults) checked as the constructor's are before it is added, and its parameters
+        dense (``ValueError`` for a sparse one, as at construction: a sparse parameter added
+        later failed inside a step, after the parameters before it had been updated)."""
         if isinstance(param_group, dict):
             _check_hyperparameters({**self.defaults, **param_group},
                                    f"LazyAdam.add_param_group (parameter group {len(self.param_groups)})")
         super().add_param_group(param_group)
+        group = len(self.param_groups) - 1
+        sparse = [[group, i] for i, param in enumerate(self.param_groups[group]["params"]) if param.is_sparse]
+        if sparse:
+            self.param_groups.pop()  # torch appended it (and checked nothing else): nothing changed
+            raise ValueError(f"LazyAdam: sparse parameters at indices {sparse} (group, index): LazyAdam needs dense "
+                             "parameter tensors; their gradients may be sparse")
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # load_state_dict ends here: states of older versions (a plain number as step, no

@@ -516,6 +516,21 @@ def test_lazy_adam_refuses_sparse_parameters_at_construction():
         sk.LazyAdam([dense, torch.zeros(3, 2).to_sparse().requires_grad_()])
 
 
+def test_lazy_adam_refuses_sparse_parameters_added_later_and_changes_nothing():
+    """add_param_group refuses a sparse parameter as the constructor does; it was accepted,
+    and the next step then failed with torch's "memory format option is only supported by
+    strided tensors" after the dense parameters before it had been updated."""
+    dense = torch.nn.Parameter(torch.zeros(3, 2))
+    opt = sk.LazyAdam([dense], lr=0.1)
+    sparse = torch.zeros(3, 2).to_sparse().requires_grad_()
+    with pytest.raises(ValueError, match=r"sparse parameters at indices \[\[1, 0\]\]"):
+        opt.add_param_group({"params": [sparse]})
+    assert len(opt.param_groups) == 1
+    dense.grad = torch.ones(3, 2)
+    opt.step()
+    assert int(opt.state[dense]["step"].item()) == 1 and sparse not in opt.state
+
+
 @pytest.mark.parametrize("betas", [0.9, (0.9,), (0.9, 0.99, 0.5), ("a", 0.9)])
 def test_lazy_adam_betas_must_be_a_pair(betas):
     with pytest.raises(ValueError, match="betas must be a pair"):
