@@ -474,11 +474,14 @@ class KeyedJagged:
     def __getitem__(self, key: str) -> KeyedJagged:
         """One feature's bags, as a one-key KeyedJagged (``values()``, ``lengths()`` ``[B]``,
         ``offsets()`` ``[B + 1]`` from 0, ``weights_or_none()``: the methods of TorchRec's
-        ``JaggedTensor``, which ``kjt[key]`` returns there). KeyError for a key it lacks."""
+        ``JaggedTensor``, which ``kjt[key]`` returns there). KeyError for a key it lacks. A
+        key listed more than once gives its last bags, as TorchRec's ``{key: index}`` and
+        :meth:`to_dict` do."""
         if not isinstance(key, str) or key not in self._keys:
             raise KeyError(f"KeyedJagged: no feature {key!r}; keys: {self._keys}")
         batch = self._split_bags()
-        return self._feature(self._keys.index(key), batch, self._bounds(batch))
+        last = len(self._keys) - 1 - self._keys[::-1].index(key)
+        return self._feature(last, batch, self._bounds(batch))
 
     def to_dict(self) -> Dict[str, KeyedJagged]:
         """``{key: self[key]}`` in key order (TorchRec's ``to_dict()``), with one host read."""
