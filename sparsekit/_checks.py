@@ -131,7 +131,8 @@ def integer_argument(where: str, name: str, value: Any, optional: bool = False) 
     raise TypeError(f"{where}: {name} must be {kind}, got {value!r} ({type_name(value)}){hint}")
 
 
-def size_argument(where: str, name: str, value: Any, minimum: int = 1, optional: bool = False) -> Any:
+def size_argument(where: str, name: str, value: Any, minimum: int = 1, optional: bool = False,
+                  maximum: Any = None) -> Any:
     """A size or count as a Python int: :func:`integer_argument`'s types (NumPy integers
     too, as ``nn.Linear`` takes them; never a bool or a float), then at least ``minimum``.
     None passes when ``optional``.
@@ -139,12 +140,14 @@ def size_argument(where: str, name: str, value: Any, minimum: int = 1, optional:
     Raises:
         TypeError: not an integer (``"{where}: {name} must be an int, got ..."``).
         ValueError: below ``minimum`` (``"{where}: {name} must be a positive int, got ..."``,
-            or ``a non-negative int`` for ``minimum`` 0).
+            or ``a non-negative int`` for ``minimum`` 0), or above ``maximum`` when given.
     """
     value = integer_argument(where, name, value, optional)
     if value is not None and not isinstance(value, torch.SymInt) and value < minimum:
         kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{where}: {name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+    if maximum is not None and value is not None and not isinstance(value, torch.SymInt) and value > maximum:
+        raise ValueError(f"{where}: {name} must be at most {maximum}, got {value!r}")
     return value
 
 
@@ -254,6 +257,20 @@ def tensor_arguments(op: str, **named: Any) -> None:
     for name, value in named.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type_name(value)}")
+        plain_tensor(f"{op}: {name}", value)
+
+
+def plain_tensor(what: str, tensor: torch.Tensor) -> None:
+    """TypeError for a nested or a quantized tensor (``what`` names it, ``"op: name"``). Both
+    have the strided layout, so :func:`dense_layout` alone let them through to torch's
+    "Internal error: NestedTensorImpl doesn't support sizes" or the dispatcher's "Could not
+    run ... 'QuantizedCPU' backend", naming no argument (and the layers' errors came after
+    a table had been read)."""
+    if tensor.is_nested:
+        raise TypeError(f"{what} must be a plain tensor, got a nested tensor; pass a padded tensor "
+                        "(.to_padded_tensor()) or its components")
+    if tensor.is_quantized:
+        raise TypeError(f"{what} must be a plain tensor, got a quantized {tensor.dtype} one; use .dequantize()")
 
 
 def dense_layout(what: str, tensor: torch.Tensor) -> None:
@@ -262,6 +279,7 @@ def dense_layout(what: str, tensor: torch.Tensor) -> None:
     "Could not run ... SparseCPU", naming no argument), or after a table changed."""
     if tensor.layout != torch.strided:
         raise TypeError(f"{what} must be a dense (strided) tensor, got a {tensor.layout} one; use .to_dense()")
+    plain_tensor(what, tensor)
 
 
 def float_dtype(op: str, name: str, tensor: torch.Tensor) -> None:

@@ -133,6 +133,9 @@ def _check_directory_argument(caller: str, directory: Any) -> None:
     if not isinstance(directory, (str, os.PathLike)) or isinstance(os.fspath(directory), bytes):
         raise TypeError(f"{caller}: directory must be a path (str or os.PathLike of str), got "
                         f"{type(directory).__name__}")
+    if os.fspath(directory) == "":
+        # os's own "[Errno 2] No such file or directory: ''" named neither the call nor the argument.
+        raise ValueError(f"{caller}: directory must not be an empty path (use '.' for the current directory)")
 
 
 def _wrapped_attribute(module: nn.Module) -> Optional[str]:
@@ -539,6 +542,12 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(temp_dir, ignore_errors=True)  # a crashed save's leftovers
             os.makedirs(temp_dir)
+        except OSError as exc:
+            # os's message ("[Errno 2] No such file or directory: '/a'") names no call and only the
+            # part of the path it stopped at: the same OSError type, naming both.
+            error = type(exc)(f"save_checkpoint: cannot create the checkpoint directory in "
+                              f"{os.fspath(directory)!r}: {exc.strerror or exc} ({exc.filename!r})")
+            error.errno = exc.errno
         except BaseException as exc:  # noqa: BLE001 - shared with every rank below
             error = exc
     _agree_or_raise(group, error, "save_checkpoint (creating the directory)")

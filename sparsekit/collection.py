@@ -67,7 +67,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import device_argument, size_argument, tensor_integer, type_name
+from ._checks import device_argument, plain_tensor, size_argument, tensor_integer, type_name
 from .checkpoint import _collective_device
 from .exchange import (
     _BAD_KEY,
@@ -171,7 +171,7 @@ def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: 
     if eviction not in (None, "lru", "lfu"):
         raise ValueError(f"TableConfig {name!r}: eviction must be None, 'lru' or 'lfu' (lower case), "
                          f"got {eviction!r}")
-    admit_after = size_argument(f"TableConfig {name!r}", "admit_after", admit_after)
+    admit_after = size_argument(f"TableConfig {name!r}", "admit_after", admit_after, maximum=2**63 - 1)
     if not use_hashtable and (eviction is not None or admit_after != 1):
         raise ValueError(f"TableConfig {name!r}: eviction and admit_after need use_hashtable=True (a "
                          f"direct-mapped table has a row for every key), got eviction={eviction!r}, "
@@ -251,6 +251,7 @@ def _check_dense(tensor: Tensor, name: str) -> None:
     then fails deep in an op, after a table changed, with torch's "Could not run ... SparseCPU"."""
     if tensor.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got {_kind(tensor)}; use .to_dense()")
+    plain_tensor(name, tensor)
 
 
 _KEY_DTYPES = (torch.int64, torch.int32)

@@ -34,6 +34,9 @@ _ops = torch.ops.sparsekit
 # from the 'SparseCPU' backend", naming no argument: a kernel for the sparse dispatch keys
 # of every op names it instead (for torch.ops.sparsekit.* and every caller alike).
 _SPARSE_KEYS = ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA")
+# The same for quantized tensors (strided, so they pass the layout checks): the dispatcher's
+# "Could not run 'sparsekit::...' with arguments from the 'QuantizedCPU' backend" named none.
+_QUANTIZED_KEYS = ("QuantizedCPU", "QuantizedCUDA")
 
 
 def _refusing_sparse(op: str, names: List[str]) -> Callable[..., Any]:
@@ -42,7 +45,7 @@ def _refusing_sparse(op: str, names: List[str]) -> Callable[..., Any]:
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(item, Tensor):
                     dense_layout(f"{op}: {name}", item)
-        raise TypeError(f"{op}: the arguments must be dense (strided) tensors")
+        raise TypeError(f"{op}: the arguments must be dense (strided), unquantized tensors")
     return kernel
 
 
@@ -74,7 +77,7 @@ _sparse_library = torch.library.Library("sparsekit", "IMPL")
 for _name in sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
                     if n.startswith("sparsekit::") and not n.startswith("sparsekit::_")):
     _schema = getattr(_ops, _name).default._schema
-    for _key in _SPARSE_KEYS:
+    for _key in _SPARSE_KEYS + _QUANTIZED_KEYS:
         _sparse_library.impl(_name, _refusing_sparse(_name, [a.name for a in _schema.arguments]), _key)
     _written = [i for i, a in enumerate(_schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if _written:

@@ -547,6 +547,14 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
+def _shown_setting(value: Any) -> str:
+    """``repr(value)``, or a short form of an int too long for one (past 4300 digits Python
+    refuses to make its decimal string)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4000:
+        return f"{'-' if value < 0 else ''}<an int of {value.bit_length()} bits>"
+    return repr(value)
+
+
 def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
     """ValueError naming the first invalid setting, or every one of torch.optim.Adam's /
     AdamW's settings in ``settings`` that LazyAdam cannot honour."""
@@ -566,7 +574,14 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: {label} is a tensor ({value!r}); a tensor {name} is not supported, pass a "
                              f"float (e.g. {name}=float(value))")
         if not _is_real(value) or not value >= 0.0:
-            raise ValueError(f"{where}: invalid {label} {value!r}; it must be a real number >= 0")
+            raise ValueError(f"{where}: invalid {label} {_shown_setting(value)}; it must be a real number >= 0")
+        try:
+            float(value)
+        except OverflowError:
+            # A Python int past float64 (10**400): the step converts every setting to a float
+            # and failed there with a bare "OverflowError: int too large to convert to float".
+            raise ValueError(f"{where}: invalid {label} {_shown_setting(value)}; it must be a real number >= 0 "
+                             "that a float64 can hold") from None
     # torch.optim.Adam / AdamW settings that change the update, and which LazyAdam does not
     # implement: refused rather than kept in param_groups and ignored (a loaded AdamW state
     # would otherwise continue as L2 decay, an AMSGrad one without its max_exp_avg_sq).

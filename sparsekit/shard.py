@@ -327,7 +327,9 @@ class _ModelParallelEmbedding(nn.Module):
                             f"tensor or None, got {type(embedding_initializer).__name__}")
         if eviction not in (None, "lru", "lfu"):
             raise ValueError(f"{name}: eviction must be None, 'lru' or 'lfu', got {eviction!r}")
-        admit_after = size_argument(name, "admit_after", admit_after)
+        # Compared with int64 counts of steps: a Python int past int64 failed there, in the first
+        # training forward, with a bare "OverflowError: int too big to convert".
+        admit_after = size_argument(name, "admit_after", admit_after, maximum=2**63 - 1)
         default_admission = admission_capacity is None
         admission_capacity = size_argument(name, "admission_capacity", admission_capacity, optional=True)
         if default_admission:

@@ -751,3 +751,49 @@ def test_in_place_wrappers_refuse_inference_tensors_outside_inference_mode_and_w
         sk.ops.lazy_adam_(weight, exp_avg, exp_avg_sq, torch.tensor([1]), torch.ones(1, 4), 1, 0.1, 0.9, 0.999,
                           1e-8, 0.0)
     assert sk.ops.hash_table_find(slot_keys, slot_rows, torch.tensor([5])).tolist() == [0]
+
+
+@pytest.mark.parametrize("build", [
+    lambda v: sk.DistributedEmbedding("sum", 16, 4, 2, 3, admit_after=v),
+    lambda v: sk.All2AllDenseEmbedding(16, 4, 2, 3, admit_after=v),
+    lambda v: sk.TableConfig("t", 4, 16, ["f"], admit_after=v),
+], ids=["DistributedEmbedding", "All2AllDenseEmbedding", "TableConfig"])
+@pytest.mark.parametrize("value", [2**63, 2**64, 10**30])
+def test_admit_after_beyond_int64_is_refused_where_it_is_given(build, value):
+    """admit_after is compared with int64 step counts: one past int64 was taken by the
+    constructors and then failed in the first training forward with a bare "OverflowError:
+    int too big to convert"."""
+    with pytest.raises(ValueError, match=r"admit_after must be at most 9223372036854775807"):
+        build(value)
+    build(2**63 - 1)  # the largest int64 is a (never-reached) admission threshold
+
+
+@pytest.mark.parametrize("name", ["lr", "eps", "weight_decay"])
+def test_lazy_adam_refuses_a_setting_beyond_float64_where_it_is_given(name):
+    """A Python int past float64 passed the >= 0 check, and the first step died with a bare
+    "OverflowError: int too large to convert to float" after creating optimizer state."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=rf"LazyAdam: invalid .*{name} .*float64 can hold"):
+        sk.LazyAdam([param], **{name: 10**400})
+    opt = sk.LazyAdam([param])
+    opt.param_groups[0][name] = 10**400  # edited later: refused by the step's checks, state untouched
+    param.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=rf"LazyAdam.step .*{name}"):
+        opt.step()
+    assert len(opt.state) == 0 and torch.equal(param, torch.zeros(2))
+    with pytest.raises(ValueError, match=r"LazyAdam: invalid learning rate lr -<an int of \d+ bits>"):
+        sk.LazyAdam([param], lr=-10**5000)  # too long for a decimal string
+
+
+def test_save_checkpoint_names_an_empty_or_uncreatable_directory(tmp_path):
+    model = sk.DistributedEmbedding("sum", 16, 4, 2, 3)
+    for call in (sk.save_checkpoint, sk.load_checkpoint):
+        with pytest.raises(ValueError, match=rf"{call.__name__}: directory must not be an empty path"):
+            call("", model)
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"save_checkpoint: directory .* is a file"):
+        sk.save_checkpoint(str(blocked / "sub"), model)
+    with pytest.raises(FileNotFoundError, match=r"save_checkpoint: cannot create the checkpoint directory in "
+                                                r"'/proc/self/nonexistent/x'"):
+        sk.save_checkpoint("/proc/self/nonexistent/x", model)

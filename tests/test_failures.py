@@ -559,3 +559,46 @@ def test_a_contiguous_copy_too_large_says_so_with_its_shape(case):
                                            r"(Long|Float) tensor on cpu: .*can't allocate memory") as error:
         calls[case]()
     assert "num_segments" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["nested", "quantized"])
+def test_nested_and_quantized_tensors_are_named(kind):
+    """Nested and quantized tensors have the strided layout, so the sparse-layout checks let
+    them through to torch's "Internal error: NestedTensorImpl doesn't support sizes" or the
+    dispatcher's "Could not run ... 'QuantizedCPU' backend" (segment_mean's naming
+    segment_sum), naming no argument. A TypeError names it, and nothing changes."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])])
+        quant = torch.quantize_per_tensor(torch.ones(4, 3), 0.1, 0, torch.qint8)
+    table = sk.HashTable(8)
+    table.insert(torch.tensor([7]))
+    layer = sk.DistributedEmbedding("sum", 8, 2, 1, 2)
+    weight = layer.weight.detach().clone()
+    ids = torch.tensor([0, 1, 0, 1])
+    if kind == "nested":
+        calls = [
+            (lambda: sk.ops.unique(nested), "unique: keys"),
+            (lambda: sk.ops.hash_table_find(torch.zeros(16, dtype=torch.long), torch.full((16,), -1), nested),
+             "hash_table_find: keys"),
+            (lambda: table.find(nested), "HashTable.find: keys"),
+            (lambda: table.insert(nested), "HashTable.insert: keys"),
+            (lambda: layer(sk.Ragged(nested, torch.tensor([0, 1, 3]))), "DistributedEmbedding: values"),
+            (lambda: layer(torch.nested.nested_tensor([torch.tensor([[1]]), torch.tensor([[2, 3]])])),
+             "DistributedEmbedding: inputs"),
+            (lambda: sk.KeyedJagged(["f"], nested, lengths=torch.tensor([1, 2])), "KeyedJagged: values"),
+        ]
+    else:
+        calls = [
+            (lambda: sk.ops.segment_sum(quant, ids, 2), "segment_sum: data"),
+            (lambda: sk.ops.segment_mean(quant, ids, 2), "segment_mean: data"),
+            (lambda: torch.ops.sparsekit.segment_sum(quant, ids, 2, False), "segment_sum: data"),
+            (lambda: sk.ops.embedding_gather(quant, torch.tensor([0])), "embedding_gather: weight"),
+            (lambda: torch.ops.sparsekit.embedding_bag(quant, torch.tensor([0]), torch.tensor([0, 1]), None, "sum",
+                                                       None, True), "embedding_bag: weight"),
+        ]
+    for call, named in calls:
+        with pytest.raises(TypeError, match=f"{named} must be a plain tensor, got a {kind}"):
+            call()
+    assert len(table) == 1 and torch.equal(layer.weight, weight) and len(layer.hash_table) == 0
