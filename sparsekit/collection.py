@@ -83,6 +83,7 @@ from .exchange import (
     _GatherPieces,
     _GatherRows,
     _LookupPieces,
+    _make_step_lock,
     _mean_of_sum,
     _offsets_error_flags,
     _one_per_bag,
@@ -92,6 +93,8 @@ from .exchange import (
     _reduce_without_group,
     _resolve_group,
     _sort_rows,
+    _state_without_lock,
+    _stepping,
     _table_gradients,
     _unique_tables,
     _wire_device,
@@ -667,6 +670,9 @@ class EmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[torch.device, str]] = None) -> None:
         super().__init__()
+        # One training forward at a time (see exchange._stepping); its tables' shards keep
+        # locks of their own, which the collection's calls do not use.
+        _make_step_lock(self)
         if isinstance(tables, TableConfig) or not isinstance(tables, (list, tuple)) or not tables \
                 or not all(isinstance(t, TableConfig) for t in tables):
             raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig")
@@ -708,9 +714,13 @@ class EmbeddingBagCollection(nn.Module):
 
     # -- module plumbing ------------------------------------------------------------------------
 
+    def __getstate__(self) -> Dict[str, Any]:
+        return _state_without_lock(super().__getstate__())
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Copies and unpickling end here: the copy must be found by its compiled graphs too.
         super().__setstate__(state)
+        _make_step_lock(self)
         traced.register(self)
 
     def reset_parameters(self) -> None:
@@ -828,7 +838,9 @@ class EmbeddingBagCollection(nn.Module):
                                    "the error there); nothing was changed on this rank")
         elif error is not None:
             raise error
-        return shard.stats()
+        with _stepping(self, True):  # not across the all-reduce: a forward's collectives may hold it
+            values = shard._local_stats()
+        return shard._summed_stats(values)
 
     def export(self, table_name: str, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
         """This rank's keys of the table and their vectors (in the table's dtype); see
@@ -838,7 +850,9 @@ class EmbeddingBagCollection(nn.Module):
             UnknownTableError: (a ``KeyError`` and a ``ValueError``) no table of that name.
             ValueError: ``min_last_seen`` with a direct-mapped table.
         """
-        return self._shard(table_name).export(min_last_seen)
+        shard = self._shard(table_name)
+        with _stepping(self, True):  # keys and rows of one moment: no forward of the collection evicts in between
+            return shard.export(min_last_seen)
 
     __prepare_scriptable__ = traced._refuse_scripting
 
@@ -855,7 +869,8 @@ class EmbeddingBagCollection(nn.Module):
     def _eager_forward(self, kjt: Any) -> Dict[str, Tensor]:
         if torch.jit.is_tracing():
             traced.refuse_torchscript("EmbeddingBagCollection")
-        return self._ticking(lambda: self._forward(kjt))
+        with _stepping(self, self.training):
+            return self._ticking(lambda: self._forward(kjt))
 
     def _ticking(self, forward: Callable[[], Any]) -> Any:
         """``forward()``, checked first, and every table's clock advanced after it in training."""
@@ -938,7 +953,8 @@ class EmbeddingBagCollection(nn.Module):
         included)."""
         names = list(self._feature_table)
         kjt = KeyedJagged([names[i] for i in features], values, offsets=offsets)
-        return self._ticking(lambda: self._rows_of_tables(kjt))
+        with _stepping(self, self.training):
+            return self._ticking(lambda: self._rows_of_tables(kjt))
 
     def _rows_of_tables(self, kjt: KeyedJagged) -> List[Tensor]:
         device = self._shards[0].weight.device

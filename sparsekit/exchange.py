@@ -6,9 +6,11 @@ exchange, and the one-time configuration agreement.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -44,6 +46,38 @@ def _resolve_group(process_group: Optional[dist.ProcessGroup],
         raise TypeError(f"{where}: process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r} "
                         f"({type(process_group).__qualname__})")
     return process_group, dist.get_world_size(process_group), dist.get_rank(process_group)
+
+
+def _make_step_lock(module: torch.nn.Module) -> None:
+    """Gives a layer or collection its step lock (``__init__``, and ``__setstate__`` after a
+    copy or unpickling: a lock is no state, see :func:`_state_without_lock`)."""
+    module.__dict__["_step_lock"] = threading.RLock()
+
+
+def _state_without_lock(state: Dict[str, Any]) -> Dict[str, Any]:
+    """``__getstate__``'s dict (a copy) without the step lock, which pickle and deepcopy refuse."""
+    state.pop("_step_lock", None)
+    return state
+
+
+def _stepping(module: torch.nn.Module, training: bool):
+    """The step lock of a layer or collection, held for one forward's table work.
+
+    A training forward plans rows from the table's size, places new keys, scores them,
+    counts admissions and evicts, in several calls that release the GIL; two threads
+    running one at once gave two keys one row, lost keys and admission counts. The lock
+    makes a forward's table work atomic, so concurrent training forwards act in some
+    serial order (and their backwards accumulate as two forwards then two backwards in one
+    thread do). Eval forwards of one process only read the tables (each ``HashTable`` call
+    holds the table's own lock) and stay concurrent; with a process group every forward
+    takes it, so that one rank's forwards issue their collectives one forward after another.
+    The lock is never taken in a backward (its all-to-all would wait for a peer whose
+    forward holds the lock there). Skipped while dynamo traces (it cannot enter a lock;
+    the compiled graph's row op runs the eager row resolution, which takes it at run
+    time)."""
+    if torch.compiler.is_compiling() or not (training or module.world_size > 1):
+        return contextlib.nullcontext()
+    return module.__dict__["_step_lock"]
 
 
 def _deepcopy_sharing_group(module: torch.nn.Module, memo: Dict[int, Any]) -> torch.nn.Module:

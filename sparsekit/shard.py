@@ -30,12 +30,15 @@ from .exchange import (
     _CoalescedGradMarker,
     _deepcopy_sharing_group,
     _LookupOwned,
+    _make_step_lock,
     _LookupPieces,
     _offsets_error_flags,
     _owners,
     _reduce_without_group,
     _resolve_group,
     _sort_rows,
+    _state_without_lock,
+    _stepping,
     _wire_device,
 )
 from .hashtable import _MAX_CLOCK as _MAX_COUNT
@@ -317,6 +320,7 @@ class _ModelParallelEmbedding(nn.Module):
         owner_offset: int = 0,
     ) -> None:
         super().__init__()
+        _make_step_lock(self)  # one training forward at a time (see exchange._stepping)
         name = self._layer_name
         max_vocabulary_size_per_gpu = size_argument(name, "max_vocabulary_size_per_gpu", max_vocabulary_size_per_gpu)
         embedding_vec_size = size_argument(name, "embedding_vec_size", embedding_vec_size)
@@ -555,9 +559,19 @@ class _ModelParallelEmbedding(nn.Module):
         """``size``, ``capacity``, ``evicted``, ``admitted`` (totals since construction) and
         ``pending`` (keys seen but not admitted yet), summed over the ranks of the layer's
         process group (then a collective: every rank must call it)."""
+        with _stepping(self, True):  # not across the all-reduce: a forward's collectives may hold it
+            values = self._local_stats()
+        return self._summed_stats(values)
+
+    def _local_stats(self) -> List[int]:
+        """This rank's ``size``, ``capacity``, ``evicted``, ``admitted`` and ``pending`` (read
+        under the step lock by the callers, so no forward is halfway)."""
         size = len(self.hash_table) if self.hash_table is not None else self.max_vocabulary_size_per_gpu
         pending = len(self._pending) if self._pending is not None else 0
-        values = [size, self.max_vocabulary_size_per_gpu, self._evicted, self._admitted, pending]
+        return [size, self.max_vocabulary_size_per_gpu, self._evicted, self._admitted, pending]
+
+    def _summed_stats(self, values: List[int]) -> Dict[str, int]:
+        """:meth:`_local_stats` summed over the ranks (an all-reduce with a process group), as a dict."""
         if self.world_size > 1:
             totals = torch.tensor(values, dtype=torch.int64, device=self.weight.device)
             dist.all_reduce(totals, group=self.process_group)
@@ -570,6 +584,10 @@ class _ModelParallelEmbedding(nn.Module):
         table clock ``>= min_last_seen`` (the clock advances once per training forward).
         With ``use_hashtable=False``: every owned key, and ``min_last_seen`` must be None."""
         min_last_seen = integer_argument(f"{self._layer_name}.export", "min_last_seen", min_last_seen, optional=True)
+        with _stepping(self, True):  # keys and rows of one moment: no forward evicts in between
+            return self._export(min_last_seen)
+
+    def _export(self, min_last_seen: Optional[int]) -> Tuple[Tensor, Tensor]:
         if self.hash_table is None:
             if min_last_seen is not None:
                 raise ValueError(f"{self._layer_name}: export(min_last_seen=...) needs use_hashtable=True (a "
@@ -746,6 +764,13 @@ class _ModelParallelEmbedding(nn.Module):
         """
         if torch.jit.is_tracing():
             traced.refuse_torchscript(self._layer_name)
+        # The vectors are read under the lock too: a forward of another thread that evicts
+        # must not give a row away between this one's lookup and its read.
+        with _stepping(self, self.training):
+            return self._embed_locked(prepare, every_value)
+
+    def _embed_locked(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]],
+                      every_value: Callable[[Tensor, object], bool]):
         if self._rows_first():  # one process
             _check_writable([self], self._layer_name, self.training)
             keys, offsets, info = prepare()
@@ -776,6 +801,10 @@ class _ModelParallelEmbedding(nn.Module):
         the same changes to the tables, but no vectors: the body of ``sparsekit::_layer_rows``
         (:mod:`sparsekit.traced`), which a compiled one-process forward calls before its traced
         pooled read of the rows."""
+        with _stepping(self, self.training):
+            return self._traced_rows_locked(keys, offsets, pad_key)
+
+    def _traced_rows_locked(self, keys: Tensor, offsets: Optional[Tensor], pad_key: Optional[int]) -> Tensor:
         _check_writable([self], self._layer_name, self.training)
         if offsets is not None:
             self._raise_for_flags(int(_offsets_error_flags(offsets, keys.numel()).item()), None, offsets)
@@ -899,10 +928,14 @@ class _ModelParallelEmbedding(nn.Module):
         if name == "weight" and isinstance(value, nn.Parameter) and "_own_weight" in self.__dict__:
             self._mark_weight()  # a Parameter the user put in: the layer's own from now on, marked
 
+    def __getstate__(self) -> Dict[str, Any]:
+        return _state_without_lock(super().__getstate__())
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # copy.deepcopy and unpickling (torch.load of a whole module) end here, with a new
         # weight Parameter: deepcopy dropped its marks and neither kept its hook.
         super().__setstate__(state)
+        _make_step_lock(self)  # a copy's own (a layer pickled before the lock existed gets one too)
         if self._fresh_rows is not None and self._grad_marker.row_since is None:  # pickled before it existed
             self._grad_marker.row_since = torch.zeros(self._fresh_rows.shape, dtype=torch.int64,
                                                       device=self._fresh_rows.device)
