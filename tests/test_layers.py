@@ -1226,3 +1226,37 @@ def test_eval_reads_a_missing_key_as_zeros(layer_type):
     expected[3] = 0
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert len(layer.hash_table) == 2  # eval inserted nothing
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(use_hashtable=False), dict(eviction="lru"), dict(eviction="lfu")],
+                         ids=["hash", "direct", "lru", "lfu"])
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize("backward", ["summed", "each", "reversed"])
+def test_two_forwards_then_backward_accumulate_as_nn_embedding_bag(kwargs, combiner, backward):
+    """Gradient accumulation over two micro-batches with no step in between (one backward of
+    the summed loss, or one backward each in either order): the layer keeps no per-step
+    state on itself that the second forward overwrites, so the weight's gradient is
+    nn.EmbeddingBag's over the same rows."""
+    layer = sk.DistributedEmbedding(combiner, 64, DIM, 1, 3, **kwargs)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for low, high in ((0, 30), (10, 50)):
+        lengths = torch.randint(0, 4, (6,), generator=g)
+        batches.append((torch.randint(low, high, (int(lengths.sum()),), generator=g),
+                        torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])))
+    scales = [torch.randn(6, 1, DIM, generator=g) for _ in batches]
+    losses = [(layer(sk.Ragged(*b)) * s).sum() for b, s in zip(batches, scales)]
+    if backward == "summed":
+        (losses[0] + losses[1]).backward()
+    else:
+        for loss in (losses if backward == "each" else losses[::-1]):
+            loss.backward()
+    keys, _ = layer.export()
+    rows = layer.hash_table.find(keys) if layer.hash_table is not None else keys
+    row_of = dict(zip(keys.tolist(), rows.tolist()))
+    reference = nn.EmbeddingBag(64, DIM, mode=combiner)
+    with torch.no_grad():
+        reference.weight.copy_(layer.weight)
+    sum(((reference(torch.tensor([row_of[k] for k in v.tolist()], dtype=torch.int64), o[:-1]).view(6, 1, DIM)
+          * s).sum() for (v, o), s in zip(batches, scales))).backward()
+    torch.testing.assert_close(layer.weight.grad.to_dense(), reference.weight.grad, rtol=1e-5, atol=1e-6)
