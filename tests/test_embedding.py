@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _grad import Densify
 
 from sparsekit import ops
-
 from tests._guard import guarded
 
 # opcheck's test utilities. Before torch 2.13, AOT tracing with dynamic shapes cannot tell
@@ -22,18 +22,6 @@ OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-
-
-class Densify(torch.autograd.Function):
-    """Identity whose backward densifies the gradient: gradcheck only compares strided grads."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to_dense()
 
 
 def random_bags(num_rows, bags, max_len, *, missing=0.0, seed=0):

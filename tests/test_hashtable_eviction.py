@@ -13,63 +13,13 @@ import random
 
 import pytest
 import torch
+from _table_model import TableModel
 from hypothesis import given
 from hypothesis import strategies as st
 from properties import INT64_MAX, INT64_MIN, examples, num_threads
 
 import sparsekit as sk
 from sparsekit.hashtable import HashTableFullError
-
-
-class DynamicModel:
-    """The contract in plain Python."""
-
-    def __init__(self, capacity, eviction):
-        self.capacity, self.eviction = capacity, eviction
-        self.keys, self.last_seen, self.count = [], [], []  # by row
-        self.rows = {}
-        self.clock = 0
-
-    def insert(self, keys):
-        occurrences = {}
-        for key in keys:
-            occurrences[key] = occurrences.get(key, 0) + 1
-        new = [key for key in occurrences if key not in self.rows]
-        if len(occurrences) > self.capacity or (self.eviction is None and len(self.rows) + len(new) > self.capacity):
-            raise HashTableFullError
-        num_evict = max(0, len(new) - (self.capacity - len(self.keys)))
-        candidates = [row for row, key in enumerate(self.keys) if key not in occurrences]
-        if self.eviction == "lru":
-            candidates.sort(key=lambda row: (self.last_seen[row], self.keys[row]))
-        else:
-            candidates.sort(key=lambda row: (self.count[row], self.last_seen[row], self.keys[row]))
-        victims = sorted(candidates[:num_evict])
-        evicted = [(self.keys[row], row) for row in victims]
-        for key, _ in evicted:
-            del self.rows[key]
-        free = victims + list(range(len(self.keys), len(self.keys) + len(new) - num_evict))
-        for key, row in zip(new, free):
-            if row == len(self.keys):
-                self.keys.append(key)
-                self.last_seen.append(0)
-                self.count.append(0)
-            self.keys[row], self.count[row] = key, 0
-            self.rows[key] = row
-        self.score(occurrences)
-        return [self.rows[key] for key in keys], evicted
-
-    def touch(self, keys):
-        occurrences = {}
-        for key in keys:
-            occurrences[key] = occurrences.get(key, 0) + 1
-        self.score({key: n for key, n in occurrences.items() if key in self.rows})
-        return [self.rows.get(key, -1) for key in keys]
-
-    def score(self, occurrences):
-        for key, n in occurrences.items():
-            row = self.rows[key]
-            self.last_seen[row] = self.clock
-            self.count[row] += n
 
 
 def assert_matches(table, model):
@@ -226,7 +176,7 @@ def test_state_dict_round_trip_keeps_scores_and_clock():
 def test_random_streams_match_the_model(device, eviction, capacity, universe):
     rng = random.Random(capacity * 31 + universe)
     table = sk.HashTable(capacity, eviction=eviction, device=device)
-    run_stream(table, DynamicModel(capacity, eviction), rng, 60, universe, device)
+    run_stream(table, TableModel(capacity, eviction), rng, 60, universe, device)
 
 
 @given(capacity=st.integers(1, 40), universe=st.sampled_from([2, 50, 2**62]), seed=st.integers(0, 2**31),
@@ -234,7 +184,7 @@ def test_random_streams_match_the_model(device, eviction, capacity, universe):
 @examples(5)
 def test_random_streams_match_the_model_property(capacity, universe, seed, eviction):
     table = sk.HashTable(capacity, eviction=eviction)
-    run_stream(table, DynamicModel(capacity, eviction), random.Random(seed), 40, universe, "cpu")
+    run_stream(table, TableModel(capacity, eviction), random.Random(seed), 40, universe, "cpu")
 
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu", None])
@@ -245,7 +195,7 @@ def test_distinct_inserts_of_the_layers_match_the_model(device, eviction, capaci
     # count its new key from 1, not go on from the old key's count.
     rng = random.Random(capacity * 17 + universe)
     table = sk.HashTable(capacity, eviction=eviction, device=device)
-    model = DynamicModel(capacity, eviction)
+    model = TableModel(capacity, eviction)
     for _ in range(60):
         if rng.random() < 0.25:
             table.tick()

@@ -8,7 +8,7 @@ NVIDIA/recsys-examples ``corelib/dynamicemb/test`` (test_lru_lfu, test_lfu_score
 test_embedding_admission, incremental_dump). Each test's docstring names the case it
 follows. What they check is ported, not their code: HKV's tables are bucketed, approximate
 and value-carrying, so where HKV asserts only a bound (a miss count, "some keys evicted")
-sparsekit's contract is exact and the port checks the exact answer against ``DictTable``,
+sparsekit's contract is exact and the port checks the exact answer against ``TableModel``,
 a plain-Python dict model of the contract (keys -> row, last_seen, count).
 
 Sizes cross the table's thresholds: the slot count (a power of two >= 2 * capacity, at least
@@ -25,80 +25,13 @@ import threading
 
 import pytest
 import torch
+from _table_model import TableModel
 from properties import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 
 import sparsekit as sk
 from sparsekit.hashtable import HashTableFullError
 
 SENTINELS = [0, -1, -2, 1, INT64_MIN, INT64_MIN + 1, INT64_MAX, INT64_MAX - 1]
-
-
-class DictTable:
-    """The contract of DESIGN.md 2 / 3a in plain Python: rows, scores, clock, eviction."""
-
-    def __init__(self, capacity, eviction=None):
-        self.capacity, self.eviction = capacity, eviction
-        self.row_of = {}                               # key -> row
-        self.keys, self.last_seen, self.count = [], [], []  # by row
-        self.clock = 0
-
-    def __len__(self):
-        return len(self.keys)
-
-    @staticmethod
-    def _occurrences(keys):
-        occurrences = {}
-        for key in keys:
-            occurrences[key] = occurrences.get(key, 0) + 1
-        return occurrences
-
-    def insert(self, keys):
-        """(rows, [(evicted_key, evicted_row), ...]) or HashTableFullError (nothing changed)."""
-        occurrences = self._occurrences(keys)
-        new = [key for key in occurrences if key not in self.row_of]
-        if len(occurrences) > self.capacity or (self.eviction is None and len(self) + len(new) > self.capacity):
-            raise HashTableFullError("model: full")
-        num_evict = max(0, len(new) - (self.capacity - len(self)))
-        candidates = [row for row, key in enumerate(self.keys) if key not in occurrences]
-        if self.eviction == "lru":
-            candidates.sort(key=lambda row: (self.last_seen[row], self.keys[row]))
-        else:
-            candidates.sort(key=lambda row: (self.count[row], self.last_seen[row], self.keys[row]))
-        victims = sorted(candidates[:num_evict])
-        evicted = [(self.keys[row], row) for row in victims]
-        for key, _ in evicted:
-            del self.row_of[key]
-        free = victims + list(range(len(self), len(self) + len(new) - num_evict))
-        for key, row in zip(new, free):
-            if row == len(self):
-                self.keys.append(key)
-                self.last_seen.append(0)
-                self.count.append(0)
-            self.keys[row], self.count[row] = key, 0
-            self.row_of[key] = row
-        self._score(occurrences)
-        return [self.row_of[key] for key in keys], evicted
-
-    def touch(self, keys):
-        occurrences = self._occurrences(keys)
-        self._score({key: n for key, n in occurrences.items() if key in self.row_of})
-        return [self.row_of.get(key, -1) for key in keys]
-
-    def find(self, keys):
-        return [self.row_of.get(key, -1) for key in keys]
-
-    def _score(self, occurrences):
-        for key, n in occurrences.items():
-            row = self.row_of[key]
-            self.last_seen[row] = self.clock
-            self.count[row] += n
-
-    def clear(self):
-        self.row_of, self.keys, self.last_seen, self.count = {}, [], [], []
-
-    def export(self, min_last_seen=None):
-        rows = [row for row in range(len(self)) if min_last_seen is None or self.last_seen[row] >= min_last_seen]
-        return [self.keys[row] for row in rows], rows
 
 
 def _t(keys, device, dtype=torch.int64):
@@ -199,7 +132,7 @@ def test_reserved_keys_are_ordinary_keys(device, key_dtype):
         colliding = [j << 20 for j in range(-8, 8) if j != 0]
     keys = special + colliding
     table = sk.HashTable(len(keys), key_dtype=key_dtype, device=device, eviction="lru")
-    model = DictTable(len(keys), "lru")
+    model = TableModel(len(keys), "lru")
     insert_both(table, model, keys, device)
     assert_same(table, model)
     assert table.export()[0].dtype == key_dtype
@@ -211,7 +144,7 @@ def test_reserved_keys_are_ordinary_keys(device, key_dtype):
     insert_both(table, model, [7, 9, 11], device)
     assert_same(table, model)
     for key in special:
-        assert table.find(_t([key], device, key_dtype)).item() == model.row_of.get(key, -1)
+        assert table.find(_t([key], device, key_dtype)).item() == model.rows.get(key, -1)
 
 
 def test_keys_that_collide_in_the_low_bits_fill_the_table(device):
@@ -238,7 +171,7 @@ def test_basic_when_full_raises_and_changes_nothing(device):
     present in the same call, not the clock."""
     capacity = 100
     table = sk.HashTable(capacity, device=device)
-    model = DictTable(capacity)
+    model = TableModel(capacity)
     insert_both(table, model, list(range(capacity - 3)), device)
     table.tick()
     model.clock += 1
@@ -305,7 +238,7 @@ def test_insert_of_more_distinct_keys_than_capacity_changes_nothing(device, evic
     contents, rows, scores, clock, and the table still evicts normally afterwards."""
     capacity = 64
     table = sk.HashTable(capacity, device=device, eviction=eviction)
-    model = DictTable(capacity, eviction)
+    model = TableModel(capacity, eviction)
     insert_both(table, model, list(range(-32, 32)), device)
     table.tick()
     model.clock += 1
@@ -324,7 +257,7 @@ def test_evict_strategy_lru_basic(device):
     capacity = 128
     base = list(range(1000, 1000 + capacity))
     table = sk.HashTable(capacity, device=device, eviction="lru")
-    model = DictTable(capacity, "lru")
+    model = TableModel(capacity, "lru")
     for i in range(0, capacity, 16):          # base keys at clocks 0..7, 16 per clock
         insert_both(table, model, base[i:i + 16], device)
         table.tick()
@@ -344,7 +277,7 @@ def test_evict_strategy_lfu_keeps_hot_keys(device):
     count go to the older, then the smaller key."""
     capacity = 128
     table = sk.HashTable(capacity, device=device, eviction="lfu")
-    model = DictTable(capacity, "lfu")
+    model = TableModel(capacity, "lfu")
     keys = list(range(1, 101))
     insert_both(table, model, keys, device)
     hot = keys[:10]
@@ -411,7 +344,7 @@ def test_rehash_after_many_evictions_keeps_every_key(device, eviction):
     keys share their low bits so probes are long."""
     capacity = 500
     table = sk.HashTable(capacity, device=device, eviction=eviction)
-    model = DictTable(capacity, eviction)
+    model = TableModel(capacity, eviction)
     for step in range(20):
         keys = [(step * 250 + j) << 24 for j in range(250)]
         insert_both(table, model, keys + keys[:50], device)
@@ -434,14 +367,14 @@ def _random_keys(rng, pool, n):
 def test_random_operations_against_the_dict_model(device, eviction, capacity):
     """HKV ``test_insert_or_assign_values_check`` / ``test_accum_or_assign_values_check`` and
     dynamicemb test_table_operation: a random mix of insert, touch, tick, find, clear and a
-    state round trip, each checked against ``DictTable`` (rows, evicted pairs, scores,
+    state round trip, each checked against ``TableModel`` (rows, evicted pairs, scores,
     raising), with sentinel keys and keys that collide in the low bits."""
     rng = random.Random(capacity * 7 + len(str(eviction)))
     pool = SENTINELS + [j << k for k in (16, 32, 60) for j in range(-8, 8)]
     pool += [rng.randrange(INT64_MIN, INT64_MAX) for _ in range(30)]
     pool = list(dict.fromkeys(pool))
     table = sk.HashTable(capacity, device=device, eviction=eviction)
-    model = DictTable(capacity, eviction)
+    model = TableModel(capacity, eviction)
     for _ in range(60):
         op = rng.random()
         n = rng.choice([0, 1, 2, capacity // 2, capacity, capacity + 1, 3 * capacity])
@@ -477,7 +410,7 @@ def test_victim_selection_across_select_chunks(device, eviction):
         capacity = 40000
         rng = random.Random(5)
         table = sk.HashTable(capacity, device=device, eviction=eviction)
-        model = DictTable(capacity, eviction)
+        model = TableModel(capacity, eviction)
         fresh = iter(range(1, 10**9))
         for step in range(5):
             keys = [next(fresh) << 30 for _ in range(capacity // 2 if step else capacity)]
@@ -530,7 +463,7 @@ def test_export_if_last_seen_at_least(device):
     (min_last_seen=t)`` returns exactly the keys last seen at clock >= t, in row order, and
     a bound past either end of int64 selects none or all."""
     table = sk.HashTable(300, device=device, eviction="lru")
-    model = DictTable(300, "lru")
+    model = TableModel(300, "lru")
     rng = random.Random(3)
     for _ in range(12):
         keys = [rng.randrange(-500, 500) for _ in range(40)]
@@ -575,7 +508,7 @@ def test_save_and_load_keeps_rows_scores_and_eviction_order(device, eviction):
     next (with the larger table's room counted)."""
     capacity = 200
     table = sk.HashTable(capacity, device=device, eviction=eviction)
-    model = DictTable(capacity, eviction)
+    model = TableModel(capacity, eviction)
     rng = random.Random(11)
     for _ in range(8):
         insert_both(table, model, [rng.randrange(-300, 300) for _ in range(60)], device)
@@ -585,9 +518,9 @@ def test_save_and_load_keeps_rows_scores_and_eviction_order(device, eviction):
     for new_capacity in (capacity, 2 * capacity):
         loaded = sk.HashTable(new_capacity, device=device, eviction=eviction)
         loaded.load_state_dict(state)
-        copy = DictTable(new_capacity, eviction)
+        copy = TableModel(new_capacity, eviction)
         copy.keys, copy.last_seen, copy.count = list(model.keys), list(model.last_seen), list(model.count)
-        copy.row_of, copy.clock = dict(model.row_of), model.clock
+        copy.rows, copy.clock = dict(model.rows), model.clock
         assert_same(loaded, copy)
         insert_both(loaded, copy, list(range(1000, 1000 + new_capacity)), device)
         assert_same(loaded, copy)

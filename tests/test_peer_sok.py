@@ -182,6 +182,27 @@ def _check_exported(layer, reference_weight, rank, world_size, seen_keys, name):
 SPARSE_CASES = [(combiner, use_hashtable) for combiner in ("mean", "sum") for use_hashtable in (True, False)]
 
 
+def _train_save_restore(build, model, batches, ref_outputs, directory, rank, world_size, name):
+    """STEPS steps of ``model`` with LazyAdam, each rank's outputs equal to its part of the
+    reference's; then save_params / restore_params (a checkpoint, a ``build()`` model
+    loading it) and STEPS more steps of the restored model, equal to the reference's
+    continuation. Returns the restored model."""
+    per_rank = GLOBAL_BATCH // world_size
+    optimizer = sk.LazyAdam(model.parameters(), lr=LR)
+    for step, out in enumerate(sok_train(model, optimizer, batches, STEPS, rank, world_size)):
+        expected = ref_outputs[step][rank * per_rank:(rank + 1) * per_rank]
+        torch.testing.assert_close(out, expected, **TOL, msg=lambda m, where=f"{name} step {step}": f"{where}: {m}")
+    sk.save_checkpoint(directory, model, optimizer)
+    restored = build()
+    restored_optimizer = sk.LazyAdam(restored.parameters(), lr=LR)
+    sk.load_checkpoint(directory, restored, restored_optimizer)
+    outputs = sok_train(restored, restored_optimizer, batches, STEPS, rank, world_size, first_step=STEPS)
+    for step, out in enumerate(outputs, start=STEPS):
+        expected = ref_outputs[step][rank * per_rank:(rank + 1) * per_rank]
+        torch.testing.assert_close(out, expected, **TOL, msg=lambda m, where=f"{name} restored step {step}": f"{where}: {m}")
+    return restored
+
+
 def _sparse_demo_worker(rank, world_size, init, checkpoint_dir):
     for combiner, use_hashtable in SPARSE_CASES:
         name = f"DistributedEmbedding {combiner} use_hashtable={use_hashtable} world={world_size}"
@@ -198,24 +219,8 @@ def _sparse_demo_worker(rank, world_size, init, checkpoint_dir):
                                                 use_hashtable=use_hashtable, embedding_initializer=sok_initializer)
             return SOKDemo(embedding, SLOTS * DIM)
 
-        model = build()
-        optimizer = sk.LazyAdam(model.parameters(), lr=LR)
-        outputs = sok_train(model, optimizer, batches, STEPS, rank, world_size)
-        per_rank = GLOBAL_BATCH // world_size
-        for step, out in enumerate(outputs):
-            expected = ref_outputs[step][rank * per_rank:(rank + 1) * per_rank]
-            torch.testing.assert_close(out, expected, **TOL, msg=lambda m, where=f"{name} step {step}": f"{where}: {m}")
-
-        # save_params=1, then restore_params=1: the restored model continues as the reference.
         directory = os.path.join(checkpoint_dir, f"sparse-{combiner}-{use_hashtable}-{world_size}")
-        sk.save_checkpoint(directory, model, optimizer)
-        restored = build()
-        restored_optimizer = sk.LazyAdam(restored.parameters(), lr=LR)
-        sk.load_checkpoint(directory, restored, restored_optimizer)
-        outputs = sok_train(restored, restored_optimizer, batches, STEPS, rank, world_size, first_step=STEPS)
-        for step, out in enumerate(outputs, start=STEPS):
-            expected = ref_outputs[step][rank * per_rank:(rank + 1) * per_rank]
-            torch.testing.assert_close(out, expected, **TOL, msg=lambda m, where=f"{name} restored step {step}": f"{where}: {m}")
+        restored = _train_save_restore(build, build(), batches, ref_outputs, directory, rank, world_size, name)
         seen = {k for keys, _ in batches for k in keys.flatten().tolist() if k >= 0}
         _check_exported(restored.embedding_layer, reference.embedding.weight.detach(), rank, world_size, seen, name)
         torch.testing.assert_close(restored.dense_layer.weight.detach(), reference.dense_layer.weight.detach(), **TOL)
@@ -253,25 +258,12 @@ def _dense_demo_worker(rank, world_size, init, checkpoint_dir):
             return SOKDemo(embedding, width)
 
         model = build()
-        optimizer = sk.LazyAdam(model.parameters(), lr=LR)
         # [B, slot_num, nnz_per_slot] -> [B, slot_num, nnz_per_slot, dim]
         shape = model.embedding_layer(batches[0][0][:2]).shape
         assert tuple(shape) == (2, SLOTS, MAX_NNZ, DIM), name
         model.embedding_layer.weight.grad = None
-        outputs = sok_train(model, optimizer, batches, STEPS, rank, world_size)
-        per_rank = GLOBAL_BATCH // world_size
-        for step, out in enumerate(outputs):
-            expected = ref_outputs[step][rank * per_rank:(rank + 1) * per_rank]
-            torch.testing.assert_close(out, expected, **TOL, msg=lambda m, where=f"{name} step {step}": f"{where}: {m}")
         directory = os.path.join(checkpoint_dir, f"dense-{use_hashtable}-{world_size}")
-        sk.save_checkpoint(directory, model, optimizer)
-        restored = build()
-        restored_optimizer = sk.LazyAdam(restored.parameters(), lr=LR)
-        sk.load_checkpoint(directory, restored, restored_optimizer)
-        outputs = sok_train(restored, restored_optimizer, batches, STEPS, rank, world_size, first_step=STEPS)
-        for step, out in enumerate(outputs, start=STEPS):
-            expected = ref_outputs[step][rank * per_rank:(rank + 1) * per_rank]
-            torch.testing.assert_close(out, expected, **TOL, msg=lambda m, where=f"{name} restored step {step}": f"{where}: {m}")
+        restored = _train_save_restore(build, model, batches, ref_outputs, directory, rank, world_size, name)
         seen = {k for keys, _ in batches for k in keys.flatten().tolist()}
         _check_exported(restored.embedding_layer, reference.embedding.weight.detach(), rank, world_size, seen, name)
     _multi_dense_worker(rank, world_size, init)

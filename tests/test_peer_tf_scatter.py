@@ -27,6 +27,7 @@ checks our side and that a refused input gets an error naming the op and the arg
 import numpy as np
 import pytest
 import torch
+from _grad import Densify
 
 import sparsekit as sk
 from sparsekit import ops
@@ -34,18 +35,6 @@ from sparsekit import ops
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # TF's assertAllCloseAccordingToType tolerances.
 RTOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-class Densify(torch.autograd.Function):
-    """Identity whose backward densifies the gradient: gradcheck compares strided grads only."""
-
-    @staticmethod
-    def forward(ctx, weight):
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to_dense() if grad.layout != torch.strided else grad
 
 
 def tf_input(shape, dtype, device):

@@ -21,6 +21,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from _grad import Densify
 
 from sparsekit import ops
 
@@ -561,15 +562,6 @@ def test_embedding_dense_grad(device):
     """TestEmbeddingNNDeviceType.test_embedding_dense_grad: gradcheck and gradgradcheck of a 2-D
     lookup in float64 (the sparse gradient densified for the checkers); a 12 x 3 table
     instead of torch's 20 x 20 keeps the numerical Jacobians small."""
-
-    class Densify(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad.to_dense()
 
     weight = torch.randn(12, 3, dtype=torch.float64, device=device, requires_grad=True)
     rows = torch.tensor([[0, 1, 1, 2], [3, 5, 7, 11]], device=device)
