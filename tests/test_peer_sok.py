@@ -126,9 +126,10 @@ def _loss(logits, labels):
     return nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / GLOBAL_BATCH
 
 
-def torch_reference(model, batches, steps):
-    """Plain torch on the global batch: SparseAdam for the table, Adam for the dense layer."""
-    sparse_opt = torch.optim.SparseAdam([model.embedding.weight], lr=LR)
+def torch_reference(model, batches, steps, tables=None):
+    """Plain torch on the global batch: SparseAdam for the tables (``tables``, else
+    ``model.embedding``), Adam for the dense layer."""
+    sparse_opt = torch.optim.SparseAdam([t.weight for t in tables] if tables else [model.embedding.weight], lr=LR)
     dense_opt = torch.optim.Adam(model.dense_layer.parameters(), lr=LR)
     outputs = []
     for step in range(steps):
@@ -357,17 +358,7 @@ def _multi_dense_worker(rank, world_size, init):
             with torch.no_grad():
                 table.weight.copy_(sok_initializer(torch.arange(vocabulary_size), table.embedding_dim))
         reference = MultiDenseModel(tables, _torch_lookup)
-        sparse_opt = torch.optim.SparseAdam([t.weight for t in tables], lr=LR)
-        dense_opt = torch.optim.Adam(reference.dense_layer.parameters(), lr=LR)
-        ref_outputs = []
-        for keys, labels in batches:
-            logits, flat = reference(keys)
-            _loss(logits, labels).backward()
-            sparse_opt.step()
-            dense_opt.step()
-            sparse_opt.zero_grad()
-            dense_opt.zero_grad()
-            ref_outputs.append(flat.detach())
+        ref_outputs = torch_reference(reference, batches, STEPS, tables)
         if not dist.is_initialized():
             init()
         layers = nn.ModuleList(
