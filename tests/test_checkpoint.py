@@ -1444,3 +1444,23 @@ def test_a_meta_or_sparse_tensor_in_a_checkpoint_is_named_and_changes_nothing(tm
         message = (r"shard-00000-of-00001.pt: layer 'pooled': .*(is a (meta|torch.sparse_coo) tensor"
                    r"|'step' must be a finite integer)")
     _load_is_refused_and_changes_nothing(directory, message)
+
+
+def test_a_direct_row_whose_moments_moved_but_not_its_weight_keeps_them(tmp_path):
+    """A step at lr 0 (the first step of a linear warmup) moves a direct row's Adam moments
+    but not its weight: the checkpoint must still hold the row, or the load gives it zero
+    moments and training no longer continues as it would have."""
+    def build():
+        model = nn.ModuleDict({"emb": sk.All2AllDenseEmbedding(8, 2, 1, 2, use_hashtable=False)})
+        return model, LazyAdam(model.parameters(), lr=0.0)
+    model, optimizer = build()
+    model["emb"](torch.tensor([[[1, 5]]])).pow(2).sum().backward()
+    optimizer.step()
+    state = optimizer.state[model["emb"].weight]
+    assert state["exp_avg"][[1, 5]].abs().sum() > 0  # the moments moved
+    sk.save_checkpoint(str(tmp_path), model, optimizer)
+    loaded, loaded_optimizer = build()
+    sk.load_checkpoint(str(tmp_path), loaded, loaded_optimizer)
+    assert torch.equal(loaded["emb"].weight, model["emb"].weight)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded_optimizer.state[loaded["emb"].weight][key], state[key]), key

@@ -516,6 +516,19 @@ def test_a_load_with_fewer_pending_places_forgets_by_the_eviction_rule(tmp_path)
     assert sorted(loaded._pending.export()[0].tolist()) == [5, 9]
 
 
+def test_a_load_with_fewer_pending_places_keeps_the_most_recently_seen(tmp_path):
+    """DESIGN: beyond admission_capacity the least recently seen pending keys are forgotten;
+    here keys 5 and 1 were last seen a step before 9 and 3, so a load with two places keeps
+    9 and 3 (whatever the keys' order)."""
+    saved = sk.DistributedEmbedding("sum", 10, 2, 1, 1, admit_after=3, admission_capacity=4)
+    saved(_ragged([5, 1]))
+    saved(_ragged([9, 3]))
+    sk.save_checkpoint(str(tmp_path), saved)
+    loaded = sk.DistributedEmbedding("sum", 10, 2, 1, 1, admit_after=3, admission_capacity=2)
+    sk.load_checkpoint(str(tmp_path), loaded)
+    assert sorted(loaded._pending.export()[0].tolist()) == [3, 9]
+
+
 def test_admitted_keys_free_their_pending_places_before_the_step_counts_new_ones():
     # Key 2 is admitted in step 3 while key 3 arrives: 1 and 3 then pend, 2 <= capacity, so
     # key 1 must still be counted (it was forgotten, and not admitted on its second step).

@@ -147,6 +147,40 @@ def test_rank_slice_partitions():
             assert covered == list(range(size))
 
 
+def test_mix64_is_splitmix64():
+    """The synthetic keys' mix is splitmix64 (Vigna): its published outputs for seeds 0 and
+    1234567 (the generator's output for state s is the mix of s)."""
+    from sparsekit.train.data import _mix64
+    golden = 0x9E3779B97F4A7C15
+    states = np.array([0] + [(1234567 + i * golden) % (1 << 64) for i in range(5)], dtype=np.uint64)
+    assert [int(v) for v in _mix64(states)] == [
+        0xE220A8397B1DCDAF, 6457827717110365317, 3203168211198807973, 9817491932198370423,
+        4593380528125082431, 16408922859458223821]
+
+
+def test_eval_batches_hold_exactly_num_samples():
+    """A held-out set whose size is not a multiple of the batch: the last batch is the rest,
+    on every world size."""
+    source = SyntheticCriteo(1, vocab_per_slot=100)
+    for world_size in (1, 3):
+        sizes = [len(batch) for rank in range(world_size)
+                 for batch in source.eval_batches(100, 64, rank, world_size)]
+        assert sum(sizes) == 100, sizes
+
+
+def test_synthetic_labels_follow_the_documented_hidden_model():
+    """raw(): logit = bias + sum_slot effect[slot, rank_slot] + w . (dense - 1.5), dense the
+    log1p transform of the raw counts with -1 (about 10 %) for a missing value."""
+    source = SyntheticCriteo(2, vocab_per_slot=50)
+    raw_dense, ranks, _, probabilities = source.raw(1, 0, 256)
+    assert raw_dense.min() >= -1 and 0.05 < (raw_dense == -1).mean() < 0.15
+    effects = np.stack([source._effects[slot, ranks[:, slot]] for slot in range(NUM_SLOTS)], axis=1)
+    dense = np.log1p(np.maximum(raw_dense, 0).astype(np.float64))
+    logit = float(source._bias) + effects.astype(np.float64).sum(axis=1) \
+        + (dense - 1.5) @ source._dense_weight.astype(np.float64)
+    np.testing.assert_allclose(probabilities, 1.0 / (1.0 + np.exp(-logit)), rtol=1e-5, atol=1e-6)
+
+
 # ---- model ----
 
 def test_dlrm_interactions_are_the_upper_triangle_dot_products_in_order():
@@ -192,6 +226,13 @@ def test_log_loss():
     expected = -(math.log(0.9) + math.log(0.8) + math.log(0.5)) / 3
     assert log_loss(p, y) == pytest.approx(expected)
     assert math.isfinite(log_loss(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0])))
+
+
+def test_roc_auc_keeps_float64_scores_apart():
+    """Scores closer than float32 resolves are still ordered (no false ties)."""
+    scores = torch.tensor([1.0, 1.0 + 1e-12], dtype=torch.float64)
+    assert roc_auc(scores, torch.tensor([0.0, 1.0])) == 1.0
+    assert roc_auc(scores, torch.tensor([1.0, 0.0])) == 0.0
 
 
 # ---- Criteo TSV reader ----
