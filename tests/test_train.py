@@ -275,6 +275,28 @@ def test_criteo_parses_exact_format_with_missing_fields(tmp_path):
     assert batch.keys[0, 1] == missing[1]  # an empty field in a full line too
 
 
+@pytest.mark.parametrize("build, call, error, message", [
+    ({"eval_samples": -2}, None, ValueError, r"CriteoTSV: eval_samples must be a non-negative int, got -2"),
+    ({"eval_samples": 1.5}, None, TypeError, r"CriteoTSV: eval_samples must be an int, got 1\.5"),
+    ({"eval_samples": 1}, ("train_batch", 0, 0), ValueError, r"train_batch: global_size must be a positive int"),
+    ({"eval_samples": 1}, ("train_batch", 0, 4, 5, 2), ValueError, r"train_batch: rank must lie in \[0, world_size=2\)"),
+    ({"eval_samples": 1}, ("train_batch", 0, 4, 0, 0), ValueError, r"train_batch: world_size must be a positive int"),
+    ({"eval_samples": 1}, ("train_batch", 1.5, 4), TypeError, r"train_batch: step must be an int"),
+    ({"eval_samples": 1}, ("eval_batches", -1, 4), ValueError, r"eval_batches: num_samples must be a non-negative"),
+    ({"eval_samples": 1}, ("eval_batches", 1, 0), ValueError, r"eval_batches: global_size must be a positive int"),
+])
+def test_criteo_reader_refuses_bad_counts_naming_the_argument(tmp_path, build, call, error, message):
+    """A negative eval_samples made num_train exceed the file (the first batch blamed a line
+    past its end); global_size 0 or a rank beyond the world gave empty batches silently,
+    world_size 0 a ZeroDivisionError, a float step an IndexError."""
+    path = tmp_path / "day.tsv"
+    _write(path, [_line("1", DENSE_A, CATS_A)] * 3)
+    with pytest.raises(error, match=message):
+        source = CriteoTSV(str(path), **build)
+        name, *args = call
+        list(getattr(source, name)(*args)) if name == "eval_batches" else getattr(source, name)(*args)
+
+
 def test_criteo_crlf_and_no_final_newline(tmp_path):
     crlf = tmp_path / "crlf.tsv"
     _write(crlf, [_line("1", DENSE_A, CATS_A)] * 3, end="\r\n")

@@ -39,6 +39,7 @@ import torch
 import xxhash
 
 from .. import hashing
+from .._checks import integer_argument, size_argument
 from .data import NUM_DENSE, NUM_SLOTS, Batch, SyntheticCriteo, dense_transform, rank_slice
 
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SLOTS
@@ -230,11 +231,15 @@ class CriteoTSV:
 
     Raises:
         ValueError: if a file is empty, or no training lines are left after holding out
-            ``eval_samples``.
+            ``eval_samples``, or ``eval_samples`` is negative.
+        TypeError: ``eval_samples`` not an int.
     """
 
     def __init__(self, path: str, *, eval_samples: int, eval_path: Optional[str] = None,
                  hash_seed: int = 0):
+        # A negative count would make num_train exceed the file (batches read past its end
+        # and fail on a line that does not exist); a float broke indexing later.
+        eval_samples = size_argument("CriteoTSV", "eval_samples", eval_samples, minimum=0)
         self.path = path
         # Open file and next line number per file read, so sequential batches need no seek.
         self._streams: Dict[str, Tuple[object, int]] = {}
@@ -271,6 +276,8 @@ class CriteoTSV:
 
     def train_batch(self, step: int, global_size: int, rank: int = 0, world_size: int = 1) -> Batch:
         """This rank's slice of global training batch ``step``."""
+        step = integer_argument("CriteoTSV.train_batch", "step", step)
+        _batch_arguments("CriteoTSV.train_batch", global_size, rank, world_size)
         start = (step * global_size) % self.num_train
         lines: List[bytes] = []
         numbers: List[int] = []
@@ -288,6 +295,8 @@ class CriteoTSV:
                      world_size: int = 1) -> Iterator[Batch]:
         """This rank's slices of the held-out lines (at most ``num_samples``), in global
         batches of ``global_size``."""
+        num_samples = size_argument("CriteoTSV.eval_batches", "num_samples", num_samples, minimum=0)
+        _batch_arguments("CriteoTSV.eval_batches", global_size, rank, world_size)
         index, parser, first, available = self._eval
         total = min(num_samples, available)
         for start in range(0, total, global_size):
@@ -300,6 +309,16 @@ class CriteoTSV:
         for stream, _ in self._streams.values():
             stream.close()
         self._streams.clear()
+
+
+def _batch_arguments(where: str, global_size: int, rank: int, world_size: int) -> None:
+    """A global batch size >= 1 and a rank in ``[0, world_size)`` (else: an empty batch
+    without a word, or a ZeroDivisionError)."""
+    size_argument(where, "global_size", global_size)
+    world_size = size_argument(where, "world_size", world_size)
+    rank = size_argument(where, "rank", rank, minimum=0)
+    if rank >= world_size:
+        raise ValueError(f"{where}: rank must lie in [0, world_size={world_size}), got {rank!r}")
 
 
 def write_synthetic_tsv(path: str, num_lines: int, seed: int = 0, *, chunk: int = 8192) -> None:
