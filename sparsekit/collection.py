@@ -925,11 +925,8 @@ class EmbeddingBagCollection(nn.Module):
                 # A half table's kernel sums in float32 and rounds once, as the eager cast does.
                 pooled = ops.embedding_bag(shard.weight, rows, table_offsets, scale, "sum")
             else:  # float32 sums of the half rows, weighted or divided before the one rounding, as eager
-                vectors = ops._embedding_gather_float(shard.weight, rows)  # -1: zeros; one rounding back
-                if scale is not None:
-                    vectors = vectors * torch.where(positions >= 0, scale, 0).unsqueeze(1)
-                pooled = ops.segment_sum(vectors, ops._bag_index(table_offsets, rows.shape[0]),
-                                         table_offsets.numel() - 1)
+                pooled = ops._pooled_float(shard.weight, rows, table_offsets,
+                                           None if scale is None else torch.where(positions >= 0, scale, 0))
             if shard.config.combiner == "mean":
                 pooled = _mean_of_sum(pooled, torch.cat([lengths[f * batch:(f + 1) * batch] for f in members]))
             pooled = pooled.to(shard.weight.dtype)

@@ -263,9 +263,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
             # float32 sums of the half rows, divided before the one rounding, as eager (a
             # sum rounded to the half type first rounds twice, and two float16 rows of
             # 60000 would make a mean of inf).
-            vectors = ops._embedding_gather_float(self.weight, rows)  # -1: zeros
-            pooled = ops.segment_sum(vectors, ops._bag_index(offsets, rows.shape[0]), offsets.numel() - 1)
-            pooled = _mean_of_sum(pooled, lengths).to(self.weight.dtype)
+            pooled = _mean_of_sum(ops._pooled_float(self.weight, rows, offsets), lengths).to(self.weight.dtype)
         else:
             pooled = ops.embedding_bag(self.weight, rows, offsets, None, "sum")
             if self.combiner == "mean":

@@ -1517,6 +1517,18 @@ _embedding_gather_float.register_autograd(_embedding_gather_float_backward,
                                           setup_context=_embedding_gather_float_setup_context)
 
 
+def _pooled_float(weight: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor] = None) -> Tensor:
+    """Internal: the float32 sums of a float16 / bfloat16 table's rows over the CSR bags
+    ``offsets``, each row times its ``scale`` first when given (0 for a lookup to skip), not
+    rounded back: what the traced layers pool before a mean's division or a weighting, so
+    that the result is rounded to the half type once, as the eager forward rounds it. A -1
+    row reads zeros."""
+    vectors = _embedding_gather_float(weight, rows)
+    if scale is not None:
+        vectors = vectors * scale.unsqueeze(1)
+    return segment_sum(vectors, _bag_index(offsets, rows.shape[0]), offsets.numel() - 1)
+
+
 def embedding_bag(
     weight: Tensor,
     rows: Tensor,
