@@ -687,6 +687,14 @@ def _read_metadata(path: str) -> Dict[str, Any]:
     return metadata
 
 
+def _without_data(value: Any) -> Optional[str]:
+    """``"meta"`` or the layout (``"torch.sparse_coo"``, ...) of a tensor whose values a load
+    cannot read as a dense tensor's; None for anything else."""
+    if isinstance(value, Tensor) and (value.is_meta or value.layout != torch.strided):
+        return "meta" if value.is_meta else str(value.layout)
+    return None
+
+
 def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
     """Every layer's part of one shard is whole: keys unique, one row of the saved width each."""
     def bad(what: str) -> ValueError:
@@ -708,9 +716,10 @@ def _check_shard(shard_path: str, shard: Any, metadata: Dict[str, Any]) -> None:
                              *((f"dynamic[{k!r}]", dynamic_part.get(k)) for k in ("last_seen", "count", "fresh")),
                              *((f"dynamic['pending'][{k!r}]", pending_part.get(k))
                                for k in ("keys", "last_seen", "count"))]:
-            if isinstance(value, Tensor) and (value.is_meta or value.layout != torch.strided):
-                raise bad(f"layer {name!r}: {field!r} is a {'meta' if value.is_meta else str(value.layout)} tensor; "
-                          "the shard holds dense (strided) tensors with data")
+            kind = _without_data(value)
+            if kind:
+                raise bad(f"layer {name!r}: {field!r} is a {kind} tensor; the shard holds dense (strided) tensors "
+                          "with data")
         if not isinstance(keys, Tensor) or keys.dim() != 1 or keys.dtype not in (torch.int64, torch.int32):
             raise bad(f"layer {name!r}: 'keys' must be a 1-D int64 tensor")
         dim = layer_meta["embedding_vec_size"]
@@ -1204,11 +1213,12 @@ def _check_dense(dense_path: str, dense: Any, expected: Dict[str, Tensor],
             raise ValueError(f"load_checkpoint: {dense_path}: optimizer state for parameter {index!r}, "
                              f"which the optimizer does not have")
         for name, value in state.items():
-            if isinstance(value, Tensor) and (value.is_meta or value.layout != torch.strided):
+            kind = _without_data(value)
+            if kind:
                 # It would fail inside optimizer.load_state_dict or the next step, naming no file.
                 raise ValueError(f"load_checkpoint: {dense_path}: optimizer state {name!r} of parameter {index} is a "
-                                 f"{'meta' if value.is_meta else str(value.layout)} tensor; the dense state holds "
-                                 "dense (strided) tensors with data; the checkpoint is damaged")
+                                 f"{kind} tensor; the dense state holds dense (strided) tensors with data; the "
+                                 "checkpoint is damaged")
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape != params[index].shape:
                 raise ValueError(f"load_checkpoint: optimizer state {name!r} of parameter {index} was saved with "
                                  f"shape {list(value.shape)} but the parameter has {list(params[index].shape)}")
