@@ -84,6 +84,27 @@ for _name in sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_n
         _sparse_library.impl(_name, _marking_writes(_name, _written), "ADInplaceOrView", with_keyset=True)
 
 
+def _following_deterministic_algorithms(kernel: Any) -> Callable[..., Any]:
+    """The CUDA kernel of ``sparsekit::segment_sum`` called with ``deterministic=True``
+    whenever ``torch.use_deterministic_algorithms(True)`` is in force. The wrapper
+    :func:`segment_sum` does that already, but ``torch.ops.sparsekit.segment_sum(data, ids,
+    n)`` (DESIGN.md: "with torch.use_deterministic_algorithms(True) every op ... is
+    bit-reproducible") went straight to the atomics: the stable ABI offers the C++ kernel no
+    way to read the global flag, so the dispatcher's CUDA entry reads it here."""
+    def cuda_kernel(keyset, data, segment_ids, num_segments, deterministic=False):
+        deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+        return kernel.call_boxed(keyset, data, segment_ids, num_segments, deterministic)
+    return cuda_kernel
+
+
+if torch._C._dispatch_has_kernel_for_dispatch_key("sparsekit::segment_sum", "CUDA"):
+    import warnings as _warnings
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": on purpose
+        _sparse_library.impl("segment_sum", _following_deterministic_algorithms(
+            torch.library.get_kernel("sparsekit::segment_sum", "CUDA")), "CUDA", with_keyset=True)
+
+
 # ---- argument types of the wrappers ----
 # The dispatcher reads True as 1 for an int argument and accepts None or 0 for a bool one,
 # so a mistyped flag or size would silently pick another behaviour; the wrappers check the

@@ -342,3 +342,22 @@ def test_segment_mean_names_its_float32_copy_of_half_data(dtype):
     with pytest.raises(MemoryError, match=r"^segment_mean: a float32 copy of data .*\[1, 4611686018427387904\] "
                                           r"torch\.float32"):
         sk.ops.segment_mean(data, torch.tensor([0]), 1)
+
+
+def test_the_raw_op_follows_use_deterministic_algorithms(device):
+    """DESIGN.md section 2: under torch.use_deterministic_algorithms(True) every op is
+    bit-reproducible, torch.ops.sparsekit.segment_sum (schema default deterministic=False)
+    too, not only the typed wrapper: its CUDA entry takes the deterministic twin."""
+    if device.type != "cuda":
+        pytest.skip("the CPU kernel is deterministic whatever the flag")
+    torch.manual_seed(0)
+    data = torch.randn(1 << 20, 4, device=device)
+    ids = torch.randint(0, 8, (1 << 20,), device=device)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        twin = torch.ops.sparsekit.segment_sum(data, ids, 8, True)
+        for _ in range(3):
+            assert torch.equal(torch.ops.sparsekit.segment_sum(data, ids, 8), twin)
+    finally:
+        torch.use_deterministic_algorithms(previous)
