@@ -1444,3 +1444,72 @@ def test_keyed_jagged_has_torchrecs_per_key_views():
     assert torch.equal(ebc(kjt)["item"], ebc(item)["item"])
     empty = sk.KeyedJagged(["a", "b"], torch.zeros(0, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64))
     assert empty.length_per_key() == [0, 0] and empty["b"].offsets().tolist() == [0]
+
+
+# ---- DESIGN.md 3b, sentence by sentence: signatures, output order and dtypes, boundaries ----
+
+def test_collection_signatures_are_the_contracts():
+    import inspect
+
+    def described(obj):
+        return [(p.name, p.default, p.kind is inspect.Parameter.KEYWORD_ONLY)
+                for p in inspect.signature(obj).parameters.values() if p.name != "self"]
+
+    empty = inspect.Parameter.empty
+    assert described(sk.TableConfig) == [
+        ("name", empty, False), ("embedding_dim", empty, False), ("capacity", empty, False),
+        ("features", empty, False), ("combiner", "sum", False), ("dtype", torch.float32, False),
+        ("use_hashtable", True, False), ("eviction", None, False), ("admit_after", 1, False),
+        ("initializer", None, False)]
+    assert described(sk.KeyedJagged) == [("keys", empty, False), ("values", empty, False), ("lengths", None, False),
+                                         ("offsets", None, False), ("weights", None, False)]
+    assert described(sk.EmbeddingBagCollection) == [("tables", empty, False), ("process_group", None, False),
+                                                    ("device", None, False)]
+    assert described(sk.EmbeddingBagCollection.stats) == [("table_name", empty, False)]
+    assert described(sk.EmbeddingBagCollection.export) == [("table_name", empty, False),
+                                                           ("min_last_seen", None, False)]
+    config = sk.TableConfig("t", 4, 8, ["f"])
+    assert (config.combiner, config.dtype, config.use_hashtable, config.eviction, config.admit_after,
+            config.initializer) == ("sum", torch.float32, True, None, 1, None)
+
+
+def test_outputs_follow_the_input_s_key_order_in_each_table_s_dtype_also_for_no_samples():
+    ebc = sk.EmbeddingBagCollection([
+        sk.TableConfig("a", 4, 16, ["f", "g"]),
+        sk.TableConfig("b", 3, 16, ["h"], combiner="mean", dtype=torch.bfloat16),
+        sk.TableConfig("c", 2, 16, ["k"], dtype=torch.float16)])
+    for batch in (2, 0):
+        lengths = torch.ones(3 * batch, dtype=torch.int64)
+        values = torch.arange(3 * batch, dtype=torch.int64)
+        for make in (lambda: sk.KeyedJagged(["k", "h", "f"], values, lengths=lengths),
+                     lambda: sk.KeyedJagged(["k", "h", "f"], values, offsets=torch.arange(3 * batch + 1))):
+            out = ebc(make())
+            assert list(out) == ["k", "h", "f"]
+            assert [(v.dtype, tuple(v.shape)) for v in out.values()] == [
+                (torch.float16, (batch, 2)), (torch.bfloat16, (batch, 3)), (torch.float32, (batch, 4))]
+    assert ebc.export("b")[1].dtype == torch.bfloat16
+    assert all(isinstance(w, torch.nn.Parameter) and sk.is_embedding_variable(w) for w in ebc.weights.values())
+    assert [w.dtype for w in ebc.weights.values()] == [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_a_table_shared_by_two_features_with_different_weights_matches_plain_torch():
+    """Two features of one table, weighted differently, bags of 0-3 keys: forward and the
+    table's (summed) gradient against nn.functional.embedding_bag on the exported rows."""
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("a", 4, 64, ["f", "g"], combiner="sum")])
+    lengths = torch.tensor([2, 0, 3, 1, 2, 1])
+    values = torch.tensor([1, 2, 3, 1, 2, 2, 1, 5, 3])
+    weights = torch.tensor([0.5, 2.0, 1.0, -1.0, 3.0, 0.25, 4.0, 1.5, 2.0])
+    kjt = sk.KeyedJagged(["f", "g"], values, lengths=lengths, weights=weights)
+    with torch.no_grad():
+        ebc(kjt)  # every key gets its row
+    rows = ebc.shards[0].hash_table.find(values)
+    reference = ebc.weights["a"].detach().clone().requires_grad_(True)
+    out = ebc(kjt)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    expected = torch.nn.functional.embedding_bag(rows, reference, offsets[:-1], mode="sum",
+                                                 per_sample_weights=weights)
+    torch.testing.assert_close(torch.cat([out["f"], out["g"]]), expected)
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    (torch.cat([out["f"], out["g"]]) * grad).sum().backward()
+    (expected * grad).sum().backward()
+    torch.testing.assert_close(ebc.weights["a"].grad.to_dense(), reference.grad)

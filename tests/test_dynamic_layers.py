@@ -703,3 +703,69 @@ def test_a_pending_key_moved_by_an_admission_keeps_its_own_last_sight():
     out = _step(layer, None, [3])            # 3: its third step, still counted
     assert torch.equal(out[0], sk.KeySeededUniform()(torch.tensor([3]), DIM)[0])
     assert int(layer.hash_table.find(torch.tensor([2]))) == -1
+
+
+# ---- DESIGN.md 3a, sentence by sentence: the layers' arguments, clocks and stats ----
+
+@pytest.mark.parametrize("cls", [sk.DistributedEmbedding, sk.All2AllDenseEmbedding])
+def test_layers_take_eviction_admit_after_and_admission_capacity_with_the_contract_s_defaults(cls):
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    assert params["eviction"].default is None and params["admit_after"].default == 1
+    assert params["admission_capacity"].default is None
+    for method, names in (("stats", []), ("export", [("min_last_seen", None)])):
+        got = list(inspect.signature(getattr(cls, method)).parameters.values())[1:]
+        assert [(p.name, p.default) for p in got] == names
+    layer = sk.DistributedEmbedding("sum", 5, DIM, 1, 1) if cls is sk.DistributedEmbedding else cls(5, DIM, 1, 1)
+    assert layer.admission_capacity == 5  # default: the layer's capacity
+    assert set(layer.stats()) >= {"size", "capacity", "evicted", "admitted", "pending"}
+
+
+def test_every_training_forward_ticks_even_without_keys_and_eval_never_does():
+    """"the layers tick once per training forward": a batch of 0 samples and a batch of
+    padding only tick too (else clocks, hence LRU order, would depend on the batches);
+    ``eval()`` never ticks nor counts."""
+    layer = sk.DistributedEmbedding("sum", 4, DIM, 1, 2, eviction="lru", admit_after=2)
+    layer(torch.tensor([[[1, 2]]]))
+    layer(torch.full((1, 1, 2), -1))
+    layer(torch.empty(0, 1, 2, dtype=torch.int64))
+    assert layer.hash_table.clock == 3 and layer._pending.clock == 3
+    layer.eval()
+    layer(torch.tensor([[[1, 3]]]))
+    assert layer.hash_table.clock == 3 and layer.stats()["pending"] == 2
+    assert layer._pending.scores(torch.tensor([1, 3]))[1].tolist() == [1, -1]
+
+
+def test_admit_after_one_gives_every_new_key_a_row_at_once_and_counts_it_admitted():
+    layer = _layer(4)
+    out = _step(layer, None, [3, 4, 3])
+    assert (out.abs().sum(1) > 0).all()
+    assert layer.stats() == {"size": 2, "capacity": 4, "evicted": 0, "admitted": 2, "pending": 0}
+
+
+def _both_ranks_see_one_key_worker(rank, world_size, init, directory):
+    init()
+    layer = sk.DistributedEmbedding("sum", 4, DIM, 1, 2, eviction="lfu", admit_after=2)
+    keys = torch.tensor([[[5, 6]]])  # every rank looks up both keys in each step
+    first = layer(keys)
+    stats = [layer.stats()]
+    second = layer(keys)
+    stats.append(layer.stats())
+    layer(keys)
+    owned = layer.hash_table.scores(torch.tensor([5, 6]))[1].tolist()
+    torch.save({"first": first.abs().sum().item(), "second": bool((second.abs().sum(-1) > 0).all()),
+                "stats": stats, "counts": owned}, f"{directory}/rank{rank}.pt")
+
+
+def test_counts_are_per_step_not_per_rank_and_stats_are_summed_over_ranks(tmp_path):
+    """"a key's LFU count grows by 1 per training step in which any rank looks it up",
+    admission counts steps, not ranks, and ``stats()`` sums the ranks' shards."""
+    spawn(_both_ranks_see_one_key_worker, 2, str(tmp_path), str(tmp_path))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for result in results:
+        assert result["first"] == 0 and result["second"]  # admitted at the 2nd step, not the 1st
+        assert result["stats"][0] == {"size": 0, "capacity": 8, "evicted": 0, "admitted": 0, "pending": 2}
+        assert result["stats"][1] == {"size": 2, "capacity": 8, "evicted": 0, "admitted": 2, "pending": 0}
+    # Key 5 lives on rank 1, key 6 on rank 0: each counted once per step since its admission.
+    assert results[0]["counts"] == [-1, 2] and results[1]["counts"] == [2, -1]

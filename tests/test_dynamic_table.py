@@ -895,3 +895,60 @@ def test_export_bound_past_int64_selects_no_key_or_every_key():
     layer = sk.DistributedEmbedding("sum", 8, 4, 1, 1, eviction="lru")
     layer(torch.tensor([[[5]]]))
     assert layer.export(min_last_seen=2**70)[0].numel() == 0
+
+
+# ---- DESIGN.md 3a, sentence by sentence: names, signatures, boundaries ----
+
+def test_dynamic_table_signatures_are_the_contracts():
+    """DESIGN.md 3a: ``HashTable(capacity, *, key_dtype=torch.int64, device=None, eviction=None)``,
+    ``insert(keys, return_evicted=False)``, ``touch(keys)``, ``scores(keys)``,
+    ``export(min_last_seen=None)``, ``tick()`` and ``clock``."""
+    import inspect
+
+    params = inspect.signature(sk.HashTable).parameters
+    assert list(params) == ["capacity", "key_dtype", "device", "eviction"]
+    assert params["capacity"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for name, default in (("key_dtype", torch.int64), ("device", None), ("eviction", None)):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == default
+    methods = {"insert": [("keys", inspect.Parameter.empty), ("return_evicted", False)],
+               "touch": [("keys", inspect.Parameter.empty)], "find": [("keys", inspect.Parameter.empty)],
+               "scores": [("keys", inspect.Parameter.empty)], "export": [("min_last_seen", None)], "tick": []}
+    for method, expected in methods.items():
+        got = list(inspect.signature(getattr(sk.HashTable, method)).parameters.values())[1:]
+        assert [(p.name, p.default) for p in got] == expected, method
+    assert issubclass(sk.HashTableFullError, RuntimeError)
+    table = sk.HashTable(2)
+    assert type(table.clock) is int and table.clock == 0
+    assert table.tick() == 1 and table.clock == 1 and type(table.clock) is int
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_a_call_of_exactly_capacity_distinct_keys_evicts_every_other_key(eviction):
+    """Boundary of "raises only if the call itself holds more than capacity distinct keys":
+    exactly ``capacity`` (duplicates counted once) evicts all the others; one more raises
+    and changes nothing, the clock included."""
+    table = sk.HashTable(3, eviction=eviction)
+    table.insert(torch.tensor([1, 2, 3]))
+    table.tick()
+    rows, evicted_keys, evicted_rows = table.insert(torch.tensor([9, 8, 9, 7, 8]), return_evicted=True)
+    assert rows.tolist() == [0, 1, 0, 2, 1]
+    assert evicted_keys.tolist() == [1, 2, 3] and evicted_rows.tolist() == [0, 1, 2]
+    assert [s.tolist() for s in table.scores(torch.tensor([9, 8, 7]))] == [[1, 1, 1], [2, 2, 1]]
+    before = table.state_dict()
+    with pytest.raises(HashTableFullError):
+        table.insert(torch.tensor([4, 5, 6, 4, 7]))
+    after = table.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_scores_touch_and_find_keep_the_keys_shape():
+    """``scores(keys)``, ``touch`` and ``find`` on a 0-d and a 2-d tensor: the keys' shape, -1
+    where absent; ``touch`` adds occurrences (not 1) to a present key's count, as ``insert`` does."""
+    table = sk.HashTable(4)
+    table.insert(torch.tensor(5))
+    table.tick()
+    assert table.touch(torch.tensor([[5, 6], [5, 5]])).tolist() == [[0, -1], [0, 0]]
+    last_seen, count = table.scores(torch.tensor([[5, 6]]))
+    assert last_seen.tolist() == [[1, -1]] and count.tolist() == [[4, -1]]
+    assert [s.shape for s in table.scores(torch.tensor(5))] == [torch.Size([]), torch.Size([])]
+    assert len(table) == 1
