@@ -131,7 +131,8 @@ enum HashInsertError : int32_t {
 /// @brief Raises, before anything is written, when the keys cannot all find an empty slot:
 /// with num_occupied + num_keys <= num_slots every probe (it wraps around) ends on one, so
 /// a call that passes writes every key, and a call that fails writes nothing, on every
-/// device alike.
+/// device alike. (The check trusts num_occupied: a count below the real one can run out of
+/// slots half-way; the CPU kernels then put back what they claimed and raise.)
 inline void check_hash_insert_fits(int64_t num_occupied, int64_t num_keys, int64_t num_slots,
                                    const char* op = "hash_table_insert_absent_") {
   SK_CHECK(num_occupied >= 0 && num_occupied <= num_slots,

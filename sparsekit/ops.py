@@ -510,9 +510,10 @@ def hash_table_insert_absent_(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor
     reading the row check); with it, none, and the caller also vouches for ``rows >= 0``
     (a negative row then makes the call write nothing without raising; the CPU still
     raises) and for the count itself: the fit is checked against ``num_occupied``, so a
-    count below the real one can let a call that does not fit run out of empty slots after
-    writing some keys: the CPU then raises "no empty slot left", CUDA drops the keys that
-    found no slot without raising (it reads no flag back). :class:`sparsekit.HashTable`
+    count below the real one can let a call that does not fit run out of empty slots: the
+    CPU then puts back every slot it claimed and raises "no empty slot left" (the table as it
+    was), CUDA keeps the keys that found a slot and drops the others without raising (it
+    reads no flag back). :class:`sparsekit.HashTable`
     passes its size and rows it made itself.
 
     Args:

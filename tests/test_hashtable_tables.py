@@ -615,3 +615,44 @@ def _full_on_one_rank_worker(rank, world_size, init):
 
 def test_a_full_table_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path):
     spawn(_full_on_one_rank_worker, 2, str(tmp_path))
+
+
+def _slots_with_free(num_slots, free, tombstones, seed):
+    """Slot arrays with `free` empty slots and `tombstones` erased ones at random places,
+    every other slot taken (rows >= 0), and junk keys everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    slot_keys = torch.randint(-2**62, 2**62, (num_slots,), generator=g)
+    slot_rows = torch.randperm(num_slots, generator=g)
+    places = torch.randperm(num_slots, generator=g)
+    slot_rows[places[:free]] = -1
+    slot_rows[places[free:free + tombstones]] = -2
+    return slot_keys, slot_rows
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_keys", [3, 20_000])  # one task, and several of kHashGrain = 4096 keys
+def test_a_placing_that_runs_out_of_slots_puts_every_slot_back(threads, num_keys):
+    """CPU: sizes / num_occupied are trusted; when they understate the slots in use the keys
+    run out of free slots half-way, and the call raises with every table as it was (slots,
+    tombstones, the free slots' keys, row_keys and count), on one thread and on several.
+    (CUDA drops such keys instead: hash_table_insert_absent_'s docstring.)"""
+    free = num_keys // 2
+    with num_threads(threads):
+        slot_keys, slot_rows = _slots_with_free(1 << 15, free, free // 3 + 1, seed=num_keys)
+        keys = torch.arange(10**9, 10**9 + num_keys)
+        before = slot_keys.clone(), slot_rows.clone()
+        with pytest.raises(RuntimeError, match="hash_table_insert_absent_: the table has no empty slot left"):
+            torch.ops.sparsekit.hash_table_insert_absent_(slot_keys, slot_rows, keys, torch.arange(num_keys), 0)
+        assert torch.equal(slot_keys, before[0]) and torch.equal(slot_rows, before[1])
+
+        # Two tables: the first has room, the second runs out; neither keeps anything.
+        roomy = (torch.zeros(1 << 16, dtype=torch.int64), torch.full((1 << 16,), -1))
+        tight = _slots_with_free(1 << 15, free, 0, seed=num_keys + 1)
+        row_keys = [torch.full((num_keys + 5,), 7), torch.full((1 << 16,), 7)]
+        count = [torch.full((num_keys + 5,), 3), torch.full((1 << 16,), 3)]
+        tensors = [roomy[0], roomy[1], tight[0], tight[1], *row_keys, *count]
+        before = [t.clone() for t in tensors]
+        with pytest.raises(RuntimeError, match="hash_table_place_tables_: the table has no empty slot left"):
+            place_tables([roomy[0], tight[0]], [roomy[1], tight[1]], row_keys, count,
+                         torch.arange(10**9, 10**9 + 2 * num_keys), [0, num_keys, 2 * num_keys], [0, 0])
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))

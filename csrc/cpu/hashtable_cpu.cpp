@@ -61,9 +61,19 @@ void find_keys(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot
   });
 }
 
+/// @brief What placing one key changed: the slot it claimed (-1: none) and what that slot
+/// held before (its row field, -1 empty or -2 tombstone, and its key field).
+struct PlacedSlot {
+  int64_t slot;
+  int64_t row;
+  int64_t key;
+};
+
 /// @brief Stores `key` with `row` in the first free slot (empty or tombstone) of its probe
-/// sequence; false when every slot was visited without one.
-inline bool place_key(int64_t* slot_keys, int64_t* slot_rows, uint64_t slot_mask, int64_t key, int64_t row) {
+/// sequence and records in `placed` what it overwrote; false when every slot was visited
+/// without one.
+inline bool place_key(int64_t* slot_keys, int64_t* slot_rows, uint64_t slot_mask, int64_t key, int64_t row,
+                      PlacedSlot& placed) {
   uint64_t slot = mix_key(key) & slot_mask;
   // At most num_slots probes: a full table must raise, not spin forever.
   for (uint64_t probe = 0; probe <= slot_mask; ++probe) {
@@ -74,6 +84,7 @@ inline bool place_key(int64_t* slot_keys, int64_t* slot_rows, uint64_t slot_mask
     while (seen < 0) {
       if (__atomic_compare_exchange_n(&slot_rows[slot], &seen, row, /*weak=*/false, __ATOMIC_RELAXED,
                                       __ATOMIC_RELAXED)) {
+        placed = {static_cast<int64_t>(slot), seen, slot_keys[slot]};
         slot_keys[slot] = key;
         return true;
       }
@@ -83,19 +94,32 @@ inline bool place_key(int64_t* slot_keys, int64_t* slot_rows, uint64_t slot_mask
   return false;
 }
 
+/// @brief Puts back every slot a failed placing claimed, so the call changes nothing. A
+/// placing fails only when the caller's occupancy (num_occupied, sizes) understates the
+/// slots in use: the room check before it trusts that count.
+inline void undo_placed(int64_t* slot_keys, int64_t* slot_rows, const PlacedSlot& placed) {
+  if (placed.slot < 0) return;
+  slot_rows[placed.slot] = placed.row;
+  slot_keys[placed.slot] = placed.key;
+}
+
 template <typename key_t>
 int32_t insert_keys(int64_t* slot_keys, int64_t* slot_rows, int64_t num_slots, const key_t* keys,
                     const int64_t* rows, int64_t num_keys) {
   const uint64_t slot_mask = static_cast<uint64_t>(num_slots - 1);
   std::atomic<int32_t> error{kHashInsertOk};
+  std::vector<PlacedSlot> placed(num_keys, PlacedSlot{-1, 0, 0});
   parallel_for(0, num_keys, kHashGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (!place_key(slot_keys, slot_rows, slot_mask, static_cast<int64_t>(keys[i]), rows[i])) {
+      if (!place_key(slot_keys, slot_rows, slot_mask, static_cast<int64_t>(keys[i]), rows[i], placed[i])) {
         error.store(kHashInsertTableFull, std::memory_order_relaxed);
         return;
       }
     }
   });
+  if (error.load() != kHashInsertOk) {
+    for (const PlacedSlot& p : placed) undo_placed(slot_keys, slot_rows, p);
+  }
   return error.load();
 }
 
@@ -399,25 +423,39 @@ void hash_table_place_tables_cpu(const std::vector<Tensor>& slot_keys, const std
   }
   const Tensor keys_c = as_contiguous(keys);
   std::atomic<bool> full{false};
+  std::vector<PlacedSlot> placed(keys_c.numel(), PlacedSlot{-1, 0, 0});
   SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "hash_table_place_tables_cpu", [&] {
     const index_t* k = keys_c.const_data_ptr<index_t>();
     parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
       for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) {
-          const int64_t key = static_cast<int64_t>(k[i]);
           const int64_t row = sizes[t] + (i - offsets[t]);
-          if (!place_key(skeys[t], srows[t], masks[t], key, row)) {
+          if (!place_key(skeys[t], srows[t], masks[t], static_cast<int64_t>(k[i]), row, placed[i])) {
             full.store(true, std::memory_order_relaxed);
             return;
           }
-          rkeys[t][row] = key;
+        }
+      });
+    });
+    if (full.load()) {
+      // Every table's claimed slots go back; row_keys and count are written only below.
+      for_each_table_range(offsets, 0, keys_c.numel(), [&](int64_t t, int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) undo_placed(skeys[t], srows[t], placed[i]);
+      });
+      return;
+    }
+    parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+      for_each_table_range(offsets, begin, end, [&](int64_t t, int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t row = sizes[t] + (i - offsets[t]);
+          rkeys[t][row] = static_cast<int64_t>(k[i]);
           counts[t][row] = 0;
         }
       });
     });
   });
-  // Unreachable after the room check above (every probe ends on a free slot), kept as
-  // the single-table insert keeps it.
+  // Reached only when sizes[t] understates the slots in use (the room check above trusts
+  // it); nothing is left written then.
   raise_hash_insert_error(full.load() ? kHashInsertTableFull : kHashInsertOk, "hash_table_place_tables_");
 }
 
