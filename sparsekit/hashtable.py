@@ -136,11 +136,26 @@ def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]
     would (the caller checked they fit and scores them). On the CPU one op for all tables
     (a collection step meets new keys in most of its tables); elsewhere table by table."""
     if keys.device.type == "cpu":
-        torch.ops.sparsekit.hash_table_place_tables_(
-            [t._slot_keys for t in tables], [t._slot_rows for t in tables], [t._row_keys for t in tables],
-            [t._count for t in tables], keys, offsets, [t._size for t in tables])
-        for table, a, b in zip(tables, offsets, offsets[1:]):
-            table._size += b - a
+        sizes = [t._size for t in tables]
+        try:
+            torch.ops.sparsekit.hash_table_place_tables_(
+                [t._slot_keys for t in tables], [t._slot_rows for t in tables], [t._row_keys for t in tables],
+                [t._count for t in tables], keys, offsets, sizes)
+            for table, a, b in zip(tables, offsets, offsets[1:]):
+                table._size += b - a
+        except BaseException:
+            # Interrupted after the op placed the keys (a KeyboardInterrupt before the sizes
+            # caught up): the slots held keys at rows past len(table), which later inserts
+            # handed out again. Take them back out: nothing changed, as when the op refuses.
+            for table, size, a, b in zip(tables, sizes, offsets, offsets[1:]):
+                if b > a:
+                    ops.hash_table_erase_(table._slot_keys, table._slot_rows, keys[a:b])
+                    table._count[size:size + b - a] = 0
+                    table._tombstones += b - a
+                table._size = size
+                if table._tombstones * 4 > table.num_slots:
+                    table._rebuild()
+            raise
         return
     for table, a, b in zip(tables, offsets, offsets[1:]):
         if b > a:
@@ -451,23 +466,57 @@ class HashTable:
                            evicted_keys)
 
     def _commit_insert(self, plan: _InsertPlan) -> Tensor:
-        """Carries out a plan of :meth:`_plan_insert` (nothing in it can fail for lack of room)."""
+        """Carries out a plan of :meth:`_plan_insert` (nothing in it can fail for lack of room).
+
+        All or nothing also when it is interrupted halfway (a KeyboardInterrupt between two
+        of its writes, or a device running out of memory in one): the victims' erase, the new
+        keys' placement and the scoring are undone (:meth:`_undo_insert`) before the error
+        goes on, where they left a table whose size and slots disagreed (an evicting insert
+        stopped after its erase had lost the victims and shrunk ``len`` below the rows in
+        use, so later inserts handed out rows other keys held)."""
         if plan.rows.numel() == 0:
             return torch.empty(plan.shape, dtype=torch.int64, device=self.device)
         num_evict = plan.victims.numel()
         num_new = plan.new_keys.numel()
         rows = plan.rows
-        if num_evict > 0:
-            ops.hash_table_erase_(self._slot_keys, self._slot_rows, plan.evicted_keys)
-            self._tombstones += num_evict
-            self._size -= num_evict
-        if num_new > 0:
-            self._place(plan.new_keys, plan.new_rows)
-            rows = rows.masked_scatter(plan.missing, plan.new_rows)
-        self._score(rows, plan.counts)
+        size, tombstones = self._size, self._tombstones
+        # The rows this call writes (present keys' scores; new rows' keys and scores), kept to undo it.
+        touched = torch.cat([rows[~plan.missing], plan.new_rows]) if num_new > 0 else rows
+        saved = (self._last_seen.index_select(0, touched), self._count.index_select(0, touched))
+        try:
+            if num_evict > 0:
+                ops.hash_table_erase_(self._slot_keys, self._slot_rows, plan.evicted_keys)
+                self._tombstones += num_evict
+                self._size -= num_evict
+            if num_new > 0:
+                self._place(plan.new_keys, plan.new_rows)
+                rows = rows.masked_scatter(plan.missing, plan.new_rows)
+            self._score(rows, plan.counts)
+        except BaseException:
+            self._undo_insert(plan, size, tombstones, touched, saved)
+            raise
         if self._tombstones * 4 > self.num_slots:
             self._rebuild()
         return (rows if plan.inverse is None else rows[plan.inverse]).view(plan.shape)
+
+    def _undo_insert(self, plan: _InsertPlan, size: int, tombstones: int, touched: Tensor,
+                     saved: Tuple[Tensor, Tensor]) -> None:
+        """Puts the table back as it was before :meth:`_commit_insert` of ``plan`` began,
+        whatever part of it ran: the new keys leave their slots, the victims get theirs
+        (and their rows' keys) back, the scores of the rows it wrote are restored."""
+        if plan.new_keys.numel() > 0:
+            ops.hash_table_erase_(self._slot_keys, self._slot_rows, plan.new_keys)  # absent ones are skipped
+        if plan.victims.numel() > 0:
+            self._row_keys[plan.victims] = plan.evicted_keys.long()
+            gone = ops.hash_table_find(self._slot_keys, self._slot_rows, plan.evicted_keys) < 0
+            if bool(gone.any()):
+                ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, plan.evicted_keys[gone],
+                                              plan.victims[gone])
+        self._last_seen.index_copy_(0, touched, saved[0])
+        self._count.index_copy_(0, touched, saved[1])
+        self._size = size
+        # An upper bound, as everywhere: the erases above may have left tombstones.
+        self._tombstones = tombstones + plan.new_keys.numel() + plan.victims.numel()
 
     def _place(self, keys: Tensor, rows: Tensor) -> None:
         """Stores distinct absent ``keys`` at ``rows`` that no key holds (never used, or
@@ -497,25 +546,49 @@ class HashTable:
         gone[rows] = True
         holes = gone[:new_size].nonzero().squeeze(1)
         movers = (~gone[new_size:]).nonzero().squeeze(1) + new_size
-        ops.hash_table_erase_(self._slot_keys, self._slot_rows, self._row_keys[rows])
-        self._tombstones += removed
-        if holes.numel() > 0:
-            moved_keys = self._row_keys[movers]
-            ops.hash_table_erase_(self._slot_keys, self._slot_rows, moved_keys)
-            self._tombstones += holes.numel()
-            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, moved_keys, holes,
-                                          new_size - holes.numel())
-            self._row_keys[holes] = moved_keys
-            self._last_seen[holes] = self._last_seen[movers]
-            self._count[holes] = self._count[movers]
-        self._last_seen[new_size:size] = 0
-        self._count[new_size:size] = 0
-        self._size = new_size
+        # Everything the writes below need, read first: they are then idempotent, and an
+        # interrupted removal (a KeyboardInterrupt between two writes had left keys out of
+        # their slots, or in two rows) is finished by running them again.
+        removed_keys = self._row_keys[rows]
+        moved = (self._row_keys[movers], self._last_seen[movers], self._count[movers]) if holes.numel() > 0 else None
+        try:
+            self._apply_remove(removed_keys, holes, moved, size, new_size)
+        except BaseException:
+            self._apply_remove(removed_keys, holes, moved, size, new_size)
+            raise
         if self._tombstones * 4 > self.num_slots:
             self._rebuild()
 
+    def _apply_remove(self, removed_keys: Tensor, holes: Tensor, moved: Optional[Tuple[Tensor, Tensor, Tensor]],
+                      size: int, new_size: int) -> None:
+        """The writes of :meth:`_remove` (see there); running them twice gives what once does."""
+        ops.hash_table_erase_(self._slot_keys, self._slot_rows, removed_keys)
+        self._tombstones += removed_keys.numel()
+        if moved is not None:
+            moved_keys, moved_last_seen, moved_count = moved
+            ops.hash_table_erase_(self._slot_keys, self._slot_rows, moved_keys)
+            self._tombstones += holes.numel()
+            self._size = new_size  # the movers' rows are free from here: the slots count no key past new_size
+            ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, moved_keys, holes,
+                                          new_size - holes.numel())
+            self._row_keys[holes] = moved_keys
+            self._last_seen[holes] = moved_last_seen
+            self._count[holes] = moved_count
+        self._last_seen[new_size:size] = 0
+        self._count[new_size:size] = 0
+        self._size = new_size
+
     def _rebuild(self) -> None:
-        """Re-places every live key into cleared slots: drops the tombstones."""
+        """Re-places every live key into cleared slots: drops the tombstones. Interrupted
+        between the clearing and the placing (which left every key unfindable), it places
+        them again before the error goes on: the rows' keys are the truth it rebuilds from."""
+        try:
+            self._place_live_keys()
+        except BaseException:
+            self._place_live_keys()
+            raise
+
+    def _place_live_keys(self) -> None:
         self._slot_rows.fill_(-1)
         if self._size > 0:
             ops.hash_table_insert_absent_(self._slot_keys, self._slot_rows, self._row_keys[:self._size],
@@ -551,9 +624,18 @@ class HashTable:
 
     @_locked
     def clear(self) -> None:
-        """Removes every key (and its scores); capacity, dtype, policy, clock and device stay."""
-        self._slot_keys.zero_()
+        """Removes every key (and its scores); capacity, dtype, policy, clock and device stay.
+        Interrupted halfway (a KeyboardInterrupt between its writes had left ``len`` keys that
+        no find reached), it finishes before the error goes on."""
+        try:
+            self._clear_all()
+        except BaseException:
+            self._clear_all()
+            raise
+
+    def _clear_all(self) -> None:
         self._slot_rows.fill_(-1)
+        self._slot_keys.zero_()
         self._last_seen.zero_()
         self._count.zero_()
         self._size = 0

@@ -511,14 +511,20 @@ class _ModelParallelEmbedding(nn.Module):
     def _commit_lookup(self, lookup: "_LookupPlan") -> Tensor:
         """Carries out a plan of :meth:`_plan_lookup`: rows of its keys (-1: not admitted yet)."""
         table, plan = self.hash_table, lookup.plan
-        rows = table._commit_insert(plan)
         num_new = plan.new_keys.numel()
-        if num_new > 0:
-            self.weight[plan.new_rows] = lookup.initial
-            if self._fresh_rows is not None:
-                self._fresh_rows[plan.new_rows] = True
-            if plan.victims.numel() > 0:
-                self._forget_gradients(plan.new_rows)
+        try:
+            rows = table._commit_insert(plan)
+            if num_new > 0:
+                self._initialize_new_rows(lookup)
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt, a device out of memory) after the table took
+            # the new keys but before their rows held their vectors: a reused row still held
+            # the evicted key's vector (and, unflagged, its Adam moments), which the new key
+            # then trained on. The table's insert is all or nothing: when it took the keys,
+            # their rows get their vectors before the error goes on.
+            if num_new > 0 and bool((table.find(plan.new_keys[:1].to(table.key_dtype)) == plan.new_rows[:1]).all()):
+                self._initialize_new_rows(lookup)
+            raise
         self._evicted += plan.victims.numel()
         self._admitted += num_new
         table.tick()
@@ -533,6 +539,17 @@ class _ModelParallelEmbedding(nn.Module):
                 rows = full.masked_scatter_(take, rows)
             self._pending.tick()
         return rows
+
+    def _initialize_new_rows(self, lookup: "_LookupPlan") -> None:
+        """The new keys' rows of ``lookup`` get their initial vectors and, with eviction, the
+        flags that reset their moments; rows reused from evicted keys drop those keys'
+        gradients. Idempotent: repeating it changes nothing more."""
+        plan = lookup.plan
+        self.weight[plan.new_rows] = lookup.initial
+        if self._fresh_rows is not None:
+            self._fresh_rows[plan.new_rows] = True
+        if plan.victims.numel() > 0:
+            self._forget_gradients(plan.new_rows)
 
     def _forget_gradients(self, rows: Tensor) -> None:
         """``rows`` took new keys, evicted keys' rows among them: the old keys' gradients

@@ -1,0 +1,113 @@
+"""Faults in the middle of an operation (an allocation failure, a KeyboardInterrupt between two
+writes): the hash table is left as it was (or, where the README says so, finished), never with
+its size, slots and rows disagreeing."""
+
+import pytest
+import torch
+
+import sparsekit as sk
+from sparsekit import ops
+from sparsekit.hashtable import HashTable
+
+
+def T(*values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _consistent(table):
+    n = len(table)
+    return torch.equal(table.find(table._row_keys[:n]), torch.arange(n)) and int((table._slot_rows >= 0).sum()) == n
+
+
+def _fail_call(monkeypatch, owner, name, k, error, after=False):
+    """owner.name raises ``error`` at its k-th call (after doing its work when ``after``)."""
+    real = getattr(owner, name)
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == k and not after:
+            raise error
+        out = real(*args, **kwargs)
+        if calls["n"] == k:
+            raise error
+        return out
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory (injected)"), KeyboardInterrupt()])
+def test_an_evicting_insert_that_fails_while_placing_changes_nothing(monkeypatch, error):
+    table = HashTable(4, eviction="lru")
+    table.insert(T(10, 11, 12, 13)); table.tick()
+    table.insert(T(12, 13)); table.tick()
+    before = table.state_dict()
+    _fail_call(monkeypatch, ops, "hash_table_insert_absent_", 1, error)
+    with pytest.raises(type(error)):
+        table.insert(T(20, 21))
+    monkeypatch.undo()
+    after = table.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert _consistent(table)
+    # and the next insert is that of a table that never saw the failure
+    fresh = HashTable(4, eviction="lru")
+    fresh.load_state_dict(before)
+    assert torch.equal(table.insert(T(30, 31, 32)), fresh.insert(T(30, 31, 32)))
+    assert torch.equal(table.export()[0], fresh.export()[0])
+
+
+def test_a_one_process_step_interrupted_after_placing_its_keys_leaves_the_table_usable(monkeypatch):
+    layer = sk.DistributedEmbedding("sum", 8, 2, 1, 4)
+    layer(sk.Ragged(T(1, 2), T(0, 1, 2)))
+    _fail_call(monkeypatch, torch.ops.sparsekit, "hash_table_place_tables_", 1, KeyboardInterrupt(), after=True)
+    with pytest.raises(KeyboardInterrupt):
+        layer(sk.Ragged(T(3, 4), T(0, 1, 2)))
+    monkeypatch.undo()
+    assert _consistent(layer.hash_table) and len(layer.hash_table) == 2
+    layer(sk.Ragged(T(3, 4), T(0, 1, 2))).sum().backward()
+    assert layer.hash_table.find(T(1, 2, 3, 4)).tolist() == [0, 1, 2, 3]
+
+
+def test_an_evicting_step_interrupted_after_its_insert_gives_the_new_key_its_own_vector(monkeypatch):
+    layer = sk.DistributedEmbedding("sum", 2, 2, 1, 4, eviction="lru")
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.5)
+    for keys in ([10, 11], [10, 11], [11]):
+        layer(sk.Ragged(T(*keys), T(0, len(keys)))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    _fail_call(monkeypatch, HashTable, "_commit_insert", 1, KeyboardInterrupt(), after=True)
+    with pytest.raises(KeyboardInterrupt):
+        layer(sk.Ragged(T(12), T(0, 1)))
+    monkeypatch.undo()
+    row = int(layer.hash_table.find(T(12)))
+    assert row >= 0
+    assert torch.equal(layer.weight.detach()[row], layer.initial_rows(T(12))[0])
+    assert bool(layer._fresh_rows[row])
+
+
+def test_clear_and_remove_interrupted_between_writes_leave_a_consistent_table(monkeypatch):
+    table = HashTable(8)
+    table.insert(T(1, 2, 3))
+    real_fill = table._slot_rows.fill_
+    calls = {"n": 0}
+
+    def fill(value):
+        real_fill(value)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+
+    table._slot_rows.fill_ = fill
+    with pytest.raises(KeyboardInterrupt):
+        table.clear()
+    del table._slot_rows.fill_
+    assert len(table) == 0 and _consistent(table)
+
+    pending = HashTable(8, eviction="lru")
+    pending.insert(T(1, 2, 3, 4, 5, 6))
+    _fail_call(monkeypatch, ops, "hash_table_erase_", 2, KeyboardInterrupt(), after=True)
+    with pytest.raises(KeyboardInterrupt):
+        pending._remove(T(2, 3))
+    monkeypatch.undo()
+    assert _consistent(pending) and sorted(pending.export()[0].tolist()) == [1, 4, 5, 6]
