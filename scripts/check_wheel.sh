@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs one built sparsekit wheel into a fresh virtual environment holding another
-# torch, without rebuilding it, and runs the op tests there against the installed copy:
+# torch, without rebuilding it, and runs the op tests and the peers' ported suites there
+# against the installed copy:
 # the proof that one wheel serves every torch from its stable-ABI target on.
 #
 #   bash scripts/check_wheel.sh WHEEL TORCH_VERSION [VENV_DIR]
@@ -42,7 +43,9 @@ PY
 set +e
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_unique.py tests/test_segment.py tests/test_hashtable.py \
   tests/test_hashtable_eviction.py tests/test_lazy_adam.py tests/test_embedding.py tests/test_routing.py \
-  tests/test_initializer.py tests/test_build.py tests/test_compile.py
+  tests/test_initializer.py tests/test_build.py tests/test_compile.py \
+  tests/test_peer_torch.py tests/test_peer_tf_scatter.py tests/test_peer_lazy_adam.py tests/test_peer_fbgemm.py \
+  tests/test_peer_hkv.py tests/test_peer_torchrec_optim.py
 status=$?
 set -e
 cd "$repo"
