@@ -990,7 +990,10 @@ class _ModelParallelEmbedding(nn.Module):
         # rows hold new keys whose moments LazyAdam has not reset yet ("fresh", bool per
         # key in row order): without it a reloaded row would hand its evicted key's moments on.
         if self.hash_table is None:
-            return {}
+            # A direct table's rows are the keys ``row * world_size + first``: recorded, so
+            # that another rank's state (files swapped) or one saved at another world size,
+            # whose rows belong to other keys, is refused instead of loaded as this rank's.
+            return {"direct_keys": self._direct_layout()}
         state = self.hash_table.state_dict()
         if self._pending is not None:
             state["pending"] = self._pending.state_dict()
@@ -999,6 +1002,30 @@ class _ModelParallelEmbedding(nn.Module):
         if self._fresh_rows is not None:
             state["fresh"] = self._fresh_rows[:len(self.hash_table)].clone()
         return state
+
+    def _direct_layout(self) -> Tensor:
+        """A direct table's key layout: int64 ``[world_size, first]``, row ``i`` holding key
+        ``i * world_size + first`` (see :meth:`owned_keys`)."""
+        return torch.tensor([self.world_size, (self.rank - self.owner_offset) % self.world_size], dtype=torch.int64)
+
+    def _check_direct_layout(self, saved: Any) -> None:
+        """ValueError unless a direct state's ``direct_keys`` is this rank's own layout."""
+        name = self._layer_name
+        if not isinstance(saved, Tensor) or saved.layout != torch.strided or saved.is_meta \
+                or saved.dtype != torch.int64 or tuple(saved.shape) != (2,):
+            got = f"a {saved.dtype} tensor of shape {tuple(saved.shape)}" if isinstance(saved, Tensor) \
+                else type(saved).__name__
+            raise ValueError(f"{name}: load_state_dict: '_extra_state'['direct_keys'] must be an int64 [2] tensor "
+                             f"[world_size, first key], got {got}")
+        saved_world, saved_first = (int(v) for v in saved.tolist())
+        mine = self._direct_layout().tolist()
+        if [saved_world, saved_first] != mine:
+            raise ValueError(f"{name}: load_state_dict: the state's rows hold keys {saved_first}, "
+                             f"{saved_first + saved_world}, {saved_first + 2 * saved_world}, ... (world size "
+                             f"{saved_world}) but this rank's rows hold keys {mine[1]}, {mine[1] + mine[0]}, "
+                             f"{mine[1] + 2 * mine[0]}, ... (rank {self.rank} of {self.world_size}): it was saved "
+                             "by another rank or at another world size; load each rank's own state, or reshard "
+                             "with save_checkpoint / load_checkpoint")
 
     def _check_extra_state(self, state) -> Optional[_CheckedExtraState]:
         """What :meth:`set_extra_state` would load, every part checked and nothing written;
@@ -1009,14 +1036,18 @@ class _ModelParallelEmbedding(nn.Module):
         if not isinstance(state, dict):
             raise TypeError(f"{name}: load_state_dict: '_extra_state' must be the dict get_extra_state() "
                             f"returns, got {type(state).__name__}")
-        # A direct layer's extra state is empty, a hash layer's never is: loading one kind into
-        # the other would pair the weight's rows with the wrong keys.
+        # A direct layer's extra state holds at most its rows' key layout (empty when saved
+        # before it was recorded), a hash layer's a table: loading one kind into the other
+        # would pair the weight's rows with the wrong keys.
+        direct_state = set(state) <= {"direct_keys"}
         if self.hash_table is None:
-            if state:
+            if not direct_state:
                 raise ValueError(f"{name}: load_state_dict: the state holds a hash table, but this layer has "
                                  "none (use_hashtable=False); build it with use_hashtable=True")
+            if "direct_keys" in state:
+                self._check_direct_layout(state["direct_keys"])
             return None
-        if not state:
+        if direct_state:
             raise ValueError(f"{name}: load_state_dict: the state holds no hash table (it was saved by a layer "
                              "with use_hashtable=False), but this layer's rows belong to its table's keys; "
                              "build it with use_hashtable=False")

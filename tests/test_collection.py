@@ -706,7 +706,7 @@ def _world_worker(rank, world_size, init, out_dir):
     torch.save(outputs, f"{out_dir}/outputs-{rank}.pt")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_world_sizes_match_one_process_and_checkpoints_reshard(tmp_path, world_size):
     spawn(_world_worker, world_size, str(tmp_path), str(tmp_path))
     # One process on the same global batches, sliced the same way per rank.

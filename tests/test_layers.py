@@ -834,6 +834,69 @@ def test_a_layer_refuses_another_rank_s_state(tmp_path):
     spawn(_foreign_state_worker, 2, str(tmp_path), str(tmp_path))
 
 
+def _foreign_direct_state_worker(rank, world_size, init, directory):
+    init()
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group
+    keys = torch.arange(4 * world_size).view(-1, 1, 1)[rank::world_size]
+    layer = sk.DistributedEmbedding("sum", 4, DIM, 1, 1, use_hashtable=False)
+    optimizer = LazyAdam(layer.parameters(), lr=0.5)
+    layer(keys).sum().backward()
+    optimizer.step()
+    torch.save(layer.state_dict(), f"{directory}/direct{rank}.pt")
+    dist.barrier()
+    other = (rank + 1) % world_size
+    # Another rank's state, and a one-process layer's of the same shape: its rows are other keys.
+    for state, saved in ((torch.load(f"{directory}/direct{other}.pt", weights_only=True), rf"keys {other}, "),
+                         (sk.DistributedEmbedding("sum", 4, DIM, 1, 1, use_hashtable=False,
+                                                  process_group=groups[rank]).state_dict(), r"keys 0, 1, 2")):
+        fresh = sk.DistributedEmbedding("sum", 4, DIM, 1, 1, use_hashtable=False)
+        before = fresh.weight.detach().clone()
+        with pytest.raises(ValueError, match=rf"the state's rows hold {saved}.* but this rank's rows hold keys {rank}, "
+                                             rf".*\(rank {rank} of {world_size}\): it was saved by another rank"):
+            fresh.load_state_dict(state)
+        assert torch.equal(fresh.weight, before)
+    # Its own state loads; so does one saved before the layout was recorded (an empty extra state).
+    fresh = sk.DistributedEmbedding("sum", 4, DIM, 1, 1, use_hashtable=False)
+    fresh.load_state_dict(torch.load(f"{directory}/direct{rank}.pt", weights_only=True))
+    assert torch.equal(fresh.weight, layer.weight)
+    fresh.load_state_dict({"weight": layer.weight.detach() * 2, "_extra_state": {}})
+    assert torch.equal(fresh.weight, layer.weight * 2)
+    # A collection's direct table (its rows' first key depends on the table's index too).
+    tables = [sk.TableConfig("h", DIM, 4, ["a"]), sk.TableConfig("d", DIM, 4, ["b"], use_hashtable=False)]
+    source = sk.EmbeddingBagCollection(tables)
+    torch.save(source.state_dict(), f"{directory}/collection{rank}.pt")
+    dist.barrier()
+    state = torch.load(f"{directory}/collection{other}.pt", weights_only=True)
+    state = {key: value for key, value in state.items() if key.startswith("shards.1.")}
+    with pytest.raises(ValueError, match=r"it was saved by another rank or at another world size"):
+        sk.EmbeddingBagCollection(tables).load_state_dict(state, strict=False)
+
+
+def test_a_direct_layer_refuses_another_rank_s_state(tmp_path):
+    """A direct layer's rows are the keys row * world_size + its first key, which its state
+    did not record: another rank's state file, or a one-process layer's of the same shape,
+    loaded without a word and its rows answered for other keys (world 3)."""
+    spawn(_foreign_direct_state_worker, 3, str(tmp_path), str(tmp_path))
+
+
+def test_a_direct_state_s_key_layout_is_checked():
+    layer = sk.DistributedEmbedding("sum", 4, DIM, 1, 1, use_hashtable=False)
+    state = layer.state_dict()
+    assert torch.equal(state["_extra_state"]["direct_keys"], torch.tensor([1, 0]))
+    for bad in (torch.tensor([1.0, 0.0]), torch.tensor([1, 0, 0]), [1, 0]):
+        with pytest.raises(ValueError, match=r"'_extra_state'\['direct_keys'\] must be an int64 \[2\] tensor"):
+            layer.load_state_dict({**state, "_extra_state": {"direct_keys": bad}})
+    with pytest.raises(ValueError, match=r"the state's rows hold keys 1, 4, 7, \.\.\. \(world size 3\)"):
+        layer.load_state_dict({**state, "_extra_state": {"direct_keys": torch.tensor([3, 1])}})
+    # Kinds are still told apart: a direct state into a hash layer and the reverse.
+    with pytest.raises(ValueError, match="the state holds no hash table"):
+        sk.DistributedEmbedding("sum", 4, DIM, 1, 1).load_state_dict(state)
+    hashed = sk.DistributedEmbedding("sum", 4, DIM, 1, 1)
+    hashed(torch.tensor([[[3]]]))
+    with pytest.raises(ValueError, match="the state holds a hash table, but this layer has none"):
+        layer.load_state_dict(hashed.state_dict())
+
+
 def _non_member_worker(rank, world_size, init):
     init()
     group = dist.new_group([1])  # every rank calls new_group; rank 0 gets the non-member marker
