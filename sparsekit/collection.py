@@ -1313,19 +1313,21 @@ class EmbeddingBagCollection(nn.Module):
         device = keys.device
         num_tables = len(self._shards)
         # The distinct owned pairs, table after table.
-        if unique:
-            owned_keys, owned_of_received = keys, None
-            owned_per_table = [sum(row[t] for row in counts) for t in range(num_tables)]
-        else:
-            sizes = [n for row in counts for n in row]
-            owned_keys, owned_of_received, per_table = _unique_tables(
-                keys, list(itertools.accumulate(sizes, initial=0)), list(range(num_tables)) * len(counts), num_tables)
-            owned_per_table = per_table.tolist()
         # Plan every table's lookup, agree across ranks, then commit: a failure anywhere
-        # changes no table on any rank.
+        # changes no table on any rank. The dedup of the received pairs is part of it (out of
+        # memory there on one rank left the others waiting in the status all-reduce).
         plans: List[Any] = [None] * num_tables
         error: Optional[BaseException] = None
         try:
+            if unique:
+                owned_keys, owned_of_received = keys, None
+                owned_per_table = [sum(row[t] for row in counts) for t in range(num_tables)]
+            else:
+                sizes = [n for row in counts for n in row]
+                owned_keys, owned_of_received, per_table = _unique_tables(
+                    keys, list(itertools.accumulate(sizes, initial=0)), list(range(num_tables)) * len(counts),
+                    num_tables)
+                owned_per_table = per_table.tolist()
             self._plan_tables(owned_keys, owned_per_table, plans)
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
             error = exc

@@ -512,28 +512,35 @@ class _ModelParallelEmbedding(nn.Module):
         """Carries out a plan of :meth:`_plan_lookup`: rows of its keys (-1: not admitted yet)."""
         table, plan = self.hash_table, lookup.plan
         num_new = plan.new_keys.numel()
+        admitted = lookup.admitted[0] if lookup.pending_keys is not None else None
         try:
             rows = table._commit_insert(plan)
             if num_new > 0:
                 self._initialize_new_rows(lookup)
+            if admitted is not None:
+                # The admitted keys leave the pending admissions as soon as they hold rows
+                # (first, so their places count for the keys still waiting).
+                self._pending._remove(admitted)
         except BaseException:
             # Interrupted (a KeyboardInterrupt, a device out of memory) after the table took
             # the new keys but before their rows held their vectors: a reused row still held
             # the evicted key's vector (and, unflagged, its Adam moments), which the new key
             # then trained on. The table's insert is all or nothing: when it took the keys,
-            # their rows get their vectors before the error goes on.
+            # their rows get their vectors before the error goes on, and the admitted keys
+            # leave the pending admissions (a key both pending and in the table is a state
+            # every load refuses as damaged, and no later step would take it out).
             if num_new > 0 and bool((table.find(plan.new_keys[:1].to(table.key_dtype)) == plan.new_rows[:1]).all()):
                 self._initialize_new_rows(lookup)
+                if admitted is not None:
+                    self._pending._remove(admitted)
             raise
         self._evicted += plan.victims.numel()
         self._admitted += num_new
         table.tick()
         if self._pending is not None:
             if lookup.pending_keys is not None:
-                admitted, take = lookup.admitted
-                # The admitted keys leave first, so their places count for the keys still
-                # waiting (planned now: an LRU insert of at most its capacity never fails).
-                self._pending._remove(admitted)
+                _, take = lookup.admitted
+                # Planned now: an LRU insert of at most its capacity never fails.
                 self._pending._commit_insert(self._pending._plan_insert(lookup.pending_keys, distinct=True))
                 full = torch.full((lookup.keys.numel(),), -1, dtype=torch.int64, device=rows.device)
                 rows = full.masked_scatter_(take, rows)
@@ -659,10 +666,13 @@ class _ModelParallelEmbedding(nn.Module):
         self._agree_on_config()
         device = _wire_device(self.weight, self.process_group)
         if local_error is None:
-            keys_by_owner, positions, send_counts = ops.partition_by_owner(unique_keys, self.world_size)
+            try:
+                keys_by_owner, positions, send_counts = ops.partition_by_owner(unique_keys, self.world_size)
+            except BaseException as exc:  # noqa: BLE001 - out of memory here: every rank must hear of it
+                local_error = exc
             if flags is None:
                 flags = torch.zeros((), dtype=torch.int64, device=device)
-        else:
+        if local_error is not None:
             send_counts = torch.zeros(self.world_size, dtype=torch.int64, device=device)
             flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
         # Counts, error word and train/eval mode travel together; one host read gives both
@@ -699,8 +709,7 @@ class _ModelParallelEmbedding(nn.Module):
                              f"process group ({shown}); convert the layer alike on every rank")
 
         recv_keys = _all_to_all_rows(keys_by_owner, recv_splits, send_splits, self.process_group)
-        owned_keys, owned_inverse = ops.unique(recv_keys)
-        rows = self._agree_on_lookup(owned_keys)
+        owned_keys, owned_inverse, rows = self._agree_on_lookup(recv_keys)
         sorted_rows, order = _sort_rows(rows)
         rank_in_sorted = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
         vectors = _LookupOwned.apply(self.weight, rows.index_select(0, owned_inverse), sorted_rows,
@@ -733,13 +742,19 @@ class _ModelParallelEmbedding(nn.Module):
     def _may_miss(self) -> bool:
         return self.hash_table is not None and (not self.training or self._pending is not None)
 
-    def _agree_on_lookup(self, owned_keys: Tensor) -> Tensor:
-        """The owner's lookup; in training with a hash table every rank learns of a failure."""
+    def _agree_on_lookup(self, recv_keys: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The owner's lookup of the keys it received: ``(owned_keys, inverse, rows)``, the
+        distinct keys (``recv_keys == owned_keys[inverse]``) and their rows; in training with
+        a hash table every rank learns of a failure (the dedup's too: out of memory there on
+        one rank left the others waiting in the status all-reduce, or pairing it with that
+        rank's next collective)."""
         if self.hash_table is None or not self.training:
-            return self._lookup_rows(owned_keys)
+            owned_keys, owned_inverse = ops.unique(recv_keys)
+            return owned_keys, owned_inverse, self._lookup_rows(owned_keys)
         error: Optional[BaseException] = None
-        plan = None
+        plan = owned_keys = owned_inverse = None
         try:
+            owned_keys, owned_inverse = ops.unique(recv_keys)
             plan = self._plan_lookup(owned_keys)
         except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, then it is re-raised
             error = exc
@@ -753,7 +768,7 @@ class _ModelParallelEmbedding(nn.Module):
         word = int(status.item())
         if word == 0:
             # Every owner can do its part: only now does any table change.
-            return self._commit_lookup(plan)
+            return owned_keys, owned_inverse, self._commit_lookup(plan)
         if error is not None:
             raise error
         failed_rank, failed_kind = word // 4 - 1, word % 4
