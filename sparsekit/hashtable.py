@@ -135,32 +135,33 @@ def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]
     table's next rows, ``len(table), len(table) + 1, ...`` in order, as :meth:`HashTable._place`
     would (the caller checked they fit and scores them). On the CPU one op for all tables
     (a collection step meets new keys in most of its tables); elsewhere table by table."""
-    if keys.device.type == "cpu":
-        sizes = [t._size for t in tables]
-        try:
+    sizes = [t._size for t in tables]
+    try:
+        if keys.device.type == "cpu":
             torch.ops.sparsekit.hash_table_place_tables_(
                 [t._slot_keys for t in tables], [t._slot_rows for t in tables], [t._row_keys for t in tables],
                 [t._count for t in tables], keys, offsets, sizes)
             for table, a, b in zip(tables, offsets, offsets[1:]):
                 table._size += b - a
-        except BaseException:
-            # Interrupted after the op placed the keys (a KeyboardInterrupt before the sizes
-            # caught up): the slots held keys at rows past len(table), which later inserts
-            # handed out again. Take them back out: nothing changed, as when the op refuses.
-            for table, size, a, b in zip(tables, sizes, offsets, offsets[1:]):
+        else:
+            for table, a, b in zip(tables, offsets, offsets[1:]):
                 if b > a:
-                    ops.hash_table_erase_(table._slot_keys, table._slot_rows, keys[a:b])
-                    table._count[size:size + b - a] = 0
-                    table._tombstones += b - a
-                table._size = size
-                if table._tombstones * 4 > table.num_slots:
-                    table._rebuild()
-            raise
-        return
-    for table, a, b in zip(tables, offsets, offsets[1:]):
-        if b > a:
-            table._place(keys[a:b], torch.arange(table._size, table._size + b - a, dtype=torch.int64,
-                                                 device=keys.device))
+                    table._place(keys[a:b], torch.arange(table._size, table._size + b - a, dtype=torch.int64,
+                                                         device=keys.device))
+    except BaseException:
+        # Interrupted after the op placed the keys (a KeyboardInterrupt before the sizes
+        # caught up; elsewhere than the CPU, between two tables' placings or inside one):
+        # the slots held keys at rows past len(table), which later inserts handed out
+        # again. Take them back out: nothing changed, as when the op refuses.
+        for table, size, a, b in zip(tables, sizes, offsets, offsets[1:]):
+            if b > a:
+                ops.hash_table_erase_(table._slot_keys, table._slot_rows, keys[a:b])
+                table._count[size:size + b - a] = 0
+                table._tombstones += b - a
+            table._size = size
+            if table._tombstones * 4 > table.num_slots:
+                table._rebuild()
+        raise
 
 
 # The attributes of a HashTable that hold its tensors.
@@ -480,9 +481,12 @@ class HashTable:
         num_new = plan.new_keys.numel()
         rows = plan.rows
         size, tombstones = self._size, self._tombstones
-        # The rows this call writes (present keys' scores; new rows' keys and scores), kept to undo it.
-        touched = torch.cat([rows[~plan.missing], plan.new_rows]) if num_new > 0 else rows
-        saved = (self._last_seen.index_select(0, touched), self._count.index_select(0, touched))
+        # The rows this call writes (present keys' scores; new rows' keys and scores), kept to
+        # undo it: every key's row once the new ones have theirs. A masked_scatter, not a
+        # boolean selection, which on CUDA would wait for the device (placement syncs never).
+        if num_new > 0:
+            rows = rows.masked_scatter(plan.missing, plan.new_rows)
+        saved = (self._last_seen.index_select(0, rows), self._count.index_select(0, rows))
         try:
             if num_evict > 0:
                 ops.hash_table_erase_(self._slot_keys, self._slot_rows, plan.evicted_keys)
@@ -490,13 +494,14 @@ class HashTable:
                 self._size -= num_evict
             if num_new > 0:
                 self._place(plan.new_keys, plan.new_rows)
-                rows = rows.masked_scatter(plan.missing, plan.new_rows)
             self._score(rows, plan.counts)
+            # In here too: a rebuild interrupted (it then re-places the live keys) must not
+            # leave an insert that raised but kept its keys.
+            if self._tombstones * 4 > self.num_slots:
+                self._rebuild()
         except BaseException:
-            self._undo_insert(plan, size, tombstones, touched, saved)
+            self._undo_insert(plan, size, tombstones, rows, saved)
             raise
-        if self._tombstones * 4 > self.num_slots:
-            self._rebuild()
         return (rows if plan.inverse is None else rows[plan.inverse]).view(plan.shape)
 
     def _undo_insert(self, plan: _InsertPlan, size: int, tombstones: int, touched: Tensor,

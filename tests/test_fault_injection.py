@@ -9,8 +9,6 @@ import sparsekit as sk
 from sparsekit import ops
 from sparsekit.hashtable import HashTable
 
-from _distributed import spawn
-
 
 def T(*values):
     return torch.tensor(values, dtype=torch.int64)
@@ -115,89 +113,86 @@ def test_clear_and_remove_interrupted_between_writes_leave_a_consistent_table(mo
     assert _consistent(pending) and sorted(pending.export()[0].tolist()) == [1, 4, 5, 6]
 
 
-def test_an_admitted_key_whose_step_fails_after_the_insert_leaves_the_pending_admissions(monkeypatch):
-    # Out of memory writing the new row's vector, after the table took the admitted key: the
-    # key must not stay pending too (a state every load refuses as damaged, which no later
-    # step repaired: a checkpoint saved afterwards could not be loaded).
-    from sparsekit.shard import _ModelParallelEmbedding
-
-    layer = sk.DistributedEmbedding("sum", 8, 2, 1, 4, admit_after=2)
-    layer(sk.Ragged(T(5), T(0, 1)))
-    _fail_call(monkeypatch, _ModelParallelEmbedding, "_initialize_new_rows", 1,
-               torch.OutOfMemoryError("CPU out of memory (injected)"))
-    with pytest.raises(torch.OutOfMemoryError):
-        layer(sk.Ragged(T(5), T(0, 1)))
+def test_an_insert_whose_rebuild_is_interrupted_changes_nothing(monkeypatch):
+    """The tombstone rebuild ends an insert: interrupted there (it re-places the live keys,
+    then re-raises), the insert that raised had kept its new key, scored, where the README
+    says a failing insert inserts nothing."""
+    table = HashTable(4, eviction="lru")
+    table.insert(T(0, 1, 2, 3))
+    key = 4
+    while (table._tombstones + 1) * 4 <= table.num_slots:  # until the next evicting insert rebuilds
+        table.tick()
+        table.insert(T(key))
+        key += 1
+    table.tick()
+    before = table.state_dict()
+    calls = _fail_call(monkeypatch, HashTable, "_place_live_keys", 1, KeyboardInterrupt(), after=True)
+    with pytest.raises(KeyboardInterrupt):
+        table.insert(T(key))
     monkeypatch.undo()
-    assert int(layer.hash_table.find(T(5))) >= 0 and int(layer._pending.find(T(5))) < 0
-    assert _consistent(layer.hash_table) and _consistent(layer._pending)
-    fresh = sk.DistributedEmbedding("sum", 8, 2, 1, 4, admit_after=2)
-    fresh.load_state_dict(layer.state_dict())
-    assert torch.equal(fresh.export()[0], layer.export()[0])
+    assert calls["n"] >= 1  # the rebuild ran
+    after = table.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert _consistent(table) and int(table.find(T(key))) == -1
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CPU out of memory (injected)"), MemoryError("injected")])
-def test_load_checkpoint_out_of_memory_is_not_called_a_damaged_checkpoint(monkeypatch, tmp_path, error):
-    layer = sk.DistributedEmbedding("sum", 8, 2, 1, 4)
-    layer(sk.Ragged(T(1, 2), T(0, 1, 2)))
-    sk.save_checkpoint(str(tmp_path), layer)
-    target = sk.DistributedEmbedding("sum", 8, 2, 1, 4)
-    _fail_call(monkeypatch, torch, "load", 1, error)
-    with pytest.raises(type(error)) as raised:
-        sk.load_checkpoint(str(tmp_path), target)
-    assert type(raised.value) is type(error)
+def test_the_insert_s_rollback_bookkeeping_reads_no_data_dependent_size():
+    """What an insert keeps to undo itself must not cost a host sync on CUDA (README: an
+    insert syncs twice, unique's size and the count of new keys, placement none): a
+    boolean-mask selection there (a nonzero) had added a third. Checked on the CPU by the
+    ops _commit_insert dispatches: none whose output size depends on the data."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DataDependent(TorchDispatchMode):
+        hits = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            masks = args[1] if name.startswith("aten.index.Tensor") else ()
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in masks or ()) or \
+                    name.split(".")[1] in ("nonzero", "masked_select", "_local_scalar_dense"):
+                self.hits.append(name)
+            return func(*args, **(kwargs or {}))
+
+    for eviction in (None, "lru"):
+        table = HashTable(12, eviction=eviction)
+        table.insert(torch.arange(10))
+        table.tick()
+        plan = table._plan_insert(torch.arange(5, 12 if eviction is None else 15))
+        with DataDependent() as mode:
+            table._commit_insert(plan)
+        assert mode.hits == [], eviction
+        assert _consistent(table)
+
+
+def test_the_placement_elsewhere_than_the_cpu_is_taken_back_out_too(monkeypatch):
+    """_grow_tables outside the CPU (CUDA) places table by table: interrupted after a table's
+    slots took the keys but before its size did, the keys had stayed at rows past len(table)
+    (only the CPU branch was rolled back). Keys whose ``device`` reads "cuda" take that branch
+    here, on the CPU (torch.arange's device dropped)."""
+    import types
+
+    import sparsekit.hashtable as hashtable_module
+
+    class CudaLooking(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @property
+        def device(self):
+            return torch.device("cuda")
+
+    shim = types.ModuleType("torch_shim")
+    shim.__dict__.update(torch.__dict__)
+    shim.arange = lambda *args, device=None, **kwargs: torch.arange(*args, **kwargs)
+    first, second = HashTable(8), HashTable(8)
+    first.insert(T(1, 2))
+    second.insert(T(5))
+    keys = torch.Tensor._make_subclass(CudaLooking, T(3, 4, 6))
+    monkeypatch.setattr(hashtable_module, "torch", shim)
+    _fail_call(monkeypatch, ops, "hash_table_insert_absent_", 1, KeyboardInterrupt(), after=True)
+    with pytest.raises(KeyboardInterrupt):
+        hashtable_module._grow_tables([first, second], keys, [0, 2, 3])
     monkeypatch.undo()
-    sk.load_checkpoint(str(tmp_path), target)
-    assert torch.equal(target.export()[1], layer.export()[1])
-
-
-def _fault_on_one_rank_worker(rank, world_size, init, where):
-    import time
-
-    from sparsekit import collection
-
-    init()
-    torch.manual_seed(0)
-    if where == "partition_by_owner":
-        module = sk.DistributedEmbedding("sum", 32, 2, 1, 4)
-        owner, name = ops, "partition_by_owner"
-    elif where == "unique":  # the owner's dedup of the keys it received (the second unique of the step)
-        module = sk.DistributedEmbedding("sum", 32, 2, 1, 4)
-        owner, name = ops, "unique"
-    else:  # the collection owner's dedup of the pairs it received
-        module = sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 32, ["f"])])
-        owner, name = collection, "_unique_tables"
-
-    def step():
-        keys = T(*range(rank * 8, rank * 8 + 8))
-        if isinstance(module, sk.EmbeddingBagCollection):
-            return module(sk.KeyedJagged(["f"], keys, lengths=torch.ones(8, dtype=torch.int64)))["f"]
-        return module(sk.Ragged(keys, torch.arange(9)))
-
-    step().sum().backward()
-    real = getattr(owner, name)
-    calls = {"n": 0}
-    k = 1 if where == "partition_by_owner" else 2  # the second: the owner's dedup (the first is the local one)
-
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == k:
-            raise torch.OutOfMemoryError("CPU out of memory (injected)")
-        return real(*args, **kwargs)
-
-    if rank == 1:
-        setattr(owner, name, failing)
-    start = time.monotonic()
-    try:
-        with pytest.raises(torch.OutOfMemoryError if rank == 1 else RuntimeError):
-            step()
-    finally:
-        setattr(owner, name, real)
-    assert time.monotonic() - start < 10  # not the group's timeout
-    tables = [module.hash_table] if isinstance(module, sk.DistributedEmbedding) else [module._shards[0].hash_table]
-    assert all(_consistent(t) for t in tables)
-    step().sum().backward()  # and the next step works on both ranks
-
-
-@pytest.mark.parametrize("where", ["partition_by_owner", "unique", "unique_tables"])
-def test_out_of_memory_on_one_rank_before_the_lookup_agreement_raises_on_every_rank(tmp_path, where):
-    spawn(_fault_on_one_rank_worker, 2, str(tmp_path), where)
+    assert (len(first), len(second)) == (2, 1) and _consistent(first) and _consistent(second)
+    assert first.find(T(3, 4)).tolist() == [-1, -1] and second.find(T(6)).tolist() == [-1]
+    assert first.insert(T(7)).tolist() == [2]
