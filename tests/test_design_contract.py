@@ -131,12 +131,13 @@ def test_the_ops_only_layers_reach_pass_opcheck(training):
 @contextlib.contextmanager
 def _deterministic_on_threads(threads):
     old_flag, old_threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    old_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(threads)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(old_flag)
+        torch.use_deterministic_algorithms(old_flag, warn_only=old_warn_only)
         torch.set_num_threads(old_threads)
 
 

@@ -353,11 +353,11 @@ def test_the_raw_op_follows_use_deterministic_algorithms(device):
     torch.manual_seed(0)
     data = torch.randn(1 << 20, 4, device=device)
     ids = torch.randint(0, 8, (1 << 20,), device=device)
-    previous = torch.are_deterministic_algorithms_enabled()
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         twin = torch.ops.sparsekit.segment_sum(data, ids, 8, True)
         for _ in range(3):
             assert torch.equal(torch.ops.sparsekit.segment_sum(data, ids, 8), twin)
     finally:
-        torch.use_deterministic_algorithms(previous)
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
