@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -161,6 +161,18 @@ def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]
             table._size = size
             if table._tombstones * 4 > table.num_slots:
                 table._rebuild()
+        raise
+
+
+def _finished(writes: Callable[..., None], *args: Any) -> None:
+    """Runs ``writes(*args)``, idempotent writes of a table; interrupted half-way (a
+    KeyboardInterrupt between two of them, a device out of memory in one), runs them again
+    before the error goes on, so the table is never left with its size, slots and rows
+    disagreeing."""
+    try:
+        writes(*args)
+    except BaseException:
+        writes(*args)
         raise
 
 
@@ -556,11 +568,7 @@ class HashTable:
         # their slots, or in two rows) is finished by running them again.
         removed_keys = self._row_keys[rows]
         moved = (self._row_keys[movers], self._last_seen[movers], self._count[movers]) if holes.numel() > 0 else None
-        try:
-            self._apply_remove(removed_keys, holes, moved, size, new_size)
-        except BaseException:
-            self._apply_remove(removed_keys, holes, moved, size, new_size)
-            raise
+        _finished(self._apply_remove, removed_keys, holes, moved, size, new_size)
         if self._tombstones * 4 > self.num_slots:
             self._rebuild()
 
@@ -587,11 +595,7 @@ class HashTable:
         """Re-places every live key into cleared slots: drops the tombstones. Interrupted
         between the clearing and the placing (which left every key unfindable), it places
         them again before the error goes on: the rows' keys are the truth it rebuilds from."""
-        try:
-            self._place_live_keys()
-        except BaseException:
-            self._place_live_keys()
-            raise
+        _finished(self._place_live_keys)
 
     def _place_live_keys(self) -> None:
         self._slot_rows.fill_(-1)
@@ -632,11 +636,7 @@ class HashTable:
         """Removes every key (and its scores); capacity, dtype, policy, clock and device stay.
         Interrupted halfway (a KeyboardInterrupt between its writes had left ``len`` keys that
         no find reached), it finishes before the error goes on."""
-        try:
-            self._clear_all()
-        except BaseException:
-            self._clear_all()
-            raise
+        _finished(self._clear_all)
 
     def _clear_all(self) -> None:
         self._slot_rows.fill_(-1)
