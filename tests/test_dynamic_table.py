@@ -26,7 +26,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from _state import saved_and_loaded
 from properties import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, examples, num_threads, sizes
@@ -732,9 +732,15 @@ def make_column(kind, n, g):
     raise ValueError(kind)
 
 
-@given(n=sizes(50_000), kinds=st.lists(st.sampled_from(["tiny", "full", "extremes", "sorted"]), min_size=1, max_size=3),
+# Up to 4 columns: the kernel's most (kSelectMaxColumns; 5 is refused). The explicit
+# examples make sure the CI profile runs 4 columns, ties in the first three (so the fourth
+# decides), across 2^14-entry chunks, on one and two threads.
+@given(n=sizes(50_000), kinds=st.lists(st.sampled_from(["tiny", "full", "extremes", "sorted"]), min_size=1, max_size=4),
        density=st.sampled_from([0.0, 0.01, 0.5, 0.97, 1.0]), k_fraction=st.floats(0, 1),
        seed=st.integers(0, 2**31), threads=st.sampled_from([1, 2]))
+@example(n=(1 << 14) + 1, kinds=["tiny", "extremes", "tiny", "full"], density=0.97, k_fraction=0.5, seed=4, threads=2)
+@example(n=3 * (1 << 14) + 5, kinds=["tiny", "tiny", "extremes", "sorted"], density=1.0, k_fraction=0.3, seed=5,
+         threads=1)
 @examples(12)
 def test_select_smallest_matches_sorted(device, n, kinds, density, k_fraction, seed, threads):
     g = torch.Generator().manual_seed(seed)

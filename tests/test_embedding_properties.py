@@ -6,14 +6,29 @@ kernel is also compared with the CPU kernel. Errors are bounded per element by t
 computation over absolute values (a sum of n terms in a type with epsilon eps is off by at
 most about n * eps * sum |terms|), so long bags and hot rows get a fair tolerance.
 
-Thresholds crossed (keep in step with the kernels): CPU column blocks of 8..128 lanes and
-a scalar tail (D in {1, 3, 16, 64, 128, 129}), bag chunks handed to threads; CUDA 16-byte
-packets (D a multiple of 4 or 8) or single elements, lane groups up to a warp, bags longer
-than kChunk = 1024 lookups split in pieces (long_bag_len).
+Thresholds crossed (keep in step with the kernels): CPU column passes (below), bag chunks
+handed to threads; the backward's numbering of the distinct rows, by unique_bounded's bitmap
+or, for a table of more than ``128 * nnz + 2^16`` rows (``ops._bitmap_numbers``), by the
+hash-based unique and a sort ("past_bitmap" tables); CUDA 16-byte packets (D a multiple of
+4 or 8) or single elements, lane groups up to a warp, bags longer than kChunk = 1024 lookups
+split in pieces (long_bag_len).
+
+CPU column passes (csrc/cpu/embedding_cpu.cpp, pool_bag_range): accumulator vectors of L
+lanes (AVX-512, taken when L64 divides D: L64 = 16 float / 8 double columns; else AVX2 or
+baseline: L32 = 8 / 4), blocks of 16 vectors, then one pass each of 8, 4, 2 and 1 vectors
+and a scalar tail. float16/bfloat16 accumulate in float. COLUMN_PASS_DIMS reach every pass
+of every width and both accumulator types (test_embedding_bag_column_passes):
+- D = 127: float AVX2 8, 4, 2, 1 vectors + tail; double AVX2 16-block, 8, 4, 2, 1 + tail.
+- D = 248: float AVX2 16-block, 8, 4, 2, 1 (248 % 16 = 8); double AVX-512 16-block, 8, 4, 2, 1.
+- D = 496: float AVX-512 16-block, 8, 4, 2, 1; double AVX-512 16-block x3, 8, 4, 2.
+(Under SPARSEKIT_CPU_CAPABILITY=avx2 or default, every dim takes the 32-byte passes; the
+same three dims still reach all of them.) The drawn DIMS add 8, 32, 48 and 96 to the
+hypothesis cases.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
@@ -23,25 +38,38 @@ from sparsekit import ops
 from properties import examples, num_threads, sizes, thread_counts
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-DIMS = [0, 1, 3, 16, 64, 128, 129, 272]
+DIMS = [0, 1, 3, 8, 16, 32, 48, 64, 96, 128, 129, 272]
+COLUMN_PASS_DIMS = [127, 248, 496]
+# Dims of the tables past the bitmap threshold (their gradients are num_rows x D dense in
+# the reference: kept small).
+BIG_TABLE_DIMS = [1, 3, 16]
 # Unit roundoff of the accumulator (float32 for every type but float64) and of the output.
 ACCUMULATOR_EPS = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-24}
 OUTPUT_EPS = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 MAX_NNZ = 40_000
 
 
+def past_bitmap_rows(nnz, delta):
+    """A table size ``delta`` rows past the last one whose backward numbers its rows with the
+    bitmap (delta 0: that last size; 1 and more: the hash-based unique and a sort)."""
+    return ops._BOUNDED_UNIQUE_BITS_PER_KEY * nnz + (1 << 16) + delta
+
+
 @st.composite
 def bag_cases(draw):
     mode = draw(st.sampled_from(["sum", "mean", "max"]))
+    num_rows = draw(st.sampled_from([1, 7, 300, 5000, "past_bitmap"]))
+    big = num_rows == "past_bitmap"  # small batches and dims: the table has ~10^5 rows
     return dict(
         mode=mode,
         weighted=draw(st.booleans()) and mode != "max",
         dtype=draw(st.sampled_from(DTYPES)),
-        dim=draw(st.sampled_from(DIMS)),
-        bags=draw(sizes(20_000)),
-        max_len=draw(st.sampled_from([0, 1, 3, 8, 40])),
-        long_bag_len=draw(st.sampled_from([0, 0, 1023, 1024, 1025, 2 * 1024 + 7, 5000])),
-        num_rows=draw(st.sampled_from([1, 7, 300, 5000])),
+        dim=draw(st.sampled_from(BIG_TABLE_DIMS if big else DIMS)),
+        bags=draw(sizes(64 if big else 20_000)),
+        max_len=draw(st.sampled_from([0, 1, 3, 8] if big else [0, 1, 3, 8, 40])),
+        long_bag_len=draw(st.sampled_from([0] if big else [0, 0, 1023, 1024, 1025, 2 * 1024 + 7, 5000])),
+        num_rows=num_rows,
+        past=draw(st.sampled_from([0, 1, 2, 4099])),
         missing=draw(st.sampled_from([0.0, 0.1, 1.0])),
         hot=draw(st.sampled_from([0.0, 0.5, 1.0])),
         padding=draw(st.sampled_from([None, 0, -1, 3])),
@@ -63,6 +91,8 @@ def make_bags(case):
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     nnz = int(offsets[-1])
     num_rows = case["num_rows"]
+    if num_rows == "past_bitmap":
+        num_rows = past_bitmap_rows(nnz, case["past"])
     rows = torch.randint(0, num_rows, (nnz,), generator=gen)
     rows[torch.rand(nnz, generator=gen) < case["hot"]] = num_rows // 2
     rows[torch.rand(nnz, generator=gen) < case["missing"] * 0.3] = -1
@@ -119,6 +149,10 @@ def ascending(rows, padding_row):
 @examples(60)
 @given(case=bag_cases())
 def test_embedding_bag_matches_reference(device, case):
+    check_bag_case(device, case)
+
+
+def check_bag_case(device, case):
     rows, offsets, weight, psw, grad_out = make_bags(case)
     mode, dtype = case["mode"], case["dtype"]
     num_rows = weight.shape[0]
@@ -188,13 +222,51 @@ def test_embedding_bag_matches_reference(device, case):
         assert torch.equal(again_out, cuda_out) and torch.equal(again_grads[0]._values(), cuda_grads[0]._values())
 
 
+def seeded_case(**changes):
+    """A fixed bag case (the strategy's fields) for the seeded tests below."""
+    case = {"mode": "sum", "weighted": False, "dtype": torch.float32, "dim": 16, "bags": 37, "max_len": 8,
+            "long_bag_len": 0, "num_rows": 300, "past": 1, "missing": 0.1, "hot": 0.0, "padding": None,
+            "include_last_offset": True, "index_dtype": torch.int64, "threads": 2, "seed": 12345}
+    case.update(changes)
+    return case
+
+
+# (mode, weighted): the three pooling loops (sum and mean share one).
+POOLING_LOOPS = [("sum", False), ("mean", True), ("max", False)]
+
+
+@pytest.mark.parametrize("mode, weighted", POOLING_LOOPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", COLUMN_PASS_DIMS)
+def test_embedding_bag_column_passes(device, dim, dtype, mode, weighted):
+    """Every column pass of the CPU kernel (see the module docstring), forward and backward,
+    for every pooling loop and dtype: the drawn cases reach them only by chance."""
+    check_bag_case(device, seeded_case(dim=dim, dtype=dtype, mode=mode, weighted=weighted, seed=dim))
+
+
+@pytest.mark.parametrize("mode, weighted", POOLING_LOOPS)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("past, hot, padding", [(0, 0.0, None), (1, 0.5, -1), (4099, 0.0, 3)])
+def test_embedding_bag_gradient_past_the_bitmap_threshold(device, past, hot, padding, index_dtype, mode, weighted):
+    """The backward of a table of more than 128 * nnz + 2^16 rows numbers its rows with the
+    hash-based unique and a sort (past 0: the last table size that still takes the bitmap)."""
+    case = seeded_case(num_rows="past_bitmap", past=past, hot=hot, padding=padding, index_dtype=index_dtype,
+                       mode=mode, weighted=weighted, dim=3, seed=past + 7, bags=40, max_len=6)
+    nnz = int(make_bags(case)[0].shape[0])
+    assert nnz > 0 and ops._bitmap_numbers(past_bitmap_rows(nnz, past), nnz) == (past == 0)
+    check_bag_case(device, case)
+
+
 @st.composite
 def gather_cases(draw):
+    num_rows = draw(st.sampled_from([1, 7, 300, 5000, "past_bitmap"]))
+    big = num_rows == "past_bitmap"
     return dict(
         dtype=draw(st.sampled_from(DTYPES)),
-        dim=draw(st.sampled_from(DIMS)),
-        n=draw(sizes(60_000)),
-        num_rows=draw(st.sampled_from([1, 7, 300, 5000])),
+        dim=draw(st.sampled_from(BIG_TABLE_DIMS if big else DIMS)),
+        n=draw(sizes(300)) if big else draw(sizes(60_000)),
+        num_rows=num_rows,
+        past=draw(st.sampled_from([0, 1, 4099])),
         missing=draw(st.sampled_from([0.0, 0.2, 1.0])),
         hot=draw(st.sampled_from([0.0, 0.9])),
         shape2d=draw(st.booleans()),
@@ -207,8 +279,23 @@ def gather_cases(draw):
 @examples(30)
 @given(case=gather_cases())
 def test_embedding_gather_matches_reference(device, case):
+    check_gather_case(device, case)
+
+
+@pytest.mark.parametrize("past", [0, 1, 4099])
+def test_embedding_gather_gradient_past_the_bitmap_threshold(device, past):
+    n = 200
+    assert ops._bitmap_numbers(past_bitmap_rows(n, past), n) == (past == 0)
+    check_gather_case(device, {"dtype": torch.float32, "dim": 3, "n": n, "num_rows": "past_bitmap", "past": past,
+                               "missing": 0.2, "hot": 0.0 if past else 0.9, "shape2d": past == 1,
+                               "misaligned": past == 1, "threads": 2, "seed": past})
+
+
+def check_gather_case(device, case):
     gen = torch.Generator().manual_seed(case["seed"])
     num_rows, dim, n = case["num_rows"], case["dim"], case["n"]
+    if num_rows == "past_bitmap":
+        num_rows = past_bitmap_rows(n, case["past"])
     big = torch.randn(num_rows, dim + 3, generator=gen, dtype=torch.float64).to(case["dtype"])
     weight = big[:, 1:dim + 1] if case["misaligned"] else big[:, :dim].contiguous()
     rows = torch.randint(0, num_rows, (n,), generator=gen)
