@@ -9,6 +9,8 @@ import sparsekit as sk
 from sparsekit import ops
 from sparsekit.hashtable import HashTable
 
+from _distributed import spawn
+
 
 def T(*values):
     return torch.tensor(values, dtype=torch.int64)
@@ -111,6 +113,94 @@ def test_clear_and_remove_interrupted_between_writes_leave_a_consistent_table(mo
         pending._remove(T(2, 3))
     monkeypatch.undo()
     assert _consistent(pending) and sorted(pending.export()[0].tolist()) == [1, 4, 5, 6]
+
+
+def test_an_admitted_key_whose_step_fails_after_the_insert_leaves_the_pending_admissions(monkeypatch):
+    # Out of memory writing the new row's vector, after the table took the admitted key: the
+    # key must not stay pending too (a state every load refuses as damaged, which no later
+    # step repaired: a checkpoint saved afterwards could not be loaded).
+    from sparsekit.shard import _ModelParallelEmbedding
+
+    layer = sk.DistributedEmbedding("sum", 8, 2, 1, 4, admit_after=2)
+    layer(sk.Ragged(T(5), T(0, 1)))
+    _fail_call(monkeypatch, _ModelParallelEmbedding, "_initialize_new_rows", 1,
+               torch.OutOfMemoryError("CPU out of memory (injected)"))
+    with pytest.raises(torch.OutOfMemoryError):
+        layer(sk.Ragged(T(5), T(0, 1)))
+    monkeypatch.undo()
+    assert int(layer.hash_table.find(T(5))) >= 0 and int(layer._pending.find(T(5))) < 0
+    assert _consistent(layer.hash_table) and _consistent(layer._pending)
+    fresh = sk.DistributedEmbedding("sum", 8, 2, 1, 4, admit_after=2)
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh.export()[0], layer.export()[0])
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CPU out of memory (injected)"), MemoryError("injected")])
+def test_load_checkpoint_out_of_memory_is_not_called_a_damaged_checkpoint(monkeypatch, tmp_path, error):
+    layer = sk.DistributedEmbedding("sum", 8, 2, 1, 4)
+    layer(sk.Ragged(T(1, 2), T(0, 1, 2)))
+    sk.save_checkpoint(str(tmp_path), layer)
+    target = sk.DistributedEmbedding("sum", 8, 2, 1, 4)
+    _fail_call(monkeypatch, torch, "load", 1, error)
+    with pytest.raises(type(error)) as raised:
+        sk.load_checkpoint(str(tmp_path), target)
+    assert type(raised.value) is type(error)
+    monkeypatch.undo()
+    sk.load_checkpoint(str(tmp_path), target)
+    assert torch.equal(target.export()[1], layer.export()[1])
+
+
+def _fault_on_one_rank_worker(rank, world_size, init, where):
+    import time
+
+    from sparsekit import collection
+
+    init()
+    torch.manual_seed(0)
+    if where == "partition_by_owner":
+        module = sk.DistributedEmbedding("sum", 32, 2, 1, 4)
+        owner, name = ops, "partition_by_owner"
+    elif where == "unique":  # the owner's dedup of the keys it received (the second unique of the step)
+        module = sk.DistributedEmbedding("sum", 32, 2, 1, 4)
+        owner, name = ops, "unique"
+    else:  # the collection owner's dedup of the pairs it received
+        module = sk.EmbeddingBagCollection([sk.TableConfig("t", 2, 32, ["f"])])
+        owner, name = collection, "_unique_tables"
+
+    def step():
+        keys = T(*range(rank * 8, rank * 8 + 8))
+        if isinstance(module, sk.EmbeddingBagCollection):
+            return module(sk.KeyedJagged(["f"], keys, lengths=torch.ones(8, dtype=torch.int64)))["f"]
+        return module(sk.Ragged(keys, torch.arange(9)))
+
+    step().sum().backward()
+    real = getattr(owner, name)
+    calls = {"n": 0}
+    k = 1 if where == "partition_by_owner" else 2  # the second: the owner's dedup (the first is the local one)
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == k:
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+        return real(*args, **kwargs)
+
+    if rank == 1:
+        setattr(owner, name, failing)
+    start = time.monotonic()
+    try:
+        with pytest.raises(torch.OutOfMemoryError if rank == 1 else RuntimeError):
+            step()
+    finally:
+        setattr(owner, name, real)
+    assert time.monotonic() - start < 10  # not the group's timeout
+    tables = [module.hash_table] if isinstance(module, sk.DistributedEmbedding) else [module._shards[0].hash_table]
+    assert all(_consistent(t) for t in tables)
+    step().sum().backward()  # and the next step works on both ranks
+
+
+@pytest.mark.parametrize("where", ["partition_by_owner", "unique", "unique_tables"])
+def test_out_of_memory_on_one_rank_before_the_lookup_agreement_raises_on_every_rank(tmp_path, where):
+    spawn(_fault_on_one_rank_worker, 2, str(tmp_path), where)
 
 
 def test_an_insert_whose_rebuild_is_interrupted_changes_nothing(monkeypatch):
