@@ -1309,6 +1309,9 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
             without one, or the checkpoint is damaged (among others: a layer's optimizer
             state that the optimizer's next step could not use).
         OtherRankError: another rank raised (its error names the cause); a RuntimeError.
+            Raised also when another rank failed after the checks, while writing (out of
+            memory, a KeyboardInterrupt): this rank then holds the checkpoint, that one is
+            partly loaded; load again on every rank.
         Exception: whatever a direct layer's ``embedding_initializer`` raises (it gives
             the rows the checkpoint does not hold).
     """
@@ -1358,15 +1361,28 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: Optional[torch.
     # hyperparameters) before it replaces anything, so if it still refuses, nothing has
     # changed; every rank reads the same dense.pt into an optimizer built alike (checked
     # above), so they refuse alike. What follows was checked above and cannot fail.
-    if optimizer is not None and dense.get("optimizer") is not None:
-        with torch.inference_mode(False):  # as _apply_layer's state
-            optimizer.load_state_dict(dense["optimizer"])
-        # load_state_dict rebuilt the dense state; embedding shards get theirs by key.
+    try:
+        if optimizer is not None and dense.get("optimizer") is not None:
+            with torch.inference_mode(False):  # as _apply_layer's state
+                optimizer.load_state_dict(dense["optimizer"])
+            # load_state_dict rebuilt the dense state; embedding shards get theirs by key.
+            for restore in restores:
+                optimizer.state.pop(restore.layer.weight, None)
+        wrappers = _wrapper_paths(model)
+        named = {_plain_name(key, wrappers): key for key in model.state_dict()}  # the model's own names
+        model.load_state_dict({named[key]: value for key, value in dense["model"].items()}, strict=False)
         for restore in restores:
-            optimizer.state.pop(restore.layer.weight, None)
-    wrappers = _wrapper_paths(model)
-    named = {_plain_name(key, wrappers): key for key in model.state_dict()}  # the model's own names
-    model.load_state_dict({named[key]: value for key, value in dense["model"].items()}, strict=False)
-    for restore in restores:
-        _apply_layer(restore, optimizer)
+            _apply_layer(restore, optimizer)
+    except BaseException as exc:  # noqa: BLE001 - shared with every rank below, then re-raised
+        error = exc
+    # A fault in the writing phase (out of memory, a KeyboardInterrupt) on one rank left it
+    # partly loaded while the others returned as if the load had succeeded: the failing rank
+    # could not load again alone (a collective), and its next collective paired with the
+    # others' next step. Every rank raises instead, so every rank can load again together.
+    if not _all_ok(group, error is None):
+        if error is not None:
+            raise error
+        raise OtherRankError("load_checkpoint failed on another rank while writing the loaded state (see the error "
+                             "there): this rank holds the checkpoint, that rank is partly loaded; call "
+                             "load_checkpoint again on every rank")
     return path

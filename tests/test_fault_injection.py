@@ -286,3 +286,51 @@ def test_the_placement_elsewhere_than_the_cpu_is_taken_back_out_too(monkeypatch)
     assert (len(first), len(second)) == (2, 1) and _consistent(first) and _consistent(second)
     assert first.find(T(3, 4)).tolist() == [-1, -1] and second.find(T(6)).tolist() == [-1]
     assert first.insert(T(7)).tolist() == [2]
+
+
+def _load_fault_on_one_rank_worker(rank, world_size, init, directory):
+    """A fault in load_checkpoint's writing phase on rank 1 (after every check passed): every
+    rank raises (rank 0 had returned as if loaded, so the "load again" the README advises was a
+    collective rank 0 never joined); loading again on every rank then gives the checkpoint."""
+    import time
+
+    from sparsekit import checkpoint
+
+    init()
+    torch.manual_seed(0)
+    layer = sk.DistributedEmbedding("sum", 16, 2, 1, 4, eviction="lru", admit_after=2)
+    optimizer = sk.LazyAdam(layer.parameters(), lr=0.1)
+
+    def step(seed):
+        keys = (torch.arange(6) * 3 + seed + rank) % 20
+        layer(sk.Ragged(keys, torch.arange(7))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for seed in range(3):
+        step(seed)
+    sk.save_checkpoint(directory, layer, optimizer)
+    saved_keys, saved_vectors = layer.export()
+    saved_moments = optimizer.state[layer.weight]["exp_avg"][:len(layer.hash_table)].clone()
+    for seed in range(3, 5):
+        step(seed)
+    real = checkpoint._apply_layer
+    if rank == 1:
+        checkpoint._apply_layer = lambda *args: (_ for _ in ()).throw(torch.OutOfMemoryError("CPU out of memory (injected)"))
+    start = time.monotonic()
+    try:
+        with pytest.raises(torch.OutOfMemoryError if rank == 1 else checkpoint.OtherRankError):
+            sk.load_checkpoint(directory, layer, optimizer)
+    finally:
+        checkpoint._apply_layer = real
+    assert time.monotonic() - start < 10
+    assert _consistent(layer.hash_table) and _consistent(layer._pending)
+    sk.load_checkpoint(directory, layer, optimizer)
+    keys, vectors = layer.export()
+    assert torch.equal(keys, saved_keys) and torch.equal(vectors, saved_vectors)
+    assert torch.equal(optimizer.state[layer.weight]["exp_avg"][:len(layer.hash_table)], saved_moments)
+    step(5)
+
+
+def test_a_fault_while_load_checkpoint_writes_on_one_rank_raises_on_every_rank(tmp_path):
+    spawn(_load_fault_on_one_rank_worker, 2, str(tmp_path), str(tmp_path / "ckpt"))
