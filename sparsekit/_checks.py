@@ -14,9 +14,11 @@ _ALLOCATION_FAILURES = ("can't allocate memory", "out of memory", "storage size 
                         "tried to allocate", "overflow when unpacking")
 
 
-class AllocationError(MemoryError, RuntimeError):
-    """A tensor sized by an argument cannot be allocated (a MemoryError and, like torch's
-    own allocation failures, a RuntimeError)."""
+class AllocationError(MemoryError, torch.OutOfMemoryError):
+    """A tensor sized by an argument cannot be allocated: a MemoryError and, like torch's
+    own allocation failures, a RuntimeError; also a torch.OutOfMemoryError, so a training
+    loop's ``except torch.OutOfMemoryError`` (torch's type for a device out of memory)
+    catches it as it caught the error it replaces."""
 
 
 def _bytes(count: int) -> str:

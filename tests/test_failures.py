@@ -43,6 +43,10 @@ def test_op_outputs_too_large_name_the_argument(size):
             mean()
     with pytest.raises(MemoryError, match=rf"key_seeded_uniform: 1 keys x dim={size} .*bytes"):
         sk.ops.key_seeded_uniform(torch.tensor([1]), size)
+    # Also torch's type for running out of memory, so a loop's handler for it still catches it.
+    with pytest.raises(torch.OutOfMemoryError, match=rf"segment_sum: num_segments={size} .*bytes") as info:
+        sk.ops.segment_sum(torch.ones(3, 2), torch.zeros(3, dtype=torch.long), size)
+    assert isinstance(info.value, (MemoryError, RuntimeError))
     # Ordinary errors still pass through unchanged.
     with pytest.raises(RuntimeError, match="segment_sum") as info:
         sk.ops.segment_sum(torch.ones(3, 2), torch.full((3,), 5), 2)
