@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Callable, Iterator, Sequence, Tuple, Union
+import re
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -12,6 +13,26 @@ import torch
 # Messages of torch's allocators (CPU, CUDA) and of its size arithmetic.
 _ALLOCATION_FAILURES = ("can't allocate memory", "out of memory", "storage size calculation overflowed",
                         "tried to allocate", "overflow when unpacking")
+
+
+# torch's CPU allocator (c10/core/impl/alloc_cpu.cpp) fails with a plain RuntimeError, not
+# torch.OutOfMemoryError: "[enforce fail at alloc_cpu.cpp:N] err == 0. DefaultCPUAllocator:
+# can't allocate memory: you tried to allocate N bytes. Error code 12 (...)" (POSIX), "not
+# enough memory" on Windows. Only this message counts; any other RuntimeError stays a bug.
+_CPU_ALLOCATOR_FAILURE = re.compile(
+    r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate \d+ bytes[^\n]*")
+
+
+def out_of_memory(error: BaseException) -> Optional[str]:
+    """The message of an allocation failure (the harness prints it; a checkpoint load passes
+    the error on instead of calling the file damaged), or None when ``error`` is not one."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):  # MemoryError: sparsekit's and numpy's too
+        return str(error)
+    if isinstance(error, RuntimeError):
+        match = _CPU_ALLOCATOR_FAILURE.search(str(error))
+        if match:
+            return match.group(0)
+    return None
 
 
 class AllocationError(MemoryError, torch.OutOfMemoryError):

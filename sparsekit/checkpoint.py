@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops
+from ._checks import out_of_memory
 from .exchange import _all_gather_digests, _owners
 from .hashtable import _MAX_CLOCK, HashTableFullError, _check_pending_of, _check_state_of
 from .optim import LazyAdam, _kept_step, _saved_step
@@ -633,10 +634,6 @@ def _commit(directory: str, temp_dir: str, final_dir: str, name: str) -> None:
 # ---- load -----------------------------------------------------------------------------------
 
 
-# Messages of torch's allocation failures that are no torch.OutOfMemoryError (the CPU allocator's).
-_OUT_OF_MEMORY = ("can't allocate memory", "out of memory", "tried to allocate")
-
-
 def _load(path: str) -> Any:
     """A checkpoint file's contents; a file that cannot be read is named in the error."""
     try:
@@ -644,11 +641,9 @@ def _load(path: str) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"load_checkpoint: {path} is missing") from None
-    except (MemoryError, torch.OutOfMemoryError):
-        raise  # the machine, not the file: the checkpoint is not damaged, and the caller's handler must see it
     except Exception as exc:  # noqa: BLE001 - EOFError with no message, UnpicklingError, ...
-        if isinstance(exc, RuntimeError) and any(marker in str(exc).lower() for marker in _OUT_OF_MEMORY):
-            raise  # torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory"): as above
+        if out_of_memory(exc) is not None:
+            raise  # the machine, not the file: the checkpoint is not damaged, and the caller's handler must see it
         detail = "it is empty" if os.path.exists(path) and os.path.getsize(path) == 0 else \
             f"{type(exc).__name__}: {exc}"
         raise ValueError(f"load_checkpoint: cannot read {path} ({detail}); the checkpoint is damaged") from exc

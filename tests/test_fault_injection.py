@@ -135,7 +135,11 @@ def test_an_admitted_key_whose_step_fails_after_the_insert_leaves_the_pending_ad
     assert torch.equal(fresh.export()[0], layer.export()[0])
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CPU out of memory (injected)"), MemoryError("injected")])
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CPU out of memory (injected)"), MemoryError("injected"),
+    # torch's CPU allocator raises a plain RuntimeError
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 1048576 bytes. Error code 12 (Cannot allocate memory)")])
 def test_load_checkpoint_out_of_memory_is_not_called_a_damaged_checkpoint(monkeypatch, tmp_path, error):
     layer = sk.DistributedEmbedding("sum", 8, 2, 1, 4)
     layer(sk.Ragged(T(1, 2), T(0, 1, 2)))

@@ -18,9 +18,9 @@ import re
 import sys
 from typing import List, NoReturn, Optional
 
-import torch
 import torch.distributed as dist
 
+from .._checks import out_of_memory
 from ..allocator import keep_freed_memory
 from ..checkpoint import OtherRankError
 from ..hashtable import HashTableFullError
@@ -138,25 +138,6 @@ def parse_args(argv: Optional[List[str]] = None,
     return config
 
 
-# torch's CPU allocator (c10/core/impl/alloc_cpu.cpp) fails with a plain RuntimeError, not
-# torch.OutOfMemoryError: "[enforce fail at alloc_cpu.cpp:N] err == 0. DefaultCPUAllocator:
-# can't allocate memory: you tried to allocate N bytes. Error code 12 (...)" (POSIX), "not
-# enough memory" on Windows. Only this message counts; any other RuntimeError stays a bug.
-_CPU_ALLOCATOR_FAILURE = re.compile(
-    r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate \d+ bytes[^\n]*")
-
-
-def _out_of_memory(error: BaseException) -> Optional[str]:
-    """What to print for an allocation failure, or None when ``error`` is not one."""
-    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):  # MemoryError: sparsekit's and numpy's too
-        return str(error)
-    if isinstance(error, RuntimeError):
-        match = _CPU_ALLOCATOR_FAILURE.search(str(error))
-        if match:
-            return match.group(0)
-    return None
-
-
 # What gloo / NCCL raise on a rank whose peer is gone (it stopped on an error of its own,
 # or was killed) or never came back within --timeout.
 _PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|Timed out|timed out|Timeout|"
@@ -238,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except OtherRankError as error:  # a checkpoint's save or load failed on another rank, which says why
         _fail(f"rank {dist.get_rank() if dist.is_initialized() else 0}: {error}")
     except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
-        detail = _out_of_memory(error)
+        detail = out_of_memory(error)
         if detail is not None:
             _fail(f"out of memory: {detail}; lower --batch-size, --table-rows/--capacity-per-rank or "
                   "--embedding-dim")
