@@ -646,22 +646,6 @@ class HashTable:
         self._size = 0
         self._tombstones = 0
 
-    def _truncate(self, size: int) -> None:
-        """Removes the keys of rows ``>= size``: undoes every insert since the table held
-        ``size`` keys (and evicted nothing). Their slots become tombstones."""
-        if not 0 <= size <= self._size:
-            raise ValueError(f"HashTable._truncate: size must lie in [0, {self._size}], got {size}")
-        if size == self._size:
-            return
-        removed = self._size - size
-        ops.hash_table_erase_(self._slot_keys, self._slot_rows, self._row_keys[size:self._size])
-        self._last_seen[size:self._size] = 0
-        self._count[size:self._size] = 0
-        self._tombstones += removed
-        self._size = size
-        if self._tombstones * 4 > self.num_slots:
-            self._rebuild()
-
     # -- persistence and devices ------------------------------------------------------
 
     @_locked
