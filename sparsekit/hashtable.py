@@ -159,8 +159,7 @@ def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]
                 table._count[size:size + b - a] = 0
                 table._tombstones += b - a
             table._size = size
-            if table._tombstones * 4 > table.num_slots:
-                table._rebuild()
+            table._rebuild_if_worn()
         raise
 
 
@@ -509,8 +508,7 @@ class HashTable:
             self._score(rows, plan.counts)
             # In here too: a rebuild interrupted (it then re-places the live keys) must not
             # leave an insert that raised but kept its keys.
-            if self._tombstones * 4 > self.num_slots:
-                self._rebuild()
+            self._rebuild_if_worn()
         except BaseException:
             self._undo_insert(plan, size, tombstones, rows, saved)
             raise
@@ -569,8 +567,7 @@ class HashTable:
         removed_keys = self._row_keys[rows]
         moved = (self._row_keys[movers], self._last_seen[movers], self._count[movers]) if holes.numel() > 0 else None
         _finished(self._apply_remove, removed_keys, holes, moved, size, new_size)
-        if self._tombstones * 4 > self.num_slots:
-            self._rebuild()
+        self._rebuild_if_worn()
 
     def _apply_remove(self, removed_keys: Tensor, holes: Tensor, moved: Optional[Tuple[Tensor, Tensor, Tensor]],
                       size: int, new_size: int) -> None:
@@ -590,6 +587,12 @@ class HashTable:
         self._last_seen[new_size:size] = 0
         self._count[new_size:size] = 0
         self._size = new_size
+
+    def _rebuild_if_worn(self) -> None:
+        """Drops the tombstones once they may fill more than a quarter of the slots (a
+        count that is an upper bound), which would make probes long."""
+        if self._tombstones * 4 > self.num_slots:
+            self._rebuild()
 
     def _rebuild(self) -> None:
         """Re-places every live key into cleared slots: drops the tombstones. Interrupted
