@@ -129,10 +129,14 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
     results: list[dict] = []
     nnz = args.bags * args.pooling
     offsets = torch.arange(0, nnz + 1, args.pooling, device=device)
+    # One table in memory for every side (nn.EmbeddingBag's weight is a view of it; sparsekit's
+    # gradient goes to `weight`, a leaf over the same storage): on a virtual machine two copies
+    # of a table can sit in memory of different speed (measured: the same loop 1.7x apart on
+    # two copies), which would time the copies, not the kernels. No side writes the table.
     table = torch.randn(args.rows, dim, device=device)
     reference = torch.nn.EmbeddingBag(args.rows, dim, mode="sum", sparse=True, include_last_offset=True,
-                                      _weight=table.clone(), device=device)
-    weight = table.clone().requires_grad_()
+                                      _weight=table, device=device)
+    weight = table.detach().requires_grad_()
     training = inference = None
     if fbgemm is not None:
         try:
@@ -141,7 +145,7 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
             print(f"FBGEMM modules could not be built on {device}: {error}")
     grad_out = torch.randn(args.bags, dim, device=device)
     scale = torch.rand(nnz, device=device)
-    reference_max = torch.nn.EmbeddingBag(args.rows, dim, mode="max", include_last_offset=True, _weight=table.clone(),
+    reference_max = torch.nn.EmbeddingBag(args.rows, dim, mode="max", include_last_offset=True, _weight=table,
                                           device=device) if "max" in args.modes else None
     for distribution in ("uniform", "zipf"):
         rows = make_rows(distribution, nnz, args.rows, device)

@@ -50,37 +50,36 @@ namespace {
 #define SPARSEKIT_ALWAYS_INLINE inline
 #endif
 
-// How many lookups ahead the loops prefetch: far enough to cover DRAM latency, near
-// enough that the lines are still in L1/L2 when used. Rows of one cache line (D <= 16 in
-// float32) look twice as far ahead, which keeps as many lines in flight as the wider
-// rows do: 1M x 16 float32, 16384 bags of 20, one thread, interleaved in one process,
-// nn.EmbeddingBag's time / sparsekit's went from x0.79 (16 ahead) to x0.94 (32 ahead)
-// (median of 7 rounds; 24: x0.90, 48: x0.95, 64: x0.89), while at D = 64 no distance or
-// line count measured better than 16 and 4.
+// embedding_gather's copy loop: how many lookups ahead it prefetches (far enough to cover
+// DRAM latency, near enough that the lines are still in L1/L2 when used) and how many lines
+// of each row (at most kMaxPrefetchLines; the hardware's prefetchers take it from there).
+// Rows of one line look 32 ahead, of 2-4 lines 24, longer ones 16 (tuned for the pooling
+// loops on an earlier VM, where they lived until the pooling got its own rule below).
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kPrefetchDistanceOneLine = 32;
-// Rows of 2-4 lines look 24 ahead in the weighted, max and gather loops, which prefetch
-// every line of the row: 24 measured best for the sum loop of D = 64 Zipf rows when it
-// still prefetched every line (benchmarks/cpp/embedding_bag_loops.cpp, one thread); longer
-// rows keep 16.
 constexpr int64_t kPrefetchDistanceFewLines = 24;
-// Lines of a row prefetched by hand; the hardware's adjacent-line and stream prefetchers
-// take it from there (more lines measured no faster on a 1M x 64 float32 table).
 constexpr int64_t kMaxPrefetchLines = 4;
 
-// The sum and mean loop (pool_rows, every vector width) prefetches the first line of the
-// row this many lookups ahead and leaves the rest of a wider row to the hardware's
-// adjacent-line and stream prefetchers; the AVX-512 weighted and max loops do the same.
-// benchmarks/cpp/embedding_bag_loops.cpp (1M rows, 16384 bags of 20, one thread, 9
-// interleaved rounds, against at::embedding_bag, which runs FBGEMM's AVX-512 kernel on
-// this machine) measured 32 ahead with one line at x1.14 / x1.07 / x1.14 / x0.99 / x1.10 /
-// x1.06 for D = 16, 64, 128 (uniform / Zipf rows), where two lines 32 ahead gave x1.06 /
-// x0.74 / x1.12 / x0.89 / x1.05 / x1.00 and 48 ahead no better. Two interleaved sets of
-// accumulators (two chains of adds) measured slower at D = 16 and no faster above. The
-// AVX2 sum, which spread a burst of every line 24 ahead among its adds, went from x0.58 /
-// x0.83 (Zipf / uniform, D = 16) to x1.07 / x1.11 with this one line (x0.82 / x1.01 to
-// x0.93 / x1.30 at D = 64; SPARSEKIT_CPU_CAPABILITY=avx2 against the same AVX-512 FBGEMM).
-constexpr int64_t kSumDistance = 32;
+// The pooling loops (pool_rows: sum, mean, weighted and max, every vector width) prefetch
+// every line of the row's pass (VectorColumns::kLines), last line first,
+// kPoolLinesInFlight / lines lookups ahead within [kMinPoolDistance, kMaxPoolDistance]:
+// 64 ahead for rows of 1-4 lines (D <= 64 float32), 32 for 8 (D = 128), 16 from 16 on, so
+// at most 256 lines (16 KiB) are in flight. Measured on the 2-core Zen 5 VM of the
+// benchmarks (1M rows, 16384 bags of 20, one thread, plain loops and this op called in one
+// process on one table and rows, against nn.EmbeddingBag, i.e. FBGEMM's AVX-512 JIT
+// kernel, which prefetches every line 16 ahead; medians of 7 interleaved rounds): every
+// line 64 ahead gave x1.71 / x1.69 / x1.68 for D = 16 / 32 / 64 uniform rows and x1.18 /
+// x1.51 for D = 16 / 64 Zipf rows, where the first line only, 32 ahead (this loop until
+// then, tuned on an earlier VM), gave x1.43 / x0.95 / x0.86 and x1.20 / x1.34: one line
+// leaves the rest of a wider row to the hardware prefetchers, which start too late on a
+// random row. FBGEMM's 16 ahead gave x1.13 / x1.00 / x1.09. At D = 128 (8 lines) the
+// distance trades uniform rows against Zipf ones: 64 ahead x1.04 / x1.65, 32 ahead x1.06 /
+// x1.31 ascending and x1.14 / x1.32 descending (the op); the plain loop measured the
+// descending order at x1.19 against x1.06 ascending 32 ahead, and no change at 4 lines.
+// Uniform D = 128 moves 168 MB a call at ~37 GB/s; one core streams 40 GB/s (torch.sum).
+constexpr int64_t kPoolLinesInFlight = 256;
+constexpr int64_t kMinPoolDistance = 16;
+constexpr int64_t kMaxPoolDistance = 64;
 
 /// The widest vector instructions the pooling loops use (cpu_features.h: the CPU's,
 /// lowered by SPARSEKIT_CPU_CAPABILITY so that the tests run every instantiation on one
@@ -225,7 +224,7 @@ inline int prefetch_lines(int64_t row_bytes) {
   return static_cast<int>(std::clamp<int64_t>((row_bytes + 63) / 64, 1, kMaxPrefetchLines));
 }
 
-/// Lookups ahead to prefetch for rows of row_bytes bytes.
+/// Lookups ahead to prefetch for rows of row_bytes bytes (embedding_gather).
 inline int64_t prefetch_distance(int64_t row_bytes) {
   return row_bytes <= 64 ? kPrefetchDistanceOneLine
          : row_bytes <= kMaxPrefetchLines * 64 ? kPrefetchDistanceFewLines
@@ -266,6 +265,25 @@ SPARSEKIT_ALWAYS_INLINE void for_each_prefetching(const char* base, int64_t row_
   int64_t k = begin;
   for (; k < unclamped; ++k) {
     prefetch_row_lines(wrapped_row(base, rows[k + distance], row_stride_bytes), 0, lines);
+    step(k);
+  }
+  for (; k < end; ++k) step(k);
+}
+
+/// for_each_prefetching for the pooling loops: kLines lines of the row `distance` lookups
+/// ahead, the count known at compile time (a loop over a run-time count of lines measured
+/// 1.7x slower at D = 64).
+template <int kLines, typename index_t, typename Step>
+SPARSEKIT_ALWAYS_INLINE void for_each_prefetching_lines(const char* base, int64_t row_stride_bytes,
+                                                        const index_t* rows, int64_t nnz, int64_t begin,
+                                                        int64_t end, int64_t distance, Step&& step) {
+  const int64_t unclamped = std::clamp<int64_t>(nnz - distance, begin, end);
+  int64_t k = begin;
+  for (; k < unclamped; ++k) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(wrapped_row(base, rows[k + distance], row_stride_bytes));
+    // Last line first (see kPoolLinesInFlight).
+#pragma GCC unroll 32
+    for (int l = kLines - 1; l >= 0; --l) __builtin_prefetch(reinterpret_cast<const char*>(at + 64 * l), 0, 3);
     step(k);
   }
   for (; k < end; ++k) step(k);
@@ -329,6 +347,8 @@ struct VectorColumns {
   using acc_t = acc_type<scalar_t>;
   using vec = typename AccVec<acc_t, kBytes>::type;
   static constexpr int kLanes = AccVec<acc_t, kBytes>::kLanes;
+  /// Cache lines of a row these columns span (prefetched by pool_rows).
+  static constexpr int kLines = std::max<int>(1, (kVecs * kLanes * static_cast<int>(sizeof(scalar_t)) + 63) / 64);
 
   SPARSEKIT_ALWAYS_INLINE static vec load(const scalar_t* src) {
     vec v;
@@ -382,6 +402,7 @@ template <typename scalar_t>
 struct TailColumns {
   using acc_t = acc_type<scalar_t>;
   static constexpr int kMax = AccVec<acc_t, 64>::kLanes;
+  static constexpr int kLines = 1;  // fewer columns than one 64-byte vector
   acc_t acc[kMax];
   int64_t width;
 
@@ -410,19 +431,23 @@ struct TailColumns {
 };
 
 /// Pools the columns held by `columns` (starting at col) over rows[begin, end) of one bag
-/// and writes them to out_row. The first pass over a bag (prefetch == true) also prefetches
-/// the rows kSumDistance (sum and mean; AVX-512 weighted and max too) or prefetch_distance()
-/// lookups ahead, running on into the next bags.
+/// and writes them to out_row. It prefetches the lines of these columns (Columns::kLines)
+/// kPoolLinesInFlight / kLines lookups ahead (at most kMaxPoolDistance), running on into the
+/// next bags: every pass over a wide row prefetches its own columns.
 template <bool kWeighted, bool kMax, int kBytes, typename Columns, typename scalar_t, typename index_t>
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
-                                       int64_t col, bool prefetch, Columns columns, scalar_t* out_row) {
+                                       int64_t col, Columns columns, scalar_t* out_row) {
+  constexpr int kLines = Columns::kLines;
+  constexpr int64_t kDistance =
+      std::clamp<int64_t>(kPoolLinesInFlight / kLines, kMinPoolDistance, kMaxPoolDistance);
   using acc_t = acc_type<scalar_t>;
   const scalar_t* const weight = p.weight;
   const int64_t row_stride = p.row_stride;
   const int64_t num_rows = p.num_rows;
   const index_t* const rows = p.rows;
   const scalar_t* const sample_weights = p.per_sample_weights;
-  const char* const base = reinterpret_cast<const char*>(weight);
+  // The prefetches address the row's columns from col on.
+  const char* const base = reinterpret_cast<const char*>(weight + col);
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   // Locals, not loads through p: the cold error call could otherwise force reloads.
   const int64_t padding_row = p.padding_row;
@@ -432,8 +457,8 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   if constexpr (!kWeighted && !kMax) {
     // Sum and mean: a lean loop (few live registers, so nothing the loop needs is
     // spilled), one test for a skipped row, the count of pooled rows derived from
-    // the skipped ones afterwards. The first pass prefetches the first line of the row
-    // kSumDistance lookups ahead, unchecked (for_each_prefetching).
+    // the skipped ones afterwards. The rows ahead are prefetched unchecked
+    // (for_each_prefetching_lines).
     const scalar_t* const weight_col = weight + col;
     int64_t skipped = 0;
     // `padded`: a padding row is skipped (without one, the range test alone finds every
@@ -449,13 +474,12 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
         }
         columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
       };
-      for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, prefetch, kSumDistance, 1, step);
+      for_each_prefetching_lines<kLines>(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, step);
     };
     padding_row < 0 ? pool(std::false_type{}) : pool(std::true_type{});
     valid = (end - begin) - skipped;
   } else {
-    // Weighted sums and max: every lookup tested and counted; the first pass prefetches
-    // (for_each_prefetching) `lines` lines `distance` lookups ahead.
+    // Weighted sums and max: every lookup tested and counted; prefetched as the sum is.
     const auto step = [&](int64_t k) {
       const index_t row = rows[k];
       if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) return;
@@ -470,10 +494,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
       }
       ++valid;
     };
-    const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
-    const int lines = kBytes == 64 ? 1 : prefetch_lines(row_bytes);
-    const int64_t distance = kBytes == 64 ? kSumDistance : prefetch_distance(row_bytes);
-    for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, prefetch, distance, lines, step);
+    for_each_prefetching_lines<kLines>(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, step);
   }
   // Mean divides by the number of valid rows (weighted: by their weights' sum), as a
   // division: a multiplication by the reciprocal is 1 ulp off nn.EmbeddingBag a quarter of
@@ -510,27 +531,27 @@ SPARSEKIT_ALWAYS_INLINE void pool_bag_range(const BagProblem<scalar_t, index_t>&
     }
     int64_t col = 0;
     for (; col + kBlock <= dim; col += kBlock) {
-      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 16, kBytes, kF16c>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, VectorColumns<scalar_t, 16, kBytes, kF16c>(), out_row);
     }
     // The rest in passes of 8, 4, 2 and 1 vectors, then a scalar tail.
     if (col + 8 * kLanes <= dim) {
-      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 8, kBytes, kF16c>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, VectorColumns<scalar_t, 8, kBytes, kF16c>(), out_row);
       col += 8 * kLanes;
     }
     if (col + 4 * kLanes <= dim) {
-      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 4, kBytes, kF16c>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, VectorColumns<scalar_t, 4, kBytes, kF16c>(), out_row);
       col += 4 * kLanes;
     }
     if (col + 2 * kLanes <= dim) {
-      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 2, kBytes, kF16c>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, VectorColumns<scalar_t, 2, kBytes, kF16c>(), out_row);
       col += 2 * kLanes;
     }
     if (col + kLanes <= dim) {
-      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, VectorColumns<scalar_t, 1, kBytes, kF16c>(), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, VectorColumns<scalar_t, 1, kBytes, kF16c>(), out_row);
       col += kLanes;
     }
     if (col < dim) {
-      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, col == 0, TailColumns<scalar_t>(dim - col), out_row);
+      pool_rows<kWeighted, kMax, kBytes>(p, begin, end, col, TailColumns<scalar_t>(dim - col), out_row);
     }
   }
 }
