@@ -373,7 +373,11 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
 def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] = None,
                dtype: torch.dtype = torch.float32) -> Tensor:
     """``weight[rows]`` in ``dtype`` (float32, or float64 where a float64 weight is read),
-    rows of -1 (``miss``) read as zeros; into ``out`` if given."""
+    rows of -1 (``miss``) read as zeros; into ``out`` if given. Large CPU reads go through
+    sparsekit's prefetching gather (see ``_GATHER_MIN_BYTES``)."""
+    if out is None and weight.device.type == "cpu" and \
+            rows.numel() * weight.shape[1] * weight.element_size() > _GATHER_MIN_BYTES:
+        return ops.embedding_gather(weight, rows).to(dtype)  # -1 reads as zeros
     found = rows >= 0 if miss else None
     index = torch.where(found, rows, 0) if miss else rows
     if out is None:
