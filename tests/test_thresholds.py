@@ -39,7 +39,8 @@ segment_sum (csrc/cpu/segment_cpu.cpp)
 embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
   :578 AVX-512 iff D % (64 / sizeof(acc)) == 0; :511-549 passes of 16/8/4/2/1 vectors + tail
                                                                     test_embedding_bag_dims (and under avx2 / default)
-  prefetch_distance by row bytes (64, 256); the sum loop's kSumDistance 32; every loop
+  gather: prefetch_distance by row bytes (64, 256); pooling: 256 / lines of the column pass
+  ahead, in [16, 64] (1-4 lines 64, 8 lines 32, 16 lines 16); every loop
   split where the last lookup comes into reach (nnz - distance)    test_embedding_bag_dims, test_pooling_loops_read_no_id_past_the_end
   :581 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
   :790 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
