@@ -26,6 +26,10 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== wheel $(basename "$wheel") under torch $torch_version"
+# pip without this machine's configuration files: some machines cap torch's version in a
+# global constraint file (`pip config debug` shows it; one here allows no torch above
+# 2.14.1), which would refuse the newer torch this check exists to try.
+export PIP_CONFIG_FILE=/dev/null
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" pytest hypothesis expecttest
 "$venv/bin/pip" install -q --disable-pip-version-check "$wheel"
