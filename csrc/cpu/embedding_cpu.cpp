@@ -46,8 +46,10 @@ namespace {
 
 #if defined(__GNUC__)
 #define SPARSEKIT_ALWAYS_INLINE inline __attribute__((always_inline))
+#define SPARSEKIT_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define SPARSEKIT_ALWAYS_INLINE inline
+#define SPARSEKIT_ALWAYS_INLINE_LAMBDA
 #endif
 
 // embedding_gather's copy loop: how many lookups ahead it prefetches (far enough to cover
@@ -231,15 +233,22 @@ inline int64_t prefetch_distance(int64_t row_bytes) {
                                                : kPrefetchDistance;
 }
 
-/// Prefetches lines [first, lines) of the row at `line`. `lines` is loop-invariant, so
-/// its tests predict perfectly.
-/// The lines after the first are addressed in uintptr_t: `line` may be a wrapped_row.
-SPARSEKIT_ALWAYS_INLINE void prefetch_row_lines(const char* line, int first, int lines) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(line);
-  if (first < 1 && lines > 0) __builtin_prefetch(line, 0, 3);
-  if (first < 2 && lines > 1) __builtin_prefetch(reinterpret_cast<const char*>(at + 64), 0, 3);
-  if (first < 3 && lines > 2) __builtin_prefetch(reinterpret_cast<const char*>(at + 128), 0, 3);
-  if (first < 4 && lines > 3) __builtin_prefetch(reinterpret_cast<const char*>(at + 192), 0, 3);
+/// Prefetches lines [0, lines) of the row at `at` (embedding_gather, lines <= 4). `lines`
+/// is loop-invariant, so its tests predict perfectly.
+SPARSEKIT_ALWAYS_INLINE void prefetch_row_lines(uintptr_t at, int lines) {
+  if (lines > 0) __builtin_prefetch(reinterpret_cast<const char*>(at), 0, 3);
+  if (lines > 1) __builtin_prefetch(reinterpret_cast<const char*>(at + 64), 0, 3);
+  if (lines > 2) __builtin_prefetch(reinterpret_cast<const char*>(at + 128), 0, 3);
+  if (lines > 3) __builtin_prefetch(reinterpret_cast<const char*>(at + 192), 0, 3);
+}
+
+/// Prefetches kLines lines of the row at `at`, last line first (the pooling loops; see
+/// kPoolLinesInFlight). The count is known at compile time: a loop over a run-time count of
+/// lines measured 1.7x slower at D = 64.
+template <int kLines>
+SPARSEKIT_ALWAYS_INLINE void prefetch_row_lines_back(uintptr_t at) {
+#pragma GCC unroll 32
+  for (int l = kLines - 1; l >= 0; --l) __builtin_prefetch(reinterpret_cast<const char*>(at + 64 * l), 0, 3);
 }
 
 /// The address of row `row` for a prefetch, whatever the id: computed in uintptr_t, where
@@ -251,39 +260,19 @@ SPARSEKIT_ALWAYS_INLINE const char* wrapped_row(const char* base, index_t row, i
                                            static_cast<uint64_t>(row_stride_bytes));
 }
 
-/// Calls step(k) for k in [begin, end) of lookups rows[0, nnz), with `prefetch` prefetching
-/// lines [0, lines) of the row `distance` lookups on while that lookup exists: the range is
-/// split where the
-/// last lookup comes into reach, so the position needs no clamp, and the row no range
-/// select (see wrapped_row). The prefetch runs past a bag into the next ones: the flat rows
-/// are read in order.
-template <typename index_t, typename Step>
+/// Calls step(k) for k in [begin, end) of lookups rows[0, nnz), with prefetch_row(at)
+/// prefetching the row `distance` lookups on (`at`: its address, see wrapped_row) while that
+/// lookup exists: the range is split where the last lookup comes into reach, so the position
+/// needs no clamp, and the row no range select. The prefetch runs past a bag into the next
+/// ones: the flat rows are read in order.
+template <typename index_t, typename Prefetch, typename Step>
 SPARSEKIT_ALWAYS_INLINE void for_each_prefetching(const char* base, int64_t row_stride_bytes, const index_t* rows,
-                                                  int64_t nnz, int64_t begin, int64_t end, bool prefetch,
-                                                  int64_t distance, int lines, Step&& step) {
-  const int64_t unclamped = prefetch ? std::clamp<int64_t>(nnz - distance, begin, end) : begin;
-  int64_t k = begin;
-  for (; k < unclamped; ++k) {
-    prefetch_row_lines(wrapped_row(base, rows[k + distance], row_stride_bytes), 0, lines);
-    step(k);
-  }
-  for (; k < end; ++k) step(k);
-}
-
-/// for_each_prefetching for the pooling loops: kLines lines of the row `distance` lookups
-/// ahead, the count known at compile time (a loop over a run-time count of lines measured
-/// 1.7x slower at D = 64).
-template <int kLines, typename index_t, typename Step>
-SPARSEKIT_ALWAYS_INLINE void for_each_prefetching_lines(const char* base, int64_t row_stride_bytes,
-                                                        const index_t* rows, int64_t nnz, int64_t begin,
-                                                        int64_t end, int64_t distance, Step&& step) {
+                                                  int64_t nnz, int64_t begin, int64_t end, int64_t distance,
+                                                  Prefetch&& prefetch_row, Step&& step) {
   const int64_t unclamped = std::clamp<int64_t>(nnz - distance, begin, end);
   int64_t k = begin;
   for (; k < unclamped; ++k) {
-    const uintptr_t at = reinterpret_cast<uintptr_t>(wrapped_row(base, rows[k + distance], row_stride_bytes));
-    // Last line first (see kPoolLinesInFlight).
-#pragma GCC unroll 32
-    for (int l = kLines - 1; l >= 0; --l) __builtin_prefetch(reinterpret_cast<const char*>(at + 64 * l), 0, 3);
+    prefetch_row(reinterpret_cast<uintptr_t>(wrapped_row(base, rows[k + distance], row_stride_bytes)));
     step(k);
   }
   for (; k < end; ++k) step(k);
@@ -440,6 +429,9 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   constexpr int kLines = Columns::kLines;
   constexpr int64_t kDistance =
       std::clamp<int64_t>(kPoolLinesInFlight / kLines, kMinPoolDistance, kMaxPoolDistance);
+  // A lambda, inlined: handed a pointer to the function, GCC found it free of side effects
+  // and dropped the call, prefetches and all, in every loop but the sum's.
+  const auto prefetch_row = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<kLines>(at); };
   using acc_t = acc_type<scalar_t>;
   const scalar_t* const weight = p.weight;
   const int64_t row_stride = p.row_stride;
@@ -458,7 +450,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
     // Sum and mean: a lean loop (few live registers, so nothing the loop needs is
     // spilled), one test for a skipped row, the count of pooled rows derived from
     // the skipped ones afterwards. The rows ahead are prefetched unchecked
-    // (for_each_prefetching_lines).
+    // (for_each_prefetching).
     const scalar_t* const weight_col = weight + col;
     int64_t skipped = 0;
     // `padded`: a padding row is skipped (without one, the range test alone finds every
@@ -474,7 +466,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
         }
         columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
       };
-      for_each_prefetching_lines<kLines>(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, step);
+      for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, prefetch_row, step);
     };
     padding_row < 0 ? pool(std::false_type{}) : pool(std::true_type{});
     valid = (end - begin) - skipped;
@@ -494,7 +486,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
       }
       ++valid;
     };
-    for_each_prefetching_lines<kLines>(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, step);
+    for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, prefetch_row, step);
   }
   // Mean divides by the number of valid rows (weighted: by their weights' sum), as a
   // division: a multiplication by the reciprocal is 1 ulp off nn.EmbeddingBag a quarter of
@@ -760,7 +752,8 @@ void gather_row_range(const char* weight, int64_t row_stride_bytes, int64_t num_
                       std::atomic<int64_t>* first_bad_position) {
   const int lines = prefetch_lines(row_bytes);
   const int64_t distance = prefetch_distance(row_bytes);
-  for_each_prefetching(weight, row_stride_bytes, rows, n, begin, end, true, distance, lines, [&](int64_t i) {
+  const auto prefetch_row = [lines](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines(at, lines); };
+  for_each_prefetching(weight, row_stride_bytes, rows, n, begin, end, distance, prefetch_row, [&](int64_t i) {
     const index_t row = rows[i];
     char* dst = out + i * row_bytes;
     if (row_in_range(row, num_rows)) {
