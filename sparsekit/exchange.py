@@ -255,6 +255,12 @@ def _sort_rows(rows: Tensor) -> Tuple[Tensor, Tensor]:
 _GATHER_MIN_BYTES = 256 * 1024
 
 
+def _gathers(weight: Tensor, rows: Tensor) -> bool:
+    """Whether ``weight[rows]`` is read with sparsekit's gather (a CPU read of more than
+    ``_GATHER_MIN_BYTES``) rather than ``index_select``."""
+    return weight.device.type == "cpu" and rows.numel() * weight.shape[1] * weight.element_size() > _GATHER_MIN_BYTES
+
+
 class _LookupOwned(torch.autograd.Function):
     """Rows of the local shard for the keys this rank received, with a sparse weight gradient.
 
@@ -275,7 +281,7 @@ class _LookupOwned(torch.autograd.Function):
         ctx.weight_shape = weight.shape
         ctx.has_missing = has_missing
         ctx.marker, ctx.stamp = marker, marker.stamp
-        if weight.device.type == "cpu" and rows.numel() * weight.shape[1] * weight.element_size() > _GATHER_MIN_BYTES:
+        if _gathers(weight, rows):
             return ops.embedding_gather(weight, rows)  # -1 reads as zeros
         if not has_missing:
             return weight.index_select(0, rows)
@@ -375,8 +381,7 @@ def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] =
     """``weight[rows]`` in ``dtype`` (float32, or float64 where a float64 weight is read),
     rows of -1 (``miss``) read as zeros; into ``out`` if given. Large CPU reads go through
     sparsekit's prefetching gather (see ``_GATHER_MIN_BYTES``)."""
-    if out is None and weight.device.type == "cpu" and \
-            rows.numel() * weight.shape[1] * weight.element_size() > _GATHER_MIN_BYTES:
+    if out is None and _gathers(weight, rows):
         return ops.embedding_gather(weight, rows).to(dtype)  # -1 reads as zeros
     found = rows >= 0 if miss else None
     index = torch.where(found, rows, 0) if miss else rows

@@ -1513,3 +1513,44 @@ def test_a_table_shared_by_two_features_with_different_weights_matches_plain_tor
     (torch.cat([out["f"], out["g"]]) * grad).sum().backward()
     (expected * grad).sum().backward()
     torch.testing.assert_close(ebc.weights["a"].grad.to_dense(), reference.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_key_per_bag_large_reads_go_through_the_gather(monkeypatch, dtype):
+    """One process, one key per bag, blocks of rows above the size from which a CPU table
+    is read with sparsekit's gather (256 KiB; below it, index_select): training and eval
+    with unseen keys (zeros) against the exported table, and the table's gradient."""
+    from sparsekit import exchange
+
+    dim = 16
+    batch = 3 * exchange._GATHER_MIN_BYTES // (dim * torch.tensor([], dtype=dtype).element_size())
+    gathered = []
+    real_gather = exchange.ops.embedding_gather
+    monkeypatch.setattr(exchange.ops, "embedding_gather", lambda w, r: gathered.append(r.numel()) or real_gather(w, r))
+    g = torch.Generator().manual_seed(13)
+    collection = sk.EmbeddingBagCollection([sk.TableConfig("t", dim, 4 * batch, ["a", "b"], dtype=dtype)])
+    keys = torch.randint(-2**62, 2**62, (2 * batch,), generator=g)
+    unseen = torch.randint(-2**62, 2**62, (2 * batch,), generator=g)
+    ones = torch.ones(2 * batch, dtype=torch.int64)
+    for step, values in enumerate([keys, torch.where(torch.arange(2 * batch) % 2 == 0, keys, unseen)]):
+        if step == 1:
+            collection.eval()
+        gathered.clear()
+        out = collection(sk.KeyedJagged(["a", "b"], values, lengths=ones))
+        assert gathered and max(gathered) >= batch
+        exported_keys, vectors = collection.export("t")
+        table = dict(zip(exported_keys.tolist(), vectors.float()))
+        zero = torch.zeros(dim)
+        for f, feature in enumerate(["a", "b"]):
+            expected = torch.stack([table.get(k, zero) for k in values[f * batch:(f + 1) * batch].tolist()])
+            torch.testing.assert_close(out[feature].float(), expected, rtol=0, atol=0)
+        if step == 0:
+            target = torch.randn(2 * batch, dim, generator=g)
+            (torch.cat([out["a"], out["b"]]).float() * target).sum().backward()
+            # The exported keys are in row order (row r holds exported_keys[r]).
+            row_of = {k: r for r, k in enumerate(exported_keys.tolist())}
+            rows = torch.tensor([row_of[k] for k in keys.tolist()])
+            grad = collection.weights["t"].grad
+            dense = torch.zeros(grad.shape).index_add_(0, rows, target)
+            # (a bfloat16 table's gradient is rounded to bfloat16)
+            torch.testing.assert_close(grad.to_dense(), dense.to(dtype), rtol=0, atol=0)
