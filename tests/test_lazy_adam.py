@@ -132,13 +132,16 @@ def test_op_repeated_row_names_it(device, num_rows, index_dtype):
 
 
 @given(num_rows=st.sampled_from([1, 2, 64, 1000, 70_000, 300_000, 1_000_000]), num_updates=st.integers(2, 3000),
-       repeat=st.booleans(), index_dtype=st.sampled_from([torch.int64, torch.int32]), threads=thread_counts,
-       seed=st.integers(0, 2**31))
+       repeat=st.booleans(), ascending=st.booleans(), index_dtype=st.sampled_from([torch.int64, torch.int32]),
+       threads=thread_counts, seed=st.integers(0, 2**31))
 @examples(10)
-def test_op_repeated_rows_raise_and_write_nothing(device, num_rows, num_updates, repeat, index_dtype, threads, seed):
+def test_op_repeated_rows_raise_and_write_nothing(device, num_rows, num_updates, repeat, ascending, index_dtype,
+                                                  threads, seed):
     """A row given twice raises (it would be updated twice, by racing threads) and nothing
-    changes; distinct rows update. Tables up to 128 rows per update (+ 2^16) are checked
-    with a bitmap of their rows, larger ones with a sorted copy: both are crossed."""
+    changes; distinct rows update. Strictly ascending rows pass on one compare a row; others
+    are checked, up to 128 rows per update (+ 2^16), with a bitmap of their rows, larger
+    ones with a sorted copy: all three are crossed, and sorted rows with their repeat side
+    by side, which ascend but not strictly."""
     g = torch.Generator().manual_seed(seed)
     num_updates = min(num_updates, num_rows + int(repeat))
     if num_updates < 2:
@@ -148,6 +151,8 @@ def test_op_repeated_rows_raise_and_write_nothing(device, num_rows, num_updates,
         position = int(torch.randint(0, rows.numel() + 1, (1,), generator=g))
         rows = torch.cat([rows[:position], rows[int(torch.randint(0, rows.numel(), (1,), generator=g))].view(1),
                           rows[position:]])
+    if ascending:
+        rows = rows.sort().values
     weight, exp_avg, exp_avg_sq = (torch.zeros(num_rows, 2, device=device) for _ in range(3))
     grad = torch.ones(rows.numel(), 2, device=device)
     with num_threads(threads):
