@@ -10,6 +10,7 @@ import math
 import numbers
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -868,8 +869,10 @@ class _ModelParallelEmbedding(nn.Module):
         order of first occurrence, with their initial vectors. Raises with nothing changed.
         CPU only (the masks are numpy's: a fraction of torch's small ops' cost)."""
         host_rows = rows.numpy()
-        missing = host_rows < 0
-        if not missing.any():
+        # Positions, not a mask: the few absent keys are then picked and written back
+        # without two more passes over every key.
+        missing = np.flatnonzero(host_rows < 0)
+        if missing.size == 0:
             return rows
         table = self.hash_table
         new_keys, new_of_missing = ops.unique(torch.from_numpy(keys.detach().numpy()[missing]))

@@ -32,10 +32,13 @@ ops._bitmap_numbers (ops._number_rows, shard._distinct_sorted_rows, optim._sum_r
                                                                     test_repeated_rows_are_summed_alike_on_both_paths
 ops.py:946 _lookup_dots chunks of 2^20 // D lookups                 test_per_sample_weight_gradient_chunks
 segment_sum (csrc/cpu/segment_cpu.cpp)
-  :215 one thread below n * D < 2^15                                test_segment_sum_boundaries
+  :242 one thread below n * D < 2^15                                test_segment_sum_boundaries
   :41  kLanes 16 (add_row tail), :63 float16 blocks of 64 (+ F16C 8)  test_segment_sum_boundaries
   :43  kListRows 2048, :45 kSampleIds 4096                           test_segment_sum_boundaries
-  :222 column blocks when segment ranges < threads (one hot segment)  test_segment_sum_boundaries
+  :249 column blocks when segment ranges < threads (one hot segment)  test_segment_sum_boundaries
+  accumulate_unit_of_width: float32 widths 16 / 32 / 64 / 128 at compile time, others not
+                                                                    test_segment_sum_property_matches_index_add,
+                                                                    test_segment_sum_column_blocks_few_segments
 embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
   :578 AVX-512 iff D % (64 / sizeof(acc)) == 0; :511-549 passes of 16/8/4/2/1 vectors + tail
                                                                     test_embedding_bag_dims (and under avx2 / default)
@@ -45,16 +48,18 @@ embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
   :581 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
   :790 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
 lazy_adam (csrc/cpu/lazy_adam_cpu.cpp)
-  :27/:40 SSE2 widths 4 / 2 with scalar tails                        test_lazy_adam_dims
-  :134 repeated-row check by bitmap iff R <= 128 * u + 2^16, else sort  test_lazy_adam_repeat_check_paths
-  :143/:167 check grain 2^14, :225 update grain 16384 / D            test_lazy_adam_grains
-  :385 tables: grain 16384 / max D, half rows widened 8 at a time    test_lazy_adam_tables
+  :30/:43 SSE2 widths 4 / 2 with scalar tails                        test_lazy_adam_dims
+  :158 strictly ascending rows pass the repeated-row check unsorted  test_op_repeated_rows_raise_and_write_nothing
+  :160 repeated-row check by bitmap iff R <= 128 * u + 2^16, else sort  test_lazy_adam_repeat_check_paths
+  :163/:187 check grain 2^14, :245 update grain 16384 / D            test_lazy_adam_grains
+  :128 prefetch 32 / (lines of a row) rows ahead, in [4, 32]
+  :407 tables: grain 16384 / max D, half rows widened 8 at a time    test_lazy_adam_tables
 select_smallest (csrc/cpu/select_cpu.cpp, csrc/select.h)
   :163 chunks of 2^14, at most 4 * threads; :166 list once bucket * 2 <= n  test_select_smallest_boundaries
   select.h:32 16-bit digits (a bucket spanning 2^16 vs 2^16 + 1 values), :72 narrower last digit
 hash table (csrc/cpu/hashtable_cpu.cpp, sparsekit/hashtable.py)
-  :17  kHashGrain 4096 keys; :24 find prefetch from 2^17 slots (capacity 2^15 + 1)
-  :28  score prefetch from 2^16 rows; hashtable.py:44 slots >= 2 * capacity, >= 16  test_hash_table_boundaries
+  :18  kHashGrain 4096 keys; :28 find and place prefetch from 2^17 slots (capacity 2^15 + 1),
+  :25  64 keys ahead; :32 score prefetch from 2^16 rows; hashtable.py:44 slots >= 2 * capacity, >= 16  test_hash_table_boundaries
   hashtable.py:409 rebuild once tombstones * 4 > slots                test_hash_table_eviction_model
 partition_by_owner (csrc/cpu/routing_cpu.cpp)
   :20  2^14 keys per chunk, chunks <= 4 n / world_size; world_size 1 path  test_partition_by_owner
