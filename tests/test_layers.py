@@ -1323,3 +1323,30 @@ def test_two_forwards_then_backward_accumulate_as_nn_embedding_bag(kwargs, combi
     sum(((reference(torch.tensor([row_of[k] for k in v.tolist()], dtype=torch.int64), o[:-1]).view(6, 1, DIM)
           * s).sum() for (v, o), s in zip(batches, scales))).backward()
     torch.testing.assert_close(layer.weight.grad.to_dense(), reference.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("offsets_dtype", [torch.int64, torch.int32])
+def test_one_key_per_bag_offsets_are_checked_by_one_compare(offsets_dtype):
+    """Offsets 0, 1, ..., nnz (one key per bag) pass the layer's checks with one compare
+    against a kept arange, which grows with the batch; counting offsets that stop short
+    of, or run past, len(values), and other offsets, still go through the full checks."""
+    from sparsekit.exchange import _offsets_error_flags, _one_per_bag
+
+    for n in (1, 5, 3000, 7, 70_000, 2, 3):  # the kept arange grows, then serves smaller batches
+        counting = torch.arange(n + 1, dtype=offsets_dtype)
+        assert _one_per_bag(counting, n) and int(_offsets_error_flags(counting, n)) == 0
+        assert int(_offsets_error_flags(counting, n + 1)) != 0  # ends before len(values)
+        assert int(_offsets_error_flags(counting[:-1], n)) != 0 if n > 1 else True
+        if n < 3:
+            continue
+        broken = counting.clone()
+        broken[n // 2 + 1] = broken[n // 2]  # an empty bag: valid, but not one key per bag
+        assert int(_offsets_error_flags(broken, n)) == 0 and not _one_per_bag(broken, n)
+        broken[n // 2 + 1] = broken[n // 2] - 1  # decreasing
+        assert int(_offsets_error_flags(broken, n)) != 0
+    layer = sk.DistributedEmbedding("sum", 100, DIM, 2, 1)
+    keys = torch.tensor([3, 4, 5, 6])
+    pooled = layer(sk.Ragged(keys, torch.arange(5, dtype=offsets_dtype)))
+    torch.testing.assert_close(pooled.view(4, DIM), layer.weight[layer.hash_table.find(keys)])
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        layer(sk.Ragged(torch.tensor([3, 4, 5]), torch.arange(5, dtype=offsets_dtype)))
