@@ -452,8 +452,10 @@ def _pool(rows: Tensor, index: Tensor, offsets: Tensor, one_per_bag: bool) -> Te
     return _PoolRows.apply(rows, index, bag, offsets)
 
 
-# 0, 1, 2, ... (read-only, grown on demand): what one-key-per-bag CSR offsets equal.
+# 0, 1, 2, ... (read-only, grown on demand up to _COUNTING_KEPT entries, 8 MiB): what
+# one-key-per-bag CSR offsets equal.
 _COUNTING = np.arange(0, dtype=np.int64)
+_COUNTING_KEPT = 1 << 20
 
 
 def _is_counting(host: np.ndarray) -> bool:
@@ -464,7 +466,9 @@ def _is_counting(host: np.ndarray) -> bool:
     global _COUNTING
     counting = _COUNTING
     if counting.size < host.size:
-        counting = np.arange(max(host.size, 2 * counting.size), dtype=np.int64)
+        counting = np.arange(min(max(host.size, 2 * counting.size), _COUNTING_KEPT), dtype=np.int64)
+        if counting.size < host.size:  # a batch past what is kept: an arange of its own, dropped after
+            return bool(np.array_equal(host, np.arange(host.size, dtype=np.int64)))
         counting.flags.writeable = False
         _COUNTING = counting  # one assignment: a thread reading the old one still reads an arange
     return bool(np.array_equal(host, counting[:host.size]))

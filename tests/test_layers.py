@@ -1330,15 +1330,18 @@ def test_one_key_per_bag_offsets_are_checked_by_one_compare(offsets_dtype):
     """Offsets 0, 1, ..., nnz (one key per bag) pass the layer's checks with one compare
     against a kept arange, which grows with the batch; counting offsets that stop short
     of, or run past, len(values), and other offsets, still go through the full checks."""
+    from sparsekit import exchange
     from sparsekit.exchange import _offsets_error_flags, _one_per_bag
 
-    for n in (1, 5, 3000, 7, 70_000, 2, 3):  # the kept arange grows, then serves smaller batches
+    # The kept arange grows, then serves smaller batches; past what it keeps, a batch's own.
+    for n in (1, 5, 3000, 7, 70_000, 2, 3, exchange._COUNTING_KEPT + 5):
         counting = torch.arange(n + 1, dtype=offsets_dtype)
         assert _one_per_bag(counting, n) and int(_offsets_error_flags(counting, n)) == 0
         assert int(_offsets_error_flags(counting, n + 1)) != 0  # ends before len(values)
         assert int(_offsets_error_flags(counting[:-1], n)) != 0 if n > 1 else True
         if n < 3:
             continue
+        assert exchange._COUNTING.size <= exchange._COUNTING_KEPT
         broken = counting.clone()
         broken[n // 2 + 1] = broken[n // 2]  # an empty bag: valid, but not one key per bag
         assert int(_offsets_error_flags(broken, n)) == 0 and not _one_per_bag(broken, n)
