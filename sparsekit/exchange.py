@@ -464,11 +464,11 @@ def _is_counting(host: np.ndarray) -> bool:
     checked twice a forward; a step's first numpy calls run with cold caches, and the
     checks' diffs, masks and reductions cost ~130 us of a harness forward, one compare ~30."""
     global _COUNTING
+    if host.size > _COUNTING_KEPT:  # a batch past what is kept: an arange of its own, dropped after
+        return bool(np.array_equal(host, np.arange(host.size, dtype=np.int64)))
     counting = _COUNTING
     if counting.size < host.size:
         counting = np.arange(min(max(host.size, 2 * counting.size), _COUNTING_KEPT), dtype=np.int64)
-        if counting.size < host.size:  # a batch past what is kept: an arange of its own, dropped after
-            return bool(np.array_equal(host, np.arange(host.size, dtype=np.int64)))
         counting.flags.writeable = False
         _COUNTING = counting  # one assignment: a thread reading the old one still reads an arange
     return bool(np.array_equal(host, counting[:host.size]))

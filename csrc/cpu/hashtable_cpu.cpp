@@ -31,16 +31,24 @@ constexpr uint64_t kFindPrefetchSlots = uint64_t{1} << 17;
 constexpr int64_t kScorePrefetchDistance = 16;
 constexpr int64_t kScorePrefetchRows = int64_t{1} << 16;
 
+/// @brief Prefetches the home slot (both arrays) of keys[i + kFindPrefetchDistance] while
+/// that key lies before `end`: for reading in a find (the table does not change then),
+/// kWrite for a placing.
+template <bool kWrite, typename key_t>
+inline void prefetch_home_slot_ahead(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask,
+                                     const key_t* keys, int64_t i, int64_t end) {
+  if (i + kFindPrefetchDistance < end) {
+    const uint64_t ahead = mix_key(static_cast<int64_t>(keys[i + kFindPrefetchDistance])) & slot_mask;
+    __builtin_prefetch(slot_rows + ahead, kWrite, 1);
+    __builtin_prefetch(slot_keys + ahead, kWrite, 1);
+  }
+}
+
 template <bool kPrefetch, typename key_t>
 void find_range(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask, const key_t* keys,
                 int64_t* rows_out, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    if (kPrefetch && i + kFindPrefetchDistance < end) {
-      // Read-only hints: the table does not change during a find.
-      const uint64_t ahead = mix_key(static_cast<int64_t>(keys[i + kFindPrefetchDistance])) & slot_mask;
-      __builtin_prefetch(slot_rows + ahead, 0, 1);
-      __builtin_prefetch(slot_keys + ahead, 0, 1);
-    }
+    if constexpr (kPrefetch) prefetch_home_slot_ahead<false>(slot_keys, slot_rows, slot_mask, keys, i, end);
     rows_out[i] = probe_find(slot_keys, slot_rows, slot_mask, static_cast<int64_t>(keys[i]));
   }
 }
@@ -97,17 +105,15 @@ inline bool place_key(int64_t* slot_keys, int64_t* slot_rows, uint64_t slot_mask
   return false;
 }
 
-/// @brief Prefetches, for writing, the home slot of keys[i + kFindPrefetchDistance] when the
-/// table is large enough to miss the caches (as find_range): placing a key in a cold table
-/// of 2^21 slots cost two misses a key, ~150 ns, without it (431 keys, the harness's new
-/// keys of a step, took ~60 us).
+/// @brief A placing's prefetch_home_slot_ahead, for writing, where the table is large enough
+/// to miss the caches (as find_range_in decides): placing a key in a cold table of 2^21
+/// slots cost two misses a key, ~150 ns, without it (431 keys, the harness's new keys of a
+/// step, took ~60 us).
 template <typename key_t>
 inline void prefetch_slot_ahead(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask,
                                 const key_t* keys, int64_t i, int64_t end) {
-  if (slot_mask + 1 >= kFindPrefetchSlots && i + kFindPrefetchDistance < end) {
-    const uint64_t ahead = mix_key(static_cast<int64_t>(keys[i + kFindPrefetchDistance])) & slot_mask;
-    __builtin_prefetch(slot_rows + ahead, 1, 1);
-    __builtin_prefetch(slot_keys + ahead, 1, 1);
+  if (slot_mask + 1 >= kFindPrefetchSlots) {
+    prefetch_home_slot_ahead<true>(slot_keys, slot_rows, slot_mask, keys, i, end);
   }
 }
 
