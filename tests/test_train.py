@@ -203,6 +203,36 @@ def test_dlrm_interactions_are_the_upper_triangle_dot_products_in_order():
     assert model.embedding.bag.weight.grad is not None and model.bottom[0].weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("batch,n,dim", [(0, 27, 16), (1, 2, 1), (3, 5, 4), (64, 27, 16)])
+def test_pair_dots_gradient_is_autograds_through_the_full_products(batch, n, dim):
+    """The interaction's one-product backward (S V with both triangles of S filled) is the
+    gradient autograd takes through bmm(V, V^T) and the gather, in float64 to rounding
+    and by gradcheck, for empty batches, one pair and the harness's 27 vectors."""
+    from sparsekit.train.model import _PairDots
+
+    torch.manual_seed(batch + n)
+    pairs = torch.triu_indices(n, n, offset=1)
+    upper = (pairs[0] * n + pairs[1]).unsqueeze(0)
+    lower = (pairs[1] * n + pairs[0]).unsqueeze(0)
+    vectors = torch.randn(batch, n, dim, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(batch, pairs.shape[1], dtype=torch.float64)
+    out = _PairDots.apply(vectors, upper, lower)
+    products = torch.bmm(vectors, vectors.transpose(1, 2))
+    reference = torch.gather(products.flatten(1), 1, upper.expand(batch, -1))
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    (got,) = torch.autograd.grad(out, vectors, grad)
+    (expected,) = torch.autograd.grad(reference, vectors, grad)
+    torch.testing.assert_close(got, expected)
+    # Each vector's gradient is the sum of its partners weighted by the pairs' gradients.
+    by_hand = torch.zeros_like(vectors)
+    for p, (i, j) in enumerate(pairs.T.tolist()):
+        by_hand[:, i] += grad[:, p, None] * vectors[:, j].detach()
+        by_hand[:, j] += grad[:, p, None] * vectors[:, i].detach()
+    torch.testing.assert_close(got, by_hand)
+    if 0 < batch <= 3:
+        assert torch.autograd.gradcheck(lambda v: _PairDots.apply(v, upper, lower), (vectors,))
+
+
 # ---- metrics ----
 
 def test_roc_auc_matches_pairwise_definition():

@@ -23,6 +23,33 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+class _PairDots(torch.autograd.Function):
+    """The dot products of the vector pairs ``i < j`` of each sample: ``[B, n, d]`` ->
+    ``[B, n (n - 1) / 2]``, pairs in ``triu_indices`` order.
+
+    Forward: one batched product ``V V^T`` and a gather of its upper triangle along each
+    flattened ``[n * n]`` row. Backward: the pairs' gradient scattered into both triangles
+    of one ``[n, n]`` matrix ``S`` per sample, and ``dV = S V``: one batched product, where
+    autograd through ``bmm(V, V^T)`` takes two (``dZ V`` and ``dZ^T V``) after a
+    scatter-add into zeros.
+    """
+
+    @staticmethod
+    def forward(ctx, vectors: Tensor, upper: Tensor, lower: Tensor) -> Tensor:
+        ctx.save_for_backward(vectors, upper, lower)
+        products = torch.bmm(vectors, vectors.transpose(1, 2))
+        return torch.gather(products.flatten(1), 1, upper.expand(products.shape[0], -1))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        vectors, upper, lower = ctx.saved_tensors
+        batch, n = vectors.shape[0], vectors.shape[1]
+        symmetric = grad.new_zeros(batch, n * n)
+        symmetric.scatter_(1, upper.expand(batch, -1), grad)
+        symmetric.scatter_(1, lower.expand(batch, -1), grad)
+        return torch.bmm(symmetric.view(batch, n, n), vectors), None, None
+
+
 class SparsekitSlotEmbedding(nn.Module):
     """One key per slot through ``sk.DistributedEmbedding`` (combiner "sum", hash table,
     key-seeded initialisation), model-parallel under ``torch.distributed``.
@@ -169,16 +196,16 @@ class DLRM(nn.Module):
         self.bottom = _mlp((NUM_DENSE, *bottom, dim), last_activation=True).to(device)
         num_vectors = NUM_SLOTS + 1
         pairs = torch.triu_indices(num_vectors, num_vectors, offset=1, device=device)
-        # Each pair's position in a flattened [27 * 27] products row. A gather along that
-        # row (backward: a scatter-add per row) costs a quarter of products[:, rows, cols],
+        # Each pair's position in a flattened [27 * 27] products row, and its mirror's
+        # (_PairDots). A gather along that row costs a quarter of products[:, rows, cols],
         # whose backward is an accumulating index_put with a sort; the values are the same.
         self.register_buffer("pair_index", (pairs[0] * num_vectors + pairs[1]).unsqueeze(0), persistent=False)
+        self.register_buffer("mirror_index", (pairs[1] * num_vectors + pairs[0]).unsqueeze(0), persistent=False)
         self.top = _mlp((dim + pairs.shape[1], *top, 1), last_activation=False).to(device)
 
     def forward(self, dense: Tensor, keys: Tensor) -> Tensor:
         """float32 dense ``[B, 13]`` and int64 keys ``[B, 26]`` -> logits ``[B]``."""
         bottom = self.bottom(dense)
         vectors = torch.cat([bottom.unsqueeze(1), self.embedding(keys)], dim=1)
-        products = torch.bmm(vectors, vectors.transpose(1, 2))
-        interactions = torch.gather(products.flatten(1), 1, self.pair_index.expand(products.shape[0], -1))
+        interactions = _PairDots.apply(vectors, self.pair_index, self.mirror_index)
         return self.top(torch.cat([bottom, interactions], dim=1)).squeeze(1)
