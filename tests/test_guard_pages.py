@@ -107,6 +107,27 @@ def test_hash_table_find_and_insert(side, n):
 
 
 @pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("n", [1, 64, 65, 1000])
+def test_hash_table_prefetching_paths(side, n):
+    """A table of 2^17 slots or more, where find, insert and the tables' placing prefetch
+    the home slot of the key 64 ahead: the key reads stop at the keys' end (n = 64 / 65: the
+    first prefetch just out of reach, then just in)."""
+    keys = torch.unique(keys_of(3 * n, torch.int64, n))[:n]
+    n = keys.numel()
+    slots = 1 << 17
+    slot_keys = guarded(torch.zeros(slots, dtype=torch.int64), side)
+    slot_rows = guarded(torch.full((slots,), -1), side)
+    ops.hash_table_insert_absent_(slot_keys, slot_rows, guarded(keys, side), guarded(torch.arange(n), side))
+    assert torch.equal(ops.hash_table_find(slot_keys, slot_rows, guarded(keys, side)), torch.arange(n))
+    table = sk.HashTable(slots // 2)
+    assert table._slot_keys.numel() == slots
+    columns = [[table._slot_keys], [table._slot_rows], [table._row_keys], [table._count]]
+    torch.ops.sparsekit.hash_table_place_tables_(*columns, guarded(keys, side), [0, n], [0])
+    assert torch.equal(ops.hash_table_find(table._slot_keys, table._slot_rows, guarded(keys, side)), torch.arange(n))
+    assert torch.equal(table._row_keys[:n], keys)
+
+
+@pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("n", [1, 7, 1000])
 @pytest.mark.parametrize("dim", [1, 16, 40])
 def test_lazy_adam(side, n, dim):

@@ -52,7 +52,7 @@ lazy_adam (csrc/cpu/lazy_adam_cpu.cpp)
   :158 strictly ascending rows pass the repeated-row check unsorted  test_op_repeated_rows_raise_and_write_nothing
   :160 repeated-row check by bitmap iff R <= 128 * u + 2^16, else sort  test_lazy_adam_repeat_check_paths
   :163/:187 check grain 2^14, :245 update grain 16384 / D            test_lazy_adam_grains
-  :128 prefetch 32 / (lines of a row) rows ahead, in [4, 32]
+  :128 prefetch 32 / (lines of a row) rows ahead, in [4, 32]        test_guard_pages.py::test_lazy_adam (n 1000)
   :407 tables: grain 16384 / max D, half rows widened 8 at a time    test_lazy_adam_tables
 select_smallest (csrc/cpu/select_cpu.cpp, csrc/select.h)
   :163 chunks of 2^14, at most 4 * threads; :166 list once bucket * 2 <= n  test_select_smallest_boundaries
@@ -60,6 +60,7 @@ select_smallest (csrc/cpu/select_cpu.cpp, csrc/select.h)
 hash table (csrc/cpu/hashtable_cpu.cpp, sparsekit/hashtable.py)
   :18  kHashGrain 4096 keys; :28 find and place prefetch from 2^17 slots (capacity 2^15 + 1),
   :25  64 keys ahead; :32 score prefetch from 2^16 rows; hashtable.py:44 slots >= 2 * capacity, >= 16  test_hash_table_boundaries
+  (the key reads 64 ahead stop at the keys' end: test_guard_pages.py::test_hash_table_prefetching_paths)
   hashtable.py:409 rebuild once tombstones * 4 > slots                test_hash_table_eviction_model
 partition_by_owner (csrc/cpu/routing_cpu.cpp)
   :20  2^14 keys per chunk, chunks <= 4 n / world_size; world_size 1 path  test_partition_by_owner
