@@ -111,3 +111,22 @@ def test_an_error_in_a_worker_s_range_is_raised_by_the_caller_and_the_next_call_
             torch.testing.assert_close(ops.segment_sum(data, ids, 1_000, False).double(), expected,
                                        rtol=1e-5, atol=1e-4)
             ids[-1] = 1_000
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5, 8])
+def test_every_chunk_runs_once_whoever_takes_it(threads):
+    """parallel_chunks gives each worker a contiguous share and lets a worker that is done
+    take the back half of the fullest other share: with more threads than cores workers
+    start late and are descheduled midway, so shares are split again and again. Every bag
+    is pooled exactly once: fewer chunks than workers, as many, and many more, each call on
+    a table of its own (a skipped chunk cannot show an earlier call's answer)."""
+    g = torch.Generator().manual_seed(threads)
+    with torch_threads(threads):
+        # 2^16 accumulated elements a chunk: 16 columns, bags of 4 -> 819 bags a chunk.
+        for bags in (1, 819 * threads - 1, 819 * threads + 1, 50_000):
+            for _ in range(3):
+                weight = torch.randn(1000, 16, generator=g)
+                rows = torch.randint(0, 1000, (4 * bags,), generator=g)
+                offsets = torch.arange(0, 4 * bags + 1, 4)
+                want = weight[rows].view(bags, 4, 16).sum(1)
+                torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, None, "sum", None, True), want)
