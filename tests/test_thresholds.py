@@ -40,13 +40,15 @@ segment_sum (csrc/cpu/segment_cpu.cpp)
                                                                     test_segment_sum_property_matches_index_add,
                                                                     test_segment_sum_column_blocks_few_segments
 embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
-  :578 AVX-512 iff D % (64 / sizeof(acc)) == 0; :511-549 passes of 16/8/4/2/1 vectors + tail
+  :633 AVX-512 iff D % (64 / sizeof(acc)) == 0; :581-602 passes of 16/8/4/2/1 vectors + tail
                                                                     test_embedding_bag_dims (and under avx2 / default)
   gather: prefetch_distance by row bytes (64, 256); pooling: 256 / lines of the column pass
   ahead, in [16, 64] (1-4 lines 64, 8 lines 32, 16 lines 16); every loop
   split where the last lookup comes into reach (nnz - distance)    test_embedding_bag_dims, test_pooling_loops_read_no_id_past_the_end
-  :581 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
-  :790 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
+  :637 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
+  :269 kStreamOutputBytes 4 MiB of output in whole 64-byte rows: streaming stores
+                                                                    test_embedding_bag_streamed_outputs
+  :859 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
 lazy_adam (csrc/cpu/lazy_adam_cpu.cpp)
   :30/:43 SSE2 widths 4 / 2 with scalar tails                        test_lazy_adam_dims
   :158 strictly ascending rows pass the repeated-row check unsorted  test_op_repeated_rows_raise_and_write_nothing
@@ -519,6 +521,7 @@ def test_instantiations_under_lower_capability(capability):
             "torch.set_num_threads(2)\n"
             "t.test_unique_bounded_boundaries((1 << 15) + 1, 2)\n"
             "t.test_embedding_bag_long_bags(2)\n"
+            "t.test_embedding_bag_streamed_outputs(2)\n"
             "print('ok', __import__('sparsekit')._C.cpu_features())\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -537,6 +540,36 @@ def test_embedding_bag_long_bags(threads):
             got = ops.embedding_bag(weight, rows, starts, None, "sum", None, False)
             want = torch.stack([weight[r[r >= 0]].sum(0) for r in rows.view(3, bag_length)])
             assert torch.equal(got, want), (dim, bag_length)
+
+
+def test_embedding_bag_streamed_outputs(threads):
+    """Outputs of at least kStreamOutputBytes (4 MiB) whose rows are whole 64-byte lines
+    (float32 D % 16 == 0, float64 D % 8 == 0) are written with streaming stores: one bag
+    below, at and past the threshold, every pooling mode, bags with no valid row (zeros
+    written), against torch's embedding_bag. D = 100 (400-byte rows) and float16 stay on
+    cached stores at any size."""
+    g = torch.Generator().manual_seed(11)
+    threshold = 4 << 20
+    for dtype, dim in ((torch.float32, 128), (torch.float32, 64), (torch.float64, 64), (torch.float32, 100),
+                       (torch.float16, 128)):
+        weight = torch.randn(3000, dim, generator=g).to(dtype)
+        row_bytes = dim * weight.element_size()
+        for bags in (threshold // row_bytes - 1, threshold // row_bytes, threshold // row_bytes + 1):
+            lengths = torch.randint(0, 4, (bags,), generator=g)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+            nnz = int(offsets[-1])
+            rows = torch.randint(-1, 3000, (nnz,), generator=g)
+            scale = torch.rand(nnz, generator=g).to(dtype)
+            # torch has no -1 rows: the reference skips them as its padding row 0.
+            ref_rows = torch.where(rows < 0, 0, rows)
+            for mode, weights in (("sum", None), ("sum", scale), ("mean", None), ("max", None)):
+                got = ops.embedding_bag(weight, rows, offsets, weights, mode, 0)
+                want = torch.nn.functional.embedding_bag(
+                    ref_rows, weight.double(), offsets, mode=mode, include_last_offset=True, padding_idx=0,
+                    per_sample_weights=None if weights is None else weights.double())
+                torch.testing.assert_close(got.double(), want, rtol=1e-2 if dtype == torch.float16 else 1e-5,
+                                           atol=1e-2 if dtype == torch.float16 else 1e-5,
+                                           msg=f"{dtype} D={dim} bags={bags} {mode}")
 
 
 def test_embedding_gather_chunks(threads):
