@@ -68,8 +68,8 @@ partition_by_owner (csrc/cpu/routing_cpu.cpp)
   :20  2^14 keys per chunk, chunks <= 4 n / world_size; world_size 1 path  test_partition_by_owner
 exchange.py:145/:162 numpy packed sort up to 50,000 rows and |value| < 2^(62 - bits)  test_sort_rows
 exchange.py:173 _GATHER_MIN_BYTES 256 KiB (sparsekit gather vs index_select)  test_layer_gather_threshold
-parallel.h:35/:60 inline when n <= grain or one thread; :179 scan blocks of 2^12 columns;
-  :134 chunk shares of 1/workers, the back half stolen  test_parallel.py::test_every_chunk_runs_once_whoever_takes_it
+parallel.h:35/:60 inline when n <= grain or one thread; :183 scan blocks of 2^12 columns;
+  :152 chunk shares of 1/workers, the back half stolen  test_parallel.py::test_every_chunk_runs_once_whoever_takes_it
   (group_by_key with more than 4096 distinct keys: test_unique_bounded_boundaries)
 """
 

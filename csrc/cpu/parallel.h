@@ -98,6 +98,24 @@ struct alignas(64) ChunkShare {
     return true;
   }
 };
+
+/// Worker `worker`'s share is done: takes the back half of the fullest other share into
+/// [*first, *last), trying again while another worker gets there first; false once every
+/// other share is empty.
+inline bool steal_back_half(std::vector<ChunkShare>& shares, int64_t worker, int64_t* first, int64_t* last) {
+  for (;;) {
+    int64_t victim = -1, most = 0;
+    for (int64_t v = 0; v < static_cast<int64_t>(shares.size()); ++v) {
+      const int64_t left = ChunkShare::left(shares[v].range.load(std::memory_order_relaxed));
+      if (v != worker && left > most) {
+        victim = v;
+        most = left;
+      }
+    }
+    if (victim < 0) return false;
+    if (shares[victim].take_back_half(first, last)) return true;
+  }
+}
 }  // namespace detail
 
 /// @brief Runs fn(worker, begin, end) over [0, n) in chunks of `chunk` items; worker in
@@ -137,25 +155,11 @@ void parallel_chunks_indexed(int64_t n, int64_t chunk, const F& fn) {
   parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
     for (int64_t worker = w_begin; worker < w_end; ++worker) {
       detail::ChunkShare& own = shares[worker];
+      int64_t first = 0, last = 0;
       for (;;) {
         int64_t c = 0;
         while (own.take_front(&c)) fn(worker, c * chunk, std::min(n, (c + 1) * chunk));
-        // Own share done: steal from the fullest other one, or stop when all are empty.
-        int64_t first = 0, last = 0;
-        bool stole = false;
-        while (!stole) {
-          int64_t victim = -1, most = 0;
-          for (int64_t v = 0; v < workers; ++v) {
-            const int64_t left = detail::ChunkShare::left(shares[v].range.load(std::memory_order_relaxed));
-            if (v != worker && left > most) {
-              victim = v;
-              most = left;
-            }
-          }
-          if (victim < 0) break;
-          stole = shares[victim].take_back_half(&first, &last);
-        }
-        if (!stole) break;
+        if (!detail::steal_back_half(shares, worker, &first, &last)) break;
         // Only this worker writes its own empty share (a thief skips an empty one).
         own.range.store(detail::ChunkShare::pack(first, last), std::memory_order_relaxed);
       }
