@@ -20,6 +20,9 @@ embedding_busy_<device>.json).
   (whose backward fuses an SGD update instead of returning a gradient).
 - ``--modes sum,weighted,max``: also the forward of weighted sums (``per_sample_weights``)
   and of max pooling against ``nn.EmbeddingBag`` in the same mode (forward only).
+- ``--prefetch-plans`` (CPU): also the forward with each prefetch plan of the pooling
+  loops forced (``sparsekit[every]``, ``sparsekit[first]``; ``SPARSEKIT_POOL_PREFETCH``),
+  beside ``sparsekit``'s own choice between them (csrc/cpu/prefetch_plan.h).
 - one CPU thread is timed in thread CPU time (immune to other processes on a shared
   machine), more threads and CUDA in wall time.
 - on CUDA, also the fraction of the device-to-device copy bandwidth measured in this run:
@@ -124,6 +127,20 @@ def fbgemm_modules(fbgemm, table: torch.Tensor, device: torch.device):
     return training, inference
 
 
+# SPARSEKIT_POOL_PREFETCH's values: the two prefetch plans of the CPU pooling loops
+# (csrc/cpu/prefetch_plan.h), which "sparsekit" itself chooses between by timing its calls.
+PREFETCH_PLANS = ("every", "first")
+
+
+def forced_plan(plan: str, table: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """sparsekit's forward with one prefetch plan forced (read by the op on each call)."""
+    os.environ["SPARSEKIT_POOL_PREFETCH"] = plan
+    try:
+        return ops.embedding_bag(table, rows, offsets)
+    finally:
+        del os.environ["SPARSEKIT_POOL_PREFETCH"]
+
+
 def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: float | None) -> list[dict]:
     """Forward and forward + backward rows of every candidate at one embedding dim."""
     results: list[dict] = []
@@ -163,6 +180,9 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
         if inference is not None:
             torch.testing.assert_close(inference(rows32, offsets32), expected, rtol=1e-4, atol=1e-4)
             forward["fbgemm_inference"] = lambda: inference(rows32, offsets32)
+        if args.prefetch_plans:
+            for plan in PREFETCH_PLANS:
+                forward[f"sparsekit[{plan}]"] = lambda plan=plan: forced_plan(plan, table, rows, offsets)
 
         def sparsekit_step():
             weight.grad = None
@@ -316,6 +336,9 @@ def main() -> None:
     parser.add_argument("--skip-main", action="store_true", help="run only the skew case")
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["sum"],
                         help="comma-separated pooling modes: sum (forward and backward), weighted, max (forward)")
+    parser.add_argument("--prefetch-plans", action="store_true",
+                        help="also time the CPU forward with each prefetch plan forced (sparsekit[every], "
+                             "sparsekit[first]) beside sparsekit's own choice")
     add_round_args(parser)
     args = parser.parse_args()
     if args.threads is None:

@@ -65,11 +65,14 @@ def test_segment_sum(side, n, dim):
 
 
 @pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("dim", [1, 16, 40, 64])
+@pytest.mark.parametrize("dim", [1, 16, 40, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_lookups_read_the_table_within_its_rows(side, dim, dtype):
+@pytest.mark.parametrize("plan", ["every", "first"])
+def test_lookups_read_the_table_within_its_rows(side, dim, dtype, plan, monkeypatch):
     # The table's first or last row touches the guard page: a vector load that runs past a
-    # row's last column (or before its first) would fault there.
+    # row's last column (or before its first) would fault there. Both prefetch plans of the
+    # pooling loops (csrc/cpu/prefetch_plan.h; they differ for rows of 8 lines or more).
+    monkeypatch.setenv("SPARSEKIT_POOL_PREFETCH", plan)
     num_rows = 50
     weight = torch.randn(num_rows, dim, generator=torch.Generator().manual_seed(dim)).to(dtype)
     table = guarded(weight, side)

@@ -40,15 +40,20 @@ segment_sum (csrc/cpu/segment_cpu.cpp)
                                                                     test_segment_sum_property_matches_index_add,
                                                                     test_segment_sum_column_blocks_few_segments
 embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
-  :633 AVX-512 iff D % (64 / sizeof(acc)) == 0; :581-602 passes of 16/8/4/2/1 vectors + tail
+  :726 AVX-512 iff D % (64 / sizeof(acc)) == 0; passes of 16/8/4/2/1 vectors + tail
                                                                     test_embedding_bag_dims (and under avx2 / default)
   gather: prefetch_distance by row bytes (64, 256); pooling: 256 / lines of the column pass
   ahead, in [16, 64] (1-4 lines 64, 8 lines 32, 16 lines 16); every loop
   split where the last lookup comes into reach (nnz - distance)    test_embedding_bag_dims, test_pooling_loops_read_no_id_past_the_end
-  :637 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
-  :269 kStreamOutputBytes 4 MiB of output in whole 64-byte rows: streaming stores
+  :691 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
+  :286 kStreamOutputBytes 4 MiB of output in whole 64-byte rows: streaming stores
                                                                     test_embedding_bag_streamed_outputs
-  :859 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
+  :100-102 prefetch plans (prefetch_plan.h): the first line 16 ahead for passes of >= 8 lines;
+  chosen by timing for >= 32 MiB of rows on >= 2 threads; :670-671 skewed rows (> 8 repeats
+  in 256 sampled lookups) keep every line                           test_embedding_bag_prefetch_plans,
+                                                                    test_embedding_bag_chosen_prefetch_plans
+                                                                    (and csrc/test/prefetch_plan_test.cpp)
+  :951 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
 lazy_adam (csrc/cpu/lazy_adam_cpu.cpp)
   :30/:43 SSE2 widths 4 / 2 with scalar tails                        test_lazy_adam_dims
   :158 strictly ascending rows pass the repeated-row check unsorted  test_op_repeated_rows_raise_and_write_nothing
@@ -509,14 +514,17 @@ def test_embedding_bag_dims():
 @pytest.mark.skipif(os.environ.get("SPARSEKIT_CPU_CAPABILITY") is not None, reason="already in a child")
 @pytest.mark.parametrize("capability", ["avx2", "default"])
 def test_instantiations_under_lower_capability(capability):
-    """The AVX2 and baseline instantiations of the pooling loops (and popcnt's and F16C's
-    fallbacks) at the same boundaries, in a child process."""
+    """The AVX2 and baseline instantiations of the pooling loops (both prefetch plans), and
+    popcnt's and F16C's fallbacks, at the same boundaries, in a child process."""
     if sk._C.cpu_features() == "default":
         pytest.skip("this CPU has nothing above baseline x86-64")
     env = dict(os.environ, SPARSEKIT_CPU_CAPABILITY=capability)
     code = ("import sys, torch; sys.path.insert(0, 'tests'); import test_thresholds as t\n"
             "torch.set_num_threads(1)\n"
             "t.embedding_bag_dims([torch.float32, torch.float16, torch.float64])\n"
+            "import os; os.environ['SPARSEKIT_POOL_PREFETCH'] = 'first'\n"
+            "t.embedding_bag_dims([torch.float32, torch.float16, torch.float64])\n"
+            "del os.environ['SPARSEKIT_POOL_PREFETCH']\n"
             "t.test_lazy_adam_tables(1)\n"
             "torch.set_num_threads(2)\n"
             "t.test_unique_bounded_boundaries((1 << 15) + 1, 2)\n"
@@ -570,6 +578,43 @@ def test_embedding_bag_streamed_outputs(threads):
                 torch.testing.assert_close(got.double(), want, rtol=1e-2 if dtype == torch.float16 else 1e-5,
                                            atol=1e-2 if dtype == torch.float16 else 1e-5,
                                            msg=f"{dtype} D={dim} bags={bags} {mode}")
+
+
+@pytest.mark.parametrize("plan", ["every", "first"])
+def test_embedding_bag_prefetch_plans(plan, monkeypatch):
+    """Both prefetch plans of the pooling loops (csrc/cpu/prefetch_plan.h), forced by
+    SPARSEKIT_POOL_PREFETCH: every line of a row ahead, or only the first line of the passes
+    of 8 lines or more (float32 D >= 128, float64 D >= 64, half types D >= 256). Every dim,
+    dtype and mode of test_embedding_bag_dims, against the reference."""
+    monkeypatch.setenv("SPARSEKIT_POOL_PREFETCH", plan)
+    torch.set_num_threads(1)
+    embedding_bag_dims([torch.float32, torch.float64, torch.float16, torch.bfloat16])
+
+
+def test_embedding_bag_chosen_prefetch_plans(monkeypatch):
+    """Calls that read at least kPlanMinBytes (32 MiB) of rows of 8 lines or more on two
+    threads time themselves and take the plan their PlanChooser picks, the first calls
+    alternating and later ones probing the other plan: 40 calls of each kind below, at and
+    past the threshold, uniform rows and skewed ones (which keep every line), with -1 and
+    padding rows, each equal to the same call with every line forced (the plans pool the
+    same rows in the same order)."""
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(13)
+    threshold = 32 << 20
+    for dtype, dim in ((torch.float32, 128), (torch.float64, 64), (torch.float32, 256)):
+        weight = torch.randn(5000, dim, generator=g).to(dtype)
+        row_bytes = dim * weight.element_size()
+        for nnz in (threshold // row_bytes - 1, threshold // row_bytes, threshold // row_bytes + 20):
+            uniform = torch.randint(-1, 5000, (nnz,), generator=g)
+            skewed = torch.where(torch.rand(nnz, generator=g) < 0.5, 7, uniform)
+            offsets = torch.cat([torch.arange(0, nnz, 20), torch.tensor([nnz])])
+            for rows in (uniform, skewed):
+                monkeypatch.setenv("SPARSEKIT_POOL_PREFETCH", "every")
+                want = ops.embedding_bag(weight, rows, offsets, None, "sum", 3)
+                monkeypatch.delenv("SPARSEKIT_POOL_PREFETCH")
+                for call in range(40):
+                    got = ops.embedding_bag(weight, rows, offsets, None, "sum", 3)
+                    assert torch.equal(got, want), (dtype, dim, nnz, call)
 
 
 def test_embedding_gather_chunks(threads):

@@ -12,9 +12,12 @@
 // the vector units get used without making the .so unportable.
 #include "cpu/cpu_features.h"
 #include "cpu/parallel.h"
+#include "cpu/prefetch_plan.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -83,6 +86,20 @@ constexpr int64_t kMaxPrefetchLines = 4;
 constexpr int64_t kPoolLinesInFlight = 256;
 constexpr int64_t kMinPoolDistance = 16;
 constexpr int64_t kMaxPoolDistance = 64;
+
+// The other prefetch plan (prefetch_plan.h): only the first line of the row's pass,
+// kFirstLineDistance lookups ahead, for passes of at least kFirstLinePlanLines lines. A call
+// on two or more threads whose lookups read at least kPlanMinBytes of such rows times itself
+// and lets its PlanChooser pick the plan (below that a call is too short for its time to
+// tell the plans apart, and the rows may well sit in the caches). Measured on the 2-core
+// Zen 5 VM, uniform rows of 1M x 128 float32, 16384 bags of 20, two threads, alternating in
+// one process: the first line 16, 24 or 32 ahead took 3.4-3.5 ms in the VM's slow state
+// (every line: 4.3-4.6, nn.EmbeddingBag 4.1-4.3) and 2.7-3.2 ms in the other (every line
+// 2.1-2.4, nn.EmbeddingBag 2.6-2.8); Zipf rows 1.0-1.6 against 0.8-1.2 ms; rows of 4 lines
+// (D = 64) lost 1.5-2x in both states, hence 8 lines.
+constexpr int64_t kFirstLineDistance = 16;
+constexpr int kFirstLinePlanLines = 8;
+constexpr int64_t kPlanMinBytes = int64_t{32} << 20;
 
 /// The widest vector instructions the pooling loops use (cpu_features.h: the CPU's,
 /// lowered by SPARSEKIT_CPU_CAPABILITY so that the tests run every instantiation on one
@@ -342,6 +359,7 @@ struct BagProblem {
   BagMode mode;
   scalar_t* out;  // [bags, dim], contiguous
   bool stream_out;  // write out with streaming stores where the instantiation has them
+  PrefetchPlan plan;  // for the passes of at least kFirstLinePlanLines lines
   std::atomic<int64_t>* first_bad_bag;       // kNoBadPosition until a bag breaks the offsets contract
   std::atomic<int64_t>* first_bad_position;  // kNoBadPosition until rows holds a bad row
 };
@@ -487,7 +505,8 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
       std::clamp<int64_t>(kPoolLinesInFlight / kLines, kMinPoolDistance, kMaxPoolDistance);
   // A lambda, inlined: handed a pointer to the function, GCC found it free of side effects
   // and dropped the call, prefetches and all, in every loop but the sum's.
-  const auto prefetch_row = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<kLines>(at); };
+  const auto every_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<kLines>(at); };
+  const auto first_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<1>(at); };
   using acc_t = acc_type<scalar_t>;
   const scalar_t* const weight = p.weight;
   const int64_t row_stride = p.row_stride;
@@ -497,6 +516,17 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
   // The prefetches address the row's columns from col on.
   const char* const base = reinterpret_cast<const char*>(weight + col);
   const int64_t row_stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  // step(k) over [begin, end) with the call's prefetch plan: each plan a loop of its own, the
+  // first line's only for passes of kFirstLinePlanLines lines or more.
+  const auto each_lookup = [&](const auto& step) SPARSEKIT_ALWAYS_INLINE_LAMBDA {
+    if constexpr (kLines >= kFirstLinePlanLines) {
+      if (p.plan == PrefetchPlan::kFirstLine) {
+        for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kFirstLineDistance, first_line, step);
+        return;
+      }
+    }
+    for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, every_line, step);
+  };
   // Locals, not loads through p: the cold error call could otherwise force reloads.
   const int64_t padding_row = p.padding_row;
   std::atomic<int64_t>* const first_bad_position = p.first_bad_position;
@@ -512,7 +542,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
     // `padded`: a padding row is skipped (without one, the range test alone finds every
     // skipped row).
     const auto pool = [&](auto padded) {
-      const auto step = [&](int64_t k) {
+      const auto step = [&](int64_t k) SPARSEKIT_ALWAYS_INLINE_LAMBDA {
         const index_t row = rows[k];
         if (C10_UNLIKELY(!row_in_range(row, num_rows) ||
                          (decltype(padded)::value && static_cast<int64_t>(row) == padding_row))) {
@@ -522,13 +552,13 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
         }
         columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
       };
-      for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, prefetch_row, step);
+      each_lookup(step);
     };
     padding_row < 0 ? pool(std::false_type{}) : pool(std::true_type{});
     valid = (end - begin) - skipped;
   } else {
     // Weighted sums and max: every lookup tested and counted; prefetched as the sum is.
-    const auto step = [&](int64_t k) {
+    const auto step = [&](int64_t k) SPARSEKIT_ALWAYS_INLINE_LAMBDA {
       const index_t row = rows[k];
       if (!lookup_valid(row, num_rows, padding_row, k, first_bad_position)) return;
       const scalar_t* src = weight + static_cast<int64_t>(row) * row_stride + col;
@@ -542,7 +572,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
       }
       ++valid;
     };
-    for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, prefetch_row, step);
+    each_lookup(step);
   }
   // Mean divides by the number of valid rows (weighted: by their weights' sum), as a
   // division: a multiplication by the reciprocal is 1 ulp off nn.EmbeddingBag a quarter of
@@ -623,8 +653,71 @@ void pool_bag_range_baseline(const BagProblem<scalar_t, index_t>& p, int64_t fir
   pool_bag_range<kWeighted, kMax, 32, false>(p, first_bag, last_bag);
 }
 
+/// The chooser of the calls with rows of `row_bytes`: 8-15 lines, 16 or more.
+PlanChooser& plan_chooser(int64_t row_bytes) {
+  static PlanChooser choosers[2];
+  return choosers[row_bytes >= 16 * 64 ? 1 : 0];
+}
+
+/// True when rows[0, nnz) look skewed: more than kSkewedRepeats repeats among kSkewSample
+/// lookups spread over the call (uniform rows of a 1M-row table repeat ~0.03 times there, the
+/// benchmark's Zipf rows ~150). Such calls read many rows from the caches, where the first
+/// line plan lost in both states of the VM (1.0-1.6 against 0.8-1.2 ms): they keep every
+/// line, and their times stay out of the chooser's, which they would confuse (a skewed call
+/// costs a third of a uniform one per byte).
+template <typename index_t>
+bool rows_look_skewed(const index_t* rows, int64_t nnz) {
+  constexpr int kSkewSample = 256;
+  constexpr int kSkewedRepeats = 8;
+  std::array<int64_t, kSkewSample> sample;
+  for (int i = 0; i < kSkewSample; ++i) sample[i] = static_cast<int64_t>(rows[nnz / kSkewSample * i]);
+  std::sort(sample.begin(), sample.end());
+  int repeats = 0;
+  for (int i = 1; i < kSkewSample; ++i) repeats += sample[i] == sample[i - 1];
+  return repeats > kSkewedRepeats;
+}
+
 template <typename scalar_t, typename index_t>
-void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
+void pool_bags(const BagProblem<scalar_t, index_t>& p, int64_t bags, int64_t chunk);
+
+/// Pools every bag of p with the prefetch plan SPARSEKIT_POOL_PREFETCH forces or, for a call
+/// that reads at least kPlanMinBytes of rows of kFirstLinePlanLines lines or more on two or
+/// more threads, rows that do not look skewed, the one its PlanChooser picks, timed for the
+/// chooser (prefetch_plan.h).
+template <typename scalar_t, typename index_t>
+void run_embedding_bag(BagProblem<scalar_t, index_t> p, int64_t bags) {
+  // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
+  const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
+  const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
+  p.plan = PrefetchPlan::kEveryLine;
+  if (row_bytes < kFirstLinePlanLines * 64) {
+    pool_bags(p, bags, chunk);
+    return;
+  }
+  if (const std::optional<PrefetchPlan> forced = forced_prefetch_plan()) {
+    p.plan = *forced;
+    pool_bags(p, bags, chunk);
+    return;
+  }
+  const int64_t bytes = p.nnz * row_bytes;
+  if (bytes < kPlanMinBytes || chunk_workers(bags, chunk) < 2 || rows_look_skewed(p.rows, p.nnz)) {
+    pool_bags(p, bags, chunk);
+    return;
+  }
+  PlanChooser& chooser = plan_chooser(row_bytes);
+  p.plan = chooser.pick();
+  const auto start = std::chrono::steady_clock::now();
+  pool_bags(p, bags, chunk);
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+  // A call that met a bad row or offset raises: its time says nothing of the plan.
+  if (p.first_bad_bag->load() == kNoBadPosition && p.first_bad_position->load() == kNoBadPosition) {
+    chooser.record(p.plan, seconds.count() / static_cast<double>(bytes));
+  }
+}
+
+template <typename scalar_t, typename index_t>
+void pool_bags(const BagProblem<scalar_t, index_t>& p, int64_t bags, int64_t chunk) {
   const bool weighted = p.per_sample_weights != nullptr;
   const bool max = p.mode == BagMode::kMax;
   const Isa isa = cpu_isa();
@@ -632,9 +725,6 @@ void run_embedding_bag(const BagProblem<scalar_t, index_t>& p, int64_t bags) {
   // AVX2's passes of 8, 4, 2 and 1 vectors serve other dims better than a scalar tail.
   const bool avx512 = isa == Isa::kAvx512 && p.dim % AccVec<acc_type<scalar_t>, 64>::kLanes == 0;
   const bool avx2 = isa >= Isa::kAvx2;
-  // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
-  const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
   parallel_chunks(bags, chunk, [&](int64_t begin, int64_t end) {
     if (avx512) {
       max        ? pool_bag_range_avx512<false, true>(p, begin, end)
@@ -722,6 +812,7 @@ Tensor embedding_bag_cpu(const Tensor& weight_in, const Tensor& rows_in, const T
           bag_mode,
           out.mutable_data_ptr<scalar_t>(),
           stream_output(out, dim),
+          PrefetchPlan::kEveryLine,  // run_embedding_bag's choice
           &first_bad_bag,
           &first_bad_position};
       run_embedding_bag(problem, bags);
@@ -801,6 +892,7 @@ Tensor embedding_bag_argmax_cpu(const Tensor& weight_in, const Tensor& rows_in,
                                             BagMode::kMax,
                                             nullptr,
                                             false,
+                                            PrefetchPlan::kEveryLine,
                                             &first_bad_bag,
                                             &first_bad_position};
       int64_t* positions_ptr = positions.mutable_data_ptr<int64_t>();
