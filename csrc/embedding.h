@@ -12,7 +12,7 @@ namespace sparsekit {
 /// Pooling of embedding_bag.
 enum class BagMode : int { kSum = 0, kMean = 1, kMax = 2 };
 
-inline BagMode parse_bag_mode(std::string mode) {
+inline BagMode parse_bag_mode(const std::string& mode) {
   if (mode == "sum") return BagMode::kSum;
   if (mode == "mean") return BagMode::kMean;
   if (mode == "max") return BagMode::kMax;

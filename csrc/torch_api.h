@@ -308,4 +308,33 @@ inline Tensor arange_cpu(int64_t n) {
 
 inline bool same_shape(const Tensor& a, const Tensor& b) { return a.sizes().equals(b.sizes()); }
 
+/// @brief A `str` argument of a kernel registered with TORCH_BOX (embedding_bag's mode).
+/// torch's own unboxing to std::string (torch/csrc/stable/stableivalue_conversions.h,
+/// ToImpl<std::string>, in the headers of torch 2.10 to 2.13 at least) copies the string
+/// into a `new std::string` that it never deletes: 48 bytes lost on every call. Worse
+/// than the bytes, each lost block can pin the top of glibc's heap above the call's output,
+/// so that an 8 MiB output was never reused: a loop of embedding_bag calls grew by 8 MiB a
+/// call (5.9 GB after 600 calls) and faulted every page of every output in fresh. This
+/// type's conversion (below) copies the string into the value it returns and frees torch's.
+struct StrArg {
+  std::string value;
+};
+
 }  // namespace sparsekit
+
+namespace torch::stable::detail {
+template <>
+struct ToImpl<sparsekit::StrArg> {
+  static sparsekit::StrArg call(StableIValue val, [[maybe_unused]] uint64_t extension_build_version,
+                                [[maybe_unused]] bool is_internal) {
+    StringHandle handle = to<StringHandle>(val);
+    size_t length = 0;
+    const char* data = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_string_length(handle, &length));
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_string_c_str(handle, &data));
+    sparsekit::StrArg arg{std::string(data, length)};
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_delete_string(handle));
+    return arg;
+  }
+};
+}  // namespace torch::stable::detail

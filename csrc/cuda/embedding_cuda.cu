@@ -433,9 +433,9 @@ BagArgs<scalar_t, index_t> bag_args(const Tensor& weight, const Tensor& rows, co
 }  // namespace
 
 Tensor embedding_bag_cuda(const Tensor& weight_in, const Tensor& rows_in, const Tensor& offsets_in,
-                              const std::optional<Tensor>& per_sample_weights_in, std::string mode,
+                              const std::optional<Tensor>& per_sample_weights_in, StrArg mode,
                               std::optional<int64_t> padding_idx, bool include_last_offset) {
-  const BagMode bag_mode = parse_bag_mode(mode);
+  const BagMode bag_mode = parse_bag_mode(mode.value);
   DeviceGuard guard(weight_in.get_device_index());
   const BagInputs in = prepare_bag_inputs(weight_in, rows_in, offsets_in, per_sample_weights_in, bag_mode,
                                           padding_idx, include_last_offset);
