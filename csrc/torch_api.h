@@ -311,7 +311,8 @@ inline bool same_shape(const Tensor& a, const Tensor& b) { return a.sizes().equa
 /// @brief A `str` argument of a kernel registered with TORCH_BOX (embedding_bag's mode).
 /// torch's own unboxing to std::string (torch/csrc/stable/stableivalue_conversions.h,
 /// ToImpl<std::string>, in the headers of torch 2.10 to 2.13 at least) copies the string
-/// into a `new std::string` that it never deletes: 48 bytes lost on every call. Worse
+/// into a `new std::string` that it never deletes: 48 bytes lost on every call
+/// (pytorch/pytorch#191340, fixed upstream by #190493; the header is compiled in here). Worse
 /// than the bytes, each lost block can pin the top of glibc's heap above the call's output,
 /// so that an 8 MiB output was never reused: a loop of embedding_bag calls grew by 8 MiB a
 /// call (5.9 GB after 600 calls) and faulted every page of every output in fresh. This
