@@ -602,10 +602,12 @@ def test_embedding_bag_chosen_prefetch_plans(monkeypatch):
     g = torch.Generator().manual_seed(13)
     threshold = 32 << 20
     for dtype, dim in ((torch.float32, 128), (torch.float64, 64), (torch.float32, 256)):
-        weight = torch.randn(5000, dim, generator=g).to(dtype)
+        # 50000 rows: 256 sampled uniform lookups repeat ~0.7 times, far below the skew
+        # test's 8, so the uniform calls go to the chooser.
+        weight = torch.randn(50000, dim, generator=g).to(dtype)
         row_bytes = dim * weight.element_size()
         for nnz in (threshold // row_bytes - 1, threshold // row_bytes, threshold // row_bytes + 20):
-            uniform = torch.randint(-1, 5000, (nnz,), generator=g)
+            uniform = torch.randint(-1, 50000, (nnz,), generator=g)
             skewed = torch.where(torch.rand(nnz, generator=g) < 0.5, 7, uniform)
             offsets = torch.cat([torch.arange(0, nnz, 20), torch.tensor([nnz])])
             for rows in (uniform, skewed):
