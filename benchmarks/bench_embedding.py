@@ -133,12 +133,17 @@ PREFETCH_PLANS = ("every", "first")
 
 
 def forced_plan(plan: str, table: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """sparsekit's forward with one prefetch plan forced (read by the op on each call)."""
+    """sparsekit's forward with one prefetch plan forced (read by the op on each call); the
+    variable is put back as it was, so that "sparsekit" keeps the caller's setting."""
+    before = os.environ.get("SPARSEKIT_POOL_PREFETCH")
     os.environ["SPARSEKIT_POOL_PREFETCH"] = plan
     try:
         return ops.embedding_bag(table, rows, offsets)
     finally:
-        del os.environ["SPARSEKIT_POOL_PREFETCH"]
+        if before is None:
+            del os.environ["SPARSEKIT_POOL_PREFETCH"]
+        else:
+            os.environ["SPARSEKIT_POOL_PREFETCH"] = before
 
 
 def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: float | None) -> list[dict]:

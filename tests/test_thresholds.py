@@ -40,12 +40,12 @@ segment_sum (csrc/cpu/segment_cpu.cpp)
                                                                     test_segment_sum_property_matches_index_add,
                                                                     test_segment_sum_column_blocks_few_segments
 embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
-  :726 AVX-512 iff D % (64 / sizeof(acc)) == 0; passes of 16/8/4/2/1 vectors + tail
+  :687 AVX-512 iff D % (64 / sizeof(acc)) == 0; passes of 16/8/4/2/1 vectors + tail
                                                                     test_embedding_bag_dims (and under avx2 / default)
   gather: prefetch_distance by row bytes (64, 256); pooling: 256 / lines of the column pass
   ahead, in [16, 64] (1-4 lines 64, 8 lines 32, 16 lines 16); every loop
   split where the last lookup comes into reach (nnz - distance)    test_embedding_bag_dims, test_pooling_loops_read_no_id_past_the_end
-  :691 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
+  :714 bag chunks of 2^16 accumulated elements (long bags)           test_embedding_bag_long_bags
   :286 kStreamOutputBytes 4 MiB of output in whole 64-byte rows: streaming stores
                                                                     test_embedding_bag_streamed_outputs
   :100-102 prefetch plans (prefetch_plan.h): the first line 16 ahead for passes of >= 8 lines;
@@ -53,7 +53,7 @@ embedding_bag / gather (csrc/cpu/embedding_cpu.cpp)
   in 256 sampled lookups) keep every line                           test_embedding_bag_prefetch_plans,
                                                                     test_embedding_bag_chosen_prefetch_plans
                                                                     (and csrc/test/prefetch_plan_test.cpp)
-  :951 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
+  :946 gather chunks of 2^18 bytes                                   test_embedding_gather_chunks
 lazy_adam (csrc/cpu/lazy_adam_cpu.cpp)
   :30/:43 SSE2 widths 4 / 2 with scalar tails                        test_lazy_adam_dims
   :158 strictly ascending rows pass the repeated-row check unsorted  test_op_repeated_rows_raise_and_write_nothing

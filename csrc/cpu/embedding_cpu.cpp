@@ -678,45 +678,6 @@ bool rows_look_skewed(const index_t* rows, int64_t nnz) {
 }
 
 template <typename scalar_t, typename index_t>
-void pool_bags(const BagProblem<scalar_t, index_t>& p, int64_t bags, int64_t chunk);
-
-/// Pools every bag of p with the prefetch plan SPARSEKIT_POOL_PREFETCH forces or, for a call
-/// that reads at least kPlanMinBytes of rows of kFirstLinePlanLines lines or more on two or
-/// more threads, rows that do not look skewed, the one its PlanChooser picks, timed for the
-/// chooser (prefetch_plan.h).
-template <typename scalar_t, typename index_t>
-void run_embedding_bag(BagProblem<scalar_t, index_t> p, int64_t bags) {
-  // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
-  const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
-  const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
-  p.plan = PrefetchPlan::kEveryLine;
-  if (row_bytes < kFirstLinePlanLines * 64) {
-    pool_bags(p, bags, chunk);
-    return;
-  }
-  if (const std::optional<PrefetchPlan> forced = forced_prefetch_plan()) {
-    p.plan = *forced;
-    pool_bags(p, bags, chunk);
-    return;
-  }
-  const int64_t bytes = p.nnz * row_bytes;
-  if (bytes < kPlanMinBytes || chunk_workers(bags, chunk) < 2 || rows_look_skewed(p.rows, p.nnz)) {
-    pool_bags(p, bags, chunk);
-    return;
-  }
-  PlanChooser& chooser = plan_chooser(row_bytes);
-  p.plan = chooser.pick();
-  const auto start = std::chrono::steady_clock::now();
-  pool_bags(p, bags, chunk);
-  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
-  // A call that met a bad row or offset raises: its time says nothing of the plan.
-  if (p.first_bad_bag->load() == kNoBadPosition && p.first_bad_position->load() == kNoBadPosition) {
-    chooser.record(p.plan, seconds.count() / static_cast<double>(bytes));
-  }
-}
-
-template <typename scalar_t, typename index_t>
 void pool_bags(const BagProblem<scalar_t, index_t>& p, int64_t bags, int64_t chunk) {
   const bool weighted = p.per_sample_weights != nullptr;
   const bool max = p.mode == BagMode::kMax;
@@ -740,6 +701,40 @@ void pool_bags(const BagProblem<scalar_t, index_t>& p, int64_t bags, int64_t chu
                  : pool_bag_range_baseline<false, false>(p, begin, end);
     }
   });
+}
+
+/// Pools every bag of p with the prefetch plan SPARSEKIT_POOL_PREFETCH forces or, for a call
+/// that reads at least kPlanMinBytes of rows of kFirstLinePlanLines lines or more on two or
+/// more threads, rows that do not look skewed, the one its PlanChooser picks, timed for the
+/// chooser (prefetch_plan.h). Every other call prefetches every line.
+template <typename scalar_t, typename index_t>
+void run_embedding_bag(BagProblem<scalar_t, index_t> p, int64_t bags) {
+  // About 64K accumulated elements per chunk: far more work than taking a chunk costs.
+  const int64_t per_bag = std::max<int64_t>(1, (p.nnz / std::max<int64_t>(bags, 1) + 1) * p.dim);
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / per_bag);
+  const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t bytes = p.nnz * row_bytes;
+  p.plan = PrefetchPlan::kEveryLine;
+  PlanChooser* chooser = nullptr;
+  if (row_bytes >= kFirstLinePlanLines * 64) {
+    if (const std::optional<PrefetchPlan> forced = forced_prefetch_plan()) {
+      p.plan = *forced;
+    } else if (bytes >= kPlanMinBytes && chunk_workers(bags, chunk) >= 2 && !rows_look_skewed(p.rows, p.nnz)) {
+      chooser = &plan_chooser(row_bytes);
+      p.plan = chooser->pick();
+    }
+  }
+  if (chooser == nullptr) {
+    pool_bags(p, bags, chunk);
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  pool_bags(p, bags, chunk);
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+  // A call that met a bad row or offset raises: its time says nothing of the plan.
+  if (p.first_bad_bag->load() == kNoBadPosition && p.first_bad_position->load() == kNoBadPosition) {
+    chooser->record(p.plan, seconds.count() / static_cast<double>(bytes));
+  }
 }
 
 /// True when embedding_bag writes `out` ([bags, dim] of float32 or float64) with streaming
