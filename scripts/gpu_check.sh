@@ -71,6 +71,7 @@ case "$deadline" in ''|*[!0-9]*) echo "gpu_check.sh: --deadline takes whole seco
 known=" build tests tests-slow sanitizer sanitizer-memcheck sanitizer-racecheck sanitizer-synccheck
  sanitizer-initcheck bench bench-ops bench-embedding bench-hashtable bench-lazy-adam bench-layers bench-train
  bench-criteo-reader bench-dynamic bench-collection bench-compile "
+known=" $(echo $known) "  # one line: a name at the end of a line is matched too
 for stage in ${stages//,/ }; do
   case "$known" in *" $stage "*) ;; *) echo "gpu_check.sh: unknown stage '$stage' (see --help)" >&2; exit 2 ;; esac
 done
@@ -194,8 +195,13 @@ if wants tests; then
   else
     xdist=()
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_CHECK_WORKERS:-12}")
-    # The slow tests (one holds ~65 GiB of GPU memory) run alone, in tests-slow.
-    run_stage tests 330 "${pytest_base[@]}" ${xdist[@]+"${xdist[@]}"} -m "not slow" --junitxml "$out/pytest.xml" tests
+    # A hung test is stopped (its worker replaced) instead of eating the stage's time box.
+    "$PY" -c "import pytest_timeout" 2>/dev/null &&
+      xdist+=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-60}" --timeout-method thread)
+    # -vv (one -v only undoes pytest_base's -q): every test's outcome is in the log as it
+    # happens, so a stage stopped by its time box (no junit XML then) still names what
+    # failed. The slow tests (one holds ~65 GiB of GPU memory) run alone, in tests-slow.
+    run_stage tests 330 "${pytest_base[@]}" -vv ${xdist[@]+"${xdist[@]}"} -m "not slow" --junitxml "$out/pytest.xml" tests
   fi
 fi
 if wants tests-slow; then
