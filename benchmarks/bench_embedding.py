@@ -217,8 +217,20 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
         if not torch.equal(ours.indices(), theirs.indices()):
             raise RuntimeError(f"D={dim} {distribution}: sparsekit's embedding_bag gradient touches other rows "
                                "than nn.EmbeddingBag's: not timing a wrong answer")
-        torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-4, atol=1e-4)
-        weight.grad = reference.weight.grad = ours = theirs = None
+        # A Zipf row's gradient sums tens of thousands of grad_out rows, in another order than
+        # torch's: the rounding of such a sum grows with the sum of the terms' magnitudes,
+        # which one more reference backward (of |grad_out|) gives per element.
+        reference.weight.grad = None
+        reference(rows, offsets).backward(grad_out.abs())
+        magnitude = reference.weight.grad.coalesce().values()
+        error = (ours.values() - theirs.values()).abs()
+        allowed = 1e-4 + 1e-4 * theirs.values().abs() + 1e-6 * magnitude
+        if bool((error > allowed).any()):
+            worst = int(torch.argmax(error - allowed))
+            raise RuntimeError(f"D={dim} {distribution}: sparsekit's embedding_bag gradient differs from "
+                               f"nn.EmbeddingBag's by {error.flatten()[worst].item():.3g} (allowed "
+                               f"{allowed.flatten()[worst].item():.3g}): not timing a wrong answer")
+        weight.grad = reference.weight.grad = ours = theirs = magnitude = error = allowed = None
 
         step = {"sparsekit": sparsekit_step, "nn.EmbeddingBag": torch_step}
         if training is not None:
@@ -325,7 +337,7 @@ def run_skew(args, device: torch.device) -> list[dict]:
     return results
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -345,13 +357,17 @@ def main() -> None:
                         help="also time the CPU forward with each prefetch plan forced (sparsekit[every], "
                              "sparsekit[first]) beside sparsekit's own choice")
     add_round_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads is None:
         default = torch.get_num_threads()
         args.threads = [1, default] if args.device == "cpu" and default > 1 else [default]
     if args.dims is None:
         args.dims = [64, 128] if args.device.startswith("cuda") else [64]
-    run(args)
+    return args
+
+
+def main() -> None:
+    run(parse_args())
 
 
 if __name__ == "__main__":

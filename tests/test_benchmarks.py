@@ -22,6 +22,7 @@ import sparsekit
 from benchmarks import (
     bench_collection,
     bench_compile,
+    bench_embedding,
     bench_hashtable,
     bench_huge_pages,
     bench_lazy_adam,
@@ -148,6 +149,23 @@ def test_benchmarks_refuse_to_time_a_wrong_answer(monkeypatch):
     bench_ops.bench_unique(CPU, "zipf", 2000, 1.2, 1, 1)
     bench_ops.bench_segment_sum(CPU, 2000, 4, 50, None, 1, 1)
     bench_lazy_adam.bench_case("duplicates", 1000, 4, 100, 3, CPU, None, 1, 1)
+
+
+def test_embedding_bench_refuses_a_gradient_off_by_a_thousandth(monkeypatch):
+    """The gradient check allows for the rounding of long sums (a Zipf row's), not more."""
+    args = bench_embedding.parse_args(["--device", "cpu", "--rows", "20000", "--bags", "512", "--dims", "16",
+                                       "--threads", "1", "--rounds", "1", "--repeat", "1", "--skew-lookups", "0"])
+    real = sparsekit.ops.embedding_bag
+
+    def scaled_gradient(weight, rows, offsets, *rest, **kwargs):
+        out = real(weight, rows, offsets, *rest, **kwargs)
+        return out.detach() + 1.001 * (out - out.detach())  # the same output, its gradient x1.001
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bench_embedding.ops, "embedding_bag", scaled_gradient)
+        with pytest.raises(RuntimeError, match="gradient differs .* not timing a wrong answer"):
+            bench_embedding.bench_dim(args, 16, None, torch.device("cpu"), None)
+    assert len(bench_embedding.bench_dim(args, 16, None, torch.device("cpu"), None)) > 0
 
 
 def test_collection_bench_checks_the_three_sides_pool_alike(monkeypatch):
