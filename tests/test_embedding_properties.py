@@ -28,6 +28,9 @@ hypothesis cases.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,7 +80,25 @@ def bag_cases(draw):
         index_dtype=draw(st.sampled_from([torch.int64, torch.int32])),
         threads=draw(thread_counts),
         seed=draw(st.integers(0, 2**31 - 1)),
+        # The CPU pooling's prefetch plan (None: the library's own choice); see forced_plan.
+        plan=draw(st.sampled_from([None, "every", "first"])),
     )
+
+
+@contextlib.contextmanager
+def forced_plan(plan):
+    """SPARSEKIT_POOL_PREFETCH=plan for the block (read by every CPU pooling call): the
+    two plans pool the same rows in the same order, and each must be right on its own."""
+    before = os.environ.get("SPARSEKIT_POOL_PREFETCH")
+    if plan is not None:
+        os.environ["SPARSEKIT_POOL_PREFETCH"] = plan
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPARSEKIT_POOL_PREFETCH", None)
+        else:
+            os.environ["SPARSEKIT_POOL_PREFETCH"] = before
 
 
 def make_bags(case):
@@ -153,6 +174,11 @@ def test_embedding_bag_matches_reference(device, case):
 
 
 def check_bag_case(device, case):
+    with forced_plan(case.get("plan")):
+        check_bag_case_under_plan(device, case)
+
+
+def check_bag_case_under_plan(device, case):
     rows, offsets, weight, psw, grad_out = make_bags(case)
     mode, dtype = case["mode"], case["dtype"]
     num_rows = weight.shape[0]
@@ -235,13 +261,15 @@ def seeded_case(**changes):
 POOLING_LOOPS = [("sum", False), ("mean", True), ("max", False)]
 
 
+@pytest.mark.parametrize("plan", ["every", "first"])
 @pytest.mark.parametrize("mode, weighted", POOLING_LOOPS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", COLUMN_PASS_DIMS)
-def test_embedding_bag_column_passes(device, dim, dtype, mode, weighted):
+def test_embedding_bag_column_passes(device, dim, dtype, mode, weighted, plan):
     """Every column pass of the CPU kernel (see the module docstring), forward and backward,
-    for every pooling loop and dtype: the drawn cases reach them only by chance."""
-    check_bag_case(device, seeded_case(dim=dim, dtype=dtype, mode=mode, weighted=weighted, seed=dim))
+    for every pooling loop and dtype, under each prefetch plan: the drawn cases reach them
+    only by chance."""
+    check_bag_case(device, seeded_case(dim=dim, dtype=dtype, mode=mode, weighted=weighted, seed=dim, plan=plan))
 
 
 @pytest.mark.parametrize("mode, weighted", POOLING_LOOPS)

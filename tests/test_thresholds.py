@@ -597,7 +597,7 @@ def test_embedding_bag_chosen_prefetch_plans(monkeypatch):
     alternating and later ones probing the other plan: 40 calls of each kind below, at and
     past the threshold, uniform rows and skewed ones (which keep every line), with -1 and
     padding rows, each equal to the same call with every line forced (the plans pool the
-    same rows in the same order)."""
+    same rows in the same order); two calls with a bad row among them raise."""
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(13)
     threshold = 32 << 20
@@ -615,6 +615,15 @@ def test_embedding_bag_chosen_prefetch_plans(monkeypatch):
                 want = ops.embedding_bag(weight, rows, offsets, None, "sum", 3)
                 monkeypatch.delenv("SPARSEKIT_POOL_PREFETCH")
                 for call in range(40):
+                    if call in (3, 21):
+                        # A bad row mid-stream (during the warm-up, then once the plan is
+                        # chosen) raises and names its place; the calls after it still agree
+                        # (a failed call records no timing: run_embedding_bag).
+                        bad = rows.clone()
+                        bad[nnz // 2] = 50000
+                        with pytest.raises(RuntimeError, match=rf"rows holds 50000 but weight has 50000 rows "
+                                                               rf"\(at rows\[{nnz // 2}\]"):
+                            ops.embedding_bag(weight, bad, offsets, None, "sum", 3)
                     got = ops.embedding_bag(weight, rows, offsets, None, "sum", 3)
                     assert torch.equal(got, want), (dtype, dim, nnz, call)
 
