@@ -81,7 +81,12 @@ def test_busy_cores_change_no_answer():
     the answers stay the same."""
     context = multiprocessing.get_context("spawn")
     stop = context.Event()
-    spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
+    # Under pytest-xdist the workers share the cores (and keep them busy themselves): a
+    # worker spins its share of them, not all, which would slow every other worker's tests
+    # (16 spinners, each importing torch, on a 16-core GPU machine running 12 workers).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    count = max(1, (os.cpu_count() or 1) // max(1, workers))
+    spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(count)]
     for spinner in spinners:
         spinner.start()
     try:

@@ -1187,7 +1187,7 @@ def test_help_states_the_bounds(capsys):
     assert "(default: None)" not in text and "(default: True)" not in text
 
 
-def _fail_and_stay(rank: int, world_size: int, port: int, timeout: float, results) -> None:
+def _fail_and_stay(rank: int, world_size: int, port: int, timeout: float, results, started) -> None:
     """Rank 1 fails before a collective and stays alive; rank 0 must not wait for ever."""
     import time
 
@@ -1197,6 +1197,9 @@ def _fail_and_stay(rank: int, world_size: int, port: int, timeout: float, result
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # The group forms within `timeout` (2 s) or not at all: both ranks start it together,
+    # whatever their imports took (seconds apart on a machine busy with other tests).
+    started.wait(timeout=120)
     setup("cpu", timeout)
     start = time.monotonic()
     if rank == 1:
@@ -1220,7 +1223,9 @@ def test_timeout_bounds_a_rank_that_fails_and_stays():
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [context.Process(target=_fail_and_stay, args=(rank, 2, port, 2.0, results)) for rank in range(2)]
+    started = context.Barrier(2)
+    procs = [context.Process(target=_fail_and_stay, args=(rank, 2, port, 2.0, results, started))
+             for rank in range(2)]
     for proc in procs:
         proc.start()
     outcome, seconds = results.get(timeout=60)
