@@ -201,11 +201,9 @@ if wants tests; then
     # -vv (one -v only undoes pytest_base's -q): every test's outcome is in the log as it
     # happens, so a stage stopped by its time box (no junit XML then) still names what
     # failed. The slow tests (one holds ~65 GiB of GPU memory) run alone, in tests-slow.
-    # OMP_WAIT_POLICY=PASSIVE: the workers (and the processes tests spawn) outnumber the
-    # cores, and OpenMP threads that spin while they wait (libgomp's default) starve the
-    # ones with work. On the 2-core VM test_harness_learns_on_synthetic_data took 0.3 s
-    # alone, 1.4 s as one of two such processes (0.4 s passive), 2.6-3.2 s beside three
-    # spinning processes (0.8 s passive), 25 s under other jobs' load of ~5.
+    # OMP_WAIT_POLICY=PASSIVE (the workers set it too, see tests/conftest.py): with the
+    # workers and the processes tests spawn outnumbering the cores, OpenMP threads that
+    # spin while they wait starve the ones with work (CPU tests 10-20x slower).
     run_stage tests 330 env OMP_WAIT_POLICY=PASSIVE "${pytest_base[@]}" -vv ${xdist[@]+"${xdist[@]}"} -m "not slow" \
       --junitxml "$out/pytest.xml" tests
   fi
