@@ -28,8 +28,8 @@ hypothesis cases.
 
 from __future__ import annotations
 
-import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -85,20 +85,11 @@ def bag_cases(draw):
     )
 
 
-@contextlib.contextmanager
 def forced_plan(plan):
-    """SPARSEKIT_POOL_PREFETCH=plan for the block (read by every CPU pooling call): the
-    two plans pool the same rows in the same order, and each must be right on its own."""
-    before = os.environ.get("SPARSEKIT_POOL_PREFETCH")
-    if plan is not None:
-        os.environ["SPARSEKIT_POOL_PREFETCH"] = plan
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("SPARSEKIT_POOL_PREFETCH", None)
-        else:
-            os.environ["SPARSEKIT_POOL_PREFETCH"] = before
+    """SPARSEKIT_POOL_PREFETCH=plan for the block (read by every CPU pooling call), the
+    environment put back after it: the two plans pool the same rows in the same order, and
+    each must be right on its own."""
+    return mock.patch.dict(os.environ, {} if plan is None else {"SPARSEKIT_POOL_PREFETCH": plan})
 
 
 def make_bags(case):
