@@ -5,6 +5,7 @@
 // (call_op), itself part of the stable ABI. Every kernel file includes this header, never
 // an ATen or c10 one; tests/test_build.py checks it.
 #include <dlfcn.h>
+#include <sys/sysinfo.h>
 
 #include <algorithm>
 #include <array>
@@ -109,6 +110,37 @@ auto allocate_or_fail(const char* op, const std::string& what, F&& make) -> decl
   } catch (const std::exception& error) {
     fail(op, ": ", what, " cannot be allocated (", error.what(), "); choose a smaller value");
   }
+}
+
+/// @brief This machine's memory and swap in bytes (0 where unknown). A host allocation larger
+/// can never be filled: where Linux overcommits (vm.overcommit_memory=1, as on many GPU
+/// servers) malloc grants it anyway, and the first pass that writes it gets the process
+/// killed instead of raising.
+inline double host_memory_bytes() {
+  struct sysinfo info {};
+  if (sysinfo(&info) != 0) return 0.0;
+  return (static_cast<double>(info.totalram) + static_cast<double>(info.totalswap)) * info.mem_unit;
+}
+
+/// @brief The bytes of one element of `dtype` (the dtypes the ops produce; 1 for others).
+inline int64_t element_size(ScalarType dtype) {
+  if (dtype == kDouble || dtype == kLong) return 8;
+  if (dtype == kFloat || dtype == kInt) return 4;
+  if (dtype == kHalf || dtype == kBFloat16) return 2;
+  return 1;
+}
+
+/// @brief allocate_or_fail for a host allocation of `bytes` (a double: the product of sizes
+/// an argument gave may not fit in 64 bits): one larger than the machine's memory and swap
+/// is refused before it is tried.
+template <typename F>
+auto allocate_host_or_fail(const char* op, const std::string& what, double bytes, F&& make) -> decltype(make()) {
+  const double limit = host_memory_bytes();
+  if (limit > 0 && bytes > limit) {
+    fail(op, ": ", what, " cannot be allocated (", bytes, " bytes, more than this machine's ", limit,
+         " bytes of memory and swap); choose a smaller value");
+  }
+  return allocate_or_fail(op, what, std::forward<F>(make));
 }
 
 // ---------------------------------------------------------------------------------------

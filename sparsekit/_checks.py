@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import re
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple, Union
 
@@ -51,6 +52,34 @@ def _bytes(count: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _host_memory_bytes() -> Optional[int]:
+    """This machine's memory and swap in bytes (None where unknown). A host tensor larger can
+    never be filled: where Linux overcommits (``vm.overcommit_memory=1``, as on many GPU
+    servers) malloc grants it anyway, and the first pass that writes it gets the process
+    killed instead of raising."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total if total > 0 else None
+
+
+HOST_MEMORY_BYTES = _host_memory_bytes()  # read once: under torch.compile a constant, not a call
+
+
+def _on_host(device) -> bool:
+    if device is None:
+        return torch.get_default_device().type == "cpu"
+    return torch.device(device).type == "cpu"
+
+
 @contextlib.contextmanager
 def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype: torch.dtype,
                device, accumulator: bool = False) -> Iterator[None]:
@@ -68,6 +97,34 @@ def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype:
         accumulator: a float16/bfloat16 result is summed in a float32 buffer of the same
             shape first (segment sums): its bytes count too.
     """
+    with_accumulator = accumulator and dtype in (torch.float16, torch.bfloat16)
+
+    def numel() -> int:  # only where the sizes may be read: not while torch.compile traces them
+        count = 1
+        for size in shape:
+            count *= int(size)
+        return count
+
+    def failure(reason: str = "") -> AllocationError:
+        count = numel()
+        needed = count * torch.empty((), dtype=dtype).element_size()
+        tensors = f"a {list(shape)} {dtype} tensor of {_bytes(needed)}"
+        if with_accumulator:
+            needed += count * 4
+            tensors += f" and its float32 accumulator, {_bytes(needed)} in all,"
+        where = "the default device" if device is None else str(device)
+        described = what() if callable(what) else what
+        return AllocationError(f"{described}: needs {tensors} on {where}{reason}, which cannot be allocated; choose a "
+                               "smaller value")
+
+    # A host tensor larger than the machine is refused before it is allocated (see
+    # _host_memory_bytes). Sizes traced under torch.compile or by a fake mode (SymInts) are
+    # not read: that would pin them (dynamo passes SymInts as ints, hence is_compiling).
+    limit = HOST_MEMORY_BYTES
+    if (limit is not None and not torch.compiler.is_compiling() and all(type(size) is int for size in shape)
+            and _on_host(device)):
+        if numel() * (torch.empty((), dtype=dtype).element_size() + (4 if with_accumulator else 0)) > limit:
+            raise failure(f", more than this machine's {_bytes(limit)} of memory and swap")
     try:
         yield
     except (RuntimeError, MemoryError, TypeError) as error:
@@ -76,18 +133,7 @@ def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype:
             raise
         if "a contiguous copy of an input" in str(error):
             raise  # a kernel's copy of a strided input (its message gives the shape), not this tensor
-        numel = 1
-        for size in shape:
-            numel *= int(size)
-        needed = numel * torch.empty((), dtype=dtype).element_size()
-        tensors = f"a {list(shape)} {dtype} tensor of {_bytes(needed)}"
-        if accumulator and dtype in (torch.float16, torch.bfloat16):
-            needed += numel * 4
-            tensors += f" and its float32 accumulator, {_bytes(needed)} in all,"
-        where = "the default device" if device is None else str(device)
-        what = what() if callable(what) else what
-        raise AllocationError(f"{what}: needs {tensors} on {where}, which cannot be allocated; choose a smaller "
-                              "value") from error
+        raise failure() from error
 
 
 # ---- argument types -------------------------------------------------------------------------

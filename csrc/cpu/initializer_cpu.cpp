@@ -22,8 +22,10 @@ Tensor key_seeded_uniform_cpu(const Tensor& keys, int64_t dim, int64_t seed, dou
   check_key_seeded_uniform_args(keys, dim, low, high, out_dtype);
   const Tensor keys_contig = as_contiguous(keys);
   const int64_t n = keys_contig.numel();
-  Tensor out = allocate_or_fail("key_seeded_uniform", "dim=" + std::to_string(dim) + " for " + std::to_string(n) +
-                                " keys (the output)", [&] { return empty({n, dim}, out_dtype, keys.device()); });
+  Tensor out = allocate_host_or_fail(
+      "key_seeded_uniform", "dim=" + std::to_string(dim) + " for " + std::to_string(n) + " keys (the output)",
+      static_cast<double>(n) * static_cast<double>(dim) * static_cast<double>(element_size(out_dtype)),
+      [&] { return empty({n, dim}, out_dtype, keys.device()); });
   if (n == 0 || dim == 0) return out;
   const UniformRange range = make_uniform_range(low, high);
   SK_DISPATCH_INDEX_TYPES(keys_contig.scalar_type(), "key_seeded_uniform_cpu", [&] {

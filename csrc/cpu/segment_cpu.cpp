@@ -226,8 +226,11 @@ Tensor segment_sum_rows(const char* op, const std::vector<Tensor>& data, const T
   int64_t dim = 1;
   for (size_t d = 1; d < shape.size(); ++d) dim *= shape[d];
   shape[0] = num_segments;
-  Tensor out = allocate_or_fail(op, "num_segments=" + std::to_string(num_segments) + " (the output)",
-                                [&] { return zeros(shape, data.empty() ? kFloat : data[0].scalar_type(), ids.device()); });
+  const ScalarType out_dtype = data.empty() ? kFloat : data[0].scalar_type();
+  Tensor out = allocate_host_or_fail(
+      op, "num_segments=" + std::to_string(num_segments) + " (the output)",
+      static_cast<double>(num_segments) * static_cast<double>(dim) * static_cast<double>(element_size(out_dtype)),
+      [&] { return zeros(shape, out_dtype, ids.device()); });
   if (n == 0) return out;
 
   SK_DISPATCH_INDEX_TYPES(ids.scalar_type(), "segment_sum_cpu_ids", [&] {

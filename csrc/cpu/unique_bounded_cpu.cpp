@@ -77,9 +77,9 @@ void group_by_key(const int64_t* inv, int64_t n, int64_t num_unique, int64_t par
   int64_t* out_order = order.mutable_data_ptr<int64_t>();
   thread_local Scratch cursor_scratch;
   const TrimOnExit trim_cursors{cursor_scratch};
-  int64_t* cursors = static_cast<int64_t*>(allocate_or_fail("unique_bounded", "the grouping's cursors", [&] {
-    return cursor_scratch.get(sizeof(int64_t) * static_cast<size_t>(parts * num_unique));
-  }));
+  int64_t* cursors = static_cast<int64_t*>(allocate_host_or_fail(
+      "unique_bounded", "the grouping's cursors", 8.0 * static_cast<double>(parts) * static_cast<double>(num_unique),
+      [&] { return cursor_scratch.get(sizeof(int64_t) * static_cast<size_t>(parts * num_unique)); }));
   auto part_begin = [&](int64_t p) { return n * p / parts; };
 
   // Counts per part, each part's counters in a block of their own. A block of ranks is
@@ -123,9 +123,9 @@ void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool gro
   const int64_t workers = chunk_workers(n, kKeyGrain);
   thread_local Scratch scratch;
   const TrimOnExit trim_bitmaps{scratch};  // on an error too (a key out of range)
-  uint64_t* bitmaps = static_cast<uint64_t*>(allocate_or_fail(
+  uint64_t* bitmaps = static_cast<uint64_t*>(allocate_host_or_fail(
       "unique_bounded", message("bound=", bound, " (", workers + 2, " bitmaps of bound + 1 bits)"),
-      [&] { return scratch.get(sizeof(uint64_t) * static_cast<size_t>((workers + 2) * num_words)); }));
+      8.0 * static_cast<double>(workers + 2) * static_cast<double>(num_words), [&] { return scratch.get(sizeof(uint64_t) * static_cast<size_t>((workers + 2) * num_words)); }));
   uint64_t* merged = bitmaps + workers * num_words;
   int64_t* ranks = reinterpret_cast<int64_t*>(merged + num_words);  // set bits in the words before each word
   std::vector<int64_t> block_first(num_blocks + 1, 0);
