@@ -24,7 +24,7 @@
 #               a margin for the summary) and is skipped when too little is left
 #
 # The stages' time boxes add up to about 25 minutes (build 240 s, tests 330 s, tests-slow
-# 90 s, sanitizer 4 x 90 s, benchmarks 540 s), more than one 10-minute command on a lent
+# 90 s, sanitizer 4 x 90 s, benchmarks 570 s), more than one 10-minute command on a lent
 # GPU machine: there, run it as whole commands (nothing is kept between them) with the
 # library built here (CUDA build, in place) carried in, each with a deadline inside the
 # command's limit; the summary lists what a deadline skipped, for a further command:
@@ -70,7 +70,7 @@ case "$archive" in ""|/*) ;; *) archive="$caller/$archive" ;; esac
 case "$deadline" in ''|*[!0-9]*) echo "gpu_check.sh: --deadline takes whole seconds, got '$deadline'" >&2; exit 2 ;; esac
 known=" build tests tests-slow sanitizer sanitizer-memcheck sanitizer-racecheck sanitizer-synccheck
  sanitizer-initcheck bench bench-ops bench-embedding bench-hashtable bench-lazy-adam bench-layers bench-train
- bench-criteo-reader bench-dynamic bench-collection bench-compile "
+ bench-criteo-reader bench-dynamic bench-collection bench-compile bench-profile "
 known=" $(echo $known) "  # one line: a name at the end of a line is matched too
 for stage in ${stages//,/ }; do
   case "$known" in *" $stage "*) ;; *) echo "gpu_check.sh: unknown stage '$stage' (see --help)" >&2; exit 2 ;; esac
@@ -255,6 +255,7 @@ if [ "$dry_run" = 1 ]; then
   bench_stage bench-dynamic 60 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --quick --repeat 1
   bench_stage bench-collection 90 "$PY" benchmarks/bench_collection.py "${b[@]}" --small --batch 256 --rounds 1 --repeat 1 --world-sizes 1 --configs dim16
   bench_stage bench-compile 90 "$PY" benchmarks/bench_compile.py "${b[@]}" --batch 64 --steps 2 --rounds 1 --repeat 1 --backend aot_eager
+  bench_stage bench-profile 60 "$PY" benchmarks/profile_step.py "${b[@]}" --rows 5000 --bags 256 --pooling 4 --dim 16 --steps 3
 else
   b=(--device cuda)
   bench_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3 --distributions zipf,distinct,uniform
@@ -266,6 +267,7 @@ else
   bench_stage bench-dynamic 90 "$PY" benchmarks/bench_dynamic.py "${b[@]}" --repeat 3
   bench_stage bench-collection 60 "$PY" benchmarks/bench_collection.py "${b[@]}" --world-sizes 1 --rounds 2 --repeat 3
   bench_stage bench-compile 120 "$PY" benchmarks/bench_compile.py "${b[@]}" --steps 8 --rounds 3 --repeat 2
+  bench_stage bench-profile 30 "$PY" benchmarks/profile_step.py "${b[@]}"
 fi
 
 # ---- summary ---------------------------------------------------------------------------
