@@ -130,6 +130,24 @@ inline int64_t element_size(ScalarType dtype) {
   return 1;
 }
 
+/// @brief "N bytes (X.Y GiB)" for an error message, N exact below 2^53.
+inline std::string format_bytes(double bytes) {
+  static const char* const units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double size = bytes;
+  int unit = -1;
+  while (unit < 5 && (unit < 0 || size >= 1024)) {
+    size /= 1024;
+    ++unit;
+  }
+  std::ostringstream out;
+  out.setf(std::ios::fixed);
+  out.precision(0);
+  out << bytes << " bytes (";
+  out.precision(1);
+  out << size << " " << units[unit] << ")";
+  return out.str();
+}
+
 /// @brief allocate_or_fail for a host allocation of `bytes` (a double: the product of sizes
 /// an argument gave may not fit in 64 bits): one larger than the machine's memory and swap
 /// is refused before it is tried.
@@ -137,8 +155,8 @@ template <typename F>
 auto allocate_host_or_fail(const char* op, const std::string& what, double bytes, F&& make) -> decltype(make()) {
   const double limit = host_memory_bytes();
   if (limit > 0 && bytes > limit) {
-    fail(op, ": ", what, " cannot be allocated (", bytes, " bytes, more than this machine's ", limit,
-         " bytes of memory and swap); choose a smaller value");
+    fail(op, ": ", what, " cannot be allocated (", format_bytes(bytes), ", more than this machine's ",
+         format_bytes(limit), " of memory and swap); choose a smaller value");
   }
   return allocate_or_fail(op, what, std::forward<F>(make));
 }

@@ -72,10 +72,11 @@ def test_a_host_tensor_larger_than_the_machine_is_refused_before_it_is_allocated
     monkeypatch.undo()
     if sys.platform.startswith("linux"):  # the kernels' own check reads the memory with sysinfo
         with pytest.raises(RuntimeError, match=r"^segment_sum: num_segments=1099511627776 \(the output\) cannot be "
-                                               r"allocated \(8.79609e\+12 bytes, more than this machine's "):
+                                               r"allocated \(8796093022208 bytes \(8.0 TiB\), more than this machine's \d+ bytes \(\d+\.\d [GT]iB\) "
+                                               r"of memory and swap\); choose a smaller value"):
             torch.ops.sparsekit.segment_sum(torch.ones(3, 2), ids, 2**40, False)
         with pytest.raises(RuntimeError, match=r"^key_seeded_uniform: dim=1099511627776 for 1 keys \(the output\) "
-                                               r"cannot be allocated \(4.39805e\+12 bytes, more than"):
+                                               r"cannot be allocated \(4398046511104 bytes \(4.0 TiB\), more than"):
             torch.ops.sparsekit.key_seeded_uniform(torch.tensor([1]), 2**40, 0, -0.05, 0.05, None)
 
 

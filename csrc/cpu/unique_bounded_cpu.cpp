@@ -125,7 +125,8 @@ void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool gro
   const TrimOnExit trim_bitmaps{scratch};  // on an error too (a key out of range)
   uint64_t* bitmaps = static_cast<uint64_t*>(allocate_host_or_fail(
       "unique_bounded", message("bound=", bound, " (", workers + 2, " bitmaps of bound + 1 bits)"),
-      8.0 * static_cast<double>(workers + 2) * static_cast<double>(num_words), [&] { return scratch.get(sizeof(uint64_t) * static_cast<size_t>((workers + 2) * num_words)); }));
+      8.0 * static_cast<double>(workers + 2) * static_cast<double>(num_words),
+      [&] { return scratch.get(sizeof(uint64_t) * static_cast<size_t>((workers + 2) * num_words)); }));
   uint64_t* merged = bitmaps + workers * num_words;
   int64_t* ranks = reinterpret_cast<int64_t*>(merged + num_words);  // set bits in the words before each word
   std::vector<int64_t> block_first(num_blocks + 1, 0);
