@@ -146,6 +146,21 @@ def forced_plan(plan: str, table: torch.Tensor, rows: torch.Tensor, offsets: tor
             os.environ["SPARSEKIT_POOL_PREFETCH"] = before
 
 
+def training_steps(weight: torch.Tensor, reference: torch.nn.EmbeddingBag, rows: torch.Tensor, offsets: torch.Tensor,
+                   grad_out: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A forward + backward step of sparsekit's sum pooling over ``weight`` (a leaf) and of
+    ``reference``, each dropping the gradient of the step before."""
+    def sparsekit_step():
+        weight.grad = None
+        ops.embedding_bag(weight, rows, offsets).backward(grad_out)
+
+    def torch_step():
+        reference.weight.grad = None
+        reference(rows, offsets).backward(grad_out)
+
+    return sparsekit_step, torch_step
+
+
 def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: float | None) -> list[dict]:
     """Forward and forward + backward rows of every candidate at one embedding dim."""
     results: list[dict] = []
@@ -189,14 +204,7 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
             for plan in PREFETCH_PLANS:
                 forward[f"sparsekit[{plan}]"] = lambda plan=plan: forced_plan(plan, table, rows, offsets)
 
-        def sparsekit_step():
-            weight.grad = None
-            ops.embedding_bag(weight, rows, offsets).backward(grad_out)
-
-        def torch_step():
-            reference.weight.grad = None
-            reference(rows, offsets).backward(grad_out)
-
+        sparsekit_step, torch_step = training_steps(weight, reference, rows, offsets, grad_out)
         # Forward only, per extra pooling mode: (sparsekit, nn.EmbeddingBag in that mode).
         other_modes = {}
         if "weighted" in args.modes:

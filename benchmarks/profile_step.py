@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_embedding import training_steps  # noqa: E402
 from sparsekit import ops  # noqa: E402
 
 
@@ -40,13 +41,7 @@ def main() -> None:
     reference = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True, include_last_offset=True,
                                       _weight=table, device=device)
 
-    def sparsekit_step():
-        weight.grad = None
-        ops.embedding_bag(weight, rows, offsets).backward(grad_out)
-
-    def torch_step():
-        reference.weight.grad = None
-        reference(rows, offsets).backward(grad_out)
+    sparsekit_step, torch_step = training_steps(weight, reference, rows, offsets, grad_out)
 
     def sparsekit_forward():
         ops.embedding_bag(table, rows, offsets)

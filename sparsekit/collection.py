@@ -586,8 +586,7 @@ def _sort_table_rows(rows: List[Tensor], weights: Sequence[Tensor]) -> Tuple[Ten
     sizes = [r.numel() for r in rows]
     bases = list(itertools.accumulate((w.shape[0] + 1 for w in weights[:-1]), initial=0))
     flat = torch.cat(rows) if len(rows) > 1 else rows[0]
-    base_of = torch.repeat_interleave(_device_ints(bases, device), _device_ints(sizes, device),
-                                      output_size=flat.numel())
+    base_of = ops._repeat_interleave(_device_ints(bases, device), _device_ints(sizes, device), flat.numel())
     sorted_codes, order = _sort_rows(flat + (base_of + 1))
     return sorted_codes - (base_of + 1), order
 
@@ -1232,8 +1231,7 @@ class EmbeddingBagCollection(nn.Module):
         else:
             pair_keys = pair_of_value = torch.zeros(0, dtype=torch.int64, device=device)
             per_table = torch.zeros(num_tables, dtype=torch.int64, device=device)
-        pair_tables = torch.repeat_interleave(torch.arange(num_tables, device=device), per_table,
-                                              output_size=pair_keys.numel())
+        pair_tables = ops._repeat_interleave(torch.arange(num_tables, device=device), per_table, pair_keys.numel())
         # Direct-mapped tables: keys must lie in [0, capacity * world_size).
         if any(s.hash_table is None for s in self._shards) and pair_keys.numel() > 0:
             limits = _device_ints([-1 if s.hash_table is not None else s.num_keys_capacity for s in self._shards],
@@ -1274,8 +1272,8 @@ class EmbeddingBagCollection(nn.Module):
                 # write past its output).
                 safe = torch.cummax(offsets.clamp(0, nnz), 0).values
                 safe[-1] = nnz
-                bag_of_value = torch.repeat_interleave(torch.arange(num_bags, device=device), safe[1:] - safe[:-1],
-                                                       output_size=keys.numel())
+                bag_of_value = ops._repeat_interleave(torch.arange(num_bags, device=device), safe[1:] - safe[:-1],
+                                                      keys.numel())
         return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "weights": weights,
                 "table_of_feature": table_of_feature, "pair_keys": pair_keys, "pair_tables": pair_tables,
                 "pair_of_value": pair_of_value, "pair_row": pair_row, "bag_of_value": bag_of_value,
@@ -1466,7 +1464,7 @@ class EmbeddingBagCollection(nn.Module):
         missing = rows < 0
         shift = _device_ints([size - before for size, before in zip(sizes, itertools.accumulate(counts, initial=0))],
                              rows.device)
-        shift = torch.repeat_interleave(shift, _device_ints(lengths, rows.device), output_size=rows.numel())
+        shift = ops._repeat_interleave(shift, _device_ints(lengths, rows.device), rows.numel())
         new_rows = missing.cumsum(0).sub_(1).add_(shift)
         return list(torch.where(missing, new_rows, rows).split(lengths))
 
@@ -1610,8 +1608,8 @@ class EmbeddingBagCollection(nn.Module):
             _place_new_keys([shards[t] for t in growing], new_keys, [per_table[t] for t in growing], initial)
             # A new key's row: its table's old size plus its rank among the table's new keys.
             shift = torch.tensor([sizes[t] - starts[t] for t in range(num_tables)])
-            new_rows = torch.arange(new_keys.numel()) + shift.repeat_interleave(torch.tensor(per_table),
-                                                                                 output_size=new_keys.numel())
+            new_rows = torch.arange(new_keys.numel()) + ops._repeat_interleave(shift, torch.tensor(per_table),
+                                                                                new_keys.numel())
             rows = rows.masked_scatter(missing, new_rows.index_select(0, new_of_missing))
         features, batch = prepared["features"], prepared["batch"]
         # One key per bag: feature f's rows are row f of this [features, batch] view.
@@ -1641,8 +1639,8 @@ class EmbeddingBagCollection(nn.Module):
             ends = torch.searchsorted(sorted_codes, torch.tensor([base[t] + len(shards[t].hash_table)
                                                                   for t in used])).tolist()
             sizes_used = [b - a for a, b in zip([0] + ends, ends)]
-            sorted_rows = sorted_codes - torch.tensor([base[t] for t in used]).repeat_interleave(
-                torch.tensor(sizes_used), output_size=sorted_codes.numel())
+            sorted_rows = sorted_codes - ops._repeat_interleave(torch.tensor([base[t] for t in used]),
+                                                                torch.tensor(sizes_used), sorted_codes.numel())
             scored.extend(zip(used, sorted_rows.split(sizes_used)))
             member_of = {t: j for j, t in enumerate(used)}
             parts = _LookupPieces.apply(value_rows, [member_of[table_of_feature[f]] for f in group_features],

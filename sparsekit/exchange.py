@@ -448,7 +448,7 @@ def _pool(rows: Tensor, index: Tensor, offsets: Tensor, one_per_bag: bool) -> Te
         return _GatherRows.apply(rows, index)
     num_bags = offsets.numel() - 1
     lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(torch.arange(num_bags, device=offsets.device), lengths, output_size=index.numel())
+    bag = ops._repeat_interleave(torch.arange(num_bags, device=offsets.device), lengths, index.numel())
     return _PoolRows.apply(rows, index, bag, offsets)
 
 

@@ -135,3 +135,47 @@ def test_every_chunk_runs_once_whoever_takes_it(threads):
                 offsets = torch.arange(0, 4 * bags + 1, 4)
                 want = weight[rows].view(bags, 4, 16).sum(1)
                 torch.testing.assert_close(ops.embedding_bag(weight, rows, offsets, None, "sum", None, True), want)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 1000, 70_000])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_the_serial_repeat_interleave_matches_torch(size, dtype):
+    """sparsekit's CPU repeat_interleave (numpy's, on the calling thread) gives torch's
+    answer, zero repeats included, and torch's errors."""
+    from sparsekit import ops as sk_ops
+
+    g = torch.Generator().manual_seed(size)
+    values = torch.randint(-2**31, 2**31, (size,), generator=g).to(dtype)
+    repeats = torch.randint(0, 4, (size,), generator=g)
+    want = torch.repeat_interleave(values, repeats)
+    got = sk_ops._repeat_interleave(values, repeats, want.numel())
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    if want.numel():  # (torch returns an empty result for empty inputs whatever output_size)
+        with pytest.raises(RuntimeError, match="allocated size does not match required size"):
+            sk_ops._repeat_interleave(values, repeats, want.numel() + 1)
+        with pytest.raises(RuntimeError, match="repeats can not be negative"):
+            sk_ops._repeat_interleave(values, torch.full((size,), -1), 0)
+
+
+def test_cpu_lookups_never_call_torchs_parallel_repeat_interleave(monkeypatch):
+    """torch's CPU repeat_interleave splits a few hundred repeats over the threads: with a
+    core busy, 1 call in 25 waited 4-8 ms for its second thread. The layers' and the ops'
+    CPU paths (a multi-key lookup, its backward, the collection's step) use the serial one."""
+    import sparsekit as sk
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.repeat_interleave called on the CPU path")
+
+    layer = sk.DistributedEmbedding("sum", 1000, 8, 2, 2)
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 8, 1000, ["a", "b"]),
+                                     sk.TableConfig("u", 4, 1000, ["c"], combiner="mean")])
+    weight = torch.randn(50, 4, requires_grad=True)
+    monkeypatch.setattr(torch, "repeat_interleave", refuse)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    keys = sk.Ragged(torch.tensor([3, 5, 5, 9, 11, 3, 2]), torch.tensor([0, 2, 3, 5, 7]))
+    layer(keys).sum().backward()
+    kjt = sk.KeyedJagged(["a", "b", "c"], torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]),
+                         lengths=torch.tensor([2, 1, 0, 3, 1, 1]))
+    sum(v.sum() for v in ebc(kjt).values()).backward()
+    sk.ops.embedding_bag(weight, torch.tensor([1, 2, 3, 4, 49]), torch.tensor([0, 2, 5]), mode="mean").sum().backward()
+    assert weight.grad is not None and layer.weight.grad is not None
