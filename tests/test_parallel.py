@@ -179,3 +179,45 @@ def test_cpu_lookups_never_call_torchs_parallel_repeat_interleave(monkeypatch):
     sum(v.sum() for v in ebc(kjt).values()).backward()
     sk.ops.embedding_bag(weight, torch.tensor([1, 2, 3, 4, 49]), torch.tensor([0, 2, 5]), mode="mean").sum().backward()
     assert weight.grad is not None and layer.weight.grad is not None
+
+
+_CONTENDED_CASES = """
+import sys, torch, sparsekit as sk
+torch.set_num_threads(2)
+ops = torch.ops.sparsekit
+g = torch.Generator().manual_seed(3)
+out = []
+for n in (5_000, 40_000, 300_000):  # under, across and over the kernels' grains x 64
+    keys = torch.randint(0, n // 3, (n,), generator=g)
+    out += list(ops.unique(keys))
+    out += list(ops.unique_bounded(keys, n // 3, True))
+    data = torch.randn(n, 16, generator=g)
+    out.append(ops.segment_sum(data, keys, n // 3, False))
+    out.append(ops.embedding_bag(data, keys, torch.arange(0, n + 1, 4), None, "sum", None, True))
+    out += list(ops.unique_tables(keys, [0, n // 2, n], [0, 1], 2))
+    param, m, v = torch.randn(n // 3, 16, generator=g), torch.zeros(n // 3, 16), torch.zeros(n // 3, 16)
+    rows = torch.randperm(n // 3, generator=g)[: n // 6]
+    ops.lazy_adam_(param, m, v, rows, torch.randn(rows.numel(), 16, generator=g), 1, 0.01, 0.9, 0.999, 1e-8)
+    out += [param, m, v]
+    table = sk.HashTable(n)
+    out += [table.insert(keys), table.find(keys + 1)]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_the_contended_paths_give_the_same_answers(tmp_path):
+    """SPARSEKIT_CORES_CONTENDED=1 takes the paths a busy machine takes (small regions
+    inline, a kernel's workers one after another on the calling thread) on every call: the
+    answers are bit for bit those of the normal paths, on sizes across the kernels' grains."""
+    import subprocess
+    import sys
+
+    answers = {}
+    for contended in ("0", "1"):
+        path = tmp_path / f"out{contended}.pt"
+        env = dict(os.environ, SPARSEKIT_CORES_CONTENDED=contended)
+        subprocess.run([sys.executable, "-c", _CONTENDED_CASES, str(path)], env=env, check=True, timeout=300)
+        answers[contended] = torch.load(path)
+    assert len(answers["0"]) == len(answers["1"]) > 0
+    for normal, contended in zip(answers["0"], answers["1"]):
+        assert normal.dtype == contended.dtype and torch.equal(normal, contended)

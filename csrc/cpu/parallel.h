@@ -2,6 +2,8 @@
 // Work sharing of the CPU kernels.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -27,12 +29,64 @@ inline bool in_parallel_region() { return detail::parallel_depth > 0; }
 /// @brief torch's intra-op thread count.
 inline int64_t num_threads() { return static_cast<int64_t>(torch::stable::get_num_threads()); }
 
+// ---- busy cores ------------------------------------------------------------------------
+// A parallel region ends when its last thread does. When another process keeps a core
+// busy, a worker thread woken for the region may wait a scheduler time slice (4-8 ms on the
+// 2-core VM) before it runs, so a call of 20 us took milliseconds: with a build running,
+// a DistributedEmbedding step's segment_sum of 2,048 x 16 rows and its lazy_adam_ of ~2,000
+// rows took a median 6.5 and 7.6 ms, over 1 ms in 6 calls of 10. Every region notes when
+// its workers started; one that started late marks the cores contended for a while, and
+// meanwhile a region of fewer than kContendedGrains grains runs inline on the calling
+// thread (at most a few milliseconds of work), while larger ones still share out.
+namespace detail {
+constexpr int64_t kLateStartNs = 500'000;         // a worker starting 0.5 ms late: contended
+constexpr int64_t kContendedNs = 1'000'000'000;   // for the next second
+constexpr int64_t kContendedGrains = 64;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline std::atomic<int64_t>& contended_until() {
+  static std::atomic<int64_t> until{0};
+  return until;
+}
+
+/// SPARSEKIT_CORES_CONTENDED=1 in the environment (read once): the cores always count as
+/// contended, so that tests take the contended paths on an idle machine.
+inline bool always_contended() {
+  static const bool always = [] {
+    const char* value = std::getenv("SPARSEKIT_CORES_CONTENDED");
+    return value != nullptr && value[0] == '1';
+  }();
+  return always;
+}
+}  // namespace detail
+
+/// @brief Whether a worker of a recent parallel region started late (another process has
+/// the cores): small regions then run inline.
+inline bool cores_contended() {
+  return detail::always_contended() ||
+         detail::now_ns() < detail::contended_until().load(std::memory_order_relaxed);
+}
+
+/// @brief The work (in the caller's units) below which a region runs inline: `grain`, or
+/// kContendedGrains grains while the cores are contended.
+inline int64_t inline_below(int64_t grain) {
+  grain = std::max<int64_t>(grain, 1);
+  return cores_contended() ? grain * detail::kContendedGrains : grain;
+}
+
 /// @brief at::parallel_for on the stable ABI: fn(begin, end) over [0, n) split into at most
-/// num_threads() ranges of at least `grain` items (inline when small or nested).
+/// num_threads() ranges of at least `grain` items (inline when small or nested, and while
+/// the cores are contended when under kContendedGrains grains: see above).
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   if (begin >= end) return;
-  if (end - begin <= grain || in_parallel_region() || num_threads() == 1) {
+  // (A grain of 1 counts units the caller sized itself: the rule is not applied to them.)
+  if (end - begin <= grain || in_parallel_region() || num_threads() == 1 ||
+      (grain > 1 && end - begin <= inline_below(grain))) {
     detail::ParallelRegion region;
     fn(begin, end);
     return;
@@ -41,7 +95,13 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   // its message lost): the first one a worker raises is kept and rethrown here.
   std::exception_ptr error;
   std::mutex error_mutex;
+  const int64_t forked = detail::now_ns();
+  std::atomic<int64_t> last_start{forked};
   torch::stable::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    const int64_t started = detail::now_ns();
+    int64_t seen = last_start.load(std::memory_order_relaxed);
+    while (seen < started && !last_start.compare_exchange_weak(seen, started, std::memory_order_relaxed)) {
+    }
     detail::ParallelRegion region;
     try {
       fn(b, e);
@@ -50,16 +110,41 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
       if (!error) error = std::current_exception();
     }
   });
+  if (last_start.load(std::memory_order_relaxed) - forked > detail::kLateStartNs) {
+    detail::contended_until().store(detail::now_ns() + detail::kContendedNs, std::memory_order_relaxed);
+  }
   if (error) std::rethrow_exception(error);
 }
 
 /// @brief The number of workers parallel_chunks_indexed uses for n items in chunks of
-/// `chunk`: 1 when it runs inline.
+/// `chunk`: 1 when it runs inline. (It does not depend on the cores' contention, so that a
+/// kernel's scratch sized by it matches the workers of its later parallel_chunks_indexed;
+/// those run one after another on the calling thread while the cores are contended.)
 inline int64_t chunk_workers(int64_t n, int64_t chunk) {
   const int64_t chunks = (n + std::max<int64_t>(chunk, 1) - 1) / std::max<int64_t>(chunk, 1);
   if (chunks <= 1 || in_parallel_region()) return 1;
   return std::max<int64_t>(1, std::min<int64_t>(chunks, num_threads()));
 }
+
+/// @brief Runs the rest of a kernel inline (every parallel region in it, and chunk_workers
+/// says 1) while the cores are contended and its work, `work` items, is under
+/// kContendedGrains grains: for kernels whose passes run over units they size themselves
+/// (ranges per thread, blocks), which the grain rule of parallel_for does not reach.
+class InlineWhileContended {
+ public:
+  InlineWhileContended(int64_t work, int64_t grain)
+      : active_(work <= std::max<int64_t>(grain, 1) * detail::kContendedGrains && cores_contended()) {
+    if (active_) ++detail::parallel_depth;
+  }
+  ~InlineWhileContended() {
+    if (active_) --detail::parallel_depth;
+  }
+  InlineWhileContended(const InlineWhileContended&) = delete;
+  InlineWhileContended& operator=(const InlineWhileContended&) = delete;
+
+ private:
+  bool active_;
+};
 
 namespace detail {
 /// One worker's chunks [front, back), packed in one word (front in the low half) so that the
@@ -152,7 +237,7 @@ void parallel_chunks_indexed(int64_t n, int64_t chunk, const F& fn) {
     shares[w].range.store(detail::ChunkShare::pack(chunks * w / workers, chunks * (w + 1) / workers),
                           std::memory_order_relaxed);
   }
-  parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
+  auto run_workers = [&](int64_t w_begin, int64_t w_end) {
     for (int64_t worker = w_begin; worker < w_end; ++worker) {
       detail::ChunkShare& own = shares[worker];
       int64_t first = 0, last = 0;
@@ -164,7 +249,14 @@ void parallel_chunks_indexed(int64_t n, int64_t chunk, const F& fn) {
         own.range.store(detail::ChunkShare::pack(first, last), std::memory_order_relaxed);
       }
     }
-  });
+  };
+  if (chunk > 1 && n <= inline_below(chunk)) {
+    // Contended and small: the same workers, one after another on this thread.
+    detail::ParallelRegion region;
+    run_workers(0, workers);
+    return;
+  }
+  parallel_for(0, workers, 1, run_workers);
 }
 
 /// @brief parallel_chunks_indexed without the worker: fn(begin, end).

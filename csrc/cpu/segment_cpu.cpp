@@ -242,7 +242,7 @@ Tensor segment_sum_rows(const char* op, const std::vector<Tensor>& data, const T
       return;
     }
 
-    const int64_t threads = n * dim < (1 << 15) ? 1 : num_threads();
+    const int64_t threads = n * dim < inline_below(1 << 15) ? 1 : num_threads();
     const std::vector<int64_t> seg_edges =
         threads == 1 ? std::vector<int64_t>{0, num_segments}
                      : balanced_segment_edges(id_ptr, n, num_segments, threads);

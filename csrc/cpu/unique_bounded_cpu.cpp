@@ -117,6 +117,7 @@ void group_by_key(const int64_t* inv, int64_t n, int64_t num_unique, int64_t par
 template <typename key_t>
 void unique_bounded_kernel(const key_t* keys, int64_t n, int64_t bound, bool group, Tensor& unique_keys,
                            Tensor& inverse, Tensor& offsets, Tensor& order) {
+  const InlineWhileContended contended(n, kKeyGrain);  // before chunk_workers sizes the bitmaps
   // Bit v + 1 stands for value v, so that -1 is bit 0.
   const int64_t num_words = (bound + 1 + 63) / 64;
   const int64_t num_blocks = (num_words + kWordGrain - 1) / kWordGrain;

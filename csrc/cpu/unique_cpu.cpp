@@ -444,6 +444,7 @@ class KeyRanges {
 template <typename key_t, typename id_t>
 void unique_kernel(const key_t* keys, int64_t n, Tensor& unique_keys, int64_t* inverse, Tensor& counts) {
   using table_t = LocalTable<key_t, id_t>;
+  const InlineWhileContended contended(n, kScanGrain);  // its block passes count blocks
   const int64_t threads = in_parallel_region() ? 1 : num_threads();
   const int64_t num_initial = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinChunk));
   KeyRanges work(n, num_initial);
@@ -624,6 +625,7 @@ std::tuple<Tensor, Tensor, Tensor> unique_tables_cpu(const Tensor& keys_in, cons
   SK_CHECK(num_tables >= 0 && num_tables <= (int64_t{1} << 20), op, ": num_tables must lie in [0, 2^20], got ",
            num_tables);
   const int64_t n = keys_in.numel();
+  const InlineWhileContended contended(n, kScanGrain);  // its tables are handed out one by one
   const int64_t num_segments = static_cast<int64_t>(tables.size());
   SK_CHECK(static_cast<int64_t>(offsets.size()) == num_segments + 1, op,
            ": offsets must hold one more entry than tables (", num_segments + 1, "), got ", offsets.size());
