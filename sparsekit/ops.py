@@ -1195,13 +1195,18 @@ def _repeat_interleave(values: Tensor, repeats: Tensor, output_size: int) -> Ten
     if (values.device.type == "cpu" and repeats.device.type == "cpu" and type(values) is Tensor
             and type(repeats) is Tensor and not values.requires_grad and not torch.compiler.is_compiling()):
         try:
-            out = torch.from_numpy(np.repeat(values.numpy(), repeats.numpy()))
-        except ValueError:
-            # torch's message (its kernel given a negative repeat and output_size 0 crashes
-            # the process, torch 2.13)
-            raise RuntimeError("repeats can not be negative") from None
-        if out.shape[0] == output_size:
-            return out
+            arrays = values.numpy(), repeats.numpy()
+        except RuntimeError:  # a tensor numpy cannot view (a functorch wrapper): torch's op
+            arrays = None
+        if arrays is not None:
+            try:
+                out = torch.from_numpy(np.repeat(*arrays))
+            except ValueError:
+                # torch's message (its kernel given a negative repeat and output_size 0
+                # crashes the process, torch 2.13)
+                raise RuntimeError("repeats can not be negative") from None
+            if out.shape[0] == output_size:
+                return out
     # output_size spares CUDA the host sync that sizing the result would need.
     return torch.repeat_interleave(values, repeats, output_size=output_size)
 
