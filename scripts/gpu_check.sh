@@ -244,7 +244,7 @@ fi
 # bench_stage NAME BUDGET COMMAND...: run_stage when --stages asks for it.
 bench_stage() { if wants "$1"; then run_stage "$@"; fi; }
 # The training harness (the README's first command) with each embedding back end: the
-# shared table, torch's nn.EmbeddingBag, 26 tables (bash -c "$harness" PY DEVICE ARGS...).
+# shared table, torch's nn.EmbeddingBag, 26 tables (bash -c "$harness" NAME PY DEVICE ARGS...).
 harness='set -e; py=$1 device=$2; shift 2
 for backend in "--embedding sparsekit" "--embedding torch" "--tables per-slot"; do
   echo "== python -m sparsekit.train --device $device $backend $*"
@@ -263,7 +263,7 @@ if [ "$dry_run" = 1 ]; then
   bench_stage bench-collection 90 "$PY" benchmarks/bench_collection.py "${b[@]}" --small --batch 256 --rounds 1 --repeat 1 --world-sizes 1 --configs dim16
   bench_stage bench-compile 90 "$PY" benchmarks/bench_compile.py "${b[@]}" --batch 64 --steps 2 --rounds 1 --repeat 1 --backend aot_eager
   bench_stage bench-profile 60 "$PY" benchmarks/profile_step.py "${b[@]}" --rows 5000 --bags 256 --pooling 4 --dim 16 --steps 3
-  bench_stage bench-harness 120 bash -c "$harness" "$PY" cpu --steps 3 --batch-size 64 --eval-samples 1024
+  bench_stage bench-harness 120 bash -c "$harness" bench-harness "$PY" cpu --steps 3 --batch-size 64 --eval-samples 1024
 else
   b=(--device cuda)
   bench_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3 --distributions zipf,distinct,uniform
@@ -276,7 +276,7 @@ else
   bench_stage bench-collection 60 "$PY" benchmarks/bench_collection.py "${b[@]}" --world-sizes 1 --rounds 2 --repeat 3
   bench_stage bench-compile 120 "$PY" benchmarks/bench_compile.py "${b[@]}" --steps 8 --rounds 3 --repeat 2
   bench_stage bench-profile 30 "$PY" benchmarks/profile_step.py "${b[@]}"
-  bench_stage bench-harness 120 bash -c "$harness" "$PY" cuda --steps 200
+  bench_stage bench-harness 120 bash -c "$harness" bench-harness "$PY" cuda --steps 200
 fi
 
 # ---- summary ---------------------------------------------------------------------------
