@@ -107,7 +107,7 @@ def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype:
 
     def failure(reason: str = "") -> AllocationError:
         count = numel()
-        needed = count * torch.empty((), dtype=dtype).element_size()
+        needed = count * dtype.itemsize
         tensors = f"a {list(shape)} {dtype} tensor of {_bytes(needed)}"
         if with_accumulator:
             needed += count * 4
@@ -123,7 +123,7 @@ def allocation(what: Union[str, Callable[[], str]], shape: Sequence[int], dtype:
     limit = HOST_MEMORY_BYTES
     if (limit is not None and not torch.compiler.is_compiling() and all(type(size) is int for size in shape)
             and _on_host(device)):
-        if numel() * (torch.empty((), dtype=dtype).element_size() + (4 if with_accumulator else 0)) > limit:
+        if numel() * (dtype.itemsize + (4 if with_accumulator else 0)) > limit:
             raise failure(f", more than this machine's {_bytes(limit)} of memory and swap")
     try:
         yield
