@@ -94,4 +94,10 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // Initial embedding rows [N, dim], uniform in [low, high], a pure function of (seed, key,
   // column): a key's first vector is the same on every rank, world size and device.
   m.def("key_seeded_uniform(Tensor keys, int dim, int seed, float low, float high, ScalarType? dtype=None) -> Tensor");
+  // Internal, CPU only (the training harness's DLRM interaction; elsewhere it runs torch's
+  // batched products): the dot products of each sample's vector pairs i < j, [batch, n, dim]
+  // float32 / float64 -> [batch, n * (n - 1) / 2] in triu_indices order, and their gradient
+  // with respect to the vectors.
+  m.def("_pair_dots(Tensor vectors) -> Tensor");
+  m.def("_pair_dots_backward(Tensor grad, Tensor vectors) -> Tensor");
 }

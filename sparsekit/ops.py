@@ -1671,3 +1671,17 @@ def embedding_gather(weight: Tensor, rows: Tensor) -> Tensor:
     tensor_arguments("embedding_gather", weight=weight, rows=rows)
     _refuse_forward_ad("embedding_gather", weight=weight)
     return _ops.embedding_gather(weight, rows)
+
+
+# ---- the training harness's interaction (internal, CPU only) ----
+
+
+@torch.library.register_fake("sparsekit::_pair_dots")
+def _pair_dots_fake(vectors: Tensor) -> Tensor:
+    n = vectors.shape[1]
+    return vectors.new_empty(vectors.shape[0], n * (n - 1) // 2)
+
+
+@torch.library.register_fake("sparsekit::_pair_dots_backward")
+def _pair_dots_backward_fake(grad: Tensor, vectors: Tensor) -> Tensor:
+    return vectors.new_empty(vectors.shape)

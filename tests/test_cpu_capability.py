@@ -15,12 +15,13 @@ import sparsekit._C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The kernels with a fallback, by capability: "avx2" only changes the pooling loops.
+# The kernels with a fallback, by capability: "avx2" only changes the pooling loops and the
+# pair dots' vectors.
 TESTS = {
     "default": ["test_embedding.py", "test_embedding_properties.py", "test_unique_bounded.py", "test_segment.py",
                 "test_segment_properties.py", "test_lazy_adam.py", "test_lazy_adam_properties.py",
-                "test_tables_ops.py", "test_guard_pages.py"],
-    "avx2": ["test_embedding.py", "test_embedding_properties.py", "test_guard_pages.py"],
+                "test_tables_ops.py", "test_guard_pages.py", "test_interaction.py"],
+    "avx2": ["test_embedding.py", "test_embedding_properties.py", "test_guard_pages.py", "test_interaction.py"],
 }
 
 

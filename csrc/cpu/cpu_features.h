@@ -14,6 +14,27 @@
 #include <cstring>
 #include <string>
 
+// The attributes of the functions that hold a kernel's vector loops: one instantiation per
+// instruction set, chosen at run time from kCpuFeatures (the library is built for baseline
+// x86-64). Their always_inline helpers take the caller's instruction set.
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define SPARSEKIT_X86_DISPATCH 1
+#define SPARSEKIT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SPARSEKIT_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#else
+#define SPARSEKIT_X86_DISPATCH 0
+#define SPARSEKIT_TARGET_AVX2
+#define SPARSEKIT_TARGET_AVX512
+#endif
+
+#if defined(__GNUC__)
+#define SPARSEKIT_ALWAYS_INLINE inline __attribute__((always_inline))
+#define SPARSEKIT_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define SPARSEKIT_ALWAYS_INLINE inline
+#define SPARSEKIT_ALWAYS_INLINE_LAMBDA
+#endif
+
 namespace sparsekit {
 
 /// The widest vector instructions of the pooling loops: AVX2 needs FMA and F16C with it.

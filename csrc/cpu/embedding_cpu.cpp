@@ -38,24 +38,6 @@ namespace {
 // 32-byte vector arguments of the always_inline helpers never cross a real call boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define SPARSEKIT_X86_DISPATCH 1
-#define SPARSEKIT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define SPARSEKIT_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#else
-#define SPARSEKIT_X86_DISPATCH 0
-#define SPARSEKIT_TARGET_AVX2
-#define SPARSEKIT_TARGET_AVX512
-#endif
-
-#if defined(__GNUC__)
-#define SPARSEKIT_ALWAYS_INLINE inline __attribute__((always_inline))
-#define SPARSEKIT_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
-#else
-#define SPARSEKIT_ALWAYS_INLINE inline
-#define SPARSEKIT_ALWAYS_INLINE_LAMBDA
-#endif
-
 // embedding_gather's copy loop: how many lookups ahead it prefetches (far enough to cover
 // DRAM latency, near enough that the lines are still in L1/L2 when used) and how many lines
 // of each row (at most kMaxPrefetchLines; the hardware's prefetchers take it from there).
