@@ -244,3 +244,23 @@ def test_embedding_bag_argmax(side, dim):
     got = torch.ops.sparsekit.embedding_bag_argmax(guarded(weight, side), guarded(rows, side), guarded(offsets, side),
                                                    None, True)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("batch", [1, 7, 16, 17, 1000])
+@pytest.mark.parametrize("n,dim", [(27, 16), (5, 3), (9, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_dots(side, batch, n, dim, dtype):
+    """The harness's interaction: whole-square transposes of each block's rows and their
+    scalar tails, the last block partial or not."""
+    generator = torch.Generator().manual_seed(batch + n)
+    vectors = torch.randn(batch, n, dim, generator=generator, dtype=dtype)
+    grad = torch.randn(batch, n * (n - 1) // 2, generator=generator, dtype=dtype)
+    i, j = torch.triu_indices(n, n, offset=1)
+    dots = torch.ops.sparsekit._pair_dots(guarded(vectors, side))
+    torch.testing.assert_close(dots, (vectors[:, i] * vectors[:, j]).sum(-1))
+    full = torch.zeros(batch, n, n, dtype=dtype)
+    full[:, i, j] = grad
+    full[:, j, i] = grad
+    got = torch.ops.sparsekit._pair_dots_backward(guarded(grad, side), guarded(vectors, side))
+    torch.testing.assert_close(got, torch.bmm(full, vectors))
