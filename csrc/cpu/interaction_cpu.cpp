@@ -4,17 +4,20 @@
 //
 // A sample holds few short vectors (the harness: 27 of 16 floats), so a batched matrix
 // product V V^T spends its time on per-matrix overhead and computes both triangles. Here
-// the lanes of a vector register hold kLanes samples instead: a block of kLanes samples is
-// transposed into [n][d][lane] scratch, every pair's dot product is then d multiply-adds
-// of whole vectors (four pairs at a time, independent chains), and the results are
-// transposed back. The backward sums, for each vector i of a block and a few of its columns
-// at a time, the pairs' gradients times the other vector, j ascending: dV[i] = sum_j g(i, j)
-// V[j]. Every output element depends on its own sample alone and is summed in a fixed
-// order, so the results do not depend on the thread count.
+// each lane of a vector register holds one sample (16, 8 or 4 float32 samples with
+// AVX-512, AVX2 or baseline x86-64, chosen at run time; half as many float64): a block of
+// that many samples is transposed into [n][d][lane] scratch with shuffles, every pair's dot
+// product is then d multiply-adds of whole vectors (four pairs at a time, independent
+// chains), and the results are transposed back. The backward sums, for each vector i of a
+// block and eight of its columns at a time, the pairs' gradients times the other vector,
+// j ascending: dV[i] = sum_j g(i, j) V[j]. Every output element depends on its own sample
+// alone and is summed in a fixed order, so the results do not depend on the thread count.
 #include "cpu/cpu_features.h"
 #include "cpu/parallel.h"
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
