@@ -192,10 +192,13 @@ SPARSEKIT_ALWAYS_INLINE void sum_pair_gradients(const vec* lanes, const vec* gra
                                                 int64_t k0, vec* sums) {
   vec acc[kColumns];
   for (int c = 0; c < kColumns; ++c) acc[c] = vec{};
+  // The pairs (j < i, i): pair_index(j + 1, i) is pair_index(j, i) + n - j - 2.
+  int64_t at = i - 1;
   for (int64_t j = 0; j < i; ++j) {
-    const vec g = grads[pair_index(j, i, n)];
+    const vec g = grads[at];
     const vec* vj = lanes + j * d + k0;
     for (int c = 0; c < kColumns; ++c) acc[c] += g * vj[c];
+    at += n - j - 2;
   }
   // The pairs (i, j > i) lie one after another.
   const vec* g_row = grads + pair_index(i, i + 1, n) - (i + 1);
