@@ -148,16 +148,21 @@ inline std::string format_bytes(double bytes) {
   return out.str();
 }
 
-/// @brief allocate_or_fail for a host allocation of `bytes` (a double: the product of sizes
-/// an argument gave may not fit in 64 bits): one larger than the machine's memory and swap
-/// is refused before it is tried.
-template <typename F>
-auto allocate_host_or_fail(const char* op, const std::string& what, double bytes, F&& make) -> decltype(make()) {
+/// @brief Refuses host memory of `bytes` (a double: the product of sizes an argument gave may
+/// not fit in 64 bits) that is more than the machine's memory and swap, naming `what`.
+inline void check_host_fits(const char* op, const std::string& what, double bytes) {
   const double limit = host_memory_bytes();
   if (limit > 0 && bytes > limit) {
     fail(op, ": ", what, " cannot be allocated (", format_bytes(bytes), ", more than this machine's ",
          format_bytes(limit), " of memory and swap); choose a smaller value");
   }
+}
+
+/// @brief allocate_or_fail for a host allocation of `bytes`: one larger than the machine's
+/// memory and swap is refused before it is tried (check_host_fits).
+template <typename F>
+auto allocate_host_or_fail(const char* op, const std::string& what, double bytes, F&& make) -> decltype(make()) {
+  check_host_fits(op, what, bytes);
   return allocate_or_fail(op, what, std::forward<F>(make));
 }
 

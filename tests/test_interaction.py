@@ -5,6 +5,9 @@ dtype, see test_cpu_capability.py for the lower ones) and parallel grains, vecto
 widths that cross the 4-pair and 8-column groups and the transposes' whole squares, strided
 inputs and thread counts; their errors; and the model's use of them."""
 
+import math
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -109,6 +112,32 @@ def test_pair_dots_of_one_sample_by_hand():
 def test_pair_dots_refuse_bad_arguments_naming_them(call, message):
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels read the memory with sysinfo")
+def test_pair_dots_refuse_outputs_and_scratch_larger_than_the_machine():
+    """The pairs' count comes from n alone, so zero-size vectors can ask for terabytes: the
+    output, and the per-task scratch of a block's lanes (16x one sample's pairs with
+    AVX-512), are checked against the machine's memory and swap before anything is
+    allocated (where Linux overcommits, the first write would get the process killed)."""
+    import sparsekit._C
+    from sparsekit._checks import HOST_MEMORY_BYTES
+
+    limit = HOST_MEMORY_BYTES
+    vector_bytes = {"avx512": 64, "avx2": 32}.get(sparsekit._C.cpu_features().split()[0], 16)
+
+    def vectors_for(pairs, batch):
+        n = math.ceil((1 + math.sqrt(1 + 8 * pairs)) / 2)
+        return torch.empty(batch, n, 0)
+
+    # One sample: its output (4 bytes a pair) fits, a block's scratch (a lane each) does not.
+    with pytest.raises(RuntimeError, match=r"^_pair_dots: the scratch of its sample blocks \(n = \d+, dim = 0\) "
+                                           r"cannot be allocated \(\d+ bytes .*more than this machine's"):
+        _ops._pair_dots(vectors_for(2 * limit // vector_bytes, 1))
+    # A million samples: the output does not fit, each task's scratch does.
+    with num_threads(4), pytest.raises(RuntimeError, match=r"^_pair_dots: the output \(\[1000000, n \* \(n - 1\) / 2 "
+                                                           r"= \d+\]\) cannot be allocated \(\d+ bytes .*more than"):
+        _ops._pair_dots(vectors_for(limit // 1_000_000 + 1, 1_000_000))
 
 
 def test_pair_dots_pass_opcheck():

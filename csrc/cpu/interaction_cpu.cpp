@@ -301,6 +301,28 @@ int64_t block_grain(const PairProblem& p, int64_t lanes) {
   return std::max<int64_t>(1, kPairGrainWork / work);
 }
 
+/// How a call's samples go to tasks: blocks of `lanes` samples, one lane each, for the
+/// instruction set in use.
+struct PairBlocks {
+  Isa isa;
+  int64_t lanes, blocks;
+};
+
+/// The call's blocks, once its per-task scratch (`vectors` vectors of a block for each of
+/// at most num_threads() tasks) is known to fit the machine's memory: a few samples with
+/// many vectors each take up to a block's worth of lanes more than their own size. Checked
+/// before any output is allocated.
+PairBlocks plan_blocks(const char* op, const PairProblem& p, ScalarType dtype, int64_t vectors) {
+  const Isa isa = kCpuFeatures.isa;
+  const int64_t element = element_size(dtype);
+  const int64_t lanes = block_lanes(isa, static_cast<size_t>(element));
+  const int64_t blocks = (p.batch + lanes - 1) / lanes;
+  const double tasks = static_cast<double>(std::min<int64_t>(blocks, num_threads()));
+  check_host_fits(op, message("the scratch of its sample blocks (n = ", p.n, ", dim = ", p.dim, ")"),
+                  tasks * static_cast<double>(vectors) * static_cast<double>(lanes * element));
+  return {isa, lanes, blocks};
+}
+
 /// Runs fn(scalar_t{}) with the C++ type of `dtype` (float32 or float64, checked before).
 template <typename F>
 void with_pair_type(ScalarType dtype, const F& fn) {
@@ -315,16 +337,20 @@ Tensor pair_dots_cpu(const Tensor& vectors_in) {
   const char* op = "_pair_dots";
   const PairProblem p = pair_problem(op, vectors_in);
   const Tensor vectors = as_contiguous(vectors_in);
-  Tensor out = empty({p.batch, p.pairs}, vectors.scalar_type(), vectors.device());
+  const ScalarType dtype = vectors.scalar_type();
+  const PairBlocks plan = plan_blocks(op, p, dtype, p.n * p.dim + p.pairs);
+  // The pairs' count comes from n alone: [1, 2^21, 0] asks for 2^41 outputs.
+  Tensor out = allocate_host_or_fail(
+      op, message("the output ([", p.batch, ", n * (n - 1) / 2 = ", p.pairs, "])"),
+      static_cast<double>(p.batch) * static_cast<double>(p.pairs) * static_cast<double>(element_size(dtype)),
+      [&] { return empty({p.batch, p.pairs}, dtype, vectors.device()); });
   if (p.batch == 0 || p.pairs == 0) return out;
-  with_pair_type(vectors.scalar_type(), [&](auto zero) {
+  with_pair_type(dtype, [&](auto zero) {
     using scalar_t = decltype(zero);
     const scalar_t* v = vectors.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    const Isa isa = kCpuFeatures.isa;
-    const int64_t lanes = block_lanes(isa, sizeof(scalar_t));
-    const int64_t blocks = (p.batch + lanes - 1) / lanes;
-    parallel_for(0, blocks, block_grain(p, lanes), [&](int64_t first, int64_t last) {
+    const Isa isa = plan.isa;
+    parallel_for(0, plan.blocks, block_grain(p, plan.lanes), [&](int64_t first, int64_t last) {
       if (isa == Isa::kAvx512) {
         pair_dots_avx512(p, v, o, first, last);
       } else if (isa == Isa::kAvx2) {
@@ -349,19 +375,20 @@ Tensor pair_dots_backward_cpu(const Tensor& grad_in, const Tensor& vectors_in) {
   const Tensor vectors = as_contiguous(vectors_in);
   // Rows any stride apart (a slice of a wider gradient), each row contiguous.
   const Tensor grad = grad_in.size(1) <= 1 || grad_in.stride(1) == 1 ? grad_in : as_contiguous(grad_in);
-  if (p.pairs == 0) return zeros({p.batch, p.n, p.dim}, vectors.scalar_type(), vectors.device());
-  Tensor out = empty({p.batch, p.n, p.dim}, vectors.scalar_type(), vectors.device());
-  if (p.batch == 0 || p.dim == 0) return out;
-  with_pair_type(vectors.scalar_type(), [&](auto zero) {
+  const ScalarType dtype = vectors.scalar_type();
+  if (p.pairs == 0) return zeros({p.batch, p.n, p.dim}, dtype, vectors.device());
+  if (p.batch == 0 || p.dim == 0) return empty({p.batch, p.n, p.dim}, dtype, vectors.device());
+  // (The output is the size of vectors; the pairs' scratch of each block is not.)
+  const PairBlocks plan = plan_blocks(op, p, dtype, 2 * p.n * p.dim + p.pairs);
+  Tensor out = empty({p.batch, p.n, p.dim}, dtype, vectors.device());
+  with_pair_type(dtype, [&](auto zero) {
     using scalar_t = decltype(zero);
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
     const int64_t g_stride = grad.size(0) <= 1 ? p.pairs : grad.stride(0);
     const scalar_t* v = vectors.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    const Isa isa = kCpuFeatures.isa;
-    const int64_t lanes = block_lanes(isa, sizeof(scalar_t));
-    const int64_t blocks = (p.batch + lanes - 1) / lanes;
-    parallel_for(0, blocks, block_grain(p, 2 * lanes), [&](int64_t first, int64_t last) {
+    const Isa isa = plan.isa;
+    parallel_for(0, plan.blocks, block_grain(p, 2 * plan.lanes), [&](int64_t first, int64_t last) {
       if (isa == Isa::kAvx512) {
         pair_dots_backward_avx512(p, g, g_stride, v, o, first, last);
       } else if (isa == Isa::kAvx2) {
