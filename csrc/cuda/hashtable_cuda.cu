@@ -104,7 +104,7 @@ __global__ void count_occupied_kernel(const int64_t* __restrict__ slot_rows, int
 int64_t count_occupied(const Tensor& slot_rows) {
   const int64_t num_slots = slot_rows.size(0);
   const DeviceGuard device_guard(slot_rows.get_device_index());
-  Tensor count = zeros({1}, kLong, slot_rows.device());
+  Tensor count = zeros_cuda({1}, kLong, slot_rows.device());
   const cudaStream_t stream = current_stream(slot_rows);
   count_occupied_kernel<<<std::min<int64_t>(blocks_for(num_slots), 1024), kThreads, 0, stream>>>(
       slot_rows.const_data_ptr<int64_t>(), num_slots,
@@ -162,7 +162,7 @@ void hash_table_insert_absent_cuda(Tensor& slot_keys, Tensor& slot_rows, const T
   // Host sync (only without num_occupied): the count of occupied slots.
   if (checked) num_occupied = count_occupied(slot_rows);
   check_hash_insert_fits(*num_occupied, num_keys, slot_rows.size(0));
-  Tensor error = zeros({1}, kInt, keys.device());
+  Tensor error = zeros_cuda({1}, kInt, keys.device());
   const cudaStream_t stream = current_stream(keys);
   const int64_t blocks = blocks_for(num_keys);
   check_rows_kernel<<<blocks, kThreads, 0, stream>>>(rows_c.mutable_data_ptr<int64_t>(), num_keys, error.mutable_data_ptr<int32_t>());

@@ -103,10 +103,10 @@ void lazy_adam_cuda(Tensor& weight, Tensor& exp_avg, Tensor& exp_avg_sq, const T
   const Tensor grad_c = as_contiguous(grad);
   // [flag, row out of range, repeated row] in one allocation so the host reads them with
   // one copy; a bitmap of weight's rows to find a repeated row.
-  Tensor bad = zeros({3}, kLong, rows.device());
+  Tensor bad = zeros_cuda({3}, kLong, rows.device());
   int32_t* bad_flag = reinterpret_cast<int32_t*>(bad.mutable_data_ptr<int64_t>());
   auto* bad_rows = reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>() + 1);
-  Tensor seen = zeros({(num_rows + 31) / 32}, kInt, rows.device());
+  Tensor seen = zeros_cuda({(num_rows + 31) / 32}, kInt, rows.device());
   const cudaStream_t stream = current_stream(weight);
   const double step_size = lazy_adam_step_size(step, lr, beta1, beta2);
   const bool use_weight_decay = weight_decay != 0.0;

@@ -85,7 +85,7 @@ std::tuple<Tensor, Tensor, Tensor> partition_by_owner_cuda(const Tensor& keys,
   if (world_size == 1) {
     return {torch::stable::clone(keys_contig), arange_cuda(n, keys), full_long_cuda(1, n, keys)};
   }
-  Tensor counts = zeros({world_size}, kLong, keys.device());
+  Tensor counts = zeros_cuda({world_size}, kLong, keys.device());
   Tensor keys_by_owner = torch::stable::empty_like(keys_contig);
   Tensor positions = empty({n}, kLong, keys.device());
   if (n == 0) return {keys_by_owner, positions, counts};

@@ -434,7 +434,7 @@ void segment_sum_atomic(const Tensor& data, const Tensor& ids, Tensor& out, int6
                    ? out
                    : allocate_or_fail("segment_sum", "num_segments=" + std::to_string(num_segments) +
                                                          " (the float32 accumulator)",
-                                      [&] { return zeros(out.sizes(), kFloat, out.device()); });
+                                      [&] { return zeros_cuda(out.sizes(), kFloat, out.device()); });
   if (pick_vec<scalar_t>(data.data_ptr(), dim) == kWide) {
     launch_atomic<scalar_t, id_t, kWide>(data, ids, acc, dim, num_segments, bad_id, stream);
   } else {
@@ -558,7 +558,7 @@ Tensor segment_sum_cuda(const Tensor& data_in, const Tensor& ids_in, int64_t num
   std::vector<int64_t> out_shape = data.sizes().vec();
   out_shape[0] = num_segments;
   Tensor out = allocate_or_fail("segment_sum", "num_segments=" + std::to_string(num_segments) + " (the output)",
-                                [&] { return zeros(out_shape, data.scalar_type(), data.device()); });
+                                [&] { return zeros_cuda(out_shape, data.scalar_type(), data.device()); });
   if (n == 0) return out;
 
   Tensor bad_id = empty({1}, kLong, ids.device());

@@ -203,7 +203,7 @@ void unique_launch(const Tensor& keys, Tensor& unique_keys, Tensor& inverse, Ten
   const pos_t num_unique = *cpu(slice0(first_rank, n - 1, n)).const_data_ptr<pos_t>();
 
   unique_keys = empty({static_cast<int64_t>(num_unique)}, keys.scalar_type(), keys.device());
-  counts = zeros({static_cast<int64_t>(num_unique)}, kLong, keys.device());
+  counts = zeros_cuda({static_cast<int64_t>(num_unique)}, kLong, keys.device());
   const int64_t output_blocks = (n + kOutputTile - 1) / kOutputTile;
   SK_CHECK(output_blocks <= std::numeric_limits<int32_t>::max(), "unique: ", n, " keys need ", output_blocks,
            " output blocks, more than a CUDA grid holds");
