@@ -2,14 +2,16 @@
 
     python benchmarks/bench_embedding.py [--device cpu|cuda] [--rows 1000000] [--dims 64]
                                          [--bags 16384] [--pooling 20] [--rounds 7] [--repeat 5]
-                                         [--busy-core]
+                                         [--busy-core] [--one-process]
 
 A 1M x 64 float32 table, 16384 bags of 20 rows (sum pooling), rows drawn uniformly or from
 a Zipf law. All candidates run side by side in this process, in --rounds interleaved
 rounds of the best of --repeat calls each, and are compared as ratios (competitor time /
 sparsekit time), given as median (min-max) over rounds; the JSON keeps every round.
 --busy-core keeps one core busy with a spinning process throughout (JSON:
-embedding_busy_<device>.json).
+embedding_busy_<device>.json). On the CPU each dim, and the skew case, runs in a Python
+process of its own, so no cell's timing depends on what ran before it (--one-process: all
+in this one).
 
 - forward: ``sparsekit.ops.embedding_bag`` vs ``nn.EmbeddingBag(mode="sum", sparse=True)``
   vs FBGEMM's table-batched embedding (training and inference modules, one table) when
@@ -37,8 +39,11 @@ embedding_busy_<device>.json).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -285,29 +290,67 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
     return results
 
 
+def run_here(args, device: torch.device, fbgemm) -> dict:
+    """Every dim's rows and the skew case, in this process: {"results", "copy_bytes_per_s"}."""
+    copy_bytes_per_s = None
+    if device.type == "cuda" and not args.skip_main and args.dims:
+        copy_bytes_per_s = copy_bandwidth(device, 1 << 30, repeat=args.repeat)
+        print(f"device-to-device copy: {copy_bytes_per_s / 1e9:.0f} GB/s")
+    results: list[dict] = []
+    for dim in [] if args.skip_main else args.dims:
+        results.extend(bench_dim(args, dim, fbgemm, device, copy_bytes_per_s))
+    if args.skew_lookups > 0:
+        results.extend(run_skew(args, device))
+    return {"results": results, "copy_bytes_per_s": copy_bytes_per_s}
+
+
+def parts_of(args) -> list[argparse.Namespace]:
+    """The run split into one part per dim and one for the skew case (each its own process)."""
+    parts = [argparse.Namespace(**{**vars(args), "dims": [dim], "skew_lookups": 0, "skip_main": False})
+             for dim in ([] if args.skip_main else args.dims)]
+    if args.skew_lookups > 0:
+        parts.append(argparse.Namespace(**{**vars(args), "dims": [], "skip_main": True}))
+    return parts
+
+
+def run_in_child(part: argparse.Namespace) -> dict:
+    """run_here for one part in a fresh Python process (its arguments passed as JSON)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "part.json")
+        spec = json.dumps({**vars(part), "part_out": out, "busy_core": False})
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--part", spec], check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def run(args) -> None:
     device = torch.device(args.device)
     fbgemm, fbgemm_missing = load_fbgemm()
+    if args.part_out:  # a child of run_in_child: its rows go back to the parent, not to results/
+        with open(args.part_out, "w") as out:
+            json.dump(run_here(args, device, fbgemm), out)
+        return
     if fbgemm is None:
         print(f"FBGEMM not importable ({fbgemm_missing}); comparing with nn.EmbeddingBag only")
     else:
         import fbgemm_gpu
 
         print(f"FBGEMM {getattr(fbgemm_gpu, '__version__', '?')} found: comparing with its table-batched embedding")
-    copy_bytes_per_s = None
-    if device.type == "cuda":
-        copy_bytes_per_s = copy_bandwidth(device, 1 << 30, repeat=args.repeat)
-        print(f"device-to-device copy: {copy_bytes_per_s / 1e9:.0f} GB/s")
 
-    results: list[dict] = []
+    # On the CPU each dim (and the skew case) runs in a process of its own: a dim's
+    # forward + backward ratios depended on which cells the process had run before (the
+    # gradients' fresh pages against memory the allocator kept: D=64 uniform on one thread
+    # x0.70 after the D=16 cells, x2.63 alone).
+    parts = parts_of(args)
+    isolate = device.type == "cpu" and not args.one_process and len(parts) > 1
     with busy_core(args.busy_core):
-        for dim in [] if args.skip_main else args.dims:
-            results.extend(bench_dim(args, dim, fbgemm, device, copy_bytes_per_s))
-        if args.skew_lookups > 0:
-            results.extend(run_skew(args, device))
+        outcomes = [run_in_child(part) for part in parts] if isolate else [run_here(args, device, fbgemm)]
+    results = [row for outcome in outcomes for row in outcome["results"]]
 
     extra = {"fbgemm": None if fbgemm is None else "fbgemm_gpu", "fbgemm_missing": fbgemm_missing,
-             "threads": args.threads, "modes": args.modes, "busy_core": args.busy_core, "rounds": args.rounds, "repeat": args.repeat}
+             "threads": args.threads, "modes": args.modes, "busy_core": args.busy_core, "rounds": args.rounds,
+             "repeat": args.repeat, "processes": "one per dim and one for the skew case" if isolate else "one"}
+    copy_bytes_per_s = next((o["copy_bytes_per_s"] for o in outcomes if o["copy_bytes_per_s"] is not None), None)
     if copy_bytes_per_s is not None:
         extra["copy_bytes_per_s"] = copy_bytes_per_s
     print("wrote", write_results("embedding_busy" if args.busy_core else "embedding", device, results, extra))
@@ -364,8 +407,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefetch-plans", action="store_true",
                         help="also time the CPU forward with each prefetch plan forced (sparsekit[every], "
                              "sparsekit[first]) beside sparsekit's own choice")
+    parser.add_argument("--one-process", action="store_true",
+                        help="on the CPU, run every dim in this process (default: each dim, and the skew case, "
+                             "in a process of its own)")
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: a child's arguments, as JSON
     add_round_args(parser)
     args = parser.parse_args(argv)
+    if args.part is not None:
+        return argparse.Namespace(**json.loads(args.part))
+    args.part_out = None
     if args.threads is None:
         default = torch.get_num_threads()
         args.threads = [1, default] if args.device == "cpu" and default > 1 else [default]

@@ -205,3 +205,32 @@ def _sharded_check_rank(rank: int, world_size: int, init, broken: bool) -> None:
 def test_collection_bench_checks_the_sides_pool_alike_at_world_two(tmp_path, broken):
     from _distributed import spawn
     spawn(_sharded_check_rank, 2, str(tmp_path), broken)
+
+
+def test_embedding_bench_runs_each_dim_and_the_skew_case_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """On the CPU a cell's timing must not depend on the cells run before it in the process."""
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    args = bench_embedding.parse_args(["--device", "cpu", "--rows", "2000", "--bags", "64", "--pooling", "4",
+                                       "--dims", "8,16", "--threads", "1", "--rounds", "1", "--repeat", "1",
+                                       "--skew-lookups", "256", "--skew-dim", "8"])
+    parts = bench_embedding.parts_of(args)
+    assert [(p.dims, p.skew_lookups, p.skip_main) for p in parts] == [([8], 0, False), ([16], 0, False),
+                                                                      ([], 256, True)]
+    started = []
+    real = bench_embedding.run_in_child
+    monkeypatch.setattr(bench_embedding, "run_in_child", lambda part: started.append(part) or real(part))
+    bench_embedding.run(args)
+    with open(os.path.join(tmp_path, "embedding_cpu.json")) as f:
+        record = json.load(f)
+    assert len(started) == 3 and record["processes"] == "one per dim and one for the skew case"
+    cells = {(row["phase"], row["dim"]) for row in record["results"]}
+    assert {("forward", 8), ("forward+backward", 8), ("forward", 16), ("forward+backward", 16),
+            ("backward_skew", 8)} <= cells, cells
+    # --one-process keeps every part in this process.
+    monkeypatch.setattr(bench_embedding, "run_in_child", lambda part: pytest.fail("a child process was started"))
+    bench_embedding.run(bench_embedding.parse_args(["--device", "cpu", "--rows", "2000", "--bags", "64",
+                                                    "--pooling", "4", "--dims", "8,16", "--threads", "1",
+                                                    "--rounds", "1", "--repeat", "1", "--skew-lookups", "0",
+                                                    "--one-process"]))
+    with open(os.path.join(tmp_path, "embedding_cpu.json")) as f:
+        assert json.load(f)["processes"] == "one"
