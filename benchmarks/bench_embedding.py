@@ -28,7 +28,10 @@ in this one).
 - one CPU thread is timed in thread CPU time (immune to other processes on a shared
   machine), more threads and CUDA in wall time.
 - on CUDA, also the fraction of the device-to-device copy bandwidth measured in this run:
-  bytes the forward must move (rows read, ids and offsets read, output written) / time.
+  bytes the forward must move (rows read, ids and offsets read, output written) / time; on
+  the CPU, each side's fraction of the rate ``torch.sum`` streams through 1 GiB on the same
+  threads (printed for uniform rows, which come from memory): a forward cannot read faster,
+  so where ``nn.EmbeddingBag`` is near it, no kernel can beat it by much.
 - skew: the backward of ``--skew-lookups`` (2**20) lookups at D=``--skew-dim`` (128), bags
   of ``--pooling`` rows, once with every lookup on row 0 (one row summed 2**20 times) and
   once with every lookup on its own row (``arange``). The backward sums each distinct row's
@@ -58,6 +61,7 @@ from benchmarks.common import (  # noqa: E402
     copy_bandwidth,
     fmt_ratio,
     ratio_stats,
+    read_bandwidth,
     time_rounds,
     write_results,
     zipf_keys,
@@ -186,6 +190,8 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
         except Exception as error:  # noqa: BLE001
             print(f"FBGEMM modules could not be built on {device}: {error}")
     grad_out = torch.randn(args.bags, dim, device=device)
+    # 1 GiB for read_bandwidth (CPU only).
+    stream = torch.empty(1 << 28, dtype=torch.float32).uniform_() if device.type == "cpu" else None
     scale = torch.rand(nnz, device=device)
     reference_max = torch.nn.EmbeddingBag(args.rows, dim, mode="max", include_last_offset=True, _weight=table,
                                           device=device) if "max" in args.modes else None
@@ -257,6 +263,10 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
                 other_s = {phase: time_rounds(sides, device, rounds=args.rounds, repeat=args.repeat, clock=clock)
                            for phase, sides in other_modes.items()}
             step_s = time_rounds(step, device, rounds=args.rounds, repeat=args.repeat, clock=clock)
+            # On the CPU, the rate torch.sum streams memory on these threads: a forward that
+            # reads every lookup's row from memory (uniform rows of a large table) cannot beat
+            # it, so it bounds the ratio any kernel can reach there.
+            read_bytes_per_s = read_bandwidth(stream, repeat=args.repeat) if stream is not None else None
 
             for phase, times in (("forward", forward_s), ("forward+backward", step_s), *other_s.items()):
                 ratios = {name: ratio_stats(t, times["sparsekit"]) for name, t in times.items() if name != "sparsekit"}
@@ -276,16 +286,26 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
                     "ratios": ratios,
                     "seconds_per_round": times,
                 }
+                moved = nnz * dim * 4 + nnz * 8 + (args.bags + 1) * 8 + args.bags * dim * 4
                 if phase == "forward" and copy_bytes_per_s is not None:
-                    moved = nnz * dim * 4 + nnz * 8 + (args.bags + 1) * 8 + args.bags * dim * 4
                     row["bytes_moved"] = moved
                     row["fraction_of_copy_bandwidth"] = moved / (ms["sparsekit"] / 1e3) / copy_bytes_per_s
+                if phase == "forward" and read_bytes_per_s is not None:
+                    # Bytes a lookup-by-lookup read moves (Zipf rows come mostly from the caches,
+                    # so there the fraction can pass 1).
+                    row["bytes_moved"] = moved
+                    row["read_bytes_per_s"] = read_bytes_per_s
+                    row["fraction_of_read_bandwidth"] = {name: moved / (t / 1e3) / read_bytes_per_s
+                                                         for name, t in ms.items()}
                 results.append(row)
                 shown = "  ".join(f"{name} {t:7.2f} ms" for name, t in ms.items())
                 vs = "  ".join(f"{fmt_ratio(stats)} vs {name}" for name, stats in ratios.items())
                 extra = ""
                 if "fraction_of_copy_bandwidth" in row:
                     extra = f"  {row['fraction_of_copy_bandwidth']:.0%} of copy bandwidth"
+                if "fraction_of_read_bandwidth" in row and distribution == "uniform":
+                    extra = "  of torch.sum's {:.0f} GB/s: ".format(read_bytes_per_s / 1e9) + " / ".join(
+                        f"{name} {share:.0%}" for name, share in row["fraction_of_read_bandwidth"].items())
                 print(f"D={dim:<4} {distribution:<8} threads={threads:<3} {phase:<17} {shown}  | sparsekit {vs}{extra}")
     return results
 

@@ -154,6 +154,14 @@ def copy_bandwidth(device: torch.device, nbytes: int, *, repeat: int = 5) -> flo
     return 2 * src.numel() * 4 / seconds
 
 
+def read_bandwidth(data: torch.Tensor, *, repeat: int = 5) -> float:
+    """Bytes per second torch.sum streams through `data` (host memory, far larger than the
+    caches) on the threads torch uses now, the best of repeat calls: the rate a kernel that
+    must read its bytes from memory is measured against."""
+    seconds = best_of(lambda: data.sum(), torch.device("cpu"), repeat)
+    return data.numel() * data.element_size() / seconds
+
+
 def zipf_keys(n: int, *, alpha: float = 1.2, vocabulary: int = 1 << 40, seed: int = 0) -> torch.Tensor:
     """n int64 keys whose ranks follow a Zipf law, scattered over a wide key range."""
     rng = np.random.default_rng(seed)
