@@ -16,13 +16,15 @@ split in pieces (long_bag_len).
 CPU column passes (csrc/cpu/embedding_cpu.cpp, pool_bag_range): accumulator vectors of L
 lanes (AVX-512, taken when L64 divides D: L64 = 16 float / 8 double columns; else AVX2 or
 baseline: L32 = 8 / 4), blocks of 16 vectors, then one pass each of 8, 4, 2 and 1 vectors
-and a scalar tail. float16/bfloat16 accumulate in float. COLUMN_PASS_DIMS reach every pass
+and a scalar tail; a dim that one pass covers whole (1, 2, 4, 8 or 16 vectors) takes a bag
+loop of that pass alone (pool_bag_range_one_pass: DIMS 8 to 256, every width and
+accumulator type). float16/bfloat16 accumulate in float. COLUMN_PASS_DIMS reach every pass
 of every width and both accumulator types (test_embedding_bag_column_passes):
 - D = 127: float AVX2 8, 4, 2, 1 vectors + tail; double AVX2 16-block, 8, 4, 2, 1 + tail.
 - D = 248: float AVX2 16-block, 8, 4, 2, 1 (248 % 16 = 8); double AVX-512 16-block, 8, 4, 2, 1.
 - D = 496: float AVX-512 16-block, 8, 4, 2, 1; double AVX-512 16-block x3, 8, 4, 2.
 (Under SPARSEKIT_CPU_CAPABILITY=avx2 or default, every dim takes the 32-byte passes; the
-same three dims still reach all of them.) The drawn DIMS add 8, 32, 48 and 96 to the
+same three dims still reach all of them.) The drawn DIMS add 8, 32, 48, 96 and 256 to the
 hypothesis cases.
 """
 
@@ -41,7 +43,7 @@ from sparsekit import ops
 from properties import examples, num_threads, sizes, thread_counts
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-DIMS = [0, 1, 3, 8, 16, 32, 48, 64, 96, 128, 129, 272]
+DIMS = [0, 1, 3, 8, 16, 32, 48, 64, 96, 128, 129, 256, 272]
 COLUMN_PASS_DIMS = [127, 248, 496]
 # Dims of the tables past the bitmap threshold (their gradients are num_rows x D dense in
 # the reference: kept small).
