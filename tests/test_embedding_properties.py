@@ -45,6 +45,9 @@ from properties import examples, num_threads, sizes, thread_counts
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 DIMS = [0, 1, 3, 8, 16, 32, 48, 64, 96, 128, 129, 256, 272]
 COLUMN_PASS_DIMS = [127, 248, 496]
+# Dims one pass covers whole: 1, 2, 4, 8 and 16 vectors of AVX-512 float (16 lanes) or
+# double (8: 16, 64, 128 also), and of AVX2 (8 / 4 lanes: 8, 16, 32, 64, 128 float).
+ONE_PASS_DIMS = [8, 16, 32, 64, 128, 256]
 # Dims of the tables past the bitmap threshold (their gradients are num_rows x D dense in
 # the reference: kept small).
 BIG_TABLE_DIMS = [1, 3, 16]
@@ -263,6 +266,19 @@ def test_embedding_bag_column_passes(device, dim, dtype, mode, weighted, plan):
     for every pooling loop and dtype, under each prefetch plan: the drawn cases reach them
     only by chance."""
     check_bag_case(device, seeded_case(dim=dim, dtype=dtype, mode=mode, weighted=weighted, seed=dim, plan=plan))
+
+
+@pytest.mark.parametrize("plan", ["every", "first"])
+@pytest.mark.parametrize("padding", [None, 7])
+@pytest.mark.parametrize("mode, weighted", [*POOLING_LOOPS, ("mean", False)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", ONE_PASS_DIMS)
+def test_embedding_bag_one_pass_dims(device, dim, dtype, mode, weighted, padding, plan):
+    """The bag loops of one column pass (pool_bag_range_one_pass; sum and mean through
+    SumPass, its padding test chosen once a call), every pooling loop and dtype, with and
+    without a padding row, bad rows (`past`) and missing ones, under each prefetch plan."""
+    check_bag_case(device, seeded_case(dim=dim, dtype=dtype, mode=mode, weighted=weighted, padding=padding,
+                                       seed=dim + 1, plan=plan))
 
 
 @pytest.mark.parametrize("mode, weighted", POOLING_LOOPS)
