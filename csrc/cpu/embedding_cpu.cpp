@@ -477,6 +477,30 @@ struct TailColumns {
   }
 };
 
+/// Calls step(k) for the lookups [begin, end) of a column pass of kLines lines, prefetching
+/// the rows ahead with the call's plan: every line kPoolLinesInFlight / kLines lookups ahead
+/// (within [kMinPoolDistance, kMaxPoolDistance]), or, for passes of kFirstLinePlanLines lines
+/// or more under the first-line plan, the first line kFirstLineDistance ahead; each plan a
+/// loop of its own. `base` addresses the pass's first column of row 0.
+template <int kLines, typename index_t, typename Step>
+SPARSEKIT_ALWAYS_INLINE void pool_lookups(bool first_line_plan, const char* base, int64_t row_stride_bytes,
+                                          const index_t* rows, int64_t nnz, int64_t begin, int64_t end,
+                                          Step&& step) {
+  constexpr int64_t kDistance =
+      std::clamp<int64_t>(kPoolLinesInFlight / kLines, kMinPoolDistance, kMaxPoolDistance);
+  // Lambdas, inlined: handed a pointer to the function, GCC found it free of side effects
+  // and dropped the call, prefetches and all, in every loop but the sum's.
+  const auto every_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<kLines>(at); };
+  if constexpr (kLines >= kFirstLinePlanLines) {
+    if (first_line_plan) {
+      const auto first_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<1>(at); };
+      for_each_prefetching(base, row_stride_bytes, rows, nnz, begin, end, kFirstLineDistance, first_line, step);
+      return;
+    }
+  }
+  for_each_prefetching(base, row_stride_bytes, rows, nnz, begin, end, kDistance, every_line, step);
+}
+
 /// Sum and mean of one column pass over a bag's rows, with the call's values held in its own
 /// members: built once per call where one pass covers the dim (pool_bag_range_one_pass), so
 /// the bag loop reloads nothing through the problem. kPadded: a padding row is skipped
@@ -516,11 +540,6 @@ struct SumPass {
   template <typename Columns>
   SPARSEKIT_ALWAYS_INLINE void operator()(int64_t begin, int64_t end, int64_t col, Columns columns,
                                           scalar_t* out_row) const {
-    constexpr int kLines = Columns::kLines;
-    constexpr int64_t kDistance =
-        std::clamp<int64_t>(kPoolLinesInFlight / kLines, kMinPoolDistance, kMaxPoolDistance);
-    const auto every_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<kLines>(at); };
-    const auto first_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<1>(at); };
     const scalar_t* const weight_col = weight + col;
     const char* const base = reinterpret_cast<const char*>(weight_col);
     int64_t skipped = 0;
@@ -533,15 +552,7 @@ struct SumPass {
       }
       columns.add(weight_col + static_cast<int64_t>(row) * row_stride);
     };
-    if constexpr (kLines >= kFirstLinePlanLines) {
-      if (first_line_plan) {
-        for_each_prefetching(base, row_stride_bytes, rows, nnz, begin, end, kFirstLineDistance, first_line, step);
-      } else {
-        for_each_prefetching(base, row_stride_bytes, rows, nnz, begin, end, kDistance, every_line, step);
-      }
-    } else {
-      for_each_prefetching(base, row_stride_bytes, rows, nnz, begin, end, kDistance, every_line, step);
-    }
+    pool_lookups<Columns::kLines>(first_line_plan, base, row_stride_bytes, rows, nnz, begin, end, step);
     // Mean divides by the number of pooled rows, as a division (see pool_rows); a bag with
     // none keeps the zeros it started with.
     using acc_t = acc_type<scalar_t>;
@@ -566,13 +577,6 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
     p.padding_row < 0 ? SumPass<false, scalar_t, index_t>(p)(begin, end, col, columns, out_row)
                       : SumPass<true, scalar_t, index_t>(p)(begin, end, col, columns, out_row);
   } else {
-    constexpr int kLines = Columns::kLines;
-    constexpr int64_t kDistance =
-        std::clamp<int64_t>(kPoolLinesInFlight / kLines, kMinPoolDistance, kMaxPoolDistance);
-    // A lambda, inlined: handed a pointer to the function, GCC found it free of side effects
-    // and dropped the call, prefetches and all, in every loop but the sum's.
-    const auto every_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<kLines>(at); };
-    const auto first_line = [](uintptr_t at) SPARSEKIT_ALWAYS_INLINE_LAMBDA { prefetch_row_lines_back<1>(at); };
     using acc_t = acc_type<scalar_t>;
     const scalar_t* const weight = p.weight;
     const int64_t row_stride = p.row_stride;
@@ -602,17 +606,8 @@ SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, i
       }
       ++valid;
     };
-    // Each prefetch plan a loop of its own, the first line's only for passes of
-    // kFirstLinePlanLines lines or more.
-    if constexpr (kLines >= kFirstLinePlanLines) {
-      if (p.plan == PrefetchPlan::kFirstLine) {
-        for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kFirstLineDistance, first_line, step);
-      } else {
-        for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, every_line, step);
-      }
-    } else {
-      for_each_prefetching(base, row_stride_bytes, rows, p.nnz, begin, end, kDistance, every_line, step);
-    }
+    pool_lookups<Columns::kLines>(p.plan == PrefetchPlan::kFirstLine, base, row_stride_bytes, rows, p.nnz, begin, end,
+                                  step);
     // Mean divides by the number of valid rows (weighted: by their weights' sum), as a
     // division: a multiplication by the reciprocal is 1 ulp off nn.EmbeddingBag a quarter of
     // the time. A bag with no valid row keeps the zeros it started with; a weighted one whose
