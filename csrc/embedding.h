@@ -10,7 +10,9 @@
 namespace sparsekit {
 
 /// Pooling of embedding_bag.
-enum class BagMode : int { kSum = 0, kMean = 1, kMax = 2 };
+// kMeanOfLength (the collection's "mean" combiner, not an embedding_bag mode): the sum
+// divided by the bag's length, skipped rows included.
+enum class BagMode : int { kSum = 0, kMean = 1, kMax = 2, kMeanOfLength = 3 };
 
 inline BagMode parse_bag_mode(const std::string& mode) {
   if (mode == "sum") return BagMode::kSum;

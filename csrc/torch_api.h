@@ -263,6 +263,20 @@ Tensor call_op(const char* name, const char* overload, const Args&... args) {
   return torch::stable::detail::to<Tensor>(stack[0]);
 }
 
+/// @brief Any ATen (or sparsekit) op by name through the dispatcher; returns its first N
+/// (Tensor) outputs.
+template <size_t N, typename... Args>
+std::array<Tensor, N> call_op_outputs(const char* name, const char* overload, const Args&... args) {
+  std::array<StableIValue, std::max<size_t>(std::max(sizeof...(Args), N), 1)> stack{
+      torch::stable::detail::from(args)...};
+  if (torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION) != TORCH_SUCCESS) {
+    fail(name, " failed: ", last_torch_error("(this torch does not say why)"));
+  }
+  std::array<Tensor, N> out;
+  for (size_t i = 0; i < N; ++i) out[i] = torch::stable::detail::to<Tensor>(stack[i]);
+  return out;
+}
+
 /// @brief An uninitialised tensor; a failed allocation raises with torch's reason (its
 /// allocator's "can't allocate memory" / "out of memory", which sparsekit/_checks.py turns
 /// into an error naming the argument that sized the tensor).

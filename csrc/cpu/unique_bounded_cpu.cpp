@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu/grouping.h"
 #include "cpu/cpu_features.h"
 #include "parallel.h"
 #include "scratch.h"
@@ -34,6 +35,8 @@
 namespace sparsekit {
 namespace {
 
+// Bits of a bitmap per code up to which group_positions groups with the bitmap.
+constexpr int64_t kBitmapBitsPerKey = 128;
 // Keys per piece of passes A and D.
 constexpr int64_t kKeyGrain = int64_t{1} << 15;
 // Ranks whose counters pass E prefetches before it counts them.
@@ -226,6 +229,62 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_bounded_cpu(const Tensor& keys
 }
 
 }  // namespace
+
+CodeGroups group_positions(const Tensor& codes, int64_t bound) {
+  const int64_t n = codes.numel();
+  CodeGroups groups;
+  Tensor unique_codes = empty({0}, kLong, codes.device());
+  Tensor inverse = empty({n}, kLong, codes.device());
+  Tensor offsets = empty({1}, kLong, codes.device());
+  Tensor order = empty({0}, kLong, codes.device());
+  if (n == 0) {
+    offsets.mutable_data_ptr<int64_t>()[0] = 0;
+    return {unique_codes, offsets, order, true};
+  }
+  const int64_t* keys = codes.const_data_ptr<int64_t>();
+  // The bitmap while its bits cost less than hashing the codes (ops._bitmap_numbers' rule).
+  const bool bitmap = bound <= kBitmapBitsPerKey * n + (int64_t{1} << 16);
+  int64_t num_unique = 0;
+  if (bitmap) {
+    unique_bounded_kernel<int64_t>(keys, n, bound, true, unique_codes, inverse, offsets, order);
+    num_unique = unique_codes.size(0);
+  } else {
+    const auto outputs = call_op_outputs<3>("sparsekit::unique", "", codes);
+    unique_codes = outputs[0];
+    inverse = outputs[1];
+    num_unique = unique_codes.size(0);
+    group_by_key(inverse.const_data_ptr<int64_t>(), n, num_unique, chunk_workers(n, kKeyGrain), offsets, order);
+  }
+  // -1 is a group like any other so far: the bitmap's first, the hash's wherever it first
+  // came. It is dropped here by moving the codes and bounds that follow it one place down.
+  const int64_t* u = unique_codes.const_data_ptr<int64_t>();
+  int64_t missing = -1;
+  for (int64_t g = 0; g < num_unique && missing < 0; ++g) {
+    if (u[g] == -1) missing = g;
+  }
+  if (missing >= 0) {
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
+    Tensor kept_codes = empty({num_unique - 1}, kLong, codes.device());
+    Tensor kept_offsets = empty({num_unique}, kLong, codes.device());
+    Tensor kept_order = empty({n - (off[missing + 1] - off[missing])}, kLong, codes.device());
+    int64_t* kc = kept_codes.mutable_data_ptr<int64_t>();
+    int64_t* ko = kept_offsets.mutable_data_ptr<int64_t>();
+    int64_t* kord = kept_order.mutable_data_ptr<int64_t>();
+    const int64_t* ord = order.const_data_ptr<int64_t>();
+    const int64_t gap = off[missing + 1] - off[missing];
+    for (int64_t g = 0, k = 0; g < num_unique; ++g) {
+      if (g == missing) continue;
+      kc[k] = u[g];
+      ko[k] = off[g] - (g > missing ? gap : 0);
+      ++k;
+    }
+    ko[num_unique - 1] = n - gap;
+    std::memcpy(kord, ord, sizeof(int64_t) * static_cast<size_t>(off[missing]));
+    std::memcpy(kord + off[missing], ord + off[missing + 1], sizeof(int64_t) * static_cast<size_t>(n - off[missing + 1]));
+    return {kept_codes, kept_offsets, kept_order, bitmap};
+  }
+  return {unique_codes, offsets, order, bitmap};
+}
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
   m.impl("unique_bounded", TORCH_BOX(&unique_bounded_cpu));
