@@ -70,6 +70,18 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // slots, row_keys[t][row] = key, count[t][row] = 0.
   m.def("hash_table_place_tables_(Tensor(a!)[] slot_keys, Tensor(b!)[] slot_rows, Tensor(c!)[] row_keys, "
         "Tensor(d!)[] count, Tensor keys, int[] offsets, int[] sizes) -> ()");
+  // The row of every value of a collection's batch, segment by segment (a feature's
+  // values): found in hash table segment_tables[s] (-1: absent), the key itself for a
+  // direct table (segment_tables[s] == -1, direct_rows[s] rows; -2 for a key outside them),
+  // or -3, left to the caller (segment_tables[s] == -2); and [2]: the first position of a key
+  // outside its direct table (nnz: none), the number of keys absent from their hash table.
+  m.def("lookup_rows(Tensor[] slot_keys, Tensor[] slot_rows, Tensor keys, int[] offsets, int[] segment_tables, "
+        "int[] direct_rows) -> (Tensor rows, Tensor first_bad)");
+  // Scores each distinct row a batch read once per table (last_seen = clock, count += 1),
+  // rows[offsets[s] : offsets[s + 1]] of table segment_tables[s] (-1: not scored); rows of
+  // -1 skipped; every row checked against sizes[t] first.
+  m.def("hash_table_touch_tables_(Tensor(a!)[] last_seen, Tensor(b!)[] count, Tensor rows, int[] offsets, "
+        "int[] segment_tables, int[] sizes, int[] clocks) -> ()");
   // Erases keys: their slots become tombstones (-2). Returns the rows they held (-1: absent).
   m.def("hash_table_erase_(Tensor slot_keys, Tensor(a!) slot_rows, Tensor keys) -> Tensor");
   // Ascending indices of the k lexicographically smallest eligible entries of the int64
@@ -88,6 +100,31 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // gradients; float32 weights, or float16 / bfloat16 ones updated in float32 and rounded;
   // hyper: lr, beta1, beta2, eps, weight_decay per table); every row is checked first.
   m.def("lazy_adam_tables_(Tensor(a!)[] weights, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor[] rows, Tensor[] grads, int[] steps, float[] hyper) -> ()");
+  // The pooled read of a collection's features (csrc/pooled.h): feature f reads table
+  // feature_tables[f] (-1: not this call's) and writes its B pooled bags, feature-major in
+  // the CSR offsets [F * B + 1] over rows (-1: a missing key, skipped), to the columns
+  // [feature_columns[f], + D) of the [B, total_dim] output, weighted by per_sample_weights
+  // (float32) and divided by the bag's length where feature_means[f]. One dtype for all the
+  // weights and the output; sums in float32 (float64 for float64 weights). errors, when
+  // given (int64 [2]: first bad bag, first bad lookup), records bad input instead of raising
+  // (the family's ops alike; csrc/pooled.h).
+  m.def("pooled_read(Tensor[] weights, Tensor rows, Tensor offsets, Tensor? per_sample_weights, int[] feature_tables, "
+        "int[] feature_columns, int[] feature_means, SymInt total_dim, Tensor(e!)? errors=None) -> Tensor");
+  // Its gradient, grouped by row: the distinct rows read (table after table, ascending in
+  // each), how many of them each table has, and each one's gradient summed in lookup order
+  // (float32; float64 for float64 weights), table t's D_t wide, one table after another.
+  m.def("pooled_read_backward(Tensor grad, Tensor[] weights, Tensor rows, Tensor offsets, Tensor? per_sample_weights, "
+        "int[] feature_tables, int[] feature_columns, int[] feature_means, Tensor(e!)? errors=None) -> (Tensor rows, "
+        "Tensor per_table, Tensor grad_rows)");
+  // That gradient applied in place, each distinct row updated once by "sgd", "lazy_adam"
+  // (state1, state2: the moments, like the weights) or "rowwise_adagrad" (state1: one float
+  // per row); hyper = (lr, beta1, beta2, eps, weight_decay), lr replaced by the tensor lr
+  // when given; steps (LazyAdam: an int64 scalar per table) counts each table's updates. Every
+  // lookup is checked before anything is written.
+  m.def("pooled_read_update_(Tensor(a!)[] weights, Tensor(b!)[] state1, Tensor(c!)[] state2, Tensor(d!)[] steps, "
+        "Tensor grad, Tensor rows, Tensor offsets, Tensor? per_sample_weights, int[] feature_tables, "
+        "int[] feature_columns, int[] feature_means, str optimizer, float[] hyper, Tensor? lr=None, "
+        "Tensor(e!)? errors=None) -> ()");
   // Stable counting sort of keys by owner rank uint64(key) % world_size:
   // keys_by_owner[positions[i]] == keys[i], counts[r] keys go to rank r.
   m.def("partition_by_owner(Tensor keys, int world_size) -> (Tensor keys_by_owner, Tensor positions, Tensor counts)");

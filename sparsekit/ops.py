@@ -451,6 +451,37 @@ def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], 
     return None
 
 
+@torch.library.register_fake("sparsekit::lookup_rows")
+def _lookup_rows_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor, offsets: List[int],
+                      segment_tables: List[int], direct_rows: List[int]) -> Tuple[Tensor, Tensor]:
+    op = "lookup_rows"
+    same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
+    torch._check(len(slot_keys) == len(slot_rows), lambda: f"{op}: one slot_keys and slot_rows entry per table")
+    torch._check(len(segment_tables) == len(direct_rows) and len(offsets) == len(segment_tables) + 1,
+                 lambda: f"{op}: one segment_tables and direct_rows entry per segment (and one more offset)")
+    index_dtype(op, "keys", keys, "tensor of keys")
+    torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
+    for t, (table_keys, table_rows) in enumerate(zip(slot_keys, slot_rows)):
+        hash_table_slots(f"{op}: table {t}", table_keys, table_rows)
+    csr_offsets(op, offsets, keys.numel())
+    return keys.new_empty(keys.shape, dtype=torch.int64), keys.new_empty(2, dtype=torch.int64)
+
+
+@torch.library.register_fake("sparsekit::hash_table_touch_tables_")
+def _hash_table_touch_tables_fake(last_seen: List[Tensor], count: List[Tensor], rows: Tensor, offsets: List[int],
+                                  segment_tables: List[int], sizes: List[int], clocks: List[int]) -> None:
+    op = "hash_table_touch_tables_"
+    same_device(op, rows=rows, last_seen=last_seen, count=count)
+    torch._check(len(last_seen) == len(count) == len(clocks) == len(sizes),
+                 lambda: f"{op}: one last_seen, count, size and clock entry per table")
+    torch._check(len(offsets) == len(segment_tables) + 1,
+                 lambda: f"{op}: one segment_tables entry per segment (and one more offset)")
+    torch._check(rows.dtype == torch.int64 and rows.dim() == 1,
+                 lambda: f"{op}: rows must be 1-D int64, got {rows.dtype} with shape {shape_of(rows)}")
+    csr_offsets(op, offsets, rows.numel())
+    return None
+
+
 @torch.library.register_fake("sparsekit::hash_table_place_tables_")
 def _hash_table_place_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], row_keys: List[Tensor],
                                   count: List[Tensor], keys: Tensor, offsets: List[int], sizes: List[int]) -> None:

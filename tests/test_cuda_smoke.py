@@ -12,6 +12,8 @@ selection cannot rot between GPU sessions.
     csrc/cuda/lazy_adam_cuda.cu    test_lazy_adam_kernels
     csrc/cuda/routing_cuda.cu      test_routing_kernels
     csrc/cuda/initializer_cuda.cu  test_initializer_kernels
+    csrc/cuda/pooled_cuda.cu       test_pooled_kernels (read, codes + radix sort, grad rows, the three updates)
+    csrc/cuda/hashtable_cuda.cu    test_lookup_rows_kernels (lookup_rows, touch: check + score)
     all of them, through a layer   test_layer_step, test_collection_step (dynamic tables, bf16, mixed dims)
 """
 
@@ -234,3 +236,62 @@ def test_collection_step(device):
         outputs.append({f: v.detach().float().cpu() for f, v in out.items()})
     for feature in outputs[0]:
         torch.testing.assert_close(outputs[1][feature], outputs[0][feature], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_pooled_kernels(device, dtype):
+    """pooled_read (16-byte packets and single columns), pooled_read_backward and the three
+    fused updates, on this device against the CPU kernels."""
+    g = _seeded(21)
+    dims, rows_of = [16, 3, 8], [50, 7, 30]
+    weights = [torch.randn(r, d, generator=g).to(dtype) for r, d in zip(rows_of, dims)]
+    tables, columns, means, total, batch = [0, 1, 2, -1, 0], [0, 16, 19, 0, 27], [0, 1, 0, 0, 1], 43, 9
+    lengths = torch.randint(0, 5, (len(tables) * batch,), generator=g)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    rows = torch.cat([torch.randint(-1, rows_of[max(tables[bag // batch], 0)], (int(n),), generator=g)
+                      for bag, n in enumerate(lengths.tolist())])
+    psw = torch.rand(rows.numel(), generator=g)
+    grad = torch.randn(batch, total, generator=g).to(dtype)
+    on = [w.to(device) for w in weights]
+    args = (rows.to(device), offsets.to(device), psw.to(device), tables, columns, means)
+    out = torch.ops.sparsekit.pooled_read(on, *args, total)
+    expected = torch.ops.sparsekit.pooled_read(weights, rows, offsets, psw, tables, columns, means, total)
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=1e-2, atol=1e-3)
+    got = torch.ops.sparsekit.pooled_read_backward(grad.to(device), on, *args)
+    want = torch.ops.sparsekit.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns, means)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-5, atol=1e-6)
+    for optimizer in ("sgd", "lazy_adam", "rowwise_adagrad"):
+        results = []
+        for dev, ws in ((device, on), ("cpu", weights)):
+            ws = [w.clone() for w in ws]
+            state = torch.float64 if dtype == torch.float64 else torch.float32
+            s1 = [] if optimizer == "sgd" else [torch.zeros(w.shape if optimizer == "lazy_adam" else w.shape[:1],
+                                                            dtype=state, device=dev) for w in ws]
+            s2 = [torch.zeros(w.shape, dtype=state, device=dev) for w in ws] if optimizer == "lazy_adam" else []
+            steps = [torch.zeros((), dtype=torch.int64, device=dev) for _ in ws] if optimizer == "lazy_adam" else []
+            torch.ops.sparsekit.pooled_read_update_(ws, s1, s2, steps, grad.to(dev), rows.to(dev), offsets.to(dev),
+                                                    psw.to(dev), tables, columns, means, optimizer,
+                                                    [0.05, 0.9, 0.999, 1e-6, 0.01])
+            results.append([w.cpu().float() for w in ws])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+
+def test_lookup_rows_kernels(device):
+    """lookup_rows over hash, direct and caller-resolved segments, and the scoring of each
+    distinct row once, on this device against the CPU."""
+    g = _seeded(22)
+    results = []
+    for dev in ("cpu", device):
+        table = sk.HashTable(64, device=dev)
+        table.insert(torch.arange(0, 40, 3, device=dev))
+        keys = torch.randint(-5, 60, (50,), generator=g).to(dev) if dev == "cpu" else results[0][0].to(dev)
+        rows, report = torch.ops.sparsekit.lookup_rows([table._slot_keys], [table._slot_rows], keys, [0, 20, 35, 50],
+                                                       [0, -1, -2], [0, 30, 0])
+        torch.ops.sparsekit.hash_table_touch_tables_([table._last_seen], [table._count], rows, [0, 20, 35, 50],
+                                                     [0, -1, -1], [len(table)], [7])
+        results.append((keys.cpu(), rows.cpu(), report.cpu(), table._last_seen.cpu(), table._count.cpu()))
+    for a, b in zip(results[0][1:], results[1][1:]):
+        assert torch.equal(a, b)

@@ -395,6 +395,158 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
   }
 }
 
+/// @brief The row of every value of a collection's batch: segment s (keys[offsets[s] :
+/// offsets[s + 1]], a feature's values) is found in hash table segment_tables[s] (-1 where
+/// absent), or is the key itself for a direct table (segment_tables[s] == -1 with
+/// direct_rows[s] rows; -2 for a key outside [0, direct_rows[s])), or is left -3
+/// (segment_tables[s] == -2: the caller resolves it). Also returns, as an int64 [2], the first
+/// position of a key outside its direct table (keys.numel() when there is none) and the
+/// number of keys absent from their hash table.
+std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows, const Tensor& keys,
+                       const std::vector<int64_t>& offsets, const std::vector<int64_t>& segment_tables,
+                       const std::vector<int64_t>& direct_rows) {
+  const char* op = "lookup_rows";
+  SK_CHECK(slot_keys.size() == slot_rows.size(), op, ": slot_keys holds ", slot_keys.size(), " tables but slot_rows ",
+           slot_rows.size());
+  check_key_tensor(keys, op, "keys");
+  SK_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
+  for (size_t t = 0; t < slot_keys.size(); ++t) {
+    check_hash_table_find_args(slot_keys[t], slot_rows[t], keys, OpName(op, static_cast<int64_t>(t)));
+  }
+  const size_t num_segments = segment_tables.size();
+  SK_CHECK(direct_rows.size() == num_segments, op, ": segment_tables (", num_segments, ") and direct_rows (",
+           direct_rows.size(), ") must hold one entry per segment");
+  check_table_offsets(offsets, num_segments, keys.numel(), op);
+  for (size_t s = 0; s < num_segments; ++s) {
+    SK_CHECK(segment_tables[s] >= -2 && segment_tables[s] < static_cast<int64_t>(slot_keys.size()), op,
+             ": segment_tables[", s, "] must lie in [-2, ", slot_keys.size(), "), got ", segment_tables[s]);
+  }
+  const Tensor keys_c = as_contiguous(keys);
+  Tensor rows = empty(keys.sizes(), kLong, keys.device());
+  Tensor first_bad = empty({2}, kLong, keys.device());
+  std::atomic<int64_t> bad{keys_c.numel()};
+  std::atomic<int64_t> absent{0};
+  int64_t* out = rows.mutable_data_ptr<int64_t>();
+  SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "lookup_rows_cpu", [&] {
+    const index_t* k = keys_c.const_data_ptr<index_t>();
+    parallel_for(0, keys_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+      for_each_table_range(offsets, begin, end, [&](int64_t s, int64_t b, int64_t e) {
+        const int64_t t = segment_tables[s];
+        if (t >= 0) {
+          find_range_in(slot_keys[t].const_data_ptr<int64_t>(), slot_rows[t].const_data_ptr<int64_t>(),
+                        static_cast<uint64_t>(slot_keys[t].size(0) - 1), k, out, b, e);
+          int64_t missing = 0;
+          for (int64_t i = b; i < e; ++i) missing += out[i] < 0;
+          if (missing) absent.fetch_add(missing, std::memory_order_relaxed);
+        } else if (t == -1) {
+          const uint64_t bound = static_cast<uint64_t>(direct_rows[s]);
+          int64_t first = INT64_MAX;
+          for (int64_t i = b; i < e; ++i) {
+            const int64_t key = static_cast<int64_t>(k[i]);
+            const bool inside = static_cast<uint64_t>(key) < bound;
+            out[i] = inside ? key : -2;
+            if (C10_UNLIKELY(!inside) && first == INT64_MAX) first = i;
+          }
+          int64_t seen = bad.load(std::memory_order_relaxed);
+          while (first < seen && !bad.compare_exchange_weak(seen, first, std::memory_order_relaxed)) {
+          }
+        } else {
+          std::fill(out + b, out + e, int64_t{-3});
+        }
+      });
+    });
+  });
+  first_bad.mutable_data_ptr<int64_t>()[0] = bad.load();
+  first_bad.mutable_data_ptr<int64_t>()[1] = absent.load();
+  return {rows, first_bad};
+}
+
+/// @brief Scores the rows a collection's batch read, each distinct row of a table once
+/// (however often the batch read it): last_seen = the table's clock, count += 1. Segment s
+/// (rows[offsets[s] : offsets[s + 1]]) reads table segment_tables[s] (-1: not scored here);
+/// rows of -1 are skipped. Every row is checked against sizes[t] (the table's keys) before
+/// anything is written.
+void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std::vector<Tensor>& count,
+                                 const Tensor& rows, const std::vector<int64_t>& offsets,
+                                 const std::vector<int64_t>& segment_tables, const std::vector<int64_t>& sizes,
+                                 const std::vector<int64_t>& clocks) {
+  const char* op = "hash_table_touch_tables_";
+  const size_t num_tables = count.size();
+  SK_CHECK(last_seen.size() == num_tables && sizes.size() == num_tables && clocks.size() == num_tables, op,
+           ": last_seen (", last_seen.size(), "), count (", num_tables, "), sizes (", sizes.size(), ") and clocks (",
+           clocks.size(), ") must hold one entry per table");
+  SK_CHECK(rows.scalar_type() == kLong && rows.dim() == 1, op, ": rows must be 1-D int64, got ", rows.scalar_type(),
+           " with shape ", rows.sizes());
+  for (size_t t = 0; t < num_tables; ++t) {
+    SK_CHECK(last_seen[t].scalar_type() == kLong && count[t].scalar_type() == kLong && last_seen[t].dim() == 1 &&
+                 count[t].dim() == 1 && last_seen[t].size(0) == count[t].size(0) && last_seen[t].is_contiguous() &&
+                 count[t].is_contiguous() && last_seen[t].device() == rows.device() &&
+                 count[t].device() == rows.device(),
+             op, ": last_seen[", t, "] and count[", t, "] must be contiguous 1-D int64 tensors of one length on the "
+             "rows' device");
+    SK_CHECK(sizes[t] >= 0 && sizes[t] <= count[t].size(0), op, ": sizes[", t, "] must lie in [0, ",
+             count[t].size(0), "], got ", sizes[t]);
+  }
+  check_table_offsets(offsets, segment_tables.size(), rows.numel(), op);
+  for (size_t s = 0; s < segment_tables.size(); ++s) {
+    SK_CHECK(segment_tables[s] >= -1 && segment_tables[s] < static_cast<int64_t>(num_tables), op,
+             ": segment_tables[", s, "] must lie in [-1, ", num_tables, "), got ", segment_tables[s]);
+  }
+  std::vector<TensorUse> uses{{&rows, "rows", 0, false}};
+  for (size_t t = 0; t < num_tables; ++t) {
+    uses.push_back({&last_seen[t], "last_seen", t, true});
+    uses.push_back({&count[t], "count", t, true});
+  }
+  check_no_shared_writes(op, uses);
+  const Tensor rows_c = as_contiguous(rows);
+  const int64_t* r = rows_c.const_data_ptr<int64_t>();
+  std::atomic<int64_t> bad{rows_c.numel()};
+  parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    for_each_table_range(offsets, begin, end, [&](int64_t s, int64_t b, int64_t e) {
+      const int64_t t = segment_tables[s];
+      if (t < 0) return;
+      for (int64_t i = b; i < e; ++i) {
+        if (r[i] < -1 || r[i] >= sizes[t]) {
+          int64_t seen = bad.load(std::memory_order_relaxed);
+          while (i < seen && !bad.compare_exchange_weak(seen, i, std::memory_order_relaxed)) {
+          }
+          return;
+        }
+      }
+    });
+  });
+  if (bad.load() < rows_c.numel()) {
+    const int64_t i = bad.load();
+    const int64_t s = std::upper_bound(offsets.begin(), offsets.end(), i) - offsets.begin() - 1;
+    fail(op, ": rows[", i, "] = ", r[i], " of table ", segment_tables[s], " is outside its rows [-1, ",
+         sizes[segment_tables[s]], ")");
+  }
+  // One bit per row in use of each table: the first lookup of a row to set it scores it.
+  std::vector<int64_t> bit_base(num_tables + 1, 0);
+  for (size_t t = 0; t < num_tables; ++t) bit_base[t + 1] = bit_base[t] + (sizes[t] + 63) / 64 * 64;
+  std::vector<uint64_t> seen_bits(static_cast<size_t>(bit_base[num_tables] / 64), 0);
+  std::vector<int64_t*> seen_ptr, count_ptr;
+  for (size_t t = 0; t < num_tables; ++t) {
+    seen_ptr.push_back(last_seen[t].mutable_data_ptr<int64_t>());
+    count_ptr.push_back(count[t].mutable_data_ptr<int64_t>());
+  }
+  parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    for_each_table_range(offsets, begin, end, [&](int64_t s, int64_t b, int64_t e) {
+      const int64_t t = segment_tables[s];
+      if (t < 0) return;
+      uint64_t* bits = seen_bits.data() + bit_base[t] / 64;
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t row = r[i];
+        if (row < 0) continue;
+        const uint64_t bit = uint64_t{1} << (row & 63);
+        if (__atomic_fetch_or(&bits[row >> 6], bit, __ATOMIC_RELAXED) & bit) continue;
+        seen_ptr[t][row] = clocks[t];
+        count_ptr[t][row] += 1;
+      }
+    });
+  });
+}
+
 /// @brief Gives several tables' new keys their rows in one call (an EmbeddingBagCollection
 /// step whose tables grow without eviction): keys[offsets[t] : offsets[t + 1]], distinct and
 /// absent from table t (not checked), take rows sizes[t], sizes[t] + 1, ... in order; each
@@ -485,6 +637,8 @@ void hash_table_place_tables_cpu(const std::vector<Tensor>& slot_keys, const std
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {
+  m.impl("lookup_rows", TORCH_BOX(&lookup_rows_cpu));
+  m.impl("hash_table_touch_tables_", TORCH_BOX(&hash_table_touch_tables_cpu));
   m.impl("hash_table_find", TORCH_BOX(&hash_table_find_cpu));
   m.impl("hash_table_erase_", TORCH_BOX(&hash_table_erase_cpu));
   m.impl("hash_table_insert_absent_", TORCH_BOX(&hash_table_insert_absent_cpu));

@@ -1,6 +1,10 @@
 // CUDA kernels of the open-addressing hash table (layout in csrc/hashtable.h).
 #include "cuda/cuda_api.h"
 
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
 #include "hashtable.h"
 
 namespace sparsekit {
@@ -113,7 +117,231 @@ int64_t count_occupied(const Tensor& slot_rows) {
   return *cpu(count).const_data_ptr<int64_t>();
 }
 
+// Segments (a collection's features) whose tables one launch of lookup_rows or
+// hash_table_touch_tables_ takes by value (so a CUDA graph captures them).
+constexpr int kSegmentsPerLaunch = 32;
+
+struct RowSegments {
+  const int64_t* slot_keys[kSegmentsPerLaunch];
+  const int64_t* slot_rows[kSegmentsPerLaunch];
+  uint64_t slot_mask[kSegmentsPerLaunch];
+  int64_t begin[kSegmentsPerLaunch + 1];  // the segments' bounds, the last one's end after it
+  int64_t direct_rows[kSegmentsPerLaunch];
+  int kind[kSegmentsPerLaunch];  // 0: hash table, 1: direct, 2: left to the caller
+  int count;
+};
+
+__device__ __forceinline__ int segment_of(const int64_t* begin, int count, int64_t i) {
+  int s = 0;
+  while (s + 1 < count && begin[s + 1] <= i) ++s;
+  return s;
+}
+
+template <typename key_t>
+__global__ void lookup_rows_kernel(RowSegments segments, const key_t* __restrict__ keys, int64_t* __restrict__ rows,
+                                   unsigned long long* __restrict__ first_bad) {
+  const int64_t first = segments.begin[0], last = segments.begin[segments.count];
+  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < last;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int s = segment_of(segments.begin, segments.count, i);
+    const int64_t key = static_cast<int64_t>(keys[i]);
+    if (segments.kind[s] == 0) {
+      const int64_t row = probe_find(segments.slot_keys[s], segments.slot_rows[s], segments.slot_mask[s], key);
+      rows[i] = row;
+      if (row < 0) atomicAdd(first_bad + 1, 1ULL);
+    } else if (segments.kind[s] == 1) {
+      const bool inside = static_cast<uint64_t>(key) < static_cast<uint64_t>(segments.direct_rows[s]);
+      rows[i] = inside ? key : -2;
+      if (!inside) atomicMin(first_bad, static_cast<unsigned long long>(i));
+    } else {
+      rows[i] = -3;
+    }
+  }
+}
+
+struct TouchSegments {
+  int64_t* last_seen[kSegmentsPerLaunch];
+  int64_t* count[kSegmentsPerLaunch];
+  unsigned int* seen_bits[kSegmentsPerLaunch];  // the table's bitmap (shared by its segments)
+  int64_t size[kSegmentsPerLaunch];
+  int64_t clock[kSegmentsPerLaunch];
+  int64_t begin[kSegmentsPerLaunch + 1];
+  int scored[kSegmentsPerLaunch];
+  int count_segments;
+};
+
+/// Records the first row outside [-1, size) of a scored segment.
+__global__ void check_touch_kernel(TouchSegments segments, const int64_t* __restrict__ rows,
+                                   unsigned long long* __restrict__ first_bad) {
+  const int64_t first = segments.begin[0], last = segments.begin[segments.count_segments];
+  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < last;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int s = segment_of(segments.begin, segments.count_segments, i);
+    if (segments.scored[s] && (rows[i] < -1 || rows[i] >= segments.size[s])) {
+      atomicMin(first_bad, static_cast<unsigned long long>(i));
+    }
+  }
+}
+
+/// The first lookup of a row (its bit set first) scores it, unless a bad row was recorded.
+__global__ void touch_kernel(TouchSegments segments, const int64_t* __restrict__ rows,
+                             const unsigned long long* __restrict__ first_bad, int64_t none) {
+  if (*first_bad != static_cast<unsigned long long>(none)) return;
+  const int64_t first = segments.begin[0], last = segments.begin[segments.count_segments];
+  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < last;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int s = segment_of(segments.begin, segments.count_segments, i);
+    const int64_t row = rows[i];
+    if (!segments.scored[s] || row < 0) continue;
+    const unsigned int bit = 1u << (row & 31);
+    if (atomicOr(segments.seen_bits[s] + (row >> 5), bit) & bit) continue;
+    segments.last_seen[s][row] = segments.clock[s];
+    segments.count[s][row] += 1;
+  }
+}
+
 }  // namespace
+
+/// @brief The row of every value of a collection's batch (see the schema): no host sync;
+/// the first position of a key outside its direct table and the count of absent keys come
+/// back in an int64 [2] tensor.
+std::tuple<Tensor, Tensor> lookup_rows_cuda(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows,
+                                            const Tensor& keys, const std::vector<int64_t>& offsets,
+                                            const std::vector<int64_t>& segment_tables,
+                                            const std::vector<int64_t>& direct_rows) {
+  const char* op = "lookup_rows";
+  SK_CHECK(slot_keys.size() == slot_rows.size(), op, ": slot_keys holds ", slot_keys.size(), " tables but slot_rows ",
+           slot_rows.size());
+  check_key_tensor(keys, op, "keys");
+  SK_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
+  for (size_t t = 0; t < slot_keys.size(); ++t) {
+    check_hash_table_find_args(slot_keys[t], slot_rows[t], keys, OpName(op, static_cast<int64_t>(t)));
+  }
+  const size_t num_segments = segment_tables.size();
+  SK_CHECK(direct_rows.size() == num_segments && offsets.size() == num_segments + 1 && offsets.front() == 0 &&
+               offsets.back() == keys.numel(),
+           op, ": offsets must run from 0 to ", keys.numel(), " in one more entry than segment_tables and direct_rows");
+  for (size_t s = 0; s < num_segments; ++s) {
+    SK_CHECK(offsets[s] <= offsets[s + 1], op, ": offsets must never decrease");
+    SK_CHECK(segment_tables[s] >= -2 && segment_tables[s] < static_cast<int64_t>(slot_keys.size()), op,
+             ": segment_tables[", s, "] must lie in [-2, ", slot_keys.size(), "), got ", segment_tables[s]);
+  }
+  const DeviceGuard device_guard(keys.get_device_index());
+  const cudaStream_t stream = current_stream(keys);
+  const Tensor keys_c = as_contiguous(keys);
+  const int64_t n = keys_c.numel();
+  Tensor rows = empty({n}, kLong, keys.device());
+  Tensor first_bad = full_long_cuda(2, n, keys);
+  SK_CUDA_CHECK(cudaMemsetAsync(first_bad.mutable_data_ptr<int64_t>() + 1, 0, sizeof(int64_t), stream));
+  for (size_t first = 0; first < num_segments; first += kSegmentsPerLaunch) {
+    RowSegments segments{};
+    for (size_t s = first; s < std::min(num_segments, first + kSegmentsPerLaunch); ++s) {
+      const int i = segments.count++;
+      const int64_t t = segment_tables[s];
+      segments.kind[i] = t >= 0 ? 0 : (t == -1 ? 1 : 2);
+      segments.slot_keys[i] = t >= 0 ? slot_keys[t].const_data_ptr<int64_t>() : nullptr;
+      segments.slot_rows[i] = t >= 0 ? slot_rows[t].const_data_ptr<int64_t>() : nullptr;
+      segments.slot_mask[i] = t >= 0 ? static_cast<uint64_t>(slot_keys[t].size(0) - 1) : 0;
+      segments.direct_rows[i] = direct_rows[s];
+      segments.begin[i] = offsets[s];
+      segments.begin[i + 1] = offsets[s + 1];
+    }
+    const int64_t span = segments.begin[segments.count] - segments.begin[0];
+    if (span == 0) continue;
+    SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "lookup_rows_cuda", [&] {
+      lookup_rows_kernel<index_t><<<blocks_for(span), kThreads, 0, stream>>>(
+          segments, keys_c.const_data_ptr<index_t>(), rows.mutable_data_ptr<int64_t>(),
+          reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
+      SK_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  return {rows, first_bad};
+}
+
+/// @brief Scores each distinct row a batch read once per table (see the schema). One host
+/// sync: the row check's read back (a bad row writes nothing and raises).
+void hash_table_touch_tables_cuda(const std::vector<Tensor>& last_seen, const std::vector<Tensor>& count,
+                                  const Tensor& rows, const std::vector<int64_t>& offsets,
+                                  const std::vector<int64_t>& segment_tables, const std::vector<int64_t>& sizes,
+                                  const std::vector<int64_t>& clocks) {
+  const char* op = "hash_table_touch_tables_";
+  const size_t num_tables = count.size();
+  SK_CHECK(last_seen.size() == num_tables && sizes.size() == num_tables && clocks.size() == num_tables, op,
+           ": last_seen, count, sizes and clocks must hold one entry per table");
+  SK_CHECK(rows.scalar_type() == kLong && rows.dim() == 1, op, ": rows must be 1-D int64, got ", rows.scalar_type(),
+           " with shape ", rows.sizes());
+  for (size_t t = 0; t < num_tables; ++t) {
+    SK_CHECK(last_seen[t].scalar_type() == kLong && count[t].scalar_type() == kLong && last_seen[t].dim() == 1 &&
+                 count[t].dim() == 1 && last_seen[t].size(0) == count[t].size(0) && last_seen[t].is_contiguous() &&
+                 count[t].is_contiguous() && last_seen[t].device() == rows.device() &&
+                 count[t].device() == rows.device(),
+             op, ": last_seen[", t, "] and count[", t, "] must be contiguous 1-D int64 tensors of one length on the "
+             "rows' device");
+    SK_CHECK(sizes[t] >= 0 && sizes[t] <= count[t].size(0), op, ": sizes[", t, "] must lie in [0, ",
+             count[t].size(0), "], got ", sizes[t]);
+  }
+  const size_t num_segments = segment_tables.size();
+  SK_CHECK(offsets.size() == num_segments + 1 && offsets.front() == 0 && offsets.back() == rows.numel(), op,
+           ": offsets must run from 0 to ", rows.numel(), " in one more entry than segment_tables");
+  for (size_t s = 0; s < num_segments; ++s) {
+    SK_CHECK(offsets[s] <= offsets[s + 1], op, ": offsets must never decrease");
+    SK_CHECK(segment_tables[s] >= -1 && segment_tables[s] < static_cast<int64_t>(num_tables), op,
+             ": segment_tables[", s, "] must lie in [-1, ", num_tables, "), got ", segment_tables[s]);
+  }
+  std::vector<TensorUse> uses{{&rows, "rows", 0, false}};
+  for (size_t t = 0; t < num_tables; ++t) {
+    uses.push_back({&last_seen[t], "last_seen", t, true});
+    uses.push_back({&count[t], "count", t, true});
+  }
+  check_no_shared_writes(op, uses);
+  const DeviceGuard device_guard(rows.get_device_index());
+  const cudaStream_t stream = current_stream(rows);
+  const Tensor rows_c = as_contiguous(rows);
+  const int64_t n = rows_c.numel();
+  std::vector<int64_t> word_base(num_tables + 1, 0);
+  for (size_t t = 0; t < num_tables; ++t) word_base[t + 1] = word_base[t] + (sizes[t] + 31) / 32;
+  Tensor bits = zeros_cuda({std::max<int64_t>(1, word_base[num_tables])}, kInt, rows.device());
+  unsigned int* bits_ptr = reinterpret_cast<unsigned int*>(bits.mutable_data_ptr<int32_t>());
+  Tensor first_bad = full_long_cuda(1, n, rows);
+  auto* bad_ptr = reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>());
+  std::vector<TouchSegments> launches;
+  for (size_t first = 0; first < num_segments; first += kSegmentsPerLaunch) {
+    TouchSegments segments{};
+    for (size_t s = first; s < std::min(num_segments, first + kSegmentsPerLaunch); ++s) {
+      const int i = segments.count_segments++;
+      const int64_t t = segment_tables[s];
+      segments.scored[i] = t >= 0;
+      segments.last_seen[i] = t >= 0 ? last_seen[t].mutable_data_ptr<int64_t>() : nullptr;
+      segments.count[i] = t >= 0 ? count[t].mutable_data_ptr<int64_t>() : nullptr;
+      segments.seen_bits[i] = t >= 0 ? bits_ptr + word_base[t] : nullptr;
+      segments.size[i] = t >= 0 ? sizes[t] : 0;
+      segments.clock[i] = t >= 0 ? clocks[t] : 0;
+      segments.begin[i] = offsets[s];
+      segments.begin[i + 1] = offsets[s + 1];
+    }
+    launches.push_back(segments);
+  }
+  // Every row checked before any is scored: the check launches, then the scoring ones.
+  for (const TouchSegments& segments : launches) {
+    const int64_t span = segments.begin[segments.count_segments] - segments.begin[0];
+    if (span == 0) continue;
+    check_touch_kernel<<<blocks_for(span), kThreads, 0, stream>>>(segments, rows_c.const_data_ptr<int64_t>(), bad_ptr);
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  for (const TouchSegments& segments : launches) {
+    const int64_t span = segments.begin[segments.count_segments] - segments.begin[0];
+    if (span == 0) continue;
+    touch_kernel<<<blocks_for(span), kThreads, 0, stream>>>(segments, rows_c.const_data_ptr<int64_t>(), bad_ptr, n);
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // The documented host sync: a bad row raises (and scored nothing).
+  const int64_t bad = *cpu(first_bad).const_data_ptr<int64_t>();
+  if (bad < n) {
+    const int64_t s = std::upper_bound(offsets.begin(), offsets.end(), bad) - offsets.begin() - 1;
+    fail(op, ": rows[", bad, "] = ", item_at(rows_c, bad), " of table ", segment_tables[s],
+         " is outside its rows [-1, ", sizes[segment_tables[s]], ")");
+  }
+}
 
 /// @brief Looks keys up in the table (no host sync).
 /// @param slot_keys int64[S], the key of each slot.
@@ -206,6 +434,8 @@ Tensor hash_table_erase_cuda(const Tensor& slot_keys, Tensor& slot_rows, const T
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CUDA, m) {
+  m.impl("lookup_rows", TORCH_BOX(&lookup_rows_cuda));
+  m.impl("hash_table_touch_tables_", TORCH_BOX(&hash_table_touch_tables_cuda));
   m.impl("hash_table_find", TORCH_BOX(&hash_table_find_cuda));
   m.impl("hash_table_erase_", TORCH_BOX(&hash_table_erase_cuda));
   m.impl("hash_table_insert_absent_", TORCH_BOX(&hash_table_insert_absent_cuda));

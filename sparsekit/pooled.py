@@ -1,0 +1,216 @@
+"""The pooled read of a collection's tables, and its backward.
+
+One native op reads every feature's bags of every table of one dtype into a
+``[B, sum of dims]`` block (``sparsekit::pooled_read``, features side by side). Its
+backward groups the lookups by row and either gives each table a coalesced sparse
+gradient (``pooled_read_backward``, the unfused path: any ``torch.optim`` optimizer) or
+applies a fused optimizer to the rows it touched in the same pass
+(``pooled_read_update_``: no gradient is materialised). See ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .exchange import _CoalescedGradMarker, _sparse_gradients
+
+__all__: List[str] = []
+
+
+@torch.library.register_fake("sparsekit::pooled_read")
+def _pooled_read_fake(weights: List[Tensor], rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                      feature_tables: List[int], feature_columns: List[int], feature_means: List[int],
+                      total_dim, errors: Optional[Tensor] = None) -> Tensor:
+    num_features = max(len(feature_tables), 1)
+    return weights[0].new_empty(((offsets.shape[0] - 1) // num_features, total_dim))
+
+
+@torch.library.register_fake("sparsekit::pooled_read_backward")
+def _pooled_read_backward_fake(grad: Tensor, weights: List[Tensor], rows: Tensor, offsets: Tensor,
+                               per_sample_weights: Optional[Tensor], feature_tables: List[int],
+                               feature_columns: List[int], feature_means: List[int],
+                               errors: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    ctx = torch.library.get_ctx()
+    dtype = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
+    return (rows.new_empty(ctx.new_dynamic_size()), rows.new_empty(len(weights)),
+            grad.new_empty(ctx.new_dynamic_size(), dtype=dtype))
+
+
+@torch.library.register_fake("sparsekit::pooled_read_update_")
+def _pooled_read_update_fake(weights: List[Tensor], state1: List[Tensor], state2: List[Tensor], steps: List[Tensor],
+                             grad: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                             feature_tables: List[int], feature_columns: List[int], feature_means: List[int],
+                             optimizer: str, hyper: List[float], lr: Optional[Tensor] = None,
+                             errors: Optional[Tensor] = None) -> None:
+    return None
+
+
+class ReadLayout(NamedTuple):
+    """Where one pooled read puts its features: per feature of the batch, the index of its
+    table among the read's weights (-1: another read's), its first column in the
+    ``[B, total_dim]`` block and whether its combiner is the mean."""
+
+    feature_tables: List[int]
+    feature_columns: List[int]
+    feature_means: List[int]
+    total_dim: int
+
+
+class FusedStep(NamedTuple):
+    """A fused optimizer's update as the backward applies it: its name (the op's), its
+    settings and the state of each table read (see :class:`sparsekit.fused.FusedOptimizer`)."""
+
+    optimizer: str
+    hyper: List[float]
+    lr: Optional[Tensor]
+    state1: List[Tensor]
+    state2: List[Tensor]
+    steps: List[Tensor]
+
+
+class _PooledRead(torch.autograd.Function):
+    """The pooled read of the tables ``weights`` as one autograd node.
+
+    ``fused`` (called in the backward with the weights): None for the unfused path, whose
+    backward gives each weight a coalesced sparse gradient; else a callable returning the
+    :class:`FusedStep` that the backward applies in place, returning no gradient.
+    ``markers``: each table's :class:`_CoalescedGradMarker` (tables loaded or rows evicted
+    between the forward and the backward drop the gradient of what changed hands)."""
+
+    @staticmethod
+    def forward(ctx, layout: ReadLayout, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                markers: Sequence[_CoalescedGradMarker], fused: Any, *weights: Tensor) -> Tensor:
+        out = torch.ops.sparsekit.pooled_read(list(weights), rows, offsets, per_sample_weights, layout.feature_tables,
+                                              layout.feature_columns, layout.feature_means, layout.total_dim)
+        ctx.save_for_backward(rows, offsets, per_sample_weights)
+        ctx.layout, ctx.markers, ctx.fused = layout, markers, fused
+        ctx.stamps = [marker.stamp for marker in markers]
+        # Not saved for backward: a fused update writes them in place (and an earlier step's
+        # update may have, before this backward), which autograd's version check refuses.
+        ctx.weights = weights
+        return out
+
+    @staticmethod
+    @torch.compiler.disable  # the sparse gradients and the in-place update run eagerly
+    def backward(ctx, grad: Tensor):
+        rows, offsets, per_sample_weights = ctx.saved_tensors
+        layout, weights = ctx.layout, ctx.weights
+        grad = grad.contiguous()
+        feature_tables = list(layout.feature_tables)
+        needed = [ctx.needs_input_grad[6 + j] for j in range(len(weights))]
+        # A table loaded or reset since the forward gets nothing from it (its features are
+        # left out); rows given to other keys since (eviction) are dropped lookup by lookup.
+        lost = [not needed[j] or marker.lost(stamp) for j, (marker, stamp) in enumerate(zip(ctx.markers, ctx.stamps))]
+        if any(lost):
+            feature_tables = [-1 if t >= 0 and lost[t] else t for t in feature_tables]
+        weights_grad = ctx.needs_input_grad[3]
+        if torch.is_grad_enabled() and ctx.fused is None:
+            # create_graph=True: a backward of torch's differentiable ops, so that a gradient
+            # penalty's second-order terms reach the weights and the dense layers.
+            scale_grad, parts = _traced_gradients(layout, feature_tables, weights, grad, rows, offsets,
+                                                  per_sample_weights, weights_grad)
+            grads = _sparse_gradients(parts, ctx.markers, ctx.stamps, [False] * len(weights),
+                                      [(w.shape, w.dtype) for w in weights])
+            return (None, None, None, scale_grad, None, None) + tuple(grads)
+        scale_grad = _traced_gradients(layout, feature_tables, weights, grad, rows, offsets, per_sample_weights,
+                                       True, tables=False)[0] if weights_grad else None
+        if ctx.fused is not None:
+            rows = _rows_still_owned(rows, offsets, feature_tables, weights, ctx.markers, ctx.stamps, lost)
+            if any(t >= 0 for t in feature_tables):
+                step = ctx.fused(weights)
+                with torch.no_grad():
+                    torch.ops.sparsekit.pooled_read_update_(
+                        list(weights), step.state1, step.state2, step.steps, grad, rows, offsets, per_sample_weights,
+                        feature_tables, layout.feature_columns, layout.feature_means, step.optimizer, step.hyper,
+                        step.lr)
+            return (None, None, None, scale_grad, None, None) + (None,) * len(weights)
+        if not any(t >= 0 for t in feature_tables):
+            return (None, None, None, scale_grad, None, None) + (None,) * len(weights)
+        unique_rows, per_table, values = torch.ops.sparsekit.pooled_read_backward(
+            grad, list(weights), rows, offsets, per_sample_weights, feature_tables, layout.feature_columns,
+            layout.feature_means)
+        counts = per_table.tolist()  # a host read (a sync on CUDA): the sparse gradients' sizes
+        parts: List[Optional[Tuple[Tensor, Tensor]]] = []
+        row_start = value_start = 0
+        for weight, count, gone in zip(weights, counts, lost):
+            dim = weight.shape[1]
+            part = (unique_rows[row_start:row_start + count],
+                    values[value_start:value_start + count * dim].view(count, dim))
+            parts.append(None if gone else part)
+            row_start += count
+            value_start += count * dim
+        grads = _sparse_gradients(parts, ctx.markers, ctx.stamps, [False] * len(weights),
+                                  [(w.shape, w.dtype) for w in weights])
+        return (None, None, None, scale_grad, None, None) + tuple(grads)
+
+
+def _traced_gradients(layout: ReadLayout, feature_tables: List[int], weights: Sequence[Tensor], grad: Tensor,
+                      rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], scale_grad: bool,
+                      tables: bool = True) -> Tuple[Optional[Tensor], List[Optional[Tuple[Tensor, Tensor]]]]:
+    """The read's backward in torch's differentiable ops (a double backward, and the
+    gradient of per-sample weights that require one): the gradient of the per-sample
+    weights (when ``scale_grad``) and, with ``tables``, each table's distinct rows ascending
+    and their summed gradients (None for a table no feature reads here)."""
+    num_features = len(feature_tables)
+    batch = (offsets.numel() - 1) // max(num_features, 1)
+    lengths = offsets[1:] - offsets[:-1]
+    bag = ops._repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, rows.numel())
+    feature = torch.div(bag, max(batch, 1), rounding_mode="floor")
+    sample = bag - feature * batch
+    columns = torch.tensor(layout.feature_columns, device=rows.device)
+    means = torch.tensor(layout.feature_means, device=rows.device, dtype=torch.bool)
+    tables_of = torch.tensor(feature_tables, device=rows.device)
+    scale = None
+    if scale_grad and per_sample_weights is not None:
+        scale = torch.zeros(rows.numel(), dtype=grad.dtype, device=grad.device)
+    parts: List[Optional[Tuple[Tensor, Tensor]]] = []
+    for j, weight in enumerate(weights):
+        dim = weight.shape[1]
+        position = ((tables_of.index_select(0, feature) == j) & (rows >= 0)).nonzero().squeeze(1)
+        b, f = sample.index_select(0, position), feature.index_select(0, position)
+        looked = grad[b.unsqueeze(1), columns.index_select(0, f).unsqueeze(1) + torch.arange(dim, device=grad.device)]
+        divisor = torch.where(means.index_select(0, f), lengths.index_select(0, bag.index_select(0, position)), 1)
+        looked = looked / divisor.to(looked.dtype).unsqueeze(1)
+        row = rows.index_select(0, position)
+        if per_sample_weights is not None:
+            if scale is not None:
+                scale = scale.index_add(0, position, (looked * weight.index_select(0, row).to(looked.dtype)).sum(1))
+            looked = looked * per_sample_weights.index_select(0, position).to(looked.dtype).unsqueeze(1)
+        if not tables or not any(t == j for t in feature_tables):
+            parts.append(None)
+            continue
+        distinct, inverse = torch.unique(row, sorted=True, return_inverse=True)
+        value_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        parts.append((distinct, ops.segment_sum(looked.to(value_dtype), inverse, distinct.numel())))
+    return scale, parts
+
+
+def _rows_still_owned(rows: Tensor, offsets: Tensor, feature_tables: List[int], weights: Sequence[Tensor],
+                      markers: Sequence[_CoalescedGradMarker], stamps: Sequence[int], lost: Sequence[bool]) -> Tensor:
+    """``rows`` with the lookups of rows given to new keys since the forward (a later
+    forward's eviction) set to -1, so that a fused update never lands an evicted key's
+    gradient on the key that took its row. Unchanged (no copy) unless a table evicted."""
+    moved = [j for j, (marker, stamp) in enumerate(zip(markers, stamps)) if not lost[j] and marker.stamp != stamp]
+    if not moved:
+        return rows
+    rows = rows.clone()
+    batch = (offsets.numel() - 1) // max(len(feature_tables), 1)
+    bounds = offsets[::batch].tolist() if batch else [0] * (len(feature_tables) + 1)
+    for f, t in enumerate(feature_tables):
+        if t not in moved:
+            continue
+        part = rows[bounds[f]:bounds[f + 1]]
+        given = markers[t].row_since.index_select(0, part.clamp(min=0)) > stamps[t]
+        part.masked_fill_(given & (part >= 0), -1)
+    return rows
+
+
+def pooled_read(layout: ReadLayout, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                weights: Sequence[Tensor], markers: Sequence[_CoalescedGradMarker], fused: Any = None) -> Tensor:
+    """``[B, layout.total_dim]``: every feature's pooled bags of the tables ``weights`` (one
+    dtype), as one differentiable read (see :class:`_PooledRead`)."""
+    return _PooledRead.apply(layout, rows, offsets, per_sample_weights, markers, fused, *weights)

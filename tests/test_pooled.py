@@ -1,0 +1,359 @@
+"""The pooled-read family (pooled_read, pooled_read_backward, pooled_read_update_) against
+plain-torch references, on every device: drawn layouts that cross the kernels' vector
+widths, chunking and grouping paths, every dtype, weights and means, skipped rows, thread
+counts; the optimizers' arithmetic; bad input refused (or recorded in the errors slots)
+with nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from properties import examples, num_threads, thread_counts
+
+import sparsekit as sk  # noqa: F401  (registers the ops)
+
+ops = torch.ops.sparsekit
+NO_BAD = 2**63 - 1
+
+
+def _problem(seed, num_tables, num_features, batch, max_len, dims, rows_per_table, dtype, device, weighted,
+             missing=0.1, hot=False):
+    """A random call: tables, each feature's table (some -1: another call's), CSR bags."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [(torch.randn(r, d, generator=g) * 0.5).to(dtype).to(device) for r, d in zip(rows_per_table, dims)]
+    tables = [int(torch.randint(-1, num_tables, (1,), generator=g)) if f else
+              int(torch.randint(0, num_tables, (1,), generator=g)) for f in range(num_features)]
+    columns, total = [], 0
+    for t in tables:
+        columns.append(total)
+        total += dims[t] if t >= 0 else 0
+    means = [int(torch.randint(0, 2, (1,), generator=g)) for _ in tables]
+    lengths = torch.randint(0, max_len + 1, (num_features * batch,), generator=g)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    nnz = int(offsets[-1])
+    rows = torch.empty(nnz, dtype=torch.int64)
+    for bag in range(num_features * batch):
+        t = tables[bag // batch] if batch else 0
+        bound = rows_per_table[max(t, 0)]
+        part = torch.randint(0, max(bound, 1), (int(lengths[bag]),), generator=g)
+        if hot:
+            part[torch.rand(part.numel(), generator=g) < 0.6] = 0
+        part[torch.rand(part.numel(), generator=g) < missing] = -1
+        rows[offsets[bag]:offsets[bag + 1]] = part if bound > 0 else -1
+    psw = torch.rand(nnz, generator=g).to(device) if weighted else None
+    return weights, rows.to(device), offsets.to(device), psw, tables, columns, means, total
+
+
+def _reference(weights, rows, offsets, psw, tables, columns, means, total):
+    """Float64 pooled read (the kernels sum in float32; half tables round their output)."""
+    num_features = len(tables)
+    batch = (offsets.numel() - 1) // num_features
+    out = torch.zeros(batch, total, dtype=torch.float64)
+    offsets, rows = offsets.cpu(), rows.cpu()
+    for f, t in enumerate(tables):
+        if t < 0:
+            continue
+        w64 = weights[t].double().cpu()
+        for b in range(batch):
+            bag = f * batch + b
+            s, e = int(offsets[bag]), int(offsets[bag + 1])
+            acc = torch.zeros(w64.shape[1], dtype=torch.float64)
+            for k in range(s, e):
+                r = int(rows[k])
+                if r >= 0:
+                    acc += w64[r] * (float(psw[k]) if psw is not None else 1.0)
+            if means[f] and e > s:
+                acc /= e - s
+            out[b, columns[f]:columns[f] + w64.shape[1]] = acc
+    return out
+
+
+def _tolerance(dtype):
+    return {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
+            torch.bfloat16: (1.6e-2, 1.6e-2)}[dtype]
+
+
+layouts = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31),
+    "num_tables": st.integers(1, 4),
+    "num_features": st.integers(1, 5),
+    "batch": st.sampled_from([0, 1, 2, 7, 64, 300]),
+    "max_len": st.sampled_from([0, 1, 3, 20, 40]),
+    # Dims crossing every vector width: scalar tails, 1-16 vectors of 8 / 16 lanes, 2 passes.
+    "dims": st.lists(st.sampled_from([1, 3, 8, 16, 17, 32, 64, 100, 128, 256]), min_size=4, max_size=4),
+    "rows": st.lists(st.sampled_from([1, 5, 64, 1000]), min_size=4, max_size=4),
+    "dtype": st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+    "weighted": st.booleans(),
+    "hot": st.booleans(),
+})
+
+
+@examples(12)
+@given(layout=layouts, threads=thread_counts)
+def test_pooled_read_matches_a_reference(device, layout, threads):
+    weights, rows, offsets, psw, tables, columns, means, total = _problem(
+        layout["seed"], layout["num_tables"], layout["num_features"], layout["batch"], layout["max_len"],
+        layout["dims"], layout["rows"], layout["dtype"], device, layout["weighted"], hot=layout["hot"])
+    weights = weights[:layout["num_tables"]]
+    with num_threads(threads):
+        out = ops.pooled_read(weights, rows, offsets, psw, tables, columns, means, total)
+    assert out.dtype == layout["dtype"] and tuple(out.shape) == (layout["batch"], total)
+    rtol, atol = _tolerance(layout["dtype"])
+    torch.testing.assert_close(out.cpu().double(), _reference(weights, rows, offsets, psw, tables, columns, means,
+                                                              total), rtol=rtol, atol=atol)
+
+
+def _autograd_reference(weights, rows, offsets, psw, tables, columns, means, total, grad):
+    """Each table's dense gradient of sum(out * grad), by torch's autograd in float64."""
+    leaves = [w.detach().double().cpu().requires_grad_() for w in weights]
+    num_features = len(tables)
+    batch = (offsets.numel() - 1) // num_features
+    offsets, rows = offsets.cpu(), rows.cpu()
+    loss = torch.zeros((), dtype=torch.float64)
+    for f, t in enumerate(tables):
+        if t < 0:
+            continue
+        lengths = offsets[f * batch + 1:(f + 1) * batch + 1] - offsets[f * batch:(f + 1) * batch]
+        bag = torch.repeat_interleave(torch.arange(batch), lengths)
+        start, end = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
+        r = rows[start:end]
+        keep = r >= 0
+        vectors = leaves[t][r.clamp(min=0)] * keep.unsqueeze(1)
+        if psw is not None:
+            vectors = vectors * psw[start:end].double().cpu().unsqueeze(1)
+        pooled = torch.zeros(batch, leaves[t].shape[1], dtype=torch.float64).index_add(0, bag, vectors)
+        if means[f]:
+            pooled = pooled / lengths.clamp(min=1).double().unsqueeze(1)
+        loss = loss + (pooled * grad[:, columns[f]:columns[f] + leaves[t].shape[1]].double().cpu()).sum()
+    loss.backward()
+    return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+
+
+@examples(10)
+@given(layout=layouts, threads=thread_counts)
+def test_pooled_read_backward_groups_rows_and_sums_their_gradient(device, layout, threads):
+    weights, rows, offsets, psw, tables, columns, means, total = _problem(
+        layout["seed"], layout["num_tables"], layout["num_features"], layout["batch"], layout["max_len"],
+        layout["dims"], layout["rows"], layout["dtype"], device, layout["weighted"], hot=layout["hot"])
+    weights = weights[:layout["num_tables"]]
+    grad = torch.randn(layout["batch"], total, generator=torch.Generator().manual_seed(1)).to(layout["dtype"])
+    grad = grad.to(device)
+    with num_threads(threads):
+        unique_rows, per_table, values = ops.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns,
+                                                                  means)
+    expected = _autograd_reference(weights, rows, offsets, psw, tables, columns, means, total, grad)
+    counts = per_table.tolist()
+    assert sum(counts) == unique_rows.numel()
+    row_start = value_start = 0
+    for t, (weight, count) in enumerate(zip(weights, counts)):
+        mine = unique_rows[row_start:row_start + count].cpu()
+        assert torch.equal(mine, torch.unique(mine)), "each table's rows distinct and ascending"
+        block = values[value_start:value_start + count * weight.shape[1]].view(count, weight.shape[1]).cpu()
+        dense = torch.zeros(weight.shape, dtype=torch.float64)
+        dense[mine] = block.double()
+        touched = set(mine.tolist())
+        read = {int(r) for f, tt in enumerate(tables) if tt == t for r in rows.cpu()[
+            int(offsets[f * layout["batch"]]):int(offsets[(f + 1) * layout["batch"]])].tolist() if r >= 0}
+        assert touched == read
+        rtol, atol = _tolerance(layout["dtype"])
+        torch.testing.assert_close(dense, expected[t], rtol=rtol, atol=atol * 10)
+        row_start += count
+        value_start += count * weight.shape[1]
+
+
+def _grouped_gradient(weights, rows, offsets, psw, tables, columns, means, grad):
+    unique_rows, per_table, values = ops.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns,
+                                                              means)
+    out, row_start, value_start = [], 0, 0
+    for weight, count in zip(weights, per_table.tolist()):
+        out.append((unique_rows[row_start:row_start + count],
+                    values[value_start:value_start + count * weight.shape[1]].view(count, weight.shape[1])))
+        row_start += count
+        value_start += count * weight.shape[1]
+    return out
+
+
+@examples(10)
+@given(layout=layouts, threads=thread_counts, steps=st.integers(1, 3), decay=st.sampled_from([0.0, 0.01]))
+def test_fused_lazy_adam_is_lazy_adam_bit_for_bit(device, layout, threads, steps, decay):
+    """pooled_read_update_("lazy_adam") == pooled_read_backward then lazy_adam_ per table, bit
+    for bit for float32 and float64 tables, step after step (LazyAdam's unfused arithmetic)."""
+    dtype = layout["dtype"] if layout["dtype"] in (torch.float32, torch.float64) else torch.float32
+    weights, rows, offsets, psw, tables, columns, means, total = _problem(
+        layout["seed"], layout["num_tables"], layout["num_features"], layout["batch"], layout["max_len"],
+        layout["dims"], layout["rows"], dtype, device, layout["weighted"], hot=layout["hot"])
+    weights = weights[:layout["num_tables"]]
+    fused = [w.clone() for w in weights]
+    moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in weights]
+    counters = [torch.zeros((), dtype=torch.int64, device=device) for _ in weights]
+    plain = [w.clone() for w in weights]
+    plain_moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in weights]
+    read = {t for t in tables if t >= 0}
+    hyper = [0.01, 0.9, 0.999, 1e-8, decay]
+    for step in range(1, steps + 1):
+        grad = torch.randn(layout["batch"], total, generator=torch.Generator().manual_seed(step)).to(dtype).to(device)
+        with num_threads(threads):
+            ops.pooled_read_update_(fused, [m for m, _ in moments], [v for _, v in moments], counters, grad, rows,
+                                    offsets, psw, tables, columns, means, "lazy_adam", hyper)
+        for t, (r, values) in enumerate(_grouped_gradient(plain, rows, offsets, psw, tables, columns, means, grad)):
+            if t in read:
+                ops.lazy_adam_(plain[t], *plain_moments[t], r, values.to(dtype).contiguous(), step, *hyper)
+    for t in range(len(weights)):
+        assert torch.equal(fused[t], plain[t]), t
+        assert torch.equal(moments[t][0], plain_moments[t][0]) and torch.equal(moments[t][1], plain_moments[t][1])
+        assert int(counters[t]) == (steps if t in read else 0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_sgd_and_rowwise_adagrad_follow_their_formulas(device, optimizer, dtype):
+    weights, rows, offsets, psw, tables, columns, means, total = _problem(
+        3, 3, 4, 32, 6, [4, 16, 33, 8], [50, 20, 7, 9], dtype, device, True, hot=True)
+    weights = weights[:3]
+    grad = torch.randn(32, total, generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
+    lr, eps, decay = 0.1, 1e-6, 0.01
+    state = [torch.full((w.shape[0],), 0.5, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                        device=device) for w in weights]
+    before = [w.clone() for w in weights]
+    state_before = [s.clone() for s in state]
+    ops.pooled_read_update_(weights, state if optimizer == "rowwise_adagrad" else [], [], [], grad, rows, offsets,
+                            psw, tables, columns, means, optimizer, [lr, 0.9, 0.999, eps, decay])
+    for t, (r, g) in enumerate(_grouped_gradient(before, rows, offsets, psw, tables, columns, means, grad)):
+        w = before[t].double().cpu()
+        r, g = r.cpu(), g.double().cpu()
+        g = g + decay * w[r]
+        if optimizer == "sgd":
+            w[r] -= lr * g
+        else:
+            total_sq = state_before[t].double().cpu()[r] + (g * g).mean(1)
+            torch.testing.assert_close(state[t].double().cpu()[r], total_sq, rtol=1e-5, atol=1e-6)
+            w[r] -= (lr / (total_sq.sqrt() + eps)).unsqueeze(1) * g
+        rtol, atol = _tolerance(dtype)
+        torch.testing.assert_close(weights[t].double().cpu(), w, rtol=rtol, atol=atol)
+
+
+def test_a_tensor_lr_is_read_by_the_update(device):
+    weights, rows, offsets, psw, tables, columns, means, total = _problem(
+        4, 2, 2, 8, 4, [8, 8, 8, 8], [30, 30, 30, 30], torch.float32, device, False)
+    weights = weights[:2]
+    grad = torch.ones(8, total, device=device)
+    a, b = [w.clone() for w in weights], [w.clone() for w in weights]
+    ops.pooled_read_update_(a, [], [], [], grad, rows, offsets, psw, tables, columns, means, "sgd",
+                            [0.25, 0, 0, 0, 0])
+    ops.pooled_read_update_(b, [], [], [], grad, rows, offsets, psw, tables, columns, means, "sgd",
+                            [99.0, 0, 0, 0, 0], torch.tensor([0.25], device=device))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _small_call(device):
+    weights = [torch.randn(5, 4, device=device), torch.randn(3, 2, device=device)]
+    rows = torch.tensor([0, 4, -1, 2, 1, 0], device=device)
+    offsets = torch.tensor([0, 2, 3, 4, 6], device=device)
+    return weights, rows, offsets, [0, 1], [0, 4], [0, 1], 6
+
+
+@pytest.mark.parametrize("bad", ["row", "offsets", "decreasing", "nnz"])
+def test_bad_input_raises_naming_it_and_writes_nothing(device, bad):
+    weights, rows, offsets, tables, columns, means, total = _small_call(device)
+    if bad == "row":
+        rows = rows.clone()
+        rows[4] = 3  # table 1 has 3 rows
+        match = r"rows\[4\] is 3 but its table \(1\) has 3 rows"
+    elif bad == "offsets":
+        offsets = torch.tensor([1, 2, 3, 4, 6], device=device)
+        match = "offsets must rise from 0 to nnz"
+    elif bad == "decreasing":
+        offsets = torch.tensor([0, 3, 2, 4, 6], device=device)
+        match = "offsets must rise from 0 to nnz"
+    else:
+        offsets = torch.tensor([0, 2, 3, 4, 5], device=device)
+        match = "offsets must rise from 0 to nnz"
+    grad = torch.ones(2, total, device=device)
+    with pytest.raises(RuntimeError, match=match):
+        ops.pooled_read(weights, rows, offsets, None, tables, columns, means, total)
+    with pytest.raises(RuntimeError, match=match):
+        ops.pooled_read_backward(grad, weights, rows, offsets, None, tables, columns, means)
+    before = [w.clone() for w in weights]
+    moments = [torch.zeros_like(w) for w in weights]
+    steps = [torch.zeros((), dtype=torch.int64, device=device) for _ in weights]
+    with pytest.raises(RuntimeError, match=match):
+        ops.pooled_read_update_(weights, moments, [m.clone() for m in moments], steps, grad, rows, offsets, None,
+                                tables, columns, means, "lazy_adam", [0.1, 0.9, 0.99, 1e-8, 0.0])
+    assert all(torch.equal(w, b) for w, b in zip(weights, before))
+    assert all(int(s) == 0 for s in steps) and all(not m.any() for m in moments)
+    # With error slots the bad part is recorded and left out, the rest done.
+    slots = torch.full((2,), NO_BAD, dtype=torch.int64, device=device)
+    ops.pooled_read(weights, rows, offsets, None, tables, columns, means, total, slots)
+    assert slots.tolist() != [NO_BAD, NO_BAD]
+
+
+@pytest.mark.parametrize("case", ["no weights", "mixed dtypes", "column outside", "table outside", "grad shape",
+                                  "weights dtype", "state shape", "optimizer", "hyper", "shared", "errors"])
+def test_argument_errors_name_the_argument(case):
+    weights, rows, offsets, tables, columns, means, total = _small_call("cpu")
+    grad = torch.ones(2, total)
+    steps = [torch.zeros((), dtype=torch.int64) for _ in weights]
+    moments = [torch.zeros_like(w) for w in weights]
+    second = [torch.zeros_like(w) for w in weights]
+    hyper = [0.1, 0.9, 0.99, 1e-8, 0.0]
+    optimizer, errors = "lazy_adam", None
+    if case == "no weights":
+        weights, match = [], "weights must hold at least one table"
+    elif case == "mixed dtypes":
+        weights, match = [weights[0], weights[1].double()], "every weight of one call has one dtype"
+    elif case == "column outside":
+        columns, match = [0, 5], r"feature 1 writes columns \[5, 7\) outside \[0, 6\)"
+    elif case == "table outside":
+        tables, match = [0, 2], r"feature_tables\[1\] must lie in \[-1, 2\)"
+    elif case == "grad shape":
+        grad, match = torch.ones(3, total), r"grad must be \[B, total_dim\]"
+    elif case == "weights dtype":
+        weights, match = [w.long() for w in weights], "weights must be float32, float64, float16 or bfloat16"
+    elif case == "state shape":
+        moments, match = [torch.zeros(5, 3), moments[1]], "the state of table 0 must be"
+    elif case == "optimizer":
+        optimizer, match = "adagrad", "optimizer must be"
+    elif case == "hyper":
+        hyper, match = [0.1, 1.5, 0.99, 1e-8, 0.0], "beta1 must be in"
+    elif case == "shared":
+        second, match = [moments[0], second[1]], "share memory"
+    else:
+        errors, match = torch.zeros(3, dtype=torch.int64), r"errors must be a contiguous int64 tensor \[2\]"
+    before = [w.clone() for w in weights]
+    with pytest.raises(RuntimeError, match=match):
+        ops.pooled_read_update_(weights, moments, second, steps, grad, rows, offsets, None, tables, columns, means,
+                                optimizer, hyper, None, errors)
+    assert all(torch.equal(w, b) for w, b in zip(weights, before))
+
+
+def test_opcheck_of_the_family(device):
+    weights, rows, offsets, tables, columns, means, total = _small_call(device)
+    psw = torch.rand(rows.numel(), device=device)
+    torch.library.opcheck(ops.pooled_read.default, (weights, rows, offsets, psw, tables, columns, means, total))
+    grad = torch.randn(2, total, device=device)
+    torch.library.opcheck(ops.pooled_read_backward.default, (grad, weights, rows, offsets, psw, tables, columns, means),
+                          test_utils=("test_schema", "test_faketensor"))
+    steps = [torch.zeros((), dtype=torch.int64, device=device) for _ in weights]
+    torch.library.opcheck(ops.pooled_read_update_.default,
+                          ([w.clone() for w in weights], [torch.zeros_like(w) for w in weights],
+                           [torch.zeros_like(w) for w in weights], steps, grad, rows, offsets, psw, tables, columns,
+                           means, "lazy_adam", [0.1, 0.9, 0.99, 1e-8, 0.0]),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    weights, rows, offsets, psw, tables, columns, means, total = _problem(
+        11, 3, 5, 700, 25, [16, 64, 3, 8], [2000, 50, 1, 9], torch.float32, "cpu", True, hot=True)
+    weights = weights[:3]
+    grad = torch.randn(700, total, generator=torch.Generator().manual_seed(2))
+    results = []
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            out = ops.pooled_read(weights, rows, offsets, psw, tables, columns, means, total)
+            backward = ops.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns, means)
+        results.append((out, *backward))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
