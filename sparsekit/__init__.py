@@ -13,6 +13,7 @@ from .hashtable import HashTable, HashTableFullError
 from .optim import LazyAdam
 from .checkpoint import load_checkpoint, save_checkpoint
 from .collection import EmbeddingBagCollection, KeyedJagged, TableConfig, UnknownTableError
+from .fused import FusedOptimizer
 from .embedding import (
     All2AllDenseEmbedding,
     DistributedEmbedding,
@@ -42,5 +43,6 @@ __all__ = [
     "KeyedJagged",
     "EmbeddingBagCollection",
     "UnknownTableError",
+    "FusedOptimizer",
     "keep_freed_memory",
 ]

@@ -1,55 +1,14 @@
 """Many tables in one lookup: ``EmbeddingBagCollection``, ``TableConfig``, ``KeyedJagged``.
 
-Every table is spread over all ranks of the collection's process group by key: the pair
-``(table, key)`` lives on rank ``uint64(key + table_index) % world_size`` (the add wraps;
-``table_index`` is the table's position in the list given to the collection), so the
-small keys of many direct-mapped tables do not all land on rank 0. Each table is one
-shard module (``ebc.shards[name]``) with the single layers' machinery: hash or direct
-rows, eviction, admission, stats, export and checkpoints (``ebc.shards[i]``, the i-th table;
-``state_dict()`` names them by position and records their names, so a collection listing
-its tables in another order refuses it; ``load_checkpoint`` matches them by name).
-
-One forward step on every rank, for all tables together:
-
-1. dedup the ``(table, key)`` pairs of the batch, table after table (on the CPU one op
-   that dedups every table in a small table of its own, in parallel over tables; on CUDA
-   two :func:`sparsekit.ops.unique` calls: keys, then ``key_id * num_tables + table``)
-   and bucket them by owner;
-2. one ``all_to_all_single`` of a header (per owner: pair count, error flags, train/eval
-   mode, pairs per table), so a bad input anywhere stops every rank before a key moves;
-3. one ``all_to_all_single`` of the pairs;
-4. each owner dedups what it received (as in 1) and looks the keys up: its hash tables searched
-   together (one op on the CPU); in training a table without eviction or admission
-   whose new keys fit only places them, the others that meet new keys plan their insert
-   as the single layers do; every rank agrees through one status ``all_reduce`` before
-   any table changes; then the keys of the tables that only score or place are scored
-   together and the vectors of each dim are read into one float32 block (one autograd
-   node per dim, mixed dims side by side in the flat buffer);
-5. one ``all_to_all_single`` of the flat buffer back;
-6. per feature: gather its keys' vectors, weight them, and pool them per bag
-   (:func:`sparsekit.ops.segment_sum`, in float32), then cast to the table's dtype.
-
-Backward mirrors 5 with one ``all_to_all_single`` for all tables and leaves each table's
-weight a sparse gradient over the rows this rank owns.
-
-Host synchronisations per training step on CUDA (``world_size > 1``): the two local
-``unique`` calls, the feature boundaries of the input, the header, the two owner
-``unique`` calls, the owner's pairs per table, one read of every hash table's count of
-new keys, one row check of the scoring of every table's found rows
-(``hash_table_score_tables_``), and the status all-reduce: independent of the number of
-tables. Pooling adds one per dim group (the ``embedding_bag`` or ``segment_sum`` kernel's
-range read; none where every bag holds one key and there are no weights), and so does the
-backward (its ``segment_sum``): they grow with the distinct dims, not the tables. The tables
-that place new keys without eviction or admission add one for all of them (their new
-keys, picked out of the search at once); a table with eviction or admission that meets
-new keys adds its insert's two (``HashTable.insert``); a direct table adds none.
-
-One process training CPU hash tables without eviction or admission on one key per bag
-without weights (Criteo's shape) skips the pairs' dedup: every value is found in its
-feature's table first (one op), only the absent keys are deduplicated and placed, and
-each dim group's rows are deduplicated and sorted by one bitmap of the rows in use
-(``EmbeddingBagCollection._lookup_rows_first``); the tables, scores and gradients end as
-above.
+Each table is one shard module (``ebc.shards[i]``) with the single layers' machinery:
+hash or direct rows, eviction, admission, stats, export and checkpoints. One process
+runs the staged engine of :mod:`sparsekit.engine` (rows resolved, one pooled read, its
+backward or fused optimizer: ``docs/architecture.md``). Under a process group the
+``(table, key)`` pair lives on rank ``uint64(key + table_index) % world_size``; the
+pairs go to their owners in one all-to-all (after a header all-to-all that carries the
+counts, error flags and mode, so a bad input anywhere stops every rank before a key
+moves), the owners look them up together (plan, agree through one status all-reduce,
+commit) and one all-to-all brings the vectors back; the backward mirrors it.
 """
 
 from __future__ import annotations
@@ -66,9 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import ops, traced
+from . import engine, ops, traced
 from ._checks import device_argument, plain_tensor, size_argument, tensor_integer, type_name
 from .checkpoint import _collective_device
+from .fused import FusedOptimizer
 from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
@@ -82,7 +42,6 @@ from .exchange import (
     _deepcopy_sharing_group,
     _GatherPieces,
     _GatherRows,
-    _LookupPieces,
     _make_step_lock,
     _mean_of_sum,
     _offsets_error_flags,
@@ -106,7 +65,6 @@ from .shard import (
     _check_own_weights,
     _check_state_dict_keys,
     _check_writable,
-    _distinct_sorted_rows,
     _ModelParallelEmbedding,
     _place_new_keys,
     _row_layout,
@@ -639,6 +597,11 @@ class EmbeddingBagCollection(nn.Module):
         process_group: the group to shard over; None: the default group when
             torch.distributed is initialised, else none (one process).
         device: where the shards live.
+        fused_params: None (the backward gives each table a sparse gradient, for any
+            optimizer: sk.LazyAdam, torch.optim.SparseAdam, ...), or the optimizer the
+            backward applies to the rows it touched, with no gradient materialised, e.g.
+            ``{"optimizer": "rowwise_adagrad", "lr": 0.01}`` (see
+            :class:`sparsekit.FusedOptimizer`; ``ebc.fused_optimizer``). One process.
 
     Forward:
         A :class:`KeyedJagged` (or TorchRec ``KeyedJaggedTensor``-like object) ->
@@ -667,7 +630,8 @@ class EmbeddingBagCollection(nn.Module):
     """
 
     def __init__(self, tables: Sequence[TableConfig], process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[Union[torch.device, str]] = None) -> None:
+                 device: Optional[Union[torch.device, str]] = None,
+                 fused_params: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__()
         # One training forward at a time (see exchange._stepping); its tables' shards keep
         # locks of their own, which the collection's calls do not use.
@@ -709,7 +673,32 @@ class EmbeddingBagCollection(nn.Module):
         sequence = [t for members in self._groups for t in members]
         self._sequence_position = torch.tensor([sequence.index(t) for t in range(len(self.tables))])
         self._config_agreed = self.world_size == 1
+        self._fused: Optional[FusedOptimizer] = None
+        if fused_params is not None:
+            if self.world_size > 1:
+                raise ValueError("EmbeddingBagCollection: fused_params (an optimizer in the backward) needs a "
+                                 "one-process collection in this version; under a process group train with "
+                                 "sk.LazyAdam on the sparse gradients")
+            self._fused = FusedOptimizer.from_params([shard.weight for shard in self._shards], fused_params)
         traced.register(self)
+
+    @property
+    def fused_optimizer(self) -> Optional[FusedOptimizer]:
+        """The optimizer the backward applies to the tables (``fused_params``), or None: a
+        ``torch.optim.Optimizer`` whose ``step()`` does nothing (the backward updated the
+        rows), for LR schedulers and ``state_dict()`` / ``load_state_dict()``."""
+        return self._fused
+
+    def _fused_update(self, weights: Sequence[Tensor]) -> Any:
+        """The fused update of ``weights`` for the backward; rows given to new keys since the
+        last update (eviction) start from zero state first."""
+        for shard in self._shards:
+            if shard._fresh_rows is not None and any(shard.weight is w for w in weights):
+                fresh = shard._fresh_rows.nonzero().squeeze(1)
+                if fresh.numel():
+                    self._fused.reset_rows(shard.weight, fresh)
+                    shard._fresh_rows.zero_()
+        return self._fused.update_of(list(weights))
 
     # -- module plumbing ------------------------------------------------------------------------
 
@@ -860,7 +849,7 @@ class EmbeddingBagCollection(nn.Module):
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per collection (see README, torch.compile).
-        if self.world_size == 1 and torch.compiler.is_compiling():
+        if self.world_size == 1 and torch.compiler.is_compiling() and self._fused is None:
             return self._traced_forward(kjt)
         return self._eager_forward(kjt)
 
@@ -993,7 +982,7 @@ class EmbeddingBagCollection(nn.Module):
         try:
             if world > 1:
                 _check_writable(self._shards, "EmbeddingBagCollection", self.training)
-            prepared = self._prepare(kjt, device, rows_first=self._rows_first())
+            prepared = self._prepare(kjt, device, batch_only=world == 1)
             flags = prepared["flags"]
         except BaseException as exc:  # noqa: BLE001 - shared with every rank, then re-raised
             error = exc
@@ -1002,21 +991,10 @@ class EmbeddingBagCollection(nn.Module):
             if error is not None:
                 raise error
             self._raise_for_flags(int(flags.item()), prepared)
-            if "pair_keys" not in prepared:
-                pooled = self._lookup_rows_first(prepared)
-                if pooled is not None:
-                    return pooled
-                prepared = self._prepare(kjt, device)  # a table's new keys do not fit: its error comes from there
-            counts = [prepared["pairs_per_table"]]
-            if prepared["one_per_bag"] and prepared["weights"] is None and prepared["pair_keys"].numel() > 0:
-                # One key per bag: the features read their vectors straight from the weights
-                # (every feature of the batch has keys, so every table it reads gets a gradient).
-                rows = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True,
-                                          vectors=False)
-                return self._pool(prepared, None, counts, rows)
-            per_group = self._owner_lookup(prepared["send_keys"], prepared["send_tables"], counts, unique=True,
-                                           present=self._listed(prepared))
-            return self._pool(prepared, per_group, counts)
+            step = engine.StepContext(prepared["features"], prepared["table_of_feature"], prepared["batch"],
+                                      prepared["bounds"], prepared["offsets"], prepared["keys"], prepared["weights"])
+            engine.resolve_rows(step, self._shards, self.training, self._direct_key_error)
+            return engine.read_pooled(step, self._shards, self._fused_update if self._fused is not None else None)
 
         device = _wire_device(self._shards[0].weight, self.process_group)  # meta tables: refused above
         if not self._config_agreed:
@@ -1169,10 +1147,10 @@ class EmbeddingBagCollection(nn.Module):
                                "be saved for backward; make it outside inference_mode (a clone() there will do), "
                                "or run the forward under torch.no_grad() / inference_mode")
 
-    def _prepare(self, kjt: Any, device: torch.device, rows_first: bool = False) -> Dict[str, Any]:
+    def _prepare(self, kjt: Any, device: torch.device, batch_only: bool = False) -> Dict[str, Any]:
         """Reads and checks this rank's input; dedups its (table, key) pairs. With
-        ``rows_first``, an input of one key per bag without weights stops before the dedup
-        (``"keys"`` and no ``"pair_keys"``: see :meth:`_lookup_rows_first`)."""
+        ``batch_only`` (one process) it stops before the dedup: ``"keys"`` and no
+        ``"pair_keys"``."""
         kjt = _as_keyed_jagged(kjt)  # raises TypeError / ValueError for a malformed input
         features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
         self._check_features(kjt, features, values, weights, device)
@@ -1220,9 +1198,9 @@ class EmbeddingBagCollection(nn.Module):
         table_of_feature = [self._feature_table[f] for f in features]
         if not flags_bad_bounds and one_per_bag is None:
             one_per_bag = _one_per_bag(offsets, keys.numel())
-        if rows_first and weights is None and not flags_bad_bounds and keys.numel() > 0 and one_per_bag:
+        if batch_only:
             return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "keys": keys,
-                    "table_of_feature": table_of_feature, "flags": flags}
+                    "weights": weights, "table_of_feature": table_of_feature, "flags": flags}
         num_tables = len(self._shards)
         # The distinct (table, key) pairs, table after table: feature f's values are
         # bounds[f]:bounds[f + 1], a segment of its table.
@@ -1296,10 +1274,14 @@ class EmbeddingBagCollection(nn.Module):
                 mine = keys[tables == index]
                 bad = mine[(mine < 0) | (mine >= shard.num_keys_capacity)]
                 if bad.numel() > 0:
-                    raise ValueError(
-                        f"EmbeddingBagCollection: key {bad[0].item()} of table {shard.config.name!r} is out of range: "
-                        f"with use_hashtable=False keys must lie in [0, capacity * world_size) = "
-                        f"[0, {shard.num_keys_capacity})")
+                    raise self._direct_key_error(index, int(bad[0]))
+
+    def _direct_key_error(self, table: int, key: int) -> ValueError:
+        """The error for ``key`` given to direct-mapped table ``table`` outside its range."""
+        shard = self._shards[table]
+        return ValueError(f"EmbeddingBagCollection: key {key} of table {shard.config.name!r} is out of range: with "
+                          f"use_hashtable=False keys must lie in [0, capacity * world_size) = "
+                          f"[0, {shard.num_keys_capacity})")
 
     def _owner_lookup(self, keys: Tensor, tables: Tensor, counts: List[List[int]], unique: bool,
                       vectors: bool = True, present: Optional[List[bool]] = None) -> List[Optional[Tensor]]:
@@ -1489,11 +1471,10 @@ class EmbeddingBagCollection(nn.Module):
                 out[i] = part
         return out
 
-    def _pool(self, prepared: Dict[str, Any], per_group: Optional[List[Optional[Tensor]]],
-              counts: List[List[int]], rows: Optional[List[Optional[Tensor]]] = None) -> Dict[str, Tensor]:
+    def _pool(self, prepared: Dict[str, Any], per_group: List[Optional[Tensor]],
+              counts: List[List[int]]) -> Dict[str, Tensor]:
         """Per dim group, one gather + segment sum for all its features' bags (in float32)
-        from the group's block of vectors ``per_group[g]``, or, given every table's ``rows``
-        (one process, one key per bag), one read straight from the weights; then per
+        from the group's block of vectors ``per_group[g]`` (the exchange's); then per
         feature the mean and the cast to its table's dtype."""
         device = self._shards[0].weight.device
         batch, bounds, offsets, weights = prepared["batch"], prepared["bounds"], prepared["offsets"], \
@@ -1529,25 +1510,12 @@ class EmbeddingBagCollection(nn.Module):
             num_bags = len(group_features) * batch
             if nnz == 0:
                 pooled = torch.zeros(num_bags, dim, device=device)
-                joined = per_group[g] if per_group is not None else None
-                if joined is None and self.world_size == 1 and torch.is_grad_enabled():
-                    # No lookup read a row (a batch of empty bags): an empty one joins the
-                    # output to the tables' weights, whose gradient is then empty, as
-                    # nn.EmbeddingBag's is; a backward through it would fail otherwise.
-                    # (With many ranks a training step joins through the exchange; a
-                    # local join there would let this rank skip the backward's all-to-all.)
-                    shards = [self._shards[t] for t in sorted({prepared["table_of_feature"][f]
-                                                               for f in group_features})]
-                    joined = _LookupTables.apply([torch.empty(0, dtype=torch.int64, device=device)] * len(shards),
-                                                 [s._grad_marker for s in shards], [False] * len(shards),
-                                                 *[s.weight for s in shards])
+                joined = per_group[g]
                 if joined is not None and joined.requires_grad:
                     pooled = pooled + joined.sum(0)  # zeros, joined to the lookup's graph
             elif weights is None and prepared["one_per_bag"]:
                 # One output per feature, and a backward that reads their gradients in place.
-                parts = self._lookup_pieces(rows, members, cut(value_row), group_features, prepared, batch) \
-                    if rows is not None else \
-                    _GatherPieces.apply(per_group[g], cut(value_row), [batch] * len(group_features))
+                parts = _GatherPieces.apply(per_group[g], cut(value_row), [batch] * len(group_features))
                 for f, part in zip(group_features, parts):
                     pooled_of[f] = part
                 continue
@@ -1571,92 +1539,6 @@ class EmbeddingBagCollection(nn.Module):
                 pooled_of[f] = part
         return self._finish(prepared, pooled_of)
 
-    def _rows_first(self) -> bool:
-        """Whether a one-process training step looks its keys up before deduplicating them
-        (:meth:`_lookup_rows_first`): CPU hash tables without eviction or admission."""
-        return self.world_size == 1 and self.training and all(
-            s.hash_table is not None and s.hash_table.eviction is None and s._pending is None
-            and s.weight.device.type == "cpu" for s in self._shards)
-
-    def _lookup_rows_first(self, prepared: Dict[str, Any]) -> Optional[Dict[str, Tensor]]:
-        """One process, one key per bag, CPU hash tables without eviction or admission: every
-        value is found in its feature's table as it comes (one op), the absent keys of each
-        table placed together in order of first occurrence (as the pairs' dedup and
-        :meth:`_grow` would number them), and each dim group's rows deduplicated and sorted
-        by one bitmap of the tables' rows in use (``unique_bounded`` over row + the table's
-        offset), which also orders each table's coalesced gradient: no dedup of the pairs
-        by hashing, no second search, no sort. The tables, scores, clocks, weights and
-        gradients end as the general path leaves them. None, with nothing changed, when a
-        table's new keys do not fit (the general path then raises its error)."""
-        keys, bounds = prepared["keys"], prepared["bounds"]
-        table_of_feature = prepared["table_of_feature"]
-        shards, num_tables = self._shards, len(self._shards)
-        rows = _find_in_tables([shards[t].hash_table for t in table_of_feature], keys, bounds)
-        if bool(rows.min() < 0):  # one pass, where rows < 0 and any() take two
-            missing = rows < 0
-            misses = missing.long().cumsum(0).index_select(0, torch.tensor(bounds[1:]) - 1).tolist()
-            new_keys, new_of_missing, per_table = _unique_tables(
-                keys[missing], [0] + misses, table_of_feature, num_tables)
-            per_table = per_table.tolist()
-            if any(n > s.hash_table.capacity - len(s.hash_table) for n, s in zip(per_table, shards)):
-                return None
-            growing = [t for t in range(num_tables) if per_table[t] > 0]
-            starts = list(itertools.accumulate(per_table, initial=0))
-            new = [(t, None, new_keys[starts[t]:starts[t + 1]]) for t in growing]
-            initial = self._initial_rows(new)  # may raise: nothing has changed yet
-            sizes = [len(s.hash_table) for s in shards]
-            _place_new_keys([shards[t] for t in growing], new_keys, [per_table[t] for t in growing], initial)
-            # A new key's row: its table's old size plus its rank among the table's new keys.
-            shift = torch.tensor([sizes[t] - starts[t] for t in range(num_tables)])
-            new_rows = torch.arange(new_keys.numel()) + ops._repeat_interleave(shift, torch.tensor(per_table),
-                                                                                new_keys.numel())
-            rows = rows.masked_scatter(missing, new_rows.index_select(0, new_of_missing))
-        features, batch = prepared["features"], prepared["batch"]
-        # One key per bag: feature f's rows are row f of this [features, batch] view.
-        rows_of_feature = rows.view(len(features), batch)
-        pooled_of: Dict[int, Tensor] = {}
-        scored: List[Tuple[int, Tensor]] = []
-        groups_seen = 0
-        for members in self._groups:
-            member_set = set(members)
-            group_features = [f for f in range(len(features)) if table_of_feature[f] in member_set]
-            if not group_features:
-                continue
-            groups_seen += 1
-            # Each table's rows in use, one after the other: a row's code is its row plus
-            # the sizes of the group's tables before its own.
-            base = dict(zip(members, itertools.accumulate((len(shards[t].hash_table) for t in members), initial=0)))
-            total = base[members[-1]] + len(shards[members[-1]].hash_table)
-            value_rows = [rows_of_feature[f] for f in group_features]
-            first, last = group_features[0], group_features[-1]
-            group_rows = rows_of_feature[first:last + 1] if last - first + 1 == len(group_features) else \
-                rows_of_feature.index_select(0, torch.tensor(group_features))
-            codes = (group_rows + torch.tensor([base[table_of_feature[f]] for f in group_features]).unsqueeze(1)) \
-                .view(-1)
-            sorted_codes, position = _distinct_sorted_rows(codes, total)
-            used_set = {table_of_feature[f] for f in group_features}
-            used = [t for t in members if t in used_set]
-            ends = torch.searchsorted(sorted_codes, torch.tensor([base[t] + len(shards[t].hash_table)
-                                                                  for t in used])).tolist()
-            sizes_used = [b - a for a, b in zip([0] + ends, ends)]
-            sorted_rows = sorted_codes - ops._repeat_interleave(torch.tensor([base[t] for t in used]),
-                                                                torch.tensor(sizes_used), sorted_codes.numel())
-            scored.extend(zip(used, sorted_rows.split(sizes_used)))
-            member_of = {t: j for j, t in enumerate(used)}
-            parts = _LookupPieces.apply(value_rows, [member_of[table_of_feature[f]] for f in group_features],
-                                        position, sorted_rows, sizes_used, [shards[t]._grad_marker for t in used],
-                                        [False] * len(used), *[shards[t].weight for t in used])
-            pooled_of.update(zip(group_features, parts))
-        # One group: its tables' rows are in table order already, one after the other.
-        scored_rows = sorted_rows if groups_seen == 1 else None
-        scored.sort(key=lambda pair: pair[0])
-        tables = [shards[t].hash_table for t, _ in scored]
-        _touch_tables(tables, scored_rows if scored_rows is not None else torch.cat([r for _, r in scored]),
-                      list(itertools.accumulate((r.numel() for _, r in scored), initial=0)))
-        for table in tables:
-            table.tick()
-        return self._finish(prepared, pooled_of)
-
     def _finish(self, prepared: Dict[str, Any], pooled_of: Dict[int, Tensor]) -> Dict[str, Tensor]:
         """Per feature its pooled float32 vectors ``pooled_of[f]``: the mean (combiner
         "mean") and the cast to its table's dtype."""
@@ -1671,25 +1553,6 @@ class EmbeddingBagCollection(nn.Module):
             dtype = shard.weight.dtype
             out[feature] = pooled if pooled.dtype == dtype else pooled.to(dtype)  # .to() costs 3 us even then
         return out
-
-    def _lookup_pieces(self, rows: List[Optional[Tensor]], members: List[int], value_row: Tensor,
-                       group_features: List[int], prepared: Dict[str, Any], batch: int) -> Tuple[Tensor, ...]:
-        """One process, one key per bag: the vectors of a dim group's features (``value_row``:
-        each of their values' row in the group's block, feature after feature) read straight
-        from the tables' weights (:class:`_LookupPieces`)."""
-        members = [t for t in members if rows[t] is not None]
-        shards = [self._shards[t] for t in members]
-        weights = [shard.weight for shard in shards]
-        member_rows = [rows[t] for t in members]
-        block_rows = torch.cat(member_rows) if len(member_rows) > 1 else member_rows[0]
-        sorted_rows, order = _sort_table_rows(member_rows, weights)
-        position = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-        member_of = {t: j for j, t in enumerate(members)}
-        return _LookupPieces.apply(list(block_rows.index_select(0, value_row).split(batch)),
-                                   [member_of[prepared["table_of_feature"][f]] for f in group_features],
-                                   position.index_select(0, value_row), sorted_rows,
-                                   [r.numel() for r in member_rows], [s._grad_marker for s in shards],
-                                   [s._may_miss() for s in shards], *weights)
 
     def extra_repr(self) -> str:
         return f"tables={[t.name for t in self.tables]}, rank={self.rank}, world_size={self.world_size}"

@@ -354,15 +354,24 @@ def _table_gradients(ctx, values_all: Tensor, sorted_rows: Tensor, first_weight:
     """Each table's coalesced sparse gradient from ``values_all``, the gradient of every
     table's distinct rows in ``sorted_rows``' order (``ctx``: ``sizes``, ``markers``,
     ``stamps``, ``may_miss``, ``weight_meta``; the weights are inputs ``first_weight`` on)."""
-    grads: List[Optional[Tensor]] = []
     # One split each (the tables' parts lie one after the other), not two slices a table.
-    for j, (rows, values, marker, stamp, miss, (shape, dtype)) in enumerate(zip(
-            sorted_rows.split(ctx.sizes), values_all.split(ctx.sizes), ctx.markers, ctx.stamps, ctx.may_miss,
-            ctx.weight_meta)):
-        if not ctx.needs_input_grad[first_weight + j] or marker.lost(stamp):
+    parts = [part if ctx.needs_input_grad[first_weight + j] else None
+             for j, part in enumerate(zip(sorted_rows.split(ctx.sizes), values_all.split(ctx.sizes)))]
+    return _sparse_gradients(parts, ctx.markers, ctx.stamps, ctx.may_miss, ctx.weight_meta)
+
+
+def _sparse_gradients(parts: Sequence[Optional[Tuple[Tensor, Tensor]]], markers: Sequence[_CoalescedGradMarker],
+                      stamps: Sequence[int], may_miss: Sequence[bool],
+                      weight_meta: Sequence[Tuple[torch.Size, torch.dtype]]) -> List[Optional[Tensor]]:
+    """Per table its coalesced sparse gradient from ``parts[j]``, (distinct rows ascending,
+    their summed gradient rows), or None (no gradient: None, or the table lost the lookup
+    since, see :class:`_CoalescedGradMarker`); ``weight_meta``: each weight's shape and dtype."""
+    grads: List[Optional[Tensor]] = []
+    for part, marker, stamp, miss, (shape, dtype) in zip(parts, markers, stamps, may_miss, weight_meta):
+        if part is None or marker.lost(stamp):
             grads.append(None)
             continue
-        rows, values = marker.own_rows(rows, values, stamp, miss)
+        rows, values = marker.own_rows(part[0], part[1], stamp, miss)
         if values.dtype != dtype:
             values = values.to(dtype)
         if rows.numel() == 0:

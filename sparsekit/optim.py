@@ -98,7 +98,8 @@ class LazyAdam(torch.optim.Optimizer):
     float16 / bfloat16 embedding shard). All of it is saved by ``state_dict()``.
 
     Settings are real numbers (``numbers.Real``: Python or NumPy ints and floats, not bools
-    and not tensors, so a scheduler may set a NumPy ``lr``), converted to float for the lazy
+    and not tensors, so a scheduler may set a NumPy ``lr``; ``lr`` may also be a tensor of one
+    element, as ``torch.optim.Adam`` takes, read at each step), converted to float for the lazy
     kernels and passed as they are to torch's Adam for dense parameters (as
     ``torch.optim.Adam`` passes them). There is no AMSGrad and no decoupled (AdamW) weight
     decay: a group with ``amsgrad=True``, or ``decoupled_weight_decay=True`` and a non-zero
@@ -530,7 +531,8 @@ def _dense_adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor
             chosen_params, pick(grads), pick(exp_avgs), pick(exp_avg_sqs), [], pick(steps),
             foreach=foreach, capturable=False, differentiable=False, fused=None, grad_scale=None, found_inf=None,
             has_complex=any(torch.is_complex(p) for p in chosen_params), amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=_torch_adam_setting(group["lr"]), weight_decay=_torch_adam_setting(group["weight_decay"]),
+            lr=_float_setting(group["lr"]) if isinstance(group["lr"], Tensor) else _torch_adam_setting(group["lr"]),
+            weight_decay=_torch_adam_setting(group["weight_decay"]),
             eps=_torch_adam_setting(group["eps"]), maximize=group.get("maximize", False))
 
 
@@ -567,10 +569,10 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: invalid betas {tuple(betas)}; both must be in [0, 1)")
     for name, label in (("lr", "learning rate lr"), ("eps", "eps"), ("weight_decay", "weight_decay")):
         value = settings[name]
+        if isinstance(value, Tensor) and name == "lr":
+            _check_tensor_lr(value, where)
+            continue
         if isinstance(value, Tensor):
-            # torch.optim.Adam takes a tensor lr in some configurations (not foreach=True
-            # without capturable); LazyAdam's kernels take a float, and reading a CUDA tensor
-            # back every step would be a hidden host sync.
             raise ValueError(f"{where}: {label} is a tensor ({value!r}); a tensor {name} is not supported, pass a "
                              f"float (e.g. {name}=float(value))")
         if not _is_real(value) or not value >= 0.0:
@@ -610,8 +612,20 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
                          "made these settings, or set them to False to continue as plain Adam")
 
 
+def _check_tensor_lr(value: Tensor, where: str) -> None:
+    """A tensor lr, as ``torch.optim.Adam`` takes one (a scheduler or a captured step changes
+    it in place): one floating-point element, no gradient; its value is checked (>= 0) where
+    it can be read without a device sync, on the CPU."""
+    if value.numel() != 1 or not value.is_floating_point() or value.requires_grad:
+        raise ValueError(f"{where}: a tensor learning rate lr must be a floating-point tensor of one element that "
+                         f"does not require grad, got {value.dtype} of shape {tuple(value.shape)}")
+    if value.device.type == "cpu" and not bool(value >= 0):
+        raise ValueError(f"{where}: invalid learning rate lr {value.item()!r}; it must be a real number >= 0")
+
+
 def _float_setting(value: Any) -> float:
-    """A (checked) setting as the float the lazy kernels take."""
+    """A (checked) setting as the float the lazy kernels take (a tensor lr is read: a host
+    sync when it lives on a GPU)."""
     return value if type(value) is float else float(value)
 
 

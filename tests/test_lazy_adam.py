@@ -1270,12 +1270,13 @@ def test_lazy_adam_takes_numpy_settings(where):
     ("0.1", r"invalid learning rate lr '0.1'"),
     (float("nan"), r"invalid learning rate lr nan"),
     (-1e-3, r"invalid learning rate lr -0.001"),
-    (torch.tensor(0.01), r"learning rate lr is a tensor \(tensor\(0.0100\)\); a tensor lr is not supported, pass a "
-                         r"float \(e.g. lr=float\(value\)\)"),
-], ids=["bool", "str", "nan", "negative", "tensor"])
+    (torch.tensor(-0.5), r"invalid learning rate lr -0.5"),
+    (torch.tensor([0.01, 0.01]), r"a tensor learning rate lr must be a floating-point tensor of one element"),
+    (torch.tensor(1), r"a tensor learning rate lr must be a floating-point tensor of one element"),
+], ids=["bool", "str", "nan", "negative", "negative tensor", "two-element tensor", "int tensor"])
 def test_lazy_adam_refuses_lr_that_is_no_real_number(value, message):
-    """A bool, a string, NaN, a negative number or a tensor as lr: refused at construction, in
-    add_param_group and at step time (with nothing updated)."""
+    """A bool, a string, NaN, a negative number or a tensor that is no learning rate as lr:
+    refused at construction, in add_param_group and at step time (with nothing updated)."""
     param = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"LazyAdam: " + message):
         sk.LazyAdam([param], lr=value)
@@ -1514,3 +1515,25 @@ def test_half_shard_dense_gradient_is_adam_on_a_float32_copy(dtype):
         assert not torch.equal(shard.detach(), start)
         torch.testing.assert_close(shard.detach().float(), reference.detach(), rtol=0, atol=0)
         torch.testing.assert_close(ours.state[shard]["exp_avg"], adam.state[reference]["exp_avg"])
+
+
+def test_lazy_adam_takes_a_tensor_lr_as_torch_adam_does():
+    """lr as a one-element tensor (torch.optim.Adam's, a scheduler may change it in place):
+    the same numbers as the float lr, sparse and dense, and an in-place change takes effect
+    at the next step."""
+    torch.manual_seed(0)
+    results = []
+    for lr in (0.01, torch.tensor(0.01)):
+        table = torch.nn.Parameter(torch.arange(18.0).view(6, 3) / 7)
+        dense = torch.nn.Parameter(torch.arange(4.0) / 3)
+        opt = sk.LazyAdam([table, dense], lr=lr)
+        for step in range(3):
+            table.grad = _sparse_grad([1, 4], torch.full((2, 3), 0.5 + step), (6, 3))
+            dense.grad = torch.full((4,), 0.25 * (step + 1))
+            opt.step()
+            if isinstance(lr, torch.Tensor):
+                lr.fill_(0.02)
+            else:
+                opt.param_groups[0]["lr"] = 0.02
+        results.append((table.detach().clone(), dense.detach().clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

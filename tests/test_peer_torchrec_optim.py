@@ -450,13 +450,14 @@ def test_sparse_adam_optim_inputs(kwargs):
     assert int(state["step"].item()) == int(ref_state["step"]) == 4
 
 
-def test_sparse_adam_tensor_lr_is_refused_with_a_clear_error():
-    """optim_inputs_func_sparseadam's "Tensor lr": documented deviation (README), ValueError
-    asking for a float; get_error_inputs_for_all_optims' 2-element tensor lr raises too."""
-    p = nn.Parameter(torch.randn(3, 2))
-    for lr in (torch.tensor(0.001), torch.tensor([0.001, 0.001])):
-        with pytest.raises(ValueError, match="lr"):
-            sk.LazyAdam([p], lr=lr)
+def test_sparse_adam_tensor_lr():
+    """optim_inputs_func_sparseadam's "Tensor lr": LazyAdam on sparse gradients with a tensor
+    lr is SparseAdam with that lr; get_error_inputs_for_all_optims' 2-element tensor lr raises."""
+    (ref_weight, ref_state), (weight, state) = sparse_step_pairs({"lr": torch.tensor(0.001)})
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state["exp_avg_sq"], ref_state["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="lr"):
+        sk.LazyAdam([nn.Parameter(torch.randn(3, 2))], lr=torch.tensor([0.001, 0.001]))
 
 
 def rosenbrock(tensor):

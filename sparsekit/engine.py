@@ -1,0 +1,224 @@
+"""The one-process step of an :class:`~sparsekit.EmbeddingBagCollection`, in stages over
+one :class:`StepContext`:
+
+1. the batch, read and checked by the collection (its features, each feature's table, the
+   bounds of its values);
+2. :func:`resolve_rows`: stateful, outside autograd. Each value's row in its table:
+   found, or, in training, its key inserted in order of first occurrence (initialised,
+   admitted, evicted as the table's settings say) and scored; -1 for a key that reads as
+   zeros (missing in eval, not admitted yet). Nothing changes unless every table's part
+   can be done;
+3. :func:`read_pooled`: one pooled read per weight dtype, ``[B, sum of dims]`` with the
+   features side by side, differentiable; its backward is the last stage
+   (:mod:`sparsekit.pooled`). In eval or under ``no_grad`` nothing is kept for a backward.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .exchange import _unique_tables
+from .hashtable import HashTableFullError
+from .pooled import ReadLayout, pooled_read
+from .shard import KeySeededUniform, _place_new_keys
+
+__all__ = ["StepContext", "resolve_rows", "read_pooled", "initial_rows"]
+
+@dataclass
+class StepContext:
+    """One forward's batch and what the stages make of it.
+
+    ``bounds[f]:bounds[f + 1]`` are feature f's values (a host list), ``offsets`` the CSR
+    bounds of every bag (feature-major, ``[F * B + 1]`` int64), ``keys`` int64 ``[nnz]``,
+    ``weights`` the per-value weights or None; ``rows`` is set by :func:`resolve_rows`."""
+
+    features: List[str]
+    table_of_feature: List[int]
+    batch: int
+    bounds: List[int]
+    offsets: Tensor
+    keys: Tensor
+    weights: Optional[Tensor]
+    rows: Optional[Tensor] = None
+
+
+def _evolving(shard: Any, training: bool) -> bool:
+    """Whether a hash table's training lookup goes through its shard's plan and commit
+    (eviction or admission), rather than the collection's batched find and place."""
+    return training and shard.hash_table is not None and (
+        shard.hash_table.eviction is not None or shard._pending is not None)
+
+
+def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
+                 direct_key_error: Callable[[int, int], BaseException]) -> Tensor:
+    """Stage 2: every value's row (int64 ``[nnz]``, -1: reads as zeros), stored in
+    ``ctx.rows``. Raises before anything changes: ``direct_key_error(table, key)`` for a
+    key outside a direct table, ``HashTableFullError`` (the table's own message) when a
+    table cannot take its new keys, the initializer's error."""
+    keys, bounds = ctx.keys, ctx.bounds
+    tables: List[Any] = []          # the hash tables found directly, once each
+    table_slot: Dict[int, int] = {}
+    segment_tables: List[int] = []  # per feature: its table's place in `tables`, -1 direct, -3 resolved here
+    direct_rows: List[int] = []
+    for t in ctx.table_of_feature:
+        shard = shards[t]
+        direct_rows.append(shard.num_keys_capacity if shard.hash_table is None else 0)
+        if shard.hash_table is None:
+            segment_tables.append(-1)
+        elif _evolving(shard, training):
+            segment_tables.append(-2)
+        else:
+            segment_tables.append(table_slot.setdefault(t, len(tables)))
+            if len(tables) < len(table_slot):
+                tables.append(shard.hash_table)
+    rows, found = torch.ops.sparsekit.lookup_rows([table._slot_keys for table in tables],
+                                                  [table._slot_rows for table in tables], keys, bounds,
+                                                  segment_tables, direct_rows)
+    at, absent = found.tolist()  # a host read (a sync on CUDA)
+    if -1 in segment_tables:
+        if at < keys.numel():
+            f = bisect.bisect_right(bounds, at) - 1
+            raise direct_key_error(ctx.table_of_feature[f], int(keys[at]))
+    if not training:
+        ctx.rows = rows
+        return rows
+    evolving = sorted({t for t, s in zip(ctx.table_of_feature, segment_tables) if s == -2})
+    # Plan every table's part (nothing changes yet), then carry every plan out.
+    growth = _plan_growth(ctx, shards, rows) if absent else None
+    plans = {t: _plan_evolving(ctx, shards[t], t) for t in evolving}
+    if growth is not None:
+        rows = _grow(shards, rows, growth)
+    for t, (plan, inverse) in plans.items():
+        found = shards[t]._commit(plan).index_select(0, inverse)
+        start = 0
+        for f, table in enumerate(ctx.table_of_feature):
+            if table == t:
+                count = bounds[f + 1] - bounds[f]
+                rows[bounds[f]:bounds[f + 1]] = found[start:start + count]
+                start += count
+    if tables:
+        sizes = [len(table) for table in tables]
+        torch.ops.sparsekit.hash_table_touch_tables_([table._last_seen for table in tables],
+                                                     [table._count for table in tables], rows, bounds,
+                                                     [max(s, -1) for s in segment_tables], sizes,
+                                                     [table.clock for table in tables])
+    ctx.rows = rows
+    return rows
+
+
+class _Growth:
+    """The new keys of the tables found directly, planned: per table its new keys (in order
+    of first occurrence) and their initial vectors, and each missing value's new key."""
+
+    def __init__(self, tables: List[int], keys: List[Tensor], initial: List[Tensor], missing: Tensor,
+                 new_of_missing: Tensor, counts: List[int]) -> None:
+        self.tables, self.keys, self.initial = tables, keys, initial
+        self.missing, self.new_of_missing, self.counts = missing, new_of_missing, counts
+
+
+def _plan_growth(ctx: StepContext, shards: Sequence[Any], rows: Tensor) -> "_Growth":
+    """The values of the directly found tables that missed: their keys, deduplicated per
+    table in order of first occurrence, checked to fit, with their initial vectors."""
+    missing = rows == -1
+    # Where each feature's missing values start among all the missing ones (one host read).
+    running = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(missing, 0, out=running[1:])
+    segments = running.index_select(0, torch.tensor(ctx.bounds, device=rows.device)).tolist()
+    num_tables = len(shards)
+    new_keys, new_of_missing, per_table = _unique_tables(ctx.keys[missing], segments, ctx.table_of_feature,
+                                                         num_tables)
+    per_table = per_table.tolist()
+    growing = [t for t in range(num_tables) if per_table[t] > 0]
+    starts = list(itertools.accumulate(per_table, initial=0))
+    keys_of = [new_keys[starts[t]:starts[t + 1]] for t in growing]
+    for t, keys in zip(growing, keys_of):
+        table = shards[t].hash_table
+        if keys.numel() > table.capacity - len(table):
+            shards[t]._plan_lookup(keys)  # raises the table's own HashTableFullError
+            raise HashTableFullError(f"{shards[t]._table_full(0)}: {keys.numel()} new keys do not fit")
+    initial = initial_rows(shards, list(zip(growing, keys_of)))  # may raise: nothing has changed yet
+    return _Growth(growing, keys_of, initial, missing, new_of_missing, [per_table[t] for t in growing])
+
+
+@torch.no_grad()
+def _grow(shards: Sequence[Any], rows: Tensor, growth: _Growth) -> Tensor:
+    """Places the planned new keys (their tables' next rows, in order) and gives every
+    missing value its key's row."""
+    growing = [shards[t] for t in growth.tables]
+    keys = torch.cat(growth.keys) if len(growth.keys) > 1 else growth.keys[0]
+    sizes = _place_new_keys(growing, keys, growth.counts, growth.initial)
+    # A new key's row: its table's old size plus its rank among the table's new keys.
+    shift = torch.tensor([size - start for size, start in zip(sizes, itertools.accumulate(growth.counts, initial=0))],
+                         device=rows.device)
+    new_rows = torch.arange(keys.numel(), device=rows.device) + ops._repeat_interleave(
+        shift, torch.tensor(growth.counts, device=rows.device), keys.numel())
+    return rows.masked_scatter(growth.missing, new_rows.index_select(0, growth.new_of_missing))
+
+
+def _plan_evolving(ctx: StepContext, shard: Any, table: int) -> Tuple[Any, Tensor]:
+    """A table with eviction or admission: its values' distinct keys (in order of first
+    occurrence) planned by its shard, and each value's place among them."""
+    parts = [ctx.keys[ctx.bounds[f]:ctx.bounds[f + 1]] for f, t in enumerate(ctx.table_of_feature) if t == table]
+    keys = torch.cat(parts) if len(parts) > 1 else parts[0]
+    distinct, inverse = ops.unique(keys, return_inverse=True)
+    return shard._plan(distinct), inverse
+
+
+def initial_rows(shards: Sequence[Any], new: List[Tuple[int, Tensor]]) -> List[Tensor]:
+    """The initial vectors of the new keys of each ``(table, new keys)``: one initializer
+    call for every group of tables whose initializers are one :class:`KeySeededUniform`
+    (same seed and range, a pure function of the key) of one dim and dtype, one per table
+    otherwise."""
+    groups: Dict[Any, List[int]] = {}
+    for i, (t, _) in enumerate(new):
+        shard = shards[t]
+        init = shard.embedding_initializer
+        group = (init.seed, init.low, init.high, shard.embedding_vec_size, shard.weight.dtype) \
+            if type(init) is KeySeededUniform else t
+        groups.setdefault(group, []).append(i)
+    out: List[Optional[Tensor]] = [None] * len(new)
+    for members in groups.values():
+        keys = [new[i][1] for i in members]
+        initial = shards[new[members[0]][0]].initial_rows(torch.cat(keys).long() if len(keys) > 1 else keys[0].long())
+        for i, part in zip(members, initial.split([k.numel() for k in keys])):
+            out[i] = part
+    return out
+
+
+def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callable[[Any], Any]]) -> Dict[str, Tensor]:
+    """Stage 3: ``{feature: [B, dim]}`` in the order of ``ctx.features``, each in its table's
+    dtype: column slices of one pooled read per weight dtype. ``fused``: None, or a
+    callable that gives the backward a fused update of the read's weights."""
+    dtypes: Dict[torch.dtype, List[int]] = {}  # tables read, per weight dtype, in order of first read
+    for t in ctx.table_of_feature:
+        members = dtypes.setdefault(shards[t].weight.dtype, [])
+        if t not in members:
+            members.append(t)
+    weights = None if ctx.weights is None else ctx.weights.float().contiguous()
+    out: Dict[str, Tensor] = {}
+    for members in dtypes.values():
+        place = {t: j for j, t in enumerate(members)}
+        feature_tables, columns, means = [], [], []
+        total = 0
+        for t in ctx.table_of_feature:
+            j = place.get(t, -1)
+            feature_tables.append(j)
+            columns.append(total if j >= 0 else 0)
+            means.append(int(j >= 0 and shards[t].config.combiner == "mean"))
+            total += shards[t].embedding_vec_size if j >= 0 else 0
+        layout = ReadLayout(feature_tables, columns, means, total)
+        block = pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
+                            [shards[t]._grad_marker for t in members], fused)
+        # One split into the features' columns (its backward is one cat), not a slice per
+        # feature (each slice's backward would fill a zero block of the whole width).
+        mine = [f for f, j in enumerate(feature_tables) if j >= 0]
+        parts = block.split([shards[ctx.table_of_feature[f]].embedding_vec_size for f in mine], dim=1)
+        out.update((ctx.features[f], part) for f, part in zip(mine, parts))
+    return {feature: out[feature] for feature in ctx.features}

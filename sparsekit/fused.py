@@ -1,0 +1,219 @@
+"""The fused optimizer of an :class:`~sparsekit.EmbeddingBagCollection`: applied by the
+backward of the collection's pooled read to the rows it touched, in the same pass, with no
+gradient materialised (FBGEMM TBE's "optimizer in backward").
+
+Built by the collection from its ``fused_params`` and exposed as ``ebc.fused_optimizer``:
+a ``torch.optim.Optimizer`` over the tables' weights whose ``step()`` does nothing (the
+update already happened), so LR schedulers drive it and ``state_dict()`` /
+``load_state_dict()`` round-trip its state.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .allocator import table_zeros
+from .pooled import FusedStep
+
+__all__ = ["FusedOptimizer", "FUSED_OPTIMIZERS"]
+
+# The optimizers, by the names the op takes, and the TorchRec / FBGEMM names taken for them.
+FUSED_OPTIMIZERS = ("sgd", "lazy_adam", "rowwise_adagrad")
+_ALIASES = {"exact_sgd": "sgd", "adam": "lazy_adam", "exact_rowwise_adagrad": "rowwise_adagrad"}
+# fused_params keys, with the TorchRec spellings taken for them.
+_PARAM_ALIASES = {"learning_rate": "lr"}
+_SETTINGS = ("optimizer", "lr", "betas", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator_value")
+
+
+def _real(where: str, name: str, value: Any, upper: Optional[float] = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+            or value < 0 or (upper is not None and value >= upper):
+        bound = f"in [0, {upper:g})" if upper is not None else ">= 0"
+        raise ValueError(f"{where}: {name} must be a finite real number {bound}, got {value!r}")
+    return float(value)
+
+
+def _check_lr(where: str, lr: Any) -> Any:
+    """A float lr, or a one-element floating-point tensor (a scheduler, or a captured step,
+    changes it in place; read by the update on its device, with no host sync)."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64) or lr.requires_grad:
+            raise ValueError(f"{where}: a tensor lr must be a float32 or float64 tensor of one element that does not "
+                             f"require grad, got {lr.dtype} of shape {tuple(lr.shape)}")
+        return lr
+    return _real(where, "lr", lr)
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """The update a collection's backward applies to its tables.
+
+    Args:
+        params: the tables' weights (one parameter group).
+        optimizer: ``"lazy_adam"`` (``lazy_adam_``'s update, moments of each row touched;
+            TorchRec's ``"adam"`` means it too), ``"sgd"`` (``w -= lr * (g + weight_decay *
+            w)``) or ``"rowwise_adagrad"`` (FBGEMM's exact row-wise Adagrad: one float of
+            state per row, the running sum of its mean squared gradient).
+        lr: a float >= 0, or a one-element float tensor (changed in place, it takes effect at
+            the next backward without a host sync).
+        betas, eps, weight_decay: as :class:`sparsekit.LazyAdam` (eps and weight_decay for
+            the others too; weight_decay is L2 added to the gradient of the rows touched).
+        initial_accumulator_value: row-wise Adagrad's starting sum (default 0).
+
+    State per table: LazyAdam ``step`` (an int64 tensor on the table's device),
+    ``exp_avg`` and ``exp_avg_sq`` (float32, float64 for a float64 table); row-wise Adagrad
+    ``sum`` (``[rows]`` float32); SGD none. Created at the first update.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], optimizer: str = "lazy_adam", lr: Any = 1e-3,
+                 betas: Any = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0) -> None:
+        where = "FusedOptimizer"
+        if not isinstance(optimizer, str) or _ALIASES.get(optimizer.lower(), optimizer.lower()) not in FUSED_OPTIMIZERS:
+            raise ValueError(f"{where}: optimizer must be one of {list(FUSED_OPTIMIZERS)} (or TorchRec's "
+                             f"{list(_ALIASES)}), got {optimizer!r}")
+        name = _ALIASES.get(optimizer.lower(), optimizer.lower())
+        defaults = self._checked(where, dict(optimizer=name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                             initial_accumulator_value=initial_accumulator_value))
+        super().__init__(params, defaults)
+
+    @property
+    def optimizer(self) -> str:
+        """``"sgd"``, ``"lazy_adam"`` or ``"rowwise_adagrad"`` (kept in the parameter group,
+        so ``state_dict()`` records it)."""
+        return self.param_groups[0]["optimizer"]
+
+    @staticmethod
+    def _checked(where: str, group: Mapping[str, Any]) -> Dict[str, Any]:
+        if group.get("optimizer") not in FUSED_OPTIMIZERS:
+            raise ValueError(f"{where}: optimizer must be one of {list(FUSED_OPTIMIZERS)}, "
+                             f"got {group.get('optimizer')!r}")
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+        return {**group, "lr": _check_lr(where, group["lr"]),
+                "betas": tuple(_real(where, name, b, 1.0) for name, b in zip(("beta1", "beta2"), betas)),
+                "eps": _real(where, "eps", group["eps"]), "weight_decay": _real(where, "weight_decay",
+                                                                               group["weight_decay"]),
+                "initial_accumulator_value": _real(where, "initial_accumulator_value",
+                                                   group["initial_accumulator_value"])}
+
+    @classmethod
+    def from_params(cls, params: Iterable[nn.Parameter], fused_params: Mapping[str, Any]) -> "FusedOptimizer":
+        """A FusedOptimizer from a collection's ``fused_params`` (TorchRec's spelling
+        ``learning_rate`` taken for ``lr``, ``beta1`` / ``beta2`` for ``betas``)."""
+        if not isinstance(fused_params, Mapping):
+            raise TypeError(f"EmbeddingBagCollection: fused_params must be a dict, got {type(fused_params).__name__}")
+        settings = {_PARAM_ALIASES.get(key, key): value for key, value in fused_params.items()}
+        unknown = sorted(set(settings) - set(_SETTINGS))
+        if unknown:
+            raise ValueError(f"EmbeddingBagCollection: fused_params holds unknown settings {unknown}; it takes "
+                             f"{list(_SETTINGS)} (and 'learning_rate' for lr)")
+        if "beta1" in settings or "beta2" in settings:
+            if "betas" in settings:
+                raise ValueError("EmbeddingBagCollection: fused_params gives betas and beta1 / beta2; give one")
+            settings["betas"] = (settings.pop("beta1", 0.9), settings.pop("beta2", 0.999))
+        if "optimizer" not in settings:
+            raise ValueError("EmbeddingBagCollection: fused_params must name its optimizer, e.g. "
+                             "{'optimizer': 'lazy_adam', 'lr': 1e-3}")
+        return cls(params, **settings)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if self.param_groups:
+            raise ValueError("FusedOptimizer: it updates one collection's tables with one set of settings; it takes "
+                             "no second parameter group")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Nothing to do: each backward of the collection already applied the update. Runs
+        ``closure`` (re-evaluating the model, which updates the tables) when given."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _state_of(self, weight: Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+        state = self.state[weight]
+        if state:
+            return state
+        dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        if self.optimizer == "lazy_adam":
+            state["step"] = torch.zeros((), dtype=torch.int64, device=weight.device)
+            state["exp_avg"] = table_zeros(tuple(weight.shape), dtype, weight.device)
+            state["exp_avg_sq"] = table_zeros(tuple(weight.shape), dtype, weight.device)
+        elif self.optimizer == "rowwise_adagrad":
+            state["sum"] = torch.full((weight.shape[0],), group["initial_accumulator_value"], dtype=dtype,
+                                      device=weight.device)
+        return state
+
+    def update_of(self, weights: List[Tensor]) -> FusedStep:
+        """What the backward applies to ``weights`` (tables of this optimizer): the op's name,
+        the group's settings (checked again: a scheduler or a hand may have changed them) and
+        each table's state."""
+        group = self.param_groups[0]
+        settings = self._checked("FusedOptimizer", group)
+        states = [self._state_of(w, group) for w in weights]
+        lr = settings["lr"]
+        hyper = [0.0 if isinstance(lr, Tensor) else lr, *settings["betas"], settings["eps"], settings["weight_decay"]]
+        lr_tensor = None
+        if isinstance(lr, Tensor):
+            device = weights[0].device
+            lr_tensor = lr if lr.device == device and lr.dtype in (torch.float32, torch.float64) \
+                else lr.to(device=device, dtype=torch.float32)
+        if self.optimizer == "lazy_adam":
+            return FusedStep(self.optimizer, hyper, lr_tensor, [s["exp_avg"] for s in states],
+                             [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+        if self.optimizer == "rowwise_adagrad":
+            return FusedStep(self.optimizer, hyper, lr_tensor, [s["sum"] for s in states], [], [])
+        return FusedStep(self.optimizer, hyper, lr_tensor, [], [], [])
+
+    def reset_rows(self, weight: Tensor, rows: Tensor) -> None:
+        """Zeroes the state of ``rows`` of ``weight`` (rows given to new keys, evicting old
+        ones: no state of the old key may reach the new one)."""
+        state = self.state.get(weight)
+        if not state:
+            return
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name in state:
+                state[name].index_fill_(0, rows, 0)
+        if "sum" in state:
+            state["sum"].index_fill_(0, rows, self.param_groups[0]["initial_accumulator_value"])
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, then each table's state brought to the
+        dtype and device the update takes (torch casts floating state to the weight's dtype,
+        and keeps ``step`` where it was saved); ValueError for a state of the wrong shape,
+        with the optimizer left as it was."""
+        saved_state, saved_groups = dict(self.state), [dict(g) for g in self.param_groups]
+        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) \
+                and groups[0].get("optimizer", self.optimizer) != self.optimizer:
+            raise ValueError(f"FusedOptimizer.load_state_dict: the state is {groups[0]['optimizer']!r}'s, this "
+                             f"optimizer is {self.optimizer!r}")
+        super().load_state_dict(state_dict)
+        try:
+            for weight, state in self.state.items():
+                for name, value in list(state.items()):
+                    want = (() if name == "step" else (weight.shape[0],) if name == "sum" else tuple(weight.shape))
+                    if not isinstance(value, Tensor) or tuple(value.shape) != want:
+                        raise ValueError(f"FusedOptimizer.load_state_dict: the state {name!r} of a table "
+                                         f"{tuple(weight.shape)} must have shape {want}, got "
+                                         f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+                    dtype = torch.int64 if name == "step" else (
+                        torch.float64 if weight.dtype == torch.float64 else torch.float32)
+                    # A copy: torch's load keeps the given tensors where it can, and a state
+                    # dict taken from a live optimizer would then share its moments.
+                    state[name] = value.to(device=weight.device, dtype=dtype, copy=True).contiguous()
+            self.param_groups[0].update(self._checked("FusedOptimizer.load_state_dict", self.param_groups[0]))
+        except BaseException:
+            self.state.clear()
+            self.state.update(saved_state)
+            for group, saved in zip(self.param_groups, saved_groups):
+                group.clear()
+                group.update(saved)
+            raise
