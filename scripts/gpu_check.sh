@@ -70,7 +70,7 @@ case "$archive" in ""|/*) ;; *) archive="$caller/$archive" ;; esac
 case "$deadline" in ''|*[!0-9]*) echo "gpu_check.sh: --deadline takes whole seconds, got '$deadline'" >&2; exit 2 ;; esac
 known=" build tests tests-slow sanitizer sanitizer-memcheck sanitizer-racecheck sanitizer-synccheck
  sanitizer-initcheck bench bench-ops bench-embedding bench-hashtable bench-lazy-adam bench-layers bench-train
- bench-criteo-reader bench-dynamic bench-collection bench-compile bench-profile bench-harness "
+ bench-criteo-reader bench-dynamic bench-collection bench-compile bench-profile bench-harness bench-step bench-bags "
 known=" $(echo $known) "  # one line: a name at the end of a line is matched too
 for stage in ${stages//,/ }; do
   case "$known" in *" $stage "*) ;; *) echo "gpu_check.sh: unknown stage '$stage' (see --help)" >&2; exit 2 ;; esac
@@ -271,6 +271,8 @@ if [ "$dry_run" = 1 ]; then
   bench_stage bench-compile 90 "$PY" benchmarks/bench_compile.py "${b[@]}" --batch 64 --steps 2 --rounds 1 --repeat 1 --backend aot_eager
   bench_stage bench-profile 60 "$PY" benchmarks/profile_step.py "${b[@]}" --rows 5000 --bags 256 --pooling 4 --dim 16 --steps 3
   bench_stage bench-harness 120 bash -c "$harness" bench-harness "$PY" cpu --steps 3 --batch-size 64 --eval-samples 1024
+  bench_stage bench-step 60 "$PY" benchmarks/step_proof.py "${b[@]}" --batch 256
+  bench_stage bench-bags 90 "$PY" benchmarks/bench_bags.py "${b[@]}" --cells 16x100k --keys zipf --batch 64 --rounds 1 --repeat 1
 else
   b=(--device cuda)
   bench_stage bench-ops 60 "$PY" benchmarks/bench_ops.py "${b[@]}" --repeat 5 --rounds 3 --distributions zipf,distinct,uniform
@@ -284,6 +286,8 @@ else
   bench_stage bench-compile 120 "$PY" benchmarks/bench_compile.py "${b[@]}" --steps 8 --rounds 3 --repeat 2
   bench_stage bench-profile 30 "$PY" benchmarks/profile_step.py "${b[@]}"
   bench_stage bench-harness 120 bash -c "$harness" bench-harness "$PY" cuda --steps 200
+  bench_stage bench-step 60 "$PY" benchmarks/step_proof.py "${b[@]}"
+  bench_stage bench-bags 120 "$PY" benchmarks/bench_bags.py "${b[@]}" --batch 16384 --min-ids 20 --max-ids 20 --cells 16x100k,64x1m --memory-gib 60 --rounds 3
 fi
 
 # ---- summary ---------------------------------------------------------------------------
