@@ -483,12 +483,37 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
   SK_DISPATCH_FLOATING_TYPES(layout.dtype, "pooled_read_update_cpu", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const scalar_t* grad_ptr = grad.const_data_ptr<scalar_t>();
+    // Each table's pointers, taken once: through the stable ABI every data pointer is a call.
+    std::vector<scalar_t*> weight_of(num_tables);
+    std::vector<acc_t*> first_of(num_tables, nullptr), second_of(num_tables, nullptr);
+    for (size_t t = 0; t < num_tables; ++t) {
+      weight_of[t] = weights[t].mutable_data_ptr<scalar_t>();
+      if (!state1.empty()) first_of[t] = state1[t].mutable_data_ptr<acc_t>();
+      if (!state2.empty()) second_of[t] = state2[t].mutable_data_ptr<acc_t>();
+    }
+    const auto table_of = [&](int64_t i) {
+      return std::upper_bound(groups.table_first.begin(), groups.table_first.end(), i) - groups.table_first.begin() -
+             1;
+    };
+    const int64_t widest = *std::max_element(layout.table_dims.begin(), layout.table_dims.end());
+    // The rows are scattered over tables far larger than the caches: their weight and state
+    // rows are fetched ahead, as lazy_adam_'s are (adam_row.h).
+    const int64_t ahead = prefetch_rows_ahead(std::max<int64_t>(widest, 1) * static_cast<int64_t>(sizeof(acc_t)));
     parallel_for(0, num_groups, group_grain(layout), [&](int64_t begin, int64_t end) {
       std::vector<acc_t> g, wide;
       for (int64_t i = begin; i < end; ++i) {
+        if (i + ahead < end) {
+          const int64_t t = table_of(i + ahead);
+          const int64_t dim = layout.table_dims[t];
+          const int64_t row = codes[groups.sorted[i + ahead]] - lookups.bases[t];
+          const int64_t bytes = dim * static_cast<int64_t>(sizeof(acc_t));
+          const int64_t state_row = optimizer == FusedOptimizer::kRowWiseAdagrad ? row : row * dim;
+          const void* weight_row = weight_of[t] + row * dim;
+          prefetch_row(weight_row, first_of[t] != nullptr ? static_cast<const void*>(first_of[t] + state_row) : weight_row,
+                       second_of[t] != nullptr ? static_cast<const void*>(second_of[t] + row * dim) : weight_row, bytes);
+        }
         const int64_t group = groups.sorted[i];
-        const int64_t t = std::upper_bound(groups.table_first.begin(), groups.table_first.end(), i) -
-                          groups.table_first.begin() - 1;
+        const int64_t t = table_of(i);
         const int64_t dim = layout.table_dims[t];
         const int64_t row = codes[group] - lookups.bases[t];
         g.resize(static_cast<size_t>(dim));
@@ -497,12 +522,12 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
         acc_t* s1 = nullptr;
         acc_t* s2 = nullptr;
         if (optimizer == FusedOptimizer::kLazyAdam) {
-          s1 = state1[t].mutable_data_ptr<acc_t>() + row * dim;
-          s2 = state2[t].mutable_data_ptr<acc_t>() + row * dim;
+          s1 = first_of[t] + row * dim;
+          s2 = second_of[t] + row * dim;
         } else if (optimizer == FusedOptimizer::kRowWiseAdagrad) {
-          s1 = state1[t].mutable_data_ptr<acc_t>() + row;
+          s1 = first_of[t] + row;
         }
-        update_weight_row(optimizer, weights[t].mutable_data_ptr<scalar_t>() + row * dim, s1, s2, g.data(), dim, h,
+        update_weight_row(optimizer, weight_of[t] + row * dim, s1, s2, g.data(), dim, h,
                           adam_scalars_of<acc_t>(tables[t]), wide);
       }
     });
