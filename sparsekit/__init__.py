@@ -14,12 +14,14 @@ from .optim import LazyAdam
 from .checkpoint import load_checkpoint, save_checkpoint
 from .collection import EmbeddingBagCollection, KeyedJagged, TableConfig, UnknownTableError
 from .fused import FusedOptimizer
+from .keyed import KeyedTensor
 from .embedding import (
     All2AllDenseEmbedding,
     DistributedEmbedding,
     KeySeededUniform,
     Ragged,
     is_embedding_variable,
+    keep_out_of_ddp,
     split_embedding_variable_from_others,
 )
 
@@ -44,5 +46,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "UnknownTableError",
     "FusedOptimizer",
+    "KeyedTensor",
+    "keep_out_of_ddp",
     "keep_freed_memory",
 ]

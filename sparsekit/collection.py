@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from . import engine, ops, traced
 from ._checks import device_argument, plain_tensor, size_argument, tensor_integer, type_name
 from .checkpoint import _collective_device
+from . import keyed
 from .fused import FusedOptimizer
 from .exchange import (
     _BAD_KEY,
@@ -629,17 +630,33 @@ class EmbeddingBagCollection(nn.Module):
         pooled = ebc(kjt)            # {"user_id": [B, 16] float32, "item_id": [B, 64] bfloat16}
     """
 
-    def __init__(self, tables: Sequence[TableConfig], process_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, tables: Sequence[Any], process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[torch.device, str]] = None,
-                 fused_params: Optional[Mapping[str, Any]] = None) -> None:
+                 fused_params: Optional[Mapping[str, Any]] = None, is_weighted: Optional[bool] = None,
+                 output: Optional[str] = None) -> None:
         super().__init__()
         # One training forward at a time (see exchange._stepping); its tables' shards keep
         # locks of their own, which the collection's calls do not use.
         _make_step_lock(self)
         if isinstance(tables, TableConfig) or not isinstance(tables, (list, tuple)) or not tables \
-                or not all(isinstance(t, TableConfig) for t in tables):
-            raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig")
+                or not all(isinstance(t, TableConfig) or keyed.is_torchrec_config(t) for t in tables):
+            raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig (or TorchRec "
+                            "EmbeddingBagConfig)")
         device_argument("EmbeddingBagCollection", device)
+        # TorchRec's configs as given (embedding_bag_configs()), and its defaults when any
+        # table comes as one: weights ignored unless weighted, a KeyedTensor in config order.
+        self._given_configs = list(tables)
+        from_torchrec = any(not isinstance(t, TableConfig) for t in tables)
+        tables = [t if isinstance(t, TableConfig) else keyed.table_from_torchrec(t, TableConfig, KeySeededUniform)
+                  for t in tables]
+        if is_weighted is not None and not isinstance(is_weighted, bool):
+            raise TypeError(f"EmbeddingBagCollection: is_weighted must be True, False or None, got {is_weighted!r}")
+        self._weighted = (not from_torchrec) if is_weighted is None else is_weighted
+        if output is None:
+            output = "keyed" if from_torchrec else "dict"
+        if output not in ("dict", "keyed"):
+            raise ValueError(f"EmbeddingBagCollection: output must be 'dict' or 'keyed', got {output!r}")
+        self._output = output
         # Checked again (a config may have been changed since it was built), as copies: a
         # config edited after the build (its combiner, dtype, capacity, ...) must not
         # half-change the built tables; like nn.Linear's arguments, the configs are read once.
@@ -673,6 +690,12 @@ class EmbeddingBagCollection(nn.Module):
         sequence = [t for members in self._groups for t in members]
         self._sequence_position = torch.tensor([sequence.index(t) for t in range(len(self.tables))])
         self._config_agreed = self.world_size == 1
+        if output == "keyed":
+            dtypes = {t.dtype for t in self.tables}
+            if len(dtypes) > 1 or self.world_size > 1:
+                raise ValueError("EmbeddingBagCollection: output='keyed' (one [B, sum of dims] tensor) needs one "
+                                 f"dtype across the tables and one process, got {sorted(map(str, dtypes))} on "
+                                 f"{self.world_size} process(es); use output='dict'")
         self._fused: Optional[FusedOptimizer] = None
         if fused_params is not None:
             if self.world_size > 1:
@@ -681,6 +704,32 @@ class EmbeddingBagCollection(nn.Module):
                                  "sk.LazyAdam on the sparse gradients")
             self._fused = FusedOptimizer.from_params([shard.weight for shard in self._shards], fused_params)
         traced.register(self)
+
+    # -- TorchRec's interface ---------------------------------------------------------------
+
+    def embedding_bag_configs(self) -> List[Any]:
+        """The tables' configs as given (``sk.TableConfig`` or TorchRec ``EmbeddingBagConfig``)."""
+        return list(self._given_configs)
+
+    def is_weighted(self) -> bool:
+        """Whether the inputs' per-value weights are applied (TorchRec's ``is_weighted``:
+        unweighted, a weighted input's weights are ignored)."""
+        return self._weighted
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live."""
+        return self._shards[0].weight.device
+
+    def torchrec_state_dict(self) -> Dict[str, Tensor]:
+        """The tables in TorchRec's names, ``embedding_bags.<table>.weight`` (see
+        :func:`sparsekit.keyed.torchrec_state_dict`)."""
+        return keyed.torchrec_state_dict(self)
+
+    def load_torchrec_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads a TorchRec ``EmbeddingBagCollection``'s ``state_dict()`` (see
+        :func:`sparsekit.keyed.load_torchrec_state_dict`)."""
+        keyed.load_torchrec_state_dict(self, state_dict)
 
     @property
     def fused_optimizer(self) -> Optional[FusedOptimizer]:
@@ -708,6 +757,11 @@ class EmbeddingBagCollection(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Copies and unpickling end here: the copy must be found by its compiled graphs too.
         super().__setstate__(state)
+        # A collection pickled before these settings existed: its behaviour then.
+        for name, value in (("_weighted", True), ("_output", "dict"), ("_fused", None), ("_given_configs", None)):
+            self.__dict__.setdefault(name, value)
+        if self._given_configs is None:
+            self._given_configs = list(self.tables)
         _make_step_lock(self)
         traced.register(self)
 
@@ -849,7 +903,7 @@ class EmbeddingBagCollection(nn.Module):
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per collection (see README, torch.compile).
-        if self.world_size == 1 and torch.compiler.is_compiling() and self._fused is None:
+        if self.world_size == 1 and torch.compiler.is_compiling() and self._fused is None and self._output == "dict":
             return self._traced_forward(kjt)
         return self._eager_forward(kjt)
 
@@ -890,7 +944,7 @@ class EmbeddingBagCollection(nn.Module):
         # substitute is seen here only.
         _check_own_weights(self._shards, "EmbeddingBagCollection", self.training)
         kjt = _as_keyed_jagged(kjt)
-        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
+        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none() if self._weighted else None
         device = self._shards[0].weight.device
         self._check_features(kjt, features, values, weights, device)
         offsets = kjt.offsets().long()
@@ -994,7 +1048,12 @@ class EmbeddingBagCollection(nn.Module):
             step = engine.StepContext(prepared["features"], prepared["table_of_feature"], prepared["batch"],
                                       prepared["bounds"], prepared["offsets"], prepared["keys"], prepared["weights"])
             engine.resolve_rows(step, self._shards, self.training, self._direct_key_error)
-            return engine.read_pooled(step, self._shards, self._fused_update if self._fused is not None else None)
+            fused = self._fused_update if self._fused is not None else None
+            if self._output == "keyed":
+                keys = [f for table in self.tables for f in table.features]
+                dims = [self._shards[self._feature_table[f]].embedding_vec_size for f in keys]
+                return keyed.KeyedTensor(keys, dims, engine.read_pooled(step, self._shards, fused, keys))
+            return engine.read_pooled(step, self._shards, fused)
 
         device = _wire_device(self._shards[0].weight, self.process_group)  # meta tables: refused above
         if not self._config_agreed:
@@ -1152,7 +1211,8 @@ class EmbeddingBagCollection(nn.Module):
         ``batch_only`` (one process) it stops before the dedup: ``"keys"`` and no
         ``"pair_keys"``."""
         kjt = _as_keyed_jagged(kjt)  # raises TypeError / ValueError for a malformed input
-        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none()
+        # An unweighted collection ignores the input's weights (TorchRec's is_weighted).
+        features, values, weights = kjt.keys(), kjt.values(), kjt.weights_or_none() if self._weighted else None
         self._check_features(kjt, features, values, weights, device)
         offsets = kjt.offsets()
         num_features = len(features)

@@ -64,11 +64,11 @@ keys). Without them the counts above hold.
 from __future__ import annotations
 
 import numbers
-from typing import Dict, Iterable, NamedTuple, Optional, Tuple, Union
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import ops, traced
 from ._checks import bool_argument, size_argument
@@ -88,6 +88,7 @@ __all__ = [
     "All2AllDenseEmbedding",
     "split_embedding_variable_from_others",
     "is_embedding_variable",
+    "keep_out_of_ddp",
 ]
 
 
@@ -103,6 +104,17 @@ class Ragged(NamedTuple):
 
     values: Tensor
     offsets: Tensor
+
+
+def keep_out_of_ddp(model: nn.Module) -> List[str]:
+    """Tells ``DistributedDataParallel`` to leave ``model``'s embedding shards alone: call it
+    on the model before wrapping it (``DDP(model)``). The shards differ per rank and get
+    sparse gradients, which DDP would all-reduce (and fail on). Returns the names ignored."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415 - only its helper
+
+    ignored = [name for name, param in model.named_parameters() if is_embedding_variable(param)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    return ignored
 
 
 def split_embedding_variable_from_others(

@@ -192,10 +192,13 @@ def initial_rows(shards: Sequence[Any], new: List[Tuple[int, Tensor]]) -> List[T
     return out
 
 
-def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callable[[Any], Any]]) -> Dict[str, Tensor]:
+def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callable[[Any], Any]],
+                keyed: Optional[List[str]] = None) -> Any:
     """Stage 3: ``{feature: [B, dim]}`` in the order of ``ctx.features``, each in its table's
-    dtype: column slices of one pooled read per weight dtype. ``fused``: None, or a
-    callable that gives the backward a fused update of the read's weights."""
+    dtype: column slices of one pooled read per weight dtype. With ``keyed`` (every
+    feature of the collection, in the order of its columns; one dtype): the ``[B, sum of
+    dims]`` block itself, a feature the batch lacks reading as zeros. ``fused``: None, or
+    a callable that gives the backward a fused update of the read's weights."""
     dtypes: Dict[torch.dtype, List[int]] = {}  # tables read, per weight dtype, in order of first read
     for t in ctx.table_of_feature:
         members = dtypes.setdefault(shards[t].weight.dtype, [])
@@ -203,6 +206,19 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
             members.append(t)
     weights = None if ctx.weights is None else ctx.weights.float().contiguous()
     out: Dict[str, Tensor] = {}
+    if keyed is not None:
+        place = {t: j for j, t in enumerate(sorted(set(ctx.table_of_feature)))}
+        start, column_of = 0, {}
+        for feature in keyed:
+            column_of[feature] = start
+            start += _dim_of(shards, ctx, feature)
+        layout = ReadLayout([place[t] for t in ctx.table_of_feature], [column_of[f] for f in ctx.features],
+                            [int(shards[t].config.combiner == "mean") for t in ctx.table_of_feature], start)
+        members = sorted(place, key=place.get)
+        if not members:  # a batch of no features: zeros
+            return torch.zeros(ctx.batch, start, dtype=shards[0].weight.dtype, device=ctx.keys.device)
+        return pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
+                           [shards[t]._grad_marker for t in members], fused)
     for members in dtypes.values():
         place = {t: j for j, t in enumerate(members)}
         feature_tables, columns, means = [], [], []
@@ -222,3 +238,11 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
         parts = block.split([shards[ctx.table_of_feature[f]].embedding_vec_size for f in mine], dim=1)
         out.update((ctx.features[f], part) for f, part in zip(mine, parts))
     return {feature: out[feature] for feature in ctx.features}
+
+
+def _dim_of(shards: Sequence[Any], ctx: StepContext, feature: str) -> int:
+    """The width of ``feature``'s table (every shard's config names its features)."""
+    for shard in shards:
+        if feature in shard.config.features:
+            return shard.embedding_vec_size
+    raise KeyError(feature)

@@ -1,0 +1,214 @@
+"""TorchRec interop: its EmbeddingBagConfig taken duck-typed, a KeyedTensor-compatible output
+in config order, is_weighted's semantics, state dicts in TorchRec's names both ways, DDP's
+ignore list; and, where torchrec installs, its own modules side by side (a DLRM with the
+collection dropped in, outputs and state dicts against TorchRec's EmbeddingBagCollection)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import pytest
+import torch
+
+import sparsekit as sk
+
+
+class PoolingType(enum.Enum):
+    SUM = "SUM"
+    MEAN = "MEAN"
+    NONE = "NONE"
+
+
+class DataType(enum.Enum):
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    INT8 = "INT8"
+
+
+@dataclass
+class EmbeddingBagConfig:
+    """TorchRec's config, as far as the collection reads it (no torchrec import)."""
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    data_type: DataType = DataType.FP32
+    feature_names: List[str] = field(default_factory=list)
+    weight_init_max: Optional[float] = None
+    weight_init_min: Optional[float] = None
+    pooling: PoolingType = PoolingType.SUM
+
+
+def _configs():
+    return [EmbeddingBagConfig(num_embeddings=50, embedding_dim=4, name="t1", feature_names=["f1", "f3"]),
+            EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name="t2", feature_names=["f2"],
+                               pooling=PoolingType.MEAN, weight_init_min=-0.5, weight_init_max=0.5)]
+
+
+def _kjt(keys, weighted=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(keys) * 3,), generator=g)
+    values = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return sk.KeyedJagged(keys, values, lengths=lengths, weights=weights)
+
+
+def _reference(ebc, kjt, weighted):
+    """{feature: [B, D]} by plain torch from the collection's own rows (direct tables)."""
+    out = {}
+    batch = kjt.stride()
+    offsets, values = kjt.offsets(), kjt.values()
+    weights = kjt.weights_or_none()
+    for f, feature in enumerate(kjt.keys()):
+        config = next(c for c in ebc.embedding_bag_configs() if feature in c.feature_names)
+        table = ebc.weights[config.name].detach()
+        rows = []
+        for b in range(batch):
+            s, e = int(offsets[f * batch + b]), int(offsets[f * batch + b + 1])
+            v = table[values[s:e]]
+            if weighted and weights is not None:
+                v = v * weights[s:e].unsqueeze(1)
+            pooled = v.sum(0)
+            if config.pooling == PoolingType.MEAN and e > s:
+                pooled = pooled / (e - s)
+            rows.append(pooled)
+        out[feature] = torch.stack(rows)
+    return out
+
+
+def test_torchrec_configs_build_direct_tables_with_torchrec_init_and_a_keyed_output():
+    ebc = sk.EmbeddingBagCollection(_configs())
+    assert ebc.embedding_bag_configs() == _configs() and ebc.is_weighted() is False
+    assert ebc.device == torch.device("cpu")
+    assert ebc.weights["t1"].shape == (50, 4) and ebc.weights["t2"].shape == (30, 8)
+    bound = math.sqrt(1 / 50)
+    assert ebc.weights["t1"].abs().max() <= bound and ebc.weights["t1"].abs().max() > bound / 2
+    assert ebc.weights["t2"].abs().max() <= 0.5 and ebc.weights["t2"].abs().max() > 0.25
+    # The input's keys in another order than the configs': the output follows the configs.
+    kjt = _kjt(["f2", "f1", "f3"], weighted=True)
+    out = ebc(kjt)
+    assert isinstance(out, sk.KeyedTensor)
+    assert out.keys() == ["f1", "f3", "f2"] and out.length_per_key() == [4, 4, 8]
+    assert out.offset_per_key() == [0, 4, 8, 16] and out.values().shape == (3, 16)
+    expected = _reference(ebc, kjt, weighted=False)  # unweighted: the weights are ignored
+    for key in out.keys():
+        torch.testing.assert_close(out[key], expected[key])
+        torch.testing.assert_close(out.to_dict()[key], expected[key])
+
+
+def test_is_weighted_applies_the_weights_and_a_dict_output_can_be_asked_for():
+    ebc = sk.EmbeddingBagCollection(_configs(), is_weighted=True, output="dict")
+    kjt = _kjt(["f1", "f2", "f3"], weighted=True)
+    out = ebc(kjt)
+    assert isinstance(out, dict) and list(out) == ["f1", "f2", "f3"]
+    for key, value in _reference(ebc, kjt, weighted=True).items():
+        torch.testing.assert_close(out[key], value)
+
+
+def test_a_keyed_output_trains_and_missing_features_read_as_zeros():
+    ebc = sk.EmbeddingBagCollection(_configs(), fused_params={"optimizer": "rowwise_adagrad", "lr": 0.1})
+    before = ebc.weights["t1"].detach().clone()
+    out = ebc(_kjt(["f1"]))
+    assert out.values().shape == (3, 16) and not out["f2"].any() and not out["f3"].any()
+    out.values().square().sum().backward()
+    assert not torch.equal(before, ebc.weights["t1"].detach())
+
+
+def test_sk_table_configs_keep_the_dict_output_and_applied_weights():
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 30, ["f"], use_hashtable=False)])
+    assert ebc.is_weighted() is True
+    out = ebc(_kjt(["f"], weighted=True))
+    assert isinstance(out, dict)
+    torch.testing.assert_close(out["f"], _reference_sk(ebc, _kjt(["f"], weighted=True)))
+
+
+def _reference_sk(ebc, kjt):
+    table, offsets, values, weights = ebc.weights["t"].detach(), kjt.offsets(), kjt.values(), kjt.weights()
+    return torch.stack([(table[values[s:e]] * weights[s:e].unsqueeze(1)).sum(0)
+                        for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+
+
+@pytest.mark.parametrize("case, match", [
+    (dict(pooling=PoolingType.NONE), "pooling NONE is not supported"),
+    (dict(data_type=DataType.INT8), "data_type INT8 is not supported"),
+])
+def test_unsupported_torchrec_settings_are_refused(case, match):
+    config = EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t", feature_names=["f"], **case)
+    with pytest.raises(ValueError, match=match):
+        sk.EmbeddingBagCollection([config])
+
+
+def test_a_keyed_output_needs_one_dtype():
+    configs = _configs()
+    configs[1].data_type = DataType.BF16
+    with pytest.raises(ValueError, match="output='keyed'.*needs one dtype"):
+        sk.EmbeddingBagCollection(configs)
+    assert isinstance(sk.EmbeddingBagCollection(configs, output="dict")(_kjt(["f1", "f2"])), dict)
+
+
+def test_torchrec_state_dicts_load_and_save_both_ways():
+    """A TorchRec EBC's state (embedding_bags.<table>.weight) loads into direct tables row for
+    row and into hash tables as keys 0..rows-1; saving gives it back."""
+    source = sk.EmbeddingBagCollection(_configs())
+    state = {f"embedding_bags.{name}.weight": torch.randn(w.shape) for name, w in source.weights.items()}
+    source.load_torchrec_state_dict(state)
+    assert all(torch.equal(source.torchrec_state_dict()[k], v) for k, v in state.items())
+    hashed = sk.EmbeddingBagCollection([sk.TableConfig("t1", 4, 64, ["f1", "f3"]),
+                                        sk.TableConfig("t2", 8, 30, ["f2"], combiner="mean")], output="keyed")
+    hashed.load_torchrec_state_dict(state)
+    saved = hashed.torchrec_state_dict()
+    assert torch.equal(saved["embedding_bags.t1.weight"][:50], state["embedding_bags.t1.weight"])
+    assert torch.equal(saved["embedding_bags.t2.weight"], state["embedding_bags.t2.weight"])
+    hashed.eval()
+    source.eval()
+    kjt = _kjt(["f1", "f2", "f3"])
+    torch.testing.assert_close(hashed(kjt).values(), source(kjt).values())
+    with pytest.raises(ValueError, match="missing"):
+        hashed.load_torchrec_state_dict({"embedding_bags.t1.weight": state["embedding_bags.t1.weight"]})
+
+
+def test_keep_out_of_ddp_names_the_embedding_shards():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model.add_module("ebc", sk.EmbeddingBagCollection(_configs()))
+    assert sorted(sk.keep_out_of_ddp(model)) == ["ebc.shards.0.weight", "ebc.shards.1.weight"]
+    assert sorted(model._ddp_params_and_buffers_to_ignore) == ["ebc.shards.0.weight", "ebc.shards.1.weight"]
+
+
+@pytest.mark.peer
+def test_torchrec_dlrm_trains_with_the_collection_dropped_in():
+    """torchrec.models.dlrm.DLRM with sk.EmbeddingBagCollection built from TorchRec's own
+    configs, no glue: it trains (the loss falls), and sparsekit and TorchRec's collection
+    pool the same numbers from the same rows."""
+    pytest.importorskip("torchrec", reason="torchrec (and fbgemm-gpu-cpu) not installed")
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig as TorchRecConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    configs = [TorchRecConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"])
+               for i in range(3)]
+    ours = sk.EmbeddingBagCollection(configs)
+    theirs = EmbeddingBagCollection(configs)
+    ours.load_torchrec_state_dict(theirs.state_dict())
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 4, (3 * 16,), generator=g)
+    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(3)], values=torch.randint(0, 100, (int(lengths.sum()),),
+                                                                                     generator=g), lengths=lengths)
+    torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values())
+    model = DLRM(embedding_bag_collection=ours, dense_in_features=4, dense_arch_layer_sizes=[8],
+                 over_arch_layer_sizes=[8, 1])
+    dense = torch.randn(16, 4, generator=g)
+    target = torch.rand(16, generator=g).round()
+    optimizer = sk.LazyAdam(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(30):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, kjt).squeeze(1), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.7
