@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from _distributed import spawn
 
 import sparsekit as sk
+from sparsekit import engine
 from sparsekit.hashtable import HashTable, HashTableFullError, _find_in_tables, _grow_tables, _touch_tables
 from properties import KEY_DISTRIBUTIONS, examples, make_keys, num_threads, thread_counts
 
@@ -427,14 +428,15 @@ def _twin_batch(batch, step, big_range, small_range):
 
 
 def _step_twins(ebcs, optimizers, kjt, step):
-    """One training step of twin collections on ``kjt``, the first on its own path, the
-    second forced onto the general one; asserts that they end it alike (outputs, gradients,
-    tables with rows, scores and clocks, weights, stats, or the same error). Returns the
-    error's message, or None."""
+    """One training step of twin collections on ``kjt``: the first resolves its rows as the
+    engine does (every table's values found together, the new keys deduplicated and placed
+    together), the second forced through each table's own plan and commit (the single
+    layers' insert); asserts that they end it alike (outputs, gradients, tables with rows,
+    scores and clocks, weights, stats, or the same error). Returns the error's message, or
+    None."""
     results = []
     for ebc, optimizer, first in zip(ebcs, optimizers, (True, False)):
-        with mock.patch.object(sk.EmbeddingBagCollection, "_rows_first",
-                               _ROWS_FIRST if first else (lambda self: False)):
+        with mock.patch.object(engine, "_evolving", _BATCHED if first else _PER_TABLE):
             try:
                 out = ebc(kjt)
             except HashTableFullError as error:
@@ -471,13 +473,17 @@ def _step_twins(ebcs, optimizers, kjt, step):
     return error
 
 
-_ROWS_FIRST = sk.EmbeddingBagCollection._rows_first
+_BATCHED = engine._evolving
 
 
-def test_rows_first_collection_leaves_everything_as_the_general_path():
-    """One process training CPU hash tables looks every value up before deduplicating the
-    pairs; a twin collection forced onto the general path (pairs deduplicated by hashing,
-    searched, placed, sorted) must end every step with the same outputs, gradients, tables
+def _PER_TABLE(shard, training):  # noqa: N802 - a stand-in for engine._evolving
+    return training and shard.hash_table is not None
+
+
+def test_batched_rows_leave_everything_as_each_table_alone():
+    """One process training hash tables finds every value at once and places each table's
+    new keys together; a twin collection forced through each table's own insert must end
+    every step with the same outputs, gradients, tables
     (rows, scores, clocks), weights and stats: mixed dims and dtypes, mean and sum, a table
     read by two features, tables sharing an initializer, a table far larger than the step
     (the hashed dedup of the rows), the hash tables' sentinels as keys, steps with no value,
@@ -501,12 +507,12 @@ def test_rows_first_collection_leaves_everything_as_the_general_path():
        batches=st.lists(st.sampled_from([0, 1, 3, 64, 1000, 4097]), min_size=1, max_size=3),
        distribution=st.sampled_from(KEY_DISTRIBUTIONS), shared=st.booleans(), seed=st.integers(0, 2**31))
 @examples(10)
-def test_rows_first_property_matches_the_general_path(num_tables, dims, capacities, batches, distribution, shared,
+def test_batched_rows_property_matches_each_table_alone(num_tables, dims, capacities, batches, distribution, shared,
                                                       seed):
     """Drawn collections (1-5 hash tables of drawn dims, capacities from 1 key up, a table
     read by two features, float32 / bfloat16, sum / mean) on one key per bag with keys of
-    every distribution (extremes and sentinels included), over several steps: the
-    rows-first path and the general one end each step alike, full tables included."""
+    every distribution (extremes and sentinels included), over several steps: the batched
+    rows and each table's own insert end each step alike, full tables included."""
     configs = [sk.TableConfig(f"t{t}", dims[t], capacities[t], [f"f{t}"] + ([f"g{t}"] if shared and t == 0 else []),
                               combiner=("sum", "mean")[(seed >> t) & 1],
                               dtype=(torch.float32, torch.bfloat16)[(seed >> (t + 8)) & 1])
