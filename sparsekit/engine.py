@@ -28,6 +28,7 @@ from .exchange import _unique_tables
 from .hashtable import HashTableFullError
 from .pooled import ReadLayout, pooled_read
 from .shard import KeySeededUniform, _place_new_keys
+from .tables_cuda import _device_ints
 
 __all__ = ["StepContext", "resolve_rows", "read_pooled", "initial_rows"]
 
@@ -130,7 +131,7 @@ def _plan_growth(ctx: StepContext, shards: Sequence[Any], rows: Tensor) -> "_Gro
     # Where each feature's missing values start among all the missing ones (one host read).
     running = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(missing, 0, out=running[1:])
-    segments = running.index_select(0, torch.tensor(ctx.bounds, device=rows.device)).tolist()
+    segments = running.index_select(0, _device_ints(ctx.bounds, rows.device)).tolist()
     num_tables = len(shards)
     new_keys, new_of_missing, per_table = _unique_tables(ctx.keys[missing], segments, ctx.table_of_feature,
                                                          num_tables)
@@ -155,10 +156,10 @@ def _grow(shards: Sequence[Any], rows: Tensor, growth: _Growth) -> Tensor:
     keys = torch.cat(growth.keys) if len(growth.keys) > 1 else growth.keys[0]
     sizes = _place_new_keys(growing, keys, growth.counts, growth.initial)
     # A new key's row: its table's old size plus its rank among the table's new keys.
-    shift = torch.tensor([size - start for size, start in zip(sizes, itertools.accumulate(growth.counts, initial=0))],
-                         device=rows.device)
+    shift = _device_ints([size - start for size, start in zip(sizes, itertools.accumulate(growth.counts, initial=0))],
+                         rows.device)
     new_rows = torch.arange(keys.numel(), device=rows.device) + ops._repeat_interleave(
-        shift, torch.tensor(growth.counts, device=rows.device), keys.numel())
+        shift, _device_ints(growth.counts, rows.device), keys.numel())
     return rows.masked_scatter(growth.missing, new_rows.index_select(0, growth.new_of_missing))
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import ops
 from .exchange import _CoalescedGradMarker, _sparse_gradients
+from .tables_cuda import _device_ints
 
 __all__: List[str] = []
 
@@ -161,9 +162,9 @@ def _traced_gradients(layout: ReadLayout, feature_tables: List[int], weights: Se
     bag = ops._repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, rows.numel())
     feature = torch.div(bag, max(batch, 1), rounding_mode="floor")
     sample = bag - feature * batch
-    columns = torch.tensor(layout.feature_columns, device=rows.device)
-    means = torch.tensor(layout.feature_means, device=rows.device, dtype=torch.bool)
-    tables_of = torch.tensor(feature_tables, device=rows.device)
+    columns = _device_ints(layout.feature_columns, rows.device)
+    means = _device_ints(layout.feature_means, rows.device).bool()
+    tables_of = _device_ints(feature_tables, rows.device)
     scale = None
     if scale_grad and per_sample_weights is not None:
         scale = torch.zeros(rows.numel(), dtype=grad.dtype, device=grad.device)

@@ -1379,10 +1379,12 @@ def test_step_paths_build_no_device_tensor_from_pageable_memory():
     import ast
     import inspect
 
-    from sparsekit import collection, shard, tables_cuda
+    from sparsekit import collection, engine, pooled, shard, tables_cuda
 
     step = {collection: {"_sort_table_rows", "_forward", "_prepare", "_owner_lookup", "_plan_tables", "_grow",
                          "_pool"},
+            engine: {"resolve_rows", "_plan_growth", "_grow", "_plan_evolving", "read_pooled"},
+            pooled: {"backward", "_rows_still_owned", "_traced_gradients", "pooled_read"},
             shard: {"_agree_on_lookup"}}
     found = []
     for module, names in step.items():
