@@ -392,6 +392,12 @@ struct StrArg {
 
 }  // namespace sparsekit
 
+// torch 2.10 and 2.11's headers name the shim's error check TORCH_ERROR_CODE_CHECK; newer
+// ones STABLE_TORCH_ERROR_CODE_CHECK (the library builds against any torch from 2.10).
+#ifndef STABLE_TORCH_ERROR_CODE_CHECK
+#define STABLE_TORCH_ERROR_CODE_CHECK(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
+
 namespace torch::stable::detail {
 template <>
 struct ToImpl<sparsekit::StrArg> {

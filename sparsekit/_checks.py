@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import os
 import re
@@ -22,6 +23,24 @@ _ALLOCATION_FAILURES = ("can't allocate memory", "out of memory", "storage size 
 # enough memory" on Windows. Only this message counts; any other RuntimeError stays a bug.
 _CPU_ALLOCATOR_FAILURE = re.compile(
     r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate \d+ bytes[^\n]*")
+
+
+def compile_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)``, made at the first call: applied at import it imports
+    ``torch._dynamo``, which doubles the time of ``import sparsekit``."""
+    disabled: Optional[Callable[..., Any]] = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    # What torch.compiler.disable marks, so that dynamo breaks the graph here as for the
+    # disabled function itself instead of tracing into this wrapper.
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return call
 
 
 def out_of_memory(error: BaseException) -> Optional[str]:

@@ -36,9 +36,9 @@ def explain(error: ImportError) -> str:
     running = torch.__version__
     if not glob.glob(os.path.join(_HERE, "_C*.so")) and not glob.glob(os.path.join(_HERE, "_C*.pyd")):
         return (f"sparsekit's compiled library is missing from {_HERE}: this is a source tree that was never "
-                "built. Build it in place with `bash scripts/test.sh` (or `python setup.py build_ext --inplace` "
-                "with torch installed), or install sparsekit (`pip install --no-build-isolation .`) and import "
-                "it from outside the source tree.")
+                "built. Build it in place with `SPARSEKIT_CUDA=0 python setup.py build_ext --inplace` (about "
+                "two minutes without the CUDA kernels; with torch, setuptools and ninja installed), or install "
+                "sparsekit (`pip install --no-build-isolation .`) and import it from outside the source tree.")
     text = str(error)
     if "undefined symbol" in text:
         return (f"sparsekit._C needs torch >= {TARGET_TORCH} (it calls torch only through the stable ABI of that "

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import engine, ops, traced
-from ._checks import device_argument, plain_tensor, size_argument, tensor_integer, type_name
+from ._checks import compile_disabled, device_argument, plain_tensor, size_argument, tensor_integer, type_name
 from .checkpoint import _collective_device
 from . import keyed
 from .fused import FusedOptimizer
@@ -583,7 +583,7 @@ class _LookupTables(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.compiler.disable  # as _LookupOwned.backward
+    @compile_disabled  # as _LookupOwned.backward
     def backward(ctx, grad: Tensor):
         sorted_rows, order = ctx.saved_tensors
         return (None, None, None, *_table_gradients(ctx, grad.index_select(0, order), sorted_rows, 3))
@@ -907,7 +907,7 @@ class EmbeddingBagCollection(nn.Module):
             return self._traced_forward(kjt)
         return self._eager_forward(kjt)
 
-    @torch.compiler.disable
+    @compile_disabled
     def _eager_forward(self, kjt: Any) -> Dict[str, Tensor]:
         if torch.jit.is_tracing():
             traced.refuse_torchscript("EmbeddingBagCollection")

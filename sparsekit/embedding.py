@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import bool_argument, size_argument
+from ._checks import bool_argument, compile_disabled, size_argument
 from .exchange import _GatherRows, _mean_of_sum, _one_per_bag, _pool
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
     Initializer,
@@ -282,7 +282,7 @@ class DistributedEmbedding(_ModelParallelEmbedding):
                 pooled = _mean_of_sum(pooled, lengths)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 
-    @torch.compiler.disable
+    @compile_disabled
     def _eager_forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int) -> Tensor:
         keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key),
                                                              lambda keys, info: _one_per_bag(info[1], keys.numel()))
@@ -405,7 +405,7 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
             return ops.embedding_gather(self.weight, traced.layer_rows(keys, None, id(self), None)).view(out_shape)
         return self._eager_forward(inputs)
 
-    @torch.compiler.disable  # one graph break, as DistributedEmbedding.forward
+    @compile_disabled  # one graph break, as DistributedEmbedding.forward
     def _eager_forward(self, inputs: Tensor) -> Tensor:
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs), lambda keys, info: True)
         vectors = vectors if index is None else _GatherRows.apply(vectors, index)

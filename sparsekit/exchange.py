@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
+from ._checks import compile_disabled
 
 # Bits of the error word each rank folds into the counts exchange.
 _BAD_KEY = 1
@@ -290,7 +291,7 @@ class _LookupOwned(torch.autograd.Function):
         return vectors.masked_fill_(~found.unsqueeze(1), 0)
 
     @staticmethod
-    @torch.compiler.disable  # autograd calls it from compiled code too; dynamo cannot build sparse tensors
+    @compile_disabled  # autograd calls it from compiled code too; dynamo cannot build sparse tensors
     def backward(ctx, grad: Tensor):
         sorted_rows, grad_index = ctx.saved_tensors
         if ctx.marker.lost(ctx.stamp):
@@ -424,7 +425,7 @@ class _LookupPieces(torch.autograd.Function):
         return tuple(_read_rows(weights[t], rows, may_miss[t], dtype=dtype) for rows, t in zip(value_rows, tables))
 
     @staticmethod
-    @torch.compiler.disable  # as _LookupOwned.backward
+    @compile_disabled  # as _LookupOwned.backward
     def backward(ctx, *grads: Tensor):
         sorted_position, sorted_rows = ctx.saved_tensors
         values_all = _segment_sum_pieces(grads, sorted_position, sorted_rows.numel())

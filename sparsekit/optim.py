@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
 
 from . import ops
-from ._checks import memory_span
+from ._checks import compile_disabled, memory_span
 from .allocator import table_zeros
 
 __all__ = ["LazyAdam"]
@@ -428,7 +428,7 @@ class LazyAdam(torch.optim.Optimizer):
         torch._foreach_add_([state["step"] for state in states], 1)
 
     # torch.compile runs the step eagerly (one graph break): dynamo does not trace sparse gradients.
-    @torch.compiler.disable
+    @compile_disabled
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Performs one optimization step.

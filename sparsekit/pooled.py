@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._checks import compile_disabled
 from .exchange import _CoalescedGradMarker, _sparse_gradients
 from .tables_cuda import _device_ints
 
@@ -96,7 +97,7 @@ class _PooledRead(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.compiler.disable  # the sparse gradients and the in-place update run eagerly
+    @compile_disabled  # the sparse gradients and the in-place update run eagerly
     def backward(ctx, grad: Tensor):
         rows, offsets, per_sample_weights = ctx.saved_tensors
         layout, weights = ctx.layout, ctx.weights
