@@ -35,7 +35,7 @@ inline void check_lazy_adam_args(const Tensor& weight, const Tensor& exp_avg, co
   SK_CHECK(dtype == kFloat || dtype == kDouble || dtype == kHalf || dtype == kBFloat16,
               op, ": weight must be float32, float64, float16 or bfloat16, got ", dtype);
   SK_CHECK(weight.dim() >= 1, op, ": weight must have at least one dimension [R, ...], got a scalar");
-  SK_CHECK(exp_avg.sizes() == weight.sizes() && exp_avg_sq.sizes() == weight.sizes(),
+  SK_CHECK(same_sizes(exp_avg.sizes(), weight.sizes()) && same_sizes(exp_avg_sq.sizes(), weight.sizes()),
               op, ": exp_avg ", exp_avg.sizes(), " and exp_avg_sq ", exp_avg_sq.sizes(),
               " must have the shape of weight ", weight.sizes());
   SK_CHECK(exp_avg.scalar_type() == dtype && exp_avg_sq.scalar_type() == dtype && grad.scalar_type() == dtype,
@@ -47,7 +47,7 @@ inline void check_lazy_adam_args(const Tensor& weight, const Tensor& exp_avg, co
   check_index_tensor(rows, op, "rows");
   SK_CHECK(rows.dim() == 1, op, ": rows must be 1-D [u], got shape ", rows.sizes());
   if (!(grad.dim() == weight.dim() && grad.size(0) == rows.size(0) &&
-        grad.sizes().slice(1) == weight.sizes().slice(1))) {
+        same_sizes(grad.sizes().slice(1), weight.sizes().slice(1)))) {
     std::vector<int64_t> expected = weight.sizes().vec();
     expected[0] = rows.size(0);
     fail(op, ": grad must have shape [u, ...] = ", IntArrayRef(expected),

@@ -377,6 +377,9 @@ inline Tensor arange_cpu(int64_t n) {
 
 inline bool same_shape(const Tensor& a, const Tensor& b) { return a.sizes().equals(b.sizes()); }
 
+/// @brief Whether two shapes are equal (torch 2.10's IntHeaderOnlyArrayRef has no operator==).
+inline bool same_sizes(IntArrayRef a, IntArrayRef b) { return a.equals(b); }
+
 /// @brief A `str` argument of a kernel registered with TORCH_BOX (embedding_bag's mode).
 /// torch's own unboxing to std::string (torch/csrc/stable/stableivalue_conversions.h,
 /// ToImpl<std::string>, in the headers of torch 2.10 to 2.13 at least) copies the string

@@ -9,6 +9,8 @@
 # The wheel is installed with its dependencies resolved by pip against the torch already
 # there, so a requirement the wheel could not keep fails here too. The venv is removed
 # afterwards, also when a step fails, unless KEEP_VENV=1 (a CUDA torch takes ~7 GB).
+# SOURCE_BUILD=1 also compiles the sources (CPU kernels) against that torch and runs the op
+# tests on that build.
 set -euo pipefail
 wheel=$(readlink -f "$1")
 torch_version=$2
@@ -53,6 +55,23 @@ set +e
 status=$?
 set -e
 cd "$repo"
+if [ "$status" -eq 0 ] && [ "${SOURCE_BUILD:-0}" = 1 ]; then
+  # The sources themselves against this torch's headers (CPU kernels): the headers of the
+  # oldest supported torch lack names the newer ones have, which only a build finds.
+  echo "== source build under torch $torch_version (CPU kernels)"
+  "$venv/bin/pip" install -q --disable-pip-version-check setuptools wheel ninja
+  src="$work/source"
+  mkdir -p "$src"
+  cp -r "$repo/csrc" "$repo/sparsekit" "$repo/tests" "$repo/setup.py" "$repo/pyproject.toml" "$repo/README.md" "$src/"
+  rm -f "$src"/sparsekit/_C*.so "$src"/sparsekit/_build_info.py
+  (cd "$src" && SPARSEKIT_CUDA=0 MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/python" setup.py build_ext --inplace \
+     > build.log 2>&1) || { tail -60 "$src/build.log"; exit 1; }
+  set +e
+  (cd "$src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_pooled.py tests/test_unique.py \
+     tests/test_embedding.py tests/test_lazy_adam.py tests/test_build.py)
+  status=$?
+  set -e
+fi
 echo "== torch $torch_version: pytest exit $status in $(( $(date +%s) - start )) s"
 [ "$status" -eq 5 ] && { echo "pytest collected no tests" >&2; exit 1; }
 exit "$status"

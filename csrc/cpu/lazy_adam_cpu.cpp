@@ -206,7 +206,7 @@ void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<
              weights[t].device());
     SK_CHECK(exp_avgs[t].scalar_type() == kFloat, op, ": exp_avgs[", t, "] must be float32 (a half weight keeps "
              "float32 moments), got ", exp_avgs[t].scalar_type());
-    SK_CHECK(weights[t].is_contiguous() && weights[t].sizes() == exp_avgs[t].sizes(), op, ": weights[", t,
+    SK_CHECK(weights[t].is_contiguous() && same_sizes(weights[t].sizes(), exp_avgs[t].sizes()), op, ": weights[", t,
              "] ", weights[t].sizes(), " must be contiguous with the shape of exp_avgs[", t, "] ",
              exp_avgs[t].sizes());
     // The moments stand in for a half weight: the rest must match them.

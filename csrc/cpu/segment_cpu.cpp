@@ -296,7 +296,7 @@ Tensor segment_sum_parts_cpu(const std::vector<Tensor>& data_in, const Tensor& i
   for (size_t p = 0; p < data_in.size(); ++p) {
     const Tensor& part = data_in[p];
     SK_CHECK(part.dim() == data_in[0].dim() && part.scalar_type() == data_in[0].scalar_type() &&
-                 part.sizes().slice(1) == data_in[0].sizes().slice(1) && part.device().is_cpu(),
+                 same_sizes(part.sizes().slice(1), data_in[0].sizes().slice(1)) && part.device().is_cpu(),
              op, ": data[", p, "] (", part.scalar_type(), " ", part.sizes(), " on ", part.device(),
              ") must be a CPU tensor with the dtype and row shape of data[0] (", data_in[0].scalar_type(), " ",
              data_in[0].sizes(), ")");
