@@ -119,13 +119,37 @@ inline void check_pooled_errors_arg(const char* op, const std::optional<Tensor>&
            " of shape ", errors->sizes(), " on ", errors->device());
 }
 
-/// @brief Checks the output gradient of pooled_read_backward / pooled_read_update_.
-inline void check_pooled_grad(const char* op, const Tensor& grad, const PooledLayout& layout, const Device& device) {
-  SK_CHECK(grad.dim() == 2 && grad.size(0) == layout.batch && grad.size(1) == layout.total_dim, op,
-           ": grad must be [B, total_dim] = [", layout.batch, ", ", layout.total_dim, "], got shape ", grad.sizes());
-  SK_CHECK(grad.scalar_type() == layout.dtype, op, ": grad is ", grad.scalar_type(), " but the weights are ",
-           layout.dtype);
-  SK_CHECK(grad.device() == device, op, ": grad is on ", grad.device(), ", the weights on ", device);
+/// @brief The layout of pooled_read_backward / pooled_read_update_, which take no columns:
+/// check_pooled_args with every column 0 and the widest table's dim as the width.
+inline PooledLayout check_pooled_backward_args(const char* op, const std::vector<Tensor>& weights, const Tensor& rows,
+                                               const Tensor& offsets, const std::optional<Tensor>& per_sample_weights,
+                                               const std::vector<int64_t>& feature_tables,
+                                               const std::vector<int64_t>& feature_means) {
+  int64_t widest = 0;
+  for (const Tensor& w : weights) widest = std::max<int64_t>(widest, w.dim() == 2 ? w.size(1) : 0);
+  return check_pooled_args(op, weights, rows, offsets, per_sample_weights, feature_tables,
+                           std::vector<int64_t>(feature_tables.size(), 0), feature_means, widest);
+}
+
+/// @brief Checks the output gradients of pooled_read_backward / pooled_read_update_: one per
+/// feature; a feature of this call's tables gets [B, D] of the weights' dtype with its
+/// columns dense (any row stride: a column view of a wider block will do), the others any
+/// tensor (not read).
+inline void check_pooled_grads(const char* op, const std::vector<Tensor>& grads, const PooledLayout& layout,
+                               const Device& device) {
+  SK_CHECK(static_cast<int64_t>(grads.size()) == layout.num_features, op, ": grads must hold one tensor per feature (",
+           layout.num_features, "), got ", grads.size());
+  for (int64_t f = 0; f < layout.num_features; ++f) {
+    const int64_t t = layout.feature_tables[f];
+    if (t < 0) continue;
+    const Tensor& g = grads[f];
+    const int64_t dim = layout.table_dims[t];
+    SK_CHECK(g.dim() == 2 && g.size(0) == layout.batch && g.size(1) == dim && (dim <= 1 || layout.batch == 0 || g.stride(1) == 1), op,
+             ": grads[", f, "] must be [B, D] = [", layout.batch, ", ", dim, "] with dense rows, got shape ",
+             g.sizes());
+    SK_CHECK(g.scalar_type() == layout.dtype && g.device() == device, op, ": grads[", f, "] is ", g.scalar_type(),
+             " on ", g.device(), " but the weights are ", layout.dtype, " on ", device);
+  }
 }
 
 /// Per table t, the first code of its rows in the call's code space (a row's code is its

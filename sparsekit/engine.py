@@ -230,13 +230,12 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
             columns.append(total if j >= 0 else 0)
             means.append(int(j >= 0 and shards[t].config.combiner == "mean"))
             total += shards[t].embedding_vec_size if j >= 0 else 0
-        layout = ReadLayout(feature_tables, columns, means, total)
-        block = pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
+        # Each feature an output of the read (the block's columns): their gradients reach
+        # its backward where they lie, with no concatenation.
+        layout = ReadLayout(feature_tables, columns, means, total, split=True)
+        parts = pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
                             [shards[t]._grad_marker for t in members], fused)
-        # One split into the features' columns (its backward is one cat), not a slice per
-        # feature (each slice's backward would fill a zero block of the whole width).
         mine = [f for f, j in enumerate(feature_tables) if j >= 0]
-        parts = block.split([shards[ctx.table_of_feature[f]].embedding_vec_size for f in mine], dim=1)
         out.update((ctx.features[f], part) for f, part in zip(mine, parts))
     return {feature: out[feature] for feature in ctx.features}
 

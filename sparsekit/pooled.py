@@ -32,34 +32,35 @@ def _pooled_read_fake(weights: List[Tensor], rows: Tensor, offsets: Tensor, per_
 
 
 @torch.library.register_fake("sparsekit::pooled_read_backward")
-def _pooled_read_backward_fake(grad: Tensor, weights: List[Tensor], rows: Tensor, offsets: Tensor,
+def _pooled_read_backward_fake(grads: List[Tensor], weights: List[Tensor], rows: Tensor, offsets: Tensor,
                                per_sample_weights: Optional[Tensor], feature_tables: List[int],
-                               feature_columns: List[int], feature_means: List[int],
-                               errors: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                               feature_means: List[int], errors: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     ctx = torch.library.get_ctx()
     dtype = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
     return (rows.new_empty(ctx.new_dynamic_size()), rows.new_empty(len(weights)),
-            grad.new_empty(ctx.new_dynamic_size(), dtype=dtype))
+            weights[0].new_empty(ctx.new_dynamic_size(), dtype=dtype))
 
 
 @torch.library.register_fake("sparsekit::pooled_read_update_")
 def _pooled_read_update_fake(weights: List[Tensor], state1: List[Tensor], state2: List[Tensor], steps: List[Tensor],
-                             grad: Tensor, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                             feature_tables: List[int], feature_columns: List[int], feature_means: List[int],
-                             optimizer: str, hyper: List[float], lr: Optional[Tensor] = None,
-                             errors: Optional[Tensor] = None) -> None:
+                             grads: List[Tensor], rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                             feature_tables: List[int], feature_means: List[int], optimizer: str, hyper: List[float],
+                             lr: Optional[Tensor] = None, errors: Optional[Tensor] = None) -> None:
     return None
 
 
 class ReadLayout(NamedTuple):
     """Where one pooled read puts its features: per feature of the batch, the index of its
     table among the read's weights (-1: another read's), its first column in the
-    ``[B, total_dim]`` block and whether its combiner is the mean."""
+    ``[B, total_dim]`` block and whether its combiner is the mean; ``split``: the read
+    gives each of its features' columns as an output of its own (their gradients then
+    reach the backward where they lie, with no concatenation), else the block."""
 
     feature_tables: List[int]
     feature_columns: List[int]
     feature_means: List[int]
     total_dim: int
+    split: bool = False
 
 
 class FusedStep(NamedTuple):
@@ -94,47 +95,59 @@ class _PooledRead(torch.autograd.Function):
         # Not saved for backward: a fused update writes them in place (and an earlier step's
         # update may have, before this backward), which autograd's version check refuses.
         ctx.weights = weights
+        # An output the loss does not use adds nothing (its feature is left out), rather
+        # than a block of zeros.
+        ctx.set_materialize_grads(False)
+        if layout.split:
+            return tuple(out.split(_call_dims(layout, weights), dim=1))
         return out
 
     @staticmethod
     @compile_disabled  # the sparse gradients and the in-place update run eagerly
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, *outputs_grads: Optional[Tensor]):
         rows, offsets, per_sample_weights = ctx.saved_tensors
         layout, weights = ctx.layout, ctx.weights
-        grad = grad.contiguous()
-        feature_tables = list(layout.feature_tables)
+        grads = _feature_grads(layout, weights, outputs_grads)
+        # A feature whose output got no gradient is left out; a table all of whose features
+        # are gets none (as a module whose output is unused).
+        feature_tables = [t if g is not None else -1 for t, g in zip(layout.feature_tables, grads)]
         needed = [ctx.needs_input_grad[6 + j] for j in range(len(weights))]
         # A table loaded or reset since the forward gets nothing from it (its features are
         # left out); rows given to other keys since (eviction) are dropped lookup by lookup.
-        lost = [not needed[j] or marker.lost(stamp) for j, (marker, stamp) in enumerate(zip(ctx.markers, ctx.stamps))]
+        lost = [not needed[j] or j not in feature_tables or marker.lost(stamp)
+                for j, (marker, stamp) in enumerate(zip(ctx.markers, ctx.stamps))]
         if any(lost):
             feature_tables = [-1 if t >= 0 and lost[t] else t for t in feature_tables]
         weights_grad = ctx.needs_input_grad[3]
         if torch.is_grad_enabled() and ctx.fused is None:
             # create_graph=True: a backward of torch's differentiable ops, so that a gradient
             # penalty's second-order terms reach the weights and the dense layers.
-            scale_grad, parts = _traced_gradients(layout, feature_tables, weights, grad, rows, offsets,
+            block = _block(layout, weights, outputs_grads, (offsets.numel() - 1) // len(feature_tables))
+            scale_grad, parts = _traced_gradients(layout, feature_tables, weights, block, rows, offsets,
                                                   per_sample_weights, weights_grad)
             grads = _sparse_gradients(parts, ctx.markers, ctx.stamps, [False] * len(weights),
                                       [(w.shape, w.dtype) for w in weights])
             return (None, None, None, scale_grad, None, None) + tuple(grads)
-        scale_grad = _traced_gradients(layout, feature_tables, weights, grad, rows, offsets, per_sample_weights,
-                                       True, tables=False)[0] if weights_grad else None
+        scale_grad = None
+        if weights_grad:
+            block = _block(layout, weights, outputs_grads, (offsets.numel() - 1) // len(feature_tables))
+            scale_grad = _traced_gradients(layout, feature_tables, weights, block, rows, offsets, per_sample_weights,
+                                           True, tables=False)[0]
+        placeholder = rows.new_empty(0)
+        op_grads = [g if g is not None else placeholder for g in grads]
         if ctx.fused is not None:
             rows = _rows_still_owned(rows, offsets, feature_tables, weights, ctx.markers, ctx.stamps, lost)
             if any(t >= 0 for t in feature_tables):
                 step = ctx.fused(weights)
                 with torch.no_grad():
                     torch.ops.sparsekit.pooled_read_update_(
-                        list(weights), step.state1, step.state2, step.steps, grad, rows, offsets, per_sample_weights,
-                        feature_tables, layout.feature_columns, layout.feature_means, step.optimizer, step.hyper,
-                        step.lr)
+                        list(weights), step.state1, step.state2, step.steps, op_grads, rows, offsets,
+                        per_sample_weights, feature_tables, layout.feature_means, step.optimizer, step.hyper, step.lr)
             return (None, None, None, scale_grad, None, None) + (None,) * len(weights)
         if not any(t >= 0 for t in feature_tables):
             return (None, None, None, scale_grad, None, None) + (None,) * len(weights)
         unique_rows, per_table, values = torch.ops.sparsekit.pooled_read_backward(
-            grad, list(weights), rows, offsets, per_sample_weights, feature_tables, layout.feature_columns,
-            layout.feature_means)
+            op_grads, list(weights), rows, offsets, per_sample_weights, feature_tables, layout.feature_means)
         counts = per_table.tolist()  # a host read (a sync on CUDA): the sparse gradients' sizes
         parts: List[Optional[Tuple[Tensor, Tensor]]] = []
         row_start = value_start = 0
@@ -189,6 +202,46 @@ def _traced_gradients(layout: ReadLayout, feature_tables: List[int], weights: Se
         value_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         parts.append((distinct, ops.segment_sum(looked.to(value_dtype), inverse, distinct.numel())))
     return scale, parts
+
+
+def _call_dims(layout: ReadLayout, weights: Sequence[Tensor]) -> List[int]:
+    """The widths of the read's features (those of its tables), in feature order."""
+    return [weights[t].shape[1] for t in layout.feature_tables if t >= 0]
+
+
+def _feature_grads(layout: ReadLayout, weights: Sequence[Tensor],
+                   outputs_grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    """Per feature of the batch its output's gradient ([B, D], columns dense), None for a
+    feature of another read or whose output got no gradient."""
+    mine = [f for f, t in enumerate(layout.feature_tables) if t >= 0]
+    if layout.split:
+        given = list(outputs_grads)
+    elif outputs_grads[0] is None:
+        given = [None] * len(mine)
+    else:
+        # The block's columns lie in the layout's order (which may hold features the batch
+        # lacks): each feature's are a view of it.
+        block = outputs_grads[0]
+        given = [block[:, c:c + weights[layout.feature_tables[f]].shape[1]]
+                 for f, c in zip(mine, (layout.feature_columns[f] for f in mine))]
+    out: List[Optional[Tensor]] = [None] * len(layout.feature_tables)
+    for f, grad in zip(mine, given):
+        # An expanded gradient (of a sum) repeats one value along its columns: made dense.
+        out[f] = grad if grad is None or grad.shape[1] <= 1 or grad.stride(1) == 1 else grad.contiguous()
+    return out
+
+
+def _block(layout: ReadLayout, weights: Sequence[Tensor], outputs_grads: Sequence[Optional[Tensor]],
+           batch: int) -> Tensor:
+    """The read's output gradient as one ``[B, total_dim]`` block (zeros where an output got
+    none): the differentiable backward's input."""
+    dtype, device = weights[0].dtype, weights[0].device
+    if not layout.split:
+        given = outputs_grads[0]
+        return given if given is not None else torch.zeros(batch, layout.total_dim, dtype=dtype, device=device)
+    # Split outputs are the block's columns in feature order.
+    return torch.cat([grad if grad is not None else torch.zeros(batch, dim, dtype=dtype, device=device)
+                      for grad, dim in zip(outputs_grads, _call_dims(layout, weights))], dim=1)
 
 
 def _rows_still_owned(rows: Tensor, offsets: Tensor, feature_tables: List[int], weights: Sequence[Tensor],

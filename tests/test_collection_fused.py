@@ -143,7 +143,7 @@ def _steady_step_ops(num_tables, hashed, fused):
         out = ebc(batch_input)
     counts["forward"] = mode.ops
     joined = torch.cat(list(out.values()), dim=1)
-    loss = joined.sum()
+    loss = joined.square().sum()
     with _Ops() as mode:
         loss.backward()
     counts["backward"] = mode.ops
@@ -164,9 +164,10 @@ def test_a_steady_step_dispatches_the_same_ops_at_2_and_26_tables(hashed):
         assert sum(two[stage].values()) == sum(many[stage].values()), (stage, two[stage], many[stage])
         assert sum(many[stage].values()) <= 20, many[stage]
     assert many["backward"]["sparsekit.pooled_read_update_"] == 1
-    # The loss's own cat of the features splits its gradient per feature: not the engine's.
+    # Beside the update: the loss's own ops (its square and sum, the cat's split into the
+    # features' slices, which the engine takes where they lie).
     backward = [sum(n for op, n in counts["backward"].items() if op != "aten.slice") for counts in (two, many)]
-    assert backward[0] == backward[1] <= 5, many["backward"]
+    assert backward[0] == backward[1] <= 8, many["backward"]
 
 
 def test_an_eval_forward_prepares_no_backward():

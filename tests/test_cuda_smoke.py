@@ -258,8 +258,12 @@ def test_pooled_kernels(device, dtype):
     out = torch.ops.sparsekit.pooled_read(on, *args, total)
     expected = torch.ops.sparsekit.pooled_read(weights, rows, offsets, psw, tables, columns, means, total)
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=1e-2, atol=1e-3)
-    got = torch.ops.sparsekit.pooled_read_backward(grad.to(device), on, *args)
-    want = torch.ops.sparsekit.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns, means)
+    def split(block):
+        return [block[:, c:c + dims[t]] if t >= 0 else block.new_empty(0) for t, c in zip(tables, columns)]
+
+    got = torch.ops.sparsekit.pooled_read_backward(split(grad.to(device)), on, rows.to(device), offsets.to(device),
+                                                   psw.to(device), tables, means)
+    want = torch.ops.sparsekit.pooled_read_backward(split(grad), weights, rows, offsets, psw, tables, means)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-5, atol=1e-6)
     for optimizer in ("sgd", "lazy_adam", "rowwise_adagrad"):
@@ -271,8 +275,8 @@ def test_pooled_kernels(device, dtype):
                                                             dtype=state, device=dev) for w in ws]
             s2 = [torch.zeros(w.shape, dtype=state, device=dev) for w in ws] if optimizer == "lazy_adam" else []
             steps = [torch.zeros((), dtype=torch.int64, device=dev) for _ in ws] if optimizer == "lazy_adam" else []
-            torch.ops.sparsekit.pooled_read_update_(ws, s1, s2, steps, grad.to(dev), rows.to(dev), offsets.to(dev),
-                                                    psw.to(dev), tables, columns, means, optimizer,
+            torch.ops.sparsekit.pooled_read_update_(ws, s1, s2, steps, split(grad.to(dev)), rows.to(dev),
+                                                    offsets.to(dev), psw.to(dev), tables, means, optimizer,
                                                     [0.05, 0.9, 0.999, 1e-6, 0.01])
             results.append([w.cpu().float() for w in ws])
         for a, b in zip(*results):

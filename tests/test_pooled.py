@@ -47,6 +47,13 @@ def _problem(seed, num_tables, num_features, batch, max_len, dims, rows_per_tabl
     return weights, rows.to(device), offsets.to(device), psw, tables, columns, means, total
 
 
+
+def _split(grad, weights, tables, columns):
+    """Each feature's output gradient: a column view of the [B, total_dim] block (an empty
+    placeholder for a feature of another call)."""
+    return [grad[:, c:c + weights[t].shape[1]] if t >= 0 else grad.new_empty(0) for t, c in zip(tables, columns)]
+
+
 def _reference(weights, rows, offsets, psw, tables, columns, means, total):
     """Float64 pooled read (the kernels sum in float32; half tables round their output)."""
     num_features = len(tables)
@@ -142,8 +149,8 @@ def test_pooled_read_backward_groups_rows_and_sums_their_gradient(device, layout
     grad = torch.randn(layout["batch"], total, generator=torch.Generator().manual_seed(1)).to(layout["dtype"])
     grad = grad.to(device)
     with num_threads(threads):
-        unique_rows, per_table, values = ops.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns,
-                                                                  means)
+        unique_rows, per_table, values = ops.pooled_read_backward(_split(grad, weights, tables, columns), weights, rows,
+                                                                  offsets, psw, tables, means)
     expected = _autograd_reference(weights, rows, offsets, psw, tables, columns, means, total, grad)
     counts = per_table.tolist()
     assert sum(counts) == unique_rows.numel()
@@ -164,9 +171,38 @@ def test_pooled_read_backward_groups_rows_and_sums_their_gradient(device, layout
         value_start += count * weight.shape[1]
 
 
+@pytest.mark.parametrize("high_row", [20_000, 200_000])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_backward_ranks_rows_on_both_sides_of_the_bitmap_threshold(device, high_row, threads):
+    """The backward numbers distinct rows with a bitmap while the rows' span is small next to
+    the lookups (128 bits a lookup plus 64 Ki), else by hashing then sorting table by table:
+    few lookups into two tables reaching row 20k rank by bitmap, row 200k by hash; both give each
+    table's rows ascending with their summed gradients."""
+    g = torch.Generator().manual_seed(7)
+    weights = [torch.randn(high_row + 1, 2, generator=g).to(device), torch.randn(high_row + 1, 3, generator=g).to(device)]
+    tables, columns, means, batch = [0, 1, 0], [0, 2, 5], [0, 1, 0], 5
+    lengths = torch.randint(0, 4, (3 * batch,), generator=g)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    rows = torch.randint(0, high_row + 1, (int(offsets[-1]),), generator=g)
+    rows[::3] = high_row  # a hot row at the top of both tables
+    rows[1::7] = -1
+    rows, offsets = rows.to(device), offsets.to(device)
+    grad = torch.randn(batch, 7, generator=g).to(device)
+    with num_threads(threads):
+        got = _grouped_gradient(weights, rows, offsets, None, tables, columns, means, grad)
+    expected = _autograd_reference(weights, rows, offsets, None, tables, columns, means, 7, grad)
+    cpu_rows, bounds = rows.cpu(), offsets.cpu()
+    for t, ((r, values), dense) in enumerate(zip(got, expected)):
+        read = torch.cat([cpu_rows[int(bounds[f * batch]):int(bounds[(f + 1) * batch])]
+                          for f, tt in enumerate(tables) if tt == t])
+        assert torch.equal(r.cpu(), torch.unique(read[read >= 0]))
+        torch.testing.assert_close(values.cpu().double(), dense[r.cpu()], rtol=1e-5, atol=1e-6)
+
+
 def _grouped_gradient(weights, rows, offsets, psw, tables, columns, means, grad):
-    unique_rows, per_table, values = ops.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns,
-                                                              means)
+    unique_rows, per_table, values = ops.pooled_read_backward(_split(grad, weights, tables, columns), weights, rows,
+                                                              offsets, psw, tables, means)
     out, row_start, value_start = [], 0, 0
     for weight, count in zip(weights, per_table.tolist()):
         out.append((unique_rows[row_start:row_start + count],
@@ -196,8 +232,9 @@ def test_fused_lazy_adam_is_lazy_adam_bit_for_bit(device, layout, threads, steps
     for step in range(1, steps + 1):
         grad = torch.randn(layout["batch"], total, generator=torch.Generator().manual_seed(step)).to(dtype).to(device)
         with num_threads(threads):
-            ops.pooled_read_update_(fused, [m for m, _ in moments], [v for _, v in moments], counters, grad, rows,
-                                    offsets, psw, tables, columns, means, "lazy_adam", hyper)
+            ops.pooled_read_update_(fused, [m for m, _ in moments], [v for _, v in moments], counters,
+                                    _split(grad, fused, tables, columns), rows, offsets, psw, tables, means,
+                                    "lazy_adam", hyper)
         for t, (r, values) in enumerate(_grouped_gradient(plain, rows, offsets, psw, tables, columns, means, grad)):
             if t in read:
                 ops.lazy_adam_(plain[t], *plain_moments[t], r, values.to(dtype).contiguous(), step, *hyper)
@@ -219,8 +256,9 @@ def test_fused_sgd_and_rowwise_adagrad_follow_their_formulas(device, optimizer, 
                         device=device) for w in weights]
     before = [w.clone() for w in weights]
     state_before = [s.clone() for s in state]
-    ops.pooled_read_update_(weights, state if optimizer == "rowwise_adagrad" else [], [], [], grad, rows, offsets,
-                            psw, tables, columns, means, optimizer, [lr, 0.9, 0.999, eps, decay])
+    ops.pooled_read_update_(weights, state if optimizer == "rowwise_adagrad" else [], [], [],
+                            _split(grad, weights, tables, columns), rows, offsets, psw, tables, means, optimizer,
+                            [lr, 0.9, 0.999, eps, decay])
     for t, (r, g) in enumerate(_grouped_gradient(before, rows, offsets, psw, tables, columns, means, grad)):
         w = before[t].double().cpu()
         r, g = r.cpu(), g.double().cpu()
@@ -241,10 +279,10 @@ def test_a_tensor_lr_is_read_by_the_update(device):
     weights = weights[:2]
     grad = torch.ones(8, total, device=device)
     a, b = [w.clone() for w in weights], [w.clone() for w in weights]
-    ops.pooled_read_update_(a, [], [], [], grad, rows, offsets, psw, tables, columns, means, "sgd",
-                            [0.25, 0, 0, 0, 0])
-    ops.pooled_read_update_(b, [], [], [], grad, rows, offsets, psw, tables, columns, means, "sgd",
-                            [99.0, 0, 0, 0, 0], torch.tensor([0.25], device=device))
+    grads = _split(grad, a, tables, columns)
+    ops.pooled_read_update_(a, [], [], [], grads, rows, offsets, psw, tables, means, "sgd", [0.25, 0, 0, 0, 0])
+    ops.pooled_read_update_(b, [], [], [], grads, rows, offsets, psw, tables, means, "sgd", [99.0, 0, 0, 0, 0],
+                            torch.tensor([0.25], device=device))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -275,13 +313,15 @@ def test_bad_input_raises_naming_it_and_writes_nothing(device, bad):
     with pytest.raises(RuntimeError, match=match):
         ops.pooled_read(weights, rows, offsets, None, tables, columns, means, total)
     with pytest.raises(RuntimeError, match=match):
-        ops.pooled_read_backward(grad, weights, rows, offsets, None, tables, columns, means)
+        ops.pooled_read_backward(_split(grad, weights, tables, columns), weights, rows, offsets, None, tables,
+                                 means)
     before = [w.clone() for w in weights]
     moments = [torch.zeros_like(w) for w in weights]
     steps = [torch.zeros((), dtype=torch.int64, device=device) for _ in weights]
     with pytest.raises(RuntimeError, match=match):
-        ops.pooled_read_update_(weights, moments, [m.clone() for m in moments], steps, grad, rows, offsets, None,
-                                tables, columns, means, "lazy_adam", [0.1, 0.9, 0.99, 1e-8, 0.0])
+        ops.pooled_read_update_(weights, moments, [m.clone() for m in moments], steps,
+                                _split(grad, weights, tables, columns), rows, offsets, None, tables, means,
+                                "lazy_adam", [0.1, 0.9, 0.99, 1e-8, 0.0])
     assert all(torch.equal(w, b) for w, b in zip(weights, before))
     assert all(int(s) == 0 for s in steps) and all(not m.any() for m in moments)
     # With error slots the bad part is recorded and left out, the rest done.
@@ -290,11 +330,12 @@ def test_bad_input_raises_naming_it_and_writes_nothing(device, bad):
     assert slots.tolist() != [NO_BAD, NO_BAD]
 
 
-@pytest.mark.parametrize("case", ["no weights", "mixed dtypes", "column outside", "table outside", "grad shape",
-                                  "weights dtype", "state shape", "optimizer", "hyper", "shared", "errors"])
+@pytest.mark.parametrize("case", ["no weights", "mixed dtypes", "grads count", "table outside", "grad shape",
+                                  "grad dtype", "weights dtype", "state shape", "optimizer", "hyper", "shared",
+                                  "errors"])
 def test_argument_errors_name_the_argument(case):
     weights, rows, offsets, tables, columns, means, total = _small_call("cpu")
-    grad = torch.ones(2, total)
+    grads = [torch.ones(2, 4), torch.ones(2, 2)]
     steps = [torch.zeros((), dtype=torch.int64) for _ in weights]
     moments = [torch.zeros_like(w) for w in weights]
     second = [torch.zeros_like(w) for w in weights]
@@ -304,12 +345,14 @@ def test_argument_errors_name_the_argument(case):
         weights, match = [], "weights must hold at least one table"
     elif case == "mixed dtypes":
         weights, match = [weights[0], weights[1].double()], "every weight of one call has one dtype"
-    elif case == "column outside":
-        columns, match = [0, 5], r"feature 1 writes columns \[5, 7\) outside \[0, 6\)"
+    elif case == "grads count":
+        grads, match = grads[:1], r"grads must hold one tensor per feature \(2\), got 1"
     elif case == "table outside":
         tables, match = [0, 2], r"feature_tables\[1\] must lie in \[-1, 2\)"
     elif case == "grad shape":
-        grad, match = torch.ones(3, total), r"grad must be \[B, total_dim\]"
+        grads, match = [grads[0], torch.ones(3, 2)], r"grads\[1\] must be \[B, D\] = \[2, 2\]"
+    elif case == "grad dtype":
+        grads, match = [grads[0].double(), grads[1]], r"grads\[0\] is Double on cpu but the weights are Float"
     elif case == "weights dtype":
         weights, match = [w.long() for w in weights], "weights must be float32, float64, float16 or bfloat16"
     elif case == "state shape":
@@ -324,7 +367,7 @@ def test_argument_errors_name_the_argument(case):
         errors, match = torch.zeros(3, dtype=torch.int64), r"errors must be a contiguous int64 tensor \[2\]"
     before = [w.clone() for w in weights]
     with pytest.raises(RuntimeError, match=match):
-        ops.pooled_read_update_(weights, moments, second, steps, grad, rows, offsets, None, tables, columns, means,
+        ops.pooled_read_update_(weights, moments, second, steps, grads, rows, offsets, None, tables, means,
                                 optimizer, hyper, None, errors)
     assert all(torch.equal(w, b) for w, b in zip(weights, before))
 
@@ -334,13 +377,14 @@ def test_opcheck_of_the_family(device):
     psw = torch.rand(rows.numel(), device=device)
     torch.library.opcheck(ops.pooled_read.default, (weights, rows, offsets, psw, tables, columns, means, total))
     grad = torch.randn(2, total, device=device)
-    torch.library.opcheck(ops.pooled_read_backward.default, (grad, weights, rows, offsets, psw, tables, columns, means),
+    grads = _split(grad, weights, tables, columns)
+    torch.library.opcheck(ops.pooled_read_backward.default, (grads, weights, rows, offsets, psw, tables, means),
                           test_utils=("test_schema", "test_faketensor"))
     steps = [torch.zeros((), dtype=torch.int64, device=device) for _ in weights]
     torch.library.opcheck(ops.pooled_read_update_.default,
                           ([w.clone() for w in weights], [torch.zeros_like(w) for w in weights],
-                           [torch.zeros_like(w) for w in weights], steps, grad, rows, offsets, psw, tables, columns,
-                           means, "lazy_adam", [0.1, 0.9, 0.99, 1e-8, 0.0]),
+                           [torch.zeros_like(w) for w in weights], steps, grads, rows, offsets, psw, tables, means,
+                           "lazy_adam", [0.1, 0.9, 0.99, 1e-8, 0.0]),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -353,7 +397,8 @@ def test_results_do_not_depend_on_the_thread_count():
     for threads in (1, 2, 3):
         with num_threads(threads):
             out = ops.pooled_read(weights, rows, offsets, psw, tables, columns, means, total)
-            backward = ops.pooled_read_backward(grad, weights, rows, offsets, psw, tables, columns, means)
+            backward = ops.pooled_read_backward(_split(grad, weights, tables, columns), weights, rows, offsets, psw,
+                                                tables, means)
         results.append((out, *backward))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))

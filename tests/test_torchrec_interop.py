@@ -118,6 +118,36 @@ def test_a_keyed_output_trains_and_missing_features_read_as_zeros():
     assert not torch.equal(before, ebc.weights["t1"].detach())
 
 
+@pytest.mark.parametrize("keys", [["f2", "f1"], ["f3"], ["f1", "f2", "f3"]])
+def test_a_keyed_output_with_features_missing_gets_each_gradient_from_its_own_columns(keys):
+    """The keyed block holds every configured feature's columns; a batch lacking some reads
+    each present feature's gradient from its own columns, not from a packed split."""
+    ebc = sk.EmbeddingBagCollection(_configs())
+    kjt = _kjt(keys, seed=3)
+    out = ebc(kjt)
+    project = torch.randn(out.values().shape, generator=torch.Generator().manual_seed(1))
+    (out.values() * project).sum().backward()
+    weights = {name: w.detach().clone().requires_grad_(True) for name, w in ebc.weights.items()}
+    reference = _reference_with(weights, kjt)
+    columns = {"f1": (0, 4), "f3": (4, 8), "f2": (8, 16)}
+    loss = sum((reference[k] * project[:, columns[k][0]:columns[k][1]]).sum() for k in keys)
+    loss.backward()
+    for name, weight in ebc.weights.items():
+        got = weight.grad.to_dense() if weight.grad is not None else torch.zeros_like(weight)
+        torch.testing.assert_close(got, weights[name].grad if weights[name].grad is not None
+                                   else torch.zeros_like(weight))
+
+
+def _reference_with(weights, kjt):
+    tables = {"f1": ("t1", "sum"), "f3": ("t1", "sum"), "f2": ("t2", "mean")}
+    out = {}
+    for key, jagged in kjt.to_dict().items():
+        table, mode = tables[key]
+        out[key] = torch.nn.functional.embedding_bag(jagged.values(), weights[table], jagged.offsets()[:-1],
+                                                     mode=mode, include_last_offset=False)
+    return out
+
+
 def test_sk_table_configs_keep_the_dict_output_and_applied_weights():
     ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 30, ["f"], use_hashtable=False)])
     assert ebc.is_weighted() is True

@@ -1,24 +1,23 @@
 #pragma once
-// Positions grouped by an int64 code (a table's row, offset per table): what a gradient
-// needs to sum each row's lookups once, in a fixed order. Defined in unique_bounded_cpu.cpp.
+// Lookups numbered by an int64 code (a table's row, offset per table): what a gradient
+// needs to sum each row's lookups once. Defined in unique_bounded_cpu.cpp.
 #include <cstdint>
+#include <vector>
 
 #include "torch_api.h"
 
 namespace sparsekit {
 
-/// The groups of positions [0, n) by code, codes of -1 left out.
-struct CodeGroups {
-  Tensor codes;    // int64 [U]: each group's code; ascending when `sorted`
-  Tensor offsets;  // int64 [U + 1]: group g's positions are order[offsets[g] : offsets[g + 1]]
-  Tensor order;    // int64: the positions, group after group, ascending within a group
-  bool sorted;
+/// The distinct codes of a call, ascending, and each position's place among them.
+struct RankedCodes {
+  Tensor distinct;            // int64 [U]: the distinct codes but -1, ascending
+  std::vector<int64_t> rank;  // [n]: codes[i] == distinct[rank[i]], -1 where codes[i] == -1
 };
 
-/// @brief Groups the positions of `codes` (int64 [n], each in [-1, bound)) by code, skipping
-/// -1. A bitmap of the codes when `bound` is within a small multiple of n (the groups then
-/// come in ascending code order), sparsekit's hash unique otherwise (in order of first
-/// occurrence). The result does not depend on the thread count.
-CodeGroups group_positions(const Tensor& codes, int64_t bound);
+/// @brief Numbers the codes (int64 [n], each in [-1, bound)): a bitmap of the code space when
+/// `bound` is within a small multiple of n, sparsekit's hash unique otherwise (its distinct
+/// codes then sorted segment by segment: `segments` [S + 1] bounds the code space's parts,
+/// a table's rows each, sorted in parallel). The result does not depend on the thread count.
+RankedCodes rank_codes(const Tensor& codes, int64_t bound, const std::vector<int64_t>& segments);
 
 }  // namespace sparsekit

@@ -522,9 +522,17 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
          sizes[segment_tables[s]], ")");
   }
   // One bit per row in use of each table: the first lookup of a row to set it scores it.
+  // The bitmap is the calling thread's, kept zero between calls: the words this call sets
+  // are cleared after it (a pass over its rows), so a call costs its rows, not its tables'
+  // sizes.
   std::vector<int64_t> bit_base(num_tables + 1, 0);
   for (size_t t = 0; t < num_tables; ++t) bit_base[t + 1] = bit_base[t] + (sizes[t] + 63) / 64 * 64;
-  std::vector<uint64_t> seen_bits(static_cast<size_t>(bit_base[num_tables] / 64), 0);
+  thread_local std::vector<uint64_t> seen_bits;
+  if (seen_bits.size() < static_cast<size_t>(bit_base[num_tables] / 64)) {
+    seen_bits.resize(static_cast<size_t>(bit_base[num_tables] / 64), 0);
+  }
+  // The calling thread's bitmap, by address: the workers' own thread_locals are others.
+  uint64_t* const bitmap = seen_bits.data();
   std::vector<int64_t*> seen_ptr, count_ptr;
   for (size_t t = 0; t < num_tables; ++t) {
     seen_ptr.push_back(last_seen[t].mutable_data_ptr<int64_t>());
@@ -534,7 +542,7 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
     for_each_table_range(offsets, begin, end, [&](int64_t s, int64_t b, int64_t e) {
       const int64_t t = segment_tables[s];
       if (t < 0) return;
-      uint64_t* bits = seen_bits.data() + bit_base[t] / 64;
+      uint64_t* bits = bitmap + bit_base[t] / 64;
       for (int64_t i = b; i < e; ++i) {
         const int64_t row = r[i];
         if (row < 0) continue;
@@ -542,6 +550,16 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
         if (__atomic_fetch_or(&bits[row >> 6], bit, __ATOMIC_RELAXED) & bit) continue;
         seen_ptr[t][row] = clocks[t];
         count_ptr[t][row] += 1;
+      }
+    });
+  });
+  parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
+    for_each_table_range(offsets, begin, end, [&](int64_t s, int64_t b, int64_t e) {
+      const int64_t t = segment_tables[s];
+      if (t < 0) return;
+      uint64_t* bits = bitmap + bit_base[t] / 64;
+      for (int64_t i = b; i < e; ++i) {
+        if (r[i] >= 0) __atomic_store_n(&bits[r[i] >> 6], uint64_t{0}, __ATOMIC_RELAXED);
       }
     });
   });

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -158,55 +159,117 @@ Tensor pooled_read_cpu(const std::vector<Tensor>& weights_in, const Tensor& rows
 
 namespace {
 
-/// The lookups of a call, checked, and each one's bag and code (-1: skipped).
+/// The lookups of a call, checked: each one's code (-1: skipped), the address of its bag's
+/// output gradient row, and its bag's length for a mean feature (else 0).
 struct IndexedLookups {
-  std::vector<int64_t> bag_of;
+  // Written for every lookup in a valid bag (the others have code -1 and are never read):
+  // left uninitialised rather than filled first.
+  std::unique_ptr<int64_t[]> grad_at;
+  std::unique_ptr<int64_t[]> mean_length;
+  std::unique_ptr<int32_t[]> table;  // each lookup's table
   Tensor codes;
-  std::vector<int64_t> bases;  // code_bases(layout)
+  std::vector<int64_t> bases;  // each table's first code, then the codes' bound
 };
+
+/// @brief Calls fn(f, begin, end) for the bags [begin, end) cut at the features' bounds
+/// (feature f's bags are f * B ... (f + 1) * B - 1): one division a feature, not a bag.
+template <typename F>
+void for_each_feature_span(const PooledLayout& layout, int64_t begin, int64_t end, const F& fn) {
+  while (begin < end) {
+    const int64_t f = begin / layout.batch;
+    const int64_t stop = std::min(end, (f + 1) * layout.batch);
+    fn(f, begin, stop);
+    begin = stop;
+  }
+}
 
 /// @brief Checks offsets and rows (raising for the first bad bag or lookup, before the
 /// caller changes anything; with `errors`, recording them there and leaving them out) and
 /// gives every lookup its bag and its code.
 IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const int64_t* offsets, const int64_t* rows,
-                             const Device& device, const std::optional<Tensor>& errors) {
+                             const std::vector<Tensor>& grads, const Device& device,
+                             const std::optional<Tensor>& errors) {
   IndexedLookups out;
-  out.bases = code_bases(layout);
   const int64_t bags = layout.num_features * layout.batch;
-  out.bag_of.assign(static_cast<size_t>(layout.nnz), 0);
+  const size_t num_tables = layout.table_rows.size();
+  out.grad_at.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
+  out.mean_length.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
+  out.table.reset(new int32_t[static_cast<size_t>(layout.nnz)]);
   out.codes = empty({layout.nnz}, kLong, device);
   int64_t* codes = out.codes.mutable_data_ptr<int64_t>();
   // Bad offsets leave lookups in no bag: with errors recorded they stay out of every group.
   if (errors.has_value()) std::fill(codes, codes + layout.nnz, int64_t{-1});
-  int64_t* bag_of = out.bag_of.data();
   std::atomic<int64_t> first_bad_bag{kNoBadPosition};
   std::atomic<int64_t> first_bad_position{kNoBadPosition};
   const int64_t per_bag = std::max<int64_t>(1, layout.nnz / std::max<int64_t>(bags, 1));
-  parallel_chunks(bags, std::max<int64_t>(1, kBagGrain / per_bag), [&](int64_t begin, int64_t end) {
-    for (int64_t bag = begin; bag < end; ++bag) {
-      const int64_t first = offsets[bag], last = offsets[bag + 1];
-      if (C10_UNLIKELY(bag_offsets_bad(bag, bags, first, last, layout.nnz))) {
-        record_first_bad(&first_bad_bag, bag);
-        continue;
-      }
-      const int64_t t = layout.feature_tables[bag / layout.batch];
+  const int64_t bag_chunk = std::max<int64_t>(1, kBagGrain / per_bag);
+  // Pass 1: the checks, each lookup's bag, and each table's highest row read. The codes
+  // then span the rows read, not the tables' capacities: a hash table's rows in use are
+  // few beside its capacity, and a small code space lets the grouping use its bitmap.
+  std::vector<std::atomic<int64_t>> highest(num_tables);
+  for (auto& h : highest) h.store(-1, std::memory_order_relaxed);
+  parallel_chunks(bags, bag_chunk, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> mine(num_tables, -1);
+    for_each_feature_span(layout, begin, end, [&](int64_t f, int64_t span_begin, int64_t span_end) {
+      const int64_t t = layout.feature_tables[f];
       const int64_t num_rows = t >= 0 ? layout.table_rows[t] : 0;
-      const int64_t base = t >= 0 ? out.bases[t] : 0;
-      for (int64_t k = first; k < last; ++k) {
-        bag_of[k] = bag;
-        const int64_t row = rows[k];
-        if (t < 0 || row == -1) {
-          codes[k] = -1;
-        } else if (C10_LIKELY(row_in_range(row, num_rows))) {
-          codes[k] = base + row;
-        } else {
-          codes[k] = -1;
-          record_first_bad(&first_bad_position, k);
+      int64_t top = t >= 0 ? mine[t] : -1;
+      for (int64_t bag = span_begin; bag < span_end; ++bag) {
+        const int64_t first = offsets[bag], last = offsets[bag + 1];
+        if (C10_UNLIKELY(bag_offsets_bad(bag, bags, first, last, layout.nnz))) {
+          record_first_bad(&first_bad_bag, bag);
+          continue;
         }
+        for (int64_t k = first; k < last; ++k) {
+          const int64_t row = rows[k];
+          if (t < 0 || row == -1) continue;
+          if (C10_LIKELY(row_in_range(row, num_rows))) {
+            top = std::max(top, row);
+          } else {
+            record_first_bad(&first_bad_position, k);
+          }
+        }
+      }
+      if (t >= 0) mine[t] = top;
+    });
+    for (size_t t = 0; t < num_tables; ++t) {
+      int64_t seen = highest[t].load(std::memory_order_relaxed);
+      while (mine[t] > seen && !highest[t].compare_exchange_weak(seen, mine[t], std::memory_order_relaxed)) {
       }
     }
   });
   report_pooled_errors(op, first_bad_bag.load(), first_bad_position.load(), layout, offsets, rows, errors);
+  out.bases.assign(num_tables + 1, 0);
+  for (size_t t = 0; t < num_tables; ++t) out.bases[t + 1] = out.bases[t] + highest[t].load() + 1;
+  // Pass 2: the codes (a bad bag's lookups keep -1 from above), and where each lookup's
+  // gradient comes from (worked out once a bag, so the sums divide nothing per lookup).
+  int64_t* grad_at = out.grad_at.get();
+  int64_t* mean_length = out.mean_length.get();
+  int32_t* table_of = out.table.get();
+  parallel_chunks(bags, bag_chunk, [&](int64_t begin, int64_t end) {
+    for_each_feature_span(layout, begin, end, [&](int64_t f, int64_t span_begin, int64_t span_end) {
+      const int64_t t = layout.feature_tables[f];
+      const int64_t num_rows = t >= 0 ? layout.table_rows[t] : 0;
+      const int64_t base = t >= 0 ? out.bases[t] : 0;
+      const bool mean = layout.feature_means[f] != 0;
+      const int64_t row_bytes = t >= 0 ? grads[f].stride(0) * static_cast<int64_t>(grads[f].element_size()) : 0;
+      int64_t at = t >= 0 ? reinterpret_cast<int64_t>(grads[f].const_data_ptr()) +
+                                (span_begin - f * layout.batch) * row_bytes
+                          : 0;
+      for (int64_t bag = span_begin; bag < span_end; ++bag, at += row_bytes) {
+        const int64_t first = offsets[bag], last = offsets[bag + 1];
+        if (C10_UNLIKELY(bag_offsets_bad(bag, bags, first, last, layout.nnz))) continue;
+        const int64_t length = mean ? last - first : 0;
+        for (int64_t k = first; k < last; ++k) {
+          const int64_t row = rows[k];
+          codes[k] = t >= 0 && row_in_range(row, num_rows) ? base + row : -1;
+          grad_at[k] = at;
+          mean_length[k] = length;
+          table_of[k] = static_cast<int32_t>(t);
+        }
+      }
+    });
+  });
   return out;
 }
 
@@ -216,124 +279,128 @@ inline acc_t widened(const grad_t* p) {
   return static_cast<acc_t>(*p);
 }
 
-/// @brief g[0, dim) = the summed output gradient of a group's lookups order[begin, end), in
-/// position order: each lookup adds its bag's gradient columns, divided by the bag's length
-/// for a mean feature, then times its per-sample weight (the backward of the forward's
-/// weighted sum, then mean).
-template <typename acc_t, typename grad_t>
-void sum_group(acc_t* g, int64_t dim, const int64_t* order, int64_t begin, int64_t end, const int64_t* bag_of,
-               const grad_t* grad, const PooledLayout& layout, const int64_t* offsets, const float* psw) {
-  std::fill(g, g + dim, acc_t(0));
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t k = order[i];
-    const int64_t bag = bag_of[k];
-    const int64_t f = bag / layout.batch;
-    const grad_t* src = grad + (bag - f * layout.batch) * layout.total_dim + layout.feature_columns[f];
-    if (!layout.feature_means[f] && psw == nullptr) {
-      for (int64_t j = 0; j < dim; ++j) g[j] += widened<acc_t>(src + j);
-      continue;
-    }
-    const acc_t length = static_cast<acc_t>(offsets[bag + 1] - offsets[bag]);
-    const bool mean = layout.feature_means[f] != 0;
-    const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[k]) : acc_t(1);
-    for (int64_t j = 0; j < dim; ++j) {
-      acc_t x = widened<acc_t>(src + j);
-      if (mean) x = x / length;
-      if (psw != nullptr) x = x * w;
-      g[j] += x;
-    }
-  }
-}
-
-/// The groups of a call's lookups, with the table of each group and, in ascending code order,
-/// the groups of each table one after the other.
-struct RowGroups {
-  CodeGroups groups;
-  std::vector<int64_t> sorted;       // group ids in ascending code order
-  std::vector<int64_t> table_first;  // [T + 1]: table t's groups are sorted[table_first[t] : table_first[t + 1]]
+/// The distinct rows a call's lookups read, table after table and ascending within a table,
+/// each lookup's place among them, and where each table's rows lie in a values block whose
+/// rows are their table's dim wide.
+struct RowRanks {
+  RankedCodes ranked;
+  std::vector<int64_t> table_first;  // [T + 1]: table t's distinct rows are ranks [table_first[t], table_first[t + 1])
+  std::vector<int64_t> value_start;  // [T + 1]: where table t's rows start in the values block
 };
 
-RowGroups group_rows(const IndexedLookups& lookups) {
-  RowGroups out;
-  out.groups = group_positions(lookups.codes, lookups.bases.back());
-  const int64_t num_groups = out.groups.codes.size(0);
-  const int64_t* codes = out.groups.codes.const_data_ptr<int64_t>();
-  out.sorted.resize(static_cast<size_t>(num_groups));
-  std::iota(out.sorted.begin(), out.sorted.end(), int64_t{0});
-  if (!out.groups.sorted) {
-    std::sort(out.sorted.begin(), out.sorted.end(), [&](int64_t a, int64_t b) { return codes[a] < codes[b]; });
-  }
-  const size_t num_tables = lookups.bases.size() - 1;
-  out.table_first.assign(num_tables + 1, num_groups);
+RowRanks rank_rows(const IndexedLookups& lookups, const PooledLayout& layout) {
+  RowRanks out;
+  out.ranked = rank_codes(lookups.codes, lookups.bases.back(), lookups.bases);
+  const int64_t* distinct = out.ranked.distinct.const_data_ptr<int64_t>();
+  const int64_t num_distinct = out.ranked.distinct.size(0);
+  const size_t num_tables = layout.table_dims.size();
+  out.table_first.resize(num_tables + 1);
+  out.value_start.assign(num_tables + 1, 0);
   for (size_t t = 0; t <= num_tables; ++t) {
-    out.table_first[t] = std::lower_bound(out.sorted.begin(), out.sorted.end(), lookups.bases[t],
-                                          [&](int64_t group, int64_t code) { return codes[group] < code; }) -
-                         out.sorted.begin();
+    out.table_first[t] = std::lower_bound(distinct, distinct + num_distinct, lookups.bases[t]) - distinct;
+  }
+  for (size_t t = 0; t < num_tables; ++t) {
+    out.value_start[t + 1] = out.value_start[t] + (out.table_first[t + 1] - out.table_first[t]) * layout.table_dims[t];
   }
   return out;
 }
 
-/// Groups per task of the gradient and update loops: about 64 KiB of rows.
-int64_t group_grain(const PooledLayout& layout) {
+/// @brief values (zeroed, RowRanks' layout) += every lookup's output gradient at its row:
+/// its bag's gradient columns, divided by the bag's length for a mean feature, then times
+/// its per-sample weight (the backward of the forward's weighted sum, then mean). Each
+/// part of the rows is summed by one worker scanning the lookups in order, so a row's sum
+/// runs in lookup order whatever the threads, and reads stay sequential.
+template <typename acc_t, typename grad_t>
+void accumulate_rows(acc_t* values, const RowRanks& ranks, const IndexedLookups& lookups, const PooledLayout& layout,
+                     const float* psw) {
+  const int64_t n = layout.nnz;
+  const int64_t num_distinct = ranks.ranked.distinct.size(0);
+  if (n == 0 || num_distinct == 0) return;
+  const int64_t* rank = ranks.ranked.rank.data();
+  const int64_t* grad_at = lookups.grad_at.get();
+  const int64_t* mean_length = lookups.mean_length.get();
+  const int32_t* table_of = lookups.table.get();
+  // Each worker scans every lookup: a few parts, never finer than kMinRowsPerPart rows.
+  constexpr int64_t kMinRowsPerPart = 4096;
+  const int64_t parts = std::max<int64_t>(1, std::min(num_threads(), num_distinct / kMinRowsPerPart));
+  parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
+    for (int64_t part = first_part; part < last_part; ++part) {
+      const int64_t low = num_distinct * part / parts, high = num_distinct * (part + 1) / parts;
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t r = rank[k];
+        if (r < low || r >= high) continue;
+        const int32_t t = table_of[k];
+        const int64_t dim = layout.table_dims[t];
+        acc_t* dst = values + ranks.value_start[t] + (r - ranks.table_first[t]) * dim;
+        const grad_t* src = reinterpret_cast<const grad_t*>(grad_at[k]);
+        if (mean_length[k] == 0 && psw == nullptr) {
+          for (int64_t j = 0; j < dim; ++j) dst[j] += static_cast<acc_t>(src[j]);
+          continue;
+        }
+        const acc_t length = static_cast<acc_t>(mean_length[k]);
+        const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[k]) : acc_t(1);
+        for (int64_t j = 0; j < dim; ++j) {
+          acc_t x = static_cast<acc_t>(src[j]);
+          if (mean_length[k] != 0) x = x / length;
+          if (psw != nullptr) x = x * w;
+          dst[j] += x;
+        }
+      }
+    }
+  });
+}
+
+/// Rows per task of the update loop: about 64 KiB of rows.
+int64_t row_grain(const PooledLayout& layout) {
   const int64_t widest = std::max<int64_t>(1, *std::max_element(layout.table_dims.begin(), layout.table_dims.end()));
   return std::max<int64_t>(1, 16384 / widest);
+}
+
+/// @brief The summed gradient of every distinct row, in RowRanks' layout (float32, float64
+/// for float64 weights).
+Tensor row_gradients(const RowRanks& ranks, const IndexedLookups& lookups, const PooledLayout& layout,
+                     const float* psw, const Device& device) {
+  const ScalarType value_dtype = layout.dtype == kDouble ? kDouble : kFloat;
+  Tensor values = zeros({ranks.value_start.back()}, value_dtype, device);
+  SK_DISPATCH_FLOATING_TYPES(layout.dtype, "pooled_read_row_gradients", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    accumulate_rows<acc_t, scalar_t>(values.mutable_data_ptr<acc_t>(), ranks, lookups, layout, psw);
+  });
+  return values;
 }
 
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cpu(
-    const Tensor& grad_in, const std::vector<Tensor>& weights, const Tensor& rows_in, const Tensor& offsets_in,
-    const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
-    std::vector<int64_t> feature_columns, std::vector<int64_t> feature_means, const std::optional<Tensor>& errors) {
+    const std::vector<Tensor>& grads, const std::vector<Tensor>& weights, const Tensor& rows_in,
+    const Tensor& offsets_in, const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
+    std::vector<int64_t> feature_means, const std::optional<Tensor>& errors) {
   const char* op = "pooled_read_backward";
-  const PooledLayout layout =
-      check_pooled_args(op, weights, rows_in, offsets_in, per_sample_weights_in, feature_tables, feature_columns,
-                        feature_means, grad_in.dim() == 2 ? grad_in.size(1) : 0);
+  const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
+                                                         feature_tables, feature_means);
   const Device device = weights[0].device();
-  check_pooled_grad(op, grad_in, layout, device);
-  const Tensor grad = as_contiguous(grad_in);
+  check_pooled_grads(op, grads, layout, device);
   const Tensor rows = as_contiguous(rows_in);
   const Tensor offsets = as_contiguous(offsets_in);
   const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
   const float* psw_ptr = per_sample_weights_in.has_value() ? psw.const_data_ptr<float>() : nullptr;
   const int64_t* offsets_ptr = offsets.const_data_ptr<int64_t>();
   const size_t num_tables = weights.size();
-  const ScalarType value_dtype = layout.dtype == kDouble ? kDouble : kFloat;
   check_pooled_errors_arg(op, errors, device);
   if (layout.batch == 0) check_no_bags(op, layout, offsets_ptr, errors);
   const IndexedLookups lookups =
-      index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), device, errors);
-  const RowGroups groups = group_rows(lookups);
-  const int64_t num_groups = static_cast<int64_t>(groups.sorted.size());
-  Tensor out_rows = empty({num_groups}, kLong, device);
+      index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
+  const RowRanks ranks = rank_rows(lookups, layout);
+  Tensor values = row_gradients(ranks, lookups, layout, psw_ptr, device);
+  const int64_t num_distinct = ranks.ranked.distinct.size(0);
+  Tensor out_rows = empty({num_distinct}, kLong, device);
   Tensor per_table = empty({static_cast<int64_t>(num_tables)}, kLong, device);
-  std::vector<int64_t> value_start(num_tables + 1, 0);
-  for (size_t t = 0; t < num_tables; ++t) {
-    const int64_t count = groups.table_first[t + 1] - groups.table_first[t];
-    per_table.mutable_data_ptr<int64_t>()[t] = count;
-    value_start[t + 1] = value_start[t] + count * layout.table_dims[t];
-  }
-  Tensor values = empty({value_start[num_tables]}, value_dtype, device);
-  const int64_t* codes = groups.groups.codes.const_data_ptr<int64_t>();
-  const int64_t* group_offsets = groups.groups.offsets.const_data_ptr<int64_t>();
-  const int64_t* order = groups.groups.order.const_data_ptr<int64_t>();
+  const int64_t* distinct = ranks.ranked.distinct.const_data_ptr<int64_t>();
   int64_t* rows_out = out_rows.mutable_data_ptr<int64_t>();
-  SK_DISPATCH_FLOATING_TYPES(layout.dtype, "pooled_read_backward_cpu", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const scalar_t* grad_ptr = grad.const_data_ptr<scalar_t>();
-    acc_t* values_ptr = values.mutable_data_ptr<acc_t>();
-    parallel_for(0, num_groups, group_grain(layout), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t group = groups.sorted[i];
-        const int64_t t = std::upper_bound(groups.table_first.begin(), groups.table_first.end(), i) -
-                          groups.table_first.begin() - 1;
-        const int64_t dim = layout.table_dims[t];
-        rows_out[i] = codes[group] - lookups.bases[t];
-        sum_group(values_ptr + value_start[t] + (i - groups.table_first[t]) * dim, dim, order, group_offsets[group],
-                  group_offsets[group + 1], lookups.bag_of.data(), grad_ptr, layout, offsets_ptr, psw_ptr);
-      }
-    });
-  });
+  for (size_t t = 0; t < num_tables; ++t) {
+    per_table.mutable_data_ptr<int64_t>()[t] = ranks.table_first[t + 1] - ranks.table_first[t];
+    for (int64_t r = ranks.table_first[t]; r < ranks.table_first[t + 1]; ++r) rows_out[r] = distinct[r] - lookups.bases[t];
+  }
   return {out_rows, per_table, values};
 }
 
@@ -415,19 +482,17 @@ void update_weight_row(FusedOptimizer optimizer, weight_t* w, acc_t* s1, acc_t* 
 
 void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vector<Tensor>& state1,
                             const std::vector<Tensor>& state2, const std::vector<Tensor>& steps,
-                            const Tensor& grad_in,
-                            const Tensor& rows_in, const Tensor& offsets_in,
+                            const std::vector<Tensor>& grads, const Tensor& rows_in, const Tensor& offsets_in,
                             const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
-                            std::vector<int64_t> feature_columns, std::vector<int64_t> feature_means,
+                            std::vector<int64_t> feature_means,
                             StrArg optimizer_name, std::vector<double> hyper, const std::optional<Tensor>& lr,
                             const std::optional<Tensor>& errors) {
   const char* op = "pooled_read_update_";
   const FusedOptimizer optimizer = parse_fused_optimizer(optimizer_name.value);
-  const PooledLayout layout =
-      check_pooled_args(op, weights, rows_in, offsets_in, per_sample_weights_in, feature_tables, feature_columns,
-                        feature_means, grad_in.dim() == 2 ? grad_in.size(1) : 0);
+  const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
+                                                         feature_tables, feature_means);
   const Device device = weights[0].device();
-  check_pooled_grad(op, grad_in, layout, device);
+  check_pooled_grads(op, grads, layout, device);
   FusedScalars h = check_fused_hyper(op, optimizer, hyper);
   check_fused_state(op, optimizer, weights, state1, state2, steps);
   if (lr.has_value()) {
@@ -444,14 +509,15 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
   for (size_t t = 0; t < state1.size(); ++t) uses.push_back({&state1[t], "state1", t, true});
   for (size_t t = 0; t < state2.size(); ++t) uses.push_back({&state2[t], "state2", t, true});
   for (size_t t = 0; t < steps.size(); ++t) uses.push_back({&steps[t], "steps", t, true});
-  uses.push_back({&grad_in, "grad", 0, false});
+  for (size_t f = 0; f < grads.size(); ++f) {
+    if (layout.feature_tables[f] >= 0) uses.push_back({&grads[f], "grads", f, false});
+  }
   uses.push_back({&rows_in, "rows", 0, false});
   uses.push_back({&offsets_in, "offsets", 0, false});
   if (per_sample_weights_in.has_value()) uses.push_back({&*per_sample_weights_in, "per_sample_weights", 0, false});
   check_pooled_errors_arg(op, errors, device);
   if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
   check_no_shared_writes(op, uses);
-  const Tensor grad = as_contiguous(grad_in);
   const Tensor rows = as_contiguous(rows_in);
   const Tensor offsets = as_contiguous(offsets_in);
   const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
@@ -462,8 +528,9 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
   // Everything that can fail comes before the first write: the lookups' checks, then the
   // grouping's memory.
   const IndexedLookups lookups =
-      index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), device, errors);
-  const RowGroups groups = group_rows(lookups);
+      index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
+  const RowRanks ranks = rank_rows(lookups, layout);
+  Tensor values = row_gradients(ranks, lookups, layout, psw_ptr, device);
   std::vector<TableUpdate> tables(num_tables);
   for (int64_t f = 0; f < layout.num_features; ++f) {
     if (layout.feature_tables[f] >= 0) tables[layout.feature_tables[f]].read = true;
@@ -476,13 +543,11 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
     tables[t].adam = AdamScalars<float>::make(size, h.beta1, h.beta2, h.eps, h.weight_decay);
     tables[t].adam64 = AdamScalars<double>::make(size, h.beta1, h.beta2, h.eps, h.weight_decay);
   }
-  const int64_t num_groups = static_cast<int64_t>(groups.sorted.size());
-  const int64_t* codes = groups.groups.codes.const_data_ptr<int64_t>();
-  const int64_t* group_offsets = groups.groups.offsets.const_data_ptr<int64_t>();
-  const int64_t* order = groups.groups.order.const_data_ptr<int64_t>();
+  const int64_t num_distinct = ranks.ranked.distinct.size(0);
+  const int64_t* distinct = ranks.ranked.distinct.const_data_ptr<int64_t>();
   SK_DISPATCH_FLOATING_TYPES(layout.dtype, "pooled_read_update_cpu", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const scalar_t* grad_ptr = grad.const_data_ptr<scalar_t>();
+    acc_t* values_ptr = values.mutable_data_ptr<acc_t>();
     // Each table's pointers, taken once: through the stable ABI every data pointer is a call.
     std::vector<scalar_t*> weight_of(num_tables);
     std::vector<acc_t*> first_of(num_tables, nullptr), second_of(num_tables, nullptr);
@@ -491,34 +556,30 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
       if (!state1.empty()) first_of[t] = state1[t].mutable_data_ptr<acc_t>();
       if (!state2.empty()) second_of[t] = state2[t].mutable_data_ptr<acc_t>();
     }
-    const auto table_of = [&](int64_t i) {
-      return std::upper_bound(groups.table_first.begin(), groups.table_first.end(), i) - groups.table_first.begin() -
-             1;
+    const auto table_of = [&](int64_t r) {
+      return std::upper_bound(ranks.table_first.begin(), ranks.table_first.end(), r) - ranks.table_first.begin() - 1;
     };
     const int64_t widest = *std::max_element(layout.table_dims.begin(), layout.table_dims.end());
     // The rows are scattered over tables far larger than the caches: their weight and state
     // rows are fetched ahead, as lazy_adam_'s are (adam_row.h).
     const int64_t ahead = prefetch_rows_ahead(std::max<int64_t>(widest, 1) * static_cast<int64_t>(sizeof(acc_t)));
-    parallel_for(0, num_groups, group_grain(layout), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> g, wide;
-      for (int64_t i = begin; i < end; ++i) {
-        if (i + ahead < end) {
-          const int64_t t = table_of(i + ahead);
+    parallel_for(0, num_distinct, row_grain(layout), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> wide;
+      for (int64_t r = begin; r < end; ++r) {
+        if (r + ahead < end) {
+          const int64_t t = table_of(r + ahead);
           const int64_t dim = layout.table_dims[t];
-          const int64_t row = codes[groups.sorted[i + ahead]] - lookups.bases[t];
+          const int64_t row = distinct[r + ahead] - lookups.bases[t];
           const int64_t bytes = dim * static_cast<int64_t>(sizeof(acc_t));
           const int64_t state_row = optimizer == FusedOptimizer::kRowWiseAdagrad ? row : row * dim;
           const void* weight_row = weight_of[t] + row * dim;
           prefetch_row(weight_row, first_of[t] != nullptr ? static_cast<const void*>(first_of[t] + state_row) : weight_row,
                        second_of[t] != nullptr ? static_cast<const void*>(second_of[t] + row * dim) : weight_row, bytes);
         }
-        const int64_t group = groups.sorted[i];
-        const int64_t t = table_of(i);
+        const int64_t t = table_of(r);
         const int64_t dim = layout.table_dims[t];
-        const int64_t row = codes[group] - lookups.bases[t];
-        g.resize(static_cast<size_t>(dim));
-        sum_group(g.data(), dim, order, group_offsets[group], group_offsets[group + 1], lookups.bag_of.data(),
-                  grad_ptr, layout, offsets_ptr, psw_ptr);
+        const int64_t row = distinct[r] - lookups.bases[t];
+        acc_t* g = values_ptr + ranks.value_start[t] + (r - ranks.table_first[t]) * dim;
         acc_t* s1 = nullptr;
         acc_t* s2 = nullptr;
         if (optimizer == FusedOptimizer::kLazyAdam) {
@@ -527,8 +588,8 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
         } else if (optimizer == FusedOptimizer::kRowWiseAdagrad) {
           s1 = first_of[t] + row;
         }
-        update_weight_row(optimizer, weight_of[t] + row * dim, s1, s2, g.data(), dim, h,
-                          adam_scalars_of<acc_t>(tables[t]), wide);
+        update_weight_row(optimizer, weight_of[t] + row * dim, s1, s2, g, dim, h, adam_scalars_of<acc_t>(tables[t]),
+                          wide);
       }
     });
   });

@@ -35,7 +35,7 @@
 namespace sparsekit {
 namespace {
 
-// Bits of a bitmap per code up to which group_positions groups with the bitmap.
+// Bits of a bitmap per code up to which rank_codes numbers codes with the bitmap.
 constexpr int64_t kBitmapBitsPerKey = 128;
 // Keys per piece of passes A and D.
 constexpr int64_t kKeyGrain = int64_t{1} << 15;
@@ -230,60 +230,73 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_bounded_cpu(const Tensor& keys
 
 }  // namespace
 
-CodeGroups group_positions(const Tensor& codes, int64_t bound) {
+RankedCodes rank_codes(const Tensor& codes, int64_t bound, const std::vector<int64_t>& segments) {
   const int64_t n = codes.numel();
-  CodeGroups groups;
-  Tensor unique_codes = empty({0}, kLong, codes.device());
-  Tensor inverse = empty({n}, kLong, codes.device());
-  Tensor offsets = empty({1}, kLong, codes.device());
-  Tensor order = empty({0}, kLong, codes.device());
+  RankedCodes out;
+  out.rank.assign(static_cast<size_t>(n), -1);
   if (n == 0) {
-    offsets.mutable_data_ptr<int64_t>()[0] = 0;
-    return {unique_codes, offsets, order, true};
+    out.distinct = empty({0}, kLong, codes.device());
+    return out;
   }
   const int64_t* keys = codes.const_data_ptr<int64_t>();
+  int64_t* rank = out.rank.data();
   // The bitmap while its bits cost less than hashing the codes (ops._bitmap_numbers' rule).
-  const bool bitmap = bound <= kBitmapBitsPerKey * n + (int64_t{1} << 16);
-  int64_t num_unique = 0;
-  if (bitmap) {
-    unique_bounded_kernel<int64_t>(keys, n, bound, true, unique_codes, inverse, offsets, order);
-    num_unique = unique_codes.size(0);
-  } else {
-    const auto outputs = call_op_outputs<3>("sparsekit::unique", "", codes);
-    unique_codes = outputs[0];
-    inverse = outputs[1];
-    num_unique = unique_codes.size(0);
-    group_by_key(inverse.const_data_ptr<int64_t>(), n, num_unique, chunk_workers(n, kKeyGrain), offsets, order);
+  if (bound <= kBitmapBitsPerKey * n + (int64_t{1} << 16)) {
+    Tensor unique_codes = empty({0}, kLong, codes.device());
+    Tensor inverse = empty({n}, kLong, codes.device());
+    Tensor offsets = empty({0}, kLong, codes.device());
+    Tensor order = empty({0}, kLong, codes.device());
+    unique_bounded_kernel<int64_t>(keys, n, bound, false, unique_codes, inverse, offsets, order);
+    // -1 (a skipped lookup) is bit 0, the first distinct code when present.
+    const int64_t num_unique = unique_codes.size(0);
+    const bool skipped = num_unique > 0 && unique_codes.const_data_ptr<int64_t>()[0] == -1;
+    const int64_t shift = skipped ? 1 : 0;
+    out.distinct = skipped ? slice0(unique_codes, 1, num_unique) : unique_codes;
+    const int64_t* inv = inverse.const_data_ptr<int64_t>();
+    parallel_chunks(n, kKeyGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) rank[i] = keys[i] < 0 ? -1 : inv[i] - shift;
+    });
+    return out;
   }
-  // -1 is a group like any other so far: the bitmap's first, the hash's wherever it first
-  // came. It is dropped here by moving the codes and bounds that follow it one place down.
+  // Hashed in order of first occurrence, then the distinct codes sorted within each segment
+  // of the code space (a table: every code of segment s lies in [segments[s], segments[s + 1])),
+  // the segments in parallel.
+  const auto outputs = call_op_outputs<3>("sparsekit::unique", "", codes);
+  const Tensor& unique_codes = outputs[0];
+  const int64_t num_unique = unique_codes.size(0);
   const int64_t* u = unique_codes.const_data_ptr<int64_t>();
-  int64_t missing = -1;
-  for (int64_t g = 0; g < num_unique && missing < 0; ++g) {
-    if (u[g] == -1) missing = g;
+  const size_t num_segments = segments.size() - 1;
+  std::vector<int64_t> segment_of(static_cast<size_t>(num_unique));
+  std::vector<int64_t> first(num_segments + 2, 0);  // [-1's segment, then each segment]
+  for (int64_t g = 0; g < num_unique; ++g) {
+    segment_of[g] = u[g] < 0 ? -1 : std::upper_bound(segments.begin(), segments.end(), u[g]) - segments.begin() - 1;
+    ++first[segment_of[g] + 2];
   }
-  if (missing >= 0) {
-    const int64_t* off = offsets.const_data_ptr<int64_t>();
-    Tensor kept_codes = empty({num_unique - 1}, kLong, codes.device());
-    Tensor kept_offsets = empty({num_unique}, kLong, codes.device());
-    Tensor kept_order = empty({n - (off[missing + 1] - off[missing])}, kLong, codes.device());
-    int64_t* kc = kept_codes.mutable_data_ptr<int64_t>();
-    int64_t* ko = kept_offsets.mutable_data_ptr<int64_t>();
-    int64_t* kord = kept_order.mutable_data_ptr<int64_t>();
-    const int64_t* ord = order.const_data_ptr<int64_t>();
-    const int64_t gap = off[missing + 1] - off[missing];
-    for (int64_t g = 0, k = 0; g < num_unique; ++g) {
-      if (g == missing) continue;
-      kc[k] = u[g];
-      ko[k] = off[g] - (g > missing ? gap : 0);
-      ++k;
+  for (size_t s = 0; s <= num_segments; ++s) first[s + 1] += first[s];
+  std::vector<int64_t> by_code(static_cast<size_t>(num_unique));
+  {
+    std::vector<int64_t> cursor(first.begin(), first.end() - 1);
+    for (int64_t g = 0; g < num_unique; ++g) by_code[cursor[segment_of[g] + 1]++] = g;
+  }
+  parallel_for(0, static_cast<int64_t>(num_segments), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      std::sort(by_code.begin() + first[s + 1], by_code.begin() + first[s + 2],
+                [&](int64_t a, int64_t b) { return u[a] < u[b]; });
     }
-    ko[num_unique - 1] = n - gap;
-    std::memcpy(kord, ord, sizeof(int64_t) * static_cast<size_t>(off[missing]));
-    std::memcpy(kord + off[missing], ord + off[missing + 1], sizeof(int64_t) * static_cast<size_t>(n - off[missing + 1]));
-    return {kept_codes, kept_offsets, kept_order, bitmap};
+  });
+  const int64_t skipped = first[1];  // the -1, when present, sorts first
+  out.distinct = empty({num_unique - skipped}, kLong, codes.device());
+  int64_t* distinct = out.distinct.mutable_data_ptr<int64_t>();
+  std::vector<int64_t> new_rank(static_cast<size_t>(num_unique), -1);
+  for (int64_t i = skipped; i < num_unique; ++i) {
+    distinct[i - skipped] = u[by_code[i]];
+    new_rank[by_code[i]] = i - skipped;
   }
-  return {unique_codes, offsets, order, bitmap};
+  const int64_t* inv = outputs[1].const_data_ptr<int64_t>();
+  parallel_chunks(n, kKeyGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) rank[i] = new_rank[inv[i]];
+  });
+  return out;
 }
 
 STABLE_TORCH_LIBRARY_IMPL(sparsekit, CPU, m) {

@@ -259,7 +259,8 @@ namespace {
 struct CodeFeature {
   int64_t table_base;
   int64_t num_rows;  // -1: the feature is not this call's (its lookups are skipped)
-  int64_t column;
+  int64_t grad_address;    // its output gradient's first row
+  int64_t grad_row_bytes;  // between its rows
   int mean;
 };
 
@@ -270,11 +271,11 @@ struct CodeLaunch {
 };
 
 /// Per lookup of the launch's features: its code (invalid: skip, sorted last), its position,
-/// where its bag's gradient starts in grad, and its bag's length (0: no mean). A lane group
-/// of 32 per bag.
+/// the address of its bag's output gradient row, and its bag's length (0: no mean). A lane
+/// group of 32 per bag.
 __global__ void lookup_codes_kernel(CodeLaunch launch, const int64_t* __restrict__ rows,
                                     const int64_t* __restrict__ offsets, int64_t batch, int64_t bags, int64_t nnz,
-                                    int64_t total_dim, uint64_t invalid, uint64_t* __restrict__ codes,
+                                    uint64_t invalid, uint64_t* __restrict__ codes,
                                     int64_t* __restrict__ positions, int64_t* __restrict__ grad_at,
                                     int32_t* __restrict__ lengths, long long* __restrict__ errors) {
   const int lane = threadIdx.x & (kWarp - 1);
@@ -302,7 +303,7 @@ __global__ void lookup_codes_kernel(CodeLaunch launch, const int64_t* __restrict
       }
       codes[k] = code;
       positions[k] = k;
-      grad_at[k] = b * total_dim + f.column;
+      grad_at[k] = f.grad_address + b * f.grad_row_bytes;
       lengths[k] = f.mean ? static_cast<int32_t>(end - begin) : 0;
     }
   }
@@ -324,8 +325,8 @@ struct SortedLookups {
   uint64_t invalid;
 };
 
-SortedLookups sort_lookups(const PooledLayout& layout, const Tensor& rows, const Tensor& offsets, long long* slots,
-                           cudaStream_t stream) {
+SortedLookups sort_lookups(const PooledLayout& layout, const Tensor& rows, const Tensor& offsets,
+                           const std::vector<Tensor>& grads, long long* slots, cudaStream_t stream) {
   const Device device = rows.device();
   const int64_t n = layout.nnz;
   const std::vector<int64_t> bases = code_bases(layout);
@@ -347,14 +348,16 @@ SortedLookups sort_lookups(const PooledLayout& layout, const Tensor& rows, const
     launch.first_feature = first;
     for (int64_t f = first; f < std::min(layout.num_features, first + kFeaturesPerLaunch); ++f) {
       const int64_t t = layout.feature_tables[f];
-      launch.features[launch.count++] =
-          CodeFeature{t >= 0 ? bases[t] : 0, t >= 0 ? layout.table_rows[t] : -1, layout.feature_columns[f],
-                      static_cast<int>(layout.feature_means[f])};
+      launch.features[launch.count++] = CodeFeature{
+          t >= 0 ? bases[t] : 0, t >= 0 ? layout.table_rows[t] : -1,
+          t >= 0 ? reinterpret_cast<int64_t>(grads[f].const_data_ptr()) : 0,
+          t >= 0 ? grads[f].stride(0) * static_cast<int64_t>(grads[f].element_size()) : 0,
+          static_cast<int>(layout.feature_means[f])};
     }
     const int64_t threads = static_cast<int64_t>(launch.count) * layout.batch * kWarp;
     lookup_codes_kernel<<<blocks_for(threads), kThreads, 0, stream>>>(
         launch, rows.const_data_ptr<int64_t>(), offsets.const_data_ptr<int64_t>(), layout.batch, bags, n,
-        layout.total_dim, out.invalid, codes_a_ptr, pos_a.mutable_data_ptr<int64_t>(),
+        out.invalid, codes_a_ptr, pos_a.mutable_data_ptr<int64_t>(),
         out.grad_at.mutable_data_ptr<int64_t>(), out.lengths.mutable_data_ptr<int32_t>(), slots);
     SK_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -391,12 +394,12 @@ constexpr int kColumnsPerLane = 8;  // dims up to 256
 template <typename scalar_t, typename acc>
 __device__ __forceinline__ void sum_run(acc (&g)[kColumnsPerLane], int64_t dim, int lane, int64_t run_begin,
                                         int64_t run_end, const int64_t* positions, const int64_t* grad_at,
-                                        const int32_t* lengths, const float* psw, const scalar_t* grad) {
+                                        const int32_t* lengths, const float* psw) {
 #pragma unroll
   for (int c = 0; c < kColumnsPerLane; ++c) g[c] = acc(0);
   for (int64_t i = run_begin; i < run_end; ++i) {
     const int64_t k = positions[i];
-    const scalar_t* src = grad + grad_at[k];
+    const scalar_t* src = reinterpret_cast<const scalar_t*>(grad_at[k]);
     const int32_t length = lengths[k];
     const acc w = psw != nullptr ? static_cast<acc>(psw[k]) : acc(1);
 #pragma unroll
@@ -471,8 +474,8 @@ template <typename scalar_t, typename acc>
 __global__ void write_grad_rows_kernel(GradLaunch launch, const uint64_t* __restrict__ codes,
                                        const int64_t* __restrict__ positions, int64_t n, uint64_t invalid,
                                        const int64_t* __restrict__ grad_at, const int32_t* __restrict__ lengths,
-                                       const float* __restrict__ psw, const scalar_t* __restrict__ grad,
-                                       const int64_t* __restrict__ rank, const int64_t* __restrict__ value_start,
+                                       const float* __restrict__ psw, const int64_t* __restrict__ rank,
+                                       const int64_t* __restrict__ value_start,
                                        const int64_t* __restrict__ first_rank, int64_t* __restrict__ rows_out,
                                        acc* __restrict__ values) {
   const int lane = threadIdx.x & (kWarp - 1);
@@ -487,7 +490,7 @@ __global__ void write_grad_rows_kernel(GradLaunch launch, const uint64_t* __rest
     const GradTable& table = launch.tables[local];
     const int64_t u = rank[i] - 1;
     acc g[kColumnsPerLane];
-    sum_run<scalar_t, acc>(g, table.dim, lane, i, run_end, positions, grad_at, lengths, psw, grad);
+    sum_run<scalar_t, acc>(g, table.dim, lane, i, run_end, positions, grad_at, lengths, psw);
     acc* dst = values + value_start[t] + (u - first_rank[t]) * table.dim;
 #pragma unroll
     for (int c = 0; c < kColumnsPerLane; ++c) {
@@ -515,16 +518,15 @@ __global__ void table_starts_kernel(const int64_t* per_table, TableMeta meta, in
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
-    const Tensor& grad_in, const std::vector<Tensor>& weights, const Tensor& rows_in, const Tensor& offsets_in,
-    const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
-    std::vector<int64_t> feature_columns, std::vector<int64_t> feature_means, const std::optional<Tensor>& errors) {
+    const std::vector<Tensor>& grads, const std::vector<Tensor>& weights, const Tensor& rows_in,
+    const Tensor& offsets_in, const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
+    std::vector<int64_t> feature_means, const std::optional<Tensor>& errors) {
   const char* op = "pooled_read_backward";
-  const PooledLayout layout =
-      check_pooled_args(op, weights, rows_in, offsets_in, per_sample_weights_in, feature_tables, feature_columns,
-                        feature_means, grad_in.dim() == 2 ? grad_in.size(1) : 0);
+  const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
+                                                         feature_tables, feature_means);
   const Device device = weights[0].device();
   SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
-  check_pooled_grad(op, grad_in, layout, device);
+  check_pooled_grads(op, grads, layout, device);
   check_pooled_errors_arg(op, errors, device);
   for (const Tensor& w : weights) {
     SK_CHECK(w.size(1) <= kColumnsPerLane * kWarp, op, ": on CUDA a table's dim must be at most ",
@@ -534,7 +536,6 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
            kMaxBackwardTables, " tables, got ", weights.size());
   const DeviceGuard guard(weights[0].get_device_index());
   const cudaStream_t stream = current_stream(weights[0]);
-  const Tensor grad = as_contiguous(grad_in);
   const Tensor rows = as_contiguous(rows_in);
   const Tensor offsets = as_contiguous(offsets_in);
   const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
@@ -548,7 +549,7 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
     check_no_bags_kernel<<<1, 1, 0, stream>>>(offsets.const_data_ptr<int64_t>(), n, slots_ptr);
     SK_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const SortedLookups sorted = sort_lookups(layout, rows, offsets, slots_ptr, stream);
+  const SortedLookups sorted = sort_lookups(layout, rows, offsets, grads, slots_ptr, stream);
   const std::vector<int64_t> bases = code_bases(layout);
   TableMeta meta{};
   meta.count = num_tables;
@@ -591,8 +592,8 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
       }
       write_grad_rows_kernel<scalar_t, acc><<<blocks_for(n * kWarp), kThreads, 0, stream>>>(
           launch, sorted.codes, sorted.positions, n, sorted.invalid, sorted.grad_at.const_data_ptr<int64_t>(),
-          sorted.lengths.const_data_ptr<int32_t>(), psw_ptr, grad.const_data_ptr<scalar_t>(),
-          rank.const_data_ptr<int64_t>(), value_start, first_rank, rows_out.mutable_data_ptr<int64_t>(),
+          sorted.lengths.const_data_ptr<int32_t>(), psw_ptr, rank.const_data_ptr<int64_t>(), value_start,
+          first_rank, rows_out.mutable_data_ptr<int64_t>(),
           values.mutable_data_ptr<acc>());
       SK_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -641,8 +642,7 @@ template <typename scalar_t, typename acc>
 __global__ void update_rows_kernel(UpdateLaunch<scalar_t, acc> launch, UpdateSettings s,
                                    const uint64_t* __restrict__ codes, const int64_t* __restrict__ positions,
                                    int64_t n, uint64_t invalid, const int64_t* __restrict__ grad_at,
-                                   const int32_t* __restrict__ lengths, const float* __restrict__ psw,
-                                   const scalar_t* __restrict__ grad) {
+                                   const int32_t* __restrict__ lengths, const float* __restrict__ psw) {
   const int lane = threadIdx.x & (kWarp - 1);
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) / kWarp;
   double lr = s.lr;
@@ -658,7 +658,7 @@ __global__ void update_rows_kernel(UpdateLaunch<scalar_t, acc> launch, UpdateSet
     const int64_t row = static_cast<int64_t>(codes[i]) - table.base;
     const int64_t dim = table.dim;
     acc g[kColumnsPerLane];
-    sum_run<scalar_t, acc>(g, dim, lane, i, run_end, positions, grad_at, lengths, psw, grad);
+    sum_run<scalar_t, acc>(g, dim, lane, i, run_end, positions, grad_at, lengths, psw);
     scalar_t* w = table.weight + row * dim;
     const acc decay = static_cast<acc>(s.weight_decay);
     if (s.optimizer == static_cast<int>(FusedOptimizer::kSgd)) {
@@ -730,19 +730,18 @@ __global__ void count_steps_kernel(StepCounts counts) {
 
 void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vector<Tensor>& state1,
                              const std::vector<Tensor>& state2, const std::vector<Tensor>& steps,
-                             const Tensor& grad_in, const Tensor& rows_in, const Tensor& offsets_in,
+                             const std::vector<Tensor>& grads, const Tensor& rows_in, const Tensor& offsets_in,
                              const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
-                             std::vector<int64_t> feature_columns, std::vector<int64_t> feature_means,
+                             std::vector<int64_t> feature_means,
                              StrArg optimizer_name, std::vector<double> hyper, const std::optional<Tensor>& lr,
                              const std::optional<Tensor>& errors) {
   const char* op = "pooled_read_update_";
   const FusedOptimizer optimizer = parse_fused_optimizer(optimizer_name.value);
-  const PooledLayout layout =
-      check_pooled_args(op, weights, rows_in, offsets_in, per_sample_weights_in, feature_tables, feature_columns,
-                        feature_means, grad_in.dim() == 2 ? grad_in.size(1) : 0);
+  const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
+                                                         feature_tables, feature_means);
   const Device device = weights[0].device();
   SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
-  check_pooled_grad(op, grad_in, layout, device);
+  check_pooled_grads(op, grads, layout, device);
   const FusedScalars h = check_fused_hyper(op, optimizer, hyper);
   check_fused_state(op, optimizer, weights, state1, state2, steps);
   check_pooled_errors_arg(op, errors, device);
@@ -761,14 +760,15 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
   for (size_t t = 0; t < state1.size(); ++t) uses.push_back({&state1[t], "state1", t, true});
   for (size_t t = 0; t < state2.size(); ++t) uses.push_back({&state2[t], "state2", t, true});
   for (size_t t = 0; t < steps.size(); ++t) uses.push_back({&steps[t], "steps", t, true});
-  uses.push_back({&grad_in, "grad", 0, false});
+  for (size_t f = 0; f < grads.size(); ++f) {
+    if (layout.feature_tables[f] >= 0) uses.push_back({&grads[f], "grads", f, false});
+  }
   uses.push_back({&rows_in, "rows", 0, false});
   uses.push_back({&offsets_in, "offsets", 0, false});
   if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
   check_no_shared_writes(op, uses);
   const DeviceGuard guard(weights[0].get_device_index());
   const cudaStream_t stream = current_stream(weights[0]);
-  const Tensor grad = as_contiguous(grad_in);
   const Tensor rows = as_contiguous(rows_in);
   const Tensor offsets = as_contiguous(offsets_in);
   const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
@@ -781,7 +781,7 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
     check_no_bags_kernel<<<1, 1, 0, stream>>>(offsets.const_data_ptr<int64_t>(), n, slots_ptr);
     SK_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const SortedLookups sorted = sort_lookups(layout, rows, offsets, slots_ptr, stream);
+  const SortedLookups sorted = sort_lookups(layout, rows, offsets, grads, slots_ptr, stream);
   if (!errors.has_value()) {
     // Refused before anything is written: the read back of the checks (this mode's sync).
     raise_recorded(op, errors, slots, offsets, rows, layout);
@@ -815,7 +815,7 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
       }
       update_rows_kernel<scalar_t, acc><<<blocks_for(n * kWarp), kThreads, 0, stream>>>(
           launch, settings, sorted.codes, sorted.positions, n, sorted.invalid, sorted.grad_at.const_data_ptr<int64_t>(),
-          sorted.lengths.const_data_ptr<int32_t>(), psw_ptr, grad.const_data_ptr<scalar_t>());
+          sorted.lengths.const_data_ptr<int32_t>(), psw_ptr);
       SK_CUDA_KERNEL_LAUNCH_CHECK();
       if (counts.count > 0) {
         count_steps_kernel<<<1, kTablesPerLaunch, 0, stream>>>(counts);
