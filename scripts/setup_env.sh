@@ -48,12 +48,13 @@ else
   # The objects of this build in a folder of their own per flavour: a `pip install .` (which
   # builds under build/ too) cannot overwrite what the incremental build relies on.
   temp="build/dev-cuda-${SPARSEKIT_CUDA:-auto}"
-  # One line per compiled file; the whole log is in build/build.log.
-  if ! "$PY" setup.py build_ext --inplace --build-temp "$temp" > build/build.log 2>&1; then
+  # One line per compiled file as ninja goes ([done/total] file); the whole log is in
+  # build/build.log.
+  if ! "$PY" setup.py build_ext --inplace --build-temp "$temp" 2>&1 | tee build/build.log \
+      | sed -unE 's/^\[([0-9]+\/[0-9]+)\] .* -c (-c )?([^ ]+\.(cpp|cu)) .*/   [\1] \3/p'; then
     cat build/build.log
     exit 1
   fi
-  sed -nE 's/^\[([0-9]+\/[0-9]+)\] .* -c (-c )?([^ ]+\.(cpp|cu)) .*/   [\1] \3/p' build/build.log
   echo "$want" > "$stamp"
   echo "   built in $((SECONDS - start)) s"
 fi
