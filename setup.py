@@ -17,8 +17,6 @@ import os
 import shutil
 import sys
 
-from setuptools import setup
-
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -72,7 +70,62 @@ if _cuda_home:
 os.environ.setdefault("MAX_JOBS", default_max_jobs())
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 
+# The oldest torch the binary supports: its stable ABI has everything csrc/torch_api.h
+# uses (torch_parallel_for, torch_call_dispatcher, the typed data pointers arrived in 2.10).
+TARGET_TORCH = (2, 10)
+# pyproject.toml's license string (PEP 639) needs setuptools 77.
+MIN_SETUPTOOLS = (77,)
+
+
+def _release(version):
+    """(major, minor, ...) of a version string such as '2.13.0+cu130' or '80.9.0'."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_build_requirements():
+    """Stop before compiling anything when a build requirement is missing or too old: a
+    `--no-build-isolation` build uses what the environment has, and the errors those cause
+    later do not name the cause."""
+    from importlib import metadata
+
+    needs = []
+    try:
+        import setuptools
+    except ImportError:
+        needs.append(f"setuptools>={MIN_SETUPTOOLS[0]} (not installed)")
+    else:
+        if _release(setuptools.__version__) < MIN_SETUPTOOLS:
+            needs.append(f"setuptools>={MIN_SETUPTOOLS[0]} (found {setuptools.__version__})")
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    if torch_version is None:
+        needs.append(f"torch>={TARGET_TORCH[0]}.{TARGET_TORCH[1]} (not installed)")
+    elif _release(torch_version)[:2] < TARGET_TORCH:
+        needs.append(f"torch>={TARGET_TORCH[0]}.{TARGET_TORCH[1]} (found {torch_version}): the stable ABI "
+                     "sparsekit's kernels use arrived in 2.10")
+    # pip's ninja sits beside this Python, off PATH unless the venv is activated.
+    scripts = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        needs.append("ninja (not on PATH; without it every file compiles one at a time)")
+    if needs:
+        sys.exit("sparsekit's build needs " + "; ".join(needs)
+                 + ". Install them first, e.g. pip install 'setuptools>=77' wheel ninja 'torch>=2.10', "
+                 "or use an isolated build: pip install . (without --no-build-isolation)")
+
+
+check_build_requirements()
 import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
@@ -92,11 +145,6 @@ def want_cuda():
     if flag:
         sys.exit(f"SPARSEKIT_CUDA must be 0 or 1, got {flag!r}")
     return possible
-
-
-# The oldest torch the binary supports: its stable ABI has everything csrc/torch_api.h
-# uses (torch_parallel_for, torch_call_dispatcher, the typed data pointers arrived in 2.10).
-TARGET_TORCH = (2, 10)
 
 
 def target_version_macro():

@@ -242,7 +242,7 @@ class HashTable:
         device: Optional[Union[torch.device, str]] = None,
         eviction: Optional[str] = None,
     ) -> None:
-        capacity = size_argument("HashTable", "capacity", capacity, minimum=0)
+        capacity = size_argument("HashTable", "capacity", capacity, minimum=1)
         if key_dtype not in _KEY_DTYPES:
             raise TypeError(f"HashTable: key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
         if eviction not in _EVICTION_POLICIES:

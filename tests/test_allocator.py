@@ -1,6 +1,7 @@
 """sk.keep_freed_memory: glibc keeps freed blocks, so a training-step-like loop stops
 faulting in fresh pages; bad thresholds raise naming the argument."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -119,21 +120,34 @@ def test_layer_tables_and_moments_use_table_full(monkeypatch):
     assert any(dtype == torch.int64 and shape[0] >= 1000 for shape, dtype in sizes)  # the hash table's slots
 
 
-@pytest.mark.skipif(not GLIBC or allocator.huge_page_mode() == "never", reason="transparent huge pages are off here")
-def test_a_large_table_faults_in_huge_pages():
+@pytest.mark.skipif(not GLIBC or not os.path.exists("/proc/self/smaps"), reason="needs glibc and Linux's smaps")
+def test_a_large_table_asks_for_huge_pages():
+    """The table's aligned middle is advised MADV_HUGEPAGE (smaps flag ``hg``); a small
+    table is not. Whether the kernel then finds free huge pages depends on the machine's
+    load, so the page faults themselves are not asserted."""
     code = textwrap.dedent("""
-        import resource
         import torch
         from sparsekit import allocator
-        torch.set_num_threads(1)
-        allocator.table_zeros((1 << 10,), torch.float32, "cpu")  # warm up the code paths
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+        def flags(address):
+            lines = open("/proc/self/smaps").read().splitlines()
+            for i, line in enumerate(lines):
+                span = line.split()[0]
+                if "-" in span and all(c in "0123456789abcdef-" for c in span):
+                    begin, end = (int(part, 16) for part in span.split("-"))
+                    if begin <= address < end:
+                        flag_line = next(l for l in lines[i + 1:] if l.startswith("VmFlags:"))
+                        return flag_line.split()[1:]
+            raise AssertionError(hex(address))
+
+        huge = 2 << 20
         table = allocator.table_zeros((1 << 26,), torch.float32, "cpu")  # 256 MiB
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        middle = (table.data_ptr() + huge - 1) // huge * huge + huge
+        small = allocator.table_zeros((1 << 20,), torch.float32, "cpu")  # 4 MiB
+        print("hg" in flags(middle), "hg" in flags(small.data_ptr() + (2 << 20)))
     """)
-    faults = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
-    # 65,536 faults in 4 KiB pages; 128 huge pages and the unaligned ends (<= 1,024) in huge ones.
-    assert faults < 8192, faults
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["True", "False"], out
 
 
 def test_tables_follow_the_default_device():

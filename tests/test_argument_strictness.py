@@ -707,7 +707,8 @@ def test_sizes_take_numpy_integers_and_refuse_other_types_with_type_errors():
         (lambda: sk.All2AllDenseEmbedding(10, 4, 0, 1), ValueError,
          "All2AllDenseEmbedding: slot_num must be a positive int, got 0"),
         (lambda: sk.HashTable(2.0), TypeError, r"HashTable: capacity must be an int, got 2.0 \(float\)"),
-        (lambda: sk.HashTable(-1), ValueError, "HashTable: capacity must be a non-negative int, got -1"),
+        (lambda: sk.HashTable(-1), ValueError, "HashTable: capacity must be a positive int, got -1"),
+        (lambda: sk.HashTable(0), ValueError, "HashTable: capacity must be a positive int, got 0"),
         (lambda: sk.DistributedEmbedding("sum", 10, 4, 1, 1).export(min_last_seen="a"), TypeError,
          "DistributedEmbedding.export: min_last_seen must be an int or None, got 'a'"),
     ]:

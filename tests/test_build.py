@@ -3,6 +3,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,3 +84,18 @@ def test_every_op_has_a_cpu_kernel():
            "select_smallest"]
     missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"sparsekit::{op}", "CPU")]
     assert not missing
+
+
+def test_a_build_without_its_requirements_stops_at_once_naming_them(tmp_path):
+    """setup.py in a Python with no setuptools and no torch (a bare venv, as a
+    `--no-build-isolation` build would see it) stops before compiling, naming both."""
+    setup_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")
+    if not os.path.exists(setup_py):
+        pytest.skip("no source tree (an installed wheel)")
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    result = subprocess.run([str(venv / "bin" / "python"), setup_py, "--version"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert "sparsekit's build needs setuptools>=77 (not installed); torch>=2.10 (not installed)" in result.stderr
+    assert "Traceback" not in result.stderr

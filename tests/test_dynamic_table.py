@@ -459,14 +459,21 @@ def test_scores_are_kept_without_eviction_and_find_never_scores():
     assert table.touch(t([])).tolist() == []
 
 
-def test_capacity_zero_table():
+@pytest.mark.parametrize("capacity", [0, -1])
+def test_a_table_without_room_is_a_value_error_naming_capacity(capacity):
+    # As the layers' own sizes: a table that can never hold a key is a mistake, not a table.
     for eviction in POLICIES:
-        table = sk.HashTable(0, eviction=eviction)
-        assert table.insert(t([])).tolist() == []
-        with pytest.raises(HashTableFullError):
-            table.insert(t([1]))
-        assert len(table) == 0 and table.clock == 0
-        assert scores_of(table, [1]) == [(-1, -1)]
+        with pytest.raises(ValueError, match="capacity"):
+            sk.HashTable(capacity, eviction=eviction)
+
+
+def test_a_one_row_table_is_full_after_one_key():
+    table = sk.HashTable(1)
+    assert table.insert(t([])).tolist() == []
+    assert table.insert(t([5])).tolist() == [0]
+    with pytest.raises(HashTableFullError):
+        table.insert(t([1]))
+    assert len(table) == 1 and scores_of(table, [1]) == [(-1, -1)]
 
 
 @pytest.mark.parametrize("bad", ["LRU", "fifo", "", 1, True])

@@ -50,10 +50,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """An argument error is one line naming the flag and where help is, not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m sparsekit.train``; its defaults are TrainConfig's."""
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="python -m sparsekit.train",
         description="DLRM-style CTR training on sparsekit embeddings (or nn.EmbeddingBag for comparison).",
         formatter_class=_HelpFormatter)
@@ -95,14 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=defaults.lr,
                         help=f"Adam learning rate (all parameters), > 0 and at most {MAX_LR:g}")
     parser.add_argument("--table-rows", type=int, default=defaults.table_rows,
-                        help="embedding rows per rank (sparsekit: hash-table capacity per rank; "
-                        "torch: rows of the replicated table)")
+                        help="--embedding torch: rows of the replicated table (keys are taken modulo "
+                        "this); --embedding sparsekit: the default of --capacity-per-rank")
     parser.add_argument("--vocab-per-slot", type=int, default=defaults.vocab_per_slot,
                         help="distinct values per slot of the synthetic data "
                         f"(at most {MAX_VOCAB_PER_SLOT:,})")
     parser.add_argument("--capacity-per-rank", type=int, default=None,
-                        help="sparsekit: hash-table rows per rank (default: --table-rows, enough for the "
-                        "synthetic data)")
+                        help="--embedding sparsekit only: rows of each rank's hash table, the most "
+                        "distinct keys a rank holds before --eviction (default: --table-rows)")
     parser.add_argument("--eviction", choices=("lru", "lfu"), default=None,
                         help="sparsekit: evict least recently / least frequently used keys when a table "
                         "is full (default: a full table is an error)")
