@@ -33,7 +33,11 @@ echo "$(pwd)" > "$site/sparsekit-source.pth"
 # Build in place; object files persist under build/, so ninja recompiles only what changed,
 # and nothing runs when the library is newer than every source and was built the same way.
 lib=$(ls sparsekit/_C*.so 2>/dev/null | head -n 1 || true)
-want="torch=$("$PY" -c 'import torch; print(torch.__version__)') cuda=${SPARSEKIT_CUDA:-auto} home=${CUDA_HOME:-}"
+# torch's version (with its +cuXYZ) from torch/version.py alone: importing torch here
+# would cost seconds on every call.
+want="torch=$("$PY" -c 'import importlib.util, os, runpy
+spec = importlib.util.find_spec("torch")
+print(runpy.run_path(os.path.join(spec.submodule_search_locations[0], "version.py"))["__version__"])') cuda=${SPARSEKIT_CUDA:-auto} home=${CUDA_HOME:-}"
 stamp=build/sparsekit-build-stamp
 if [ -n "$lib" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f sparsekit/_build_info.py ] \
     && [ -z "$(find csrc setup.py -newer "$lib" -print -quit)" ]; then
@@ -57,10 +61,11 @@ else
   fi
   echo "$want" > "$stamp"
   echo "   built in $((SECONDS - start)) s"
-fi
-"$PY" - <<'PY'
+  # What was just built, loaded once (a call that builds nothing skips this import).
+  "$PY" - <<'PY'
 import torch, sparsekit
 cuda = torch._C._dispatch_has_kernel_for_dispatch_key("sparsekit::unique", "CUDA")
 print(f"sparsekit {sparsekit.__version__} on torch {torch.__version__}: CUDA kernels "
       f"{'compiled' if cuda else 'not compiled'}, GPU {'present' if torch.cuda.is_available() else 'absent'}")
 PY
+fi
