@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from . import engine, ops, traced
 from ._checks import compile_disabled, device_argument, plain_tensor, size_argument, tensor_integer, type_name
 from .checkpoint import _collective_device
-from . import keyed
+from . import keyed, variable_batch
 from .fused import FusedOptimizer
 from .exchange import (
     _BAD_KEY,
@@ -293,15 +293,17 @@ class KeyedJagged:
             called = " and ".join(m for m, has in (("offsets()", has_offsets), ("lengths()", has_lengths)) if has)
             raise TypeError(f"{_INPUT}{called} returned None; one of them must return an int64 or int32 tensor")
         weights = kjt.weights_or_none() if callable(getattr(kjt, "weights_or_none", None)) else None
-        if callable(getattr(kjt, "variable_stride_per_key", None)) and kjt.variable_stride_per_key():
-            # TorchRec's variable batch per feature: lengths() then holds stride_per_key()[f]
-            # bags for feature f, which one batch size B for all would misread silently.
-            strides = kjt.stride_per_key() if callable(getattr(kjt, "stride_per_key", None)) else "?"
-            raise ValueError(f"{_INPUT}variable_stride_per_key() is True (batch sizes per feature {strides}): "
-                             "EmbeddingBagCollection needs one batch size B for every feature")
+        variable = callable(getattr(kjt, "variable_stride_per_key", None)) and kjt.variable_stride_per_key()
+        values = kjt.values()
+        if variable:
+            # TorchRec's variable batch per feature: its bags selected by the inverse indices
+            # into one batch B for every feature (sparsekit/variable_batch.py).
+            values, offsets, weights = variable_batch.expand(kjt, list(kjt.keys()), lengths, offsets, values,
+                                                             weights)
+            lengths = None
         out = cls.__new__(cls)
-        out._set_checked(kjt.keys(), kjt.values(), lengths, offsets, weights, _INPUT, _METHOD_LABELS)
-        if callable(getattr(kjt, "stride", None)) and out._keys:
+        out._set_checked(kjt.keys(), values, lengths, offsets, weights, _INPUT, _METHOD_LABELS)
+        if not variable and callable(getattr(kjt, "stride", None)) and out._keys:
             # An integer in any form (a one-element integer tensor, a NumPy integer) is
             # compared; anything else is not a batch size and is left alone.
             stride = tensor_integer(kjt.stride())

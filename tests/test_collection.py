@@ -985,7 +985,7 @@ def _two_tables():
     return sk.EmbeddingBagCollection([sk.TableConfig("a", 2, 16, ["fa"]), sk.TableConfig("b", 2, 16, ["fb"])])
 
 
-def test_a_variable_batch_per_feature_input_is_refused():
+def test_a_variable_batch_per_feature_input_without_inverse_indices_is_refused():
     model = _two_tables()
     with pytest.raises(ValueError, match=r"variable_stride_per_key\(\) is True \(batch sizes per feature \[1, 3\]\)"):
         model(_VariableBatch())

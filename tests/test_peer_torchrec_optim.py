@@ -342,8 +342,8 @@ def test_torchrec_kjt_stand_in_matches_keyed_jagged(weighted, build):
 
 
 def test_torchrec_kjt_stand_in_with_variable_batch_or_wrong_stride_is_refused():
-    """TorchRec's variable batch per feature (variable_stride_per_key() True) and a stride()
-    that disagrees with the bags are refused (README, Failure behaviour) naming the method."""
+    """TorchRec's variable batch per feature (variable_stride_per_key() True) without its
+    inverse indices, and a stride() that disagrees with the bags, are refused naming the method."""
     ebc = sk.EmbeddingBagCollection([sk.TableConfig("t", 3, 10, ["f1", "f2"])])
     wrong = TorchRecKJT.from_offsets_sync(["f1", "f2"], VALUES, OFFSETS)
     wrong._stride = 2
