@@ -694,10 +694,9 @@ class EmbeddingBagCollection(nn.Module):
         self._config_agreed = self.world_size == 1
         if output == "keyed":
             dtypes = {t.dtype for t in self.tables}
-            if len(dtypes) > 1 or self.world_size > 1:
+            if len(dtypes) > 1:
                 raise ValueError("EmbeddingBagCollection: output='keyed' (one [B, sum of dims] tensor) needs one "
-                                 f"dtype across the tables and one process, got {sorted(map(str, dtypes))} on "
-                                 f"{self.world_size} process(es); use output='dict'")
+                                 f"dtype across the tables, got {sorted(map(str, dtypes))}; use output='dict'")
         self._fused: Optional[FusedOptimizer] = None
         if fused_params is not None:
             if self.world_size > 1:
@@ -1122,7 +1121,17 @@ class EmbeddingBagCollection(nn.Module):
         send_elements = [sum(n * d for n, d in zip(row, dims)) for row in sent_counts]
         recv_elements = [sum(n * d for n, d in zip(row, dims)) for row in got_counts]
         back = _AllToAll.apply(flat, send_elements, recv_elements, self.process_group)
-        return self._pool(prepared, self._unpack(back, sent_counts), sent_counts)
+        pooled = self._pool(prepared, self._unpack(back, sent_counts), sent_counts)
+        return self._keyed(pooled, prepared["batch"]) if self._output == "keyed" else pooled
+
+    def _keyed(self, pooled: Dict[str, Tensor], batch: int) -> "keyed.KeyedTensor":
+        """The dict of a multi-rank step as the keyed output: every table's features in
+        config order, a feature absent from the batch reading as zeros (as in one process)."""
+        keys = [f for table in self.tables for f in table.features]
+        dims = [self._shards[self._feature_table[f]].embedding_vec_size for f in keys]
+        weight = self._shards[0].weight
+        parts = [pooled[f] if f in pooled else weight.new_zeros(batch, d) for f, d in zip(keys, dims)]
+        return keyed.KeyedTensor(keys, dims, torch.cat(parts, dim=1))
 
     def _listed(self, prepared: Dict[str, Any]) -> List[bool]:
         """Per table, whether the batch names one of its features (even with no keys): such
