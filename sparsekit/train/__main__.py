@@ -26,7 +26,7 @@ from ..checkpoint import OtherRankError
 from ..hashtable import HashTableFullError
 from .criteo import CriteoFormatError
 from .data import NUM_SLOTS
-from .loop import (
+from .config import (
     MAX_BATCH_SIZE,
     MAX_LR,
     MAX_SYNTHETIC_EVAL_SAMPLES,
@@ -35,9 +35,9 @@ from .loop import (
     FlagError,
     HarnessError,
     TrainConfig,
-    _table_capacity,
-    train,
+    table_capacity,
 )
+from .loop import train
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -218,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except (HarnessError, CriteoFormatError) as error:  # both name the file (and line)
         _fail(str(error))
     except HashTableFullError as error:
-        capacity, rows_flag = _table_capacity(vars(config))
+        capacity, rows_flag = table_capacity(vars(config))
         tables = f", {NUM_SLOTS} tables of {max(1, capacity // NUM_SLOTS)} rows" if config.tables == "per-slot" else ""
         # With eviction the table is full only when one step holds more distinct keys than it.
         hint = " or pass --eviction lru|lfu" if config.eviction is None else ""
