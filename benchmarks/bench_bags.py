@@ -5,21 +5,12 @@ EmbeddingBagCollection where torchrec is installed), forward and training step.
                                     [--keys uniform,zipf] [--batch 1024] [--min-ids 10] [--max-ids 30]
                                     [--rounds 5] [--repeat 3] [--busy-core]
 
-26 features, each read by its own table of ``rows`` rows and ``dim`` columns; every bag
-holds 10-30 ids (uniform lengths), uniform or Zipf(1.2) over the table's rows. Sides, each
-on the same batches:
-
-- forward (``eval()`` under ``no_grad``): sparsekit direct tables (``use_hashtable=False``:
-  the layout nn.EmbeddingBag has), sparsekit hash tables, 26 ``nn.EmbeddingBag``, and
-  TorchRec's ``EmbeddingBagCollection`` (plain, FBGEMM's kernels) when importable;
-- training step (forward, backward of the sum of squares, optimizer): sparsekit direct
-  tables with ``sk.LazyAdam`` on sparse gradients, with the fused LazyAdam and with the
-  fused row-wise Adagrad, against 26 ``nn.EmbeddingBag(sparse=True)`` + ``SparseAdam``
-  (cells whose tables and Adam moments fit the machine's memory only).
-
-Ratios are the competitor's time over sparsekit's per interleaved round: median (min-max).
-Goal (CPU): forward >= x1.5 nn.EmbeddingBag and >= x1 TorchRec, training step >= x1.5 torch.
-Writes benchmarks/results/bags_<device>.json.
+26 features, each its own table; bags of 10-30 uniform or Zipf(1.2) ids. Forward (eval,
+no_grad) of direct and hash tables against 26 ``nn.EmbeddingBag`` and TorchRec; training
+step with ``sk.LazyAdam``, the fused LazyAdam and the fused row-wise Adagrad against
+``nn.EmbeddingBag(sparse=True)`` + ``SparseAdam``. Ratios: competitor time / sparsekit time
+per interleaved round, median (min-max). Goal (CPU): forward >= x1.5 nn.EmbeddingBag and
+>= x1 TorchRec, training step >= x1.5 torch. Writes benchmarks/results/bags_<device>.json.
 """
 
 from __future__ import annotations

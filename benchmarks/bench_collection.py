@@ -4,32 +4,14 @@
                                           [--world-sizes 1,2] [--rounds 7] [--repeat 3] [--busy-core]
                                           [--threads N] [--small]
 
-A DLRM-shaped batch: 26 features, each read by its own table, ``--pooling`` keys per bag
-(1, as Criteo), keys Zipf(1.2)-distributed within each table's capacity; the capacities
-are drawn log-uniformly from 10^3..10^7 for the all-16 configuration and 10^3..10^6 for
-dims cycling 16 / 64 / 128 (26 full-size tables of up to 128 columns plus their Adam
-moments would not fit a 24 GiB machine; ``--small``: 10^3..10^5 for both). The
-nn.EmbeddingBag tables have the full capacity; sparsekit's hash tables hold the keys the
-run meets (their distinct count per rank, with 50% to spare). A training step (forward,
-backward of the sum of squares of every pooled output, optimizer step) of:
-
-1. ``sk.EmbeddingBagCollection`` (hash tables) + ``sk.LazyAdam``;
-2. 26 ``sk.DistributedEmbedding`` layers (one slot each) + one ``sk.LazyAdam``;
-3. 26 ``nn.EmbeddingBag(mode="sum", sparse=True)`` + ``torch.optim.SparseAdam`` (world 1).
-
-The loss all three share is also timed on its own (forward and backward on outputs of the
-same shapes): with dims up to 128 it is a third of the collection's step, and the ratio
-against the 26 layers with it taken off both sides is reported beside the plain one (an
-estimate, and not the goal's measure).
-
-Also (1) with bfloat16 tables: its step time and the tables' bytes against float32 (the
-weights; LazyAdam's moments stay float32 either way). Ratios are competitor time /
-collection time per interleaved round, given as median (min-max). World 2 runs (1) and
-(2) under gloo, one process per rank, each timing its step; the slowest rank counts.
-Before timing, the three sides' pooled outputs of one batch must agree (the collection's
-vectors copied into the others). Goal (CPU, world 1): the collection >= 2x the 26 layers
-and >= 1.5x torch. Writes
-benchmarks/results/collection_<device>.json (collection_busy_<device>.json with --busy-core).
+A DLRM-shaped batch: 26 features, each its own table (log-uniform capacities, dims all 16 or
+cycling 16 / 64 / 128), Zipf(1.2) keys. A training step (forward, backward of the sum of
+squares, optimizer) of the collection + ``sk.LazyAdam``, of 26 ``sk.DistributedEmbedding``
+layers, and (world 1) of 26 ``nn.EmbeddingBag`` + ``SparseAdam``; the collection also with
+bfloat16 tables. The three sides' outputs must agree before timing. Ratios are competitor
+time / collection time per interleaved round, median (min-max); world 2 runs under gloo,
+the slowest rank counting. Goal (CPU, world 1): >= 2x the 26 layers and >= 1.5x torch.
+Writes benchmarks/results/collection_<device>.json (``_busy`` with --busy-core).
 """
 
 from __future__ import annotations

@@ -5,51 +5,12 @@
                                        [--busy-core]
 
 Goal (the dynamic-tables issue): an insert that evicts costs at most 2x a plain insert at
-64k new keys per call.
-
-Each call inserts ``--batch`` keys that were never seen before (a counter range through
-an odd multiplier, a bijection of int64, so distinct and scattered; shuffled), optionally
-``--seen-fraction`` of them resident keys instead. Per load L in ``--loads``, with
-``N = L * capacity`` keys resident, the same call goes to:
-
-* plain: ``HashTable(eviction=None)`` holding the N keys, with room for the call;
-* lru / lfu: the same N keys, table full at N keys (its capacity limit is N), so the call
-  evicts exactly one resident key per new key.
-
-All three share one slot array, the one a ``HashTable(capacity)`` allocates
-(``S = next_pow2(2 * capacity)`` slots), with the same keys in the same slots: the sides
-differ only in eviction. At load 1.0 the plain table is given rows beyond ``capacity``
-(with that slot array) so that it has room; it then ends the call with ``N + B``
-occupied slots, as the evicting table does (N live keys + B tombstones). The evicting
-tables' scores are spread like a table's after a while of training: ``last_seen``
-uniform over the last 1000 clocks, ``count`` Zipf(1.3); the clock ticks before every call.
-
-Every repeat starts each side from a fresh copy of the pre-filled state (the copy is not
-timed), so every measured call evicts the full batch; the sides run interleaved, their
-order rotating from repeat to repeat, after one untimed warm-up repeat. Per call, timed
-separately (device synchronised around each):
-
-* ``plan`` = ``HashTable._plan_insert``: unique of the call's keys, find, and with
-  eviction the victim selection (``ops.select_smallest`` over the resident keys' score
-  columns) and the gather of the victims' keys;
-* ``commit`` = ``HashTable._commit_insert``: with eviction ``ops.hash_table_erase_`` of
-  the victims, then placing the new keys, writing their row keys and the scores (and a
-  tombstone rebuild when one is due: never on a fresh copy at the default sizes);
-* ``select`` and ``erase``: the evicting side's ``ops.select_smallest`` and
-  ``ops.hash_table_erase_`` alone, on the same columns / keys of the same state (checked
-  to pick the same victims), timed right after the call;
-* derived: ``find`` = plan - select (unique + find + bookkeeping), ``evict`` = select +
-  erase, ``insert`` = commit - erase. plan + commit is the whole ``insert()``.
-
-``stream``: the evicting table then keeps inserting fresh batches for one whole
-tombstone cycle (``S // (4 * B) + 1`` calls from no tombstones to and including the
-rebuild), so its per-call time amortises the rebuild and the longer probes past
-tombstones; its ratio is to the same repeat's plain call.
-
-Ratios are per repeat (evicting / plain of the same repeat), reported min / median /
-max with every repeat's ratio kept. --busy-core keeps one core busy with a spinning
-process throughout. Writes benchmarks/results/dynamic_<device>.json
-(dynamic_busy_<device>.json with --busy-core, or ``--out``).
+64k new keys per call. Each call inserts ``--batch`` never-seen keys into a table holding
+``load * capacity`` keys: the plain table has room, the evicting one is full and evicts one
+key per new key; both share one slot layout. Each repeat starts every side from a fresh
+copy (untimed), sides interleaved; ``plan``, ``commit``, ``select`` and ``erase`` are timed
+apart, and ``stream`` amortises one whole tombstone cycle. Ratios are evicting / plain per
+repeat. Writes benchmarks/results/dynamic_<device>.json (``_busy`` with --busy-core).
 """
 
 from __future__ import annotations

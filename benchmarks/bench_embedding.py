@@ -4,39 +4,14 @@
                                          [--bags 16384] [--pooling 20] [--rounds 7] [--repeat 5]
                                          [--busy-core] [--one-process]
 
-A 1M x 64 float32 table, 16384 bags of 20 rows (sum pooling), rows drawn uniformly or from
-a Zipf law. All candidates run side by side in this process, in --rounds interleaved
-rounds of the best of --repeat calls each, and are compared as ratios (competitor time /
-sparsekit time), given as median (min-max) over rounds; the JSON keeps every round.
---busy-core keeps one core busy with a spinning process throughout (JSON:
-embedding_busy_<device>.json). On the CPU each dim, and the skew case, runs in a Python
-process of its own, so no cell's timing depends on what ran before it (--one-process: all
-in this one).
-
-- forward: ``sparsekit.ops.embedding_bag`` vs ``nn.EmbeddingBag(mode="sum", sparse=True)``
-  vs FBGEMM's table-batched embedding (training and inference modules, one table) when
-  ``fbgemm_gpu`` is importable (this script never installs it; the CPU package is
-  ``fbgemm-gpu-cpu``).
-- forward + backward: sparsekit (an aggregated sparse gradient: one entry per distinct
-  row) vs nn.EmbeddingBag (a sparse gradient with one entry per lookup) vs FBGEMM training
-  (whose backward fuses an SGD update instead of returning a gradient).
-- ``--modes sum,weighted,max``: also the forward of weighted sums (``per_sample_weights``)
-  and of max pooling against ``nn.EmbeddingBag`` in the same mode (forward only).
-- ``--prefetch-plans`` (CPU): also the forward with each prefetch plan of the pooling
-  loops forced (``sparsekit[every]``, ``sparsekit[first]``; ``SPARSEKIT_POOL_PREFETCH``),
-  beside ``sparsekit``'s own choice between them (csrc/cpu/prefetch_plan.h).
-- one CPU thread is timed in thread CPU time (immune to other processes on a shared
-  machine), more threads and CUDA in wall time.
-- on CUDA, also the fraction of the device-to-device copy bandwidth measured in this run:
-  bytes the forward must move (rows read, ids and offsets read, output written) / time; on
-  the CPU, each side's fraction of the rate ``torch.sum`` streams through 1 GiB on the same
-  threads (printed for uniform rows, which come from memory): a forward cannot read faster,
-  so where ``nn.EmbeddingBag`` is near it, no kernel can beat it by much.
-- skew: the backward of ``--skew-lookups`` (2**20) lookups at D=``--skew-dim`` (128), bags
-  of ``--pooling`` rows, once with every lookup on row 0 (one row summed 2**20 times) and
-  once with every lookup on its own row (``arange``). The backward sums each distinct row's
-  lookups; with long groups split over many lane groups the two should take about the same
-  time on a GPU (ratio ``zeros / arange`` near 1). ``--skip-main`` runs this case alone.
+A 1M x 64 float32 table, 16384 bags of 20 rows (sum pooling), uniform or Zipf rows. All
+candidates run side by side in --rounds interleaved rounds of the best of --repeat calls;
+ratios are competitor time / sparsekit time, median (min-max), every round in the JSON.
+On the CPU each dim runs in a process of its own (--one-process: all in this one); one
+thread is timed in thread CPU time. Options: ``--modes sum,weighted,max``,
+``--prefetch-plans`` (each CPU prefetch plan forced), the skew case (``--skew-lookups``:
+one hot row against all distinct rows; ``--skip-main`` runs it alone). Also each side's
+fraction of a copy's (CUDA) or ``torch.sum``'s (CPU) bandwidth in the same run.
 """
 
 from __future__ import annotations
@@ -175,10 +150,9 @@ def bench_dim(args, dim: int, fbgemm, device: torch.device, copy_bytes_per_s: fl
     results: list[dict] = []
     nnz = args.bags * args.pooling
     offsets = torch.arange(0, nnz + 1, args.pooling, device=device)
-    # One table in memory for every side (nn.EmbeddingBag's weight is a view of it; sparsekit's
-    # gradient goes to `weight`, a leaf over the same storage): on a virtual machine two copies
-    # of a table can sit in memory of different speed (measured: the same loop 1.7x apart on
-    # two copies), which would time the copies, not the kernels. No side writes the table.
+    # One table in memory for every side (nn.EmbeddingBag's weight is a view of it): two copies
+    # can sit in memory of different speed, which would time the copies, not the kernels.
+    # No side writes the table.
     table = torch.randn(args.rows, dim, device=device)
     reference = torch.nn.EmbeddingBag(args.rows, dim, mode="sum", sparse=True, include_last_offset=True,
                                       _weight=table, device=device)
@@ -357,10 +331,8 @@ def run(args) -> None:
 
         print(f"FBGEMM {getattr(fbgemm_gpu, '__version__', '?')} found: comparing with its table-batched embedding")
 
-    # On the CPU each dim (and the skew case) runs in a process of its own: a dim's
-    # forward + backward ratios depended on which cells the process had run before (the
-    # gradients' fresh pages against memory the allocator kept: D=64 uniform on one thread
-    # x0.70 after the D=16 cells, x2.63 alone).
+    # On the CPU each dim (and the skew case) runs in a process of its own: otherwise a cell's
+    # ratios depend on the cells run before it (fresh pages against memory the allocator kept).
     parts = parts_of(args)
     isolate = device.type == "cpu" and not args.one_process and len(parts) > 1
     with busy_core(args.busy_core):

@@ -3,36 +3,13 @@
     python benchmarks/bench_hashtable.py [--device cpu|cuda] [--capacity N] [--queries Q]
                                          [--rounds 7] [--repeat 5] [--busy-core]
 
-A grid of load factor x key distribution (the cuCollections style):
-
-* load factor = ``len(table) / capacity`` in {0.25, 0.5, 0.75}. The table allocates
-  ``S = next_pow2(2 * capacity)`` slots, so the slot occupancy (what governs probe
-  lengths) is ``len / S <= load / 2``: 0.125 / 0.25 / 0.375 when capacity is a power of
-  two (as the default 1M = 2^20 is), lower otherwise. A completely full table is at most
-  half occupied.
-* keys: ``uniform`` (random int64 over the whole range; queries pick resident keys
-  uniformly, all hits) or ``zipf`` (alpha 1.2 ranks spread over int64 as in
-  benchmarks/common.py; the resident keys are the most popular ones and queries are a
-  Zipf stream, mostly hits with many repeats).
-
-Measured, in keys per second:
-
-* ``build``: one ``insert`` of ``load * capacity`` distinct keys into an empty table.
-* ``find``: ``find`` of Q query keys.
-* ``insert_existing``: find-or-insert ``insert`` of the same Q keys once they are resident
-  (the training-time lookup: dedup with sparsekit's unique, find, nothing new to place);
-  skipped (null in the JSON) where the queries' keys outside the resident set do not fit
-  the capacity.
-
-Competitors in the same process: a sorted key array (``torch.sort`` to build,
-``torch.searchsorted`` + a gather to find, which is what a torch-only lookup does), and on
-the CPU a Python dict for a 100k-key slice of each (build with dict comprehension, find
-with ``dict.get``), scaled to keys/s. The five timed operations run in --rounds
-interleaved rounds of the best of --repeat calls each (keys/s: the median round); the
-ratios find / searchsorted and build / sort are given as median (min-max) over rounds,
-and the JSON keeps every round. --busy-core keeps one core busy with a spinning process
-throughout. Writes benchmarks/results/hashtable_<device>.json (hashtable_busy_<device>.json
-with --busy-core).
+A grid of load factor (``len / capacity`` in {0.25, 0.5, 0.75}; the slots are at most half
+occupied) x key distribution (``uniform`` int64, or ``zipf`` 1.2 streams with many
+repeats), in keys per second: ``build`` (one insert), ``find`` of Q keys and
+``insert_existing`` (the training-time find-or-insert). Competitors in the same process: a
+sorted key array (``torch.sort`` / ``torch.searchsorted``) and, on the CPU, a Python dict.
+Interleaved rounds of the best of --repeat calls; ratios median (min-max), every round in
+the JSON. Writes benchmarks/results/hashtable_<device>.json (``_busy`` with --busy-core).
 """
 
 from __future__ import annotations

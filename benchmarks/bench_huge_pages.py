@@ -2,20 +2,12 @@
 
     python benchmarks/bench_huge_pages.py [--dims 16,64,128] [--threads 1] [--rounds 7] [--repeat 5] [--busy-core]
 
-sparsekit allocates a table of 256 MiB or more (an embedding weight, its LazyAdam moments,
-a hash table's arrays) with ``madvise(MADV_HUGEPAGE)`` before its first touch
-(``sparsekit/allocator.py``). This measures what that buys on the two paths that read a
-table at random rows:
-
-1. ``sk.ops.embedding_bag`` over a 1M x D float32 table, 16384 bags of 20 uniform rows,
-   the table made by ``table_zeros`` with and without the advice (the same values);
-2. a ``DistributedEmbedding`` training step (forward, backward, ``LazyAdam``) over a
-   4M x D hash table holding 3.1M keys, 1024 samples x 26 slots of uniform keys, one
-   layer built each way.
-
-Ratios are 4 KiB-page time / huge-page time per interleaved round, median (min-max).
-Where transparent huge pages are off (``never``) both sides are the same. Writes
-benchmarks/results/huge_pages_cpu.json (huge_pages_busy_cpu.json with --busy-core).
+sparsekit advises huge pages for a table of 256 MiB or more (``sparsekit/allocator.py``).
+This measures what that buys where tables are read at random rows: ``sk.ops.embedding_bag``
+over a 1M x D table, and a ``DistributedEmbedding`` training step over a 4M x D hash table,
+each built with and without the advice. Ratios: 4 KiB-page time / huge-page time per
+interleaved round, median (min-max); with THP off both sides are the same. Writes
+benchmarks/results/huge_pages_cpu.json (``_busy`` with --busy-core).
 """
 
 from __future__ import annotations

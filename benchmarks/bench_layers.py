@@ -3,20 +3,12 @@
     python benchmarks/bench_layers.py [--device cpu|cuda] [--batch N] [--slots N] [--nnz N] [--dim N]
                                       [--world-sizes 1,2] [--rounds 7] [--repeat 5] [--busy-core]
 
-One training step = forward + backward + optimizer step of a pooled embedding (combiner
-"sum") on the same Zipf-distributed keys. At world size 1 both run side by side in this
-process; nn.EmbeddingBag is handed the keys already mapped to dense indices (a dict built
-outside the timed region), a head start sparsekit's hash table does not get. At world
-size > 1 (CPU: gloo, spawned on loopback) each rank runs its share of the same global
-batch through the model-parallel layer; the figure is the step time of the slowest rank,
-and the exchange's payload is counted: keys to their owners, vectors back, vector
-gradients back again, plus the counts header (bytes leaving a rank for other ranks).
-Each process uses --threads intra-op threads (all processes together: world size x threads).
-Steps are timed in --rounds rounds of the best of --repeat steps (at world size 1 the two
-sides interleaved; the ratio torch time / sparsekit time is given as median (min-max) over
-rounds); the JSON keeps every round. --busy-core keeps one core busy with a spinning
-process throughout. Writes benchmarks/results/layers_<device>.json (layers_busy_<device>.json
-with --busy-core).
+One training step of a pooled embedding on the same Zipf keys. World 1: both side by side
+(nn.EmbeddingBag gets the keys already mapped to indices, a head start). World > 1 (CPU:
+gloo on loopback): each rank runs its share of one global batch; the slowest rank's step
+counts, and the exchange's bytes are counted. Ratios: torch time / sparsekit time per
+round, median (min-max). Writes benchmarks/results/layers_<device>.json (``_busy`` with
+--busy-core).
 """
 
 from __future__ import annotations

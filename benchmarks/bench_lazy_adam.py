@@ -3,21 +3,12 @@
     python benchmarks/bench_lazy_adam.py [--device cpu|cuda] [--rows N] [--dim D] [--unique U]
                                          [--rounds 7] [--repeat 5] [--busy-core]
 
-Default: a 1M x 64 float32 embedding, a gradient touching 100k distinct rows. Timed: one
-optimizer.step() with the gradient already set, in two cases:
-
-* ``coalesced``: a coalesced sparse gradient (100k entries), the pure update cost.
-* ``duplicates``: the uncoalesced gradient nn.Embedding(sparse=True) produces, here 300k
-  lookups of the same 100k rows; SparseAdam coalesces (sorts) it, LazyAdam sums the
-  duplicates with sparsekit's unique + segment_sum.
-
-Each of --rounds interleaved rounds times the best of --repeat steps per side; the ratio
-(SparseAdam time / LazyAdam time) is given as its median with the min-max over rounds, and
-the JSON keeps every round. --busy-core keeps one core busy with a spinning process
-throughout. On CUDA, bytes moved per second by the fused update (weight and both moments
-read and written, gradient rows read) are also given against a device-to-device copy
-measured in the same run. Writes benchmarks/results/lazy_adam_<device>.json
-(lazy_adam_busy_<device>.json with --busy-core).
+One optimizer.step() with the gradient set (default: 1M x 64 float32, 100k distinct rows),
+for a coalesced gradient (the pure update) and for the uncoalesced one nn.Embedding
+produces (300k lookups: SparseAdam sorts it, LazyAdam sums the duplicates). Interleaved
+rounds of the best of --repeat; ratio SparseAdam time / LazyAdam time, median (min-max). On
+CUDA also the update's bytes per second against a copy in the same run. Writes
+benchmarks/results/lazy_adam_<device>.json (``_busy`` with --busy-core).
 """
 
 from __future__ import annotations

@@ -2,28 +2,13 @@
 
     python benchmarks/bench_train.py [--device cpu|cuda] [--batch-size N] [--steps N]
 
-The same DLRM model (bottom MLP, 26 embedding slots, dot interaction, top MLP) on the
-same synthetic Criteo-shaped batches, built exactly as ``python -m sparsekit.train``
-builds it, one process:
-
-* sparsekit: ``sk.DistributedEmbedding`` (hash table, combiner "sum") + ``sk.LazyAdam``;
-* torch: ``nn.EmbeddingBag(sparse=True)`` over ``key mod table_rows`` +
-  ``torch.optim.SparseAdam``, and ``torch.optim.Adam`` for the dense layers.
-
-A timed block is ``--steps`` full training steps (forward, backward, optimizer) on
-pre-generated batches, so data generation is not counted. Every step gets a batch of
-its own (global batch ``step`` of the harness's stream), so new keys keep arriving at
-the rate they do in training, and the hash table keeps inserting. A *harness* block is
-the same steps with each batch generated right before its step, as ``python -m
-sparsekit.train`` does: its ratio is the harness's samples/s ratio, measured without the
-run-to-run noise of two separate harness runs. Both back ends are timed in alternating
-rounds (a plain block each, then a harness block each) in this one process; the ratio
-(torch time / sparsekit time) is given per round and as median (min-max). A profile then splits a step of each back end into
-embedding forward, the rest of the forward (MLPs, interaction), backward and optimizer,
-next to the time the harness's synthetic data generation takes per batch (not part of the
-timed steps, but part of a harness run). --busy-core keeps one core busy throughout.
-Without --device: the CPU, then the GPU when there is one. Writes
-benchmarks/results/train_<device>.json.
+The DLRM model of ``python -m sparsekit.train`` on the same synthetic Criteo-shaped batches,
+one process: ``sk.DistributedEmbedding`` + ``sk.LazyAdam`` against ``nn.EmbeddingBag(sparse=True)``
+over ``key mod table_rows`` + ``SparseAdam``. A timed block is ``--steps`` training steps on
+pre-generated batches (new keys keep arriving); a *harness* block generates each batch
+before its step, as the harness does. Back ends alternate in rounds; ratios are torch time /
+sparsekit time, median (min-max). A profile then splits a step into its stages. Without
+--device: the CPU, then the GPU when there is one. Writes benchmarks/results/train_<device>.json.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def zipf_keys(n: int, *, alpha: float = 1.2, vocabulary: int = 1 << 40, seed: in
 
 
 def cpu_model() -> str:
-    """The CPU's model name ("AMD EPYC 7763 64-Core Processor"): platform.processor() is
+    """The CPU's model name (/proc/cpuinfo's "model name"): platform.processor() is
     empty on Linux and platform.machine() only says x86_64."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:

@@ -1,17 +1,10 @@
 #pragma once
 // Argument checks and the table layout shared by the CPU and CUDA hash-table kernels.
 //
-// Layout: open addressing with linear probing over S slots (S a power of two).
-// slot_keys int64[S] holds the key, slot_rows int64[S] the row; slot_rows[s] == -1 marks
-// an empty slot and -2 a tombstone (an erased key: probes go on past it, inserts may
-// reuse it). Rows are >= 0, so emptiness never depends on the key and every int64 value
-// (INT64_MIN, INT64_MAX, -1, 0 included) is a valid key. A key's home slot is
-// mix_key(key) & (S - 1). int32 keys are widened to int64 before hashing, so an int32
-// and an int64 key of equal value land in the same slot.
-//
-// Callers keep at most S / 2 keys in the table (sparsekit.HashTable sizes S >= 2 *
-// capacity), which keeps probe sequences short and guarantees that an insert finds an
-// empty slot.
+// Layout: linear probing over S slots (a power of two); slot_keys / slot_rows int64[S];
+// slot_rows -1 marks an empty slot, -2 a tombstone (probes go past it, inserts reuse it), so
+// every int64 is a valid key. Home slot: mix_key(key) & (S - 1), int32 keys widened first.
+// Callers keep at most S / 2 keys, so probes stay short and an insert finds an empty slot.
 #include "common.h"
 
 namespace sparsekit {

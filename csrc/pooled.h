@@ -2,7 +2,6 @@
 // The argument checks and the layout shared by the CPU and CUDA kernels of the collection's
 // pooled read (pooled_read), its gradient grouped by row (pooled_read_backward) and the
 // fused optimizer step that applies that gradient in place (pooled_read_update_).
-//
 // A call reads F features' bags, feature-major in one CSR `offsets` [F * B + 1] over
 // `rows` [nnz] (each value's row in its feature's table, -1 for a missing key). Feature f
 // reads table feature_tables[f] (-1: another call reads it) and writes its pooled bags to

@@ -1,23 +1,10 @@
 #pragma once
 // select_smallest: the k lexicographically smallest entries of a set of int64 columns,
 // shared by the CPU and CUDA kernels (the victims of a dynamic table's eviction).
-//
-// A radix select over the columns in order. The state fixes the values of the first
-// `column` columns and the top `nbits` bits of column `column` (in an order-preserving
-// unsigned encoding); relative to it every eligible entry is *less* (a smaller tuple
-// prefix), *in the bucket* (an equal prefix) or *greater*. Each pass narrows the bucket:
-// first to the common prefix of the bucket's min and max in that column, then digit by
-// digit (kSelectDigitBits at a time) to the digit holding the `need`-th smallest entry,
-// until the bucket holds exactly `need` entries or every bit of every column is fixed.
-// The answer is then every *less* entry plus the first `need` bucket entries by index
-// (all of the bucket when it holds `need`; ties of whole tuples by the smaller index), so
-// one compaction pass writes the chosen indices in ascending order.
-//
-// The control (step_min_max / step_histogram) runs on the host on both devices; only the
-// passes over the entries are device code. Passes: per column a min/max, then one
-// histogram per digit of the bits in which the bucket still differs (clocks and counts
-// span few bits: usually one), plus the compaction. The CPU kernel also lists the
-// bucket's entries once the bucket is small, and later passes read only that list.
+// A radix select over the columns in order: each pass narrows the bucket of entries that
+// share the fixed prefix (min/max, then a digit histogram) until it holds `need` entries.
+// The answer is every smaller entry plus the first `need` of the bucket by index (ties by
+// the smaller index), written in ascending order. The control runs on the host.
 #include "torch_api.h"
 
 #include "common.h"

@@ -100,14 +100,10 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // gradients; float32 weights, or float16 / bfloat16 ones updated in float32 and rounded;
   // hyper: lr, beta1, beta2, eps, weight_decay per table); every row is checked first.
   m.def("lazy_adam_tables_(Tensor(a!)[] weights, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor[] rows, Tensor[] grads, int[] steps, float[] hyper) -> ()");
-  // The pooled read of a collection's features (csrc/pooled.h): feature f reads table
-  // feature_tables[f] (-1: not this call's) and writes its B pooled bags, feature-major in
-  // the CSR offsets [F * B + 1] over rows (-1: a missing key, skipped), to the columns
-  // [feature_columns[f], + D) of the [B, total_dim] output, weighted by per_sample_weights
-  // (float32) and divided by the bag's length where feature_means[f]. One dtype for all the
-  // weights and the output; sums in float32 (float64 for float64 weights). errors, when
-  // given (int64 [2]: first bad bag, first bad lookup), records bad input instead of raising
-  // (the family's ops alike; csrc/pooled.h).
+  // The pooled read of a collection's features (layout: csrc/pooled.h): feature f's B bags
+  // of table feature_tables[f] pooled into columns [feature_columns[f], + D) of the
+  // [B, total_dim] output. errors (int64 [2]: first bad bag, first bad lookup), when given,
+  // records bad input instead of raising.
   m.def("pooled_read(Tensor[] weights, Tensor rows, Tensor offsets, Tensor? per_sample_weights, int[] feature_tables, "
         "int[] feature_columns, int[] feature_means, SymInt total_dim, Tensor(e!)? errors=None) -> Tensor");
   // Its gradient, grouped by row, from each feature's output gradient (grads[f]: [B, D], a

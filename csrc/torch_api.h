@@ -281,8 +281,7 @@ std::array<Tensor, N> call_op_outputs(const char* name, const char* overload, co
 /// allocator's "can't allocate memory" / "out of memory", which sparsekit/_checks.py turns
 /// into an error naming the argument that sized the tensor).
 /// Allocation goes straight to the C shim's aoti_torch_empty_strided, not through the
-/// dispatcher by name (torch::stable::empty): a small op call then costs a few
-/// microseconds less, which the layers pay dozens of times a step.
+/// dispatcher by name (torch::stable::empty), a cost the layers pay dozens of times a step.
 inline Tensor empty(IntArrayRef sizes, ScalarType dtype, const Device& device) {
   const size_t ndim = sizes.size();
   std::array<int64_t, 8> small_strides{};
@@ -381,14 +380,9 @@ inline bool same_shape(const Tensor& a, const Tensor& b) { return a.sizes().equa
 inline bool same_sizes(IntArrayRef a, IntArrayRef b) { return a.equals(b); }
 
 /// @brief A `str` argument of a kernel registered with TORCH_BOX (embedding_bag's mode).
-/// torch's own unboxing to std::string (torch/csrc/stable/stableivalue_conversions.h,
-/// ToImpl<std::string>, in the headers of torch 2.10 to 2.13 at least) copies the string
-/// into a `new std::string` that it never deletes: 48 bytes lost on every call
-/// (pytorch/pytorch#191340, fixed upstream by #190493; the header is compiled in here). Worse
-/// than the bytes, each lost block can pin the top of glibc's heap above the call's output,
-/// so that an 8 MiB output was never reused: a loop of embedding_bag calls grew by 8 MiB a
-/// call (5.9 GB after 600 calls) and faulted every page of every output in fresh. This
-/// type's conversion (below) copies the string into the value it returns and frees torch's.
+/// torch's own unboxing to std::string leaks a `new std::string` per call
+/// (pytorch/pytorch#191340), which can pin glibc's heap top so that large outputs are never
+/// reused. This type's conversion (below) copies the string and frees torch's.
 struct StrArg {
   std::string value;
 };

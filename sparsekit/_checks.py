@@ -72,10 +72,9 @@ def _bytes(count: int) -> str:
 
 
 def _host_memory_bytes() -> Optional[int]:
-    """This machine's memory and swap in bytes (None where unknown). A host tensor larger can
-    never be filled: where Linux overcommits (``vm.overcommit_memory=1``, as on many GPU
-    servers) malloc grants it anyway, and the first pass that writes it gets the process
-    killed instead of raising."""
+    """This machine's memory and swap in bytes (None where unknown). A larger host tensor can
+    never be filled: where Linux overcommits, malloc grants it and the first write gets the
+    process killed instead of raising."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -1,21 +1,13 @@
 """CPU memory for training: keep freed memory for reuse (a process-wide allocator setting),
 and tables read at random rows in huge pages (:func:`table_full`).
 
-A CPU training step allocates and frees the same large temporaries (gathered vectors,
-gradients, key buffers of a few MB) every step. glibc's ``malloc`` serves blocks above its
-mmap threshold with fresh ``mmap`` s and hands the top of its heap back to the system once
-more than its trim threshold is free, so the next step touches brand-new pages: one page
-fault per 4 KiB. On virtual machines a fault costs microseconds, and a step of
-:class:`sparsekit.EmbeddingBagCollection` measured ~4,000 faults and 7-13 ms of system
-time per step (``benchmarks/bench_collection.py``: 24 ms steps instead of 15.5 ms).
-:func:`keep_freed_memory` raises both thresholds, so freed blocks stay in the process and
-are reused without faults; the cost is that the process keeps its peak heap (as PyTorch's
-CUDA caching allocator keeps its peak on the GPU). It is what ``LD_PRELOAD`` of jemalloc or
-tcmalloc, PyTorch's own advice for CPU training, achieves without a second library.
-
-Nothing calls it on import: it changes the whole process. ``python -m sparsekit.train``
-and ``benchmarks/`` call it (both sides of a comparison run under it); call it at the start
-of your own training script.
+A CPU training step frees and allocates the same large temporaries every step, and glibc
+hands them back to the system, so every step faults in fresh pages.
+:func:`keep_freed_memory` raises glibc's mmap and trim thresholds so freed blocks are
+reused (the process keeps its peak heap, as CUDA's caching allocator does); measured by
+``benchmarks/bench_collection.py``. Nothing calls it on import: it changes the whole
+process. ``python -m sparsekit.train`` and ``benchmarks/`` call it; call it at the start of
+your own training script.
 """
 
 from __future__ import annotations
@@ -121,15 +113,11 @@ def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
     before the fill first touches its pages.
 
     A lookup of a random row in a table far larger than the TLB's reach costs a page walk
-    per row with 4 KiB pages; with 2 MiB pages a few thousand TLB entries cover gigabytes.
-    1M x 16/64/128 float32, 16384 bags of 20 uniform rows, one thread: ``embedding_bag``
-    took 1.35 / 4.18 / 9.20 ms in huge pages against 1.87 / 6.13 / 11.67 ms without
-    (``nn.EmbeddingBag`` gained alike); a layer's training step over 3.1M keys of 4M rows
-    only x1.01-1.11 (``benchmarks/bench_huge_pages.py``). The price is paid once, when the
-    table is made: on the 2-core VM of the benchmarks a fresh huge page faulted in slowly
-    (a layer of 1M x 16 rows with its moments took 0.2-0.9 s to build instead of 0.08 s),
-    which a short run never earns back, hence the threshold: a table of 256 MiB serves a
-    long training run. The hint costs no memory, since the fill touches every page anyway;
+    per row with 4 KiB pages; with 2 MiB pages a few thousand TLB entries cover gigabytes
+    (measured by ``benchmarks/bench_huge_pages.py``). The price is paid once, when the
+    table is made (a fresh huge page can fault in slowly), which a short run never earns
+    back, hence the threshold: a table of 256 MiB serves a long training run. The hint
+    costs no memory, since the fill touches every page anyway;
     where THP is off (``never``) or this is not Linux it changes nothing, and any failure
     of it is ignored.
     """

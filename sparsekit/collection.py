@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import engine, ops, traced
 from ._checks import compile_disabled, device_argument, plain_tensor, size_argument, tensor_integer, type_name
-from .checkpoint import _collective_device
+from .checkpoint.collective import collective_device
 from . import keyed, variable_batch
 from .fused import FusedOptimizer
 from .exchange import (
@@ -90,21 +90,9 @@ class UnknownTableError(KeyError, ValueError):
 def _check_table_fields(name: Any, embedding_dim: Any, capacity: Any, features: Any, combiner: Any, dtype: Any,
                         use_hashtable: Any, eviction: Any, admit_after: Any,
                         initializer: Any) -> Tuple[int, int, int]:
-    """The rules of a :class:`TableConfig`'s fields, in one place: its constructor checks
-    its arguments with them and :class:`EmbeddingBagCollection` its tables' attributes
-    (a config changed after it was built).
-
-    Returns:
-        ``embedding_dim``, ``capacity`` and ``admit_after`` as Python ints (NumPy integers
-        are taken, as ``nn.Linear`` takes them).
-
-    Raises:
-        TypeError: a field of the wrong type (``name`` not a str; ``embedding_dim``,
-            ``capacity`` or ``admit_after`` not an integer, or a bool; ``features`` not a
-            list or tuple of str; ``dtype``; ``use_hashtable`` not a bool; ``eviction`` not
-            None or a str; ``initializer`` not callable).
-        ValueError: a field out of range, naming the field and the table.
-    """
+    """The rules of a :class:`TableConfig`'s fields, shared by its constructor and the
+    collection's check of its tables: ``(embedding_dim, capacity, admit_after)`` as ints;
+    TypeError for a field of the wrong type, ValueError out of range, naming field and table."""
     if not isinstance(name, str):
         raise TypeError(f"TableConfig: name must be a non-empty str, got {name!r} ({type_name(name)})")
     if not name:
@@ -268,15 +256,9 @@ class KeyedJagged:
 
     @classmethod
     def _from_methods(cls, kjt: Any) -> "KeyedJagged":
-        """A KeyedJagged of any object with TorchRec's ``KeyedJaggedTensor`` methods
-        (``keys()``, ``values()``, ``offsets()`` or ``lengths()``, optionally
-        ``weights_or_none()``), checked exactly as the constructor checks its arguments;
-        the errors name the input's methods. Reads ``offsets()`` when there is one (and
-        it returns a tensor), else ``lengths()``.
-
-        Raises:
-            TypeError, ValueError: as the constructor.
-        """
+        """A KeyedJagged of any object with TorchRec's ``KeyedJaggedTensor`` methods, checked as
+        the constructor checks its arguments (the errors name the input's methods); ``offsets()``
+        when it gives a tensor, else ``lengths()``."""
         for method in ("keys", "values"):
             if not callable(getattr(kjt, method, None)):
                 raise TypeError(f"EmbeddingBagCollection: the input must be a sk.KeyedJagged (or a TorchRec "
@@ -483,12 +465,8 @@ _TABLE_FIELDS = {"embedding_vec_size": "embedding_dim", "max_vocabulary_size_per
 
 
 def _default_seeds(tables: Sequence[TableConfig]) -> List[int]:
-    """Per table, the seed of its default initializer (unused by a table with its own): the
-    CRC-32 of its name, unless another table of the collection with a default initializer
-    has the same one (CRC-32 collides for distinct names: 'plumless' / 'buckeroo'), then,
-    for each of them, 63 bits of the name's BLAKE2b digest: two tables never share a
-    default seed, so the same key starts independent in each, and every other table keeps
-    the seed it always had."""
+    """Per table, the seed of its default initializer: the CRC-32 of its name, or, for tables
+    whose CRC-32s collide, 63 bits of the name's BLAKE2b digest, so no two tables share one."""
     crc = [zlib.crc32(t.name.encode()) for t in tables]
     defaults = [seed for seed, t in zip(crc, tables) if t.initializer is None]
     return [int.from_bytes(hashlib.blake2b(t.name.encode(), digest_size=8, person=b"sparsekit-seed").digest(),
@@ -540,9 +518,7 @@ class _PresentRows(NamedTuple):
 
 def _sort_table_rows(rows: List[Tensor], weights: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
     """``(sorted_rows, order)`` of several tables' distinct rows, ``torch.cat(rows)``: each
-    table's rows ascending (-1, a missing key, first) in the table's own block, blocks in
-    table order (the blocks keep their places, so table j's sorted rows are where its rows
-    were). One sort: each table's rows become codes above the previous table's."""
+    table's rows ascending (-1 first) in its own block, blocks in table order, by one sort."""
     device = weights[0].device
     sizes = [r.numel() for r in rows]
     bases = list(itertools.accumulate((w.shape[0] + 1 for w in weights[:-1]), initial=0))
@@ -553,10 +529,9 @@ def _sort_table_rows(rows: List[Tensor], weights: Sequence[Tensor]) -> Tuple[Ten
 
 
 class _GrowRows(NamedTuple):
-    """A training plan of a hash table without eviction or admission whose new keys fit:
-    its keys' rows (-1: new), the new keys in order and their initial vectors. At commit
-    the new keys take rows ``len(table), len(table) + 1, ...``, as ``HashTable.insert``
-    gives them."""
+    """A training plan of a hash table without eviction or admission whose new keys fit: its
+    keys' rows (-1: new), the new keys and their initial vectors; at commit the new keys take
+    rows ``len(table), len(table) + 1, ...``."""
 
     rows: Tensor
     new_keys: Tensor
@@ -564,11 +539,9 @@ class _GrowRows(NamedTuple):
 
 
 class _LookupTables(torch.autograd.Function):
-    """Rows of several shards of one dim as one float32 block (table after table), missing
-    rows (-1) read as zeros. The rows asked of each table are distinct (the owner dedups its
-    pairs), so each weight's gradient is the output gradient reordered by row: no sum, cast
-    to the weight's dtype, coalesced. One node for all the tables: one sort of every table's
-    rows, one gather of the gradient, then a sparse gradient per table over its slice."""
+    """Rows of several shards of one dim as one float32 block, missing rows (-1) as zeros.
+    The rows asked of each table are distinct, so each weight's gradient is the output
+    gradient reordered by row: no sum, one coalesced sparse gradient per table."""
 
     @staticmethod
     def forward(ctx, rows: List[Tensor], markers: List[_CoalescedGradMarker], may_miss: List[bool],
@@ -868,7 +841,7 @@ class EmbeddingBagCollection(nn.Module):
             # the sums would mix two tables. One all-reduce (MAX) of (bad, index, -index).
             index = -1 if error is not None else list(self._by_name).index(table_name)
             flags = torch.tensor([int(error is not None), index, -index], dtype=torch.int64,
-                                 device=_collective_device(self.process_group))
+                                 device=collective_device(self.process_group))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
             bad, highest, lowest = flags.tolist()
             if error is None and not bad and highest != -lowest:
@@ -934,13 +907,9 @@ class EmbeddingBagCollection(nn.Module):
         return out
 
     def _traced_forward(self, kjt: Any) -> Dict[str, Tensor]:
-        """One process under torch.compile: the rows of every feature's values from the opaque
-        ``sparsekit::_collection_rows`` (:mod:`sparsekit.traced`; the eager checks and table
-        changes), then per feature a traced, differentiable pooled read of its table's rows.
-        The numbers are the eager forward's (float32 sums in value order, then the mean and
-        the cast to the table's dtype), except for float32 tables with per-sample weights:
-        the pooled read applies each weight inside its sum (a fused multiply-add where the
-        CPU has one) where eager multiplies first, an ulp apart (README, torch.compile)."""
+        """One process under torch.compile: the rows from the opaque ``sparsekit::_collection_rows``
+        (:mod:`sparsekit.traced`), then a traced pooled read per feature. The eager forward's
+        numbers, except an ulp with per-sample weights on float32 tables (a fused multiply-add)."""
         # The row op runs while the module holds its own parameters: a functional_call
         # substitute is seen here only.
         _check_own_weights(self._shards, "EmbeddingBagCollection", self.training)
@@ -986,11 +955,9 @@ class EmbeddingBagCollection(nn.Module):
         return tables, [members[t] for t in tables]
 
     def _traced_rows(self, values: Tensor, offsets: Tensor, features: List[int]) -> List[Tensor]:
-        """The body of ``sparsekit::_collection_rows``: per table the input reads (see
-        :meth:`_tables_of`), the rows of its features' values in its table, its features'
-        bags as CSR offsets over those, and the values' positions in ``values``; with the
-        eager forward's checks and changes to the tables (one step of every table's clock
-        included)."""
+        """The body of ``sparsekit::_collection_rows``: per table the rows of its features'
+        values, their bags as CSR offsets and the values' positions, with the eager forward's
+        checks and table changes."""
         names = list(self._feature_table)
         kjt = KeyedJagged([names[i] for i in features], values, offsets=offsets)
         with _stepping(self, self.training):
@@ -1314,11 +1281,9 @@ class EmbeddingBagCollection(nn.Module):
             if flags_bad_bounds or num_bags == 0:
                 bag_of_value = keys.new_zeros(0 if flags_bad_bounds else keys.numel())
             else:
-                # Bad offsets are only flagged so far (raised once every rank knows): the bags
-                # are counted from offsets made valid (in [0, nnz], non-decreasing, ending at
-                # nnz; valid ones unchanged), so that no length is negative and they sum to
-                # exactly nnz (repeat_interleave would raise an unclear error here, or on CUDA
-                # write past its output).
+                # Bad offsets are only flagged so far (raised once every rank knows): count the
+                # bags from offsets made valid (valid ones unchanged), so that repeat_interleave
+                # never sees a negative length or a total other than nnz.
                 safe = torch.cummax(offsets.clamp(0, nnz), 0).values
                 safe[-1] = nnz
                 bag_of_value = ops._repeat_interleave(torch.arange(num_bags, device=device), safe[1:] - safe[:-1],
@@ -1356,17 +1321,15 @@ class EmbeddingBagCollection(nn.Module):
 
     def _owner_lookup(self, keys: Tensor, tables: Tensor, counts: List[List[int]], unique: bool,
                       vectors: bool = True, present: Optional[List[bool]] = None) -> List[Optional[Tensor]]:
-        """The owner's part: per dim group, float32 vectors ``[n, dim]`` of the pairs it
-        received, its tables' pairs one table after another, each in the order received
-        (grouped by source rank, then table: ``counts[s][t]`` pairs of table t from rank s).
-        ``unique``: the pairs are already distinct and grouped by table (one process); then
-        with ``vectors=False`` the rows of each table's pairs instead (None: no pairs)."""
+        """The owner's part: per dim group, float32 vectors ``[n, dim]`` of the pairs it received,
+        grouped by source rank, then table. ``unique``: the pairs are already distinct and grouped
+        by table (one process); with ``vectors=False`` the rows instead."""
         device = keys.device
         num_tables = len(self._shards)
         # The distinct owned pairs, table after table.
         # Plan every table's lookup, agree across ranks, then commit: a failure anywhere
-        # changes no table on any rank. The dedup of the received pairs is part of it (out of
-        # memory there on one rank left the others waiting in the status all-reduce).
+        # changes no table on any rank. The dedup of the received pairs is part of it, so an
+        # out-of-memory there cannot leave the other ranks waiting in the status all-reduce.
         plans: List[Any] = [None] * num_tables
         error: Optional[BaseException] = None
         try:
@@ -1441,13 +1404,9 @@ class EmbeddingBagCollection(nn.Module):
         return out
 
     def _plan_tables(self, keys: Tensor, per_table: List[int], plans: List[Any]) -> None:
-        """Fills ``plans[t]``, what table t does for its distinct owned keys
-        ``keys[start_t:start_t + per_table[t]]`` this step (None: no keys), changing
-        nothing; may raise. The hash tables are searched together (one op on the CPU): in
-        eval all of them, in training those without admission; a table all of whose keys
-        are present then only needs its rows scored (:class:`_PresentRows`), one without
-        eviction whose new keys fit only its new keys placed (:class:`_GrowRows`); the
-        others plan an insert as the single layers do."""
+        """Fills ``plans[t]``, what table t does for its distinct owned keys this step (None: no
+        keys), changing nothing; may raise. Present keys only scored (:class:`_PresentRows`), new
+        keys that fit only placed (:class:`_GrowRows`), else an insert plan as the single layers'."""
         starts = list(itertools.accumulate(per_table, initial=0))
         searched = [t for t, shard in enumerate(self._shards) if per_table[t] > 0 and shard.hash_table is not None
                     and (not self.training or shard._pending is None)]
@@ -1502,11 +1461,9 @@ class EmbeddingBagCollection(nn.Module):
 
     @torch.no_grad()
     def _grow(self, shards: List[_TableShard], plans: List["_GrowRows"]) -> List[Tensor]:
-        """Gives the new keys of each shard's :class:`_GrowRows` plan the table's next rows
-        and their initial vectors, as the insert of a single layer would, and returns every
-        key's row per shard; the caller scores them. One op places every table's keys (on
-        the CPU) and the rows are numbered for all tables at once: nothing here runs per
-        table but the weights' writes."""
+        """Gives the new keys of each shard's :class:`_GrowRows` plan the table's next rows and
+        their initial vectors, as a single layer's insert would, and returns every key's row per
+        shard; the caller scores them."""
         counts = [plan.new_keys.numel() for plan in plans]
         sizes = _place_new_keys(shards, torch.cat([plan.new_keys for plan in plans]) if len(plans) > 1
                                 else plans[0].new_keys, counts, [plan.initial for plan in plans])
@@ -1522,10 +1479,8 @@ class EmbeddingBagCollection(nn.Module):
         return list(torch.where(missing, new_rows, rows).split(lengths))
 
     def _initial_rows(self, new: List[Tuple[int, Tensor, Tensor]]) -> List[Tensor]:
-        """The initial vectors of the new keys of each ``(table, rows, new keys)``: one
-        initializer call for every group of tables whose initializers are one
-        :class:`KeySeededUniform` (same seed and range, a pure function of the key) of one
-        dim and dtype, one per table otherwise."""
+        """The initial vectors of the new keys of each ``(table, rows, new keys)``: one call per
+        group of tables sharing one :class:`KeySeededUniform`, dim and dtype, else one per table."""
         groups: Dict[Any, List[int]] = {}
         for i, (t, _, _) in enumerate(new):
             shard = self._shards[t]
@@ -1622,7 +1577,7 @@ class EmbeddingBagCollection(nn.Module):
                 bags = offsets[f * batch:(f + 1) * batch + 1]
                 pooled = _mean_of_sum(pooled, bags[1:] - bags[:-1])
             dtype = shard.weight.dtype
-            out[feature] = pooled if pooled.dtype == dtype else pooled.to(dtype)  # .to() costs 3 us even then
+            out[feature] = pooled if pooled.dtype == dtype else pooled.to(dtype)  # .to() costs even then
         return out
 
     def extra_repr(self) -> str:

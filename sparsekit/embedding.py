@@ -4,61 +4,11 @@ Key ``k`` lives on rank ``uint64(k) % world_size`` of the layer's process group;
 holds a shard ``weight[max_vocabulary_size_per_gpu, embedding_vec_size]`` (and, with
 ``use_hashtable=True``, a :class:`~sparsekit.HashTable` from its keys to rows). Without a
 process group the layer is one shard: a drop-in for ``nn.EmbeddingBag`` /
-``nn.Embedding`` with ``sparse=True``.
-
-One forward step on every rank:
-
-1. dedup the local keys (:func:`sparsekit.ops.unique`) and bucket the unique keys by owner
-   (:func:`sparsekit.ops.partition_by_owner`);
-2. ``all_to_all_single`` of the per-owner counts, with every rank's error flags folded in,
-   so a bad input on one rank stops every rank before any key moves;
-3. ``all_to_all_single`` of the unique keys to their owners;
-4. each owner dedups what it received and looks the keys up: ``insert`` in training (new
-   keys get rows initialised by the key-seeded initializer), ``find`` in ``eval()``
-   (missing keys read as zero vectors); in training with a hash table, an ``all_reduce`` of
-   a status word tells every rank when an owner's table is full;
-5. ``all_to_all_single`` of the vectors back to the ranks that asked;
-6. pool the received unique vectors into bags: one fused gather-and-sum (the kernel of
-   :func:`sparsekit.ops.embedding_bag`), or a plain gather when every bag holds one key.
-
-One process training a CPU hash table without eviction or admission turns 1 and 4 around:
-the keys are looked up as they come (absent ones inserted, in order of first occurrence,
-as the owner's insert would), and their rows, bounded by the table's size, are
-deduplicated and sorted by a bitmap (``unique_bounded``), which also gives the coalesced
-gradient its order: one hash pass over the keys instead of a hash dedup, a table probe of
-the distinct keys and a sort of their rows. The tables, scores, weights and gradients end
-alike.
-
-Backward mirrors 5 (an ``all_to_all_single`` of the vector gradients back to the owners)
-and leaves every rank's ``weight`` a coalesced sparse COO gradient over the rows it owns,
-on every step, possibly with no rows, so ``LazyAdam`` counts the same steps on every rank
-as a one-process run does. Nothing gathers the global batch.
-
-Host synchronisations per training step on CUDA (``world_size > 1``, hash table, ragged
-input): forward 6 — ``unique`` of the local keys (its output size), the counts exchange
-(host split sizes for the next two all-to-alls; every rank's error flags ride along, so
-input checks cost nothing extra), ``unique`` on the owner, the table insert's count of new
-keys (the owner's keys are distinct already, so the table skips its own unique), the
-status all-reduce that lets every rank see a full table, and the pooling kernel's check of
-its rows and offsets; backward 2 — the id checks of the
-two ``segment_sum`` calls (pooling and the owner's gradient rows). Nothing else: split
-sizes are reused for the backward all-to-all, new rows are initialised without reading
-the device, and the weight gradient arrives coalesced so ``LazyAdam`` does not dedup it
-again. ``All2AllDenseEmbedding`` does not pool: one fewer in forward. ``eval()`` or
-``use_hashtable=False``: 2 fewer in forward (no insert, no status word).
-Padded dense input: +1 (dropping the pad keys). ``world_size == 1``: no exchange; ragged
-offsets and ``use_hashtable=False`` key ranges cost 1 read instead of riding on the
-counts. On the CPU these are plain reads of host memory. The first step with
-``world_size > 1`` also all-gathers the layer's configuration once (one more sync), so
-ranks built differently all raise one clear error instead of corrupting the exchange.
-
-Dynamic tables (``eviction=``, ``admit_after=``): an owner first plans its lookup (new
-keys, victims, admissions, the new keys' initial rows) without changing anything, every
-rank agrees through the status word, and only then do the tables change, so a failed
-step changes nothing anywhere. A step that evicts adds the victim selection's syncs on
-CUDA (one per radix pass, typically four to six, and the eligible mask); admission adds
-three (the pending table's find, its insert's new-key count, and the split of admitted
-keys). Without them the counts above hold.
+``nn.Embedding`` with ``sparse=True``. A step dedups the keys, sends them to their owners
+(a bad input on any rank stops every rank before a key moves), looks them up, sends the
+vectors back and pools them; the backward mirrors it and leaves every rank's ``weight`` a
+coalesced sparse gradient on every step. The stages and their host syncs:
+``docs/architecture.md``.
 """
 
 from __future__ import annotations

@@ -62,31 +62,17 @@ def _state_without_lock(state: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _stepping(module: torch.nn.Module, training: bool):
-    """The step lock of a layer or collection, held for one forward's table work.
-
-    A training forward plans rows from the table's size, places new keys, scores them,
-    counts admissions and evicts, in several calls that release the GIL; two threads
-    running one at once gave two keys one row, lost keys and admission counts. The lock
-    makes a forward's table work atomic, so concurrent training forwards act in some
-    serial order (and their backwards accumulate as two forwards then two backwards in one
-    thread do). Eval forwards of one process only read the tables (each ``HashTable`` call
-    holds the table's own lock) and stay concurrent; with a process group every forward
-    takes it, so that one rank's forwards issue their collectives one forward after another.
-    The lock is never taken in a backward (its all-to-all would wait for a peer whose
-    forward holds the lock there). Skipped while dynamo traces (it cannot enter a lock;
-    the compiled graph's row op runs the eager row resolution, which takes it at run
-    time)."""
+    """The step lock of a layer or collection, held for one forward's table work, so that
+    concurrent training forwards act in some serial order. Never taken in a backward (a peer's
+    forward may hold it) nor while dynamo traces."""
     if torch.compiler.is_compiling() or not (training or module.world_size > 1):
         return contextlib.nullcontext()
     return module.__dict__["_step_lock"]
 
 
 def _deepcopy_sharing_group(module: torch.nn.Module, memo: Dict[int, Any]) -> torch.nn.Module:
-    """``copy.deepcopy`` of a layer or collection (its ``__deepcopy__``): as the default copy,
-    every tensor, table and counter copied, then ``__setstate__`` of the copy (where a layer
-    puts its marks back on its new weight), but its ``process_group`` shared: the group is
-    the ranks' connection, which cannot be copied (deepcopy would raise), and the copy
-    exchanges over it as the original does."""
+    """``copy.deepcopy`` of a layer or collection: the default copy, then ``__setstate__`` of
+    the copy, but its ``process_group`` shared (a connection cannot be copied)."""
     group = module.process_group
     if group is not None:
         memo[id(group)] = group
@@ -97,10 +83,8 @@ def _deepcopy_sharing_group(module: torch.nn.Module, memo: Dict[int, Any]) -> to
 
 
 def _reduce_without_group(module: torch.nn.Module, name: str, protocol: int):
-    """``__reduce_ex__`` of a layer or collection: pickling (``torch.save(model)``, ``pickle``,
-    ``torch.multiprocessing``) of one bound to a process group raises naming the layer and
-    what to do, where pickle's own error named only the ProcessGroup type; ``copy.deepcopy``
-    goes through ``__deepcopy__`` and is unaffected."""
+    """``__reduce_ex__`` of a layer or collection: pickling one bound to a process group raises
+    naming the layer and what to do; ``copy.deepcopy`` goes through ``__deepcopy__``."""
     if module.process_group is not None:
         raise TypeError(f"{name}: a layer bound to a process group cannot be pickled (torch.save(model), pickle, "
                         "torch.multiprocessing): the group is this process's connection to the other ranks; save "
@@ -130,22 +114,9 @@ def _all_to_all_rows(rows: Tensor, output_splits: List[int], input_splits: List[
 
 
 class _CoalescedGradMarker:
-    """A post-accumulate-grad hook that keeps the weight gradient marked coalesced.
-
-    The lookup's gradient is coalesced (distinct, sorted rows) and says so, but autograd
-    stores a sparse gradient as a shallow copy that drops the flag, and LazyAdam would
-    then sum the rows again (unique + segment_sum, host syncs on CUDA). When the stored
-    gradient still holds exactly the values the lookup produced (nothing was added to it:
-    an addition allocates new values), the flag is put back.
-
-    The marker holds the produced values' storage itself, not its address: while it is
-    held the address cannot be recycled, so a gradient that merely reuses freed memory
-    (after a backward that never reached ``.grad``, e.g. ``torch.autograd.grad``) can
-    never be taken for the lookup's own. The hook releases it.
-
-    With eviction it also numbers the rows the shard gives to new keys, so that a lookup's
-    backward can leave out the rows given away since its forward (``own_rows``).
-    """
+    """A post-accumulate-grad hook that puts back the coalesced flag autograd drops from the
+    lookup's gradient, while the stored gradient still holds the values the lookup produced
+    (it holds their storage, so a recycled address cannot fool it). Numbers given-away rows."""
 
     # With eviction (the shard sets row_since, int64 per row): the number of lookups that
     # gave rows to new keys so far, and for each row the number of the one that gave it its
@@ -213,31 +184,20 @@ class _CoalescedGradMarker:
 
 def _unique_tables(keys: Tensor, offsets: List[int], tables: List[int],
                    num_tables: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Distinct keys per table: ``keys[offsets[s]:offsets[s + 1]]`` belong to table
-    ``tables[s]`` (segments in key order). Returns the distinct keys table after table,
-    each table's in order of first occurrence; ``inverse`` with ``keys ==
-    unique_keys[inverse]``; int64 ``[num_tables]`` distinct counts. One op on every device
-    (``sparsekit::unique_tables``: on the CPU a small table per table, no merge; on CUDA
-    :func:`sparsekit.tables_cuda.unique_tables`, two host syncs whatever the number of
-    tables)."""
+    """Distinct keys per table (``keys[offsets[s]:offsets[s + 1]]`` of table ``tables[s]``),
+    table after table in order of first occurrence, ``inverse`` with ``keys ==
+    unique_keys[inverse]`` and int64 ``[num_tables]`` counts; one op on every device."""
     return torch.ops.sparsekit.unique_tables(keys, offsets, tables, num_tables)
 
 
-# Above this many rows torch's CPU sort beats numpy's (453 vs 524 us for 50,000 rows on the
-# 2-core development machine; 1.0 vs 1.5 ms for 120,000).
+# Above this many rows torch's CPU sort beats numpy's. Tuned by benchmarks/bench_layers.py.
 _NUMPY_SORT_MAX_ROWS = 50_000
 
 
 def _sort_rows(rows: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(sorted, order)`` of int64 ``rows`` that are distinct apart from repeats of -1 (a
-    missing key, whose relative order no caller cares about), so any sort gives the stable
-    result.
-
-    On the CPU, up to ``_NUMPY_SORT_MAX_ROWS`` rows, one numpy sort of ``row << b | position``
-    (``b`` bits hold a position) gives both: numpy sorts plain int64 with SIMD where the
-    CPU has it, 2.3x faster than its argsort (99 vs 226 us for 11,000 rows on the 2-core
-    development machine), and torch's CPU sort of int64 slows down ~5x per element
-    between 4,000 and 11,000 values (543 us for 11,000)."""
+    """``(sorted, order)`` of int64 ``rows``, distinct apart from repeats of -1, so any sort is
+    stable; on the CPU up to ``_NUMPY_SORT_MAX_ROWS`` rows one numpy sort of
+    ``row << b | position`` gives both."""
     n = rows.numel()
     if rows.device.type == "cpu" and 1 < n <= _NUMPY_SORT_MAX_ROWS:
         values = rows.detach().contiguous().numpy()
@@ -250,9 +210,8 @@ def _sort_rows(rows: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 # Bytes of rows from which a CPU shard's rows are read with sparsekit's gather, which
-# prefetches rows ahead (11,000 rows of 16 float32 from a 1M-row shard: 96 vs 198 us for
-# index_select on the 2-core development machine; 8,192 of 64 from 40,000: 104 vs 203 us);
-# below, index_select's lower fixed cost wins (4,096 rows of 16 from 40,000: 19 vs 26 us).
+# prefetches rows ahead; below, index_select's lower fixed cost wins.
+# Tuned by benchmarks/bench_layers.py.
 _GATHER_MIN_BYTES = 256 * 1024
 
 
@@ -263,16 +222,9 @@ def _gathers(weight: Tensor, rows: Tensor) -> bool:
 
 
 class _LookupOwned(torch.autograd.Function):
-    """Rows of the local shard for the keys this rank received, with a sparse weight gradient.
-
-    ``rows[j]`` is the row received key ``j`` reads, ``sorted_rows`` the distinct rows asked
-    for, ascending (``-1``: a key missing in eval). Sorting makes the gradient a truly
-    coalesced COO tensor, so LazyAdam applies it without another unique + segment_sum.
-    ``grad_index`` maps the keys' gradients onto ``sorted_rows``: None when ``rows`` are
-    ``sorted_rows``; with ``distinct`` (every received key distinct, as in one process) it
-    is the sort's permutation and the gradient a gather; otherwise ``grad_index[j]`` is
-    the entry of ``sorted_rows`` key ``j`` reads, and the gradient a segment sum.
-    """
+    """Rows of the local shard for the keys this rank received, with a sparse weight gradient
+    over ``sorted_rows`` (distinct, ascending: truly coalesced). ``grad_index`` maps the keys'
+    gradients onto them: None (same rows), a permutation (a gather) or a segment sum."""
 
     @staticmethod
     def forward(ctx, weight: Tensor, rows: Tensor, sorted_rows: Tensor, grad_index: Tensor, distinct: bool,
@@ -326,10 +278,8 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _GatherPieces(torch.autograd.Function):
-    """``rows[index]`` cut into consecutive pieces of ``sizes`` rows (views of one gather),
-    one output per piece: the gradient of ``rows`` is one segment sum over the pieces'
-    gradients, read where they lie on the CPU (``segment_sum_parts``), where a split's
-    backward would first concatenate them."""
+    """``rows[index]`` cut into consecutive pieces of ``sizes`` rows, one output per piece; the
+    backward is one segment sum over the pieces' gradients where they lie."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, index: Tensor, sizes: List[int]) -> Tuple[Tensor, ...]:
@@ -405,13 +355,9 @@ def _read_rows(weight: Tensor, rows: Tensor, miss: bool, out: Optional[Tensor] =
 
 
 class _LookupPieces(torch.autograd.Function):
-    """One process, one key per bag: each feature's float32 vectors (float64 when a table is
-    float64: one dtype for all, as the backward sums them together) read straight from its
-    table's weight, one output per feature (``value_rows[k]`` of ``weights[tables[k]]``).
-    The backward sums the features' gradients where they lie straight into every table's
-    distinct rows in sorted order (one ``segment_sum_parts``; ``sorted_position`` is each
-    value's place there) and gives each table its coalesced sparse gradient: no float32
-    block of the tables' rows in between, and no reordering of one."""
+    """One process, one key per bag: each feature's vectors read straight from its table's
+    weight; the backward sums the features' gradients straight into every table's distinct
+    rows in sorted order (``sorted_position``), a coalesced sparse gradient per table."""
 
     @staticmethod
     def forward(ctx, value_rows: List[Tensor], tables: List[int], sorted_position: Tensor, sorted_rows: Tensor,
@@ -433,10 +379,9 @@ class _LookupPieces(torch.autograd.Function):
 
 
 class _PoolRows(torch.autograd.Function):
-    """Bag sums ``out[b] = sum(rows[index[j]] for j in offsets[b]:offsets[b+1])`` over CSR
-    ``offsets`` (``bag[j]``: the bag of position ``j``). The forward is one fused gather and
-    sum (:func:`sparsekit.ops.embedding_bag`'s kernel: no ``[n, D]`` intermediate, no
-    zero-filled output); the gradient of ``rows`` is one gather and one segment sum."""
+    """Bag sums ``out[b] = sum(rows[index[j]] for j in offsets[b]:offsets[b+1])``: the forward
+    is one fused gather and sum (``embedding_bag``'s kernel), the gradient one gather and one
+    segment sum."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, index: Tensor, bag: Tensor, offsets: Tensor) -> Tensor:
@@ -470,9 +415,8 @@ _COUNTING_KEPT = 1 << 20
 
 def _is_counting(host: np.ndarray) -> bool:
     """Whether the host array ``host`` is ``0, 1, ..., len - 1``: one compare with a kept
-    ``arange``. The offsets of one key per bag (DLRM's slots, the harness's every step) are
-    checked twice a forward; a step's first numpy calls run with cold caches, and the
-    checks' diffs, masks and reductions cost ~130 us of a harness forward, one compare ~30."""
+    ``arange``, cheaper than diffs, masks and reductions for the offsets of one key per bag
+    (DLRM's slots), checked twice a forward."""
     global _COUNTING
     if host.size > _COUNTING_KEPT:  # a batch past what is kept: an arange of its own, dropped after
         return bool(np.array_equal(host, np.arange(host.size, dtype=np.int64)))
@@ -547,11 +491,9 @@ def _wire_device(weight: Tensor, group) -> torch.device:
 
 def _agree_on_config(config: Dict[str, object], device: torch.device, group, world_size: int, name: str,
                      what: str = "layer") -> None:
-    """Whether every rank built ``config`` alike; a value that differs between ranks (or a
-    setting one rank has and another lacks: a layer of another type, one table more) raises
-    the same error on every rank, naming it and each rank's value, before any key or vector
-    moves (a dim mismatch would otherwise abort gloo). One all-gather of a digest of each
-    rank's full settings; their lengths and the settings themselves only when they differ."""
+    """Whether every rank built ``config`` alike; a difference raises the same error on every
+    rank, naming the setting and each rank's value, before any key moves. One all-gather of a
+    digest; the settings themselves only when they differ."""
     pairs = [[str(key), str(value)] for key, value in config.items()]
     text = json.dumps(pairs).encode()
     if len(set(_all_gather_digests(text, device, group, world_size))) == 1:

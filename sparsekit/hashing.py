@@ -1,31 +1,13 @@
 """Feature hashing: raw categorical values (str, bytes, int) to int64 embedding keys.
 
-Keys are XXH3-64 digests (the ``xxhash`` package) reinterpreted as signed int64, so
-every key falls anywhere in the int64 range, which is exactly what the hash-table
-embeddings accept. Each slot hashes with its own seed, derived from ``(seed, slot)``:
-the same string in two slots gives two unrelated keys, so slots can share one table
-without colliding on equal raw values.
-
-Value encodings:
-  * ``str`` is hashed as its UTF-8 bytes, so ``"a1b2"`` and ``b"a1b2"`` give the same key.
-  * A bytes-like value (``bytes``, ``bytearray``, ``memoryview``, or any other object
-    exporting the buffer protocol, such as ``array.array`` or ``mmap``) is hashed as its
-    raw bytes in C order, so ``array.array("B", b"ab")`` and ``b"ab"`` give the same key.
-    numpy arrays and scalars, which export buffers too, are not bytes-like here: their
-    integers hash as integers and anything else is refused, as for any other value.
-  * ``int`` (any integer type, including numpy integers) is hashed as its 8-byte
-    little-endian two's complement, under a seed distinct from the text seed, so the
-    integer 7 and an 8-byte string that happens to spell it never collide by design.
-    Integers outside the int64 range raise ``OverflowError``.
-  * ``bool`` (Python's, numpy's, bool tensors and arrays) is refused with a ``TypeError``,
-    as for ``slot`` and ``seed``: ``True`` is an int to Python, but a flag hashed as 1 would
-    silently share its key with the integer 1. Convert with ``int(value)`` (or
-    ``.astype(np.int64)`` / ``.long()``) if that is what is meant.
-  * A ``str`` with no UTF-8 encoding (a lone surrogate such as ``"\ud800"``) raises
-    ``ValueError``.
-
-Digests depend only on the value, slot and seed: they are the same across runs,
-processes, machines and Python hash randomisation.
+Keys are XXH3-64 digests reinterpreted as signed int64. Each slot hashes with its own seed
+derived from ``(seed, slot)``, so slots can share one table without colliding on equal raw
+values. ``str`` hashes as its UTF-8 bytes (no encoding: ``ValueError``); a bytes-like value
+(buffer protocol, C order; not numpy arrays) as its raw bytes; an ``int`` (numpy integers
+too) as 8 little-endian bytes under a seed distinct from the text seed (outside int64:
+``OverflowError``). ``bool`` is refused (``TypeError``): a flag hashed as 1 would share the
+integer 1's key. Digests depend only on value, slot and seed: the same across runs,
+processes and machines.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """A key -> row hash table over plain tensors, on CPU or CUDA, optionally dynamic.
 
-The table maps arbitrary int64 (or int32) keys to dense row ids ``0, 1, 2, ...`` of an
-embedding weight. It is open addressing with linear probing over ``S`` slots, ``S`` the
-smallest power of two ``>= 2 * capacity`` (and ``>= 16``): a full table is at most half
-occupied, so probe sequences stay short and always end. ``slot_rows[s] == -1`` marks an
-empty slot, so every key value is valid, including ``INT64_MIN``, ``INT64_MAX``, ``-1``
-and ``0``.
-
-Dynamic tables (``eviction="lru"|"lfu"``) erase keys to make room: an erased key's slot
-becomes a tombstone (``-2``), which probes pass and inserts reuse. Tombstones are bounded:
-once they reach a quarter of the slots the table is rebuilt in place (its live keys
-re-placed into cleared slots, one pass), so live keys plus tombstones never exceed three
-quarters of the slots and probe lengths stay bounded after any number of evictions; the
-rebuild costs ``O(S)`` once per at least ``S / 4 >= capacity / 2`` evictions.
-
-Next to the slots the table keeps, per row, its key (``row_keys``), the clock at which
-the key was last inserted or touched (``last_seen``) and how often (``count``): export,
-eviction and checkpoints read them without touching the slots.
+Arbitrary int64 (or int32) keys map to dense rows ``0, 1, 2, ...`` of an embedding weight,
+by linear probing over ``S`` slots, ``S`` the smallest power of two ``>= 2 * capacity``
+(and ``>= 16``): a full table is at most half occupied, so probes stay short. An empty slot
+is marked in ``slot_rows`` (-1), so every key value is valid. Dynamic tables
+(``eviction="lru"|"lfu"``) erase keys to tombstones (-2); once tombstones reach a quarter of
+the slots the table is rebuilt in place, so probe lengths stay bounded. Per row the table
+also keeps its key (``row_keys``), last touch (``last_seen``) and ``count``, for export,
+eviction and checkpoints.
 """
 
 from __future__ import annotations
@@ -115,11 +106,9 @@ def _find_in_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[i
 
 
 def _touch_tables(tables: Sequence["HashTable"], rows: Tensor, offsets: List[int]) -> None:
-    """Scores distinct present rows, ``rows[offsets[t]:offsets[t + 1]]`` of ``tables[t]``
-    (-1 skipped), as an insert of keys already present would: ``last_seen`` becomes each
-    table's clock and ``count`` grows by one. One op for all tables on the CPU and on CUDA
-    (there :func:`sparsekit.tables_cuda.hash_table_score_tables_`: one host sync whatever the
-    number of tables; dropping each table's -1 rows with a mask would sync once per table)."""
+    """Scores distinct present rows, ``rows[offsets[t]:offsets[t + 1]]`` of ``tables[t]`` (-1
+    skipped), as an insert of present keys would: ``last_seen`` becomes the clock, ``count``
+    grows by one. One op for all tables (on CUDA one host sync)."""
     if rows.device.type in ("cpu", "cuda"):
         torch.ops.sparsekit.hash_table_score_tables_([t._last_seen for t in tables], [t._count for t in tables],
                                                      rows, offsets, [t._clock for t in tables])
@@ -132,9 +121,8 @@ def _touch_tables(tables: Sequence["HashTable"], rows: Tensor, offsets: List[int
 
 def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]) -> None:
     """Gives the distinct absent ``keys[offsets[t]:offsets[t + 1]]`` of ``tables[t]`` the
-    table's next rows, ``len(table), len(table) + 1, ...`` in order, as :meth:`HashTable._place`
-    would (the caller checked they fit and scores them). On the CPU one op for all tables
-    (a collection step meets new keys in most of its tables); elsewhere table by table."""
+    table's next rows in order, as :meth:`HashTable._place` would (the caller checked they fit
+    and scores them)."""
     sizes = [t._size for t in tables]
     try:
         if keys.device.type == "cpu":
@@ -164,10 +152,8 @@ def _grow_tables(tables: Sequence["HashTable"], keys: Tensor, offsets: List[int]
 
 
 def _finished(writes: Callable[..., None], *args: Any) -> None:
-    """Runs ``writes(*args)``, idempotent writes of a table; interrupted half-way (a
-    KeyboardInterrupt between two of them, a device out of memory in one), runs them again
-    before the error goes on, so the table is never left with its size, slots and rows
-    disagreeing."""
+    """Runs ``writes(*args)``, idempotent writes of a table; interrupted halfway, runs them
+    again before the error goes on, so size, slots and rows never disagree."""
     try:
         writes(*args)
     except BaseException:
@@ -180,11 +166,8 @@ _TABLE_TENSORS = ("_slot_keys", "_slot_rows", "_row_keys", "_last_seen", "_count
 
 
 def _locked(method):
-    """Runs a :class:`HashTable` method under the table's lock. A table's calls release the
-    GIL inside their kernels and keep Python state between them (an insert plans new rows
-    from ``len(table)``, then places them), so two threads inserting into one table at once
-    gave two keys one row, and a find during another thread's rebuild missed present keys.
-    The lock makes each public call atomic; it is re-entrant (methods call one another)."""
+    """Runs a :class:`HashTable` method under the table's re-entrant lock: the kernels release
+    the GIL and a call keeps Python state between them, so each public call must be atomic."""
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
@@ -479,13 +462,8 @@ class HashTable:
 
     def _commit_insert(self, plan: _InsertPlan) -> Tensor:
         """Carries out a plan of :meth:`_plan_insert` (nothing in it can fail for lack of room).
-
-        All or nothing also when it is interrupted halfway (a KeyboardInterrupt between two
-        of its writes, or a device running out of memory in one): the victims' erase, the new
-        keys' placement and the scoring are undone (:meth:`_undo_insert`) before the error
-        goes on, where they left a table whose size and slots disagreed (an evicting insert
-        stopped after its erase had lost the victims and shrunk ``len`` below the rows in
-        use, so later inserts handed out rows other keys held)."""
+        All or nothing even when interrupted halfway: erase, placement and scoring are undone
+        (:meth:`_undo_insert`) before the error goes on."""
         if plan.rows.numel() == 0:
             return torch.empty(plan.shape, dtype=torch.int64, device=self.device)
         num_evict = plan.victims.numel()

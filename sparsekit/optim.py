@@ -46,17 +46,9 @@ def _moment_zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _sum_repeated_rows(indices: Tensor, values: Tensor, num_rows: int) -> Tuple[Tensor, Tensor]:
-    """The distinct rows of a sparse gradient's ``indices`` and each one's summed ``values``
-    (entries added in their order), without the sort of ``.coalesce()``.
-
-    On the CPU, when every row lies in ``[0, num_rows)`` and the table is not far larger
-    than the gradient: a bitmap of the table's rows numbers them and groups the entries
-    (``unique_bounded``), and each row's entries are summed as one bag (the ``embedding_bag``
-    kernel), each result row written once; the rows come out ascending. 300k entries of 64
-    columns on 100k rows of a 1M-row table: 3.6 ms, where ``unique`` + ``segment_sum`` (a
-    read-modify-write of a random row per entry) take 10.4, with the same sums bit for bit.
-    Elsewhere, and for rows outside the table (left for the update's own check to name),
-    sparsekit's ``unique`` + ``segment_sum``."""
+    """The distinct rows of a sparse gradient's ``indices`` and each one's summed ``values``,
+    without ``.coalesce()``'s sort: on the CPU for rows in the table a bitmap and one bag sum
+    per row (rows ascending); elsewhere ``unique`` + ``segment_sum``."""
     if (indices.device.type == "cpu" and values.dim() == 2 and indices.dtype == torch.int64
             and ops._bitmap_numbers(num_rows, indices.numel())):
         bounds = torch.aminmax(indices)
@@ -144,8 +136,8 @@ class LazyAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, with the group's settings (its own or
         the defaults) checked as the constructor's are before it is added, and its parameters
-        dense (``ValueError`` for a sparse one, as at construction: a sparse parameter added
-        later failed inside a step, after the parameters before it had been updated)."""
+        dense (``ValueError`` for a sparse one, as at construction, rather than a failure
+        halfway through a later step)."""
         if isinstance(param_group, dict):
             _check_hyperparameters({**self.defaults, **param_group},
                                    f"LazyAdam.add_param_group (parameter group {len(self.param_groups)})")
@@ -285,17 +277,9 @@ class LazyAdam(torch.optim.Optimizer):
         return _sum_repeated_rows(indices, values, _row_view(param, grad.sparse_dim()).shape[0])
 
     def _check_gradients(self, rows_checked_later: Optional[Set[int]] = None) -> Dict[int, int]:
-        """Every gradient and the state it will update, before any update: layout, shape,
-        dtype, device, the state's entries and step counter (:func:`_check_step_state`;
-        returned: each counter by the parameter's ``id``), and the rows of
-        sparse gradients and the memory they share (except for the parameters whose ``id``
-        is in ``rows_checked_later``: the fused update's kernel checks both itself, every
-        table before it writes anything, and on its error this runs again in full for
-        LazyAdam's message).
-
-        Raises:
-            RuntimeError: naming the parameter, its group and what is wrong.
-        """
+        """Every gradient and the state it will update, before any update (RuntimeError naming the
+        parameter, its group and the fault); returns each step counter by parameter ``id``. Rows of
+        ids in ``rows_checked_later`` are left to the fused kernel's own check."""
         ranges: List[Tensor] = []
         where: List[Tuple[int, int, Tensor]] = []
         steps: Dict[int, int] = {}
@@ -388,10 +372,8 @@ class LazyAdam(torch.optim.Optimizer):
 
     def _fused_sparse_step(self, fused: Set[int], counted: Dict[int, int]) -> None:
         """The sparse updates of the ``fused`` parameters (ids), every group at once: one
-        multi-table call of the lazy Adam kernel (the arithmetic of
-        :func:`sparsekit.ops.lazy_adam_`), which checks every row of every table before it
-        writes; then their step counters (``counted``: each one's value before the step, by
-        the parameter's ``id``, as :meth:`_check_gradients` read it)."""
+        multi-table lazy Adam call, which checks every row of every table before it writes; then
+        their step counters (``counted``: each one's value before the step)."""
         tables: List[List[Any]] = [[] for _ in range(5)]
         steps: List[int] = []
         hyper: List[float] = []
@@ -497,24 +479,17 @@ class LazyAdam(torch.optim.Optimizer):
         return loss
 
 
-# The dense tensors torch's multi-tensor Adam updates on the CPU with the numbers of its
-# one-tensor loop, which torch.optim.Adam picks there by default, bit for bit (every setting,
-# weight decay and maximize included): float32 and float64. Not float16 and bfloat16 (their
-# exp_avg_sq and weights round differently, at the default settings for float16, at larger
-# lr and betas for bfloat16) nor complex tensors with weight decay (the loop adds the decay
-# in complex arithmetic, the multi-tensor path to the real views): those take the loop.
+# The dtypes whose CPU multi-tensor Adam equals torch.optim.Adam's default one-tensor loop
+# bit for bit, every setting included; float16 / bfloat16 round differently and complex
+# tensors with weight decay differ, so those take the loop.
 _MULTI_TENSOR_EXACT_ON_CPU = (torch.float32, torch.float64)
 
 
 def _dense_adam(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
                 steps: List[Tensor], group: Dict[str, Any]) -> None:
-    """torch's own Adam (``torch.optim.adam.adam``, which increments ``steps``) on the dense
-    parameters of ``group``, with the numbers of ``torch.optim.Adam``'s default on their
-    device. On the CPU: its multi-tensor path where it equals the one-tensor loop bit for bit
-    (float32, float64: ~80% of the loop's time for the harness's 12 dense tensors), the loop
-    for the other dtypes; on CUDA its multi-tensor path, torch.optim.Adam's default there (the
-    fused kernel would be faster still, but differs in the last bit); elsewhere torch's choice.
-    """
+    """torch's own Adam (``torch.optim.adam.adam``) on the dense parameters of ``group``, with
+    the numbers of ``torch.optim.Adam``'s default: the multi-tensor path where it equals the
+    one-tensor loop bit for bit (float32, float64 on the CPU; CUDA), else the loop."""
     buckets: Dict[Optional[bool], List[int]] = {}
     for index, param in enumerate(params):
         device = param.device.type
@@ -584,19 +559,10 @@ def _check_hyperparameters(settings: Dict[str, Any], where: str) -> None:
             # and failed there with a bare "OverflowError: int too large to convert to float".
             raise ValueError(f"{where}: invalid {label} {_shown_setting(value)}; it must be a real number >= 0 "
                              "that a float64 can hold") from None
-    # torch.optim.Adam / AdamW settings that change the update, and which LazyAdam does not
-    # implement: refused rather than kept in param_groups and ignored (a loaded AdamW state
-    # would otherwise continue as L2 decay, an AMSGrad one without its max_exp_avg_sq).
-    # AdamW's decoupled decay with weight_decay 0 is the same update as Adam's (both skip
-    # the decay), so it is accepted. maximize is LazyAdam's own. torch's execution flags
-    # (foreach, fused, capturable, differentiable) choose how torch computes Adam, not what,
-    # and are accepted and ignored: LazyAdam computes the numbers of torch's default CPU
-    # Adam (a fused Adam's differ from them in the last bit, so its state continues as the
-    # default Adam would continue it), and its step is never differentiable (a saved state
-    # holds no graph, so loading one with differentiable=True loses nothing).
-    # A NAdam state holds Adam's moments under Adam's names, and its own update: loaded, it
-    # continued as plain Adam. Its groups carry momentum_decay. (RAdam's groups hold nothing
-    # Adam's may not: a RAdam state is not told apart.)
+    # Settings that change the update and that LazyAdam does not implement (AdamW's decay
+    # unless 0, AMSGrad, NAdam's momentum_decay) are refused rather than silently ignored.
+    # torch's execution flags (foreach, fused, capturable, differentiable) say how, not what,
+    # and are accepted and ignored.
     if "momentum_decay" in settings:
         raise ValueError(f"{where}: these are torch.optim.NAdam's settings (momentum_decay; its update is not "
                          "Adam's, which LazyAdam computes); load the state into torch.optim.NAdam")
@@ -630,25 +596,16 @@ def _float_setting(value: Any) -> float:
 
 
 def _torch_adam_setting(value: Any) -> Any:
-    """A (checked) lr, eps or weight_decay as it goes to torch's Adam: as torch.optim.Adam
-    passes it, a Python or NumPy number unchanged (a NumPy float32 lr makes torch's step size
-    a float32, and LazyAdam's dense numbers stay torch.optim.Adam's); any other real number
-    (a Fraction, which torch's kernels refuse) as a float."""
+    """A (checked) lr, eps or weight_decay as torch.optim.Adam passes it: a Python or NumPy
+    number unchanged, any other real number (a Fraction) as a float."""
     return value if isinstance(value, (int, float, np.number)) else float(value)
 
 
 def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tensor, group_index: int,
                       position: int, check_memory: bool = True) -> Optional[int]:
-    """RuntimeError naming the entry of ``state`` (the state of ``param``, parameter
-    ``position`` of group ``group_index``, about to be updated with the (checked) gradient
-    ``grad``; none or empty: created at the update) that the update could not use: a missing
-    entry, a ``step`` that is not a one-element float32 / float64 CPU tensor, moments that
-    are not strided tensors of the parameter's shape, device and dtype (with a sparse
-    gradient, float32 or float64 too, the same for both moments), or (``check_memory``) memory
-    shared by any two of weight, moments and gradient; or a ``step`` whose value an update
-    cannot advance (a value edited into the state by hand, NaN or 2**70, failed in the
-    update after the parameters before it had been updated). Returns that value (None
-    without a state)."""
+    """RuntimeError naming the entry of ``param``'s ``state`` the update could not use (missing,
+    a bad ``step``, moments of the wrong shape, device or dtype, shared memory when
+    ``check_memory``, a step that cannot advance); returns the step's value (None: no state)."""
     # Built only to raise: this runs for every parameter on every step.
     def name() -> str:
         return f"LazyAdam: the state of parameter {position} of group {group_index} (shape {tuple(param.shape)})"
@@ -696,7 +653,7 @@ def _check_step_state(state: Optional[Dict[str, Any]], param: Tensor, grad: Tens
             raise RuntimeError(f"{name()}: {key!r} must be a dense {' or '.join(map(str, dtypes))} tensor of the "
                                f"parameter's shape on {param.device}, got {got}")
     # An inference tensor (made or loaded under torch.inference_mode()) cannot be updated in
-    # place outside it: the update failed after the parameters before it had been updated.
+    # place outside it: checked here, so the update never fails halfway.
     made_there = [key for key in _STATE_KEYS if isinstance(state[key], Tensor) and state[key].is_inference()]
     if made_there and not torch.is_inference_mode_enabled():
         raise RuntimeError(f"{name()}: {made_there} were made under torch.inference_mode() (a state loaded "
@@ -720,10 +677,8 @@ def _check_disjoint(name: Callable[[], str], tensors: Dict[str, Tensor]) -> None
 
 
 def _saved_step(step: Any) -> Tuple[Optional[float], bool]:
-    """A saved ``step`` (a number or a one-element tensor): its value (None when it is
-    neither a real number nor such a tensor) and whether it is a finite integer >= 0 that
-    an update can advance once it is kept as LazyAdam keeps it (:func:`_kept_step`: a float,
-    in which 2**63 - 2 becomes 2**63)."""
+    """A saved ``step``'s value (None when neither a real number nor a one-element tensor) and
+    whether it is a finite integer >= 0 an update can advance once kept (:func:`_kept_step`)."""
     if isinstance(step, Tensor):
         # A meta or sparse one holds no value that .item() can read.
         usable = (step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool and not step.is_meta
@@ -781,9 +736,7 @@ def _check_saved_state(saved: Any, group_index: int, position: int, param: Tenso
 
 def _row_view(tensor: Tensor, sparse_dim: int) -> Tensor:
     """``tensor`` as the rows a gradient of ``sparse_dim`` sparse dimensions indexes: itself
-    for 1, else a view ``[prod(shape[:sparse_dim]), *shape[sparse_dim:]]`` (element-wise
-    sparse gradients, as torch.optim.SparseAdam takes them; the tensor is contiguous,
-    :func:`_check_element_sparse`)."""
+    for 1, else a view ``[prod(shape[:sparse_dim]), *shape[sparse_dim:]]``."""
     return tensor if sparse_dim == 1 else tensor.view(-1, *tensor.shape[sparse_dim:])
 
 
@@ -811,12 +764,9 @@ def _check_element_sparse(group_index: int, position: int, param: Tensor, state:
 
 
 def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Optional[Tensor]) -> None:
-    """Zeroes the moments of ``rows`` (None: every row, for a dense gradient) that a dynamic
-    layer gave to new keys since their last update (``param.sparsekit_fresh_rows``, a bool
-    flag per row the layer sets when it reuses an evicted key's row), and clears the flags:
-    a new key never inherits the evicted key's moments (set to zero, not multiplied by a
-    mask: an inf moment times 0 is NaN). No host sync; costs two gathers and two scatters
-    of the gradient's rows."""
+    """Zeroes the moments of ``rows`` (None: all) that a dynamic layer gave to new keys since
+    their last update (``param.sparsekit_fresh_rows``) and clears the flags: a new key never
+    inherits an evicted key's moments. Set to zero, not masked (inf * 0 is NaN). No host sync."""
     fresh = getattr(param, "sparsekit_fresh_rows", None)
     if fresh is None:
         return
@@ -835,10 +785,8 @@ def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Optional[Tens
 
 def _lazy_adam_rows(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Tensor, values: Tensor, step: int,
                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """:func:`sparsekit.ops.lazy_adam_` on any parameter. The kernel wants contiguous
-    tensors; for a non-contiguous parameter (a column slice of a larger table, say) or
-    moment, the touched rows are gathered into contiguous ``[u, ...]`` tensors, updated
-    there (the same arithmetic, bit for bit) and copied back: O(u * D), never the table."""
+    """:func:`sparsekit.ops.lazy_adam_` on any parameter: a non-contiguous parameter or moment
+    has its touched rows gathered, updated (bit for bit the same) and copied back."""
     mixed = exp_avg.dtype != param.dtype  # a half shard with float32 moments
     if not mixed and param.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous():
         ops.lazy_adam_(param, exp_avg, exp_avg_sq, rows, values, step, lr, beta1, beta2, eps, weight_decay)

@@ -76,13 +76,9 @@ class FusedStep(NamedTuple):
 
 
 class _PooledRead(torch.autograd.Function):
-    """The pooled read of the tables ``weights`` as one autograd node.
-
-    ``fused`` (called in the backward with the weights): None for the unfused path, whose
-    backward gives each weight a coalesced sparse gradient; else a callable returning the
-    :class:`FusedStep` that the backward applies in place, returning no gradient.
-    ``markers``: each table's :class:`_CoalescedGradMarker` (tables loaded or rows evicted
-    between the forward and the backward drop the gradient of what changed hands)."""
+    """The pooled read of the tables ``weights`` as one autograd node. ``fused``: None for the
+    unfused path (coalesced sparse gradients), else a callable giving the :class:`FusedStep`
+    the backward applies in place; ``markers``: each table's :class:`_CoalescedGradMarker`."""
 
     @staticmethod
     def forward(ctx, layout: ReadLayout, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
@@ -166,10 +162,9 @@ class _PooledRead(torch.autograd.Function):
 def _traced_gradients(layout: ReadLayout, feature_tables: List[int], weights: Sequence[Tensor], grad: Tensor,
                       rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], scale_grad: bool,
                       tables: bool = True) -> Tuple[Optional[Tensor], List[Optional[Tuple[Tensor, Tensor]]]]:
-    """The read's backward in torch's differentiable ops (a double backward, and the
-    gradient of per-sample weights that require one): the gradient of the per-sample
-    weights (when ``scale_grad``) and, with ``tables``, each table's distinct rows ascending
-    and their summed gradients (None for a table no feature reads here)."""
+    """The read's backward in torch's differentiable ops (double backward, per-sample weights'
+    gradient): that gradient (when ``scale_grad``) and, with ``tables``, each table's distinct
+    rows ascending and their summed gradients (None for a table not read here)."""
     num_features = len(feature_tables)
     batch = (offsets.numel() - 1) // max(num_features, 1)
     lengths = offsets[1:] - offsets[:-1]

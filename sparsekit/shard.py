@@ -101,9 +101,7 @@ def is_embedding_variable(tensor: Tensor) -> bool:
 
 def _distinct_sorted_rows(rows: Tensor, bound: int) -> Tuple[Tensor, Tensor]:
     """``(distinct, position)`` of CPU int64 ``rows`` in ``[0, bound)``: the distinct rows
-    ascending and each row's place among them. A bitmap of the ``bound`` rows
-    (``unique_bounded``) while it costs less than hashing, else hashing then a sort of the
-    distinct rows (a table far larger than the call)."""
+    ascending and each row's place among them (a bitmap while it costs less than hashing)."""
     if ops._bitmap_numbers(bound, rows.numel()):
         distinct, position, _, _ = torch.ops.sparsekit.unique_bounded(rows, bound, False)
         return distinct, position
@@ -116,10 +114,9 @@ def _distinct_sorted_rows(rows: Tensor, bound: int) -> Tuple[Tensor, Tensor]:
 @torch.no_grad()
 def _place_new_keys(shards: List["_ModelParallelEmbedding"], keys: Tensor, counts: List[int],
                     initial: List[Tensor]) -> List[int]:
-    """Gives shard j's ``counts[j]`` distinct absent keys (``keys``, shard after shard; they
-    fit) its hash table's next rows in order, as ``HashTable.insert`` would, and writes their
-    ``initial`` vectors there (one op places every table's keys on the CPU). Returns each
-    table's size before; the caller scores the new rows."""
+    """Gives shard j's ``counts[j]`` distinct absent ``keys`` (they fit) its table's next rows in
+    order, as ``HashTable.insert`` would, and writes their ``initial`` vectors there. Returns
+    each table's size before; the caller scores the new rows."""
     sizes = [len(shard.hash_table) for shard in shards]
     # The vectors first: rows past a table's size are no key's, so a write that fails leaves
     # no key in a table without its vector.
@@ -133,14 +130,8 @@ def _place_new_keys(shards: List["_ModelParallelEmbedding"], keys: Tensor, count
 
 def _check_own_weights(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
     """Refuses a training forward whose weight is a plain tensor put in place of the layer's
-    parameter, and, while compiling, any weight but the layer's own Parameter. Part of
-    :func:`_check_writable` (which lets it pass under inference mode), and called on its own
-    where a one-process layer is traced by ``torch.compile``: there the opaque row op runs
-    while the module holds its own parameter again (dynamo replays ``functional_call``'s
-    swap around the graph, not inside it), so only the trace sees the substitute. (Not
-    ``torch.is_inference_mode_enabled()`` here: dynamo cannot trace it. The raise is a
-    graph break, after which the default mode runs the eager forward and its full check;
-    ``fullgraph=True`` reports this error.)"""
+    parameter, and, while compiling, any weight but the layer's own Parameter (only the trace
+    sees a ``functional_call`` substitute there)."""
     if not training:
         return
     if torch.compiler.is_compiling() and any(shard.weight is not shard._own_weight for shard in shards):
@@ -162,13 +153,9 @@ def _check_own_weights(shards: List["_ModelParallelEmbedding"], name: str, train
 
 
 def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
-    """Refuses, before anything changes, a forward whose in-place writes (a training step's
-    new keys, rows and scores) would fail halfway and leave a table half changed: one under
-    a torch.func transform (grad, vmap, ...: the kernels read raw data pointers, and a
-    training step inserts keys), or a training forward outside inference mode of a layer
-    whose tables were made inside it (inference tensors cannot be changed outside), or of a
-    hash layer whose weight is in shared memory (its table's count of keys is not). Nor
-    can a layer on the meta device look anything up: its tables hold no data."""
+    """Refuses, before anything changes, a forward whose in-place writes would fail halfway:
+    under a torch.func transform, training outside inference mode on inference tables, a hash
+    layer with its weight in shared memory, or a layer on the meta device."""
     weights = [shard.weight for shard in shards]
     if any(weight.is_meta for weight in weights):
         raise RuntimeError(f"{name}: its tables are on the meta device and hold no data; give them memory first "
@@ -213,11 +200,9 @@ def _row_layout(weight: Tensor) -> int:
 
 
 def _check_modes_agree(name: str, what: str, modes: List[int]) -> None:
-    """RuntimeError on every rank when the ranks' forward modes (bit 0: train(), bit 1: the
-    forward records a backward) differ: training ranks would wait for the table-status
-    all-reduce that eval ranks skip, and ranks that record a backward for the backward's
-    all-to-all of ranks that do not (``torch.no_grad()``, ``inference_mode`` or a frozen
-    weight on some ranks only), until the group's timeout or a gloo abort."""
+    """RuntimeError on every rank when the ranks' forward modes (bit 0: train(), bit 1: records
+    a backward) differ: the ranks would otherwise wait on each other's collectives until the
+    group's timeout."""
     if len({mode & 1 for mode in modes}) > 1:
         evaluating = [rank for rank, mode in enumerate(modes) if not mode & 1]
         raise RuntimeError(f"{name}: rank(s) {evaluating} are in eval() mode and the others in train() mode; "
@@ -256,10 +241,8 @@ class _CheckedExtraState(NamedTuple):
 
 
 def _check_state_dict_keys(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
-    """Raises, in ``nn.Module.load_state_dict``'s words, for the keys of ``state_dict`` that
-    ``strict`` refuses (missing or unexpected): nn.Module reports them only after it loaded
-    every entry it could. Nothing to do with ``strict=False`` or a state that is no mapping
-    (nn.Module raises its TypeError)."""
+    """Raises, in ``nn.Module.load_state_dict``'s words, for the keys ``strict`` refuses
+    (missing or unexpected) before anything is loaded; nn.Module reports them only after."""
     if not strict or not isinstance(state_dict, Mapping):
         return
     expected = _state_dict_keys(module)  # the entries a strict load needs, in order
@@ -278,10 +261,8 @@ def _check_state_dict_keys(module: nn.Module, state_dict: Mapping[str, Any], str
 
 
 def _state_dict_keys(module: nn.Module) -> Optional[List[str]]:
-    """The names ``module.state_dict()`` gives, worked out as it does (parameters, persistent
-    buffers, extra state, submodule by submodule) without building the entries (a table's
-    extra state copies its keys); None when a module has state-dict or load hooks, which may
-    change the names (a hook that migrates an old layout)."""
+    """The names ``module.state_dict()`` gives, worked out without building the entries; None
+    when a module has state-dict or load hooks, which may change the names."""
     keys: List[str] = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         if sub._state_dict_hooks or sub._state_dict_pre_hooks or sub._load_state_dict_pre_hooks \
@@ -394,10 +375,9 @@ class _ModelParallelEmbedding(nn.Module):
             self._initialize_direct_rows()
 
     def _keep_fresh_rows(self) -> None:
-        """Allocates the per-row flags of rows given to new keys (``_fresh_rows``) and the
-        marker's ``row_since``: an evicting layer has them from the start; a layer without
-        eviction only once it loads a state with such rows pending (an evicting layer's,
-        saved before the optimizer updated its new keys)."""
+        """Allocates the per-row flags of rows given to new keys (``_fresh_rows``) and the marker's
+        ``row_since``: an evicting layer has them from the start, another once it loads a state
+        with such rows pending."""
         rows, device = self.max_vocabulary_size_per_gpu, self.weight.device
         self._fresh_rows = torch.zeros(rows, dtype=torch.bool, device=device)
         self._grad_marker.row_since = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -523,13 +503,9 @@ class _ModelParallelEmbedding(nn.Module):
                 # (first, so their places count for the keys still waiting).
                 self._pending._remove(admitted)
         except BaseException:
-            # Interrupted (a KeyboardInterrupt, a device out of memory) after the table took
-            # the new keys but before their rows held their vectors: a reused row still held
-            # the evicted key's vector (and, unflagged, its Adam moments), which the new key
-            # then trained on. The table's insert is all or nothing: when it took the keys,
-            # their rows get their vectors before the error goes on, and the admitted keys
-            # leave the pending admissions (a key both pending and in the table is a state
-            # every load refuses as damaged, and no later step would take it out).
+            # Interrupted after the table took the new keys: their rows get their vectors (a
+            # reused row must not keep the evicted key's) and the admitted keys leave the
+            # pending admissions before the error goes on, so the insert stays all or nothing.
             if num_new > 0 and bool((table.find(plan.new_keys[:1].to(table.key_dtype)) == plan.new_rows[:1]).all()):
                 self._initialize_new_rows(lookup)
                 if admitted is not None:
@@ -560,11 +536,8 @@ class _ModelParallelEmbedding(nn.Module):
             self._forget_gradients(plan.new_rows)
 
     def _forget_gradients(self, rows: Tensor) -> None:
-        """``rows`` took new keys, evicted keys' rows among them: the old keys' gradients
-        must not reach the new keys. A gradient already accumulated in ``weight.grad``
-        (micro-batches before one step) loses those rows' entries now (one boolean
-        selection); a backward still to come of a forward before this one drops them
-        (``_grad_marker.own_rows``)."""
+        """``rows`` took new keys: the old keys' gradients must not reach them. Drops those rows
+        from ``weight.grad`` now and from any backward still to come (``_grad_marker.own_rows``)."""
         marker = self._grad_marker
         marker.reused(rows)
         grad = self.weight.grad
@@ -648,12 +621,9 @@ class _ModelParallelEmbedding(nn.Module):
 
     def _exchange(self, unique_keys: Optional[Tensor], flags: Optional[Tensor], offsets: Optional[Tensor],
                   local_error: Optional[BaseException]) -> Tuple[Tensor, Optional[Tensor]]:
-        """Vectors for ``unique_keys``: ``(vectors, index)``, row ``index[i]`` of ``vectors``
-        (row ``i`` when ``index`` is None) is the vector of ``unique_keys[i]``.
-
-        Every rank calls this with its local outcome so far; an error anywhere makes every
-        rank raise before any key moves.
-        """
+        """Vectors for ``unique_keys``: ``(vectors, index)``, row ``index[i]`` (``i`` when ``index``
+        is None) being that of ``unique_keys[i]``. Every rank calls this with its local outcome so
+        far; an error anywhere makes every rank raise before any key moves."""
         if self.world_size == 1:
             if local_error is not None:
                 raise local_error
@@ -744,11 +714,9 @@ class _ModelParallelEmbedding(nn.Module):
         return self.hash_table is not None and (not self.training or self._pending is not None)
 
     def _agree_on_lookup(self, recv_keys: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """The owner's lookup of the keys it received: ``(owned_keys, inverse, rows)``, the
-        distinct keys (``recv_keys == owned_keys[inverse]``) and their rows; in training with
-        a hash table every rank learns of a failure (the dedup's too: out of memory there on
-        one rank left the others waiting in the status all-reduce, or pairing it with that
-        rank's next collective)."""
+        """The owner's lookup of the keys it received: ``(owned_keys, inverse, rows)`` with
+        ``recv_keys == owned_keys[inverse]``; in training with a hash table every rank learns of a
+        failure (the dedup's too), so none is left waiting."""
         if self.hash_table is None or not self.training:
             owned_keys, owned_inverse = ops.unique(recv_keys)
             return owned_keys, owned_inverse, self._lookup_rows(owned_keys)
@@ -785,16 +753,9 @@ class _ModelParallelEmbedding(nn.Module):
 
     def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]],
                every_value: Callable[[Tensor, object], bool]):
-        """Reads the input with ``prepare() -> (keys [n], user CSR offsets to check or None,
-        info)``, dedups the keys and fetches their vectors.
-
-        Returns ``(keys, info, vectors, index)`` with ``vectors[index[j]]`` the vector of
-        ``keys[j]``; ``index`` None: ``vectors[j]`` is (one process may give that when
-        ``every_value(keys, info)`` says the caller reads every key's vector). An error in
-        ``prepare``, in the dedup or in the checks is shared with every rank first (see
-        :meth:`_exchange`), so no rank is left waiting. Refused under ``torch.jit.trace``,
-        before any key goes in (see :func:`sparsekit.traced.refuse_torchscript`).
-        """
+        """Reads the input with ``prepare()``, dedups the keys and fetches their vectors:
+        ``(keys, info, vectors, index)``, ``vectors[index[j]]`` that of ``keys[j]`` (``index`` None:
+        ``vectors[j]``). Errors are shared with every rank first (:meth:`_exchange`)."""
         if torch.jit.is_tracing():
             traced.refuse_torchscript(self._layer_name)
         # The vectors are read under the lock too: a forward of another thread that evicts
@@ -829,11 +790,9 @@ class _ModelParallelEmbedding(nn.Module):
         return keys, info, vectors, index
 
     def _traced_rows(self, keys: Tensor, offsets: Optional[Tensor], pad_key: Optional[int]) -> Tensor:
-        """One process: the row each of ``keys`` [n] reads (-1: a ``pad_key``, or a key missing
-        in eval or not admitted yet), as :meth:`_embed` works them out, with the same checks and
-        the same changes to the tables, but no vectors: the body of ``sparsekit::_layer_rows``
-        (:mod:`sparsekit.traced`), which a compiled one-process forward calls before its traced
-        pooled read of the rows."""
+        """One process: the row each of ``keys`` [n] reads (-1: a pad key, or missing), with
+        :meth:`_embed`'s checks and table changes but no vectors: the body of
+        ``sparsekit::_layer_rows`` (:mod:`sparsekit.traced`)."""
         with _stepping(self, self.training):
             return self._traced_rows_locked(keys, offsets, pad_key)
 
@@ -864,10 +823,9 @@ class _ModelParallelEmbedding(nn.Module):
 
     @torch.no_grad()
     def _rows_of_new_keys(self, keys: Tensor, rows: Tensor) -> Tensor:
-        """``rows`` (the table's, -1 for an absent key) with the absent keys inserted, as the
-        owner's insert of the call's distinct keys would: new keys take the next rows in
-        order of first occurrence, with their initial vectors. Raises with nothing changed.
-        CPU only (the masks are numpy's: a fraction of torch's small ops' cost)."""
+        """``rows`` (-1 for an absent key) with the absent keys inserted as the owner's insert
+        would: the next rows in order of first occurrence, with their initial vectors. Raises with
+        nothing changed. CPU only."""
         host_rows = rows.numpy()
         # Positions, not a mask: the few absent keys are then picked and written back
         # without two more passes over every key.
@@ -900,17 +858,9 @@ class _ModelParallelEmbedding(nn.Module):
         return rows, unique_rows, inverse
 
     def _lookup_rows_first(self, keys: Tensor, every_value: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """The vectors of ``keys`` [n] as ``(vectors, index)``, ``vectors[index[j]]`` that of
-        ``keys[j]``, for a step of :meth:`_rows_first`: the keys are found in the table as
-        they come, the absent ones inserted, and the rows (bounded by the table's size)
-        deduplicated and sorted by a bitmap of the rows (``unique_bounded``; for a table
-        far larger than the call, by hashing the rows and sorting the distinct ones) instead of
-        deduplicating the keys by hashing and sorting their rows after. With ``every_value``
-        (the caller reads every key's vector: one key per bag) the vectors are the keys' own,
-        ``[n, D]`` read straight from the weight, and ``index`` is None: no block of the
-        distinct rows in between, and the backward sums the keys' gradients straight into the
-        sorted rows (:class:`_LookupPieces`, as the collection's). The table, its scores and
-        clock, the weight and the gradient end as the general path leaves them."""
+        """``(vectors, index)`` of ``keys`` [n] for :meth:`_rows_first`: keys found as they come
+        (absent ones inserted), then their rows deduplicated and sorted (``unique_bounded``). The
+        tables, scores, weight and gradient end as the general path leaves them."""
         rows, unique_rows, inverse = self._place_rows_first(keys)
         if every_value:
             return _LookupPieces.apply([rows], [0], inverse, unique_rows, [unique_rows.numel()], [self._grad_marker],
@@ -938,13 +888,9 @@ class _ModelParallelEmbedding(nn.Module):
     __prepare_scriptable__ = traced._refuse_scripting
 
     def _mark_weight(self) -> None:
-        """Puts the layer's marks on ``weight``: ``sparsekit_model_parallel`` (read by
-        :func:`is_embedding_variable`, the checkpoint, the DDP recipe and LazyAdam, which keeps
-        a half shard's moments in float32), with eviction ``sparsekit_fresh_rows`` (the rows
-        whose moments LazyAdam resets first), and the hook that keeps the gradient marked
-        coalesced. A new weight lacks them (``copy.deepcopy``, unpickling,
-        ``load_state_dict(assign=True)``, a conversion that replaces parameters): they are
-        attributes of the Parameter object and a hook of its tensor, which no copy keeps."""
+        """Puts the layer's marks on ``weight`` (``sparsekit_model_parallel``, with eviction
+        ``sparsekit_fresh_rows``, and the coalesced-gradient hook); a new weight (a copy, unpickling,
+        ``load_state_dict(assign=True)``) lacks them."""
         weight = self.weight
         # The layer's own Parameter, which a compiled forward compares with the one it is
         # given (functional_call's substitute); in __dict__, not registered as a parameter.
@@ -1126,10 +1072,9 @@ class _ModelParallelEmbedding(nn.Module):
         self._load_extra_state(self._check_extra_state(state))
 
     def _rows_rebound(self) -> None:
-        """The hash table was just loaded or reset: its rows may hold other keys than a
-        lookup before saw. That lookup's backward drops its gradient (``forget_all``), and a
-        gradient accumulated before is dropped now (its rows are the old keys'); a direct
-        shard's rows are its keys' for good and keep theirs, as ``nn.Embedding``'s do."""
+        """The hash table was just loaded or reset, so its rows may hold other keys: drops the
+        gradients of lookups before (accumulated now, pending via ``forget_all``). A direct shard's
+        rows are its keys' for good and keep theirs."""
         self._grad_marker.forget_all()
         self.weight.grad = None
 
@@ -1137,11 +1082,9 @@ class _ModelParallelEmbedding(nn.Module):
         if checked is None:
             return
         if self._fresh_rows is None and bool(checked.fresh.any()):
-            # The saved optimizer moments of those rows are still the evicted keys'; the
-            # optimizer state is loaded apart from the layer's, so LazyAdam must reset them
-            # at their next update here too (load_checkpoint resets them at load). Allocated
-            # first: an allocation that fails leaves the layer as it was. (The layer keeps
-            # the flags from then on, and LazyAdam steps its weight on its own.)
+            # The saved moments of those rows are still the evicted keys': LazyAdam resets
+            # them at their next update. Allocated first, so a failed allocation leaves the
+            # layer as it was.
             self._keep_fresh_rows()
             self._mark_weight()
         self._rows_rebound()
@@ -1158,11 +1101,9 @@ class _ModelParallelEmbedding(nn.Module):
             self._fresh_rows[:checked.fresh.numel()] = checked.fresh
 
     def _check_load(self, state_dict: Mapping[str, Any], prefix: str) -> List[str]:
-        """Every check of loading this shard's entries of ``state_dict`` (``prefix`` +
-        ``weight`` / ``_extra_state``), nothing written. Raises for a bad extra state, or for
-        one of the pair without the other in a hash layer (its rows are its keys' rows:
-        loading one alone would pair them wrongly, strict or not); returns nn.Module's own
-        messages for a weight it would not copy (wrong shape, no tensor, a meta tensor)."""
+        """Every check of loading this shard's entries of ``state_dict``, nothing written. Raises
+        for a bad extra state, or a hash layer's weight without its extra state (or the reverse);
+        returns nn.Module's own messages for a weight it would not copy."""
         weight_key, extra_key = prefix + "weight", prefix + "_extra_state"
         has_weight, has_extra = weight_key in state_dict, extra_key in state_dict
         if self.hash_table is not None and has_weight != has_extra:

@@ -1,44 +1,14 @@
 """CUDA kernels of the multi-table ops, as composites of ops that have CUDA kernels.
 
-What: ``hash_table_find_tables``, ``hash_table_place_tables_``, ``hash_table_score_tables_``,
+``hash_table_find_tables``, ``hash_table_place_tables_``, ``hash_table_score_tables_``,
 ``lazy_adam_tables_``, ``segment_sum_parts``, ``unique_bounded`` and ``unique_tables`` have C++
-CPU kernels only (``csrc/cpu``). This module registers a kernel for the CUDA dispatch key of
-each, written in Python from sparsekit's per-table ops, which have CUDA kernels
-(``hash_table_find``, ``hash_table_insert_absent_``, ``lazy_adam_``, ``segment_sum``,
-``unique``), and plain torch ops.
-
-Why: the contract (DESIGN.md section 2) gives every op a CUDA kernel, and these were written
-where no GPU was at hand to develop and check new ``.cu`` code. Each composite is a
-device-agnostic function, so the tests run it on CPU tensors against the C++ CPU kernel, bit
-for bit (tests/test_tables_cuda.py). It reproduces the CPU kernel's semantics: the same
-outputs (values, dtypes, shapes, order), the same in-place effects, and the same checks in
-the same order with the same messages (RuntimeError), all raised before anything is written.
-Where the CPU kernel says "a CPU tensor" the composite names the device it runs for ("a
-cuda:0 tensor").
-
-Differences that cannot be avoided, and host syncs on CUDA (the CPU kernels have none to
-speak of):
-
-- ``hash_table_find_tables``: one ``hash_table_find`` per table with keys; no host sync.
-- ``hash_table_place_tables_``: one ``hash_table_insert_absent_`` per table with new keys
-  (passed its size as ``num_occupied``: no sync). A probe that meets another key of the
-  call may take the other's slot on CUDA, so slot positions (not rows) can differ from the
-  CPU's; every find gives the same rows. No host sync.
-- ``hash_table_score_tables_``: one sync (reading the row check).
-- ``lazy_adam_tables_``: one sync (every row of every table checked at once), then one
-  ``lazy_adam_`` per table with rows, each with its own sync. A repeated row is named as the
-  CPU kernel does on one thread (with several threads the CPU may name another one).
-- ``segment_sum_parts``: ``segment_sum`` of the parts' concatenation (a copy of them; one sync,
-  segment_sum's). The CPU adds rows in position order; CUDA adds them in its own order
-  (deterministic under ``torch.use_deterministic_algorithms``), so float sums may differ in
-  the last bits.
-- ``unique_bounded``: ``torch.unique`` (sorted) and a stable sort for ``order``: two syncs
-  (the range check, the unique count).
-- ``unique_tables``: two ``unique`` calls (keys, then (key, table) pairs) and a stable sort by
-  table: two syncs (the unique counts).
-
-A native CUDA kernel in ``sparsekit._C`` takes precedence: an op that already has a CUDA
-kernel when this module loads keeps it.
+CPU kernels only; this module registers a CUDA kernel for each, written from sparsekit's
+per-table ops and plain torch ops, so that every op runs on both devices (``docs/design.md``).
+Each composite is device-agnostic and tested on CPU tensors against the C++ kernel, bit for
+bit: the same outputs, in-place effects, checks and messages. Unavoidable differences: slot
+positions (not rows) of ``hash_table_place_tables_`` and the last bits of float sums of
+``segment_sum_parts`` may differ. Each op's host syncs are in its docstring. A native CUDA
+kernel in ``sparsekit._C`` takes precedence.
 """
 
 from __future__ import annotations
@@ -197,11 +167,8 @@ def _hash_table_find_args(slot_keys: Tensor, slot_rows: Tensor, keys: Tensor, op
 
 
 def _device_ints(values: Union[Sequence[int], Tensor], device: torch.device) -> Tensor:
-    """An int64 tensor of a few host values (ints, or a CPU int64 tensor, used as it is on
-    the CPU) on ``device``. ``torch.tensor(values, device=cuda)`` or ``.to(cuda)`` copies
-    from pageable memory, which makes the host wait for the stream (a host sync, as torch's
-    sync debug mode reports it); on CUDA this copy goes through pinned memory without
-    waiting (the caching host allocator keeps the buffer until the copy ran)."""
+    """An int64 tensor of a few host values on ``device``, copied through pinned memory on
+    CUDA: ``torch.tensor(values, device=cuda)`` copies from pageable memory, a host sync."""
     host = values if isinstance(values, Tensor) else torch.tensor(list(values), dtype=torch.int64)
     if device.type != "cuda":
         return host if device.type == "cpu" else host.to(device)

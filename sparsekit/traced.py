@@ -1,19 +1,12 @@
 """The one-process lookups as ``torch.compile`` sees them: no graph break.
 
-A layer's lookup has two halves. Which row each key reads depends on the data and
-changes the tables (a training step inserts new keys, scores them, admits or evicts
-some), so it cannot be traced; but its result has the size of the input, one int64 row
-per key (-1: none). The pooled read of those rows is :func:`sparsekit.ops.embedding_bag`
-(or ``embedding_gather``), which traces and differentiates (the weight's sparse
-gradient). So a layer of one process, compiled, calls ``sparsekit::_layer_rows`` —
-an opaque op that runs the layer's own row resolution eagerly, registered as having an
-ordered side effect so that the compiler neither drops, merges nor reorders it — and
-then the traced pooled read. Many ranks need all-to-alls of data-dependent sizes: there
-the layer's forward stays one graph break.
-
-The op finds its layer by ``id`` in a registry the layers join when they are made
-(``__init__`` and ``__setstate__``, which copies and unpickling go through); the graph
-holds that id as a constant, and dynamo guards on the module it was traced with.
+Which row each key reads depends on the data and changes the tables, so it cannot be
+traced, but its result has the input's size. So a compiled one-process layer calls
+``sparsekit::_layer_rows``, an opaque op with an ordered side effect (never dropped,
+merged or reordered) that resolves the rows eagerly, then the traced pooled read
+(:func:`sparsekit.ops.embedding_bag`). Many ranks need all-to-alls of data-dependent sizes:
+there the forward stays one graph break. The op finds its layer by ``id`` in a registry the
+layers join in ``__init__`` and ``__setstate__``.
 """
 
 from __future__ import annotations

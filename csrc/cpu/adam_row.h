@@ -120,10 +120,7 @@ inline void adam_row(scalar_t* __restrict__ weight, scalar_t* __restrict__ exp_a
 // Rows are scattered over tables far larger than the caches, so the update is bound by
 // memory latency (a TLB and cache miss per row of each state tensor), not arithmetic:
 // fetching rows ahead overlaps those misses. kPrefetchLines / (lines of a row) rows ahead,
-// within [kMinPrefetchRows, kMaxPrefetchRows]: 32 rows of 16 float32, 8 of 64. Measured
-// on 2 threads (11k random rows of 1M, fresh ones each call): 16 float32 took 270-285 us
-// at 4 rows ahead and 165-185 us at 32; wider rows, bound by bandwidth, moved within the
-// noise from 4 to 16 (64) and 2 to 8 (128) rows ahead.
+// within [kMinPrefetchRows, kMaxPrefetchRows]. Tuned by benchmarks/bench_lazy_adam.py.
 constexpr int64_t kPrefetchLines = 32;
 constexpr int64_t kMinPrefetchRows = 4;
 constexpr int64_t kMaxPrefetchRows = 32;

@@ -1,14 +1,8 @@
 #pragma once
-// What the CPU offers the kernels beyond baseline x86-64, read once per process.
-//
-// The library is built without -march flags, so that one .so runs on any x86-64 CPU; the
-// kernels that gain from newer instructions (the AVX2 / AVX-512 pooling loops, popcnt for
-// the bitmap of unique_bounded, F16C for float16 rows) choose them at run time from here.
-// The environment variable SPARSEKIT_CPU_CAPABILITY ("default", "avx2" or "avx512", read
-// once, as torch reads ATEN_CPU_CAPABILITY) lowers the choice, so that the tests run every
-// fallback on one machine: "default" is baseline x86-64 (no popcnt, no F16C, no vector
-// loops beyond SSE2), "avx2" caps the pooling loops at AVX2 (whose CPUs all have popcnt and
-// F16C). Any other value changes nothing.
+// What the CPU offers beyond baseline x86-64, read once per process: the .so is built
+// without -march flags, so kernels pick AVX2 / AVX-512, popcnt and F16C at run time.
+// SPARSEKIT_CPU_CAPABILITY=default|avx2|avx512 lowers the choice so that the tests run every
+// fallback on one machine; any other value changes nothing.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>

@@ -20,10 +20,8 @@ bool stream_output(const Tensor& out, int64_t dim) {
 }
 
 /// Asks Linux to back a large, freshly allocated output with transparent huge pages before
-/// its first touch. Big CPU tensors are fresh mmaps, and first-touching one costs a page
-/// fault per 4 KiB: for the [unique rows, D] gradient of a large batch those faults took
-/// longer than the pooling itself. (torch's allocator does the same for every large
-/// tensor under THP_MEM_ALLOC_ENABLE=1.) A hint only: any failure is ignored.
+/// its first touch: big CPU tensors are fresh mmaps, and a page fault per 4 KiB can cost
+/// more than the pooling. A hint only: any failure is ignored.
 void advise_huge_pages(const Tensor& out) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHugePage = uintptr_t{1} << 21;

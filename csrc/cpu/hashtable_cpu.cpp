@@ -18,13 +18,11 @@ namespace {
 constexpr int64_t kHashGrain = 4096;
 
 // Keys ahead whose home slots are prefetched: a table larger than the cache costs two
-// misses per key (its row and key arrays), which this many lookups in flight hide. 26,624
-// keys of 500k in 2^21 slots, fresh keys each call, on a Zen 5 VM: 2 threads 125 / 103 / 98
-// us at 16 / 32 / 64 keys ahead (caches flushed between calls: 220 / 177 / 172 us), one
-// thread 271 / 215 / 193 us.
+// misses per key (its row and key arrays), which this many lookups in flight hide.
+// Tuned by benchmarks/bench_hashtable.py.
 constexpr int64_t kFindPrefetchDistance = 64;
 // Slots from which the prefetch pays: below, both arrays (16 bytes a slot) sit in a 2 MiB
-// cache and the hints only cost instructions (12% slower at 2^15 slots; 1.6x faster at 2^21).
+// cache and the hints only cost instructions. Tuned by benchmarks/bench_hashtable.py.
 constexpr uint64_t kFindPrefetchSlots = uint64_t{1} << 17;
 // Rows ahead whose scores the scoring pass prefetches, and the table size from which it
 // does (two 8-byte scores a row: 2^16 rows fill 1 MiB).
@@ -106,9 +104,8 @@ inline bool place_key(int64_t* slot_keys, int64_t* slot_rows, uint64_t slot_mask
 }
 
 /// @brief A placing's prefetch_home_slot_ahead, for writing, where the table is large enough
-/// to miss the caches (as find_range_in decides): placing a key in a cold table of 2^21
-/// slots cost two misses a key, ~150 ns, without it (431 keys, the harness's new keys of a
-/// step, took ~60 us).
+/// to miss the caches (as find_range_in decides): placing a key in a cold table costs two
+/// misses a key without it.
 template <typename key_t>
 inline void prefetch_slot_ahead(const int64_t* slot_keys, const int64_t* slot_rows, uint64_t slot_mask,
                                 const key_t* keys, int64_t i, int64_t end) {
@@ -328,7 +325,7 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
   std::atomic<int64_t> bad{rows_c.numel()};
   // Whether every table's rows strictly ascend (a collection scores its distinct rows in
   // sorted order): then no row repeats, no two tasks share a score, and the writes below
-  // need no atomics (a lock-prefixed add per row made 39k rows cost ~380 us on 2 threads).
+  // need no atomics (a lock-prefixed add per row is costly).
   std::atomic<bool> ascending{true};
   parallel_for(0, rows_c.numel(), kHashGrain, [&](int64_t begin, int64_t end) {
     bool rising = true;

@@ -1,17 +1,10 @@
 // DLRM's pairwise interaction on the CPU: the dot products of the vector pairs i < j of
 // each sample (_pair_dots) and their gradient (_pair_dots_backward), for the training
 // harness's model (sparsekit/train/model.py).
-//
-// A sample holds few short vectors (the harness: 27 of 16 floats), so a batched matrix
-// product V V^T spends its time on per-matrix overhead and computes both triangles. Here
-// each lane of a vector register holds one sample (16, 8 or 4 float32 samples with
-// AVX-512, AVX2 or baseline x86-64, chosen at run time; half as many float64): a block of
-// that many samples is transposed into [n][d][lane] scratch with shuffles, every pair's dot
-// product is then d multiply-adds of whole vectors (four pairs at a time, independent
-// chains), and the results are transposed back. The backward sums, for each vector i of a
-// block and eight of its columns at a time, the pairs' gradients times the other vector,
-// j ascending: dV[i] = sum_j g(i, j) V[j]. Every output element depends on its own sample
-// alone and is summed in a fixed order, so the results do not depend on the thread count.
+// A sample holds few short vectors, so a batched V V^T is mostly per-matrix overhead: here
+// each vector lane holds one sample (a block transposed into [n][d][lane] scratch). Every
+// output element depends on its own sample and is summed in a fixed order, so the results
+// do not depend on the thread count.
 #include "cpu/cpu_features.h"
 #include "cpu/parallel.h"
 
@@ -26,8 +19,8 @@ namespace {
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-// Pairs whose dot products the forward sums at once (independent chains; 8 measured no
-// faster on AVX-512), and column vectors the backward sums at once (their sums in registers).
+// Pairs whose dot products the forward sums at once (independent chains), and column
+// vectors the backward sums at once (their sums in registers).
 constexpr int kForwardPairs = 4;
 constexpr int kBackwardColumns = 8;
 // Multiply-adds a parallel task gets at least.

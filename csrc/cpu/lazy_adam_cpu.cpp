@@ -180,10 +180,8 @@ void adam_table_rows(weight_t* weight, float* exp_avg, float* exp_avg_sq, const 
 /// exp_avgs[t], exp_avg_sqs[t] at rows[t] (int64, distinct) with grads[t], step steps[t]
 /// and hyper[5t : 5t + 5] = (lr, beta1, beta2, eps, weight_decay). Moments and gradients
 /// are float32; a weight is float32, or float16 / bfloat16 (a half shard: updated in
-/// float32, rounded to nearest). Every argument and every row of every table is checked
-/// before anything is written, so a bad row in one table changes no table. The rows of
-/// all tables are updated in one parallel loop (small tables share a task), the same
-/// arithmetic as lazy_adam_ row for row.
+/// float32, rounded to nearest). Everything is checked before anything is written, so a
+/// bad row in one table changes no table; the arithmetic is lazy_adam_'s, row for row.
 void lazy_adam_tables_cpu(const std::vector<Tensor>& weights, const std::vector<Tensor>& exp_avgs,
                           const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& rows,
                           const std::vector<Tensor>& grads, const std::vector<int64_t>& steps,

@@ -30,16 +30,11 @@ inline bool in_parallel_region() { return detail::parallel_depth > 0; }
 inline int64_t num_threads() { return static_cast<int64_t>(torch::stable::get_num_threads()); }
 
 // ---- busy cores ------------------------------------------------------------------------
-// A parallel region ends when its last thread does. When another process keeps a core
-// busy, a worker thread woken for the region may wait a scheduler time slice (4-8 ms on the
-// 2-core VM) before it runs, so a call of 20 us took milliseconds: with a build running,
-// a DistributedEmbedding step's segment_sum of 2,048 x 16 rows and its lazy_adam_ of ~2,000
-// rows took a median 6.5 and 7.6 ms, over 1 ms in 6 calls of 10. Every region notes when
-// its workers started; one that started late marks the cores contended for a while, and
-// meanwhile a region of fewer than kContendedGrains grains runs inline on the calling
-// thread (at most a few milliseconds of work), while larger ones still share out.
+// A region ends when its last thread does, and a worker woken while another process keeps
+// a core busy may wait a whole scheduler time slice. A region whose workers start late marks
+// the cores contended for a while; meanwhile small regions (< kContendedGrains) run inline.
 namespace detail {
-constexpr int64_t kLateStartNs = 500'000;         // a worker starting 0.5 ms late: contended
+constexpr int64_t kLateStartNs = 500'000;         // a worker starting this late: contended
 constexpr int64_t kContendedNs = 1'000'000'000;   // for the next second
 constexpr int64_t kContendedGrains = 64;
 
@@ -205,22 +200,10 @@ inline bool steal_back_half(std::vector<ChunkShare>& shares, int64_t worker, int
 
 /// @brief Runs fn(worker, begin, end) over [0, n) in chunks of `chunk` items; worker in
 /// [0, chunk_workers(n, chunk)) names the worker that runs the chunk (for per-worker
-/// scratch or counters), and one worker's calls never overlap. Each worker starts with a
-/// contiguous 1/workers share of the chunks and takes them in order, so a worker's reads
-/// run on from one chunk into its next (a loop that prefetches past its chunk's end
-/// prefetches its own next chunk); a worker whose share is done takes the back half of
-/// what is left of the fullest other share, and so on until none is left. A thread that
-/// the OS deschedules (its core busy with other work) or that drew the slow part of the
-/// input then delays only its current chunk, where at::parallel_for's fixed 1/threads
-/// shares make the whole call wait for the slowest thread.
+/// scratch or counters), and one worker's calls never overlap. Each worker takes its own
+/// contiguous share in order (its prefetches run into its own next chunk), then steals the
+/// back half of the fullest other share: a descheduled thread delays one chunk, not the call.
 /// Runs inline on one thread, or when already inside a parallel region.
-///
-/// Until these shares, chunks were handed out in turn from one shared counter, so the two
-/// threads' chunks interleaved: each chunk's prefetches ran into the other thread's chunk
-/// and its first rows were read unprefetched. embedding_bag, 1M x 128 float32 rows, 16384
-/// bags of 20 uniform rows, two threads on the 2-core VM, the three schedules in one
-/// process (7 interleaved rounds, two runs): one shared counter 3.01-3.07 ms, fixed halves
-/// 2.60-2.79 ms, these shares 2.41-2.63 ms; on Zipf rows 1.54-1.62 / 1.42-1.63 / 1.24-1.30.
 template <typename F>
 void parallel_chunks_indexed(int64_t n, int64_t chunk, const F& fn) {
   chunk = std::max<int64_t>(chunk, 1);

@@ -3,13 +3,9 @@
 // pooled_cpu.cpp): a bag's rows summed (or averaged, weighted, maxed) a block of columns at a
 // time in vector registers, the rows prefetched ahead. Memory-latency bound on tables larger
 // than the cache: each lookup is a random row.
-//
-// The hot loops are written once as plain C++ (always_inline templates) and instantiated
-// three times: with 64-byte vectors inside an AVX-512 function (dims of whole 64-byte
-// vectors of accumulators), with 32-byte vectors inside an AVX2+FMA+F16C function, each
-// chosen at run time when the CPU has it (cpu_isa), and inside a baseline function for
-// any x86-64 (or other) CPU. The extension is built without -march flags, so this is how
-// the vector units get used without making the .so unportable.
+// The loops are written once (always_inline templates) and instantiated for AVX-512, for
+// AVX2+FMA+F16C and for a baseline CPU, picked at run time (cpu_isa): the .so is built
+// without -march flags and stays portable.
 #include "cpu/cpu_features.h"
 #include "cpu/parallel.h"
 #include "cpu/prefetch_plan.h"
@@ -37,47 +33,26 @@ namespace {
 // 32-byte vector arguments of the always_inline helpers never cross a real call boundary.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-// embedding_gather's copy loop: how many lookups ahead it prefetches (far enough to cover
-// DRAM latency, near enough that the lines are still in L1/L2 when used) and how many lines
-// of each row (at most kMaxPrefetchLines; the hardware's prefetchers take it from there).
-// Rows of one line look 32 ahead, of 2-4 lines 24, longer ones 16 (tuned for the pooling
-// loops on an earlier VM, where they lived until the pooling got its own rule below).
+// embedding_gather's copy loop: lookups prefetched ahead (enough to cover DRAM latency, few
+// enough that the lines are still cached when used) and lines per row (the hardware
+// prefetchers take the rest). Tuned by benchmarks/bench_embedding.py.
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kPrefetchDistanceOneLine = 32;
 constexpr int64_t kPrefetchDistanceFewLines = 24;
 constexpr int64_t kMaxPrefetchLines = 4;
 
-// The pooling loops (pool_rows: sum, mean, weighted and max, every vector width) prefetch
-// every line of the row's pass (VectorColumns::kLines), last line first,
-// kPoolLinesInFlight / lines lookups ahead within [kMinPoolDistance, kMaxPoolDistance]:
-// 64 ahead for rows of 1-4 lines (D <= 64 float32), 32 for 8 (D = 128), 16 from 16 on, so
-// at most 256 lines (16 KiB) are in flight. Measured on the 2-core Zen 5 VM of the
-// benchmarks (1M rows, 16384 bags of 20, one thread, plain loops and this op called in one
-// process on one table and rows, against nn.EmbeddingBag, i.e. FBGEMM's AVX-512 JIT
-// kernel, which prefetches every line 16 ahead; medians of 7 interleaved rounds): every
-// line 64 ahead gave x1.71 / x1.69 / x1.68 for D = 16 / 32 / 64 uniform rows and x1.18 /
-// x1.51 for D = 16 / 64 Zipf rows, where the first line only, 32 ahead (this loop until
-// then, tuned on an earlier VM), gave x1.43 / x0.95 / x0.86 and x1.20 / x1.34: one line
-// leaves the rest of a wider row to the hardware prefetchers, which start too late on a
-// random row. FBGEMM's 16 ahead gave x1.13 / x1.00 / x1.09. At D = 128 (8 lines) the
-// distance trades uniform rows against Zipf ones: 64 ahead x1.04 / x1.65, 32 ahead x1.06 /
-// x1.31 ascending and x1.14 / x1.32 descending (the op); the plain loop measured the
-// descending order at x1.19 against x1.06 ascending 32 ahead, and no change at 4 lines.
-// Uniform D = 128 moves 168 MB a call at ~37 GB/s; one core streams 40 GB/s (torch.sum).
+// The pooling loops prefetch every line of the row's pass, last line first,
+// kPoolLinesInFlight / lines lookups ahead within [kMinPoolDistance, kMaxPoolDistance]: at
+// most 16 KiB in flight. Every line, because the hardware prefetchers start too late on a
+// random row. Tuned by benchmarks/bench_embedding.py.
 constexpr int64_t kPoolLinesInFlight = 256;
 constexpr int64_t kMinPoolDistance = 16;
 constexpr int64_t kMaxPoolDistance = 64;
 
-// The other prefetch plan (prefetch_plan.h): only the first line of the row's pass,
-// kFirstLineDistance lookups ahead, for passes of at least kFirstLinePlanLines lines. A call
-// on two or more threads whose lookups read at least kPlanMinBytes of such rows times itself
-// and lets its PlanChooser pick the plan (below that a call is too short for its time to
-// tell the plans apart, and the rows may well sit in the caches). Measured on the 2-core
-// Zen 5 VM, uniform rows of 1M x 128 float32, 16384 bags of 20, two threads, alternating in
-// one process: the first line 16, 24 or 32 ahead took 3.4-3.5 ms in the VM's slow state
-// (every line: 4.3-4.6, nn.EmbeddingBag 4.1-4.3) and 2.7-3.2 ms in the other (every line
-// 2.1-2.4, nn.EmbeddingBag 2.6-2.8); Zipf rows 1.0-1.6 against 0.8-1.2 ms; rows of 4 lines
-// (D = 64) lost 1.5-2x in both states, hence 8 lines.
+// The other prefetch plan (prefetch_plan.h): the first line only, for passes of at least
+// kFirstLinePlanLines lines. Multi-threaded calls reading at least kPlanMinBytes time
+// themselves and let a PlanChooser pick; shorter calls cannot tell the plans apart.
+// Tuned by benchmarks/bench_embedding.py.
 constexpr int64_t kFirstLineDistance = 16;
 constexpr int kFirstLinePlanLines = 8;
 constexpr int64_t kPlanMinBytes = int64_t{32} << 20;
@@ -151,12 +126,9 @@ struct HalfLanes {
   using wide_bits = typename VectorOf<uint32_t, 4 * kLanes>::type;
 };
 
-// float16 widens with integer vector operations (exact for every value, subnormals, inf
-// and NaN included): GCC 12 turns a _Float16 vector conversion into one element at a time
-// even under F16C (one insert and one vcvtph2ps per element) and into a libgcc call per
-// element in the baseline build, which made float16 tables 5x slower than float32 ones.
-// A normal number's exponent is rebiased by 127 - 15; inf/NaN get the rest of the way to
-// 255; zeros and subnormals are built as 2^-14 * (1 + m) and then have 2^-14 taken off.
+// float16 widens with integer vector operations (exact for every value, subnormals, inf and
+// NaN included): GCC converts a _Float16 vector one element at a time. The exponent is
+// rebiased by 127 - 15; inf/NaN go to 255; subnormals are 2^-14 * (1 + m) minus 2^-14.
 template <typename vec_t>
 SPARSEKIT_ALWAYS_INLINE void load_into(vec_t& v, const Half* p) {
   using Lanes = HalfLanes<sizeof(vec_t) / sizeof(float)>;
@@ -185,13 +157,9 @@ SPARSEKIT_ALWAYS_INLINE void load_into(vec_t& v, const Half* p) {
   std::memcpy(&v, &out, sizeof(v));
 }
 #if SPARSEKIT_X86_DISPATCH
-// load_into for float16 with the F16C conversion instruction (vcvtph2ps), one per vector;
-// only the AVX2 and AVX-512 instantiations use them (their targets include f16c). Not
-// always_inline: GCC inlines a target function only into callers of that target, which
-// these become once the loops are inlined into pool_bag_range_avx2/_avx512 (no call is
-// left in the library). 1M x 64 float16, 16384 bags of 20, one thread: 53.6 ms with
-// _Float16 vectors (one element at a time), 27 ms with the integer widening, 6.8-7.1 ms
-// with these (bfloat16: 5.2-5.6 ms).
+// load_into for float16 with F16C (vcvtph2ps), for the AVX2 and AVX-512 instantiations.
+// Not always_inline: GCC inlines a target function only into callers of that target, which
+// these become once inlined into pool_bag_range_avx2/_avx512.
 SPARSEKIT_TARGET_AVX2 inline void load_into_f16c(AccVec<float, 32>::type& v, const Half* p) {
   const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   std::memcpy(&v, &f, sizeof(v));
@@ -255,15 +223,9 @@ SPARSEKIT_ALWAYS_INLINE void load_into(vec_t& v, const BFloat16* p) {
   std::memcpy(&v, &wide, sizeof(v));
 }
 
-// embedding_bag writes a pooled output of at least this size with streaming stores (see
-// stream_output). A cached store first reads its line in (read-for-ownership): for 16384
-// bags at D = 128 that is 8 MiB more read beside the 168 MB of rows, and the lines written
-// early leave the caches long before the call ends anyway. 1M x 128 float32, 16384 bags
-// of 20, one process, the op and nn.EmbeddingBag interleaved over 7 rounds: uniform rows
-// 2.55 -> 2.34 ms on two threads (x1.15 -> x1.27 against nn.EmbeddingBag), 4.90 -> 4.68 ms
-// on one; Zipf rows 1.16 -> 1.05 ms on two. D = 64 (4 MiB): uniform unchanged, Zipf
-// 0.51 -> 0.47 ms. Smaller outputs (the harness's 1024 x 16) stay in the cache for the
-// layer that reads them next.
+// embedding_bag writes a pooled output of at least this size with streaming stores: a
+// cached store reads its line first, and a large output leaves the caches before the call
+// ends anyway; smaller ones stay cached for the next layer. Tuned by bench_embedding.py.
 constexpr int64_t kStreamOutputBytes = int64_t{4} << 20;
 
 /// Lines of a row_bytes-long row worth prefetching by hand, 1..kMaxPrefetchLines.
@@ -288,8 +250,8 @@ SPARSEKIT_ALWAYS_INLINE void prefetch_row_lines(uintptr_t at, int lines) {
 }
 
 /// Prefetches kLines lines of the row at `at`, last line first (the pooling loops; see
-/// kPoolLinesInFlight). The count is known at compile time: a loop over a run-time count of
-/// lines measured 1.7x slower at D = 64.
+/// kPoolLinesInFlight). The count is a compile-time constant: a loop over a run-time
+/// count is markedly slower.
 template <int kLines>
 SPARSEKIT_ALWAYS_INLINE void prefetch_row_lines_back(uintptr_t at) {
 #pragma GCC unroll 32
@@ -590,10 +552,8 @@ template <bool kWeighted, bool kMax, int kBytes, typename Columns, typename scal
 SPARSEKIT_ALWAYS_INLINE void pool_rows(const BagProblem<scalar_t, index_t>& p, int64_t begin, int64_t end,
                                        int64_t col, Columns columns, scalar_t* out_row) {
   if constexpr (!kWeighted && !kMax) {
-    // Sum and mean (SumPass), its padding test chosen here. Inlined by force: left to GCC,
-    // the padded variant was called out of line once the bag loops of one pass
-    // (pool_bag_range_one_pass) grew pool_bag_range, and the accumulators went through the
-    // stack (D = 128 Zipf rows: 2.2 -> 4.9 ms).
+    // Sum and mean (SumPass), its padding test chosen here. Inlined by force: out of line,
+    // the accumulators go through the stack.
     p.padding_row < 0 ? SumPass<false, scalar_t, index_t>(p)(begin, end, col, columns, out_row)
                       : SumPass<true, scalar_t, index_t>(p)(begin, end, col, columns, out_row);
   } else {
@@ -669,8 +629,7 @@ SPARSEKIT_ALWAYS_INLINE void pool_bag_range_one_pass(const BagProblem<scalar_t, 
     }
   };
   if constexpr (!kWeighted && !kMax) {
-    // Sum and mean: the call's values taken once, not once a bag (16384 bags of one hot row
-    // at D = 16: 46 -> 36 us, nn.EmbeddingBag 37).
+    // Sum and mean: the call's values taken once, not once a bag (short bags pay for it).
     const auto sum_bags = [&](const auto& sum) SPARSEKIT_ALWAYS_INLINE_LAMBDA {
       each_bag([&](int64_t begin, int64_t end, scalar_t* out_row)
                    SPARSEKIT_ALWAYS_INLINE_LAMBDA { sum(begin, end, 0, Columns(), out_row); });
@@ -772,11 +731,8 @@ PlanChooser& plan_chooser(int64_t row_bytes) {
 }
 
 /// True when rows[0, nnz) look skewed: more than kSkewedRepeats repeats among kSkewSample
-/// lookups spread over the call (uniform rows of a 1M-row table repeat ~0.03 times there, the
-/// benchmark's Zipf rows ~150). Such calls read many rows from the caches, where the first
-/// line plan lost in both states of the VM (1.0-1.6 against 0.8-1.2 ms): they keep every
-/// line, and their times stay out of the chooser's, which they would confuse (a skewed call
-/// costs a third of a uniform one per byte).
+/// lookups spread over the call. Such calls read many rows from the caches, where the
+/// first-line plan loses: they keep every line and stay out of the chooser's timings.
 template <typename index_t>
 bool rows_look_skewed(const index_t* rows, int64_t nnz) {
   constexpr int kSkewSample = 256;

@@ -1,24 +1,8 @@
 #pragma once
-// Which prefetch plan a large pooling call takes, chosen by measuring both.
-//
-// embedding_bag's pooling loops prefetch every line of a row some lookups ahead (the
-// "every line" plan, embedding_cpu.cpp). On the 2-core VM of the benchmarks that plan is
-// the faster one for rows of 1-4 lines, for skewed rows and on one thread, by 1.2-2x. But
-// the VM spends minutes at a time in a state where two threads reading rows of 8 lines
-// (D = 128 float32) at random get no more from the memory than one: then prefetching only a
-// row's first line and leaving the rest to the hardware's prefetchers (the "first line"
-// plan) moves the same uniform rows 1.2-1.3x faster on two threads (nn.EmbeddingBag 4.1-4.3
-// ms, every line 4.3-4.6 ms, first line 3.4-3.5 ms), while it stays 1.2-1.3x slower in the
-// other state and 1.3-1.5x slower for Zipf rows in both. Nothing the process can read tells
-// the two states apart, so a call that reads enough memory for its time to say which plan
-// is faster times itself, and the calls like it take the faster plan, trying the other
-// now and then. The plans sum the same rows in the same order: the choice changes the
-// time of a call, never its result.
-//
-// The environment variable SPARSEKIT_POOL_PREFETCH ("every" or "first", read per call)
-// forces one plan on every call whose rows have enough lines for the plans to differ, so
-// that the tests run both and a benchmark can compare them; any other value, or none,
-// leaves the choice to the measurements.
+// Which prefetch plan a large pooling call takes ("every line" or "first line"), chosen by
+// timing both: which one wins depends on how contended the memory is, which nothing the
+// process can read tells. Both sum the same rows in the same order, so the choice changes a
+// call's time, never its result. SPARSEKIT_POOL_PREFETCH=every|first forces one (tests).
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -32,15 +16,9 @@ namespace sparsekit {
 enum class PrefetchPlan : int { kEveryLine = 0, kFirstLine = 1 };
 
 /// @brief Picks between the two prefetch plans by their measured cost (seconds per byte of
-/// rows read) in the calls of one kind.
-///
-/// The first calls alternate until each plan has kWarmupSamples costs. Then a call takes the
-/// plan of lower cost, except that a probe of the other plan is due every `interval` calls:
-/// the interval starts at kMinProbeInterval, doubles (up to kMaxProbeInterval) each time the
-/// probed plan costs more than kProbeMargin times the best, and falls back to the minimum
-/// when it wins or comes close. The chosen plan's cost is a moving average of its calls
-/// (weight kAverageWeight for the newest); a probe's cost replaces the old figure of its
-/// plan, which is stale by then. Thread-safe (one mutex; the call itself runs outside it).
+/// rows read) in the calls of one kind: alternates until both have kWarmupSamples costs, then
+/// takes the cheaper, probing the other every `interval` calls (doubled while it keeps
+/// losing by kProbeMargin). Thread-safe (one mutex; the call itself runs outside it).
 class PlanChooser {
  public:
   static constexpr int kWarmupSamples = 2;

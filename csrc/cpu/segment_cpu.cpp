@@ -1,23 +1,8 @@
-// unsorted_segment_sum on the CPU.
-//
-// The work is split into units of (segment range x column block). Every unit scans all
-// ids in position order and adds the rows that fall in its segment range, restricted to
-// its columns. So each output element is summed by exactly one thread, in position
-// order: the result is bit-identical whatever the thread count (deterministic=True is
-// free on the CPU) and no atomics are needed.
-//
-// Speed: the kernel is bound by memory traffic. The data streams in once, and every row
-// is a read-modify-write of a random output row, which misses the caches once the output
-// outgrows them. Hence:
-//  - units are segment ranges holding about equal numbers of rows (cut at quantiles of
-//    a sample of the ids, so hot segments of Zipf ids do not load one thread), and each
-//    thread reads whole rows. Column blocks, which make every thread read a strided part
-//    of every row, are only used when there are too few segments to go round;
-//  - a unit lists its rows a block at a time without branching (one unpredictable
-//    branch per row otherwise), then adds them with the output row and the data row
-//    prefetched a few rows ahead; the data with a non-temporal hint, so that the stream
-//    does not push the output out of the caches;
-//  - rows are added in fixed blocks of 16 lanes that the compiler turns into vector adds.
+// unsorted_segment_sum on the CPU. Units of (segment range x column block) each scan all ids
+// in position order, so every output element is summed by one thread in position order:
+// bit-identical for any thread count, no atomics. Segment ranges hold about equal row counts
+// (cut at sampled quantiles, so hot Zipf segments do not load one thread); column blocks
+// only when there are too few segments to go round.
 #include "cpu/half_rows.h"
 #include "cpu/parallel.h"
 
@@ -56,8 +41,7 @@ inline void add_row(acc_t* __restrict out, const scalar_t* __restrict row, int64
 }
 
 /// @brief add_row for float16 rows: widened a block at a time with F16C where the CPU has
-/// it (half_rows.h); a scalar c10::Half conversion per element made float16 segment sums
-/// 2.5x slower than bfloat16 ones.
+/// it (half_rows.h), not by a scalar c10::Half conversion per element.
 template <>
 inline void add_row<Half, float>(float* __restrict out, const Half* __restrict row, int64_t width) {
   constexpr int64_t kBlock = 4 * kLanes;
@@ -120,9 +104,8 @@ int64_t accumulate_unit(const scalar_t* data, const index_t* ids, int64_t n, int
 }
 
 /// @brief accumulate_unit with the width a compile-time constant for float32 rows of 16,
-/// 32, 64 or 128 columns (the embedding widths): add_row over a run-time width kept its
-/// pointers and counters on the stack, and 26,624 rows of 16 into 11k segments (a harness
-/// step's gradient) took ~126 us on one thread.
+/// 32, 64 or 128 columns (the embedding widths): over a run-time width, add_row keeps its
+/// pointers and counters on the stack.
 template <typename scalar_t, typename acc_t, typename index_t>
 int64_t accumulate_unit_of_width(const scalar_t* data, const index_t* ids, int64_t n, int64_t dim,
                                  int64_t seg_begin, int64_t seg_end, int64_t col_begin, int64_t col_end, acc_t* acc,
@@ -199,10 +182,8 @@ std::vector<int64_t> balanced_segment_edges(const index_t* ids, int64_t n, int64
   }
   std::vector<int64_t> edges{0};
   // The quantiles by selection, each in what the previous one left above it: O(parts * n)
-  // instead of a sort, and the same edges. The sort cost more than the sum on small inputs:
-  // 4096 rows of 16 float32 into 4000 segments on 2 threads took 200-220 us with it,
-  // 90-96 us without (70-80 us on one thread); a DistributedEmbedding slot of 4096 one-key
-  // bags sums its gradient in one such call.
+  // instead of a sort, and the same edges: a sort costs more than the sum on small inputs
+  // (a DistributedEmbedding slot's gradient).
   auto rest = sample.begin();
   for (int64_t p = 1; p < parts && !sample.empty(); ++p) {
     // A range starts at the segment holding its first quantile.

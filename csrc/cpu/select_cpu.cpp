@@ -1,12 +1,7 @@
 // select_smallest on the CPU: the radix select of csrc/select.h, each pass a parallel
 // loop over fixed chunks (per-chunk histograms, extremes and lists, merged in chunk order,
-// so the result never depends on the thread count).
-//
-// Full passes over the n entries: the first (eligible count and column 0's min/max), the
-// histograms until the bucket is small, the one that lists the small bucket's entries
-// (riding on the next min/max or histogram), and the final compaction; every other pass
-// reads only the listed entries. For a table's LRU or LFU scores that is about four full
-// passes whatever the key width.
+// so the result never depends on the thread count). Only the first passes read all n
+// entries; once the bucket is small its entries are listed and later passes read the list.
 #include <algorithm>
 #include <limits>
 #include <vector>

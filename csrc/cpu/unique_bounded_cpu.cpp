@@ -1,25 +1,8 @@
-// Sorted unique of keys known to lie in a small range [-1, bound): a bitmap of the values
-// present instead of a hash table.
-//
-// The lookups of an embedding table are row numbers, bounded by the table's row count,
-// and their gradient wants exactly this: the distinct rows in ascending order (a truly
-// coalesced sparse gradient) and, for every lookup, the rank of its row among them. With a
-// bound of at most a few dozen times the number of keys, a bitmap of the range beats any
-// hashing: a key costs one bit set and one rank read in a bitmap that stays in the L2
-// cache (1M rows: 128 KiB), where a hash table costs a hash, a probe and a key compare in
-// a table several times that size.
-//
-//   A. per worker: set the bit of every key in its own bitmap (no atomics, no sharing);
-//   B. per block of words: OR the workers' bitmaps; count the block's set bits;
-//   C. per block: the rank of each word (set bits in earlier words), the block's keys;
-//   D. per key: its rank = the rank of its word + the set bits below it in the word;
-//   E. when grouping: the positions sorted by key, stably (a counting sort, parallel over
-//      fixed ranges of positions), which lets the gradient sum each row's lookups as one
-//      bag, writing each output row once.
-//
-// Every pass is handed out in pieces (parallel.h); the bitmaps and ranks are scratch
-// memory the calling thread keeps between calls (scratch.h). The result does not depend on
-// the thread count.
+// Sorted unique of keys in a small range [-1, bound) (an embedding gradient's row numbers)
+// by a bitmap of the values present: a bit set and a rank read in a cache-resident bitmap,
+// cheaper than any hashing. Passes: A. each worker sets its keys' bits in its own bitmap;
+// B. OR the bitmaps, count set bits per block; C. each word's rank; D. each key's rank;
+// E. (grouping) positions stably counting-sorted by key. Independent of the thread count.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -46,11 +29,9 @@ constexpr int64_t kScatterAhead = 16;
 // Words per piece of passes B and C (32 KiB of the merged bitmap).
 constexpr int64_t kWordGrain = int64_t{1} << 12;
 
-/// @brief The set bits of a 64-bit word. The library is built for baseline x86-64, where
-/// __builtin_popcountll is a call into libgcc (a bit-twiddling routine behind a call: it
-/// made pass D 2-3x slower); the popcnt instruction, which x86-64 CPUs have had since 2008,
-/// is used through inline assembly (the assembler takes it whatever the compile target)
-/// when the CPU reports it (cpu_features.h), and the same bit-twiddling inline otherwise.
+/// @brief The set bits of a 64-bit word: popcnt through inline assembly when the CPU has it
+/// (a baseline x86-64 build turns __builtin_popcountll into a libgcc call), inline
+/// bit-twiddling otherwise.
 inline int64_t popcount64(uint64_t x) {
 #if defined(__x86_64__)
   if (C10_LIKELY(kCpuFeatures.popcnt)) {

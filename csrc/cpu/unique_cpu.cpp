@@ -1,25 +1,8 @@
-// Hash-based unique on the CPU, in order of first occurrence.
-//
-// The keys are cut into contiguous chunks, a few per thread, handed out to the threads
-// from a shared counter. Each chunk is deduped with a private open-addressing table (no
-// atomics, no sharing), numbering the keys in order of first occurrence within the chunk
-// and writing these local ids straight into `inverse`. The chunk tables are then merged
-// in chunk order into chunk 0's table, which becomes the global one: each later chunk's
-// keys, in their local order, take the id the global table has for them or else the next
-// new ids. Appending in (chunk, local id) order is exactly global first-occurrence order,
-// so the output is the same whatever the thread count and whichever thread took which
-// chunk. Each merge runs on all threads (lookups first, then the new keys, whose ids
-// follow from a prefix count), and a last parallel pass turns the local ids of chunks
-// 1.. in `inverse` into global ids.
-//
-// Why this shape: every key costs one probe of a table that is private and, for the hot
-// keys, cached; the merge touches each chunk's distinct keys only. Tables are sized from
-// an estimate of the distinct count taken on a sample of the keys, not from the number
-// of keys: a table sized for every key to be distinct would be mostly empty, and each
-// page of it costs a page fault and each probe a likelier cache miss. Several chunks per
-// thread, and every parallel pass handed out in pieces (parallel.h), keep a thread whose
-// core is busy with other work from holding up the call: it delays one piece, not a
-// 1/threads share of everything.
+// Hash-based unique on the CPU, in order of first occurrence. Each chunk of keys is deduped
+// by a private table (no atomics), then the chunk tables merge in chunk order: (chunk, local
+// id) order is global first-occurrence order, so the output does not depend on the threads.
+// Tables are sized from a sampled distinct-count estimate, not the key count: a table sized
+// for all-distinct keys is mostly empty and costs page faults and cache misses.
 #include "cpu/parallel.h"
 
 #include <algorithm>
@@ -75,7 +58,7 @@ class DistinctSketch {
   }
 
   double estimate() const {
-    // 2^-rank by table: std::ldexp per register cost ~10% of a unique of 26k keys.
+    // 2^-rank by table: std::ldexp per register is a measurable share of the op.
     static const std::array<double, 66> kInversePowers = [] {
       std::array<double, 66> powers{};
       for (size_t r = 0; r < powers.size(); ++r) powers[r] = std::ldexp(1.0, -static_cast<int>(r));
@@ -99,13 +82,9 @@ class DistinctSketch {
 };
 
 /// @brief Estimate of the distinct keys of a range, from a sample of it: blocks of
-/// kSampleBlock keys, every 16th block in one sketch and every 64th in another. For the
-/// key distributions met in practice (all distinct, Zipf, hot keys over a long tail,
-/// sorted) the distinct count grows like a power of the sample size, so the whole range
-/// holds about d16 * (d16 / d64)^2. Reading 1/16 of the keys instead of all of them saves
-/// most of the cost of a full sketch (a sixth of the op). Keys drawn again and again from
-/// a small range come out up to ~4x high, which costs table memory only; an estimate
-/// that comes out low costs a table growth.
+/// kSampleBlock keys, every 16th block in one sketch and every 64th in another; the distinct
+/// count grows like a power of the sample size, so the range holds about d16 * (d16 / d64)^2.
+/// A high estimate costs table memory only; a low one costs a table growth.
 class SampledDistinct {
  public:
   template <typename key_t>
@@ -427,7 +406,7 @@ class KeyRanges {
   const std::vector<Range>& ranges() const { return ranges_; }
   int64_t max_ranges() const { return static_cast<int64_t>(ranges_.capacity()); }
 
-  // Keys taken at a time: ~100 us of work, so the lock is taken rarely and a thread
+  // Keys taken at a time: enough that the lock is taken rarely, few enough that a thread
   // descheduled mid-block holds up little.
   static constexpr int64_t kClaimBlock = 1 << 13;
   // Ranges shorter than this are not split: the new table and its merge would cost more.
@@ -610,11 +589,8 @@ class ScratchTable {
 /// @brief Distinct keys per table: segment s, keys[offsets[s] : offsets[s + 1]], belongs to
 /// table tables[s]. Returns the distinct keys table after table (table 0 first), each
 /// table's in order of first occurrence over its segments in segment order; inverse with
-/// keys[i] == unique_keys[inverse[i]]; and each table's distinct count. Segments that
-/// cover the keys in order (the usual call) make that each table's first occurrence in
-/// the keys, so this equals unique of the (table, key) pairs grouped stably by table.
-/// Each table is deduped by one thread with a table in its scratch memory, tables handed
-/// out largest first, so many small tables cost one pass and no merge.
+/// keys[i] == unique_keys[inverse[i]]; and each table's distinct count. Each table is deduped
+/// by one thread (largest first), so many small tables cost one pass and no merge.
 std::tuple<Tensor, Tensor, Tensor> unique_tables_cpu(const Tensor& keys_in, const std::vector<int64_t>& offsets,
                                                      const std::vector<int64_t>& tables, int64_t num_tables) {
   const char* op = "unique_tables";

@@ -1,29 +1,11 @@
 #pragma once
 // unique for keys that are mostly distinct, in order of first occurrence: partitioned by
 // hash so that every table fits in cache.
-//
-// With many distinct keys, one table per thread (unique_cpu.cpp) outgrows the caches:
-// every probe misses, the table's pages fault in on first touch, and merging the threads'
-// tables probes every distinct key twice more. Here the keys are first scattered into
-// buckets by the high bits of their hash (a counting sort that keeps position order within
-// a bucket), each bucket is deduped on its own with a table of a few hundred KiB, and the
-// ids follow from one count of first occurrences per block of positions:
-//
-//   A. per block of positions: how many keys go to each bucket;
-//   B. per block: scatter (key, position) into the buckets, blocks in order, so that a
-//      bucket lists its keys in position order;
-//   C. per bucket: dedup; the entry of a key's first occurrence gets its count, the others
-//      the position of their first occurrence;
-//   D. per block, blocks numbered from the first occurrences in earlier blocks: visit the
-//      keys in position order again, reading each one's entry from its bucket (the same
-//      per-bucket cursors as B); a first occurrence takes the next id (its key and count
-//      go to the outputs), any other occurrence notes where its first occurrence is;
-//   E. each other occurrence takes the id of its first occurrence.
-//
-// Every pass streams through memory or stays in cache, and every pass is handed out in
-// pieces (parallel.h). The entries (16 bytes per key) are scratch memory that the calling
-// thread keeps between calls (up to kMaxKeptScratch), as are the workers' bucket tables:
-// a fresh allocation of that size costs a page fault per 4 KiB, about as much as the work.
+// With many distinct keys one table per thread (unique_cpu.cpp) outgrows the caches. Passes:
+// A. count keys per hash bucket per block; B. scatter (key, position) into buckets in
+// position order; C. dedup each bucket in a cache-sized table; D. visit the keys in order
+// again, numbering first occurrences; E. other occurrences take their first one's id.
+// Scratch memory is kept between calls (up to kMaxKeptScratch): fresh pages fault.
 #include "torch_api.h"
 
 #include <algorithm>

@@ -1,24 +1,10 @@
 // CUDA kernels of embedding_bag (pooled lookup over bags), its arg-max (max mode's
 // backward) and embedding_gather (unpooled lookup).
-//
-// A group of G lanes (a power of two <= 32, sized to the row) owns one bag or one output
-// row; each lane owns 16-byte packets of columns (float4 for float32, 8 halves for
-// float16/bfloat16) when the dim and the pointers allow it, single elements otherwise.
-// Rows are consumed four at a time so that four independent row loads are in flight per
-// lane. Sums are accumulated in float32 (float64 for float64 tables).
-//
-// Long bags (more than kChunk lookups: in the backward, a hot row's group) would leave one
-// lane group summing while the GPU idles, so sum/mean split them: the flat lookups are cut
-// at fixed multiples of kChunk, one lane group sums each piece of a long bag into a
-// partial buffer, and a last kernel adds a bag's partials in chunk order. The split depends
-// only on the offsets, so results stay bit-identical run to run. Max mode and the arg-max
-// keep one lane group per bag.
-//
-// Bad input (a row outside [-1, R), offsets that are not CSR) never trips a device
-// assert: the kernel records the first offending bag and the first offending lookup with
-// atomicMin in a small device buffer (so the positions do not depend on scheduling),
-// skips them, and the host reads that buffer once after the launches and raises the same
-// TORCH_CHECK error as the CPU kernel. That read is the one host synchronisation of these ops.
+// A lane group (sized to the row) owns one bag; sums accumulate in float32 (float64 for
+// float64 tables). Bags longer than kChunk are split at fixed multiples of kChunk and their
+// partials added in chunk order, so results are bit-identical run to run. Bad input is
+// recorded (first bad bag and lookup, by atomicMin) and skipped, and the host reads that
+// record once to raise the CPU kernel's error: the one host sync of these ops.
 #include "cuda/cuda_api.h"
 
 #include <algorithm>

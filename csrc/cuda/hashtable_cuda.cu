@@ -367,14 +367,9 @@ Tensor hash_table_find_cuda(const Tensor& slot_keys, const Tensor& slot_rows, co
 }
 
 /// @brief Places distinct keys that are absent from the table; slot of keys[i] gets rows[i].
-///
-/// Without num_occupied: two host syncs, one to count the occupied slots (so a call that
-/// does not fit raises before anything is written) and one to read the row check's flag.
-/// With num_occupied (sparsekit.HashTable passes its size, and rows it made itself,
-/// arange(size, size + n)): none; the caller then also vouches for rows >= 0 (a negative
-/// row makes the call write nothing, without raising).
-/// @param slot_keys int64[S], written in place.
-/// @param slot_rows int64[S], written in place.
+/// Host syncs: two without num_occupied (the room check, the row check); none with it, the
+/// caller then vouching for rows >= 0 (a negative row makes the call write nothing).
+/// @param slot_keys, slot_rows int64[S], written in place.
 /// @param keys int64 or int32 keys, distinct and absent from the table (not checked).
 /// @param rows int64 rows (>= 0), one per key.
 /// @param num_occupied occupied slots when the caller knows them; None: counted here.

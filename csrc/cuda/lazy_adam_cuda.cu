@@ -81,9 +81,7 @@ __global__ void lazy_adam_kernel(scalar_t* __restrict__ weight, scalar_t* __rest
 }  // namespace
 
 /// @brief In-place lazy Adam: updates weight, exp_avg and exp_avg_sq at `rows` only.
-///
-/// Host sync: one, to read the bad-row flags after the launches; the update kernel
-/// itself skips all work when the flag is set, so a bad call writes nothing.
+/// Host sync: one, reading the bad-row flag after the launches (a bad call writes nothing).
 /// @param weight [R, ...] parameter, contiguous, updated in place.
 /// @param exp_avg, exp_avg_sq [R, ...] moments with weight's dtype and shape, updated in place.
 /// @param rows int64 or int32 [u], distinct row indices in [0, R) (both checked first).

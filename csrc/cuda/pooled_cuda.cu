@@ -1,21 +1,10 @@
 // CUDA kernels of the collection's pooled read (pooled_read), its gradient grouped by row
 // (pooled_read_backward) and the fused optimizer step (pooled_read_update_); the layout is
-// in pooled.h.
-//
-// The read: a group of G lanes per (feature, bag), each lane a 16-byte packet of columns
-// where the rows and the output allow it, single columns otherwise; the features of one
-// launch (at most kFeaturesPerLaunch, their tables' pointers passed by value, so a CUDA
-// graph captures them) share G and the packet width.
-//
-// The backward: every lookup gets a code (its table's base plus its row; the code space's
-// size for a skipped one, so those sort last), its gradient offset in the output gradient
-// and its scale; a stable radix sort of (code, position) groups each row's lookups in
-// position order; then a warp per run of equal codes sums its gradient rows in that order
-// and writes the row's gradient (pooled_read_backward) or applies the optimizer to it
-// (pooled_read_update_). Sizes follow from the inputs (the number of lookups), so the
-// update never waits for the host. Bad input is recorded by atomicMin in the errors slots
-// and left out; without the caller's slots the op reads them back (its one host sync) and
-// raises as the CPU kernel does.
+// in pooled.h. Table pointers go to the kernels by value, so a CUDA graph captures them.
+// The backward stably radix-sorts (code, position) and sums each row's lookups in position
+// order; sizes follow from the number of lookups, so the update never waits for the host.
+// Bad input is recorded in the errors slots; without the caller's slots the op reads them
+// back (its one host sync) and raises as the CPU kernel does.
 #include "cuda/cuda_api.h"
 
 #include <cub/cub.cuh>

@@ -1,24 +1,8 @@
-// unsorted_segment_sum on the GPU.
-//
-// data [N, ...] is read as [N, D]. Each thread owns a VEC-wide column chunk (16-byte loads
-// when D and the pointer allow it) of some rows or segments.
-//
-// deterministic=False: a thread walks a short run of consecutive rows and keeps a running
-// sum while the segment id stays the same, so sorted or clustered ids (pooling bags) cost
-// one atomicAdd per run instead of one per row; on sm_90 the atomics are float4/float2.
-// float16/bfloat16 accumulate in a float32 buffer, cast once at the end.
-//
-// deterministic=True: a stable radix sort of (segment id, position) groups each segment's
-// rows in position order. A segment is then summed left to right over a canonical
-// decomposition of its sorted range into rows and aligned "full" nodes of a fixed tree
-// (tiles of kTileRows rows, then kFanIn children per level), each node itself summed left
-// to right. The tree shape is a compile-time constant, so the bits depend on the data alone
-// (not on grid size or SM count), and no thread runs more than about
-// 2 * (kTileRows + kFanIn * levels) additions even when one segment holds most rows. A
-// segment shorter than kTileRows is a plain left-to-right sum, bit-identical to the CPU.
-//
-// Ids >= num_segments are skipped by every kernel (so nothing is written out of bounds) and
-// their maximum is recorded in device memory; the host reads it once at the end and raises.
+// unsorted_segment_sum on the GPU. deterministic=False: atomics, one per run of equal ids.
+// deterministic=True: rows radix-sorted by (id, position), each segment summed over a fixed
+// tree (kTileRows, kFanIn), so the bits depend on the data alone, not the grid; a segment
+// shorter than kTileRows is a left-to-right sum, bit-identical to the CPU. Ids >=
+// num_segments are skipped and their maximum read back once at the end to raise.
 #include "cuda/cuda_api.h"
 
 #include <cub/cub.cuh>

@@ -1,18 +1,8 @@
 // Hash-based unique on the GPU, in order of first occurrence.
-//
-// Every int64 value is a valid key, so no key can mark an empty slot: the scratch table
-// stores positions into `keys` (empty = -1) and a slot's key is read back as
-// keys[position]. A slot only ever holds positions of one key, and only ever lowers them
-// (atomicMin), so when the insert kernel ends every slot holds the first occurrence of its
-// key whatever the schedule. The rest is deterministic by construction:
-//   1. insert:  every position finds its key's slot (claimed with atomicCAS) -> slot_of.
-//   2. scan:    first_rank = inclusive sum of [table[slot_of[i]] == i] (cub), so the unique
-//               id of the first occurrence at position p is first_rank[p] - 1, numbered in
-//               order of first occurrence.
-//   3. outputs: inverse, unique_keys, and counts aggregated per tile in shared memory
-//               (a Zipf-hot key would otherwise serialise millions of global atomics on
-//               one address).
-// The single host sync reads the unique count back to size the outputs.
+// The scratch table stores positions into `keys` (every int64 is a valid key), lowered by
+// atomicMin, so each slot ends at its key's first occurrence whatever the schedule; a scan
+// of first occurrences numbers the ids. Counts aggregate per tile in shared memory (a hot
+// key would serialise global atomics). The one host sync reads the unique count back.
 #include "cuda/cuda_api.h"
 
 #include <cub/cub.cuh>
