@@ -1,12 +1,8 @@
 // CPU kernels of the collection's pooled read (pooled_read), its gradient grouped by row
 // (pooled_read_backward) and the fused optimizer step that applies that gradient in place
-// (pooled_read_update_); the layout is described in pooled.h.
-//
-// The read runs embedding_bag's pooling loops (pool_loops.h) once per feature, every
-// feature's bags cut into chunks of one parallel region. The gradient and the update share
-// one pass: every lookup's code (its table's base plus its row), the positions grouped by
-// code (grouping.h), then per distinct row the sum of its lookups' output gradients in
-// position order, so the sums, and the updates made of them, do not depend on the threads.
+// (pooled_read_update_); the layout is described in pooled.h. Each distinct row sums its
+// lookups' output gradients in position order, so the sums, and the updates made of them,
+// do not depend on the thread count.
 // 32-byte vector arguments of the pooling loops' always_inline helpers never cross a real call.
 #pragma GCC diagnostic ignored "-Wpsabi"
 #include <algorithm>
@@ -305,49 +301,119 @@ RowRanks rank_rows(const IndexedLookups& lookups, const PooledLayout& layout) {
   return out;
 }
 
-/// @brief values (zeroed, RowRanks' layout) += every lookup's output gradient at its row:
-/// its bag's gradient columns, divided by the bag's length for a mean feature, then times
-/// its per-sample weight (the backward of the forward's weighted sum, then mean). Each
-/// part of the rows is summed by one worker scanning the lookups in order, so a row's sum
-/// runs in lookup order whatever the threads, and reads stay sequential.
-template <typename acc_t, typename grad_t>
-void accumulate_rows(acc_t* values, const RowRanks& ranks, const IndexedLookups& lookups, const PooledLayout& layout,
-                     const float* psw) {
-  const int64_t n = layout.nnz;
+/// Each distinct row's lookups, in lookup order: slots [start[r], start[r + 1]) are rank r's
+/// (a stable counting sort by rank; lookups in no valid bag are left out). Each slot holds
+/// the lookup's gradient row and, where a mean or a weight scales it, the lookup itself:
+/// read in slot order, neither is then a random read of the per-lookup arrays.
+struct RowLookups {
+  std::vector<int64_t> start;   // [U + 1]
+  std::vector<int64_t> source;  // the address of each slot's output-gradient row
+  std::vector<int64_t> order;   // each slot's lookup, or empty when no lookup is scaled
+};
+
+/// @brief Groups the lookups by rank. Each worker owns a range of ranks and scans every
+/// lookup in order, so the sort is stable whatever the threads and its random writes stay
+/// within the worker's own part.
+RowLookups group_lookups(const RowRanks& ranks, const IndexedLookups& lookups, int64_t n, bool scaled) {
   const int64_t num_distinct = ranks.ranked.distinct.size(0);
-  if (n == 0 || num_distinct == 0) return;
   const int64_t* rank = ranks.ranked.rank.data();
-  const int64_t* grad_at = lookups.grad_at.get();
-  const int64_t* mean_length = lookups.mean_length.get();
-  const int32_t* table_of = lookups.table.get();
-  // Each worker scans every lookup: a few parts, never finer than kMinRowsPerPart rows.
+  RowLookups out;
+  out.start.assign(static_cast<size_t>(num_distinct) + 1, 0);
+  if (n == 0 || num_distinct == 0) return out;
+  // Every worker reads all n ranks: a few parts, never finer than kMinRowsPerPart rows.
   constexpr int64_t kMinRowsPerPart = 4096;
   const int64_t parts = std::max<int64_t>(1, std::min(num_threads(), num_distinct / kMinRowsPerPart));
+  std::vector<int64_t> count(static_cast<size_t>(num_distinct), 0);
+  std::vector<int64_t> part_first(static_cast<size_t>(parts) + 1, 0);
+  const auto bounds = [&](int64_t part) {
+    return std::make_pair(num_distinct * part / parts, num_distinct * (part + 1) / parts);
+  };
   parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
     for (int64_t part = first_part; part < last_part; ++part) {
-      const int64_t low = num_distinct * part / parts, high = num_distinct * (part + 1) / parts;
+      const auto [low, high] = bounds(part);
+      int64_t total = 0;
       for (int64_t k = 0; k < n; ++k) {
         const int64_t r = rank[k];
         if (r < low || r >= high) continue;
-        const int32_t t = table_of[k];
-        const int64_t dim = layout.table_dims[t];
-        acc_t* dst = values + ranks.value_start[t] + (r - ranks.table_first[t]) * dim;
-        const grad_t* src = reinterpret_cast<const grad_t*>(grad_at[k]);
-        if (mean_length[k] == 0 && psw == nullptr) {
-          for (int64_t j = 0; j < dim; ++j) dst[j] += static_cast<acc_t>(src[j]);
-          continue;
-        }
-        const acc_t length = static_cast<acc_t>(mean_length[k]);
-        const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[k]) : acc_t(1);
-        for (int64_t j = 0; j < dim; ++j) {
-          acc_t x = static_cast<acc_t>(src[j]);
-          if (mean_length[k] != 0) x = x / length;
-          if (psw != nullptr) x = x * w;
-          dst[j] += x;
-        }
+        ++count[r];
+        ++total;
+      }
+      part_first[part + 1] = total;
+    }
+  });
+  for (int64_t part = 0; part < parts; ++part) part_first[part + 1] += part_first[part];
+  out.source.resize(static_cast<size_t>(part_first[parts]));
+  if (scaled) out.order.resize(out.source.size());
+  int64_t* start = out.start.data();
+  int64_t* source = out.source.data();
+  int64_t* order = scaled ? out.order.data() : nullptr;
+  const int64_t* grad_at = lookups.grad_at.get();
+  parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
+    for (int64_t part = first_part; part < last_part; ++part) {
+      const auto [low, high] = bounds(part);
+      // start[low] is the previous part's last write (or 0): begin from this part's own total.
+      int64_t at = part_first[part];
+      for (int64_t r = low; r < high; ++r) {
+        const int64_t c = count[r];
+        count[r] = at;  // from here on: the rank's next free slot
+        at += c;
+        start[r + 1] = at;
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t r = rank[k];
+        if (r < low || r >= high) continue;
+        const int64_t slot = count[r]++;
+        source[slot] = grad_at[k];
+        if (order != nullptr) order[slot] = k;
       }
     }
   });
+  return out;
+}
+
+/// @brief g[0, dim) = the summed output gradient of rank r's lookups, in lookup order: each
+/// its bag's gradient columns, divided by the bag's length for a mean feature, then times its
+/// per-sample weight (the backward of the forward's weighted sum, then mean).
+template <typename acc_t, typename grad_t>
+inline void sum_row(acc_t* g, int64_t dim, const RowLookups& groups, int64_t r, const IndexedLookups& lookups,
+                    const float* psw) {
+  std::fill(g, g + dim, acc_t(0));
+  const int64_t first = groups.start[r], last = groups.start[r + 1];
+  if (groups.order.empty()) {
+    for (int64_t q = first; q < last; ++q) {
+      const grad_t* src = reinterpret_cast<const grad_t*>(groups.source[q]);
+      for (int64_t j = 0; j < dim; ++j) g[j] += static_cast<acc_t>(src[j]);
+    }
+    return;
+  }
+  const int64_t* mean_length = lookups.mean_length.get();
+  for (int64_t q = first; q < last; ++q) {
+    const int64_t k = groups.order[q];
+    const grad_t* src = reinterpret_cast<const grad_t*>(groups.source[q]);
+    if (mean_length[k] == 0 && psw == nullptr) {
+      for (int64_t j = 0; j < dim; ++j) g[j] += static_cast<acc_t>(src[j]);
+      continue;
+    }
+    const acc_t length = static_cast<acc_t>(mean_length[k]);
+    const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[k]) : acc_t(1);
+    for (int64_t j = 0; j < dim; ++j) {
+      acc_t x = static_cast<acc_t>(src[j]);
+      if (mean_length[k] != 0) x = x / length;
+      if (psw != nullptr) x = x * w;
+      g[j] += x;
+    }
+  }
+}
+
+/// Whether some lookup's gradient is scaled: a mean feature's, or any with per-sample weights.
+inline bool lookups_scaled(const PooledLayout& layout, const float* psw) {
+  return psw != nullptr ||
+         std::any_of(layout.feature_means.begin(), layout.feature_means.end(), [](int64_t m) { return m != 0; });
+}
+
+/// Table of rank r (table_first is ascending, [T + 1]).
+inline int64_t table_of_rank(const RowRanks& ranks, int64_t r) {
+  return std::upper_bound(ranks.table_first.begin(), ranks.table_first.end(), r) - ranks.table_first.begin() - 1;
 }
 
 /// Rows per task of the update loop: about 64 KiB of rows.
@@ -357,14 +423,24 @@ int64_t row_grain(const PooledLayout& layout) {
 }
 
 /// @brief The summed gradient of every distinct row, in RowRanks' layout (float32, float64
-/// for float64 weights).
+/// for float64 weights), each row written once, in rank order.
 Tensor row_gradients(const RowRanks& ranks, const IndexedLookups& lookups, const PooledLayout& layout,
                      const float* psw, const Device& device) {
   const ScalarType value_dtype = layout.dtype == kDouble ? kDouble : kFloat;
-  Tensor values = zeros({ranks.value_start.back()}, value_dtype, device);
+  Tensor values = empty({ranks.value_start.back()}, value_dtype, device);
+  const RowLookups groups = group_lookups(ranks, lookups, layout.nnz, lookups_scaled(layout, psw));
+  const int64_t num_distinct = ranks.ranked.distinct.size(0);
   SK_DISPATCH_FLOATING_TYPES(layout.dtype, "pooled_read_row_gradients", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    accumulate_rows<acc_t, scalar_t>(values.mutable_data_ptr<acc_t>(), ranks, lookups, layout, psw);
+    acc_t* values_ptr = values.mutable_data_ptr<acc_t>();
+    parallel_for(0, num_distinct, row_grain(layout), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t t = table_of_rank(ranks, r);
+        const int64_t dim = layout.table_dims[t];
+        sum_row<acc_t, scalar_t>(values_ptr + ranks.value_start[t] + (r - ranks.table_first[t]) * dim, dim, groups,
+                                 r, lookups, psw);
+      }
+    });
   });
   return values;
 }
@@ -530,7 +606,7 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
   const IndexedLookups lookups =
       index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
   const RowRanks ranks = rank_rows(lookups, layout);
-  Tensor values = row_gradients(ranks, lookups, layout, psw_ptr, device);
+  const RowLookups groups = group_lookups(ranks, lookups, layout.nnz, lookups_scaled(layout, psw_ptr));
   std::vector<TableUpdate> tables(num_tables);
   for (int64_t f = 0; f < layout.num_features; ++f) {
     if (layout.feature_tables[f] >= 0) tables[layout.feature_tables[f]].read = true;
@@ -547,7 +623,6 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
   const int64_t* distinct = ranks.ranked.distinct.const_data_ptr<int64_t>();
   SK_DISPATCH_FLOATING_TYPES(layout.dtype, "pooled_read_update_cpu", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    acc_t* values_ptr = values.mutable_data_ptr<acc_t>();
     // Each table's pointers, taken once: through the stable ABI every data pointer is a call.
     std::vector<scalar_t*> weight_of(num_tables);
     std::vector<acc_t*> first_of(num_tables, nullptr), second_of(num_tables, nullptr);
@@ -556,18 +631,18 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
       if (!state1.empty()) first_of[t] = state1[t].mutable_data_ptr<acc_t>();
       if (!state2.empty()) second_of[t] = state2[t].mutable_data_ptr<acc_t>();
     }
-    const auto table_of = [&](int64_t r) {
-      return std::upper_bound(ranks.table_first.begin(), ranks.table_first.end(), r) - ranks.table_first.begin() - 1;
-    };
     const int64_t widest = *std::max_element(layout.table_dims.begin(), layout.table_dims.end());
     // The rows are scattered over tables far larger than the caches: their weight and state
     // rows are fetched ahead, as lazy_adam_'s are (adam_row.h).
     const int64_t ahead = prefetch_rows_ahead(std::max<int64_t>(widest, 1) * static_cast<int64_t>(sizeof(acc_t)));
     parallel_for(0, num_distinct, row_grain(layout), [&](int64_t begin, int64_t end) {
       std::vector<acc_t> wide;
+      // The row's summed gradient: its lookups' output gradients are few and cached, so
+      // each row is summed right before its update and no gradient block is written.
+      std::vector<acc_t> gradient(static_cast<size_t>(std::max<int64_t>(widest, 1)));
       for (int64_t r = begin; r < end; ++r) {
         if (r + ahead < end) {
-          const int64_t t = table_of(r + ahead);
+          const int64_t t = table_of_rank(ranks, r + ahead);
           const int64_t dim = layout.table_dims[t];
           const int64_t row = distinct[r + ahead] - lookups.bases[t];
           const int64_t bytes = dim * static_cast<int64_t>(sizeof(acc_t));
@@ -576,10 +651,11 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
           prefetch_row(weight_row, first_of[t] != nullptr ? static_cast<const void*>(first_of[t] + state_row) : weight_row,
                        second_of[t] != nullptr ? static_cast<const void*>(second_of[t] + row * dim) : weight_row, bytes);
         }
-        const int64_t t = table_of(r);
+        const int64_t t = table_of_rank(ranks, r);
         const int64_t dim = layout.table_dims[t];
         const int64_t row = distinct[r] - lookups.bases[t];
-        acc_t* g = values_ptr + ranks.value_start[t] + (r - ranks.table_first[t]) * dim;
+        acc_t* g = gradient.data();
+        sum_row<acc_t, scalar_t>(g, dim, groups, r, lookups, psw_ptr);
         acc_t* s1 = nullptr;
         acc_t* s2 = nullptr;
         if (optimizer == FusedOptimizer::kLazyAdam) {
