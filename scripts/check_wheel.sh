@@ -47,11 +47,12 @@ print(f"torch {torch.__version__}: sparsekit from {os.path.dirname(sparsekit.__f
       "unique([3, 1, 3]) =", sparsekit.ops.unique(torch.tensor([3, 1, 3]))[0].tolist())
 PY
 set +e
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_unique.py tests/test_segment.py tests/test_hashtable.py \
-  tests/test_hashtable_eviction.py tests/test_lazy_adam.py tests/test_embedding.py tests/test_routing.py \
-  tests/test_initializer.py tests/test_build.py tests/test_compile.py \
-  tests/test_peer_torch.py tests/test_peer_tf_scatter.py tests/test_peer_lazy_adam.py tests/test_peer_fbgemm.py \
-  tests/test_peer_hkv.py tests/test_peer_torchrec_optim.py
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/ops/test_unique.py tests/ops/test_segment.py \
+  tests/tables/test_hashtable.py tests/tables/test_hashtable_eviction.py tests/optim/test_lazy_adam.py \
+  tests/ops/test_embedding.py tests/ops/test_routing.py tests/ops/test_initializer.py tests/package/test_build.py \
+  tests/compile/test_compile.py tests/peers/test_peer_torch.py tests/peers/test_peer_tf_scatter.py \
+  tests/peers/test_peer_lazy_adam.py tests/peers/test_peer_fbgemm.py tests/peers/test_peer_hkv.py \
+  tests/peers/test_peer_torchrec_optim.py
 status=$?
 set -e
 cd "$repo"
@@ -67,8 +68,8 @@ if [ "$status" -eq 0 ] && [ "${SOURCE_BUILD:-0}" = 1 ]; then
   (cd "$src" && SPARSEKIT_CUDA=0 MAX_JOBS="${MAX_JOBS:-2}" "$venv/bin/python" setup.py build_ext --inplace \
      > build.log 2>&1) || { tail -60 "$src/build.log"; exit 1; }
   set +e
-  (cd "$src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_pooled.py tests/test_unique.py \
-     tests/test_embedding.py tests/test_lazy_adam.py tests/test_build.py)
+  (cd "$src" && "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/ops/test_pooled.py tests/ops/test_unique.py \
+     tests/ops/test_embedding.py tests/optim/test_lazy_adam.py tests/package/test_build.py)
   status=$?
   set -e
 fi

@@ -2,7 +2,7 @@
 # The GPU proof: build sparsekit in place against the torch already installed (no venv, no
 # downloads; sm_90 only by default, all cores) or load the library carried in, run the
 # whole test suite on CUDA (junit XML), compute-sanitizer (memcheck, racecheck, synccheck,
-# initcheck) over sparsekit's own kernels in tests/test_cuda_smoke.py (every kernel of every
+# initcheck) over sparsekit's own kernels in tests/cuda/test_cuda_smoke.py (every kernel of every
 # csrc/cuda/*.cu file, small inputs), then every benchmark with --device cuda (JSON). Every
 # stage is time-boxed and the run goes on after a failing stage; everything lands in one
 # folder, which ends with a one-screen summary and summary.json.
@@ -191,7 +191,7 @@ pytest_base=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfEs)
 if wants tests; then
   if [ "$dry_run" = 1 ]; then
     # CI has just run the whole suite on the CPU; the dry run checks the stage's plumbing.
-    run_stage tests 120 "${pytest_base[@]}" --junitxml "$out/pytest.xml" tests/test_cuda_smoke.py tests/test_unique.py
+    run_stage tests 120 "${pytest_base[@]}" --junitxml "$out/pytest.xml" tests/cuda/test_cuda_smoke.py tests/ops/test_unique.py
   else
     xdist=()
     "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_CHECK_WORKERS:-12}")
@@ -242,7 +242,7 @@ if [ ${#sanitizer_tools[@]} -gt 0 ]; then
       [ "$tool" != initcheck ] && filter=(${only_ours[@]+"${only_ours[@]}"})
       run_stage "sanitizer-$tool" 90 compute-sanitizer --tool "$tool" --error-exitcode 86 \
         --target-processes all --print-limit 20 ${filter[@]+"${filter[@]}"} \
-        "${pytest_base[@]}" -x --junitxml "$out/sanitizer-$tool.xml" tests/test_cuda_smoke.py
+        "${pytest_base[@]}" -x --junitxml "$out/sanitizer-$tool.xml" tests/cuda/test_cuda_smoke.py
     done
   fi
 fi

@@ -138,19 +138,19 @@ def _save_worker(rank, world_size, init, directory):
     check_continuation(model, optimizer, reference, rank, world_size)
 
     # A later save that fails on one rank: every rank raises, the first checkpoint stays.
-    original = checkpoint_module._write_file
+    original = checkpoint_module.layout.write_file
 
     def failing_write(path, write):
         if rank == 1 and "shard-" in os.path.basename(path):
             raise OSError("simulated disk failure")
         original(path, write)
 
-    checkpoint_module._write_file = failing_write
+    checkpoint_module.layout.write_file = failing_write
     try:
         with pytest.raises((OSError, RuntimeError), match="simulated disk failure|failed on another rank"):
             sk.save_checkpoint(directory, model, optimizer)
     finally:
-        checkpoint_module._write_file = original
+        checkpoint_module.layout.write_file = original
     dist.barrier()
     with open(os.path.join(directory, "LATEST")) as latest:
         assert latest.read() == "ckpt-000001"
@@ -174,6 +174,7 @@ def _load_too_small_worker(rank, world_size, init, directory):
     assert torch.equal(model.top.weight, before) and len(model.pooled.hash_table) == 0  # nothing changed
 
 
+@pytest.mark.distributed
 def test_save_at_2_load_at_3_and_1(tmp_path):
     directory = str(tmp_path / "ckpt")
     spawn(_save_worker, 2, str(tmp_path), directory)
@@ -232,7 +233,7 @@ def test_round_trip_is_exact_and_failed_saves_keep_the_previous_checkpoint(tmp_p
     assert_same(fresh, fresh_optimizer, first)
 
     train(model, optimizer, range(2, 4))
-    original_write = checkpoint_module._write_file
+    original_write = checkpoint_module.layout.write_file
 
     # A crash while writing the files: LATEST still names the first checkpoint.
     def crash_on_dense(path, write):
@@ -240,7 +241,7 @@ def test_round_trip_is_exact_and_failed_saves_keep_the_previous_checkpoint(tmp_p
             raise KeyboardInterrupt("simulated crash mid-save")
         original_write(path, write)
 
-    monkeypatch.setattr(checkpoint_module, "_write_file", crash_on_dense)
+    monkeypatch.setattr(checkpoint_module.layout, "write_file", crash_on_dense)
     with pytest.raises(KeyboardInterrupt):
         sk.save_checkpoint(directory, model, optimizer)
     fresh, fresh_optimizer = make()
@@ -253,7 +254,7 @@ def test_round_trip_is_exact_and_failed_saves_keep_the_previous_checkpoint(tmp_p
             raise KeyboardInterrupt("simulated crash before LATEST")
         original_write(path, write)
 
-    monkeypatch.setattr(checkpoint_module, "_write_file", crash_on_latest)
+    monkeypatch.setattr(checkpoint_module.layout, "write_file", crash_on_latest)
     with pytest.raises(KeyboardInterrupt):
         sk.save_checkpoint(directory, model, optimizer)
     assert os.path.isdir(os.path.join(directory, "ckpt-000002"))
@@ -262,7 +263,7 @@ def test_round_trip_is_exact_and_failed_saves_keep_the_previous_checkpoint(tmp_p
     assert_same(fresh, fresh_optimizer, first)
 
     # The next save completes and replaces both the leftovers and the old checkpoint.
-    monkeypatch.setattr(checkpoint_module, "_write_file", original_write)
+    monkeypatch.setattr(checkpoint_module.layout, "write_file", original_write)
     second = snapshot(model, optimizer)
     assert sk.save_checkpoint(directory, model, optimizer).endswith("ckpt-000002")
     assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000002"]
@@ -495,6 +496,7 @@ def _dense_mismatch_on_rank_1_worker(rank, world_size, init, directory):
     assert_same(model, optimizer, before)
 
 
+@pytest.mark.distributed
 def test_a_mismatch_on_one_rank_raises_on_every_rank(tmp_path):
     directory, _, _ = _saved(tmp_path)
     spawn(_dense_mismatch_on_rank_1_worker, 2, str(tmp_path), directory)
@@ -583,6 +585,7 @@ def test_a_checkpoint_whose_dense_state_holds_a_shared_layers_second_name_loads(
     assert torch.equal(fresh["top"].weight, model["top"].weight)
 
 
+@pytest.mark.distributed
 def test_a_layer_registered_under_two_names_saves_and_loads_on_every_rank(tmp_path):
     """named_modules() lists a shared layer once, state_dict() under both names: the second
     name's shard went into dense.pt, and a load at world 2 refused it on rank 1 only, after
@@ -661,6 +664,7 @@ def _optimizer_on_one_rank_worker(rank, world_size, init, directory, call):
     assert sorted(os.listdir(directory)) == (["LATEST", "ckpt-000001"] if call == "load" else [])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("call", ["save", "load"])
 def test_an_optimizer_passed_on_some_ranks_only_raises_on_every_rank(tmp_path, call):
     """No rank raised: a save wrote rank 0's choice in the metadata and the other ranks'
@@ -832,6 +836,7 @@ def _int32_on_rank_1_worker(rank, world_size, init, directory):
     assert_equal_nested(_keyed_snapshot(model, optimizer), before)
 
 
+@pytest.mark.distributed
 def test_an_out_of_range_key_on_one_rank_raises_on_every_rank(tmp_path):
     directory = str(tmp_path / "ckpt")
     source, source_optimizer = _keyed_model()
@@ -946,6 +951,7 @@ def _models_differ_on_save_worker(rank, world_size, init, directory):
         assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000001"]
 
 
+@pytest.mark.distributed
 def test_a_save_whose_ranks_models_differ_raises_on_every_rank_and_writes_nothing(tmp_path):
     """Rank 0 alone writes the metadata and the dense state: a rank built otherwise (a dim,
     a direct layer hashed, a layer more, a dense shape) wrote shards that no load could
@@ -953,6 +959,7 @@ def test_a_save_whose_ranks_models_differ_raises_on_every_rank_and_writes_nothin
     spawn(_models_differ_on_save_worker, 2, str(tmp_path), str(tmp_path / "ckpt"))
 
 
+@pytest.mark.distributed
 def test_ranks_that_do_not_share_the_checkpoint_directory_all_raise(tmp_path):
     open(tmp_path / "a_file", "w").close()
     model, optimizer = make()  # a checkpoint of another run, as rank 1's "stale" copy
@@ -1132,6 +1139,7 @@ def _damaged_checkpoints_load_worker(rank, world_size, init, tmp_dir):
         assert_same(model, optimizer, before)
 
 
+@pytest.mark.distributed
 def test_damaged_or_optimizerless_checkpoints_raise_on_every_rank_and_change_nothing(tmp_path):
     spawn(_damaged_checkpoints_save_worker, 2, str(tmp_path), str(tmp_path))
 
@@ -1464,3 +1472,53 @@ def test_a_direct_row_whose_moments_moved_but_not_its_weight_keeps_them(tmp_path
     assert torch.equal(loaded["emb"].weight, model["emb"].weight)
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(loaded_optimizer.state[loaded["emb"].weight][key], state[key]), key
+
+
+def test_numbered_checkpoints_extra_files_and_keep(tmp_path):
+    """step= numbers the checkpoint, extra= adds a rank's own files to it (committed with
+    the rest), keep= how many stay; load_checkpoint(step=) reads an older one."""
+    directory = str(tmp_path)
+    model, optimizer = make()
+    train(model, optimizer, range(2))
+    first = snapshot(model, optimizer)
+    path = sk.save_checkpoint(directory, model, optimizer, step=10, extra={"trainer.pt": {"step": torch.tensor(10)}},
+                              keep=None)
+    assert path.endswith("ckpt-000010")
+    assert torch.load(os.path.join(path, "trainer.pt"), weights_only=True)["step"].item() == 10
+    train(model, optimizer, range(2, 4))
+    second = snapshot(model, optimizer)
+    sk.save_checkpoint(directory, model, optimizer, step=20, keep=None)
+    checkpoints = sk.checkpoint.CheckpointDirectory(directory)
+    assert checkpoints.steps() == [10, 20] and checkpoints.latest_step() == 20
+    fresh, fresh_optimizer = make()
+    assert sk.load_checkpoint(directory, fresh, fresh_optimizer, step=10).endswith("ckpt-000010")
+    assert_same(fresh, fresh_optimizer, first)
+    sk.load_checkpoint(directory, fresh, fresh_optimizer)
+    assert_same(fresh, fresh_optimizer, second)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint ckpt-000015 in .* \(it holds steps: 10, 20\)"):
+        sk.load_checkpoint(directory, fresh, step=15)
+    # Without step=, the next number after LATEST's; keep=1 (the default) leaves that one.
+    assert sk.save_checkpoint(directory, model, optimizer).endswith("ckpt-000021")
+    assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000021"]
+    for extra, error in (({"dense.pt": 1}, ValueError), ({"a/b.pt": 1}, ValueError), ([("x", 1)], TypeError),
+                         ({"x.pt": object()}, ValueError)):
+        with pytest.raises(error):
+            sk.save_checkpoint(directory, model, optimizer, extra=extra)
+    assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000021"]
+
+
+def test_checkpoint_directory_prunes_the_oldest_and_never_the_latest(tmp_path):
+    checkpoints = sk.checkpoint.CheckpointDirectory(str(tmp_path))
+    assert checkpoints.latest() is None and checkpoints.steps() == [] and checkpoints.next_step() == 1
+    for step, modified in ((5, 3_000), (9, 1_000), (7, 2_000)):
+        os.mkdir(checkpoints.checkpoint(step))
+        os.utime(checkpoints.checkpoint(step), (modified, modified))
+    (tmp_path / "LATEST").write_text("ckpt-000009")
+    assert checkpoints.next_step() == 10
+    # Newest: the steps named first, then by modification time; LATEST's is kept anyway.
+    assert checkpoints.prune(1, newest_first=(7,)) == [5]
+    assert checkpoints.steps() == [7, 9]
+    assert checkpoints.owns("LATEST") and checkpoints.owns("ckpt-000007.tmp") and not checkpoints.owns("notes.txt")
+    (tmp_path / "LATEST").write_text("ckpt-000008")
+    with pytest.raises(ValueError, match="LATEST names ckpt-000008, but"):
+        checkpoints.latest()

@@ -1,4 +1,4 @@
-"""EmbeddingBagCollection, TableConfig and KeyedJagged (DESIGN.md section 3b): pooled
+"""EmbeddingBagCollection, TableConfig and KeyedJagged (docs/api.md): pooled
 lookups against plain torch, mixed dims and dtypes, shared tables, empty features,
 weights, TorchRec-shaped input, errors (bad inputs, TorchRec-like or not, get the same
 checks and change nothing; bad table configs and names), per-table dynamic tables and
@@ -706,6 +706,7 @@ def _world_worker(rank, world_size, init, out_dir):
     torch.save(outputs, f"{out_dir}/outputs-{rank}.pt")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_world_sizes_match_one_process_and_checkpoints_reshard(tmp_path, world_size):
     spawn(_world_worker, world_size, str(tmp_path), str(tmp_path))
@@ -768,6 +769,7 @@ def _bad_name_worker(rank, world_size, init, store_path):
     assert_unchanged(ebc, before)
 
 
+@pytest.mark.distributed
 def test_an_unknown_table_name_on_one_rank_raises_on_every_rank(tmp_path):
     spawn(_bad_name_worker, 2, str(tmp_path), str(tmp_path / "store"))
 
@@ -822,6 +824,7 @@ def _empty_owner_worker(rank, world_size, init, result_dir):
     torch.save((tables, steps), f"{result_dir}/rank{rank}.pt")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_rank_owning_none_of_a_steps_keys_trains_as_one_process(tmp_path, world_size):
     # A rank that owns none of a table's keys in a step (and, on the last rank, holds no
@@ -866,6 +869,7 @@ def _listed_empty_worker(rank, world_size, init, result_dir):
                f"{result_dir}/rank{rank}.pt")
 
 
+@pytest.mark.distributed
 def test_a_table_listed_with_empty_bags_counts_its_step_at_every_world_size(tmp_path):
     """As nn.EmbeddingBag(sparse=True) + SparseAdam: a call with no lookups still gives an
     empty gradient and counts the step. It used to depend on the other tables' dims (one
@@ -894,6 +898,7 @@ def _state_dropped_worker(rank, world_size, init, directory):
     sk.save_checkpoint(directory, model, optimizer)
 
 
+@pytest.mark.distributed
 def test_a_checkpoint_shard_without_optimizer_state_loads_with_zero_moments(tmp_path):
     # Resharding such a checkpoint raised KeyError('exp_avg') on every rank.
     spawn(_state_dropped_worker, 2, str(tmp_path), str(tmp_path))
@@ -948,6 +953,7 @@ def _config_mismatch_worker(rank, world_size, init):
                                   lengths=torch.zeros(0, dtype=torch.int64)) if rank else users).keys() <= {"u"}
 
 
+@pytest.mark.distributed
 def test_ranks_built_differently_or_given_no_features_all_raise(tmp_path):
     spawn(_config_mismatch_worker, 2, str(tmp_path))
 
@@ -1252,6 +1258,7 @@ def _named_load_worker(rank, world_size, init, directory):
     torch.save(_by_key(ebc, optimizer), f"{directory}/loaded-{rank}.pt")
 
 
+@pytest.mark.distributed
 def test_a_checkpoint_loads_tables_by_name_across_world_sizes(tmp_path):
     """A table's key lives on rank uint64(key + position) % world_size: moved to another
     position, its keys move to other ranks, with their vectors and moments."""
@@ -1340,10 +1347,11 @@ def test_a_float64_shard_pools_with_float32_tables_of_its_dim():
     assert torch.equal(ebc.weights["u"].grad.to_dense().sum(0), torch.full((4,), 4.0))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_host_syncs_per_step_do_not_grow_with_the_number_of_tables_on_cuda():
     """A forward and backward whose keys are all in the tables make as many host syncs with
-    12 tables of two dims as with 2 (README: "the host syncs do not depend on the number of
+    12 tables of two dims as with 2 (docs/design.md: "the host syncs do not depend on the number of
     tables"). The optimizer is not counted: on CUDA LazyAdam updates one table at a time."""
     def syncs(num_tables):
         torch.manual_seed(0)
@@ -1448,7 +1456,7 @@ def test_keyed_jagged_has_torchrecs_per_key_views():
     assert empty.length_per_key() == [0, 0] and empty["b"].offsets().tolist() == [0]
 
 
-# ---- DESIGN.md 3b, sentence by sentence: signatures, output order and dtypes, boundaries ----
+# ---- the contract (docs/api.md), sentence by sentence: signatures, output order and dtypes, boundaries ----
 
 def test_collection_signatures_are_the_contracts():
     import inspect

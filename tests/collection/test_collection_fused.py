@@ -51,16 +51,18 @@ def _collection(config, fused, device):
 def _batches(config, device):
     g = torch.Generator().manual_seed(config["seed"])
     capacity = {f: t["capacity"] for t in config["tables"] for f in t["features"]}
-    direct = {f: t["kind"] == "direct" for t in config["tables"] for f in t["features"]}
+    # At most a table's capacity of distinct keys per step; across steps more only where it
+    # evicts (each step's keys a half capacity further on): another table would be full.
+    evicts = {f: t["kind"] == "lru" for t in config["tables"] for f in t["features"]}
     out = []
-    for _ in range(config["steps"]):
+    for step in range(config["steps"]):
         keys = [f for f in config["features"] if torch.rand((), generator=g) < 0.8] or config["features"][:1]
         lengths = torch.randint(0, config["max_len"] + 1, (len(keys) * config["batch"],), generator=g)
         values = []
         for f, key in enumerate(keys):
             n = int(lengths[f * config["batch"]:(f + 1) * config["batch"]].sum())
-            high = capacity[key] if direct[key] else 3 * capacity[key] // 2 if capacity[key] > 16 else 12
-            values.append(torch.randint(0, high, (n,), generator=g))
+            first = step * (capacity[key] // 2) if evicts[key] else 0
+            values.append(first + torch.randint(0, capacity[key], (n,), generator=g))
         values = torch.cat(values)
         weights = torch.rand(values.numel(), generator=g) if config["weighted"] else None
         out.append(sk.KeyedJagged(keys, values.to(device), lengths=lengths.to(device),

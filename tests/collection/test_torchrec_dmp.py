@@ -13,6 +13,8 @@ import torch.distributed as dist
 import sparsekit as sk
 from _distributed import spawn
 
+pytestmark = pytest.mark.distributed
+
 FEATURES = ["f0", "f1", "f2"]
 
 

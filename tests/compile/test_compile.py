@@ -12,7 +12,7 @@ from torch import nn
 
 import sparsekit as sk
 from sparsekit.train.model import DLRM, SparsekitSlotEmbedding, SparsekitTableEmbedding
-from tests._distributed import spawn
+from _distributed import spawn
 
 BATCH, SLOTS, DIM = 64, 4, 8
 
@@ -93,7 +93,7 @@ def test_compiled_dlrm_step(embedding, backend, fullgraph):
     the CPU) trains like the eager one. In torch.compile's default mode too: AOT autograd's
     trace of the lookups' backward failed on the distinct rows' data-dependent count, and
     dynamo ran the whole frame eagerly without a word (explain() saw no graph break). Before
-    torch 2.13 the default mode still runs the frame eagerly (see README), with the eager
+    torch 2.13 the default mode still runs the frame eagerly (see docs/design.md), with the eager
     numbers; inductor then compiles the backward at the first backward(), and fakes its ops
     again."""
     torch.manual_seed(0)
@@ -128,7 +128,7 @@ def test_compiled_dlrm_step(embedding, backend, fullgraph):
 
 class Layers(nn.Module):
     """Each sparsekit layer kind once (a weight read twice in one compiled graph is a known
-    limit, see README): DistributedEmbedding on padded and on ragged input, All2AllDense-
+    limit, see docs/design.md): DistributedEmbedding on padded and on ragged input, All2AllDense-
     Embedding, and a collection with a shared table, a half table and a direct one."""
 
     def __init__(self, combiner, table_kw, half, weighted):
@@ -258,6 +258,7 @@ def _many_ranks_worker(rank, world_size, init):
     assert got == pytest.approx(want, abs=1e-6)
 
 
+@pytest.mark.distributed
 def test_many_ranks_one_graph_break_per_layer(tmp_path):
     spawn(_many_ranks_worker, 2, str(tmp_path))
 
@@ -272,7 +273,7 @@ class CalledTwice(nn.Module):
 
 
 def test_layer_called_twice_falls_back_to_eager():
-    """The known limit (README): a weight with two sparse gradients in one compiled graph
+    """The known limit (docs/design.md): a weight with two sparse gradients in one compiled graph
     cannot be compiled; without fullgraph torch runs that frame eagerly, with the same numbers."""
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -474,7 +475,7 @@ def test_half_tables_compiled_give_the_eager_gradients(dtype, combiner, weighted
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_a_functional_call_substitute_is_refused_in_compiled_training_as_in_eager(fullgraph):
     """torch.func.functional_call with a plain tensor in place of a weight: eager refuses a
-    training forward (README). Compiled, the row op ran while the module held its own
+    training forward (docs/design.md). Compiled, the row op ran while the module held its own
     parameter again, so it took the keys into the layer's table and wrote their initial
     vectors into the layer's weight while the graph read the caller's zeros, with no error.
     The trace now refuses it (fullgraph: torch's Unsupported naming the error; default mode:
@@ -511,7 +512,7 @@ def test_a_functional_call_substitute_is_refused_in_compiled_training_as_in_eage
 
 @_SKIP_OLD_INDUCTOR
 def test_a_returned_view_of_a_lookup_compiles_under_inductor_once_detached():
-    """The README's way around the known limit: a compiled function that returns a view of
+    """The docs/design.md's way around the known limit: a compiled function that returns a view of
     a lookup's output (as SOK's demo models return their embedding vector) fails in
     inductor's backward; returned ``.detach()``ed it compiles, with eager's gradient."""
     keys = torch.randint(0, 30, (8, 3, 3), generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,5 @@
 """Dynamic tables in the layers: eviction, admission, stats, export, LazyAdam moments of
-reused rows, checkpoints, and multi-rank runs equal to one process (DESIGN.md section 3a)."""
+reused rows, checkpoints, and multi-rank runs equal to one process (docs/api.md)."""
 
 import pytest
 import torch
@@ -269,6 +269,7 @@ def _shard_of(keys, vectors, owner, world_size):
     return {k: v for k, v in zip(keys, vectors) if k % world_size == owner}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_two_ranks_checkpoint_reshards_scores_to_one(tmp_path, policy):
     spawn(_dynamic_worker, 2, str(tmp_path), policy, str(tmp_path))
@@ -410,6 +411,7 @@ def _evicted_gradient_worker(rank, world_size, init):
                                    results[1][1].state[roomy_weight][name][rows[1]]), (kind, backward_each, name)
 
 
+@pytest.mark.distributed
 def test_an_evicted_key_s_gradient_does_not_reach_its_successor_across_ranks(tmp_path):
     """The test above at world size 2 (gloo): each shard gives the row of a key that the
     first lookup read on both ranks to a key that another rank asks for, and the first
@@ -437,6 +439,7 @@ def _replicas_worker(rank, world_size, init, directory):
         torch.save(before, f"{directory}/stats.pt")
 
 
+@pytest.mark.distributed
 def test_two_replicas_checkpoint_their_totals_once(tmp_path):
     """Two replicas of a layer (groups [0, 1] and [2, 3]) each save their ranks' shares of
     evicted / admitted: a load sums one replica's worth (it took the largest single rank's
@@ -485,6 +488,7 @@ def _clock_worker(rank, world_size, init, directory):
     sk.save_checkpoint(directory, collection)
 
 
+@pytest.mark.distributed
 def test_collection_clocks_agree_across_ranks_so_resharding_keeps_lru_order(tmp_path):
     # Rank 0 sees every key, rank 1 none: with clocks ticking only where a table had keys,
     # the resharded scores mixed ages and LRU evicted key 1, the most recently used.
@@ -610,6 +614,7 @@ def _overflowing_call_worker(rank, world_size, init):
         layer(torch.arange(1, 20, 2).view(1, 1, 10))  # ten keys, all owned by rank 1
 
 
+@pytest.mark.distributed
 def test_an_evicting_table_overflowed_by_one_call_is_named_so_on_every_rank(tmp_path):
     """With eviction a table is full only for one call of more distinct keys than it holds:
     the other ranks said only "is full", which an evicting table never is otherwise."""
@@ -705,7 +710,7 @@ def test_a_pending_key_moved_by_an_admission_keeps_its_own_last_sight():
     assert int(layer.hash_table.find(torch.tensor([2]))) == -1
 
 
-# ---- DESIGN.md 3a, sentence by sentence: the layers' arguments, clocks and stats ----
+# ---- the contract (docs/api.md), sentence by sentence: the layers' arguments, clocks and stats ----
 
 @pytest.mark.parametrize("cls", [sk.DistributedEmbedding, sk.All2AllDenseEmbedding])
 def test_layers_take_eviction_admit_after_and_admission_capacity_with_the_contract_s_defaults(cls):
@@ -758,6 +763,7 @@ def _both_ranks_see_one_key_worker(rank, world_size, init, directory):
                 "stats": stats, "counts": owned}, f"{directory}/rank{rank}.pt")
 
 
+@pytest.mark.distributed
 def test_counts_are_per_step_not_per_rank_and_stats_are_summed_over_ranks(tmp_path):
     """"a key's LFU count grows by 1 per training step in which any rank looks it up",
     admission counts steps, not ranks, and ``stats()`` sums the ranks' shards."""

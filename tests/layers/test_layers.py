@@ -462,6 +462,7 @@ def _check_errors_agree(rank, world_size):
     table(torch.tensor([[[2, -1, -1, -1]]])).sum().backward()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_model_parallel_matches_one_process(tmp_path, world_size):
     spawn(_layers_worker, world_size, str(tmp_path))
@@ -511,6 +512,7 @@ def test_large_lookups_match_the_exported_table(dim):
     _large_lookup_worker(0, 1, None, dim)
 
 
+@pytest.mark.distributed
 def test_large_lookups_over_two_ranks_match_the_exported_tables(tmp_path):
     spawn(_large_lookup_worker, 2, str(tmp_path), 16)
 
@@ -676,6 +678,7 @@ def _check_grad_modes_agree(rank, world_size, init):
         layer(keys)
 
 
+@pytest.mark.distributed
 def test_grad_modes_agree_across_ranks(tmp_path):
     spawn(_check_grad_modes_agree, 2, str(tmp_path))
 
@@ -746,6 +749,7 @@ def _ddp_worker(rank, world_size, init):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.distributed
 def test_ddp_on_the_dense_part_ignores_embeddings(tmp_path):
     spawn(_ddp_worker, 2, str(tmp_path))
 
@@ -828,6 +832,7 @@ def _foreign_state_worker(rank, world_size, init, directory):
     torch.testing.assert_close(fresh(keys), layer(keys), rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_a_layer_refuses_another_rank_s_state(tmp_path):
     """Two ranks' state_dict files swapped: the keys would sit on a rank that does not own
     them, and their trained vectors would be lost without a word."""
@@ -872,6 +877,7 @@ def _foreign_direct_state_worker(rank, world_size, init, directory):
         sk.EmbeddingBagCollection(tables).load_state_dict(state, strict=False)
 
 
+@pytest.mark.distributed
 def test_a_direct_layer_refuses_another_rank_s_state(tmp_path):
     """A direct layer's rows are the keys row * world_size + its first key, which its state
     did not record: another rank's state file, or a one-process layer's of the same shape,
@@ -910,11 +916,13 @@ def _non_member_worker(rank, world_size, init):
             build()
 
 
+@pytest.mark.distributed
 def test_a_rank_outside_the_layer_s_group_is_told_so(tmp_path):
     """It had been a TypeError about the int -100 (torch's non-member marker)."""
     spawn(_non_member_worker, 2, str(tmp_path))
 
 
+@pytest.mark.distributed
 def test_ranks_that_disagree_on_the_configuration_all_raise(tmp_path):
     spawn(_config_mismatch_worker, 2, str(tmp_path))
 
@@ -998,6 +1006,7 @@ def _bad_initializer_on_one_rank_worker(rank, world_size, init):
     assert model.shards[0].hash_table.export()[0].tolist() == keys
 
 
+@pytest.mark.distributed
 def test_a_bad_initializer_output_on_one_rank_raises_on_every_rank_with_nothing_changed(tmp_path):
     """It raised on that rank after the ranks agreed to go on, with its table changed, and
     the other rank waited in the vectors' all-to-all until the group's timeout."""
@@ -1124,6 +1133,7 @@ def _penalty_worker(rank, world_size, init, result_dir):
             torch.save(grad, f"{result_dir}/{kind}.pt")
 
 
+@pytest.mark.distributed
 def test_a_gradient_penalty_through_the_exchange_equals_one_process(tmp_path):
     """create_graph=True through a multi-rank layer: the exchange's backward is itself
     differentiable. It was not, and the penalty's second-order terms were silently lost
@@ -1244,6 +1254,7 @@ def _one_rank_refuses_worker(rank, world_size, init):
         assert copy.deepcopy(model).process_group is model.process_group
 
 
+@pytest.mark.distributed
 def test_a_refusal_or_a_base_exception_on_one_rank_raises_on_every_rank(tmp_path):
     spawn(_one_rank_refuses_worker, 2, str(tmp_path))
 

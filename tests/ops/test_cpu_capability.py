@@ -13,15 +13,17 @@ import sys
 import pytest
 import sparsekit._C
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The kernels with a fallback, by capability: "avx2" only changes the pooling loops and the
 # pair dots' vectors.
 TESTS = {
-    "default": ["test_embedding.py", "test_embedding_properties.py", "test_unique_bounded.py", "test_segment.py",
-                "test_segment_properties.py", "test_lazy_adam.py", "test_lazy_adam_properties.py",
-                "test_tables_ops.py", "test_guard_pages.py", "test_interaction.py"],
-    "avx2": ["test_embedding.py", "test_embedding_properties.py", "test_guard_pages.py", "test_interaction.py"],
+    "default": ["ops/test_embedding.py", "ops/test_embedding_properties.py", "ops/test_unique_bounded.py",
+                "ops/test_segment.py", "ops/test_segment_properties.py", "optim/test_lazy_adam.py",
+                "optim/test_lazy_adam_properties.py", "tables/test_tables_ops.py",
+                "robustness/test_guard_pages.py", "ops/test_interaction.py"],
+    "avx2": ["ops/test_embedding.py", "ops/test_embedding_properties.py",
+             "robustness/test_guard_pages.py", "ops/test_interaction.py"],
 }
 
 
@@ -52,7 +54,7 @@ def test_the_capability_lowers_what_the_kernels_use(capability):
 def test_kernel_tests_pass_under_a_lower_cpu_capability(capability):
     if sparsekit._C.cpu_features() == "default":
         pytest.skip("this CPU has nothing above baseline x86-64: the main run already covers it")
-    tests = [os.path.join("tests", name) for name in TESTS[capability]]
+    tests = [os.path.join("tests", *name.split("/")) for name in TESTS[capability]]
     done = run_child(capability, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout.splitlines()[-1]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from _grad import Densify
 
 from sparsekit import ops
-from tests._guard import guarded
+from _guard import guarded
 
 # opcheck's test utilities. Before torch 2.13, AOT tracing with dynamic shapes cannot tell
 # that the sparse gradient's row indices and values (both sized by unique's data-dependent
@@ -994,7 +994,7 @@ def test_embedding_bag_double_backward_half_types(device, dtype):
     offsets = torch.tensor(DOUBLE_BACKWARD_OFFSETS, device=device)
     out = ops.embedding_bag(weight, rows, offsets, psw, "mean", 2)
     # A constant grad_output: one sparse second-order contribution to the weight (torch cannot
-    # add two half sparse gradients: "cadd_sparse" not implemented for 'Half', see the README).
+    # add two half sparse gradients: "cadd_sparse" not implemented for 'Half', see docs/design.md).
     grad_out = torch.randn(4, 4, device=device)
     _, grad_psw = torch.autograd.grad(out, [weight, psw], grad_out.to(dtype), create_graph=True)
     second_psw, second_weight = torch.autograd.grad(grad_psw.float().pow(2).sum(), [psw, weight])

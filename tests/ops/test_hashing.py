@@ -45,7 +45,7 @@ def test_deterministic_across_processes():
     code = ("import torch; from sparsekit import hashing; "
             "print(hashing.hash_values(['a', b'b', 3, -1], 4, seed=9).tolist())")
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout

@@ -101,6 +101,7 @@ def test_segment_sum_bit_identical_run_to_run(device, deterministic):
         assert torch.equal(first, single)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: compares the CUDA kernel with the CPU kernel")
 def test_segment_sum_cuda_matches_cpu():
     device = torch.device("cuda")
@@ -212,6 +213,7 @@ def test_segment_mean_bad_inputs_name_segment_mean(device, case):
         sk.ops.segment_mean(*make(device))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: needs a CPU and a CUDA tensor")
 def test_segment_sum_device_mismatch():
     device = torch.device("cuda")
@@ -255,7 +257,7 @@ def test_use_deterministic_algorithms_selects_the_deterministic_path(device, mon
                 return op(*args)
             return record
 
-    monkeypatch.setattr(sk.ops, "_ops", Recorder())
+    monkeypatch.setattr(sk.ops._segment, "_ops", Recorder())  # the namespace segment_sum calls
     data = torch.randn(3000, 8, device=device)
     ids = torch.randint(-1, 7, (3000,), device=device)
     sk.ops.segment_sum(data, ids, 7)
@@ -349,7 +351,7 @@ def test_segment_mean_names_its_float32_copy_of_half_data(dtype):
 
 
 def test_the_raw_op_follows_use_deterministic_algorithms(device):
-    """DESIGN.md section 2: under torch.use_deterministic_algorithms(True) every op is
+    """docs/api.md: under torch.use_deterministic_algorithms(True) every op is
     bit-reproducible, torch.ops.sparsekit.segment_sum (schema default deterministic=False)
     too, not only the typed wrapper: its CUDA entry takes the deterministic twin."""
     if device.type != "cuda":

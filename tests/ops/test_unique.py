@@ -109,6 +109,7 @@ def test_unique_deterministic_across_threads(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: compares the CUDA kernel with the CPU kernel")
 def test_unique_cuda_matches_cpu():
     device = torch.device("cuda")

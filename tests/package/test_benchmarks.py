@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 # Importing benchmarks.common would keep this whole pytest process's freed memory
 # (sk.keep_freed_memory, a mallopt): the rest of the suite runs with glibc's defaults.
@@ -201,6 +201,7 @@ def _sharded_check_rank(rank: int, world_size: int, init, broken: bool) -> None:
         bench_collection.check_same_pooling_sharded(steps, batch)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("broken", [False, True])
 def test_collection_bench_checks_the_sides_pool_alike_at_world_two(tmp_path, broken):
     from _distributed import spawn

@@ -10,6 +10,9 @@ import torch
 
 import sparsekit
 
+# The repository root (this file is tests/package/test_build.py).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def _thread_cpu_ticks() -> dict:
     """User + system clock ticks of each thread of this process, by thread id."""
@@ -62,7 +65,7 @@ def test_library_uses_the_stable_abi_only():
 def test_kernel_sources_include_no_unstable_torch_header():
     """csrc/ (but its C++ test, which drives the ops through the full dispatcher) includes
     torch only through csrc/torch_api.h: no ATen, c10 or torch/library.h header."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    root = os.path.join(ROOT, "csrc")
     if not os.path.isdir(root):
         pytest.skip("no source tree (an installed wheel)")
     offenders = []
@@ -89,7 +92,7 @@ def test_every_op_has_a_cpu_kernel():
 def test_a_build_without_its_requirements_stops_at_once_naming_them(tmp_path):
     """setup.py in a Python with no setuptools and no torch (a bare venv, as a
     `--no-build-isolation` build would see it) stops before compiling, naming both."""
-    setup_py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")
+    setup_py = os.path.join(ROOT, "setup.py")
     if not os.path.exists(setup_py):
         pytest.skip("no source tree (an installed wheel)")
     venv = tmp_path / "bare"

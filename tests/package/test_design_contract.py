@@ -1,4 +1,4 @@
-"""DESIGN.md sections 1-3 checked literally: the public names' signatures (parameter
+"""docs/api.md 1-3 checked literally: the public names' signatures (parameter
 names, defaults, keyword-only markers) as the contract writes them, every op's kernels
 (CPU, CUDA when built with it, a Python fake), ``torch.library.opcheck`` of the ops only
 the layers reach, and bit-reproducibility of every op and layer under
@@ -66,7 +66,7 @@ def _public(name):
 
 @pytest.mark.parametrize("name", sorted(_DESIGN_SIGNATURES))
 def test_public_signatures_are_the_designs(name):
-    """DESIGN.md sections 2 and 3: names, order, defaults and keyword-only markers."""
+    """docs/api.md 2 and 3: names, order, defaults and keyword-only markers."""
     params = list(inspect.signature(_public(name)).parameters.values())
     want = _DESIGN_SIGNATURES[name]
     assert len(params) >= len(want), (name, params)

@@ -9,7 +9,7 @@ import torch
 
 from sparsekit import _loading
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_unbuilt_source_tree_says_so(tmp_path):

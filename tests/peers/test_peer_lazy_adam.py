@@ -11,7 +11,7 @@ tensorflow/python/training/adam_test.py and keras' optimizer_v2/adam_test.py (th
 ``testBasicWithLearningRateInverseTimeDecay``).
 
 They check what the peer checks where DESIGN.md (section 2 ``lazy_adam_``, section 3
-``sk.LazyAdam``) or the README promises it. The references are numpy (float64), written from
+``sk.LazyAdam``) or docs/design.md promises it. The references are numpy (float64), written from
 the formulas the contract names, not from sparsekit:
 
 * sparse gradients: DESIGN's ``lazy_adam_`` formula, which is TFA's LazyAdam and
@@ -225,7 +225,7 @@ def test_basic(dtype, use_callable_params):
     make = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)) if use_callable_params else None
     _run_three_dense_steps(dtype, make)
     if use_callable_params:
-        # TFA's own form, a callable lr, is refused naming the argument (README).
+        # TFA's own form, a callable lr, is refused naming the argument (docs/design.md).
         with pytest.raises(ValueError, match="learning rate lr"):
             sk.LazyAdam([torch.zeros(2, dtype=dtype, requires_grad=True)], lr=lambda: 0.001)
 

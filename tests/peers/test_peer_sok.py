@@ -227,6 +227,7 @@ def _sparse_demo_worker(rank, world_size, init, checkpoint_dir):
         torch.testing.assert_close(restored.dense_layer.weight.detach(), reference.dense_layer.weight.detach(), **TOL)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_sparse_emb_demo_model_matches_torch_on_the_global_batch(tmp_path, world_size):
     """Follows unit_test/test_scripts/tf2/test_sparse_emb_demo_model_single_worker.py and
@@ -270,6 +271,7 @@ def _dense_demo_worker(rank, world_size, init, checkpoint_dir):
     _multi_dense_worker(rank, world_size, init)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_dense_emb_demo_model_matches_torch_on_the_global_batch(tmp_path, world_size):
     """Follows unit_test/test_scripts/tf2/test_dense_emb_demo_model_single_worker.py and
@@ -442,6 +444,7 @@ def _lookup_sparse_worker(rank, world_size, init):
         torch.testing.assert_close(vectors, ref_tables[i].weight.detach()[keys.long()], **TOL)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_lookup_sparse_over_two_tables_matches_torch(tmp_path, world_size):
     """Follows sparse_operation_kit/examples/lookup_example_tf2/lookup_sparse_distributed_test.py:
@@ -499,6 +502,7 @@ def _dynamic_variable_case(rank, world_size, init, optimizer_name):
     torch.testing.assert_close(everything, expected, **TOL)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_dynamic_variable_lookup_with_repeated_keys_matches_torch(tmp_path, world_size):
     """Follows sparse_operation_kit/examples/utils_example_tf2/dynamic_variable_test.py (and

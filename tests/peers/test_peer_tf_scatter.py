@@ -9,7 +9,7 @@ the combiners and weights). pytorch_scatter (rusty1s/pytorch_scatter):
 ``test_zero_tensors.py`` and ``test_broadcasting.py``.
 
 Each test's docstring names the peer test it follows. Where the peer's semantics differ
-from sparsekit's contract (DESIGN.md section 2, README "Design decisions"), the test
+from sparsekit's contract (docs/api.md, docs/design.md), the test
 checks our side and that a refused input gets an error naming the op and the argument:
 
 - ``segment_sum`` is TF's *unsorted* segment sum: ``segment_ids`` is 1-D ``[N]`` (TF also
@@ -127,7 +127,7 @@ def test_tf_segment_ids_size_mismatch(device):
 @pytest.mark.parametrize("num_segments", [np.int32(12), np.int64(12), "tensor_int32", "tensor_int64"])
 def test_tf_num_segments_types(device, num_segments):
     """UnsortedSegmentTest.testNumSegmentsTypes: num_segments as an int32 / int64 scalar (a
-    0-d integer tensor is an int, README); a bool, a float or a [1] tensor is refused."""
+    0-d integer tensor is an int, docs/design.md); a bool, a float or a [1] tensor is refused."""
     if isinstance(num_segments, str):
         num_segments = torch.tensor(12, dtype=torch.int32 if num_segments.endswith("32") else torch.int64)
     ids = torch.tensor([0, 4, 0, 8, 3, 8, 4, 7, 7, 3], device=device)
@@ -517,7 +517,7 @@ def test_tf_embedding_lookup_sparse_combiners(device, dtype, combiner, weighted)
 
 def test_tf_embedding_lookup_sparse_sqrtn_refused(device):
     """EmbeddingLookupSparseTest with combiner "sqrtn": not in sparsekit's modes (DESIGN.md:
-    sum and mean; README: max); the error names mode and the modes there are. The layers
+    sum and mean; docs/design.md: max); the error names mode and the modes there are. The layers
     refuse it as combiner."""
     weight = torch.randn(4, 3, device=device)
     with pytest.raises(RuntimeError, match=r'embedding_bag: mode must be "sum", "mean" or "max", got "sqrtn"'):
@@ -529,7 +529,7 @@ def test_tf_embedding_lookup_sparse_sqrtn_refused(device):
 
 def test_tf_embedding_lookup_sparse_zero_weight_sum(device):
     """EmbeddingLookupSparseTest with weights that cancel: TF's mean divides by zero;
-    sparsekit's documented choice is zeros and a zero gradient (README, embedding_bag)."""
+    sparsekit's documented choice is zeros and a zero gradient (docs/design.md, embedding_bag)."""
     weight = torch.randn(4, 3, dtype=torch.float64, device=device, requires_grad=True)
     psw = torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64, device=device, requires_grad=True)
     out = ops.embedding_bag(weight, torch.tensor([1, 2, 3], device=device), torch.tensor([0, 2, 3], device=device),

@@ -307,7 +307,7 @@ def test_include_last_offset_with_padding_idx(device):
     """TestEmbeddingNN.test_embeddingbag_include_last_offset (pytorch#89677): mean, padding_idx=61
     not looked up, include_last_offset=True, offsets [0, 3, 4]. torch also reads [0, 3, 3] over
     4 lookups as the same bags (its last bag runs to nnz whatever offsets[-1] says); sparsekit
-    checks CSR offsets and refuses that one, with a hint at the other convention (README,
+    checks CSR offsets and refuses that one, with a hint at the other convention (docs/design.md,
     embedding_bag)."""
     weight = torch.randn(100, 3, device=device)
     rows = torch.tensor([0, 1, 2, 3], device=device)
@@ -671,7 +671,7 @@ def test_opinfo_unique_samples(device, dtype):
 
 def test_unique_refuses_non_key_dtypes(device):
     """test_unique runs every dtype; sparsekit's keys are int64 / int32 only, and any other dtype
-    is refused naming keys (DESIGN.md section 2)."""
+    is refused naming keys (docs/api.md)."""
     for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.float32):
         with pytest.raises(RuntimeError, match="unique: keys must be an int64 or int32"):
             ops.unique(torch.tensor([1, 0], device=device).to(dtype))
@@ -703,7 +703,7 @@ def test_segment_sum_index_add_identity(device, dtype, ids_dtype):
 def test_segment_sum_matches_index_add_scatter_add_and_scatter_reduce_mean(device, dtype):
     """test_scatter_gather_ops.py (scatter_add_, scatter_reduce_ "mean" with include_self=False):
     random ids with negative (dropped) ones, against index_add_ and scatter_add_ bit for bit
-    (float32 equals a one-thread index_add_, README) and scatter_reduce_'s mean."""
+    (float32 equals a one-thread index_add_, docs/design.md) and scatter_reduce_'s mean."""
     gen = torch.Generator().manual_seed(0)
     data = torch.randn(1000, 7, generator=gen).to(dtype)
     ids = torch.randint(-3, 50, (1000,), generator=gen)

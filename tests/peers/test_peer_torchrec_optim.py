@@ -9,7 +9,7 @@ the meta device), and test/test_optim.py with the ``OptimizerInfo`` inputs of
 torch/testing/_internal/common_optimizers.py for ``torch.optim.SparseAdam`` / ``Adam``
 (settings, error inputs, the sparse Rosenbrock, state dicts, hooks, named parameters).
 
-They check what the peer test checks where DESIGN.md (section 3, 3b) or the README promises
+They check what the peer test checks where docs/api.md or docs/design.md promise
 the peer's behaviour. Where sparsekit deliberately differs (a ``Dict[str, Tensor]`` output
 rather than a ``KeyedTensor``, a feature read by one table only, no meta-device forward, no
 tensor ``lr``) the test checks the documented behaviour and a clear error instead. TorchRec is
@@ -187,7 +187,7 @@ def test_duplicate_table_names_fail():
 def test_meta_device_from_argument_or_context_then_materialized(how):
     """EmbeddingBagCollectionTest.test_device (and test_forward_with_meta_device): a
     collection built on the meta device, by argument or under ``with torch.device("meta")``,
-    has its weights there; its forward is refused with a clear error (the README: tables on
+    has its weights there; its forward is refused with a clear error (docs/design.md: tables on
     the meta device hold no data) and after ``to_empty`` + ``reset_parameters`` it is a new
     collection (nn.Module's convention)."""
     def tables():
@@ -314,7 +314,7 @@ def test_to_keeps_every_part():
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("build", ["from_lengths_sync", "from_offsets_sync"])
 def test_torchrec_kjt_stand_in_matches_keyed_jagged(weighted, build):
-    """The README/DESIGN promise: an object with TorchRec's KeyedJaggedTensor methods is
+    """The documented promise (docs/api.md): an object with TorchRec's KeyedJaggedTensor methods is
     accepted as sk.KeyedJagged is, with int32 lengths/offsets as TorchRec keeps them, and
     gives the same outputs and gradients."""
     def make():
@@ -442,7 +442,7 @@ def test_sparse_adam_optim_inputs(kwargs):
     """common_optimizers.optim_inputs_func_sparseadam (default, non-default lr, maximize;
     plus betas/eps) as test_optim's correctness checks run them: LazyAdam on sparse
     gradients is SparseAdam (moments bit for bit up to the duplicate rows' summation order,
-    README), step counted per parameter."""
+    docs/design.md), step counted per parameter."""
     (ref_weight, ref_state), (weight, state) = sparse_step_pairs(kwargs)
     torch.testing.assert_close(weight, ref_weight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state["exp_avg"], ref_state["exp_avg"], rtol=1e-5, atol=1e-6)
@@ -493,7 +493,7 @@ def test_rosenbrock_sparse(maximize):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_adam_optim_inputs_on_dense_parameters(kwargs, dtype):
     """common_optimizers.optim_inputs_func_adam (its CPU configs without amsgrad, which
-    LazyAdam lacks): dense gradients get torch.optim.Adam's numbers bit for bit (README)."""
+    LazyAdam lacks): dense gradients get torch.optim.Adam's numbers bit for bit (docs/design.md)."""
     gen = torch.Generator().manual_seed(3)
     start = [torch.randn(4, 3, generator=gen, dtype=dtype), torch.randn(3, generator=gen, dtype=dtype)]
     grads = [[torch.randn_like(s) for s in start] for _ in range(3)]

@@ -1,5 +1,5 @@
 """Faults in the middle of an operation (an allocation failure, a KeyboardInterrupt between two
-writes): the hash table is left as it was (or, where the README says so, finished), never with
+writes): the hash table is left as it was (or, where docs/design.md says so, finished), never with
 its size, slots and rows disagreeing."""
 
 import pytest
@@ -202,6 +202,7 @@ def _fault_on_one_rank_worker(rank, world_size, init, where):
     step().sum().backward()  # and the next step works on both ranks
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("where", ["partition_by_owner", "unique", "unique_tables"])
 def test_out_of_memory_on_one_rank_before_the_lookup_agreement_raises_on_every_rank(tmp_path, where):
     spawn(_fault_on_one_rank_worker, 2, str(tmp_path), where)
@@ -209,7 +210,7 @@ def test_out_of_memory_on_one_rank_before_the_lookup_agreement_raises_on_every_r
 
 def test_an_insert_whose_rebuild_is_interrupted_changes_nothing(monkeypatch):
     """The tombstone rebuild ends an insert: interrupted there (it re-places the live keys,
-    then re-raises), the insert that raised had kept its new key, scored, where the README
+    then re-raises), the insert that raised had kept its new key, scored, where docs/design.md
     says a failing insert inserts nothing."""
     table = HashTable(4, eviction="lru")
     table.insert(T(0, 1, 2, 3))
@@ -231,7 +232,7 @@ def test_an_insert_whose_rebuild_is_interrupted_changes_nothing(monkeypatch):
 
 
 def test_the_insert_s_rollback_bookkeeping_reads_no_data_dependent_size():
-    """What an insert keeps to undo itself must not cost a host sync on CUDA (README: an
+    """What an insert keeps to undo itself must not cost a host sync on CUDA (docs/design.md: an
     insert syncs twice, unique's size and the count of new keys, placement none): a
     boolean-mask selection there (a nonzero) had added a third. Checked on the CPU by the
     ops _commit_insert dispatches: none whose output size depends on the data."""
@@ -294,11 +295,11 @@ def test_the_placement_elsewhere_than_the_cpu_is_taken_back_out_too(monkeypatch)
 
 def _load_fault_on_one_rank_worker(rank, world_size, init, directory):
     """A fault in load_checkpoint's writing phase on rank 1 (after every check passed): every
-    rank raises (rank 0 had returned as if loaded, so the "load again" the README advises was a
+    rank raises (rank 0 had returned as if loaded, so the "load again" docs/failures.md advises was a
     collective rank 0 never joined); loading again on every rank then gives the checkpoint."""
     import time
 
-    from sparsekit import checkpoint
+    from sparsekit.checkpoint import loading as checkpoint
 
     init()
     torch.manual_seed(0)
@@ -336,5 +337,6 @@ def _load_fault_on_one_rank_worker(rank, world_size, init, directory):
     step(5)
 
 
+@pytest.mark.distributed
 def test_a_fault_while_load_checkpoint_writes_on_one_rank_raises_on_every_rank(tmp_path):
     spawn(_load_fault_on_one_rank_worker, 2, str(tmp_path), str(tmp_path / "ckpt"))

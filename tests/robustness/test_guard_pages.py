@@ -4,6 +4,7 @@ sides of the kernels' thresholds (serial and parallel paths, vector blocks and t
 tails). A read one element past either end crashes the test; the results are checked
 against plain torch."""
 
+import os
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 import sparsekit as sk
 from sparsekit import ops
-from tests._guard import guarded
+from _guard import guarded
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="mmap + mprotect guard pages")
 
@@ -172,7 +173,8 @@ def test_select_smallest(side, n):
 def test_the_guard_faults():
     # The guard is real: reading one element past the end kills a child process.
     import subprocess
-    code = ("import torch, sys; sys.path.insert(0, '.'); from tests._guard import guarded; "
+    support = os.path.dirname(os.path.abspath(sys.modules[guarded.__module__].__file__))
+    code = (f"import torch, sys; sys.path.insert(0, {support!r}); from _guard import guarded; "
             "t = guarded(torch.arange(10)); print(t[:10].sum().item()); "
             "print(torch.as_strided(t, (11,), (1,)).sum().item())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

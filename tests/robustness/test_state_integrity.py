@@ -1,5 +1,5 @@
 """State that must travel and state that must stay: a reused row's pending Adam reset
-through checkpoints (resharded too) and state_dict round trips (DESIGN.md section 3a),
+through checkpoints (resharded too) and state_dict round trips (docs/api.md),
 deep copies of the layers and the collection that keep their weights' marks, and
 ``load_state_dict`` calls that raise with nothing changed (layers and the collection,
 strict or not)."""
@@ -191,6 +191,7 @@ def _resharded_worker(rank, world_size, init, directory, kind):
                                  for name, value in reference.items()})
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["distributed", "collection"])
 def test_pending_moment_resets_travel_with_their_keys_when_resharded(kind, tmp_path):
     model, optimizer = _evict_without_a_step(kind)
@@ -298,6 +299,7 @@ def _deepcopy_worker(rank, world_size, init):
         assert_equal_nested(_snapshot(clone), _snapshot(original))
 
 
+@pytest.mark.distributed
 def test_a_deep_copy_under_a_process_group_shares_the_group(tmp_path):
     spawn(_deepcopy_worker, 2, str(tmp_path))
 

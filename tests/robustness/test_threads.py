@@ -1,6 +1,6 @@
 """Training forwards of one layer or collection from several Python threads at once: each
 forward's table work holds the layer's step lock, so the threads' steps act in some serial
-order (README, "Threads")."""
+order (docs/design.md, "Threads")."""
 
 import copy
 import pickle
@@ -61,7 +61,7 @@ def _same(a, b):
 def _check_serial(make, forward, states, batches, trials, evicting=False):
     """Two threads, each a training step (forward and backward) of its batch on one layer,
     give the result of one of the two serial orders, every time. With ``evicting`` the
-    threads run the forwards only and the backwards follow in this thread (README: a
+    threads run the forwards only and the backwards follow in this thread (docs/design.md: a
     backward running while another thread's forward evicts is not covered, and the steps'
     gradients then match no serial order: the test failed about one run in ten); two
     forwards then two backwards give the serial steps' result."""

@@ -5,7 +5,7 @@ power of two, Zipf, keys whose hashes collide in the low bits -- one home slot, 
 probe wrapping round the table's end -- or in the high bits -- one partition bucket),
 at 1 and 2 (sometimes 3) threads, against plain-torch references.
 
-The property tests (tests/properties.py) draw sizes near these edges; here each edge is hit
+The property tests (tests/support/properties.py) draw sizes near these edges; here each edge is hit
 exactly, once, deterministically. Thresholds (file:line, value) -> test:
 
 unique (csrc/cpu/unique_cpu.cpp)
@@ -30,7 +30,7 @@ unique_bounded (unique_bounded_cpu.cpp)
 ops._bitmap_numbers (ops._number_rows, shard._distinct_sorted_rows, optim._sum_repeated_rows):
   bitmap iff rows <= 128 * nnz + 2^16                               test_row_gradient_bitmap_vs_hash, test_distinct_sorted_rows,
                                                                     test_repeated_rows_are_summed_alike_on_both_paths
-ops.py:946 _lookup_dots chunks of 2^20 // D lookups                 test_per_sample_weight_gradient_chunks
+ops/_embedding_backward.py _lookup_dots chunks of 2^20 // D lookups                 test_per_sample_weight_gradient_chunks
 segment_sum (csrc/cpu/segment_cpu.cpp)
   :242 one thread below n * D < 2^15                                test_segment_sum_boundaries
   :41  kLanes 16 (add_row tail), :63 float16 blocks of 64 (+ F16C 8)  test_segment_sum_boundaries
@@ -93,7 +93,7 @@ from sparsekit import exchange, ops, shard
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)
@@ -386,7 +386,7 @@ def check_bag_gradient(weight, rows, offsets, psw, mode, padding_idx):
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_per_sample_weight_gradient_chunks(mode):
-    """ops.py:946: the per-sample-weight gradient gathers rows in chunks of 2^20 // D."""
+    """ops/_embedding_backward.py (_lookup_dots): the per-sample-weight gradient gathers rows in chunks of 2^20 // D."""
     torch.set_num_threads(2)
     dim = 512
     chunk = (1 << 20) // dim
@@ -519,7 +519,8 @@ def test_instantiations_under_lower_capability(capability):
     if sk._C.cpu_features() == "default":
         pytest.skip("this CPU has nothing above baseline x86-64")
     env = dict(os.environ, SPARSEKIT_CPU_CAPABILITY=capability)
-    code = ("import sys, torch; sys.path.insert(0, 'tests'); import test_thresholds as t\n"
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys, torch; sys.path.insert(0, {here!r}); import test_thresholds as t\n"
             "torch.set_num_threads(1)\n"
             "t.embedding_bag_dims([torch.float32, torch.float16, torch.float64])\n"
             "import os; os.environ['SPARSEKIT_POOL_PREFETCH'] = 'first'\n"
@@ -831,7 +832,7 @@ def test_hash_table_boundaries(capacity, threads):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("capacity, steps, batch, pool_size", [(16, 60, 10, 60), ((1 << 14) + 1, 4, 12_000, 40_000)])
 def test_hash_table_eviction_model(policy, capacity, steps, batch, pool_size, threads):
-    """Against a plain-Python model of DESIGN.md 3a: victims never of the call, lowest score
+    """Against a plain-Python model of the contract (docs/api.md): victims never of the call, lowest score
     (lfu: count, then last_seen), ties to the smaller key; new keys take freed rows
     ascending, then n, n + 1, ...; the slots are rebuilt once tombstones pass a quarter
     (capacity 16: every 9 evictions); select_smallest over more than 2^14 rows."""

@@ -1,5 +1,5 @@
-"""The dynamic HashTable's contract (DESIGN.md sections 2 and 3a) in plain Python, the
-reference of tests/test_hashtable_eviction.py and tests/test_peer_hkv.py: rows in order of
+"""The dynamic HashTable's contract (docs/api.md 2 and 3a) in plain Python, the
+reference of tests/tables/test_hashtable_eviction.py and tests/peers/test_peer_hkv.py: rows in order of
 arrival, freed rows reused in ascending order, LRU / LFU eviction with ties broken by the
 smaller key, the keys of the call never evicted, a call larger than the capacity (or past
 a full table without eviction) changing nothing, last_seen / count scores under a clock

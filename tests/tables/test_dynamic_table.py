@@ -1,4 +1,4 @@
-"""Dynamic HashTable (DESIGN.md section 3a): scores, eviction, export since a clock, state.
+"""Dynamic HashTable (docs/api.md): scores, eviction, export since a clock, state.
 
 The contract checked here:
 - ``HashTable(capacity, *, key_dtype, device, eviction=None|"lru"|"lfu")``; any other
@@ -694,6 +694,7 @@ def _cuda_and_cpu_records(ops, probe, capacity, eviction, key_dtype):
             for device in ["cpu", "cuda"]]
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("eviction", POLICIES)
 @pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
@@ -706,6 +707,7 @@ def test_cuda_matches_cpu_on_small_streams(eviction, key_dtype):
         assert cpu == cuda
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 @pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
@@ -910,10 +912,10 @@ def test_export_bound_past_int64_selects_no_key_or_every_key():
     assert layer.export(min_last_seen=2**70)[0].numel() == 0
 
 
-# ---- DESIGN.md 3a, sentence by sentence: names, signatures, boundaries ----
+# ---- the contract (docs/api.md), sentence by sentence: names, signatures, boundaries ----
 
 def test_dynamic_table_signatures_are_the_contracts():
-    """DESIGN.md 3a: ``HashTable(capacity, *, key_dtype=torch.int64, device=None, eviction=None)``,
+    """the contract (docs/api.md): ``HashTable(capacity, *, key_dtype=torch.int64, device=None, eviction=None)``,
     ``insert(keys, return_evicted=False)``, ``touch(keys)``, ``scores(keys)``,
     ``export(min_last_seen=None)``, ``tick()`` and ``clock``."""
     import inspect

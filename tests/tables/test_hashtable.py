@@ -308,6 +308,7 @@ def test_raw_insert_that_does_not_fit_writes_nothing_on_every_device(device, pas
     assert torch.equal(rows.cpu(), torch.arange(16))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_hash_table_insert_host_syncs_on_cuda():
     """HashTable.insert syncs exactly as documented: unique's size and the count of new keys."""

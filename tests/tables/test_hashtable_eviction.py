@@ -1,4 +1,4 @@
-"""Dynamic HashTable (DESIGN.md section 3a) against a plain-Python model of the contract:
+"""Dynamic HashTable (docs/api.md) against a plain-Python model of the contract:
 eviction order (LRU, LFU, ties by the smaller key), freed rows reused in ascending order,
 the keys of the call never evicted, a call larger than the capacity changing nothing,
 scores, touch, export(min_last_seen), state round trips, and a long soak with bounded
@@ -236,6 +236,7 @@ def test_eviction_is_the_same_on_any_thread_count(eviction):
     assert sum(len(e) for e in one[0]) > 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_eviction_is_the_same_on_cuda(eviction):

@@ -16,7 +16,8 @@ from properties import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, KEY_DISTRIBUT
 import sparsekit as sk
 from sparsekit.hashtable import HashTableFullError
 
-CAPACITY_EDGES = [0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 4095, 4096, 4097]
+# A table holds at least one key (HashTable(0) is refused).
+CAPACITY_EDGES = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 4095, 4096, 4097]
 
 
 class DictModel:
@@ -136,7 +137,7 @@ def test_hashtable_property_bulk(device, n, distribution, dtype, seed, threads, 
     rank[torch.argsort(first_pos)] = torch.arange(first_pos.numel())
     want = rank[inverse_all]
     distinct = unique_all.numel()
-    capacity = max(0, distinct + slack)
+    capacity = max(1, distinct + slack)
     table = sk.HashTable(capacity, key_dtype=dtype, device=device)
     with num_threads(threads):
         batches = []

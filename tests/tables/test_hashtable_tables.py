@@ -282,7 +282,7 @@ class _ReportsCuda(torch.Tensor):
 def test_touch_tables_on_cuda_reads_nothing_back_per_table():
     """_touch_tables' CUDA branch scored table by table, dropping each table's -1 rows with a
     boolean mask: a host sync per table, so a collection's training step synced once more per
-    table (README: the host syncs do not depend on the number of tables). It now calls the one
+    table (docs/design.md: the host syncs do not depend on the number of tables). It now calls the one
     multi-table op on CUDA too (tables_cuda's composite: one sync for all tables). Counted
     here on the CPU: the data-dependent-shape ops the branch issues, each a host read on CUDA."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -619,6 +619,7 @@ def _full_on_one_rank_worker(rank, world_size, init):
     assert ebc.stats("small")["size"] == 2 and ebc.stats("a")["size"] == 4
 
 
+@pytest.mark.distributed
 def test_a_full_table_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path):
     spawn(_full_on_one_rank_worker, 2, str(tmp_path))
 

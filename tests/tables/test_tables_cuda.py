@@ -1,7 +1,7 @@
 """The CUDA kernels of the multi-table ops (sparsekit/tables_cuda.py), tested on the CPU: each
 composite is device-agnostic, so it runs here on CPU tensors against the C++ CPU kernel, bit
 for bit: outputs (values, dtypes, shapes, order), in-place effects, and errors (type and
-message, with nothing written). On a GPU the op tests of tests/test_unique_bounded.py,
+message, with nothing written). On a GPU the op tests of tests/ops/test_unique_bounded.py,
 test_tables_ops.py and test_hashtable_tables.py run the composites themselves through the
 dispatcher (their `device` fixture).
 

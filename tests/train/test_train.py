@@ -34,7 +34,7 @@ from sparsekit.train.loop import TrainConfig, train
 from sparsekit.train.metrics import log_loss, roc_auc
 from sparsekit.train.model import DLRM, TorchSlotEmbedding
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")  # any existing file
 EMBEDDINGS = ["sparsekit", "torch"]
 TINY = dict(steps=12, batch_size=128, eval_samples=1024, eval_every=6, embedding_dim=8,
@@ -487,7 +487,7 @@ def test_zero_steps_evaluates_once_and_checkpoints_the_untrained_model(tmp_path,
     monkeypatch.setattr(loop, "evaluate", lambda *args: calls.append(1) or evaluate(*args))
     result = train(tiny(steps=0, checkpoint_dir=str(tmp_path)))
     assert len(calls) == 1 and result["steps"] == 0
-    assert _step_dirs(tmp_path) == ["step_000000000"]
+    assert _step_dirs(tmp_path) == ["ckpt-000000"]
     straight = train(tiny())
     resumed = train(tiny(checkpoint_dir=str(tmp_path), resume=True))
     assert resumed["resumed_from_step"] == 0 and resumed["logloss"] == straight["logloss"]
@@ -549,7 +549,7 @@ def test_a_resumed_log_averages_the_train_loss_over_the_same_steps_as_the_straig
     ckpt = tmp_path / "mid"
     train(tiny(**dict(settings, steps=12, checkpoint_every=10, keep_checkpoints=5),
                checkpoint_dir=str(ckpt)), log=lambda *_: None)
-    (ckpt / "latest").write_text("step_000000010\n")
+    (ckpt / "LATEST").write_text("ckpt-000010")
     train(tiny(**settings, checkpoint_dir=str(ckpt), resume=True, keep_checkpoints=5), log=resumed.append)
     assert any(line.startswith("resumed from") for line in resumed)
     assert train_loss(resumed, 12) == train_loss(straight, 12)
@@ -586,7 +586,7 @@ def test_a_resumed_log_rates_only_the_steps_this_process_trained(tmp_path, monke
     train(tiny(**settings), log=straight.append)
     ckpt = tmp_path / "mid"
     train(tiny(**settings, checkpoint_every=10, checkpoint_dir=str(ckpt)), log=lambda *_: None)
-    (ckpt / "latest").write_text("step_000000010\n")
+    (ckpt / "LATEST").write_text("ckpt-000010")
     train(tiny(**settings, checkpoint_dir=str(ckpt), resume=True), log=resumed.append)
     assert rate(straight, 12) == f"{TINY['batch_size']:,}"  # one batch per (fake) second
     assert rate(resumed, 12) == rate(straight, 12)
@@ -625,7 +625,7 @@ def test_a_disk_error_without_a_file_name_is_one_line(capsys, monkeypatch, tmp_p
 
     def full(path, write):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(loop, "_write_file", full)
+    monkeypatch.setattr(loop, "write_file", full)
     line = _main_error(capsys, monkeypatch, ["--metrics-json", str(tmp_path / "m.json")], 1)
     assert line.startswith("sparsekit.train: error: ") and "No space left on device" in line
     assert "m.json" in line
@@ -687,7 +687,7 @@ def test_resume_from_a_file_refuses_another_held_out_split(tmp_path):
                     log=lambda *_: None)
     assert resumed["resumed_from_step"] == 2
     # A checkpoint written before these were recorded is not held to them.
-    trainer = tmp_path / "ckpt" / "step_000000003" / "trainer_rank0.pt"
+    trainer = tmp_path / "ckpt" / "ckpt-000003" / "trainer_rank0.pt"
     state = torch.load(trainer, weights_only=True)
     for key in ("eval_samples", "eval_data"):
         del state["config"][key]
@@ -704,13 +704,13 @@ def test_a_rank_of_the_checkpoint_without_its_trainer_file_is_refused(tmp_path):
 
     config = tiny(embedding="torch", steps=2, checkpoint_dir=str(tmp_path))
     train(config, log=lambda *_: None)
-    step_dir = tmp_path / "step_000000002"
+    step_dir = tmp_path / "ckpt-000002"
     state = torch.load(step_dir / "trainer_rank0.pt", weights_only=True)
     torch.save(dict(state, world_size=2), step_dir / "trainer_rank0.pt")
     context = loop.Context(rank=1, world_size=2, device=torch.device("cpu"))
     model, _, optimizer = loop.build(config, loop.Context(rank=0, world_size=1, device=torch.device("cpu")))
     with pytest.raises(loop.CheckpointError, match=r"has no trainer_rank1.pt; it is incomplete"):
-        loop.load(config, context, str(step_dir), model, optimizer)
+        loop.load(config, context, 2, model, optimizer)
 
 
 def test_per_slot_tables_follow_the_shared_table():
@@ -746,36 +746,35 @@ def test_default_holdout_of_a_small_file_is_a_tenth(tmp_path):
 
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
     train(tiny(steps=6, checkpoint_every=1, keep_checkpoints=3, checkpoint_dir=str(tmp_path)))
-    kept = sorted(name for name in os.listdir(tmp_path) if name.startswith("step_"))
-    assert kept == ["step_000000004", "step_000000005", "step_000000006"]
-    assert (tmp_path / "latest").read_text().strip() == "step_000000006"
+    assert _step_dirs(tmp_path) == ["ckpt-000004", "ckpt-000005", "ckpt-000006"]
+    assert (tmp_path / "LATEST").read_text() == "ckpt-000006"
 
 
 def _step_dirs(directory):
-    return sorted(name for name in os.listdir(directory) if name.startswith("step_"))
+    """The names of the entries of ``directory`` that look like checkpoints (``ckpt-*``)."""
+    return sorted(name for name in os.listdir(directory) if name.startswith("ckpt-"))
 
 
 def test_keep_checkpoints_keeps_the_newest_written_not_the_highest_steps(tmp_path):
     """A fresh run into a directory a longer run used: its own checkpoints are the newest."""
     train(tiny(steps=20, eval_every=0, checkpoint_every=5, keep_checkpoints=1, checkpoint_dir=str(tmp_path)))
-    assert _step_dirs(tmp_path) == ["step_000000020"]
+    assert _step_dirs(tmp_path) == ["ckpt-000020"]
     train(tiny(steps=10, eval_every=0, checkpoint_every=5, keep_checkpoints=1, checkpoint_dir=str(tmp_path)))
-    assert _step_dirs(tmp_path) == ["step_000000010"]
-    assert (tmp_path / "latest").read_text().strip() == "step_000000010"
+    assert _step_dirs(tmp_path) == ["ckpt-000010"]
+    assert (tmp_path / "LATEST").read_text() == "ckpt-000010"
 
 
 def test_keep_checkpoints_orders_earlier_runs_by_modification_time(tmp_path):
-    """Step directories this run did not write are older than its own, and among
-    themselves ordered by when they were written, not by step."""
-    for name, modified in (("step_000000100", 1_000_000_000), ("step_000000050", 1_100_000_000),
-                           ("step_000000070", 1_050_000_000)):
+    """Checkpoints this run did not write are older than its own, and among themselves
+    ordered by when they were written, not by step."""
+    for name, modified in (("ckpt-000100", 1_000_000_000), ("ckpt-000050", 1_100_000_000),
+                           ("ckpt-000070", 1_050_000_000)):
         (tmp_path / name).mkdir()
         os.utime(tmp_path / name, (modified, modified))
-    (tmp_path / "step_000000001.txt").write_text("not a step directory: left alone")
+    (tmp_path / "ckpt-000001.txt").write_text("not a checkpoint directory: left alone")
     train(tiny(steps=2, eval_every=0, checkpoint_every=1, keep_checkpoints=3, checkpoint_dir=str(tmp_path)))
-    assert _step_dirs(tmp_path) == ["step_000000001", "step_000000001.txt", "step_000000002",
-                                    "step_000000050"]
-    assert (tmp_path / "latest").read_text().strip() == "step_000000002"
+    assert _step_dirs(tmp_path) == ["ckpt-000001", "ckpt-000001.txt", "ckpt-000002", "ckpt-000050"]
+    assert (tmp_path / "LATEST").read_text() == "ckpt-000002"
 
 
 def test_a_gzip_data_file_is_named_before_the_run(tmp_path):
@@ -864,12 +863,12 @@ def test_bad_settings_raise():
      "is the --data file; writing the result there would replace the data"),
     (["--data", README, "--eval-data", README, "--metrics-json", README],
      dict(data=README, eval_data=README, metrics_json=README), "is the --data file"),
-    (["--checkpoint-dir", os.path.join(ROOT, "no_ckpt"), "--metrics-json", os.path.join(ROOT, "no_ckpt", "latest")],
-     dict(checkpoint_dir=os.path.join(ROOT, "no_ckpt"), metrics_json=os.path.join(ROOT, "no_ckpt", "latest")),
-     "is --checkpoint-dir's 'latest', which the checkpoints own"),
-    (["--checkpoint-dir", ROOT, "--metrics-json", os.path.join(ROOT, "step_000000004", "m.json")],
-     dict(checkpoint_dir=ROOT, metrics_json=os.path.join(ROOT, "step_000000004", "m.json")),
-     "is --checkpoint-dir's 'step_000000004'"),
+    (["--checkpoint-dir", os.path.join(ROOT, "no_ckpt"), "--metrics-json", os.path.join(ROOT, "no_ckpt", "LATEST")],
+     dict(checkpoint_dir=os.path.join(ROOT, "no_ckpt"), metrics_json=os.path.join(ROOT, "no_ckpt", "LATEST")),
+     "is --checkpoint-dir's 'LATEST', which the checkpoints own"),
+    (["--checkpoint-dir", ROOT, "--metrics-json", os.path.join(ROOT, "ckpt-000004", "m.json")],
+     dict(checkpoint_dir=ROOT, metrics_json=os.path.join(ROOT, "ckpt-000004", "m.json")),
+     "is --checkpoint-dir's 'ckpt-000004'"),
     pytest.param(["--device", "cuda"], dict(device="cuda"), "--device cuda: no CUDA device is available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")),
 ])
@@ -1094,14 +1093,14 @@ def saved_checkpoints(tmp_path_factory):
 
 def _damage_latest(content):
     def damage(directory):
-        (directory / "latest").write_bytes(content)
+        (directory / "LATEST").write_bytes(content)
     return damage
 
 
 def _replace_model_blob(change):
-    """The torch baseline's model.pt, changed in place by ``change``."""
+    """The torch baseline's optimizer.pt, changed in place by ``change``."""
     def damage(directory):
-        path = directory / "step_000000001" / "model.pt"
+        path = directory / "ckpt-000001" / "optimizer.pt"
         blob = torch.load(path, weights_only=True)
         change(blob)
         torch.save(blob, path)
@@ -1110,26 +1109,26 @@ def _replace_model_blob(change):
 
 def _replace_trainer_state(change):
     def damage(directory):
-        path = directory / "step_000000001" / "trainer_rank0.pt"
+        path = directory / "ckpt-000001" / "trainer_rank0.pt"
         torch.save(change(torch.load(path, weights_only=True)), path)
     return damage
 
 
 @pytest.mark.parametrize("embedding, damage, message", [
-    ("sparsekit", _damage_latest(b"\x89\xfe\x00garbage\xff\n"), "latest holds b'\\x89\\xfe\\x00garbage"),
-    ("sparsekit", _damage_latest(b""), "latest is empty"),
-    ("sparsekit", _damage_latest(b"  \n"), "latest is empty"),
+    ("sparsekit", _damage_latest(b"\x89\xfe\x00garbage\xff\n"), "LATEST holds b'\\x89\\xfe\\x00garbage"),
+    ("sparsekit", _damage_latest(b""), "LATEST is empty"),
+    ("sparsekit", _damage_latest(b"  \n"), "LATEST is empty"),
     ("sparsekit", _damage_latest(b"../elsewhere\n"),
-     "latest holds b'../elsewhere\\n', not a step directory's name"),
-    ("sparsekit", _damage_latest(b"step_000000007\n"), "latest names step_000000007, but"),
-    ("sparsekit", lambda d: (d / "step_000000001" / "trainer_rank0.pt").unlink(), "has no trainer_rank0.pt"),
-    ("sparsekit", lambda d: (d / "step_000000001" / "trainer_rank0.pt").write_bytes(b""),
+     "LATEST holds b'../elsewhere\\n', not a checkpoint's name"),
+    ("sparsekit", _damage_latest(b"ckpt-000007\n"), "LATEST names ckpt-000007, but"),
+    ("sparsekit", lambda d: (d / "ckpt-000001" / "trainer_rank0.pt").unlink(), "has no trainer_rank0.pt"),
+    ("sparsekit", lambda d: (d / "ckpt-000001" / "trainer_rank0.pt").write_bytes(b""),
      "trainer_rank0.pt (it is empty); the checkpoint is damaged"),
-    ("sparsekit", lambda d: (d / "step_000000001" / "trainer_rank0.pt").write_bytes(b"\x00\x01not torch"),
+    ("sparsekit", lambda d: (d / "ckpt-000001" / "trainer_rank0.pt").write_bytes(b"\x00\x01not torch"),
      "cannot read"),
-    ("sparsekit", lambda d: torch.save({"foo": 1}, d / "step_000000001" / "trainer_rank0.pt"),
+    ("sparsekit", lambda d: torch.save({"foo": 1}, d / "ckpt-000001" / "trainer_rank0.pt"),
      "trainer_rank0.pt lacks 'step', 'config', 'cpu_rng'"),
-    ("sparsekit", lambda d: torch.save([1, 2], d / "step_000000001" / "trainer_rank0.pt"),
+    ("sparsekit", lambda d: torch.save([1, 2], d / "ckpt-000001" / "trainer_rank0.pt"),
      "trainer_rank0.pt holds a list, not the trainer state"),
     ("sparsekit", _replace_trainer_state(lambda state: {**state, "step": -3}),
      "trainer_rank0.pt holds step -3, not an integer >= 0"),
@@ -1137,20 +1136,21 @@ def _replace_trainer_state(change):
      "holds no valid CPU RNG state"),
     ("sparsekit", _replace_trainer_state(lambda state: {**state, "config": {**state["config"], "seed": 5}}),
      "was written with --seed 5 (now 0)"),
-    ("sparsekit", lambda d: shutil.rmtree(d / "step_000000001" / "model"), "load_checkpoint: no checkpoint in"),
-    ("torch", lambda d: (d / "step_000000001" / "model.pt").unlink(), "has no model.pt"),
-    ("torch", lambda d: torch.save({"model": {}, "optimizer": {}}, d / "step_000000001" / "model.pt"),
-     "model.pt does not fit the model (ValueError: the sparse optimizer's state is a NoneType"),
-    ("torch", _replace_model_blob(lambda blob: blob.update(model={})),
-     "model.pt does not fit the model (RuntimeError: Error(s) in loading state_dict"),
-    ("torch", lambda d: torch.save({"x": 1}, d / "step_000000001" / "model.pt"),
-     "model.pt holds no 'model' and 'optimizer' states"),
+    ("sparsekit", lambda d: (d / "ckpt-000001" / "metadata.json").unlink(),
+     "metadata.json is missing; the checkpoint is incomplete"),
+    ("torch", lambda d: (d / "ckpt-000001" / "optimizer.pt").unlink(), "has no optimizer.pt"),
+    ("torch", lambda d: torch.save({}, d / "ckpt-000001" / "optimizer.pt"),
+     "optimizer.pt does not fit the optimizer (ValueError: the sparse optimizer's state is a NoneType"),
+    ("torch", lambda d: torch.save({"format": 1, "model": {}, "optimizer": None}, d / "ckpt-000001" / "dense.pt"),
+     "load_checkpoint: dense state keys differ"),
+    ("torch", lambda d: torch.save([1], d / "ckpt-000001" / "optimizer.pt"),
+     "optimizer.pt does not fit the optimizer (ValueError: the sparse optimizer's state is a NoneType"),
     # Optimizer states torch's own load takes, and the first step then failed on with a traceback.
-    ("torch", _replace_model_blob(lambda blob: blob["optimizer"]["dense"]["state"][0].update(exp_avg=torch.zeros(3))),
+    ("torch", _replace_model_blob(lambda blob: blob["dense"]["state"][0].update(exp_avg=torch.zeros(3))),
      "the dense optimizer's state holds exp_avg (3,) for a parameter of shape"),
-    ("torch", _replace_model_blob(lambda blob: blob.update(optimizer={"sparse": 5, "dense": 5})),
+    ("torch", _replace_model_blob(lambda blob: blob.update(sparse=5, dense=5)),
      "the sparse optimizer's state is a int, not a dict with 'state' and 'param_groups'"),
-    ("torch", _replace_model_blob(lambda blob: blob["optimizer"]["dense"]["param_groups"][0].update(lr="0.1")),
+    ("torch", _replace_model_blob(lambda blob: blob["dense"]["param_groups"][0].update(lr="0.1")),
      "the dense optimizer's state holds lr='0.1', not a number"),
 ])
 def test_resume_from_a_damaged_checkpoint_is_one_line_naming_it(capsys, monkeypatch, tmp_path,
@@ -1213,6 +1213,7 @@ def _fail_and_stay(rank: int, world_size: int, port: int, timeout: float, result
             results.put((type(error).__name__, time.monotonic() - start))
 
 
+@pytest.mark.distributed
 def test_timeout_bounds_a_rank_that_fails_and_stays():
     """--timeout reaches the process group: the waiting rank raises after about that long."""
     import socket
@@ -1260,6 +1261,7 @@ def _torchrun(config: TrainConfig, nproc: int, metrics_path: str) -> dict:
         return json.load(metrics)
 
 
+@pytest.mark.distributed
 def test_an_error_on_one_rank_ends_every_rank_with_one_line(tmp_path):
     """Under torchrun a bad line read by one rank only: that rank names the file and line,
     the other one says its collective failed because a peer stopped; neither prints a
@@ -1289,10 +1291,11 @@ def test_an_error_on_one_rank_ends_every_rank_with_one_line(tmp_path):
     assert f'File "{package}' not in completed.stderr, completed.stderr[-3000:]
 
 
+@pytest.mark.distributed
 def test_a_trainer_file_that_fails_on_one_rank_is_shared_with_the_others(tmp_path):
     """The trainer_rankR.pt part of a checkpoint, saved or read on one rank only, failed
     there alone: the other rank went on into its next collective and reported a peer that
-    vanished (gloo's "Connection reset by peer") instead of the README's OtherRankError line."""
+    vanished (gloo's "Connection reset by peer") instead of docs/design.md's OtherRankError line."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     directory = tmp_path / "ckpt"
@@ -1309,19 +1312,15 @@ def test_a_trainer_file_that_fails_on_one_rank_is_shared_with_the_others(tmp_pat
         assert any("rank 0: " in line and "failed on another rank" in line for line in errors), errors
         return errors
 
-    # Save: rank 1's trainer file cannot be written (its path is a directory).
-    (directory / "step_000000002" / "trainer_rank1.pt" / "x").mkdir(parents=True)
-    errors = errors_of([])
-    assert any("Is a directory" in line and "trainer_rank1.pt" in line for line in errors), errors
-    assert not (directory / "latest").exists()
-    # Resume: rank 1's trainer file is damaged.
-    shutil.rmtree(directory)
+    # Saving it rides in sparsekit.save_checkpoint, whose failures on one rank
+    # tests/checkpoint/test_checkpoint.py covers. Resume: rank 1's trainer file is damaged.
     subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=True)
-    (directory / "step_000000002" / "trainer_rank1.pt").write_text("garbage")
+    (directory / "ckpt-000002" / "trainer_rank1.pt").write_text("garbage")
     errors = errors_of(["--steps", "4", "--resume"])
     assert any("trainer_rank1.pt" in line and "damaged" in line for line in errors), errors
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("embedding", EMBEDDINGS)
 def test_two_processes_match_one_process(tmp_path, embedding):
     """torchrun, 2 ranks on gloo, same global batches: DDP over the dense layers plus the
@@ -1335,6 +1334,7 @@ def test_two_processes_match_one_process(tmp_path, embedding):
     assert double["logloss"] == pytest.approx(single["logloss"], abs=2e-3)
 
 
+@pytest.mark.distributed
 def test_per_slot_tables_on_two_processes_match_one_process(tmp_path):
     """The collection's fused exchange under torchrun: 2 ranks follow the one-process run."""
     single = train(tiny(tables="per-slot", embedding_dtype="bf16"))
@@ -1344,19 +1344,21 @@ def test_per_slot_tables_on_two_processes_match_one_process(tmp_path):
     assert double["logloss"] == pytest.approx(single["logloss"], abs=2e-3)
 
 
+@pytest.mark.distributed
 def test_resume_on_another_world_size(tmp_path):
     """Checkpoint on 1 process, resume on 2: the run ends where the uninterrupted one does."""
     straight = train(tiny(embedding="sparsekit"))
     # Another rank's trainer file of an earlier run on 2 ranks with other settings, in the
-    # step directory the next run writes: the save removes it (a resume on 2 ranks read it
-    # as this checkpoint's and refused "--embedding-dim 8 (now ...)").
-    step_dir = tmp_path / "step_000000005"
+    # checkpoint the next run writes: the save replaces the whole checkpoint (a resume on 2
+    # ranks read it as this checkpoint's and refused "--embedding-dim 8 (now ...)").
+    step_dir = tmp_path / "ckpt-000005"
     step_dir.mkdir()
     stale = tmp_path / "stale_rank1.pt"
     torch.save({"step": 5, "config": {"embedding_dim": 8}, "world_size": 2, "cpu_rng": torch.get_rng_state()}, stale)
     shutil.copy(stale, step_dir / "trainer_rank1.pt")
     train(tiny(embedding="sparsekit", steps=5, checkpoint_dir=str(tmp_path)))
-    assert sorted(os.listdir(step_dir)) == ["model", "trainer_rank0.pt"]
+    assert sorted(os.listdir(step_dir)) == ["dense.pt", "metadata.json", "shard-00000-of-00001.pt",
+                                            "trainer_rank0.pt"]
     # One left by an older version, which did not remove them: rank 0's file says one rank
     # wrote the checkpoint, so rank 1 does not read it.
     shutil.copy(stale, step_dir / "trainer_rank1.pt")
@@ -1459,28 +1461,29 @@ def test_a_checkpoint_that_failed_on_another_rank_is_one_line(capsys, monkeypatc
 
 
 def test_a_fresh_run_rewriting_the_step_latest_names_unlinks_it_first(tmp_path, monkeypatch):
-    """A fresh run into a directory whose latest names the step it saves rewrote that step
-    in place: killed between the model and the trainer files, --resume loaded one run's
-    model with the other's trainer state, silently. Now the pointer goes first, and a
-    resume without one, where step directories are, is refused."""
-    import sparsekit as sk
+    """A fresh run into a directory whose LATEST names the step it saves replaces that
+    checkpoint: the pointer goes first, so killed before the new pointer is written, no
+    pointer is left (not one at a mix of two runs), and a resume without one, where
+    checkpoints are, is refused."""
+    from sparsekit.checkpoint import layout
     from sparsekit.train.loop import LATEST, CheckpointError
 
     directory = str(tmp_path / "ckpt")
     train(tiny(steps=2, eval_every=0, checkpoint_dir=directory))
-    assert open(os.path.join(directory, LATEST)).read().strip() == "step_000000002"
-    original = sk.save_checkpoint
+    assert open(os.path.join(directory, LATEST)).read() == "ckpt-000002"
+    original = layout.write_file
 
-    def dies_after_the_model(*args, **kwargs):
-        original(*args, **kwargs)
-        raise KeyboardInterrupt  # killed before the trainer files and the pointer
-    monkeypatch.setattr(sk, "save_checkpoint", dies_after_the_model)
+    def dies_at_the_pointer(path, write):
+        if os.path.basename(path).startswith(LATEST):
+            raise KeyboardInterrupt  # killed after the new checkpoint took the old one's place
+        original(path, write)
+    monkeypatch.setattr(layout, "write_file", dies_at_the_pointer)
     with pytest.raises(KeyboardInterrupt):
         train(tiny(steps=2, eval_every=0, lr=3e-2, checkpoint_dir=directory))
-    monkeypatch.setattr(sk, "save_checkpoint", original)
+    monkeypatch.setattr(layout, "write_file", original)
     assert not os.path.exists(os.path.join(directory, LATEST))
-    with pytest.raises(CheckpointError, match=r"holds step directories \(step_000000002 .. step_000000002\) but no "
-                                              r"'latest' file"):
+    with pytest.raises(CheckpointError, match=r"holds checkpoints \(ckpt-000002 .. ckpt-000002\) but no "
+                                              r"'LATEST' file"):
         train(tiny(steps=4, eval_every=0, checkpoint_dir=directory, resume=True))
 
 
@@ -1488,3 +1491,32 @@ def test_metrics_json_that_is_the_checkpoint_directory_is_refused_before_the_run
     directory = str(tmp_path / "out")
     with pytest.raises(ValueError, match="--metrics-json .* is --checkpoint-dir itself"):
         tiny(checkpoint_dir=directory, metrics_json=directory).validate()
+
+
+def test_the_harness_writes_library_checkpoints_that_a_model_only_load_reads(tmp_path):
+    """The run's checkpoints are the library's: ckpt-NNNNNN (the step) under LATEST, each
+    rank's trainer state inside; sparsekit.load_checkpoint of the model alone reads them."""
+    import sparsekit as sk
+    from sparsekit.train import loop
+
+    directory = tmp_path / "ckpt"
+    config = tiny(steps=3, eval_every=0, checkpoint_every=2, keep_checkpoints=5, checkpoint_dir=str(directory))
+    train(config, log=lambda *_: None)
+    assert sorted(os.listdir(directory)) == ["LATEST", "ckpt-000002", "ckpt-000003"]
+    assert (directory / "LATEST").read_text() == "ckpt-000003"
+    assert "trainer_rank0.pt" in os.listdir(directory / "ckpt-000003")
+    assert sk.checkpoint.CheckpointDirectory(str(directory)).steps() == [2, 3]
+    model, _, _ = loop.build(config, loop.Context(rank=0, world_size=1, device=torch.device("cpu")))
+    assert sk.load_checkpoint(str(directory), model).endswith("ckpt-000003")
+    assert sk.load_checkpoint(str(directory), model, step=2).endswith("ckpt-000002")
+
+
+def test_resume_of_the_older_layout_is_one_line_saying_how_to_proceed(capsys, monkeypatch, tmp_path):
+    """A directory of the older harness layout (latest + step_NNNNNNNNN/) is not resumed:
+    one line names it and says what to do; a fresh run into it writes the new layout."""
+    directory = tmp_path / "old"
+    (directory / "step_000000004" / "model").mkdir(parents=True)
+    (directory / "latest").write_text("step_000000004\n")
+    line = _main_error(capsys, monkeypatch, ["--checkpoint-dir", str(directory), "--resume"], 1)
+    assert line.startswith(f"sparsekit.train: error: --resume: {directory} holds checkpoints of the older layout")
+    assert "start a fresh --checkpoint-dir" in line
