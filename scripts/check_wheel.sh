@@ -60,7 +60,7 @@ if [ "$status" -eq 0 ] && [ "${SOURCE_BUILD:-0}" = 1 ]; then
   # The sources themselves against this torch's headers (CPU kernels): the headers of the
   # oldest supported torch lack names the newer ones have, which only a build finds.
   echo "== source build under torch $torch_version (CPU kernels)"
-  "$venv/bin/pip" install -q --disable-pip-version-check setuptools wheel ninja
+  "$venv/bin/pip" install -q --disable-pip-version-check 'setuptools>=77' wheel ninja
   src="$work/source"
   mkdir -p "$src"
   cp -r "$repo/csrc" "$repo/sparsekit" "$repo/tests" "$repo/setup.py" "$repo/pyproject.toml" "$repo/README.md" "$src/"
