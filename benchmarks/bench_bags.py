@@ -19,7 +19,7 @@ import argparse
 import gc
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -214,6 +214,21 @@ def bench_cell(args, device, dim: int, rows_name: str, kind: str) -> Dict:
     return row
 
 
+def run_cells(args, bench_cell: Callable) -> Tuple[torch.device, List[Dict]]:
+    """``bench_cell(args, device, dim, rows_name, kind)`` for every ``--cells`` x ``--keys``
+    cell, on ``--threads`` threads (and with ``--busy-core``): the device and the rows."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rows = []
+    with busy_core(args.busy_core):
+        for cell in args.cells.split(","):
+            dim, rows_name = cell.split("x")
+            for kind in args.keys.split(","):
+                rows.append(bench_cell(args, device, int(dim), rows_name, kind))
+    return device, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -228,15 +243,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
     add_round_args(parser, rounds=5, repeat=3)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    rows = []
-    with busy_core(args.busy_core):
-        for cell in args.cells.split(","):
-            dim, rows_name = cell.split("x")
-            for kind in args.keys.split(","):
-                rows.append(bench_cell(args, device, int(dim), rows_name, kind))
+    device, rows = run_cells(args, bench_cell)
     path = write_results("bags_busy" if args.busy_core else "bags", device, rows,
                          extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "repeat": args.repeat,
                                 "goal": GOAL, "torchrec": any("forward_vs_torchrec" in r for r in rows)})

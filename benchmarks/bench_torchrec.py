@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sparsekit as sk  # noqa: E402
-from benchmarks.bench_bags import NUM_TABLES, ROWS, cycling, make_batches  # noqa: E402
-from benchmarks.common import add_round_args, busy_core, fmt_ratio, ratio_stats, time_rounds, write_results  # noqa: E402
+from benchmarks.bench_bags import NUM_TABLES, ROWS, cycling, make_batches, run_cells  # noqa: E402
+from benchmarks.common import add_round_args, fmt_ratio, ratio_stats, time_rounds, write_results  # noqa: E402
 
 GOAL = "training step >= x1 FBGEMM TBE with the same fused optimizer"
 LR = {"rowwise_adagrad": 0.01, "sgd": 0.01}
@@ -146,15 +146,7 @@ def main() -> None:
         import fbgemm_gpu  # noqa: F401
     except Exception as error:  # noqa: BLE001 - not installed, or built for another torch
         sys.exit(f"bench_torchrec.py needs torchrec's fbgemm_gpu (fbgemm-gpu-cpu on a CPU): {error}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    rows = []
-    with busy_core(args.busy_core):
-        for cell in args.cells.split(","):
-            dim, rows_name = cell.split("x")
-            for kind in args.keys.split(","):
-                rows.append(bench_cell(args, device, int(dim), rows_name, kind))
+    device, rows = run_cells(args, bench_cell)
     path = write_results("torchrec_busy" if args.busy_core else "torchrec", device, rows,
                          extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "repeat": args.repeat,
                                 "goal": GOAL})

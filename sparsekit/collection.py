@@ -1018,8 +1018,7 @@ class EmbeddingBagCollection(nn.Module):
             engine.resolve_rows(step, self._shards, self.training, self._direct_key_error)
             fused = self._fused_update if self._fused is not None else None
             if self._output == "keyed":
-                keys = [f for table in self.tables for f in table.features]
-                dims = [self._shards[self._feature_table[f]].embedding_vec_size for f in keys]
+                keys, dims = self._keyed_layout()
                 return keyed.KeyedTensor(keys, dims, engine.read_pooled(step, self._shards, fused, keys))
             return engine.read_pooled(step, self._shards, fused)
 
@@ -1091,11 +1090,15 @@ class EmbeddingBagCollection(nn.Module):
         pooled = self._pool(prepared, self._unpack(back, sent_counts), sent_counts)
         return self._keyed(pooled, prepared["batch"]) if self._output == "keyed" else pooled
 
+    def _keyed_layout(self) -> Tuple[List[str], List[int]]:
+        """The keyed output's features (every table's, in config order) and their widths."""
+        keys = [f for table in self.tables for f in table.features]
+        return keys, [self._shards[self._feature_table[f]].embedding_vec_size for f in keys]
+
     def _keyed(self, pooled: Dict[str, Tensor], batch: int) -> "keyed.KeyedTensor":
         """The dict of a multi-rank step as the keyed output: every table's features in
         config order, a feature absent from the batch reading as zeros (as in one process)."""
-        keys = [f for table in self.tables for f in table.features]
-        dims = [self._shards[self._feature_table[f]].embedding_vec_size for f in keys]
+        keys, dims = self._keyed_layout()
         weight = self._shards[0].weight
         parts = [pooled[f] if f in pooled else weight.new_zeros(batch, d) for f, d in zip(keys, dims)]
         return keyed.KeyedTensor(keys, dims, torch.cat(parts, dim=1))

@@ -91,7 +91,7 @@ def test_a_variable_batch_pools_and_trains_as_its_expanded_batch(strides, batch,
     if batch == 0 and any(strides):
         strides = [0, 0, 0]
     kjt = _random_vbe(["fa", "fb", "fc"], strides, batch, seed=sum(strides) + batch, weighted=weighted)
-    ours, reference = _pair(is_weighted=weighted) if weighted else _pair()
+    ours, reference = _pair(is_weighted=weighted)
     got, want = ours(kjt), reference(_expanded(kjt))
     assert list(got) == list(want)
     for key in got:
