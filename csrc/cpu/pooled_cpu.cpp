@@ -162,7 +162,6 @@ struct IndexedLookups {
   // left uninitialised rather than filled first.
   std::unique_ptr<int64_t[]> grad_at;
   std::unique_ptr<int64_t[]> mean_length;
-  std::unique_ptr<int32_t[]> table;  // each lookup's table
   Tensor codes;
   std::vector<int64_t> bases;  // each table's first code, then the codes' bound
 };
@@ -190,7 +189,6 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
   const size_t num_tables = layout.table_rows.size();
   out.grad_at.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
   out.mean_length.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
-  out.table.reset(new int32_t[static_cast<size_t>(layout.nnz)]);
   out.codes = empty({layout.nnz}, kLong, device);
   int64_t* codes = out.codes.mutable_data_ptr<int64_t>();
   // Bad offsets leave lookups in no bag: with errors recorded they stay out of every group.
@@ -241,7 +239,6 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
   // gradient comes from (worked out once a bag, so the sums divide nothing per lookup).
   int64_t* grad_at = out.grad_at.get();
   int64_t* mean_length = out.mean_length.get();
-  int32_t* table_of = out.table.get();
   parallel_chunks(bags, bag_chunk, [&](int64_t begin, int64_t end) {
     for_each_feature_span(layout, begin, end, [&](int64_t f, int64_t span_begin, int64_t span_end) {
       const int64_t t = layout.feature_tables[f];
@@ -261,7 +258,6 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
           codes[k] = t >= 0 && row_in_range(row, num_rows) ? base + row : -1;
           grad_at[k] = at;
           mean_length[k] = length;
-          table_of[k] = static_cast<int32_t>(t);
         }
       }
     });
