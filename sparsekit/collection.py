@@ -30,6 +30,7 @@ from ._checks import compile_disabled, device_argument, plain_tensor, size_argum
 from .checkpoint.collective import collective_device
 from . import keyed, variable_batch
 from .fused import FusedOptimizer
+from .pooled import update_distinct_rows
 from .exchange import (
     _BAD_KEY,
     _BAD_OFFSETS,
@@ -544,7 +545,7 @@ class _LookupTables(torch.autograd.Function):
     gradient reordered by row: no sum, one coalesced sparse gradient per table."""
 
     @staticmethod
-    def forward(ctx, rows: List[Tensor], markers: List[_CoalescedGradMarker], may_miss: List[bool],
+    def forward(ctx, rows: List[Tensor], markers: List[_CoalescedGradMarker], may_miss: List[bool], fused: Any,
                 *weights: Tensor) -> Tensor:
         sizes = [r.numel() for r in rows]
         out = torch.empty(sum(sizes), weights[0].shape[1], dtype=torch.float32, device=weights[0].device)
@@ -555,13 +556,25 @@ class _LookupTables(torch.autograd.Function):
         ctx.sizes, ctx.markers, ctx.may_miss = sizes, markers, may_miss
         ctx.stamps = [marker.stamp for marker in markers]
         ctx.weight_meta = [(w.shape, w.dtype) for w in weights]
+        # Not saved for backward: the fused update writes them in place (see _PooledRead).
+        ctx.fused, ctx.weights = fused, (weights if fused is not None else None)
         return out
 
     @staticmethod
     @compile_disabled  # as _LookupOwned.backward
     def backward(ctx, grad: Tensor):
         sorted_rows, order = ctx.saved_tensors
-        return (None, None, None, *_table_gradients(ctx, grad.index_select(0, order), sorted_rows, 3))
+        values = grad.index_select(0, order)
+        if ctx.fused is None:
+            return (None, None, None, None, *_table_gradients(ctx, values, sorted_rows, 4))
+        # The fused optimizer updates the owned rows here, with the gradient the unfused
+        # path gives each table (so the same numbers), and no gradient is materialised.
+        for j, (rows, part) in enumerate(zip(sorted_rows.split(ctx.sizes), values.split(ctx.sizes))):
+            marker, stamp = ctx.markers[j], ctx.stamps[j]
+            if ctx.needs_input_grad[4 + j] and not marker.lost(stamp):
+                rows, part = marker.own_rows(rows, part, stamp, ctx.may_miss[j])
+                update_distinct_rows(ctx.fused, ctx.weights[j], rows, part)
+        return (None,) * (4 + len(ctx.weights))
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -577,7 +590,8 @@ class EmbeddingBagCollection(nn.Module):
             optimizer: sk.LazyAdam, torch.optim.SparseAdam, ...), or the optimizer the
             backward applies to the rows it touched, with no gradient materialised, e.g.
             ``{"optimizer": "rowwise_adagrad", "lr": 0.01}`` (see
-            :class:`sparsekit.FusedOptimizer`; ``ebc.fused_optimizer``). One process.
+            :class:`sparsekit.FusedOptimizer`; ``ebc.fused_optimizer``). Under a process group each
+            rank updates the rows it owns.
 
     Forward:
         A :class:`KeyedJagged` (or TorchRec ``KeyedJaggedTensor``-like object) ->
@@ -672,10 +686,6 @@ class EmbeddingBagCollection(nn.Module):
                                  f"dtype across the tables, got {sorted(map(str, dtypes))}; use output='dict'")
         self._fused: Optional[FusedOptimizer] = None
         if fused_params is not None:
-            if self.world_size > 1:
-                raise ValueError("EmbeddingBagCollection: fused_params (an optimizer in the backward) needs a "
-                                 "one-process collection in this version; under a process group train with "
-                                 "sk.LazyAdam on the sparse gradients")
             self._fused = FusedOptimizer.from_params([shard.weight for shard in self._shards], fused_params)
         traced.register(self)
 
@@ -1383,7 +1393,9 @@ class EmbeddingBagCollection(nn.Module):
             members = [t for t in members if rows[t] is not None]
             shards = [self._shards[t] for t in members]
             stacked.append(_LookupTables.apply([rows[t] for t in members], [s._grad_marker for s in shards],
-                                               [s._may_miss() for s in shards], *[s.weight for s in shards])
+                                               [s._may_miss() for s in shards],
+                                               self._fused_update if self._fused is not None else None,
+                                               *[s.weight for s in shards])
                            if members else None)
         if unique:
             return stacked  # the pairs came table by table, each once: already in block order

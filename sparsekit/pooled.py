@@ -259,6 +259,18 @@ def _rows_still_owned(rows: Tensor, offsets: Tensor, feature_tables: List[int], 
     return rows
 
 
+def update_distinct_rows(fused: Any, weight: Tensor, rows: Tensor, values: Tensor) -> None:
+    """Applies the fused update ``fused([weight])`` to the distinct ``rows`` of ``weight``
+    whose summed gradients are ``values`` (``[n, dim]``): each row a bag of its own, so the
+    arithmetic is the pooled backward's. The table's step counts even for no row."""
+    step = fused([weight])
+    offsets = torch.arange(rows.numel() + 1, device=rows.device)
+    with torch.no_grad():
+        torch.ops.sparsekit.pooled_read_update_(
+            [weight], step.state1, step.state2, step.steps, [values.to(weight.dtype).contiguous()], rows, offsets,
+            None, [0], [0], step.optimizer, step.hyper, step.lr)
+
+
 def pooled_read(layout: ReadLayout, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                 weights: Sequence[Tensor], markers: Sequence[_CoalescedGradMarker], fused: Any = None) -> Tensor:
     """``[B, layout.total_dim]``: every feature's pooled bags of the tables ``weights`` (one
