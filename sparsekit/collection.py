@@ -887,7 +887,7 @@ class EmbeddingBagCollection(nn.Module):
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per collection (see README, torch.compile).
-        if self.world_size == 1 and torch.compiler.is_compiling() and self._fused is None and self._output == "dict":
+        if self.world_size == 1 and torch.compiler.is_compiling() and self._fused is None:
             return self._traced_forward(kjt)
         return self._eager_forward(kjt)
 
@@ -954,6 +954,8 @@ class EmbeddingBagCollection(nn.Module):
             pooled = pooled.to(shard.weight.dtype)
             for f, part in zip(members, pooled.split(batch) if batch > 0 else [pooled] * len(members)):
                 pooled_of[features[f]] = part
+        if self._output == "keyed":
+            return self._keyed(pooled_of, batch)
         return {feature: pooled_of[feature] for feature in features}
 
     def _tables_of(self, features: List[str]) -> Tuple[List[int], List[List[int]]]:
