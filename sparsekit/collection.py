@@ -887,7 +887,7 @@ class EmbeddingBagCollection(nn.Module):
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per collection (see README, torch.compile).
-        if self.world_size == 1 and torch.compiler.is_compiling() and self._fused is None:
+        if self.world_size == 1 and torch.compiler.is_compiling():
             return self._traced_forward(kjt)
         return self._eager_forward(kjt)
 
@@ -942,21 +942,50 @@ class EmbeddingBagCollection(nn.Module):
         for t, members, (rows, table_offsets, positions) in zip(*self._tables_of(features),
                                                                 zip(found[0::3], found[1::3], found[2::3])):
             shard = self._shards[t]
+            # Fused: the read takes no gradient to the weight; the tap's backward updates it.
+            weight = shard.weight if self._fused is None else shard.weight.detach()
             scale = None if weights is None else weights.index_select(0, positions.clamp(min=0)).float()
-            if shard.weight.dtype == torch.float32 or (scale is None and shard.config.combiner == "sum"):
+            if weight.dtype == torch.float32 or (scale is None and shard.config.combiner == "sum"):
                 # A half table's kernel sums in float32 and rounds once, as the eager cast does.
-                pooled = ops.embedding_bag(shard.weight, rows, table_offsets, scale, "sum")
+                pooled = ops.embedding_bag(weight, rows, table_offsets, scale, "sum")
             else:  # float32 sums of the half rows, weighted or divided before the one rounding, as eager
-                pooled = ops._pooled_float(shard.weight, rows, table_offsets,
+                pooled = ops._pooled_float(weight, rows, table_offsets,
                                            None if scale is None else torch.where(positions >= 0, scale, 0))
-            if shard.config.combiner == "mean":
-                pooled = _mean_of_sum(pooled, torch.cat([lengths[f * batch:(f + 1) * batch] for f in members]))
-            pooled = pooled.to(shard.weight.dtype)
+            mean = shard.config.combiner == "mean"
+            bag_lengths = torch.cat([lengths[f * batch:(f + 1) * batch] for f in members])
+            if mean:
+                pooled = _mean_of_sum(pooled, bag_lengths)
+            pooled = pooled.to(weight.dtype)
+            if self._fused is not None and shard.weight.requires_grad and torch.is_grad_enabled():
+                # The bags without the -1 tail: a mean divides by a bag's own length.
+                bags = torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)])
+                pooled = traced.fused_tap(pooled, shard.weight, rows, bags,
+                                          None if scale is None else scale.detach(), id(self), t, len(members),
+                                          mean)
             for f, part in zip(members, pooled.split(batch) if batch > 0 else [pooled] * len(members)):
                 pooled_of[features[f]] = part
         if self._output == "keyed":
             return self._keyed(pooled_of, batch)
         return {feature: pooled_of[feature] for feature in features}
+
+    def _traced_update(self, weight: Tensor, grad: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor],
+                       table: int, num_features: int, mean: bool) -> None:
+        """The body of ``sparsekit::_fused_update``: the fused optimizer's step of table
+        ``table`` (state kept for its weight) applied to ``weight``, from the gradient of the
+        table's pooled bags (its ``num_features`` features one after the other, ``[F * B, dim]``)
+        over the CSR ``offsets`` of its values; ``rows`` may hold -1 after them (the trace's
+        tail), read here as one more feature that nothing updates."""
+        step = self._fused_update([self._shards[table].weight])
+        batch = grad.shape[0] // num_features
+        grads = list(grad.to(weight.dtype).contiguous().split(batch)) if batch else [grad] * num_features
+        tables, means = [0] * num_features, [int(mean)] * num_features
+        if batch:
+            offsets = torch.cat([offsets, offsets[-1:].expand(batch - 1), offsets.new_full((1,), rows.numel())])
+            grads, tables, means = grads + [grads[0][:0]], tables + [-1], means + [0]
+        with torch.no_grad():
+            torch.ops.sparsekit.pooled_read_update_([weight], step.state1, step.state2, step.steps, grads, rows,
+                                                    offsets, scale, tables, means, step.optimizer, step.hyper,
+                                                    step.lr)
 
     def _tables_of(self, features: List[str]) -> Tuple[List[int], List[List[int]]]:
         """The tables ``features`` read, in table order, and each one's features (positions in ``features``)."""

@@ -91,6 +91,52 @@ def _collection_rows_fake(values: Tensor, offsets: Tensor, features: List[int], 
     return out
 
 
+@torch.library.custom_op("sparsekit::_fused_tap", mutates_args=())
+def fused_tap(pooled: Tensor, weight: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor], layer: int,
+              table: int, features: int, mean: bool) -> Tensor:
+    """A copy of ``pooled``, one table's pooled bags (``[F * B, dim]`` over CSR ``offsets``
+    of ``rows``) read from its detached weight; its backward applies the collection's fused
+    optimizer to the rows read (:func:`fused_update`), so a compiled step updates the
+    table in its backward graph as the eager backward does."""
+    return pooled.clone()
+
+
+@fused_tap.register_fake
+def _fused_tap_fake(pooled: Tensor, weight: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor], layer: int,
+                    table: int, features: int, mean: bool) -> Tensor:
+    return torch.empty_like(pooled)
+
+
+def _fused_tap_setup(ctx: Any, inputs: Any, output: Tensor) -> None:
+    _, weight, rows, offsets, scale, ctx.layer, ctx.table, ctx.features, ctx.mean = inputs
+    ctx.save_for_backward(weight, rows, offsets, scale)
+
+
+def _fused_tap_backward(ctx: Any, grad: Tensor) -> Any:
+    weight, rows, offsets, scale = ctx.saved_tensors
+    torch.ops.sparsekit._fused_update(weight.detach(), grad, rows, offsets, scale, ctx.layer, ctx.table, ctx.features,
+                                      ctx.mean)
+    return grad, None, None, None, None, None, None, None, None
+
+
+fused_tap.register_autograd(_fused_tap_backward, setup_context=_fused_tap_setup)
+
+
+@torch.library.custom_op("sparsekit::_fused_update", mutates_args=("weight",))
+def fused_update(weight: Tensor, grad: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor], layer: int,
+                 table: int, features: int, mean: bool) -> None:
+    """The collection's fused update of ``weight`` (its table ``table``'s rows, or the copy
+    a compiled graph hands over and writes back) from ``grad``, the gradient of the
+    table's pooled bags; the optimizer state is the collection's (``_traced_update``)."""
+    _layer(layer)._traced_update(weight, grad, rows, offsets, scale, table, features, mean)
+
+
+@fused_update.register_fake
+def _fused_update_fake(weight: Tensor, grad: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor],
+                       layer: int, table: int, features: int, mean: bool) -> None:
+    return None
+
+
 def _ordered(name: str) -> None:
     """Marks ``name`` as having an ordered side effect (the tables it changes)."""
     torch.library._register_effectful_op(name, torch._library.effects.EffectType.ORDERED)

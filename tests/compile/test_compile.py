@@ -206,6 +206,69 @@ def test_a_keyed_output_compiles_in_one_graph_and_trains_as_eager(backend, by_ke
         torch.testing.assert_close(va, vb, atol=1e-6, rtol=1e-5)
 
 
+def _fused_collection(optimizer, output):
+    torch.manual_seed(0)
+    return sk.EmbeddingBagCollection(
+        [sk.TableConfig("a", 4, 64, ["fa"]), sk.TableConfig("b", 8, 64, ["fb", "fc"], combiner="mean"),
+         sk.TableConfig("d", 4, 64, ["fd"], use_hashtable=False),
+         # A keyed output takes one dtype: the half table with the dict output only.
+         sk.TableConfig("h", 4, 64, ["fh"], dtype=torch.bfloat16 if output == "dict" else torch.float32)],
+        fused_params={"optimizer": optimizer, "lr": 0.05}, output=output)
+
+
+def _fused_batch(step):
+    g = torch.Generator().manual_seed(step)
+    features = ["fb", "fa", "fd", "fh", "fc"] if step != 1 else ["fd", "fa"]
+    lengths = torch.randint(0, 4, (len(features) * 5,), generator=g)
+    n = int(lengths.sum())
+    return sk.KeyedJagged(features, torch.randint(0, 30, (n,), generator=g), lengths=lengths,
+                          weights=torch.rand(n, generator=g))
+
+
+def _fused_loss(out):
+    values = out.values() if isinstance(out, sk.keyed.KeyedTensor) else torch.cat(list(out.values()), dim=1)
+    return (values.float() * torch.linspace(-1, 1, values.shape[1])).sum()
+
+
+@pytest.mark.parametrize("optimizer", ["lazy_adam", "sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("backend, output", [("aot_eager", "keyed"), ("aot_eager", "dict"),
+                                             pytest.param("inductor", "keyed", marks=_SKIP_OLD_INDUCTOR)])
+def test_a_fused_step_compiles_in_one_graph_and_updates_as_eager(optimizer, backend, output):
+    """With fused_params the compiled forward traces too (no graph break) and its backward
+    graph applies the fused update: the eager tables and optimizer state (bit for bit under
+    aot_eager), no gradient materialised, mean, weighted, direct and half tables, a batch
+    lacking some features."""
+    torch._dynamo.reset()
+    eager, twin = _fused_collection(optimizer, output), _fused_collection(optimizer, output)
+    explained = torch._dynamo.explain(lambda kjt: _fused_loss(twin(kjt)))(_fused_batch(5))
+    assert explained.graph_break_count == 0, [str(b.reason).split("\n")[0] for b in explained.break_reasons]
+    twin = _fused_collection(optimizer, output)
+    compiled = torch.compile(lambda kjt: _fused_loss(twin(kjt)), backend=backend, fullgraph=True)
+    for step in range(4):
+        kjt = _fused_batch(step)
+        want, got = _fused_loss(eager(kjt)), compiled(kjt)
+        assert type(got.grad_fn).__name__ == "CompiledFunctionBackward"
+        want.backward()
+        got.backward()
+    exact = backend == "aot_eager"
+    for name in ("a", "b", "d", "h"):
+        (ka, va), (kb, vb) = eager.export(name), twin.export(name)
+        assert torch.equal(ka, kb), name
+        if exact:
+            assert torch.equal(va, vb), name
+        else:
+            torch.testing.assert_close(va, vb, atol=1e-6, rtol=1e-5)
+    assert all(p.grad is None for p in twin.parameters())
+    for pa, pb in zip(eager.parameters(), twin.parameters()):
+        state_a, state_b = eager.fused_optimizer.state.get(pa), twin.fused_optimizer.state.get(pb)
+        assert bool(state_a) == bool(state_b)
+        for key in state_a or {}:
+            if exact or state_a[key].dtype == torch.int64:
+                assert torch.equal(state_a[key], state_b[key]), key
+            else:
+                torch.testing.assert_close(state_a[key], state_b[key], atol=1e-6, rtol=1e-5)
+
+
 def _layer_inputs(step, features=("a", "b", "c", "d"), batch=16):
     g = torch.Generator().manual_seed(step)
     padded = torch.randint(0, 400, (batch, 3, 4), generator=g)
