@@ -342,7 +342,7 @@ def test_tables_with_and_without_new_keys_in_one_step_score_like_single_tables(m
     """Steps where some tables meet only known keys (scored together) and others new ones
     (placed together), against one table per collection fed the same keys that inserts
     them as a single layer does (HashTable's own insert plan)."""
-    import sparsekit.collection as collection
+    import sparsekit.collection_ranks as collection
 
     grow_rows = collection._GrowRows
     num_tables, batch = 5, 24
