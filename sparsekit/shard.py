@@ -1,6 +1,9 @@
-"""One rank's shard of a model-parallel embedding: its weight, hash table, admissions,
-the plan-then-commit lookup, stats, export and the SOK layers' exchange (see
-:mod:`sparsekit.embedding` for the step by step). The collection's tables are shards too.
+"""One rank's shard of a model-parallel embedding: its weight, hash table, admissions and
+the plan-then-commit lookup (see :mod:`sparsekit.embedding` for the step by step). The
+collection's tables are shards too. Its forward and exchange are in
+:mod:`sparsekit.shard_exchange`, its stats, export and state dict in
+:mod:`sparsekit.shard_state`, the checks it shares with the collection in
+:mod:`sparsekit.shard_checks`.
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -16,34 +19,31 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import ops, traced
-from ._checks import (AllocationError, allocation, bool_argument, dense_layout, device_argument, integer_argument,
-                      size_argument, tensor_integer)
+from ._checks import AllocationError, allocation, bool_argument, device_argument, size_argument
 from .allocator import table_zeros
 from .exchange import (
-    _BAD_KEY,
-    _BAD_OFFSETS,
-    _LOCAL_EXCEPTION,
     _OWNER_EXCEPTION,
     _TABLE_FULL,
-    _agree_on_config,
-    _all_to_all_rows,
-    _AllToAll,
     _CoalescedGradMarker,
     _deepcopy_sharing_group,
     _LookupOwned,
-    _make_step_lock,
     _LookupPieces,
-    _offsets_error_flags,
-    _owners,
+    _make_step_lock,
     _reduce_without_group,
     _resolve_group,
     _sort_rows,
     _state_without_lock,
-    _stepping,
-    _wire_device,
 )
-from .hashtable import _MAX_CLOCK as _MAX_COUNT
-from .hashtable import HashTable, HashTableFullError, _check_pending_of, _check_state_of, _grow_tables
+from .hashtable import HashTable, HashTableFullError, _grow_tables
+from .shard_checks import (  # noqa: F401  (imported from here by the collection and the layers)
+    _check_modes_agree,
+    _check_own_weights,
+    _check_writable,
+    _row_layout,
+    _row_layout_text,
+)
+from .shard_exchange import _ShardExchange
+from .shard_state import _check_state_dict_keys, _ShardState, _state_dict_keys  # noqa: F401  (imported from here too)
 
 Initializer = Callable[[Tensor, int], Tensor]
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -128,98 +128,6 @@ def _place_new_keys(shards: List["_ModelParallelEmbedding"], keys: Tensor, count
     return sizes
 
 
-def _check_own_weights(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
-    """Refuses a training forward whose weight is a plain tensor put in place of the layer's
-    parameter, and, while compiling, any weight but the layer's own Parameter (only the trace
-    sees a ``functional_call`` substitute there)."""
-    if not training:
-        return
-    if torch.compiler.is_compiling() and any(shard.weight is not shard._own_weight for shard in shards):
-        # A Parameter put in place of the layer's own (functional_call with another model's
-        # parameters): eager writes the new keys' rows into it, but the traced row op runs
-        # against the module's own weight, so compiled and eager would train differently.
-        raise RuntimeError(f"{name}: its weight is a parameter put in place of its own (functional_call?); a "
-                           "compiled training forward writes new keys' rows into the layer's own weight: call it "
-                           "eagerly (torch.compiler.disable) or in eval() mode, or pass the layer's own parameters")
-    if not all(isinstance(shard.weight, nn.Parameter) for shard in shards):
-        # torch.func.functional_call / nn.utils.stateless with plain tensors put in place of
-        # the weight: a training step would insert its new keys into the layer's own hash
-        # table and write their initial vectors into the caller's tensor, leaving the
-        # layer's rows for those keys zero for good.
-        raise RuntimeError(f"{name}: its weight is a plain tensor put in place of its parameter (functional_call "
-                           "or torch.nn.utils.stateless?); a training forward inserts keys into the layer's own "
-                           "hash table, so it needs the layer's own weight: call it in eval() mode (lookups only), "
-                           "or pass the layer's parameters themselves")
-
-
-def _check_writable(shards: List["_ModelParallelEmbedding"], name: str, training: bool) -> None:
-    """Refuses, before anything changes, a forward whose in-place writes would fail halfway:
-    under a torch.func transform, training outside inference mode on inference tables, a hash
-    layer with its weight in shared memory, or a layer on the meta device."""
-    weights = [shard.weight for shard in shards]
-    if any(weight.is_meta for weight in weights):
-        raise RuntimeError(f"{name}: its tables are on the meta device and hold no data; give them memory first "
-                           "(model.to_empty(device=...), then reset_parameters() or load_state_dict)")
-    if torch._C._are_functorch_transforms_active():
-        raise RuntimeError(f"{name}: torch.func transforms (grad, vmap, functional_call under them, ...) are not "
-                           "supported: the lookup's kernels read raw memory and a training step inserts keys into "
-                           "the hash table; take gradients with loss.backward() or torch.autograd.grad")
-    if not training or torch.is_inference_mode_enabled():
-        return
-    _check_own_weights(shards, name, training)
-    if any(shard.hash_table is not None and shard.weight.device.type == "cpu" and shard.weight.is_shared()
-           for shard in shards):
-        # share_memory(), or a layer sent to another process by torch.multiprocessing: the
-        # weight is shared, the hash table's count of keys is not, so two processes would
-        # give the same rows to different keys.
-        raise RuntimeError(f"{name}: its weight is in shared memory (share_memory(), or the layer was sent to "
-                           "another process by torch.multiprocessing), but its hash table's count of keys is this "
-                           "process's own: processes training it would give one row to two keys. Build the layer in "
-                           "each process and shard it with a process group (as torchrun does); eval() lookups of a "
-                           "shared layer that no process trains are fine")
-    # Every step: one flat list and one C-level test per tensor.
-    tensors = weights + [shard._fresh_rows for shard in shards if shard._fresh_rows is not None]
-    for shard in shards:
-        for table in (shard.hash_table, shard._pending):
-            if table is not None:
-                tensors += table._tensors()
-    if any(map(Tensor.is_inference, tensors)):
-        raise RuntimeError(f"{name}: its weight or hash table was made under torch.inference_mode(), and "
-                           "inference tensors cannot be changed outside it, as a training step must; build "
-                           "the layer outside inference_mode to train it (or call it in eval() mode)")
-
-
-# Weight dtypes by number in a row layout code (_row_layout); any other dtype is the next number.
-_LAYOUT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def _row_layout(weight: Tensor) -> int:
-    """The weight's dtype and row width as one int64: what a rank's vectors look like on the wire."""
-    dtype = _LAYOUT_DTYPES.index(weight.dtype) if weight.dtype in _LAYOUT_DTYPES else len(_LAYOUT_DTYPES)
-    return dtype << 40 | weight.shape[1]
-
-
-def _check_modes_agree(name: str, what: str, modes: List[int]) -> None:
-    """RuntimeError on every rank when the ranks' forward modes (bit 0: train(), bit 1: records
-    a backward) differ: the ranks would otherwise wait on each other's collectives until the
-    group's timeout."""
-    if len({mode & 1 for mode in modes}) > 1:
-        evaluating = [rank for rank, mode in enumerate(modes) if not mode & 1]
-        raise RuntimeError(f"{name}: rank(s) {evaluating} are in eval() mode and the others in train() mode; "
-                           f"switch the {what}'s mode on every rank alike")
-    if modes[0] & 1 and len({mode >> 1 for mode in modes}) > 1:
-        without = [rank for rank, mode in enumerate(modes) if not mode >> 1]
-        raise RuntimeError(f"{name}: rank(s) {without} run this training forward without a gradient "
-                           "(torch.no_grad(), inference_mode or a frozen weight) and the others with one, whose "
-                           "backward would wait for them; run it alike on every rank")
-
-
-def _row_layout_text(code: int) -> str:
-    dtype = code >> 40
-    name = str(_LAYOUT_DTYPES[dtype]) if dtype < len(_LAYOUT_DTYPES) else "another dtype"
-    return f"{name} rows of {code & ((1 << 40) - 1)}"
-
-
 class _LookupPlan(NamedTuple):
     """A training lookup worked out on an owner before every rank agrees to go on."""
 
@@ -230,54 +138,7 @@ class _LookupPlan(NamedTuple):
     pending_keys: Optional[Tensor]  # the keys still waiting that stay pending (counted), None without admission
 
 
-class _CheckedExtraState(NamedTuple):
-    """A layer's ``_extra_state`` that ``_check_extra_state`` found loadable: writing it cannot fail."""
-
-    table: object              # the hash table's state, as HashTable._check_state accepted it
-    pending: Optional[object]  # the pending admissions' state, likewise; None: nothing to load there
-    evicted: int
-    admitted: int
-    fresh: Tensor              # bool [len(table's keys)], on the layer's device: moments to reset, by row
-
-
-def _check_state_dict_keys(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
-    """Raises, in ``nn.Module.load_state_dict``'s words, for the keys ``strict`` refuses
-    (missing or unexpected) before anything is loaded; nn.Module reports them only after."""
-    if not strict or not isinstance(state_dict, Mapping):
-        return
-    expected = _state_dict_keys(module)  # the entries a strict load needs, in order
-    if expected is None:
-        return  # hooks may rename, add or drop entries: torch's own check, after them, decides
-    errors = []
-    missing = [key for key in expected if key not in state_dict]
-    if missing:
-        errors.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
-    unexpected = [key for key in state_dict if key not in expected]
-    if unexpected:
-        errors.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
-    if errors:
-        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(module).__name__,
-                                                                                 "\n\t".join(errors)))
-
-
-def _state_dict_keys(module: nn.Module) -> Optional[List[str]]:
-    """The names ``module.state_dict()`` gives, worked out without building the entries; None
-    when a module has state-dict or load hooks, which may change the names."""
-    keys: List[str] = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        if sub._state_dict_hooks or sub._state_dict_pre_hooks or sub._load_state_dict_pre_hooks \
-                or sub._load_state_dict_post_hooks:
-            return None
-        prefix = f"{prefix}." if prefix else ""
-        keys.extend(prefix + name for name, param in sub._parameters.items() if param is not None)
-        keys.extend(prefix + name for name, buffer in sub._buffers.items()
-                    if buffer is not None and name not in sub._non_persistent_buffers_set)
-        if type(sub).get_extra_state is not nn.Module.get_extra_state:
-            keys.append(prefix + "_extra_state")
-    return keys
-
-
-class _ModelParallelEmbedding(nn.Module):
+class _ModelParallelEmbedding(_ShardState, _ShardExchange, nn.Module):
     """The shard, its hash table, and the exchange shared by both layers."""
 
     _layer_name = "embedding"
@@ -551,143 +412,7 @@ class _ModelParallelEmbedding(nn.Module):
         else:
             grad.index_fill_(0, rows, 0)
 
-    # -- dynamic tables: stats and export -----------------------------------------------------
-
-    def stats(self) -> Dict[str, int]:
-        """``size``, ``capacity``, ``evicted``, ``admitted`` (totals since construction) and
-        ``pending`` (keys seen but not admitted yet), summed over the ranks of the layer's
-        process group (then a collective: every rank must call it)."""
-        with _stepping(self, True):  # not across the all-reduce: a forward's collectives may hold it
-            values = self._local_stats()
-        return self._summed_stats(values)
-
-    def _local_stats(self) -> List[int]:
-        """This rank's ``size``, ``capacity``, ``evicted``, ``admitted`` and ``pending`` (read
-        under the step lock by the callers, so no forward is halfway)."""
-        size = len(self.hash_table) if self.hash_table is not None else self.max_vocabulary_size_per_gpu
-        pending = len(self._pending) if self._pending is not None else 0
-        return [size, self.max_vocabulary_size_per_gpu, self._evicted, self._admitted, pending]
-
-    def _summed_stats(self, values: List[int]) -> Dict[str, int]:
-        """:meth:`_local_stats` summed over the ranks (an all-reduce with a process group), as a dict."""
-        if self.world_size > 1:
-            totals = torch.tensor(values, dtype=torch.int64, device=self.weight.device)
-            dist.all_reduce(totals, group=self.process_group)
-            values = totals.tolist()
-        return dict(zip(("size", "capacity", "evicted", "admitted", "pending"), values))
-
-    def export(self, min_last_seen: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-        """This rank's ``(keys, vectors)``: keys of ``key_dtype`` and their rows of the shard
-        (a detached copy), in row order; with ``min_last_seen``, only keys last seen at a
-        table clock ``>= min_last_seen`` (the clock advances once per training forward).
-        With ``use_hashtable=False``: every owned key, and ``min_last_seen`` must be None."""
-        min_last_seen = integer_argument(f"{self._layer_name}.export", "min_last_seen", min_last_seen, optional=True)
-        with _stepping(self, True):  # keys and rows of one moment: no forward evicts in between
-            return self._export(min_last_seen)
-
-    def _export(self, min_last_seen: Optional[int]) -> Tuple[Tensor, Tensor]:
-        if self.hash_table is None:
-            if min_last_seen is not None:
-                raise ValueError(f"{self._layer_name}: export(min_last_seen=...) needs use_hashtable=True (a "
-                                 "direct-mapped shard keeps no scores)")
-            return self.owned_keys().to(self.key_dtype), self.weight.detach().clone()
-        keys, rows = self.hash_table.export(min_last_seen)
-        return keys, self.weight.detach().index_select(0, rows)
-
-    # -- the exchange -----------------------------------------------------------------------
-
-    def _key_error_flags(self, unique_keys: Tensor) -> Optional[Tensor]:
-        """Device int64 scalar: _BAD_KEY when a key is outside the direct-mapped range;
-        None when there is nothing to check."""
-        if self.hash_table is not None or unique_keys.numel() == 0:
-            return None
-        keys = unique_keys.long()
-        bad = ((keys < 0) | (keys >= self.num_keys_capacity)).any()
-        return bad.long() * _BAD_KEY
-
-    def _raise_for_flags(self, flags: int, unique_keys: Optional[Tensor], offsets: Optional[Tensor]) -> None:
-        name = self._layer_name
-        if flags & _BAD_KEY:
-            keys = unique_keys.long()
-            bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
-            raise ValueError(
-                f"{name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of range: "
-                f"with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
-                f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
-                f"{self._capacity_argument}")
-        if flags & _BAD_OFFSETS:
-            raise ValueError(f"{name}: offsets must start at 0, never decrease and end at len(values); "
-                             f"got offsets {offsets.tolist() if offsets.numel() <= 16 else offsets}")
-
-    def _exchange(self, unique_keys: Optional[Tensor], flags: Optional[Tensor], offsets: Optional[Tensor],
-                  local_error: Optional[BaseException]) -> Tuple[Tensor, Optional[Tensor]]:
-        """Vectors for ``unique_keys``: ``(vectors, index)``, row ``index[i]`` (``i`` when ``index``
-        is None) being that of ``unique_keys[i]``. Every rank calls this with its local outcome so
-        far; an error anywhere makes every rank raise before any key moves."""
-        if self.world_size == 1:
-            if local_error is not None:
-                raise local_error
-            if flags is not None:
-                self._raise_for_flags(int(flags.item()), unique_keys, offsets)
-            rows = self._lookup_rows(unique_keys)
-            sorted_rows, order = _sort_rows(rows)
-            return _LookupOwned.apply(self.weight, rows, sorted_rows, order, True, self._may_miss(),
-                                      self._grad_marker), None
-
-        self._agree_on_config()
-        device = _wire_device(self.weight, self.process_group)
-        if local_error is None:
-            try:
-                keys_by_owner, positions, send_counts = ops.partition_by_owner(unique_keys, self.world_size)
-            except BaseException as exc:  # noqa: BLE001 - out of memory here: every rank must hear of it
-                local_error = exc
-            if flags is None:
-                flags = torch.zeros((), dtype=torch.int64, device=device)
-        if local_error is not None:
-            send_counts = torch.zeros(self.world_size, dtype=torch.int64, device=device)
-            flags = torch.tensor(_LOCAL_EXCEPTION, dtype=torch.int64, device=device)
-        # Counts, error word and train/eval mode travel together; one host read gives both
-        # split-size lists and every rank's verdict.
-        # Bit 1: this forward records a backward (whose all-to-all every rank must join).
-        records = torch.is_grad_enabled() and self.weight.requires_grad
-        mode = torch.full((self.world_size,), int(self.training) | int(records) << 1, dtype=torch.int64,
-                          device=device)
-        # The weight's dtype and row width, which the vectors' all-to-all relies on, travel
-        # too: the configuration is compared once, and a layer converted after (.double(),
-        # .half()) on one rank would have the others read its bytes as theirs, or abort.
-        layout = torch.full((self.world_size,), _row_layout(self.weight), dtype=torch.int64, device=device)
-        send_header = torch.stack([send_counts.to(device), flags.to(device).expand(self.world_size), mode, layout],
-                                  dim=1)
-        recv_header = torch.empty_like(send_header)
-        dist.all_to_all_single(recv_header, send_header.contiguous(), group=self.process_group)
-        header = torch.cat([send_header, recv_header]).tolist()
-        send_splits = [row[0] for row in header[:self.world_size]]
-        recv_splits = [row[0] for row in header[self.world_size:]]
-        peer_flags = [row[1] for row in header[self.world_size:]]
-        peer_modes = [row[2] for row in header[self.world_size:]]
-        peer_layouts = [row[3] for row in header[self.world_size:]]
-        if any(peer_flags):
-            if local_error is not None:
-                raise local_error
-            self._raise_for_flags(peer_flags[self.rank], unique_keys, offsets)
-            failed = [rank for rank, flag in enumerate(peer_flags) if flag]
-            raise RuntimeError(f"{self._layer_name}: rank(s) {failed} of the process group rejected their input "
-                               "(see the error on those ranks); no rank went on with this step")
-        _check_modes_agree(self._layer_name, "layer", peer_modes)
-        if len(set(peer_layouts)) > 1:
-            shown = ", ".join(f"rank {rank}: {_row_layout_text(code)}" for rank, code in enumerate(peer_layouts))
-            raise ValueError(f"{self._layer_name}: the weight's dtype or row width differs between the ranks of the "
-                             f"process group ({shown}); convert the layer alike on every rank")
-
-        recv_keys = _all_to_all_rows(keys_by_owner, recv_splits, send_splits, self.process_group)
-        owned_keys, owned_inverse, rows = self._agree_on_lookup(recv_keys)
-        sorted_rows, order = _sort_rows(rows)
-        rank_in_sorted = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
-        vectors = _LookupOwned.apply(self.weight, rows.index_select(0, owned_inverse), sorted_rows,
-                                     rank_in_sorted.index_select(0, owned_inverse), False, self._may_miss(),
-                                     self._grad_marker)
-        received = _AllToAll.apply(vectors, send_splits, recv_splits, self.process_group)
-        return received, positions
+    # -- the configuration, the owner's lookup and the one-process path ----------------------
 
     def _config(self) -> Dict[str, object]:
         """What every rank of the group must build alike: the exchange relies on it."""
@@ -701,17 +426,6 @@ class _ModelParallelEmbedding(nn.Module):
                 "use_hashtable": self.use_hashtable, "key_dtype": self.key_dtype, "eviction": self.eviction,
                 "admit_after": self.admit_after, "admission_capacity": self.admission_capacity,
                 "embedding_initializer": initializer}
-
-    def _agree_on_config(self) -> None:
-        """On the first exchange: one all-gather of the configuration (see :func:`_agree_on_config`)."""
-        if self._config_agreed:
-            return
-        _agree_on_config(self._config(), _wire_device(self.weight, self.process_group), self.process_group,
-                         self.world_size, self._layer_name)
-        self._config_agreed = True
-
-    def _may_miss(self) -> bool:
-        return self.hash_table is not None and (not self.training or self._pending is not None)
 
     def _agree_on_lookup(self, recv_keys: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """The owner's lookup of the keys it received: ``(owned_keys, inverse, rows)`` with
@@ -750,69 +464,6 @@ class _ModelParallelEmbedding(nn.Module):
                 f"larger {self._capacity_argument}")
         raise RuntimeError(f"{self._layer_name}: the lookup failed on rank {failed_rank} (see the error there); "
                            "no rank went on with this step")
-
-    def _embed(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]],
-               every_value: Callable[[Tensor, object], bool]):
-        """Reads the input with ``prepare()``, dedups the keys and fetches their vectors:
-        ``(keys, info, vectors, index)``, ``vectors[index[j]]`` that of ``keys[j]`` (``index`` None:
-        ``vectors[j]``). Errors are shared with every rank first (:meth:`_exchange`)."""
-        if torch.jit.is_tracing():
-            traced.refuse_torchscript(self._layer_name)
-        # The vectors are read under the lock too: a forward of another thread that evicts
-        # must not give a row away between this one's lookup and its read.
-        with _stepping(self, self.training):
-            return self._embed_locked(prepare, every_value)
-
-    def _embed_locked(self, prepare: Callable[[], Tuple[Tensor, Optional[Tensor], object]],
-                      every_value: Callable[[Tensor, object], bool]):
-        if self._rows_first():  # one process
-            _check_writable([self], self._layer_name, self.training)
-            keys, offsets, info = prepare()
-            if offsets is not None:
-                self._raise_for_flags(int(_offsets_error_flags(offsets, keys.numel()).item()), None, offsets)
-            vectors, index = self._lookup_rows_first(keys, every_value(keys, info))
-            return keys, info, vectors, index
-        keys = offsets = info = unique_keys = inverse = flags = None
-        error: Optional[BaseException] = None
-        try:
-            # In here: a rank that refused alone would leave the others waiting in the exchange.
-            _check_writable([self], self._layer_name, self.training)
-            keys, offsets, info = prepare()
-            unique_keys, inverse = ops.unique(keys)
-            flags = self._key_error_flags(unique_keys)
-            if offsets is not None:
-                offsets_flags = _offsets_error_flags(offsets, keys.numel())
-                flags = offsets_flags if flags is None else flags | offsets_flags
-        except BaseException as exc:  # noqa: BLE001 - folded into the counts exchange, re-raised there
-            error = exc
-        vectors, positions = self._exchange(unique_keys, flags, offsets, error)
-        index = inverse if positions is None else positions.index_select(0, inverse)
-        return keys, info, vectors, index
-
-    def _traced_rows(self, keys: Tensor, offsets: Optional[Tensor], pad_key: Optional[int]) -> Tensor:
-        """One process: the row each of ``keys`` [n] reads (-1: a pad key, or missing), with
-        :meth:`_embed`'s checks and table changes but no vectors: the body of
-        ``sparsekit::_layer_rows`` (:mod:`sparsekit.traced`)."""
-        with _stepping(self, self.training):
-            return self._traced_rows_locked(keys, offsets, pad_key)
-
-    def _traced_rows_locked(self, keys: Tensor, offsets: Optional[Tensor], pad_key: Optional[int]) -> Tensor:
-        _check_writable([self], self._layer_name, self.training)
-        if offsets is not None:
-            self._raise_for_flags(int(_offsets_error_flags(offsets, keys.numel()).item()), None, offsets)
-        valid = None if pad_key is None else keys != pad_key
-        lookup = keys if valid is None else keys[valid]
-        if self._rows_first():
-            rows = self._place_rows_first(lookup)[0]
-        else:
-            unique_keys, inverse = ops.unique(lookup)
-            flags = self._key_error_flags(unique_keys)
-            if flags is not None:
-                self._raise_for_flags(int(flags.item()), unique_keys, None)
-            rows = self._lookup_rows(unique_keys).index_select(0, inverse)
-        if valid is None:
-            return rows
-        return torch.full(keys.shape, -1, dtype=torch.int64, device=keys.device).masked_scatter_(valid, rows)
 
     def _rows_first(self) -> bool:
         """Whether a step looks its keys up before deduplicating them (see
@@ -867,21 +518,6 @@ class _ModelParallelEmbedding(nn.Module):
                                        [False], self.weight)[0], None
         vectors = _LookupOwned.apply(self.weight, unique_rows, unique_rows, None, True, False, self._grad_marker)
         return vectors, inverse
-
-    def _check_keys_tensor(self, keys: Tensor, what: str) -> Tensor:
-        name = self._layer_name
-        if not isinstance(keys, Tensor):
-            raise TypeError(f"{name}: {what} must be a tensor, got {type(keys).__name__}")
-        dense_layout(f"{name}: {what}", keys)
-        if keys.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name}: {what} must hold int64 or int32 keys, got {keys.dtype}")
-        if keys.dtype == torch.int64 and self.key_dtype == torch.int32:
-            raise TypeError(f"{name}: {what} are int64 but key_dtype is torch.int32; cast them with .int() "
-                            "or build the layer with key_dtype=torch.int64")
-        if keys.device != self.weight.device:
-            raise RuntimeError(f"{name}: {what} are on {keys.device} but the layer is on {self.weight.device}; "
-                               "move them with .to(layer.weight.device)")
-        return keys.to(self.key_dtype)
 
     # -- module plumbing --------------------------------------------------------------------
 
@@ -948,221 +584,12 @@ class _ModelParallelEmbedding(nn.Module):
         self._mark_weight()
         return self
 
-    def get_extra_state(self):
-        # The hash table is module state: this rank's keys in row order with their scores,
-        # the pending admissions, the eviction / admission totals and, with eviction, which
-        # rows hold new keys whose moments LazyAdam has not reset yet ("fresh", bool per
-        # key in row order): without it a reloaded row would hand its evicted key's moments on.
-        if self.hash_table is None:
-            # A direct table's rows are the keys ``row * world_size + first``: recorded, so
-            # that another rank's state (files swapped) or one saved at another world size,
-            # whose rows belong to other keys, is refused instead of loaded as this rank's.
-            return {"direct_keys": self._direct_layout()}
-        state = self.hash_table.state_dict()
-        if self._pending is not None:
-            state["pending"] = self._pending.state_dict()
-        state["evicted"] = torch.tensor(self._evicted, dtype=torch.int64)
-        state["admitted"] = torch.tensor(self._admitted, dtype=torch.int64)
-        if self._fresh_rows is not None:
-            state["fresh"] = self._fresh_rows[:len(self.hash_table)].clone()
-        return state
-
-    def _direct_layout(self) -> Tensor:
-        """A direct table's key layout: int64 ``[world_size, first]``, row ``i`` holding key
-        ``i * world_size + first`` (see :meth:`owned_keys`)."""
-        return torch.tensor([self.world_size, (self.rank - self.owner_offset) % self.world_size], dtype=torch.int64)
-
-    def _check_direct_layout(self, saved: Any) -> None:
-        """ValueError unless a direct state's ``direct_keys`` is this rank's own layout."""
-        name = self._layer_name
-        if not isinstance(saved, Tensor) or saved.layout != torch.strided or saved.is_meta \
-                or saved.dtype != torch.int64 or tuple(saved.shape) != (2,):
-            got = f"a {saved.dtype} tensor of shape {tuple(saved.shape)}" if isinstance(saved, Tensor) \
-                else type(saved).__name__
-            raise ValueError(f"{name}: load_state_dict: '_extra_state'['direct_keys'] must be an int64 [2] tensor "
-                             f"[world_size, first key], got {got}")
-        saved_world, saved_first = (int(v) for v in saved.tolist())
-        mine = self._direct_layout().tolist()
-        if [saved_world, saved_first] != mine:
-            raise ValueError(f"{name}: load_state_dict: the state's rows hold keys {saved_first}, "
-                             f"{saved_first + saved_world}, {saved_first + 2 * saved_world}, ... (world size "
-                             f"{saved_world}) but this rank's rows hold keys {mine[1]}, {mine[1] + mine[0]}, "
-                             f"{mine[1] + 2 * mine[0]}, ... (rank {self.rank} of {self.world_size}): it was saved "
-                             "by another rank or at another world size; load each rank's own state, or reshard "
-                             "with save_checkpoint / load_checkpoint")
-
-    def _check_extra_state(self, state) -> Optional[_CheckedExtraState]:
-        """What :meth:`set_extra_state` would load, every part checked and nothing written;
-        None: nothing to load."""
-        name = self._layer_name
-        if state is None:
-            return None
-        if not isinstance(state, dict):
-            raise TypeError(f"{name}: load_state_dict: '_extra_state' must be the dict get_extra_state() "
-                            f"returns, got {type(state).__name__}")
-        # A direct layer's extra state holds at most its rows' key layout (empty when saved
-        # before it was recorded), a hash layer's a table: loading one kind into the other
-        # would pair the weight's rows with the wrong keys.
-        direct_state = set(state) <= {"direct_keys"}
-        if self.hash_table is None:
-            if not direct_state:
-                raise ValueError(f"{name}: load_state_dict: the state holds a hash table, but this layer has "
-                                 "none (use_hashtable=False); build it with use_hashtable=True")
-            if "direct_keys" in state:
-                self._check_direct_layout(state["direct_keys"])
-            return None
-        if direct_state:
-            raise ValueError(f"{name}: load_state_dict: the state holds no hash table (it was saved by a layer "
-                             "with use_hashtable=False), but this layer's rows belong to its table's keys; "
-                             "build it with use_hashtable=False")
-        totals = []
-        for total in ("evicted", "admitted"):
-            value = tensor_integer(state.get(total, 0))
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_COUNT:
-                raise ValueError(f"{name}: load_state_dict: '_extra_state'['{total}'] must be a non-negative "
-                                 f"int below 2**62, got {value!r}")
-            totals.append(value)
-        # Both tables' states are checked before either table changes: a bad main table must
-        # not leave the pending admissions replaced.
-        checked_pending = None
-        pending = state.get("pending")
-        if self._pending is not None and pending is not None:
-            checked_pending = _check_state_of(self._pending, pending, f"{name}: load_state_dict: "
-                                              "'_extra_state'['pending'] (the pending admissions)")
-        table = {key: value for key, value in state.items() if key not in ("pending", "evicted", "admitted", "fresh")}
-        checked_table = _check_state_of(self.hash_table, table,
-                                        f"{name}: load_state_dict: '_extra_state' (the hash table)")
-        if checked_pending is not None:
-            _check_pending_of(checked_table, checked_pending, f"{name}: load_state_dict: '_extra_state'['pending']")
-        num_keys = checked_table.keys.numel()
-        if self.world_size > 1 and num_keys > 0:
-            # A rank's state holds the keys it owns: another rank's (state files swapped) or
-            # one saved at another world size would sit where no lookup asks for them.
-            owners = _owners(checked_table.keys, self.world_size, self.owner_offset)
-            foreign = owners != self.rank
-            if bool(foreign.any()):
-                raise ValueError(f"{name}: load_state_dict: '_extra_state' holds keys this rank does not own (key "
-                                 f"{checked_table.keys[foreign][0].item()} belongs to rank "
-                                 f"{owners[foreign][0].item()} of {self.world_size}, this is rank {self.rank}): it "
-                                 "was saved by another rank or at another world size; load each rank's own state, "
-                                 "or reshard with save_checkpoint / load_checkpoint")
-        fresh = state.get("fresh")
-        if fresh is None:  # saved without eviction, or before the flags were saved: no reset pending
-            fresh = torch.zeros(num_keys, dtype=torch.bool)
-        elif not isinstance(fresh, Tensor) or fresh.is_meta or fresh.layout != torch.strided \
-                or fresh.dtype != torch.bool or tuple(fresh.shape) != (num_keys,):
-            got = f"a {fresh.dtype} tensor of shape {tuple(fresh.shape)}" if isinstance(fresh, Tensor) \
-                else type(fresh).__name__
-            raise ValueError(f"{name}: load_state_dict: '_extra_state'['fresh'] must be a bool [{num_keys}] tensor "
-                             f"like 'keys' (the rows whose optimizer moments are reset at their next update), "
-                             f"got {got}")
-        return _CheckedExtraState(checked_table, checked_pending, totals[0], totals[1],
-                                  fresh.to(self.weight.device))
-
-    def set_extra_state(self, state) -> None:
-        """Loads what :meth:`get_extra_state` returned: the hash table, the pending
-        admissions, the totals and the rows whose moments are to be reset (a layer without
-        eviction keeps none and ignores them). Everything is checked first; a state that
-        raises leaves the layer as it was.
-
-        Raises:
-            ValueError, TypeError, HashTableFullError: as ``HashTable.load_state_dict`` for
-                the table's or the pending admissions' state, or a bad total or ``fresh``.
-        """
-        self._load_extra_state(self._check_extra_state(state))
-
     def _rows_rebound(self) -> None:
         """The hash table was just loaded or reset, so its rows may hold other keys: drops the
         gradients of lookups before (accumulated now, pending via ``forget_all``). A direct shard's
         rows are its keys' for good and keep theirs."""
         self._grad_marker.forget_all()
         self.weight.grad = None
-
-    def _load_extra_state(self, checked: Optional[_CheckedExtraState]) -> None:
-        if checked is None:
-            return
-        if self._fresh_rows is None and bool(checked.fresh.any()):
-            # The saved moments of those rows are still the evicted keys': LazyAdam resets
-            # them at their next update. Allocated first, so a failed allocation leaves the
-            # layer as it was.
-            self._keep_fresh_rows()
-            self._mark_weight()
-        self._rows_rebound()
-        if checked.pending is not None:
-            self._pending._load_checked(checked.pending)
-        elif self._pending is not None:
-            # A state saved without pending admissions (admit_after=1) has none: the layer's
-            # own would outlive the table they were counted against (load_checkpoint clears them too).
-            self._pending.clear()
-        self.hash_table._load_checked(checked.table)
-        self._evicted, self._admitted = checked.evicted, checked.admitted
-        if self._fresh_rows is not None:
-            self._fresh_rows.zero_()
-            self._fresh_rows[:checked.fresh.numel()] = checked.fresh
-
-    def _check_load(self, state_dict: Mapping[str, Any], prefix: str) -> List[str]:
-        """Every check of loading this shard's entries of ``state_dict``, nothing written. Raises
-        for a bad extra state, or a hash layer's weight without its extra state (or the reverse);
-        returns nn.Module's own messages for a weight it would not copy."""
-        weight_key, extra_key = prefix + "weight", prefix + "_extra_state"
-        has_weight, has_extra = weight_key in state_dict, extra_key in state_dict
-        if self.hash_table is not None and has_weight != has_extra:
-            given, absent = (weight_key, extra_key) if has_weight else (extra_key, weight_key)
-            raise ValueError(f"{self._layer_name}: load_state_dict: the state holds {given!r} but not "
-                             f"{absent!r}; a hash layer's weight rows belong to its table's keys, so both load "
-                             "together or neither does")
-        if has_extra and self.hash_table is not None and self.hash_table.device.type == "meta":
-            # assign=True would put the weight in, but the table has no memory to rebuild
-            # itself in (its check alone runs ops that the meta device cannot).
-            raise RuntimeError(f"{self._layer_name}: load_state_dict into a layer on the meta device: its hash table "
-                               "holds no memory to load the keys into, even with assign=True; give the layer memory "
-                               "first (model.to_empty(device=...)), then load_state_dict")
-        if has_extra:
-            self._check_extra_state(state_dict[extra_key])
-        if not has_weight:
-            return []
-        weight = state_dict[weight_key]
-        if not torch.overrides.is_tensor_like(weight):
-            return [(f'While copying the parameter named "{weight_key}", expected torch.Tensor or Tensor-like '
-                     f"object from checkpoint but received {type(weight)}")]
-        if weight.shape != self.weight.shape:
-            return [(f"size mismatch for {weight_key}: copying a param with shape {weight.shape} from checkpoint, "
-                     f"the shape in current model is {self.weight.shape}.")]
-        if isinstance(weight, Tensor) and weight.layout != torch.strided:
-            return [(f'While copying the parameter named "{weight_key}": the checkpoint holds a {weight.layout} '
-                     "tensor; a table's weight loads from a dense (strided) one (.to_dense())")]
-        if weight.is_meta and not self.weight.is_meta:
-            return [(f'While copying the parameter named "{weight_key}": the checkpoint holds a meta tensor, '
-                     "which has no data; load the state with real tensors (e.g. map_location='cpu')")]
-        return []
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # nn.Module copies the weight, then calls set_extra_state, and reports a weight it could
-        # not copy only once every module was visited: everything is checked first, so a call
-        # that fails leaves the layer as it was (set_extra_state checks the extra state again:
-        # one more unique of the keys, on a rare call).
-        if error_msgs:
-            return  # the call fails already (an earlier entry): nothing here changes either
-        problems = self._check_load(state_dict, prefix)
-        if problems:
-            error_msgs.extend(problems)
-            return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        self._mark_weight()  # assign=True puts a new Parameter in
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``, but a call that raises changes nothing: with
-        ``strict=True`` missing and unexpected keys raise before anything loads, and the
-        weight and the hash table are checked together before either changes. With
-        ``strict=False`` a layer whose entries are absent keeps its state; a hash layer's
-        weight without its table state (or the reverse) raises ValueError.
-        With state-dict or load hooks registered on it (or a submodule), which may rename,
-        add or drop entries, the missing and unexpected keys are torch's own check, after
-        the hooks ran."""
-        _check_state_dict_keys(self, state_dict, strict)
-        return super().load_state_dict(state_dict, strict, assign)
 
     def _table_full(self, rank: int) -> str:
         """The lead of a full table's error: the layer, the rank and the capacity argument."""
