@@ -1387,18 +1387,20 @@ def test_step_paths_build_no_device_tensor_from_pageable_memory():
     import ast
     import inspect
 
-    from sparsekit import collection, engine, pooled, shard, tables_cuda
+    from sparsekit import collection, collection_ranks, engine, pooled, shard, tables_cuda
 
-    step = {collection: {"_sort_table_rows", "_forward", "_prepare", "_owner_lookup", "_plan_tables", "_grow",
-                         "_pool"},
+    step = {collection: {"_forward", "_prepare"},
+            collection_ranks: {"_sort_table_rows", "_sharded_forward", "_owner_lookup", "_plan_tables", "_grow",
+                               "_pool"},
             engine: {"resolve_rows", "_plan_growth", "_grow", "_plan_evolving", "read_pooled"},
             pooled: {"backward", "_rows_still_owned", "_traced_gradients", "pooled_read"},
             shard: {"_agree_on_lookup"}}
-    found = []
+    found, scanned = [], set()
     for module, names in step.items():
         for fn in ast.walk(ast.parse(inspect.getsource(module))):
             if not (isinstance(fn, ast.FunctionDef) and fn.name in names):
                 continue
+            scanned.add((module.__name__, fn.name))
             for node in ast.walk(fn):
                 if not isinstance(node, ast.Call):
                     continue
@@ -1409,6 +1411,8 @@ def test_step_paths_build_no_device_tensor_from_pageable_memory():
                 elif name.endswith("_sequence_position.to"):
                     found.append((module.__name__, fn.name, node.lineno))
     assert not found, found
+    # Every path named was read (one that moved elsewhere would pass unread).
+    assert scanned == {(m.__name__, n) for m, names in step.items() for n in names}
     values = tables_cuda._device_ints([3, -1, 2**40], torch.device("cpu"))
     assert values.dtype == torch.int64 and values.tolist() == [3, -1, 2**40]
 
