@@ -53,6 +53,11 @@ from .collection_traced import TracedLookup
 
 __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection", "UnknownTableError"]
 
+# A fused collection's compiled backward updates the weight in place; AOT autograd before
+# torch 2.13 refuses that ("a leaf Variable that requires grad is being used in an in-place
+# operation"), so there its forward runs eagerly (one graph break).
+_FUSED_TRACES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
 
 class UnknownTableError(KeyError, ValueError):
     """A table name the collection does not have: a ``KeyError`` (a failed look-up by
@@ -424,7 +429,7 @@ class EmbeddingBagCollection(TracedLookup, ShardedLookup, nn.Module):
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per collection (see README, torch.compile).
-        if self.world_size == 1 and torch.compiler.is_compiling():
+        if self.world_size == 1 and torch.compiler.is_compiling() and (self._fused is None or _FUSED_TRACES):
             return self._traced_forward(kjt)
         return self._eager_forward(kjt)
 

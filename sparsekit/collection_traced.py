@@ -65,7 +65,7 @@ class TracedLookup:
             if self._fused is not None and shard.weight.requires_grad and torch.is_grad_enabled():
                 # The bags without the -1 tail: a mean divides by a bag's own length.
                 bags = torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)])
-                pooled = traced.fused_tap(pooled, shard.weight, rows, bags,
+                pooled = traced.fused_tap(pooled, shard.weight, weight, rows, bags,
                                           None if scale is None else scale.detach(), id(self), t, len(members),
                                           mean)
             for f, part in zip(members, pooled.split(batch) if batch > 0 else [pooled] * len(members)):

@@ -92,31 +92,32 @@ def _collection_rows_fake(values: Tensor, offsets: Tensor, features: List[int], 
 
 
 @torch.library.custom_op("sparsekit::_fused_tap", mutates_args=())
-def fused_tap(pooled: Tensor, weight: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor], layer: int,
-              table: int, features: int, mean: bool) -> Tensor:
+def fused_tap(pooled: Tensor, weight: Tensor, written: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor],
+              layer: int, table: int, features: int, mean: bool) -> Tensor:
     """A copy of ``pooled``, one table's pooled bags (``[F * B, dim]`` over CSR ``offsets``
     of ``rows``) read from its detached weight; its backward applies the collection's fused
-    optimizer to the rows read (:func:`fused_update`), so a compiled step updates the
-    table in its backward graph as the eager backward does."""
+    optimizer to the rows read (:func:`fused_update`) through ``written``, the weight
+    detached (``weight`` itself only makes the output require grad), so a compiled step
+    updates the table in its backward graph as the eager backward does."""
     return pooled.clone()
 
 
 @fused_tap.register_fake
-def _fused_tap_fake(pooled: Tensor, weight: Tensor, rows: Tensor, offsets: Tensor, scale: Optional[Tensor], layer: int,
-                    table: int, features: int, mean: bool) -> Tensor:
+def _fused_tap_fake(pooled: Tensor, weight: Tensor, written: Tensor, rows: Tensor, offsets: Tensor,
+                    scale: Optional[Tensor], layer: int, table: int, features: int, mean: bool) -> Tensor:
     return torch.empty_like(pooled)
 
 
 def _fused_tap_setup(ctx: Any, inputs: Any, output: Tensor) -> None:
-    _, weight, rows, offsets, scale, ctx.layer, ctx.table, ctx.features, ctx.mean = inputs
-    ctx.save_for_backward(weight, rows, offsets, scale)
+    _, _, written, rows, offsets, scale, ctx.layer, ctx.table, ctx.features, ctx.mean = inputs
+    ctx.save_for_backward(written, rows, offsets, scale)
 
 
 def _fused_tap_backward(ctx: Any, grad: Tensor) -> Any:
-    weight, rows, offsets, scale = ctx.saved_tensors
-    torch.ops.sparsekit._fused_update(weight.detach(), grad, rows, offsets, scale, ctx.layer, ctx.table, ctx.features,
+    written, rows, offsets, scale = ctx.saved_tensors
+    torch.ops.sparsekit._fused_update(written, grad, rows, offsets, scale, ctx.layer, ctx.table, ctx.features,
                                       ctx.mean)
-    return grad, None, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None, None
 
 
 fused_tap.register_autograd(_fused_tap_backward, setup_context=_fused_tap_setup)

@@ -230,6 +230,8 @@ def _fused_loss(out):
     return (values.float() * torch.linspace(-1, 1, values.shape[1])).sum()
 
 
+@pytest.mark.skipif(_OLD_INDUCTOR, reason="torch < 2.13: AOT autograd refuses the backward graph's in-place "
+                                           "update (the forward runs eagerly there)")
 @pytest.mark.parametrize("optimizer", ["lazy_adam", "sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("backend, output", [("aot_eager", "keyed"), ("aot_eager", "dict"),
                                              pytest.param("inductor", "keyed", marks=_SKIP_OLD_INDUCTOR)])
