@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import ops
 from ._checks import compile_disabled
+from .engine import initial_rows
 from .pooled import update_distinct_rows
 from .exchange import (
     _LOCAL_EXCEPTION,
@@ -35,7 +36,6 @@ from .exchange import (
 )
 from .hashtable import HashTableFullError, _find_in_tables, _touch_tables
 from .shard import (
-    KeySeededUniform,
     _check_modes_agree,
     _place_new_keys,
     _row_layout,
@@ -364,8 +364,9 @@ class ShardedLookup:
                     if table._eviction is None and shard._fresh_rows is None \
                             and misses[i] <= table.capacity - len(table):
                         growing.append((t, rows, new_keys[i]))
-            for (t, rows, keys_of_table), initial in zip(growing, self._initial_rows(growing)):
-                plans[t] = _GrowRows(rows, keys_of_table, initial)
+            initial = initial_rows(self._shards, [(t, keys) for t, _, keys in growing])
+            for (t, rows, keys_of_table), vectors in zip(growing, initial):
+                plans[t] = _GrowRows(rows, keys_of_table, vectors)
         for t, shard in enumerate(self._shards):
             if per_table[t] > 0 and plans[t] is None:
                 plans[t] = shard._plan(keys[starts[t]:starts[t + 1]])
@@ -407,25 +408,6 @@ class ShardedLookup:
         shift = ops._repeat_interleave(shift, _device_ints(lengths, rows.device), rows.numel())
         new_rows = missing.cumsum(0).sub_(1).add_(shift)
         return list(torch.where(missing, new_rows, rows).split(lengths))
-
-    def _initial_rows(self, new: List[Tuple[int, Tensor, Tensor]]) -> List[Tensor]:
-        """The initial vectors of the new keys of each ``(table, rows, new keys)``: one call per
-        group of tables sharing one :class:`KeySeededUniform`, dim and dtype, else one per table."""
-        groups: Dict[Any, List[int]] = {}
-        for i, (t, _, _) in enumerate(new):
-            shard = self._shards[t]
-            init = shard.embedding_initializer
-            group = (init.seed, init.low, init.high, shard.embedding_vec_size, shard.weight.dtype) \
-                if type(init) is KeySeededUniform else t
-            groups.setdefault(group, []).append(i)
-        out: List[Optional[Tensor]] = [None] * len(new)
-        for members in groups.values():
-            keys = [new[i][2] for i in members]
-            initial = self._shards[new[members[0]][0]].initial_rows(
-                torch.cat(keys).long() if len(keys) > 1 else keys[0].long())
-            for i, part in zip(members, initial.split([k.numel() for k in keys])):
-                out[i] = part
-        return out
 
     def _pool(self, prepared: Dict[str, Any], per_group: List[Optional[Tensor]],
               counts: List[List[int]]) -> Dict[str, Tensor]:
