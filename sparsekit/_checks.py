@@ -25,6 +25,11 @@ _CPU_ALLOCATOR_FAILURE = re.compile(
     r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate \d+ bytes[^\n]*")
 
 
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the running torch is ``major.minor`` or newer (its release, not a local suffix)."""
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+
+
 def compile_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compiler.disable(fn)``, made at the first call: applied at import it imports
     ``torch._dynamo``, which doubles the time of ``import sparsekit``."""

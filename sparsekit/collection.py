@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import engine, ops, traced
-from ._checks import compile_disabled, device_argument
+from ._checks import compile_disabled, device_argument, torch_at_least
 from . import keyed
 from .checkpoint.collective import collective_device
 from .fused import FusedOptimizer
@@ -56,7 +56,7 @@ __all__ = ["TableConfig", "KeyedJagged", "EmbeddingBagCollection", "UnknownTable
 # A fused collection's compiled backward updates the weight in place; AOT autograd before
 # torch 2.13 refuses that ("a leaf Variable that requires grad is being used in an in-place
 # operation"), so there its forward runs eagerly (one graph break).
-_FUSED_TRACES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_FUSED_TRACES = torch_at_least(2, 13)
 
 
 class UnknownTableError(KeyError, ValueError):

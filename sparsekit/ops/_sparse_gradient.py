@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._checks import torch_at_least
 from ._common import _ops
 from ._unique_bounded import _bitmap_numbers
 
@@ -23,7 +24,7 @@ from ._unique_bounded import _bitmap_numbers
 # backward guards on one: failures dynamo does not fall back on, where torch's own refusal
 # of the sizes (DynamicOutputShapeException) makes it run the frame eagerly. So torch
 # before 2.13 keeps that refusal.
-_SIZES_IN_DEFAULT_MODE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_SIZES_IN_DEFAULT_MODE = torch_at_least(2, 13)
 
 
 def _traced_fake_mode(tensor: Tensor) -> Any:
