@@ -48,6 +48,17 @@ def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: T
     return None
 
 
+def _tables_and_keys(op: str, slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor,
+                     offsets: List[int]) -> None:
+    """The fakes' checks of a multi-table search: 1-D integer keys, each table's slots, and
+    CSR ``offsets`` over the keys."""
+    index_dtype(op, "keys", keys, "tensor of keys")
+    torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
+    for t, (table_keys, table_rows) in enumerate(zip(slot_keys, slot_rows)):
+        hash_table_slots(f"{op}: table {t}", table_keys, table_rows)
+    csr_offsets(op, offsets, keys.numel())
+
+
 @torch.library.register_fake("sparsekit::hash_table_find_tables")
 def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor,
                                  offsets: List[int]) -> Tensor:
@@ -55,11 +66,7 @@ def _hash_table_find_tables_fake(slot_keys: List[Tensor], slot_rows: List[Tensor
     same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
     torch._check(len(slot_keys) == len(slot_rows) and len(offsets) == len(slot_keys) + 1,
                  lambda: f"{op}: one slot_keys, slot_rows and offsets entry per table (and one more offset)")
-    index_dtype(op, "keys", keys, "tensor of keys")
-    torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
-    for t, (table_keys, table_rows) in enumerate(zip(slot_keys, slot_rows)):
-        hash_table_slots(f"{op}: table {t}", table_keys, table_rows)
-    csr_offsets(op, offsets, keys.numel())
+    _tables_and_keys(op, slot_keys, slot_rows, keys, offsets)
     return keys.new_empty(keys.shape, dtype=torch.int64)
 
 
@@ -90,11 +97,7 @@ def _lookup_rows_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Te
     torch._check(len(slot_keys) == len(slot_rows), lambda: f"{op}: one slot_keys and slot_rows entry per table")
     torch._check(len(segment_tables) == len(direct_rows) and len(offsets) == len(segment_tables) + 1,
                  lambda: f"{op}: one segment_tables and direct_rows entry per segment (and one more offset)")
-    index_dtype(op, "keys", keys, "tensor of keys")
-    torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
-    for t, (table_keys, table_rows) in enumerate(zip(slot_keys, slot_rows)):
-        hash_table_slots(f"{op}: table {t}", table_keys, table_rows)
-    csr_offsets(op, offsets, keys.numel())
+    _tables_and_keys(op, slot_keys, slot_rows, keys, offsets)
     return keys.new_empty(keys.shape, dtype=torch.int64), keys.new_empty(2, dtype=torch.int64)
 
 
