@@ -2,6 +2,7 @@
 // Helpers shared by the CPU and CUDA kernels of sparsekit.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -25,6 +26,21 @@ inline int64_t scratch_table_slots(int64_t n) {
   int64_t slots = 16;
   while (slots < 2 * n) slots <<= 1;
   return slots;
+}
+
+/// Sentinel of the "first bad position" slots: no bad bag / row seen.
+constexpr int64_t kNoBadPosition = INT64_MAX;
+
+/// @brief Checks the optional error slots of an op that records bad input instead of
+/// raising: int64 [2] on `device`, the first bad bag (or bounds) and the first bad lookup so
+/// far (kNoBadPosition: none); an op records there with the smaller position winning, so a
+/// step on a GPU need not wait for the host.
+inline void check_error_slots(const char* op, const std::optional<Tensor>& errors, const Device& device) {
+  if (!errors.has_value()) return;
+  SK_CHECK(errors->scalar_type() == kLong && errors->dim() == 1 && errors->size(0) == 2 && errors->is_contiguous() &&
+               errors->device() == device,
+           op, ": errors must be a contiguous int64 tensor [2] on ", device, ", got ", errors->scalar_type(),
+           " of shape ", errors->sizes(), " on ", errors->device());
 }
 
 inline void check_key_tensor(const Tensor& keys, OpName op, const char* arg) {

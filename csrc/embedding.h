@@ -135,9 +135,6 @@ inline void check_offsets_without_bags(const Tensor& offsets, int64_t nnz, bool 
   SK_CHECK(nnz == 0 && first == 0, embedding_offsets_message(nnz, include_last_offset, 0, -1, first, nnz));
 }
 
-/// Sentinel of the "first bad position" slots: no bad bag / row seen.
-constexpr int64_t kNoBadPosition = INT64_MAX;
-
 /// @brief Raises the offsets error for the first bad bag, else the row error for the first
 /// bad lookup (kNoBadPosition: none). Both devices call this with the same two positions,
 /// so they raise the same text. Reads a few entries of offsets / rows: on CUDA that is a

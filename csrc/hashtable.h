@@ -5,6 +5,8 @@
 // slot_rows -1 marks an empty slot, -2 a tombstone (probes go past it, inserts reuse it), so
 // every int64 is a valid key. Home slot: mix_key(key) & (S - 1), int32 keys widened first.
 // Callers keep at most S / 2 keys, so probes stay short and an insert finds an empty slot.
+#include <vector>
+
 #include "common.h"
 
 namespace sparsekit {
@@ -120,6 +122,36 @@ enum HashInsertError : int32_t {
   kHashInsertNegativeRow = 1,  // a row < 0 would read as an empty slot
   kHashInsertTableFull = 2,    // probing visited every slot without finding an empty one
 };
+
+/// @brief Checks the segment bounds of lookup_rows / hash_table_touch_tables_: int64, 1-D,
+/// one more entry than segments, on `device`. Their values (from 0 to n, never decreasing)
+/// are the kernels' to check: on CUDA they stay on the device.
+inline void check_segment_bounds_arg(const char* op, const Tensor& bounds, size_t num_segments, const Device& device) {
+  SK_CHECK(bounds.scalar_type() == kLong && bounds.dim() == 1 &&
+               bounds.size(0) == static_cast<int64_t>(num_segments) + 1 && bounds.device() == device,
+           op, ": bounds must be a 1-D int64 tensor of ", num_segments + 1, " entries (one more than segments) on ",
+           device, ", got a ", bounds.scalar_type(), " tensor of shape ", bounds.sizes(), " on ", bounds.device());
+}
+
+/// @brief Whether segment bounds run from 0 to n and never decrease.
+C10_HOST_DEVICE inline bool segment_bounds_valid(const int64_t* bounds, int64_t num_segments, int64_t n) {
+  if (bounds[0] != 0 || bounds[num_segments] != n) return false;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    if (bounds[s] > bounds[s + 1]) return false;
+  }
+  return true;
+}
+
+/// @brief Raises for host segment bounds that segment_bounds_valid refuses (both devices'
+/// text).
+inline void raise_segment_bounds(const char* op, const std::vector<int64_t>& bounds, int64_t n) {
+  const size_t last = bounds.size() - 1;
+  for (size_t s = 0; s < last; ++s) {
+    SK_CHECK(bounds[s] <= bounds[s + 1], op, ": bounds must run from 0 to ", n, " without decreasing, got bounds[",
+             s, "] = ", bounds[s], " > bounds[", s + 1, "] = ", bounds[s + 1]);
+  }
+  fail(op, ": bounds must run from 0 to ", n, " without decreasing, got ", bounds.front(), " .. ", bounds.back());
+}
 
 /// @brief Raises, before anything is written, when the keys cannot all find an empty slot:
 /// with num_occupied + num_keys <= num_slots every probe (it wraps around) ends on one, so

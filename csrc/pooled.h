@@ -105,17 +105,10 @@ inline PooledLayout check_pooled_args(const char* op, const std::vector<Tensor>&
   return layout;
 }
 
-/// @brief Checks the optional error slots of the family's ops: int64 [2], the first bad bag
-/// and the first bad lookup so far (kNoBadPosition: none), on the weights' device. Given,
-/// an op records what it meets there (the smaller position wins) and leaves it out instead
-/// of raising, so a step on a GPU need not wait for the host (the caller reads it when it
-/// chooses); not given, the op raises (on CUDA after one host read).
+/// @brief The family's error slots (check_error_slots): given, an op records what it meets
+/// and leaves it out instead of raising; not given, it raises (on CUDA after one host read).
 inline void check_pooled_errors_arg(const char* op, const std::optional<Tensor>& errors, const Device& device) {
-  if (!errors.has_value()) return;
-  SK_CHECK(errors->scalar_type() == kLong && errors->dim() == 1 && errors->size(0) == 2 && errors->is_contiguous() &&
-               errors->device() == device,
-           op, ": errors must be a contiguous int64 tensor [2] on ", device, ", got ", errors->scalar_type(),
-           " of shape ", errors->sizes(), " on ", errors->device());
+  check_error_slots(op, errors, device);
 }
 
 /// @brief The layout of pooled_read_backward / pooled_read_update_, which take no columns:

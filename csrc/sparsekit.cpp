@@ -71,17 +71,22 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   m.def("hash_table_place_tables_(Tensor(a!)[] slot_keys, Tensor(b!)[] slot_rows, Tensor(c!)[] row_keys, "
         "Tensor(d!)[] count, Tensor keys, int[] offsets, int[] sizes) -> ()");
   // The row of every value of a collection's batch, segment by segment (a feature's
-  // values): found in hash table segment_tables[s] (-1: absent), the key itself for a
-  // direct table (segment_tables[s] == -1, direct_rows[s] rows; -2 for a key outside them),
-  // or -3, left to the caller (segment_tables[s] == -2); and [2]: the first position of a key
-  // outside its direct table (nnz: none), the number of keys absent from their hash table.
-  m.def("lookup_rows(Tensor[] slot_keys, Tensor[] slot_rows, Tensor keys, int[] offsets, int[] segment_tables, "
-        "int[] direct_rows) -> (Tensor rows, Tensor first_bad)");
+  // values keys[bounds[s] : bounds[s + 1]], bounds int64 [S + 1] on the keys' device): found
+  // in hash table segment_tables[s] (-1: absent), the key itself for a direct table
+  // (segment_tables[s] == -1, direct_rows[s] rows; -2 for a key outside them), or -3, left to
+  // the caller (segment_tables[s] == -2); and report int64 [3]: the first position of a key
+  // outside its direct table (nnz: none), the number of keys absent from their hash table,
+  // and 1 when the bounds do not run from 0 to nnz without decreasing (every row then -1).
+  // Nothing is read back to the host.
+  m.def("lookup_rows(Tensor[] slot_keys, Tensor[] slot_rows, Tensor keys, Tensor bounds, int[] segment_tables, "
+        "int[] direct_rows) -> (Tensor rows, Tensor report)");
   // Scores each distinct row a batch read once per table (last_seen = clock, count += 1),
-  // rows[offsets[s] : offsets[s + 1]] of table segment_tables[s] (-1: not scored); rows of
-  // -1 skipped; every row checked against sizes[t] first.
-  m.def("hash_table_touch_tables_(Tensor(a!)[] last_seen, Tensor(b!)[] count, Tensor rows, int[] offsets, "
-        "int[] segment_tables, int[] sizes, int[] clocks) -> ()");
+  // rows[bounds[s] : bounds[s + 1]] of table segment_tables[s] (-1: not scored); rows of
+  // -1 skipped; every row checked against sizes[t] first. errors (int64 [2], as the pooled
+  // family's), when given, records bad bounds (slot 0) and the first bad row (slot 1) instead
+  // of raising, and nothing is scored while it holds an error.
+  m.def("hash_table_touch_tables_(Tensor(a!)[] last_seen, Tensor(b!)[] count, Tensor rows, Tensor bounds, "
+        "int[] segment_tables, int[] sizes, int[] clocks, Tensor(e!)? errors=None) -> ()");
   // Erases keys: their slots become tombstones (-2). Returns the rows they held (-1: absent).
   m.def("hash_table_erase_(Tensor slot_keys, Tensor(a!) slot_rows, Tensor keys) -> Tensor");
   // Ascending indices of the k lexicographically smallest eligible entries of the int64

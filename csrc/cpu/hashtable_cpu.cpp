@@ -392,6 +392,17 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
   }
 }
 
+namespace {
+
+/// @brief The segment bounds (checked by check_segment_bounds_arg) as host values.
+std::vector<int64_t> host_bounds(const Tensor& bounds) {
+  const Tensor b = as_contiguous(bounds);
+  const int64_t* p = b.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + b.numel());
+}
+
+}  // namespace
+
 /// @brief The row of every value of a collection's batch: segment s (keys[offsets[s] :
 /// offsets[s + 1]], a feature's values) is found in hash table segment_tables[s] (-1 where
 /// absent), or is the key itself for a direct table (segment_tables[s] == -1 with
@@ -399,9 +410,10 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
 /// (segment_tables[s] == -2: the caller resolves it). Also returns, as an int64 [2], the first
 /// position of a key outside its direct table (keys.numel() when there is none) and the
 /// number of keys absent from their hash table.
-std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows, const Tensor& keys,
-                       const std::vector<int64_t>& offsets, const std::vector<int64_t>& segment_tables,
-                       const std::vector<int64_t>& direct_rows) {
+std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows,
+                                           const Tensor& keys, const Tensor& bounds,
+                                           const std::vector<int64_t>& segment_tables,
+                                           const std::vector<int64_t>& direct_rows) {
   const char* op = "lookup_rows";
   SK_CHECK(slot_keys.size() == slot_rows.size(), op, ": slot_keys holds ", slot_keys.size(), " tables but slot_rows ",
            slot_rows.size());
@@ -413,14 +425,24 @@ std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys,
   const size_t num_segments = segment_tables.size();
   SK_CHECK(direct_rows.size() == num_segments, op, ": segment_tables (", num_segments, ") and direct_rows (",
            direct_rows.size(), ") must hold one entry per segment");
-  check_table_offsets(offsets, num_segments, keys.numel(), op);
+  check_segment_bounds_arg(op, bounds, num_segments, keys.device());
   for (size_t s = 0; s < num_segments; ++s) {
     SK_CHECK(segment_tables[s] >= -2 && segment_tables[s] < static_cast<int64_t>(slot_keys.size()), op,
              ": segment_tables[", s, "] must lie in [-2, ", slot_keys.size(), "), got ", segment_tables[s]);
   }
+  const std::vector<int64_t> offsets = host_bounds(bounds);
   const Tensor keys_c = as_contiguous(keys);
   Tensor rows = empty(keys.sizes(), kLong, keys.device());
-  Tensor first_bad = empty({2}, kLong, keys.device());
+  Tensor first_bad = empty({3}, kLong, keys.device());
+  int64_t* report = first_bad.mutable_data_ptr<int64_t>();
+  if (!segment_bounds_valid(offsets.data(), static_cast<int64_t>(num_segments), keys_c.numel())) {
+    // Recorded, as the CUDA kernel must without a host read: every row -1.
+    std::fill(rows.mutable_data_ptr<int64_t>(), rows.mutable_data_ptr<int64_t>() + keys_c.numel(), int64_t{-1});
+    report[0] = keys_c.numel();
+    report[1] = 0;
+    report[2] = 1;
+    return {rows, first_bad};
+  }
   std::atomic<int64_t> bad{keys_c.numel()};
   std::atomic<int64_t> absent{0};
   int64_t* out = rows.mutable_data_ptr<int64_t>();
@@ -453,8 +475,9 @@ std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys,
       });
     });
   });
-  first_bad.mutable_data_ptr<int64_t>()[0] = bad.load();
-  first_bad.mutable_data_ptr<int64_t>()[1] = absent.load();
+  report[0] = bad.load();
+  report[1] = absent.load();
+  report[2] = 0;
   return {rows, first_bad};
 }
 
@@ -464,9 +487,9 @@ std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys,
 /// rows of -1 are skipped. Every row is checked against sizes[t] (the table's keys) before
 /// anything is written.
 void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std::vector<Tensor>& count,
-                                 const Tensor& rows, const std::vector<int64_t>& offsets,
-                                 const std::vector<int64_t>& segment_tables, const std::vector<int64_t>& sizes,
-                                 const std::vector<int64_t>& clocks) {
+                                 const Tensor& rows, const Tensor& bounds, const std::vector<int64_t>& segment_tables,
+                                 const std::vector<int64_t>& sizes, const std::vector<int64_t>& clocks,
+                                 const std::optional<Tensor>& errors) {
   const char* op = "hash_table_touch_tables_";
   const size_t num_tables = count.size();
   SK_CHECK(last_seen.size() == num_tables && sizes.size() == num_tables && clocks.size() == num_tables, op,
@@ -484,7 +507,8 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
     SK_CHECK(sizes[t] >= 0 && sizes[t] <= count[t].size(0), op, ": sizes[", t, "] must lie in [0, ",
              count[t].size(0), "], got ", sizes[t]);
   }
-  check_table_offsets(offsets, segment_tables.size(), rows.numel(), op);
+  check_segment_bounds_arg(op, bounds, segment_tables.size(), rows.device());
+  check_error_slots(op, errors, rows.device());
   for (size_t s = 0; s < segment_tables.size(); ++s) {
     SK_CHECK(segment_tables[s] >= -1 && segment_tables[s] < static_cast<int64_t>(num_tables), op,
              ": segment_tables[", s, "] must lie in [-1, ", num_tables, "), got ", segment_tables[s]);
@@ -494,7 +518,15 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
     uses.push_back({&last_seen[t], "last_seen", t, true});
     uses.push_back({&count[t], "count", t, true});
   }
+  if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
   check_no_shared_writes(op, uses);
+  const std::vector<int64_t> offsets = host_bounds(bounds);
+  int64_t* slots = errors.has_value() ? errors->mutable_data_ptr<int64_t>() : nullptr;
+  if (!segment_bounds_valid(offsets.data(), static_cast<int64_t>(segment_tables.size()), rows.numel())) {
+    if (slots == nullptr) raise_segment_bounds(op, offsets, rows.numel());
+    slots[0] = 0;
+    return;
+  }
   const Tensor rows_c = as_contiguous(rows);
   const int64_t* r = rows_c.const_data_ptr<int64_t>();
   std::atomic<int64_t> bad{rows_c.numel()};
@@ -512,7 +544,11 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
       }
     });
   });
-  if (bad.load() < rows_c.numel()) {
+  if (slots != nullptr) {
+    // Recorded instead of raised; nothing is scored while the slots hold an error.
+    slots[1] = std::min(slots[1], bad.load() < rows_c.numel() ? bad.load() : kNoBadPosition);
+    if (slots[0] != kNoBadPosition || slots[1] != kNoBadPosition) return;
+  } else if (bad.load() < rows_c.numel()) {
     const int64_t i = bad.load();
     const int64_t s = std::upper_bound(offsets.begin(), offsets.end(), i) - offsets.begin() - 1;
     fail(op, ": rows[", i, "] = ", r[i], " of table ", segment_tables[s], " is outside its rows [-1, ",

@@ -118,41 +118,65 @@ int64_t count_occupied(const Tensor& slot_rows) {
 }
 
 // Segments (a collection's features) whose tables one launch of lookup_rows or
-// hash_table_touch_tables_ takes by value (so a CUDA graph captures them).
+// hash_table_touch_tables_ takes by value; their bounds stay on the device (the launch
+// reads bounds[first .. first + count]), so nothing is read back and a CUDA graph of the
+// call stays right for a batch of other lengths.
 constexpr int kSegmentsPerLaunch = 32;
 
 struct RowSegments {
   const int64_t* slot_keys[kSegmentsPerLaunch];
   const int64_t* slot_rows[kSegmentsPerLaunch];
   uint64_t slot_mask[kSegmentsPerLaunch];
-  int64_t begin[kSegmentsPerLaunch + 1];  // the segments' bounds, the last one's end after it
   int64_t direct_rows[kSegmentsPerLaunch];
   int kind[kSegmentsPerLaunch];  // 0: hash table, 1: direct, 2: left to the caller
+  int first;
   int count;
 };
 
+/// Stores `value` at *verdict when the bounds do not run from 0 to n without decreasing.
+__global__ void check_bounds_kernel(const int64_t* __restrict__ bounds, int64_t num_segments, int64_t n,
+                                    int64_t* verdict, int64_t value) {
+  if (blockIdx.x == 0 && threadIdx.x == 0 && !segment_bounds_valid(bounds, num_segments, n)) *verdict = value;
+}
+
+/// The launch's bounds, bounds[first .. first + count], into shared memory (valid bounds).
+__device__ __forceinline__ void load_bounds(int64_t* shared, const int64_t* bounds, int first, int count) {
+  for (int j = threadIdx.x; j <= count; j += blockDim.x) shared[j] = bounds[first + j];
+  __syncthreads();
+}
+
+/// The launch's segment holding entry i, or -1 when another launch's segment holds it.
 __device__ __forceinline__ int segment_of(const int64_t* begin, int count, int64_t i) {
+  if (i < begin[0] || i >= begin[count]) return -1;
   int s = 0;
   while (s + 1 < count && begin[s + 1] <= i) ++s;
   return s;
 }
 
 template <typename key_t>
-__global__ void lookup_rows_kernel(RowSegments segments, const key_t* __restrict__ keys, int64_t* __restrict__ rows,
-                                   unsigned long long* __restrict__ first_bad) {
-  const int64_t first = segments.begin[0], last = segments.begin[segments.count];
-  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < last;
+__global__ void lookup_rows_kernel(RowSegments segments, const int64_t* __restrict__ bounds,
+                                   const key_t* __restrict__ keys, int64_t n, int64_t* __restrict__ rows,
+                                   unsigned long long* __restrict__ report) {
+  __shared__ int64_t begin[kSegmentsPerLaunch + 1];
+  load_bounds(begin, bounds, segments.first, segments.count);
+  const bool bad_bounds = report[2] != 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int s = segment_of(segments.begin, segments.count, i);
+    if (bad_bounds) {  // recorded: every row -1, written by the first launch
+      if (segments.first == 0) rows[i] = -1;
+      continue;
+    }
+    const int s = segment_of(begin, segments.count, i);
+    if (s < 0) continue;
     const int64_t key = static_cast<int64_t>(keys[i]);
     if (segments.kind[s] == 0) {
       const int64_t row = probe_find(segments.slot_keys[s], segments.slot_rows[s], segments.slot_mask[s], key);
       rows[i] = row;
-      if (row < 0) atomicAdd(first_bad + 1, 1ULL);
+      if (row < 0) atomicAdd(report + 1, 1ULL);
     } else if (segments.kind[s] == 1) {
       const bool inside = static_cast<uint64_t>(key) < static_cast<uint64_t>(segments.direct_rows[s]);
       rows[i] = inside ? key : -2;
-      if (!inside) atomicMin(first_bad, static_cast<unsigned long long>(i));
+      if (!inside) atomicMin(report, static_cast<unsigned long long>(i));
     } else {
       rows[i] = -3;
     }
@@ -165,32 +189,36 @@ struct TouchSegments {
   unsigned int* seen_bits[kSegmentsPerLaunch];  // the table's bitmap (shared by its segments)
   int64_t size[kSegmentsPerLaunch];
   int64_t clock[kSegmentsPerLaunch];
-  int64_t begin[kSegmentsPerLaunch + 1];
   int scored[kSegmentsPerLaunch];
+  int first;
   int count_segments;
 };
 
-/// Records the first row outside [-1, size) of a scored segment.
-__global__ void check_touch_kernel(TouchSegments segments, const int64_t* __restrict__ rows,
-                                   unsigned long long* __restrict__ first_bad) {
-  const int64_t first = segments.begin[0], last = segments.begin[segments.count_segments];
-  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < last;
+/// Records (slot 1) the first row outside [-1, size) of a scored segment.
+__global__ void check_touch_kernel(TouchSegments segments, const int64_t* __restrict__ bounds,
+                                   const int64_t* __restrict__ rows, int64_t n, int64_t* __restrict__ slots) {
+  __shared__ int64_t begin[kSegmentsPerLaunch + 1];
+  if (slots[0] != kNoBadPosition) return;  // bad bounds: recorded, the rows' segments unknown
+  load_bounds(begin, bounds, segments.first, segments.count_segments);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int s = segment_of(segments.begin, segments.count_segments, i);
-    if (segments.scored[s] && (rows[i] < -1 || rows[i] >= segments.size[s])) {
-      atomicMin(first_bad, static_cast<unsigned long long>(i));
+    const int s = segment_of(begin, segments.count_segments, i);
+    if (s >= 0 && segments.scored[s] && (rows[i] < -1 || rows[i] >= segments.size[s])) {
+      atomicMin(reinterpret_cast<unsigned long long*>(slots + 1), static_cast<unsigned long long>(i));
     }
   }
 }
 
-/// The first lookup of a row (its bit set first) scores it, unless a bad row was recorded.
-__global__ void touch_kernel(TouchSegments segments, const int64_t* __restrict__ rows,
-                             const unsigned long long* __restrict__ first_bad, int64_t none) {
-  if (*first_bad != static_cast<unsigned long long>(none)) return;
-  const int64_t first = segments.begin[0], last = segments.begin[segments.count_segments];
-  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < last;
+/// The first lookup of a row (its bit set first) scores it, unless the slots hold an error.
+__global__ void touch_kernel(TouchSegments segments, const int64_t* __restrict__ bounds,
+                             const int64_t* __restrict__ rows, int64_t n, const int64_t* __restrict__ slots) {
+  __shared__ int64_t begin[kSegmentsPerLaunch + 1];
+  if (slots[0] != kNoBadPosition || slots[1] != kNoBadPosition) return;
+  load_bounds(begin, bounds, segments.first, segments.count_segments);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int s = segment_of(segments.begin, segments.count_segments, i);
+    const int s = segment_of(begin, segments.count_segments, i);
+    if (s < 0) continue;
     const int64_t row = rows[i];
     if (!segments.scored[s] || row < 0) continue;
     const unsigned int bit = 1u << (row & 31);
@@ -203,10 +231,10 @@ __global__ void touch_kernel(TouchSegments segments, const int64_t* __restrict__
 }  // namespace
 
 /// @brief The row of every value of a collection's batch (see the schema): no host sync;
-/// the first position of a key outside its direct table and the count of absent keys come
-/// back in an int64 [2] tensor.
+/// the first position of a key outside its direct table, the count of absent keys and the
+/// bounds' verdict come back in an int64 [3] tensor.
 std::tuple<Tensor, Tensor> lookup_rows_cuda(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows,
-                                            const Tensor& keys, const std::vector<int64_t>& offsets,
+                                            const Tensor& keys, const Tensor& bounds,
                                             const std::vector<int64_t>& segment_tables,
                                             const std::vector<int64_t>& direct_rows) {
   const char* op = "lookup_rows";
@@ -218,23 +246,29 @@ std::tuple<Tensor, Tensor> lookup_rows_cuda(const std::vector<Tensor>& slot_keys
     check_hash_table_find_args(slot_keys[t], slot_rows[t], keys, OpName(op, static_cast<int64_t>(t)));
   }
   const size_t num_segments = segment_tables.size();
-  SK_CHECK(direct_rows.size() == num_segments && offsets.size() == num_segments + 1 && offsets.front() == 0 &&
-               offsets.back() == keys.numel(),
-           op, ": offsets must run from 0 to ", keys.numel(), " in one more entry than segment_tables and direct_rows");
+  SK_CHECK(direct_rows.size() == num_segments, op, ": segment_tables (", num_segments, ") and direct_rows (",
+           direct_rows.size(), ") must hold one entry per segment");
+  check_segment_bounds_arg(op, bounds, num_segments, keys.device());
   for (size_t s = 0; s < num_segments; ++s) {
-    SK_CHECK(offsets[s] <= offsets[s + 1], op, ": offsets must never decrease");
     SK_CHECK(segment_tables[s] >= -2 && segment_tables[s] < static_cast<int64_t>(slot_keys.size()), op,
              ": segment_tables[", s, "] must lie in [-2, ", slot_keys.size(), "), got ", segment_tables[s]);
   }
   const DeviceGuard device_guard(keys.get_device_index());
   const cudaStream_t stream = current_stream(keys);
   const Tensor keys_c = as_contiguous(keys);
+  const Tensor bounds_c = as_contiguous(bounds);
   const int64_t n = keys_c.numel();
   Tensor rows = empty({n}, kLong, keys.device());
-  Tensor first_bad = full_long_cuda(2, n, keys);
-  SK_CUDA_CHECK(cudaMemsetAsync(first_bad.mutable_data_ptr<int64_t>() + 1, 0, sizeof(int64_t), stream));
-  for (size_t first = 0; first < num_segments; first += kSegmentsPerLaunch) {
+  Tensor report = full_long_cuda(3, n, keys);
+  int64_t* report_ptr = report.mutable_data_ptr<int64_t>();
+  SK_CUDA_CHECK(cudaMemsetAsync(report_ptr + 1, 0, 2 * sizeof(int64_t), stream));
+  check_bounds_kernel<<<1, 1, 0, stream>>>(bounds_c.const_data_ptr<int64_t>(), static_cast<int64_t>(num_segments), n,
+                                           report_ptr + 2, 1);
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
+  if (n == 0) return {rows, report};
+  for (size_t first = 0; first < std::max<size_t>(num_segments, 1); first += kSegmentsPerLaunch) {
     RowSegments segments{};
+    segments.first = static_cast<int>(first);
     for (size_t s = first; s < std::min(num_segments, first + kSegmentsPerLaunch); ++s) {
       const int i = segments.count++;
       const int64_t t = segment_tables[s];
@@ -243,27 +277,24 @@ std::tuple<Tensor, Tensor> lookup_rows_cuda(const std::vector<Tensor>& slot_keys
       segments.slot_rows[i] = t >= 0 ? slot_rows[t].const_data_ptr<int64_t>() : nullptr;
       segments.slot_mask[i] = t >= 0 ? static_cast<uint64_t>(slot_keys[t].size(0) - 1) : 0;
       segments.direct_rows[i] = direct_rows[s];
-      segments.begin[i] = offsets[s];
-      segments.begin[i + 1] = offsets[s + 1];
     }
-    const int64_t span = segments.begin[segments.count] - segments.begin[0];
-    if (span == 0) continue;
     SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "lookup_rows_cuda", [&] {
-      lookup_rows_kernel<index_t><<<blocks_for(span), kThreads, 0, stream>>>(
-          segments, keys_c.const_data_ptr<index_t>(), rows.mutable_data_ptr<int64_t>(),
-          reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
+      lookup_rows_kernel<index_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          segments, bounds_c.const_data_ptr<int64_t>(), keys_c.const_data_ptr<index_t>(), n,
+          rows.mutable_data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(report_ptr));
       SK_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  return {rows, first_bad};
+  return {rows, report};
 }
 
-/// @brief Scores each distinct row a batch read once per table (see the schema). One host
-/// sync: the row check's read back (a bad row writes nothing and raises).
+/// @brief Scores each distinct row a batch read once per table (see the schema). With the
+/// caller's error slots no host sync; without, one: the checks' read back (bad bounds or a
+/// bad row score nothing and raise).
 void hash_table_touch_tables_cuda(const std::vector<Tensor>& last_seen, const std::vector<Tensor>& count,
-                                  const Tensor& rows, const std::vector<int64_t>& offsets,
-                                  const std::vector<int64_t>& segment_tables, const std::vector<int64_t>& sizes,
-                                  const std::vector<int64_t>& clocks) {
+                                  const Tensor& rows, const Tensor& bounds, const std::vector<int64_t>& segment_tables,
+                                  const std::vector<int64_t>& sizes, const std::vector<int64_t>& clocks,
+                                  const std::optional<Tensor>& errors) {
   const char* op = "hash_table_touch_tables_";
   const size_t num_tables = count.size();
   SK_CHECK(last_seen.size() == num_tables && sizes.size() == num_tables && clocks.size() == num_tables, op,
@@ -281,10 +312,9 @@ void hash_table_touch_tables_cuda(const std::vector<Tensor>& last_seen, const st
              count[t].size(0), "], got ", sizes[t]);
   }
   const size_t num_segments = segment_tables.size();
-  SK_CHECK(offsets.size() == num_segments + 1 && offsets.front() == 0 && offsets.back() == rows.numel(), op,
-           ": offsets must run from 0 to ", rows.numel(), " in one more entry than segment_tables");
+  check_segment_bounds_arg(op, bounds, num_segments, rows.device());
+  check_error_slots(op, errors, rows.device());
   for (size_t s = 0; s < num_segments; ++s) {
-    SK_CHECK(offsets[s] <= offsets[s + 1], op, ": offsets must never decrease");
     SK_CHECK(segment_tables[s] >= -1 && segment_tables[s] < static_cast<int64_t>(num_tables), op,
              ": segment_tables[", s, "] must lie in [-1, ", num_tables, "), got ", segment_tables[s]);
   }
@@ -293,20 +323,26 @@ void hash_table_touch_tables_cuda(const std::vector<Tensor>& last_seen, const st
     uses.push_back({&last_seen[t], "last_seen", t, true});
     uses.push_back({&count[t], "count", t, true});
   }
+  if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
   check_no_shared_writes(op, uses);
   const DeviceGuard device_guard(rows.get_device_index());
   const cudaStream_t stream = current_stream(rows);
   const Tensor rows_c = as_contiguous(rows);
+  const Tensor bounds_c = as_contiguous(bounds);
+  const int64_t* bounds_ptr = bounds_c.const_data_ptr<int64_t>();
   const int64_t n = rows_c.numel();
+  Tensor slots = errors.has_value() ? *errors : full_long_cuda(2, kNoBadPosition, rows);
+  int64_t* slots_ptr = slots.mutable_data_ptr<int64_t>();
+  check_bounds_kernel<<<1, 1, 0, stream>>>(bounds_ptr, static_cast<int64_t>(num_segments), n, slots_ptr, 0);
+  SK_CUDA_KERNEL_LAUNCH_CHECK();
   std::vector<int64_t> word_base(num_tables + 1, 0);
   for (size_t t = 0; t < num_tables; ++t) word_base[t + 1] = word_base[t] + (sizes[t] + 31) / 32;
   Tensor bits = zeros_cuda({std::max<int64_t>(1, word_base[num_tables])}, kInt, rows.device());
   unsigned int* bits_ptr = reinterpret_cast<unsigned int*>(bits.mutable_data_ptr<int32_t>());
-  Tensor first_bad = full_long_cuda(1, n, rows);
-  auto* bad_ptr = reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>());
   std::vector<TouchSegments> launches;
-  for (size_t first = 0; first < num_segments; first += kSegmentsPerLaunch) {
+  for (size_t first = 0; first < num_segments && n > 0; first += kSegmentsPerLaunch) {
     TouchSegments segments{};
+    segments.first = static_cast<int>(first);
     for (size_t s = first; s < std::min(num_segments, first + kSegmentsPerLaunch); ++s) {
       const int i = segments.count_segments++;
       const int64_t t = segment_tables[s];
@@ -316,31 +352,32 @@ void hash_table_touch_tables_cuda(const std::vector<Tensor>& last_seen, const st
       segments.seen_bits[i] = t >= 0 ? bits_ptr + word_base[t] : nullptr;
       segments.size[i] = t >= 0 ? sizes[t] : 0;
       segments.clock[i] = t >= 0 ? clocks[t] : 0;
-      segments.begin[i] = offsets[s];
-      segments.begin[i + 1] = offsets[s + 1];
     }
     launches.push_back(segments);
   }
   // Every row checked before any is scored: the check launches, then the scoring ones.
   for (const TouchSegments& segments : launches) {
-    const int64_t span = segments.begin[segments.count_segments] - segments.begin[0];
-    if (span == 0) continue;
-    check_touch_kernel<<<blocks_for(span), kThreads, 0, stream>>>(segments, rows_c.const_data_ptr<int64_t>(), bad_ptr);
+    check_touch_kernel<<<blocks_for(n), kThreads, 0, stream>>>(segments, bounds_ptr, rows_c.const_data_ptr<int64_t>(),
+                                                               n, slots_ptr);
     SK_CUDA_KERNEL_LAUNCH_CHECK();
   }
   for (const TouchSegments& segments : launches) {
-    const int64_t span = segments.begin[segments.count_segments] - segments.begin[0];
-    if (span == 0) continue;
-    touch_kernel<<<blocks_for(span), kThreads, 0, stream>>>(segments, rows_c.const_data_ptr<int64_t>(), bad_ptr, n);
+    touch_kernel<<<blocks_for(n), kThreads, 0, stream>>>(segments, bounds_ptr, rows_c.const_data_ptr<int64_t>(), n,
+                                                         slots_ptr);
     SK_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  // The documented host sync: a bad row raises (and scored nothing).
-  const int64_t bad = *cpu(first_bad).const_data_ptr<int64_t>();
-  if (bad < n) {
-    const int64_t s = std::upper_bound(offsets.begin(), offsets.end(), bad) - offsets.begin() - 1;
-    fail(op, ": rows[", bad, "] = ", item_at(rows_c, bad), " of table ", segment_tables[s],
-         " is outside its rows [-1, ", sizes[segment_tables[s]], ")");
-  }
+  if (errors.has_value()) return;
+  // Without the caller's slots, the documented host sync: bad bounds or a bad row raise.
+  const Tensor verdict = cpu(slots);
+  const int64_t bad_bounds = verdict.const_data_ptr<int64_t>()[0];
+  const int64_t bad = verdict.const_data_ptr<int64_t>()[1];
+  if (bad_bounds == kNoBadPosition && bad == kNoBadPosition) return;
+  const Tensor host = cpu(bounds_c);
+  const std::vector<int64_t> offsets(host.const_data_ptr<int64_t>(), host.const_data_ptr<int64_t>() + host.numel());
+  if (bad_bounds != kNoBadPosition) raise_segment_bounds(op, offsets, n);
+  const int64_t s = std::upper_bound(offsets.begin(), offsets.end(), bad) - offsets.begin() - 1;
+  fail(op, ": rows[", bad, "] = ", item_at(rows_c, bad), " of table ", segment_tables[s],
+       " is outside its rows [-1, ", sizes[segment_tables[s]], ")");
 }
 
 /// @brief Looks keys up in the table (no host sync).

@@ -49,14 +49,15 @@ def _hash_table_insert_absent_fake(slot_keys: Tensor, slot_rows: Tensor, keys: T
 
 
 def _tables_and_keys(op: str, slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor,
-                     offsets: List[int]) -> None:
+                     offsets: Optional[List[int]]) -> None:
     """The fakes' checks of a multi-table search: 1-D integer keys, each table's slots, and
-    CSR ``offsets`` over the keys."""
+    CSR ``offsets`` over the keys (None: bounds on the device, checked by the caller)."""
     index_dtype(op, "keys", keys, "tensor of keys")
     torch._check(keys.dim() == 1, lambda: f"{op}: keys must be 1-D, got shape {shape_of(keys)}")
     for t, (table_keys, table_rows) in enumerate(zip(slot_keys, slot_rows)):
         hash_table_slots(f"{op}: table {t}", table_keys, table_rows)
-    csr_offsets(op, offsets, keys.numel())
+    if offsets is not None:
+        csr_offsets(op, offsets, keys.numel())
 
 
 @torch.library.register_fake("sparsekit::hash_table_find_tables")
@@ -89,30 +90,43 @@ def _hash_table_score_tables_fake(last_seen: List[Tensor], count: List[Tensor], 
     return None
 
 
+def _segment_bounds(op: str, bounds: Tensor, num_segments: int, like: Tensor) -> None:
+    """The fakes' check of a segment-bounds tensor (its values are the kernel's to judge)."""
+    torch._check(bounds.dtype == torch.int64 and bounds.dim() == 1 and bounds.shape[0] == num_segments + 1,
+                 lambda: f"{op}: bounds must be a 1-D int64 tensor of {num_segments + 1} entries (one more than "
+                         f"segments), got a {bounds.dtype} tensor of shape {shape_of(bounds)}")
+    same_device(op, bounds=bounds, rows=like)
+
+
 @torch.library.register_fake("sparsekit::lookup_rows")
-def _lookup_rows_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor, offsets: List[int],
+def _lookup_rows_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor, bounds: Tensor,
                       segment_tables: List[int], direct_rows: List[int]) -> Tuple[Tensor, Tensor]:
     op = "lookup_rows"
     same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
     torch._check(len(slot_keys) == len(slot_rows), lambda: f"{op}: one slot_keys and slot_rows entry per table")
-    torch._check(len(segment_tables) == len(direct_rows) and len(offsets) == len(segment_tables) + 1,
-                 lambda: f"{op}: one segment_tables and direct_rows entry per segment (and one more offset)")
-    _tables_and_keys(op, slot_keys, slot_rows, keys, offsets)
-    return keys.new_empty(keys.shape, dtype=torch.int64), keys.new_empty(2, dtype=torch.int64)
+    torch._check(len(segment_tables) == len(direct_rows),
+                 lambda: f"{op}: one segment_tables and direct_rows entry per segment")
+    _tables_and_keys(op, slot_keys, slot_rows, keys, None)
+    _segment_bounds(op, bounds, len(segment_tables), keys)
+    return keys.new_empty(keys.shape, dtype=torch.int64), keys.new_empty(3, dtype=torch.int64)
 
 
 @torch.library.register_fake("sparsekit::hash_table_touch_tables_")
-def _hash_table_touch_tables_fake(last_seen: List[Tensor], count: List[Tensor], rows: Tensor, offsets: List[int],
-                                  segment_tables: List[int], sizes: List[int], clocks: List[int]) -> None:
+def _hash_table_touch_tables_fake(last_seen: List[Tensor], count: List[Tensor], rows: Tensor, bounds: Tensor,
+                                  segment_tables: List[int], sizes: List[int], clocks: List[int],
+                                  errors: Optional[Tensor] = None) -> None:
     op = "hash_table_touch_tables_"
     same_device(op, rows=rows, last_seen=last_seen, count=count)
     torch._check(len(last_seen) == len(count) == len(clocks) == len(sizes),
                  lambda: f"{op}: one last_seen, count, size and clock entry per table")
-    torch._check(len(offsets) == len(segment_tables) + 1,
-                 lambda: f"{op}: one segment_tables entry per segment (and one more offset)")
     torch._check(rows.dtype == torch.int64 and rows.dim() == 1,
                  lambda: f"{op}: rows must be 1-D int64, got {rows.dtype} with shape {shape_of(rows)}")
-    csr_offsets(op, offsets, rows.numel())
+    _segment_bounds(op, bounds, len(segment_tables), rows)
+    if errors is not None:
+        torch._check(errors.dtype == torch.int64 and errors.dim() == 1 and errors.shape[0] == 2,
+                     lambda: f"{op}: errors must be a contiguous int64 tensor [2], got {errors.dtype} of shape "
+                             f"{shape_of(errors)}")
+        same_device(op, errors=errors, rows=rows)
     return None
 
 

@@ -285,17 +285,27 @@ def test_pooled_kernels(device, dtype):
 
 def test_lookup_rows_kernels(device):
     """lookup_rows over hash, direct and caller-resolved segments, and the scoring of each
-    distinct row once, on this device against the CPU."""
+    distinct row once, on this device against the CPU: 3 segments, and 70 (three launches of
+    32 segments, some empty), their bounds a tensor on the device."""
     g = _seeded(22)
-    results = []
-    for dev in ("cpu", device):
-        table = sk.HashTable(64, device=dev)
-        table.insert(torch.arange(0, 40, 3, device=dev))
-        keys = torch.randint(-5, 60, (50,), generator=g).to(dev) if dev == "cpu" else results[0][0].to(dev)
-        rows, report = torch.ops.sparsekit.lookup_rows([table._slot_keys], [table._slot_rows], keys, [0, 20, 35, 50],
-                                                       [0, -1, -2], [0, 30, 0])
-        torch.ops.sparsekit.hash_table_touch_tables_([table._last_seen], [table._count], rows, [0, 20, 35, 50],
-                                                     [0, -1, -1], [len(table)], [7])
-        results.append((keys.cpu(), rows.cpu(), report.cpu(), table._last_seen.cpu(), table._count.cpu()))
-    for a, b in zip(results[0][1:], results[1][1:]):
-        assert torch.equal(a, b)
+    for lengths in ([20, 15, 15], [0, 3, 1, 0, 2] * 14):
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        kinds = [[0, -1, -2][s % 3] for s in range(len(lengths))]
+        direct = [30 if k == -1 else 0 for k in kinds]
+        keys = torch.randint(-5, 60, (bounds[-1],), generator=g)
+        results = []
+        for dev in ("cpu", device):
+            table = sk.HashTable(64, device=dev)
+            table.insert(torch.arange(0, 40, 3, device=dev))
+            table.tick()
+            on = torch.tensor(bounds, device=dev)
+            rows, report = torch.ops.sparsekit.lookup_rows([table._slot_keys], [table._slot_rows], keys.to(dev), on,
+                                                           kinds, direct)
+            errors = torch.full((2,), 2 ** 63 - 1, device=dev)
+            torch.ops.sparsekit.hash_table_touch_tables_([table._last_seen], [table._count], rows, on,
+                                                         [max(k, -1) for k in kinds], [len(table)], [7], errors)
+            results.append((rows.cpu(), report.cpu(), errors.cpu(), table._last_seen.cpu(), table._count.cpu()))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
