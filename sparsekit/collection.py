@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import engine, ops, traced
+from . import _device, engine, ops, traced
 from ._checks import compile_disabled, device_argument, torch_at_least
 from . import keyed
 from .checkpoint.collective import collective_device
@@ -459,6 +459,13 @@ class EmbeddingBagCollection(TracedLookup, ShardedLookup, nn.Module):
         return out
 
 
+    def _error_slots(self, device: torch.device) -> Tensor:
+        """The step's error word on ``device`` (engine.StepContext.errors), made once."""
+        slots = self.__dict__.get("_errors")
+        if slots is None or slots.device != device:
+            slots = self.__dict__["_errors"] = engine.fresh_error_slots(device)
+        return slots
+
     def _clocks(self) -> List[Tuple[Optional[int], Optional[int]]]:
         return [(None if s.hash_table is None else s.hash_table.clock, None if s._pending is None else s._pending.clock)
                 for s in self._shards]
@@ -480,10 +487,12 @@ class EmbeddingBagCollection(TracedLookup, ShardedLookup, nn.Module):
         if world == 1:
             if error is not None:
                 raise error
-            self._raise_for_flags(int(flags.item()), prepared)
+            # The input's verdict is read with the lookup's report, in the step's one host read.
             step = engine.StepContext(prepared["features"], prepared["table_of_feature"], prepared["batch"],
-                                      prepared["bounds"], prepared["offsets"], prepared["keys"], prepared["weights"])
-            engine.resolve_rows(step, self._shards, self.training, self._direct_key_error)
+                                      prepared["bounds"], prepared["offsets"], prepared["keys"], prepared["weights"],
+                                      flags, self._error_slots(device), prepared["host_bounds"])
+            engine.resolve_rows(step, self._shards, self.training, self._direct_key_error,
+                                lambda bad: self._raise_for_flags(bad, prepared))
             fused = self._fused_update if self._fused is not None else None
             if self._output == "keyed":
                 keys, dims = self._keyed_layout()
@@ -560,7 +569,15 @@ class EmbeddingBagCollection(TracedLookup, ShardedLookup, nn.Module):
         offsets = offsets.long()
         nnz = values.numel()
         one_per_bag = None  # valid offsets with one value per bag (decided below when on the host)
-        if offsets.device.type == "cpu":
+        if batch_only and not _device.host_readable(offsets):
+            # One process on a device: the bounds stay there, the verdict is read later with
+            # the lookup's (engine.resolve_rows), so nothing here waits for the device.
+            bounds = offsets[::batch] if batch > 0 else offsets.new_zeros(num_features + 1)
+            return {"features": features, "batch": batch, "bounds": bounds, "host_bounds": None,
+                    "offsets": offsets, "keys": values.long(), "weights": weights,
+                    "table_of_feature": [self._feature_table[f] for f in features],
+                    "flags": _offsets_error_flags(offsets, nnz)}
+        if _device.host_readable(offsets):
             # Offsets that strictly rise from 0 to nnz == num_bags are valid and rise by exactly
             # one per bag: one numpy pass decides both for such an input (neighbours compared,
             # never subtracted: int64 differences can wrap, as lengths of 2**63 - 1 make them).
@@ -582,8 +599,9 @@ class EmbeddingBagCollection(TracedLookup, ShardedLookup, nn.Module):
         if not flags_bad_bounds and one_per_bag is None:
             one_per_bag = _one_per_bag(offsets, keys.numel())
         if batch_only:
-            return {"features": features, "batch": batch, "bounds": bounds, "offsets": offsets, "keys": keys,
-                    "weights": weights, "table_of_feature": table_of_feature, "flags": flags}
+            return {"features": features, "batch": batch, "bounds": torch.tensor(bounds, dtype=torch.int64),
+                    "host_bounds": bounds, "offsets": offsets, "keys": keys, "weights": weights,
+                    "table_of_feature": table_of_feature, "flags": flags}
         num_tables = len(self._shards)
         # The distinct (table, key) pairs, table after table: feature f's values are
         # bounds[f]:bounds[f + 1], a segment of its table.

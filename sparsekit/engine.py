@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .exchange import _unique_tables
+from .exchange import _BAD_OFFSETS, _unique_tables
 from .hashtable import HashTableFullError
 from .pooled import ReadLayout, pooled_read
 from .shard import KeySeededUniform, _place_new_keys
@@ -36,18 +36,42 @@ __all__ = ["StepContext", "resolve_rows", "read_pooled", "initial_rows"]
 class StepContext:
     """One forward's batch and what the stages make of it.
 
-    ``bounds[f]:bounds[f + 1]`` are feature f's values (a host list), ``offsets`` the CSR
-    bounds of every bag (feature-major, ``[F * B + 1]`` int64), ``keys`` int64 ``[nnz]``,
-    ``weights`` the per-value weights or None; ``rows`` is set by :func:`resolve_rows`."""
+    ``bounds[f]:bounds[f + 1]`` are feature f's values (int64 ``[F + 1]`` on the keys'
+    device; ``host_bounds`` the same as a list where the host had them for free),
+    ``offsets`` the CSR bounds of every bag (feature-major, ``[F * B + 1]`` int64), ``keys``
+    int64 ``[nnz]``, ``weights`` the per-value weights or None; ``flags`` the input's verdict
+    (int64 scalar, 0: valid), read with the lookup's report; ``errors`` the error word
+    (:func:`fresh_error_slots`) the step's ops record into instead of raising; ``rows`` is
+    set by :func:`resolve_rows`."""
 
     features: List[str]
     table_of_feature: List[int]
     batch: int
-    bounds: List[int]
+    bounds: Tensor
     offsets: Tensor
     keys: Tensor
     weights: Optional[Tensor]
+    flags: Tensor
+    errors: Tensor
+    host_bounds: Optional[List[int]] = None
     rows: Optional[Tensor] = None
+
+    def bounds_list(self) -> List[int]:
+        """The bounds as host ints (a host read on a device, made once: only steps that meet
+        new keys, evolving tables or an error need them)."""
+        if self.host_bounds is None:
+            self.host_bounds = self.bounds.tolist()
+        return self.host_bounds
+
+
+# The error word's slots hold the first bad bag and the first bad lookup an op of the step met;
+# this marks an empty slot (the ops keep the smaller position).
+_NO_ERROR = 2 ** 63 - 1
+
+
+def fresh_error_slots(device: torch.device) -> Tensor:
+    """An empty error word: int64 ``[2]`` on ``device``."""
+    return torch.full((2,), _NO_ERROR, dtype=torch.int64, device=device)
 
 
 def _evolving(shard: Any, training: bool) -> bool:
@@ -58,12 +82,13 @@ def _evolving(shard: Any, training: bool) -> bool:
 
 
 def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
-                 direct_key_error: Callable[[int, int], BaseException]) -> Tensor:
+                 direct_key_error: Callable[[int, int], BaseException], bad_input: Callable[[int], None]) -> Tensor:
     """Stage 2: every value's row (int64 ``[nnz]``, -1: reads as zeros), stored in
-    ``ctx.rows``. Raises before anything changes: ``direct_key_error(table, key)`` for a
-    key outside a direct table, ``HashTableFullError`` (the table's own message) when a
-    table cannot take its new keys, the initializer's error."""
-    keys, bounds = ctx.keys, ctx.bounds
+    ``ctx.rows``. Raises before anything changes: ``bad_input(flags)`` for the input's
+    verdict, ``direct_key_error(table, key)`` for a key outside a direct table,
+    ``HashTableFullError`` (the table's own message) when a table cannot take its new keys,
+    the initializer's error, and an error an earlier step's ops recorded in ``ctx.errors``."""
+    keys = ctx.keys
     tables: List[Any] = []          # the hash tables found directly, once each
     table_slot: Dict[int, int] = {}
     segment_tables: List[int] = []  # per feature: its table's place in `tables`, -1 direct, -3 resolved here
@@ -79,14 +104,24 @@ def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
             segment_tables.append(table_slot.setdefault(t, len(tables)))
             if len(tables) < len(table_slot):
                 tables.append(shard.hash_table)
-    rows, found = torch.ops.sparsekit.lookup_rows([table._slot_keys for table in tables],
-                                                  [table._slot_rows for table in tables], keys, bounds,
-                                                  segment_tables, direct_rows)
-    at, absent = found.tolist()  # a host read (a sync on CUDA)
-    if -1 in segment_tables:
-        if at < keys.numel():
-            f = bisect.bisect_right(bounds, at) - 1
-            raise direct_key_error(ctx.table_of_feature[f], int(keys[at]))
+    rows, report = torch.ops.sparsekit.lookup_rows([table._slot_keys for table in tables],
+                                                   [table._slot_rows for table in tables], keys, ctx.bounds,
+                                                   segment_tables, direct_rows)
+    # The step's one host read (a sync on CUDA): the input's verdict, the lookup's report and
+    # the error word, which the previous step's backward may have written since its forward.
+    flags, at, absent, bad_bounds, bad_bag, bad_lookup = torch.cat(
+        [ctx.flags.view(1), report, ctx.errors]).tolist()
+    if bad_bag != _NO_ERROR or bad_lookup != _NO_ERROR:
+        ctx.errors.fill_(_NO_ERROR)
+        raise RuntimeError(f"sparsekit: an earlier step's pooled read or fused update met bad input (bag {bad_bag}, "
+                           f"lookup {bad_lookup}; {_NO_ERROR}: none) that its forward's checks should have stopped; "
+                           "those lookups were left out of its update")
+    bad_input(flags)
+    if bad_bounds:  # implies bad offsets, which flags report: never reached with a correct caller
+        bad_input(_BAD_OFFSETS)
+    if -1 in segment_tables and at < keys.numel():
+        f = bisect.bisect_right(ctx.bounds_list(), at) - 1
+        raise direct_key_error(ctx.table_of_feature[f], int(keys[at]))
     if not training:
         ctx.rows = rows
         return rows
@@ -98,7 +133,7 @@ def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
         rows = _grow(shards, rows, growth)
     for t, (plan, inverse) in plans.items():
         found = shards[t]._commit(plan).index_select(0, inverse)
-        start = 0
+        bounds, start = ctx.bounds_list(), 0
         for f, table in enumerate(ctx.table_of_feature):
             if table == t:
                 count = bounds[f + 1] - bounds[f]
@@ -107,9 +142,9 @@ def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
     if tables:
         sizes = [len(table) for table in tables]
         torch.ops.sparsekit.hash_table_touch_tables_([table._last_seen for table in tables],
-                                                     [table._count for table in tables], rows, bounds,
+                                                     [table._count for table in tables], rows, ctx.bounds,
                                                      [max(s, -1) for s in segment_tables], sizes,
-                                                     [table.clock for table in tables])
+                                                     [table.clock for table in tables], ctx.errors)
     ctx.rows = rows
     return rows
 
@@ -131,7 +166,7 @@ def _plan_growth(ctx: StepContext, shards: Sequence[Any], rows: Tensor) -> "_Gro
     # Where each feature's missing values start among all the missing ones (one host read).
     running = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(missing, 0, out=running[1:])
-    segments = running.index_select(0, _device_ints(ctx.bounds, rows.device)).tolist()
+    segments = running.index_select(0, ctx.bounds).tolist()
     num_tables = len(shards)
     new_keys, new_of_missing, per_table = _unique_tables(ctx.keys[missing], segments, ctx.table_of_feature,
                                                          num_tables)
@@ -166,7 +201,8 @@ def _grow(shards: Sequence[Any], rows: Tensor, growth: _Growth) -> Tensor:
 def _plan_evolving(ctx: StepContext, shard: Any, table: int) -> Tuple[Any, Tensor]:
     """A table with eviction or admission: its values' distinct keys (in order of first
     occurrence) planned by its shard, and each value's place among them."""
-    parts = [ctx.keys[ctx.bounds[f]:ctx.bounds[f + 1]] for f, t in enumerate(ctx.table_of_feature) if t == table]
+    bounds = ctx.bounds_list()
+    parts = [ctx.keys[bounds[f]:bounds[f + 1]] for f, t in enumerate(ctx.table_of_feature) if t == table]
     keys = torch.cat(parts) if len(parts) > 1 else parts[0]
     distinct, inverse = ops.unique(keys, return_inverse=True)
     return shard._plan(distinct), inverse
@@ -219,7 +255,7 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
         if not members:  # a batch of no features: zeros
             return torch.zeros(ctx.batch, start, dtype=shards[0].weight.dtype, device=ctx.keys.device)
         return pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
-                           [shards[t]._grad_marker for t in members], fused)
+                           [shards[t]._grad_marker for t in members], fused, ctx.errors)
     for members in dtypes.values():
         place = {t: j for j, t in enumerate(members)}
         feature_tables, columns, means = [], [], []
@@ -234,7 +270,7 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
         # its backward where they lie, with no concatenation.
         layout = ReadLayout(feature_tables, columns, means, total, split=True)
         parts = pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
-                            [shards[t]._grad_marker for t in members], fused)
+                            [shards[t]._grad_marker for t in members], fused, ctx.errors)
         mine = [f for f, j in enumerate(feature_tables) if j >= 0]
         out.update((ctx.features[f], part) for f, part in zip(mine, parts))
     return {feature: out[feature] for feature in ctx.features}

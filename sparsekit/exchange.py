@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ops
+from . import _device, ops
 from ._checks import compile_disabled
 
 # Bits of the error word each rank folds into the counts exchange.
@@ -434,7 +434,7 @@ def _one_per_bag(offsets: Tensor, nnz: int) -> bool:
     num_bags = offsets.numel() - 1
     if nnz != num_bags:
         return False
-    if num_bags == 0 or offsets.device.type != "cpu":
+    if num_bags == 0 or not _device.host_readable(offsets):
         return num_bags == 0
     # Host values: numpy's compare costs a fraction of torch's arange + equal.
     return _is_counting(offsets.detach().numpy())
@@ -520,7 +520,7 @@ def _mean_of_sum(pooled: Tensor, lengths: Tensor) -> Tensor:
 def _offsets_error_flags(offsets: Tensor, nnz: int) -> Tensor:
     """``_BAD_OFFSETS`` (an int64 scalar on the offsets' device) unless the CSR ``offsets``
     start at 0, never decrease and end at ``nnz``; else 0. No host read on a GPU."""
-    if offsets.device.type == "cpu":  # host values: numpy's checks cost a fraction of torch's small ops
+    if _device.host_readable(offsets):  # numpy's checks cost a fraction of torch's small ops
         host = offsets.detach().numpy()
         # One key per bag, 0, 1, ..., nnz, is valid: one compare instead of three passes.
         bad = not (host.size == nnz + 1 and _is_counting(host)) and (

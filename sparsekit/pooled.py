@@ -78,15 +78,18 @@ class FusedStep(NamedTuple):
 class _PooledRead(torch.autograd.Function):
     """The pooled read of the tables ``weights`` as one autograd node. ``fused``: None for the
     unfused path (coalesced sparse gradients), else a callable giving the :class:`FusedStep`
-    the backward applies in place; ``markers``: each table's :class:`_CoalescedGradMarker`."""
+    the backward applies in place; ``markers``: each table's :class:`_CoalescedGradMarker`;
+    ``errors``: None (bad input raises), or the step's error word, where the read and the
+    fused update record it instead (no host read)."""
 
     @staticmethod
     def forward(ctx, layout: ReadLayout, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                markers: Sequence[_CoalescedGradMarker], fused: Any, *weights: Tensor) -> Tensor:
+                markers: Sequence[_CoalescedGradMarker], fused: Any, errors: Optional[Tensor],
+                *weights: Tensor) -> Tensor:
         out = torch.ops.sparsekit.pooled_read(list(weights), rows, offsets, per_sample_weights, layout.feature_tables,
-                                              layout.feature_columns, layout.feature_means, layout.total_dim)
+                                              layout.feature_columns, layout.feature_means, layout.total_dim, errors)
         ctx.save_for_backward(rows, offsets, per_sample_weights)
-        ctx.layout, ctx.markers, ctx.fused = layout, markers, fused
+        ctx.layout, ctx.markers, ctx.fused, ctx.errors = layout, markers, fused, errors
         ctx.stamps = [marker.stamp for marker in markers]
         # Not saved for backward: a fused update writes them in place (and an earlier step's
         # update may have, before this backward), which autograd's version check refuses.
@@ -107,7 +110,7 @@ class _PooledRead(torch.autograd.Function):
         # A feature whose output got no gradient is left out; a table all of whose features
         # are gets none (as a module whose output is unused).
         feature_tables = [t if g is not None else -1 for t, g in zip(layout.feature_tables, grads)]
-        needed = [ctx.needs_input_grad[6 + j] for j in range(len(weights))]
+        needed = [ctx.needs_input_grad[_WEIGHTS + j] for j in range(len(weights))]
         # A table loaded or reset since the forward gets nothing from it (its features are
         # left out); rows given to other keys since (eviction) are dropped lookup by lookup.
         lost = [not needed[j] or j not in feature_tables or marker.lost(stamp)
@@ -123,7 +126,7 @@ class _PooledRead(torch.autograd.Function):
                                                   per_sample_weights, weights_grad)
             grads = _sparse_gradients(parts, ctx.markers, ctx.stamps, [False] * len(weights),
                                       [(w.shape, w.dtype) for w in weights])
-            return (None, None, None, scale_grad, None, None) + tuple(grads)
+            return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4) + tuple(grads)
         scale_grad = None
         if weights_grad:
             block = _block(layout, weights, outputs_grads, (offsets.numel() - 1) // len(feature_tables))
@@ -138,10 +141,11 @@ class _PooledRead(torch.autograd.Function):
                 with torch.no_grad():
                     torch.ops.sparsekit.pooled_read_update_(
                         list(weights), step.state1, step.state2, step.steps, op_grads, rows, offsets,
-                        per_sample_weights, feature_tables, layout.feature_means, step.optimizer, step.hyper, step.lr)
-            return (None, None, None, scale_grad, None, None) + (None,) * len(weights)
+                        per_sample_weights, feature_tables, layout.feature_means, step.optimizer, step.hyper, step.lr,
+                        ctx.errors)
+            return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4 + len(weights))
         if not any(t >= 0 for t in feature_tables):
-            return (None, None, None, scale_grad, None, None) + (None,) * len(weights)
+            return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4 + len(weights))
         unique_rows, per_table, values = torch.ops.sparsekit.pooled_read_backward(
             op_grads, list(weights), rows, offsets, per_sample_weights, feature_tables, layout.feature_means)
         counts = per_table.tolist()  # a host read (a sync on CUDA): the sparse gradients' sizes
@@ -156,7 +160,11 @@ class _PooledRead(torch.autograd.Function):
             value_start += count * dim
         grads = _sparse_gradients(parts, ctx.markers, ctx.stamps, [False] * len(weights),
                                   [(w.shape, w.dtype) for w in weights])
-        return (None, None, None, scale_grad, None, None) + tuple(grads)
+        return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4) + tuple(grads)
+
+
+# The place of the first weight among _PooledRead's inputs.
+_WEIGHTS = 7
 
 
 def _traced_gradients(layout: ReadLayout, feature_tables: List[int], weights: Sequence[Tensor], grad: Tensor,
@@ -272,7 +280,8 @@ def update_distinct_rows(fused: Any, weight: Tensor, rows: Tensor, values: Tenso
 
 
 def pooled_read(layout: ReadLayout, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-                weights: Sequence[Tensor], markers: Sequence[_CoalescedGradMarker], fused: Any = None) -> Tensor:
+                weights: Sequence[Tensor], markers: Sequence[_CoalescedGradMarker], fused: Any = None,
+                errors: Optional[Tensor] = None) -> Tensor:
     """``[B, layout.total_dim]``: every feature's pooled bags of the tables ``weights`` (one
     dtype), as one differentiable read (see :class:`_PooledRead`)."""
-    return _PooledRead.apply(layout, rows, offsets, per_sample_weights, markers, fused, *weights)
+    return _PooledRead.apply(layout, rows, offsets, per_sample_weights, markers, fused, errors, *weights)
