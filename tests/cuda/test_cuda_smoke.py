@@ -12,7 +12,8 @@ selection cannot rot between GPU sessions.
     csrc/cuda/lazy_adam_cuda.cu    test_lazy_adam_kernels
     csrc/cuda/routing_cuda.cu      test_routing_kernels
     csrc/cuda/initializer_cuda.cu  test_initializer_kernels
-    csrc/cuda/pooled_cuda.cu       test_pooled_kernels (read, codes + radix sort, grad rows, the three updates)
+    csrc/cuda/pooled_cuda.cu       test_pooled_kernels (read)
+    csrc/cuda/pooled_backward_cuda.cu  test_pooled_kernels (codes + radix sort, grad rows, the three updates)
     csrc/cuda/hashtable_cuda.cu    test_lookup_rows_kernels (lookup_rows, touch: check + score)
     all of them, through a layer   test_layer_step, test_collection_step (dynamic tables, bf16, mixed dims)
 """
