@@ -105,12 +105,6 @@ inline PooledLayout check_pooled_args(const char* op, const std::vector<Tensor>&
   return layout;
 }
 
-/// @brief The family's error slots (check_error_slots): given, an op records what it meets
-/// and leaves it out instead of raising; not given, it raises (on CUDA after one host read).
-inline void check_pooled_errors_arg(const char* op, const std::optional<Tensor>& errors, const Device& device) {
-  check_error_slots(op, errors, device);
-}
-
 /// @brief The layout of pooled_read_backward / pooled_read_update_, which take no columns:
 /// check_pooled_args with every column 0 and the widest table's dim as the width.
 inline PooledLayout check_pooled_backward_args(const char* op, const std::vector<Tensor>& weights, const Tensor& rows,

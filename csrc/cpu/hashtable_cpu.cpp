@@ -255,6 +255,13 @@ void check_table_offsets(const std::vector<int64_t>& offsets, size_t num_tables,
   }
 }
 
+/// @brief The segment bounds (checked by check_segment_bounds_arg) as host values.
+std::vector<int64_t> host_bounds(const Tensor& bounds) {
+  const Tensor b = as_contiguous(bounds);
+  const int64_t* p = b.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + b.numel());
+}
+
 }  // namespace
 
 /// @brief hash_table_find over several tables: keys[offsets[t] : offsets[t + 1]] in table t.
@@ -391,17 +398,6 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
     score(std::false_type{});
   }
 }
-
-namespace {
-
-/// @brief The segment bounds (checked by check_segment_bounds_arg) as host values.
-std::vector<int64_t> host_bounds(const Tensor& bounds) {
-  const Tensor b = as_contiguous(bounds);
-  const int64_t* p = b.const_data_ptr<int64_t>();
-  return std::vector<int64_t>(p, p + b.numel());
-}
-
-}  // namespace
 
 /// @brief The row of every value of a collection's batch: segment s (keys[offsets[s] :
 /// offsets[s + 1]], a feature's values) is found in hash table segment_tables[s] (-1 where

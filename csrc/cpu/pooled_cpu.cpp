@@ -92,7 +92,7 @@ Tensor pooled_read_cpu(const std::vector<Tensor>& weights_in, const Tensor& rows
   Tensor out = pooled_output(layout, weights[0].device());
   const int64_t* offsets_ptr = offsets.const_data_ptr<int64_t>();
   const int64_t* rows_ptr = rows.const_data_ptr<int64_t>();
-  check_pooled_errors_arg(op, errors, weights[0].device());
+  check_error_slots(op, errors, weights[0].device());
   if (layout.batch == 0) {
     check_no_bags(op, layout, offsets_ptr, errors);
     return out;
@@ -458,7 +458,7 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cpu(
   const float* psw_ptr = per_sample_weights_in.has_value() ? psw.const_data_ptr<float>() : nullptr;
   const int64_t* offsets_ptr = offsets.const_data_ptr<int64_t>();
   const size_t num_tables = weights.size();
-  check_pooled_errors_arg(op, errors, device);
+  check_error_slots(op, errors, device);
   if (layout.batch == 0) check_no_bags(op, layout, offsets_ptr, errors);
   const IndexedLookups lookups =
       index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
@@ -587,7 +587,7 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
   uses.push_back({&rows_in, "rows", 0, false});
   uses.push_back({&offsets_in, "offsets", 0, false});
   if (per_sample_weights_in.has_value()) uses.push_back({&*per_sample_weights_in, "per_sample_weights", 0, false});
-  check_pooled_errors_arg(op, errors, device);
+  check_error_slots(op, errors, device);
   if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
   check_no_shared_writes(op, uses);
   const Tensor rows = as_contiguous(rows_in);

@@ -309,7 +309,7 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
   const Device device = weights[0].device();
   SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
   check_pooled_grads(op, grads, layout, device);
-  check_pooled_errors_arg(op, errors, device);
+  check_error_slots(op, errors, device);
   for (const Tensor& w : weights) {
     SK_CHECK(w.size(1) <= kColumnsPerLane * kWarp, op, ": on CUDA a table's dim must be at most ",
              kColumnsPerLane * kWarp, ", got ", w.size(1));
@@ -526,7 +526,7 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
   check_pooled_grads(op, grads, layout, device);
   const FusedScalars h = check_fused_hyper(op, optimizer, hyper);
   check_fused_state(op, optimizer, weights, state1, state2, steps);
-  check_pooled_errors_arg(op, errors, device);
+  check_error_slots(op, errors, device);
   if (lr.has_value()) {
     SK_CHECK(lr->numel() == 1 && (lr->scalar_type() == kFloat || lr->scalar_type() == kDouble) &&
                  lr->device() == device,

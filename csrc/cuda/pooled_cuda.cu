@@ -101,7 +101,7 @@ Tensor pooled_read_cuda(const std::vector<Tensor>& weights_in, const Tensor& row
                                                 feature_tables, feature_columns, feature_means, total_dim);
   const Device device = weights_in[0].device();
   SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
-  check_pooled_errors_arg(op, errors, device);
+  check_error_slots(op, errors, device);
   const DeviceGuard guard(weights_in[0].get_device_index());
   const cudaStream_t stream = current_stream(weights_in[0]);
   std::vector<Tensor> weights;
