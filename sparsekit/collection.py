@@ -268,11 +268,11 @@ class EmbeddingBagCollection(TracedLookup, ShardedLookup, nn.Module):
         """The fused update of ``weights`` for the backward; rows given to new keys since the
         last update (eviction) start from zero state first."""
         for shard in self._shards:
-            if shard._fresh_rows is not None and any(shard.weight is w for w in weights):
-                fresh = shard._fresh_rows.nonzero().squeeze(1)
+            if shard.fresh_rows is not None and any(shard.weight is w for w in weights):
+                fresh = shard.fresh_rows.nonzero().squeeze(1)
                 if fresh.numel():
                     self._fused.reset_rows(shard.weight, fresh)
-                    shard._fresh_rows.zero_()
+                    shard.fresh_rows.zero_()
         return self._fused.update_of(list(weights))
 
     # -- module plumbing ------------------------------------------------------------------------

@@ -361,7 +361,7 @@ class ShardedLookup:
                 else:
                     shard = self._shards[t]
                     table = shard.hash_table
-                    if table._eviction is None and shard._fresh_rows is None \
+                    if table._eviction is None and shard.fresh_rows is None \
                             and misses[i] <= table.capacity - len(table):
                         growing.append((t, rows, new_keys[i]))
             initial = initial_rows(self._shards, [(t, keys) for t, _, keys in growing])

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
 
-from . import ops
+from . import ops, shard_registry
 from ._checks import compile_disabled
 from .allocator import table_zeros
 from .optim_checks import (  # noqa: F401  (_saved_step: imported from here by the checkpoints)
@@ -353,7 +353,7 @@ class LazyAdam(torch.optim.Optimizer):
         if grad is None or not grad.is_sparse or param.device.type != "cpu" \
                 or not (param.dtype == torch.float32 or _half_shard(param)) \
                 or not param.is_contiguous() or grad.sparse_dim() != 1 or grad.shape != param.shape \
-                or getattr(param, "sparsekit_fresh_rows", None) is not None:
+                or shard_registry.fresh_rows(param) is not None:
             return False
         # .get: a parameter without state must not get an empty one here, and a damaged state
         # is not fused (_check_gradients then names what is wrong).
@@ -535,9 +535,9 @@ def _row_indices(grad: Tensor) -> Tensor:
 
 def _reset_reused_rows(param: Tensor, state: Dict[str, Any], rows: Optional[Tensor]) -> None:
     """Zeroes the moments of ``rows`` (None: all) that a dynamic layer gave to new keys since
-    their last update (``param.sparsekit_fresh_rows``) and clears the flags: a new key never
+    their last update (:func:`sparsekit.shard_registry.fresh_rows`) and clears the flags: a new key never
     inherits an evicted key's moments. Set to zero, not masked (inf * 0 is NaN). No host sync."""
-    fresh = getattr(param, "sparsekit_fresh_rows", None)
+    fresh = shard_registry.fresh_rows(param)
     if fresh is None:
         return
     shape = (-1,) + (1,) * (param.dim() - 1)
@@ -572,4 +572,4 @@ def _lazy_adam_rows(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, rows: Te
 
 def _half_shard(param: Tensor) -> bool:
     """A float16 / bfloat16 model-parallel embedding shard (its moments are float32)."""
-    return param.dtype in (torch.float16, torch.bfloat16) and bool(getattr(param, "sparsekit_model_parallel", False))
+    return param.dtype in (torch.float16, torch.bfloat16) and shard_registry.is_shard(param)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import shard_registry
 from ._checks import memory_span
 
 
@@ -248,7 +249,7 @@ def _check_saved_state(saved: Any, group_index: int, position: int, param: Tenso
 def _check_element_sparse(group_index: int, position: int, param: Tensor, state: Optional[Dict[str, Any]]) -> None:
     """An element-wise sparse gradient (``sparse_dim`` > 1) updates a row view of the
     parameter and its moments, which needs them contiguous."""
-    if getattr(param, "sparsekit_model_parallel", False):
+    if shard_registry.is_shard(param):
         raise RuntimeError(f"{_gradient_name(group_index, position, param)} has sparse_dim > 1, but it is an "
                            "embedding shard, whose gradient names rows (sparse_dim 1); nothing was updated")
     moments = [state.get(name) for name in ("exp_avg", "exp_avg_sq")] if state else []

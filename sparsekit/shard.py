@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import ops, traced
+from . import ops, shard_registry, traced
 from ._checks import AllocationError, allocation, bool_argument, device_argument, size_argument
 from .allocator import table_zeros
 from .exchange import (
@@ -96,7 +96,7 @@ class KeySeededUniform:
 
 def is_embedding_variable(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a model-parallel embedding shard (a layer's ``weight``)."""
-    return bool(getattr(tensor, "sparsekit_model_parallel", False))
+    return shard_registry.is_shard(tensor)
 
 
 def _distinct_sorted_rows(rows: Tensor, bound: int) -> Tuple[Tensor, Tensor]:
@@ -234,6 +234,12 @@ class _ModelParallelEmbedding(_ShardState, _ShardExchange, nn.Module):
         traced.register(self)
         if self.hash_table is None:
             self._initialize_direct_rows()
+
+    @property
+    def fresh_rows(self) -> Optional[Tensor]:
+        """The bool ``[rows]`` flags of rows given to new keys since the optimizer last updated
+        them (None without eviction): LazyAdam zeroes their moments first, then clears them."""
+        return self._fresh_rows
 
     def _keep_fresh_rows(self) -> None:
         """Allocates the per-row flags of rows given to new keys (``_fresh_rows``) and the marker's
@@ -524,16 +530,14 @@ class _ModelParallelEmbedding(_ShardState, _ShardExchange, nn.Module):
     __prepare_scriptable__ = traced._refuse_scripting
 
     def _mark_weight(self) -> None:
-        """Puts the layer's marks on ``weight`` (``sparsekit_model_parallel``, with eviction
-        ``sparsekit_fresh_rows``, and the coalesced-gradient hook); a new weight (a copy, unpickling,
-        ``load_state_dict(assign=True)``) lacks them."""
+        """Registers ``weight`` as this layer's shard (:mod:`sparsekit.shard_registry`) and puts
+        the coalesced-gradient hook on it; a new weight (a copy, unpickling,
+        ``load_state_dict(assign=True)``) lacks both."""
         weight = self.weight
         # The layer's own Parameter, which a compiled forward compares with the one it is
         # given (functional_call's substitute); in __dict__, not registered as a parameter.
         self.__dict__["_own_weight"] = weight
-        weight.sparsekit_model_parallel = True
-        if self._fresh_rows is not None:
-            weight.sparsekit_fresh_rows = self._fresh_rows
+        shard_registry.register(weight, self)
         # Registered once: the tensor lists its post-accumulate hooks there (None before the first).
         hooks = getattr(weight, "_post_accumulate_grad_hooks", None) or {}
         # A hook on a tensor that needs no gradient raises (a frozen weight gets none anyway).

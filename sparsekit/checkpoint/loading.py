@@ -145,7 +145,7 @@ def _gather_layer(name: str, layer: _ModelParallelEmbedding, shards: List[Dict[s
             pending["clock"] = max(int(p["clock"]) for p in pendings)
             dynamic["pending"] = pending
     fresh = state.pop("\0fresh")
-    if layer._fresh_rows is None and bool(fresh.any()):
+    if layer.fresh_rows is None and bool(fresh.any()):
         # This layer keeps no pending resets (it does not evict): the saved moments of those
         # keys are still the evicted keys', so they are reset now.
         state = {key: value.masked_fill(fresh.view((-1,) + (1,) * (value.dim() - 1)), initial_state[key])
@@ -211,9 +211,9 @@ def _apply_layer(restore: _LayerRestore, optimizer: Optional[torch.optim.Optimiz
         rows = torch.arange(keys.numel(), dtype=torch.int64, device=device)
         layer.weight.zero_()
         layer._evicted, layer._admitted = dynamic["evicted"], dynamic["admitted"]
-        if layer._fresh_rows is not None:
-            layer._fresh_rows.zero_()
-            layer._fresh_rows[rows] = dynamic["fresh"].to(device)
+        if layer.fresh_rows is not None:
+            layer.fresh_rows.zero_()
+            layer.fresh_rows[rows] = dynamic["fresh"].to(device)
         if layer._pending is not None:
             if restore.pending is None:
                 layer._pending.clear()

@@ -130,8 +130,8 @@ def _dynamic_payload(layer: _ModelParallelEmbedding) -> Dict[str, Any]:
         pending = layer._pending.state_dict()
         dynamic["pending"] = {"keys": pending["keys"].long().cpu(), "last_seen": pending["last_seen"].cpu(),
                               "count": pending["count"].cpu(), "clock": layer._pending.clock}
-    if layer._fresh_rows is not None:
-        dynamic["fresh"] = layer._fresh_rows[:len(layer.hash_table)].cpu()
+    if layer.fresh_rows is not None:
+        dynamic["fresh"] = layer.fresh_rows[:len(layer.hash_table)].cpu()
     return dynamic
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import sparsekit as sk
+from sparsekit import shard_registry
 from sparsekit.hashtable import HashTableFullError
 
 from _distributed import spawn
@@ -127,7 +128,7 @@ def test_a_dense_gradient_resets_a_reused_rows_moments():
     fresh, fresh_optimizer = run([2])
     for name in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(optimizer.state[reused.weight][name][0], fresh_optimizer.state[fresh.weight][name][0])
-    assert not reused.weight.sparsekit_fresh_rows.any()
+    assert not shard_registry.fresh_rows(reused.weight).any()
 
 
 def test_admission_after_k_steps():

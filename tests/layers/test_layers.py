@@ -282,8 +282,8 @@ def test_single_process_matches_embedding_bag(one_per_bag, combiner):
 
 def test_layout_and_flags():
     layer = sk.DistributedEmbedding("sum", 10, DIM, SLOTS, MAX_NNZ)
-    assert layer.weight.shape == (10, DIM) and layer.weight.sparsekit_model_parallel
-    assert sk.is_embedding_variable(layer.weight)
+    assert layer.weight.shape == (10, DIM) and sk.is_embedding_variable(layer.weight)
+    assert not sk.is_embedding_variable(layer.weight.detach().clone())
     dense = nn.Linear(3, 1)
     model = nn.ModuleDict({"emb": layer, "dense": dense})
     embedding, other = sk.split_embedding_variable_from_others(model.parameters())
@@ -1364,3 +1364,33 @@ def test_one_key_per_bag_offsets_are_checked_by_one_compare(offsets_dtype):
     torch.testing.assert_close(pooled.view(4, DIM), layer.weight[layer.hash_table.find(keys)])
     with pytest.raises(ValueError, match="offsets must start at 0"):
         layer(sk.Ragged(torch.tensor([3, 4, 5]), torch.arange(5, dtype=offsets_dtype)))
+
+
+def test_a_shard_is_known_by_the_registry_not_by_attributes_on_its_parameter():
+    """The layer's weight carries nothing of sparsekit's; copies, pickles and an assigned
+    weight are shards through the registry, and a layer that goes away leaves no entry."""
+    import copy
+    import gc
+    import io
+    import weakref
+
+    from sparsekit import shard_registry
+
+    layer = sk.DistributedEmbedding("sum", 10, DIM, SLOTS, MAX_NNZ, eviction="lru")
+    assert not [name for name in vars(layer.weight) if "sparsekit" in name]
+    assert shard_registry.fresh_rows(layer.weight) is layer.fresh_rows
+    for other in (copy.deepcopy(layer), torch.load(_saved(layer, io.BytesIO()), weights_only=False)):
+        assert sk.is_embedding_variable(other.weight) and not sk.is_embedding_variable(layer.weight.detach())
+        assert shard_registry.fresh_rows(other.weight) is other.fresh_rows is not layer.fresh_rows
+    layer.load_state_dict(layer.state_dict(), assign=True)
+    assert sk.is_embedding_variable(layer.weight)
+    weight = weakref.ref(layer.weight)
+    del layer
+    gc.collect()
+    assert weight() is None
+
+
+def _saved(module, buffer):
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return buffer

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from properties import examples, num_threads, thread_counts
 
 import sparsekit as sk
+from sparsekit import shard_registry
 
 # torch's CPU sqrt (vectorized through MKL) can differ from the correctly rounded one in
 # the last bit, so weights are compared to torch within a few ulps; moments, which need
@@ -913,7 +914,7 @@ def test_lazy_adam_half_shard_state_round_trip():
     """A bfloat16 embedding shard keeps float32 moments through state_dict / load_state_dict,
     and a damaged one is refused there too."""
     shard = torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))
-    shard.sparsekit_model_parallel = True
+    shard_registry.register(shard)
     opt = sk.LazyAdam([shard], lr=0.1)
     shard.grad = _sparse_grad([2, 5], torch.ones(2, 4, dtype=torch.bfloat16), shard.shape)
     opt.step()
@@ -1500,7 +1501,7 @@ def test_half_shard_dense_gradient_is_adam_on_a_float32_copy(dtype):
     of the weight, rounded to the shard's dtype once per step."""
     start = torch.randn(6, 4, generator=torch.Generator().manual_seed(5)).to(dtype)
     shard = torch.nn.Parameter(start.clone())
-    shard.sparsekit_model_parallel = True
+    shard_registry.register(shard)
     reference = torch.nn.Parameter(start.float())
     ours = sk.LazyAdam([shard], lr=0.05)
     adam = torch.optim.Adam([reference], lr=0.05, foreach=False)

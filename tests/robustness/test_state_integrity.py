@@ -15,6 +15,7 @@ from _state import assert_equal_nested, saved_and_loaded
 from torch import nn
 
 import sparsekit as sk
+from sparsekit import shard_registry
 
 DIM = 2
 LR = 0.1
@@ -230,7 +231,7 @@ def test_a_deep_copy_keeps_the_marks_and_trains_like_the_original(kind, eviction
     assert clone_shard.hash_table is not original_shard.hash_table
     assert clone_shard.weight.data_ptr() != original_shard.weight.data_ptr()
     if eviction is not None:
-        assert clone_shard.weight.sparsekit_fresh_rows is clone_shard._fresh_rows
+        assert shard_registry.fresh_rows(clone_shard.weight) is clone_shard.fresh_rows
         assert clone_shard._fresh_rows is not original_shard._fresh_rows
     if kind == "collection":
         assert clone.weights["t"] is clone_shard.weight and clone._by_name["t"] is clone_shard
@@ -279,7 +280,7 @@ def test_a_conversion_that_replaces_the_weight_keeps_the_marks():
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(previous)
     assert layer.weight is not weight
-    assert sk.is_embedding_variable(layer.weight) and layer.weight.sparsekit_fresh_rows is layer._fresh_rows
+    assert sk.is_embedding_variable(layer.weight) and shard_registry.fresh_rows(layer.weight) is layer.fresh_rows
     _loss(layer, [1, 2]).backward()
     assert layer.weight.grad.is_coalesced()
 
@@ -428,7 +429,7 @@ def test_assign_keeps_the_marks():
     model, optimizer = _evict_without_a_step("distributed")
     loaded = _build("distributed")
     loaded.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
-    assert sk.is_embedding_variable(loaded.weight) and loaded.weight.sparsekit_fresh_rows is loaded._fresh_rows
+    assert sk.is_embedding_variable(loaded.weight) and shard_registry.fresh_rows(loaded.weight) is loaded.fresh_rows
     loaded_optimizer = sk.LazyAdam(loaded.parameters(), lr=LR)
     loaded_optimizer.load_state_dict(optimizer.state_dict())
     _train(loaded, loaded_optimizer, [12, 11])

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from torch.library import opcheck
 
 import sparsekit as sk
+from sparsekit import shard_registry
 from sparsekit.exchange import _NUMPY_SORT_MAX_ROWS, _sort_rows
 from properties import examples, make_keys, num_threads, thread_counts
 
@@ -351,7 +352,7 @@ def test_lazy_adam_fused_half_shards_match_its_one_table_path(dtype):
         g = torch.Generator().manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(100, 16, generator=g).to(dtype)),
                   torch.nn.Parameter(torch.randn(40, 8, generator=g))]
-        params[0].sparsekit_model_parallel = True
+        shard_registry.register(params[0])
         opt = optimizer_of(params)
         for step in range(3):
             sparse_grads(params, step)
