@@ -1387,9 +1387,9 @@ def test_step_paths_build_no_device_tensor_from_pageable_memory():
     import ast
     import inspect
 
-    from sparsekit import collection, collection_ranks, engine, pooled, shard, tables_cuda
+    from sparsekit import collection, collection_batch, collection_ranks, engine, pooled, shard, tables_cuda
 
-    step = {collection: {"_forward", "_prepare"},
+    step = {collection: {"_forward"}, collection_batch: {"_prepare"},
             collection_ranks: {"_sort_table_rows", "_sharded_forward", "_owner_lookup", "_plan_tables", "_grow",
                                "_pool"},
             engine: {"resolve_rows", "_plan_growth", "_grow", "_plan_evolving", "read_pooled"},
