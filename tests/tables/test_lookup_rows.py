@@ -150,3 +150,33 @@ def test_touch_without_error_slots_raises_and_scores_nothing(bad, match, device)
         touch_tables_([t._last_seen for t in tables], [t._count for t in tables], rows, bounds, [0, 1],
                       [len(t) for t in tables], [5, 9])
     assert _scores(tables) == before
+
+
+@pytest.mark.parametrize("errors, match", [
+    (torch.full((3,), NONE), "errors must be a contiguous int64 tensor \\[2\\]"),
+    (torch.full((2,), 0, dtype=torch.int32), "errors must be a contiguous int64 tensor \\[2\\]"),
+])
+def test_touch_refuses_error_slots_of_the_wrong_shape_or_dtype(errors, match, device):
+    tables, rows, bounds = _touch_setup(device)
+    before = _scores(tables)
+    with pytest.raises(RuntimeError, match=match):
+        touch_tables_([t._last_seen for t in tables], [t._count for t in tables], rows, bounds, [0, 1],
+                      [len(t) for t in tables], [5, 9], errors.to(device))
+    assert _scores(tables) == before
+
+
+# CPU only: the fakes accept CPU (and meta) tensors.
+def test_lookup_rows_and_touch_opcheck():
+    from torch.library import opcheck
+
+    tables = _tables("cpu", 3)
+    keys = torch.randint(-3, 70, (40,), generator=torch.Generator().manual_seed(3))
+    bounds = torch.tensor([0, 10, 10, 25, 40])
+    args = ([t._slot_keys for t in tables], [t._slot_rows for t in tables], keys, bounds, [0, -1, 2, -2],
+            [0, 30, 0, 0])
+    opcheck(lookup_rows, args)
+    rows, _ = lookup_rows(*args)
+    rows = rows.clamp(min=-1)  # a direct segment's keys: not scored below
+    opcheck(touch_tables_, ([t._last_seen for t in tables], [t._count for t in tables], rows, bounds,
+                            [0, -1, 2, -1], [len(t) for t in tables], [4, 5, 6],
+                            torch.full((2,), NONE)))
