@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from . import engine, traced
 from ._checks import compile_disabled, device_argument, torch_at_least
-from . import keyed
+from . import keyed, step_errors
 from .checkpoint.collective import collective_device
 from .fused import FusedOptimizer
 from .exchange import (
@@ -158,7 +158,7 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
     def __init__(self, tables: Sequence[Any], process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[torch.device, str]] = None,
                  fused_params: Optional[Mapping[str, Any]] = None, is_weighted: Optional[bool] = None,
-                 output: Optional[str] = None) -> None:
+                 output: Optional[str] = None, error_mode: str = "raise") -> None:
         super().__init__()
         # One training forward at a time (see exchange._stepping); its tables' shards keep
         # locks of their own, which the collection's calls do not use.
@@ -182,6 +182,7 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         if output not in ("dict", "keyed"):
             raise ValueError(f"EmbeddingBagCollection: output must be 'dict' or 'keyed', got {output!r}")
         self._output = output
+        self._step_errors = step_errors.StepErrors(error_mode)
         # Checked again (a config may have been changed since it was built), as copies: a
         # config edited after the build (its combiner, dtype, capacity, ...) must not
         # half-change the built tables; like nn.Linear's arguments, the configs are read once.
@@ -201,6 +202,10 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
                                      "a feature reads one table (several features may share one)")
                 self._feature_table[feature] = index
         self.process_group, self.world_size, self.rank = _resolve_group(process_group, "EmbeddingBagCollection")
+        if error_mode != "raise" and self.world_size > 1:
+            raise ValueError(f"EmbeddingBagCollection: error_mode={error_mode!r} is for one process; a step over "
+                             "a process group reads the device anyway (its split sizes) and raises on every rank "
+                             "(error_mode='raise')")
         # A list, not a ModuleDict: a table may be called "items" or "a.b".
         self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device, seed)
                                      for i, (t, seed) in enumerate(zip(self.tables, _default_seeds(self.tables)))])
@@ -278,7 +283,8 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         # Copies and unpickling end here: the copy must be found by its compiled graphs too.
         super().__setstate__(state)
         # A collection pickled before these settings existed: its behaviour then.
-        for name, value in (("_weighted", True), ("_output", "dict"), ("_fused", None), ("_given_configs", None)):
+        for name, value in (("_weighted", True), ("_output", "dict"), ("_fused", None), ("_given_configs", None),
+                            ("_step_errors", step_errors.StepErrors("raise"))):
             self.__dict__.setdefault(name, value)
         if self._given_configs is None:
             self._given_configs = list(self.tables)
@@ -453,12 +459,20 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         return out
 
 
-    def _error_slots(self, device: torch.device) -> Tensor:
-        """The step's error word on ``device`` (engine.StepContext.errors), made once."""
-        slots = self.__dict__.get("_errors")
-        if slots is None or slots.device != device:
-            slots = self.__dict__["_errors"] = engine.fresh_error_slots(device)
-        return slots
+    def check_errors(self) -> None:
+        """Raises now an error a step of ``error_mode="late"`` recorded on the device and
+        has not raised yet, or one the backward's ops recorded (waits for the device)."""
+        self._step_errors.check(self._raise_late)
+
+    def _raise_late(self, values: List[int]) -> None:
+        """Raises a late verdict's error, as the step that met it would have (its table and
+        key named), saying it came late."""
+        try:
+            step_errors.raise_verdict(values, None, [], lambda flags: self._raise_for_flags(flags, None),
+                                      self._direct_key_error, int)
+        except (ValueError, RuntimeError) as exc:
+            raise type(exc)(f"{exc} (met by an earlier step, error_mode='late': that step read its bad lookups "
+                            "as zeros and left them out of its update)") from None
 
     def _clocks(self) -> List[Tuple[Optional[int], Optional[int]]]:
         return [(None if s.hash_table is None else s.hash_table.clock, None if s._pending is None else s._pending.clock)
@@ -481,10 +495,11 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         if world == 1:
             if error is not None:
                 raise error
+            self._step_errors.poll(self._raise_late)
             # The input's verdict is read with the lookup's report, in the step's one host read.
             step = engine.StepContext(prepared["features"], prepared["table_of_feature"], prepared["batch"],
                                       prepared["bounds"], prepared["offsets"], prepared["keys"], prepared["weights"],
-                                      flags, self._error_slots(device), prepared["host_bounds"])
+                                      flags, self._step_errors, prepared["host_bounds"])
             engine.resolve_rows(step, self._shards, self.training, self._direct_key_error,
                                 lambda bad: self._raise_for_flags(bad, prepared))
             fused = self._fused_update if self._fused is not None else None

@@ -15,7 +15,6 @@ one :class:`StepContext`:
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -24,13 +23,15 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .exchange import _BAD_OFFSETS, _unique_tables
+from .exchange import _unique_tables
 from .hashtable import HashTableFullError
 from .pooled import ReadLayout, pooled_read
 from .shard import KeySeededUniform, _place_new_keys
+from .step_errors import StepErrors, raise_verdict
 from .tables_cuda import _device_ints
 
 __all__ = ["StepContext", "resolve_rows", "read_pooled", "initial_rows"]
+
 
 @dataclass
 class StepContext:
@@ -40,9 +41,10 @@ class StepContext:
     device; ``host_bounds`` the same as a list where the host had them for free),
     ``offsets`` the CSR bounds of every bag (feature-major, ``[F * B + 1]`` int64), ``keys``
     int64 ``[nnz]``, ``weights`` the per-value weights or None; ``flags`` the input's verdict
-    (int64 scalar, 0: valid), read with the lookup's report; ``errors`` the error word
-    (:func:`fresh_error_slots`) the step's ops record into instead of raising; ``rows`` is
-    set by :func:`resolve_rows`."""
+    (int64 scalar, 0: valid), read with the lookup's report; ``reporter`` holds the error
+    word the step's ops record into instead of raising (``errors``) and reads the verdicts
+    in the collection's error mode (:mod:`sparsekit.step_errors`); ``rows`` is set by
+    :func:`resolve_rows`."""
 
     features: List[str]
     table_of_feature: List[int]
@@ -52,9 +54,14 @@ class StepContext:
     keys: Tensor
     weights: Optional[Tensor]
     flags: Tensor
-    errors: Tensor
+    reporter: StepErrors
     host_bounds: Optional[List[int]] = None
     rows: Optional[Tensor] = None
+
+    @property
+    def errors(self) -> Tensor:
+        """The error word on the keys' device."""
+        return self.reporter.slots(self.keys.device)
 
     def bounds_list(self) -> List[int]:
         """The bounds as host ints (a host read on a device, made once: only steps that meet
@@ -62,16 +69,6 @@ class StepContext:
         if self.host_bounds is None:
             self.host_bounds = self.bounds.tolist()
         return self.host_bounds
-
-
-# The error word's slots hold the first bad bag and the first bad lookup an op of the step met;
-# this marks an empty slot (the ops keep the smaller position).
-_NO_ERROR = 2 ** 63 - 1
-
-
-def fresh_error_slots(device: torch.device) -> Tensor:
-    """An empty error word: int64 ``[2]`` on ``device``."""
-    return torch.full((2,), _NO_ERROR, dtype=torch.int64, device=device)
 
 
 def _evolving(shard: Any, training: bool) -> bool:
@@ -107,21 +104,19 @@ def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
     rows, report = torch.ops.sparsekit.lookup_rows([table._slot_keys for table in tables],
                                                    [table._slot_rows for table in tables], keys, ctx.bounds,
                                                    segment_tables, direct_rows)
+    nnz = keys.numel()
+    may_grow = training and any(s >= 0 or s == -2 for s in segment_tables)
+    if not ctx.reporter.reads_now(may_grow):
+        # Nothing below needs the host: the verdict stays on the device (errors="late" / "assert").
+        ctx.reporter.defer(ctx.flags, report, ctx.bounds, keys, _device_ints(ctx.table_of_feature, keys.device))
+        ctx.rows = rows
+        return rows
     # The step's one host read (a sync on CUDA): the input's verdict, the lookup's report and
     # the error word, which the previous step's backward may have written since its forward.
-    flags, at, absent, bad_bounds, bad_bag, bad_lookup = torch.cat(
-        [ctx.flags.view(1), report, ctx.errors]).tolist()
-    if bad_bag != _NO_ERROR or bad_lookup != _NO_ERROR:
-        ctx.errors.fill_(_NO_ERROR)
-        raise RuntimeError(f"sparsekit: an earlier step's pooled read or fused update met bad input (bag {bad_bag}, "
-                           f"lookup {bad_lookup}; {_NO_ERROR}: none) that its forward's checks should have stopped; "
-                           "those lookups were left out of its update")
-    bad_input(flags)
-    if bad_bounds:  # implies bad offsets, which flags report: never reached with a correct caller
-        bad_input(_BAD_OFFSETS)
-    if -1 in segment_tables and at < keys.numel():
-        f = bisect.bisect_right(ctx.bounds_list(), at) - 1
-        raise direct_key_error(ctx.table_of_feature[f], int(keys[at]))
+    values = ctx.reporter.read(ctx.flags, report, nnz)
+    at, absent = values[1], values[2]
+    raise_verdict(values, ctx.bounds_list() if at < nnz else None, ctx.table_of_feature, bad_input,
+                  direct_key_error, lambda i: int(keys[i]))
     if not training:
         ctx.rows = rows
         return rows

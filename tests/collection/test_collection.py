@@ -1479,7 +1479,8 @@ def test_collection_signatures_are_the_contracts():
                                          ("offsets", None, False), ("weights", None, False)]
     assert described(sk.EmbeddingBagCollection) == [("tables", empty, False), ("process_group", None, False),
                                                     ("device", None, False), ("fused_params", None, False),
-                                                    ("is_weighted", None, False), ("output", None, False)]
+                                                    ("is_weighted", None, False), ("output", None, False),
+                                                    ("error_mode", "raise", False)]
     assert described(sk.EmbeddingBagCollection.stats) == [("table_name", empty, False)]
     assert described(sk.EmbeddingBagCollection.export) == [("table_name", empty, False),
                                                            ("min_last_seen", None, False)]

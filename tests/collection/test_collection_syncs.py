@@ -91,11 +91,11 @@ def _reads(run):
     return python.reads + dispatch.reads
 
 
-def _steady(num_tables, hashed, optimizer):
+def _steady(num_tables, hashed, optimizer, error_mode="raise"):
     names = [f"f{i}" for i in range(num_tables)]
     ebc = sk.EmbeddingBagCollection(
         [sk.TableConfig(f"t{i}", 16, 1000, [names[i]], use_hashtable=hashed) for i in range(num_tables)],
-        fused_params={"optimizer": optimizer, "lr": 0.01})
+        fused_params={"optimizer": optimizer, "lr": 0.01}, error_mode=error_mode)
     g = torch.Generator().manual_seed(0)
 
     def kjt():
@@ -173,7 +173,7 @@ def test_an_error_an_earlier_step_recorded_raises_at_the_next_forward_once():
     recorded there raises once, then the word is empty again."""
     ebc, batch = _steady(2, True, "sgd")
     _loss(ebc(batch)).backward()
-    ebc._error_slots(torch.device("cpu"))[1] = 5  # as a fused update meeting a bad lookup would
+    ebc._step_errors.slots(torch.device("cpu"))[1] = 5  # as a fused update meeting a bad lookup would
     with pytest.raises(RuntimeError, match=r"earlier step's pooled read or fused update met bad input \(bag "):
         ebc(batch)
     _loss(ebc(batch)).backward()

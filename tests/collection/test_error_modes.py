@@ -1,0 +1,151 @@
+"""The collection's error modes (sparsekit.step_errors): "raise" reads each step's verdict
+once, before any table changes; "late" reads nothing where the step needs no host decision
+(direct tables, eval) and raises a recorded error at a later forward or check_errors();
+"assert" makes the verdict a device assert. Host reads are counted with the GPU branches
+taken on the CPU, as in test_collection_syncs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from properties import examples
+
+import sparsekit as sk
+from sparsekit._device import emulate_device
+from test_collection_fused import _loss
+from test_collection_syncs import _reads, _steady
+
+
+@pytest.mark.parametrize("error_mode", ["late", "assert"])
+@pytest.mark.parametrize("optimizer", ["sgd", "lazy_adam", "rowwise_adagrad"])
+def test_a_steady_fused_step_of_direct_tables_reads_nothing(error_mode, optimizer):
+    for num_tables in (2, 26):
+        ebc, batch = _steady(num_tables, False, optimizer, error_mode)
+        reads = _reads(lambda: _loss(ebc(batch)).backward())
+        assert sum(reads.values()) == 0, (num_tables, reads)
+
+
+def test_an_eval_forward_of_hash_tables_reads_nothing_late():
+    ebc, batch = _steady(26, True, "sgd", "late")
+    ebc.eval()
+    with torch.no_grad():
+        reads = _reads(lambda: ebc(batch))
+    assert sum(reads.values()) == 0, reads
+
+
+def test_a_training_step_of_hash_tables_still_reads_once_late():
+    # Its tables may grow: the one read decides that, and carries the verdict with it.
+    ebc, batch = _steady(3, True, "sgd", "late")
+    reads = _reads(lambda: _loss(ebc(batch)).backward())
+    assert sum(reads.values()) == 1, reads
+
+
+def _state(ebc):
+    return [t.clone() for t in ebc.state_dict().values() if isinstance(t, torch.Tensor)]
+
+
+@examples(10)
+@given(hashed=st.booleans(), optimizer=st.sampled_from(["sgd", "lazy_adam", "rowwise_adagrad"]),
+       emulated=st.booleans(), steps=st.integers(1, 4), seed=st.integers(0, 2 ** 16))
+def test_on_valid_input_every_mode_trains_as_raise_does(hashed, optimizer, emulated, steps, seed):
+    runs = {}
+    for mode in ("raise", "late", "assert"):
+        ebc, _ = _steady(3, hashed, optimizer, mode)
+        g = torch.Generator().manual_seed(seed)
+        outs = []
+        for _ in range(steps):
+            lengths = torch.randint(0, 4, (3 * 8,), generator=g)
+            kjt = sk.KeyedJagged(["f0", "f1", "f2"], torch.randint(0, 12, (int(lengths.sum()),), generator=g),
+                                 lengths=lengths)
+            if emulated:
+                with emulate_device():
+                    out = ebc(kjt)
+                    _loss(out).backward()
+            else:
+                out = ebc(kjt)
+                _loss(out).backward()
+            outs.append(torch.cat(list(out.values()), 1).detach())
+        ebc.check_errors()
+        runs[mode] = (outs, _state(ebc))
+    for mode in ("late", "assert"):
+        assert all(torch.equal(a, b) for a, b in zip(runs["raise"][0], runs[mode][0])), mode
+        assert all(torch.equal(a, b) for a, b in zip(runs["raise"][1], runs[mode][1])), mode
+
+
+_BAD_OFFSETS = sk.KeyedJagged(["f0", "f1", "f2"], torch.tensor([1, 2, 3, 4]), offsets=torch.tensor([0, 3, 1, 4]))
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_late_bad_offsets_raise_at_the_next_forward_once(emulated):
+    ebc, batch = _steady(3, False, "sgd", "late")
+
+    def run(kjt):
+        if emulated:
+            with emulate_device():
+                return ebc(kjt)
+        return ebc(kjt)
+
+    run(_BAD_OFFSETS)  # no read: recorded on the device
+    with pytest.raises(ValueError, match="offsets must start at 0.*met by an earlier step, error_mode='late'"):
+        run(batch)
+    _loss(run(batch)).backward()  # raised once: the record is empty again
+    ebc.check_errors()
+
+
+def test_late_errors_raise_at_check_errors():
+    ebc, batch = _steady(3, False, "sgd", "late")
+    ebc.eval()
+    ebc(_BAD_OFFSETS)
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        ebc.check_errors()
+    ebc.check_errors()  # once
+    ebc(batch)
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_a_late_key_outside_a_direct_table_names_its_table_and_key_and_updates_only_good_rows(emulated):
+    ebc, _ = _steady(3, False, "sgd", "late")
+    before = [w.detach().clone() for w in ebc.weights.values()]
+    bad = sk.KeyedJagged(["f0", "f1", "f2"], torch.tensor([1, 2, 5000, 3]), lengths=torch.tensor([1, 1, 2]))
+    with emulate_device() if emulated else torch.enable_grad():
+        _loss(ebc(bad)).backward()
+    after = [w.detach() for w in ebc.weights.values()]
+    # The good lookups trained; the bad one read zeros and updated nothing.
+    assert not torch.equal(before[0][1], after[0][1]) and not torch.equal(before[2][3], after[2][3])
+    changed = [int((a != b).any(1).sum()) for a, b in zip(before, after)]
+    assert changed == [1, 1, 1], changed
+    with pytest.raises(ValueError, match=r"key 5000 of table 't2' is out of range.*error_mode='late'"):
+        ebc.check_errors()
+
+
+def test_assert_mode_fails_the_step_on_the_cpu_at_once():
+    ebc, _ = _steady(3, False, "sgd", "assert")
+    with pytest.raises(RuntimeError, match="error_mode='assert'"):
+        ebc(_BAD_OFFSETS)
+
+
+def test_an_error_word_entry_raises_at_check_errors_in_every_mode():
+    for mode in ("raise", "late"):
+        ebc, batch = _steady(2, True, "sgd", mode)
+        ebc._step_errors.slots(torch.device("cpu"))[0] = 3
+        with pytest.raises(RuntimeError, match="pooled read or fused update met bad input"):
+            ebc.check_errors()
+        ebc.check_errors()
+
+
+def test_error_mode_is_checked_by_name():
+    with pytest.raises(ValueError, match="error_mode must be one of 'raise', 'late', 'assert', got 'never'"):
+        sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 8, ["f"])], error_mode="never")
+
+
+def test_a_copy_starts_with_no_recorded_error():
+    import copy
+    import pickle
+    ebc, batch = _steady(3, False, "sgd", "late")
+    ebc(_BAD_OFFSETS)
+    for other in (copy.deepcopy(ebc), pickle.loads(pickle.dumps(ebc))):
+        assert other._step_errors.mode == "late"
+        other.check_errors()
+    with pytest.raises(ValueError):
+        ebc.check_errors()
