@@ -78,6 +78,12 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // outside its direct table (nnz: none), the number of keys absent from their hash table,
   // and 1 when the bounds do not run from 0 to nnz without decreasing (every row then -1).
   // Nothing is read back to the host.
+  // Folds a collection step's verdict (flags, lookup_rows' report, the error word, the first
+  // bad key's table and value found through bounds and feature_tables, nnz) into record
+  // (int64 [9]) unless it already holds an error, empties the error word, and writes to
+  // clean (bool [1]) whether record is clean. Nothing is read back.
+  m.def("record_verdict_(Tensor(a!) record, Tensor(b!) errors, Tensor(c!) clean, Tensor flags, Tensor report, "
+        "Tensor bounds, Tensor keys, Tensor feature_tables) -> ()");
   m.def("lookup_rows(Tensor[] slot_keys, Tensor[] slot_rows, Tensor keys, Tensor bounds, int[] segment_tables, "
         "int[] direct_rows) -> (Tensor rows, Tensor report)");
   // Scores each distinct row a batch read once per table (last_seen = clock, count += 1),

@@ -108,7 +108,8 @@ def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
     may_grow = training and any(s >= 0 or s == -2 for s in segment_tables)
     if not ctx.reporter.reads_now(may_grow):
         # Nothing below needs the host: the verdict stays on the device (errors="late" / "assert").
-        ctx.reporter.defer(ctx.flags, report, ctx.bounds, keys, _device_ints(ctx.table_of_feature, keys.device))
+        ctx.reporter.defer(ctx.flags, report, ctx.bounds, keys,
+                           ctx.reporter.feature_tables(ctx.table_of_feature, keys.device))
         ctx.rows = rows
         return rows
     # The step's one host read (a sync on CUDA): the input's verdict, the lookup's report and

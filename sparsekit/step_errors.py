@@ -50,15 +50,21 @@ def fresh_error_slots(device: torch.device) -> Tensor:
 
 
 def _clean(values: List[int]) -> bool:
-    """:func:`_is_clean` of a verdict on the host."""
+    """Whether a verdict read on the host reports no error (csrc/verdict.h's test)."""
     return values[0] == 0 and values[1] >= values[8] and values[3] == 0 and values[4] == NO_ERROR \
         and values[5] == NO_ERROR
 
 
-def _is_clean(verdict: Tensor) -> Tensor:
-    """A device bool: ``verdict`` (``[..., _WIDTH]``) reports no error."""
-    return (verdict[..., 0] == 0) & (verdict[..., 1] >= verdict[..., 8]) & (verdict[..., 3] == 0) & \
-        (verdict[..., 4] == NO_ERROR) & (verdict[..., 5] == NO_ERROR)
+@torch.library.register_fake("sparsekit::record_verdict_")
+def _record_verdict_fake(record: Tensor, errors: Tensor, clean: Tensor, flags: Tensor, report: Tensor, bounds: Tensor,
+                         keys: Tensor, feature_tables: Tensor) -> None:
+    torch._check(record.shape == (_WIDTH,) and record.dtype == torch.int64,
+                 lambda: f"record_verdict_: record must be int64 [{_WIDTH}], got {record.dtype} {tuple(record.shape)}")
+    torch._check(errors.shape == (2,) and errors.dtype == torch.int64, lambda: "record_verdict_: errors must be int64 [2]")
+    torch._check(report.shape == (3,) and report.dtype == torch.int64, lambda: "record_verdict_: report must be int64 [3]")
+    torch._check(bounds.dim() == 1 and feature_tables.dim() == 1 and bounds.shape[0] == feature_tables.shape[0] + 1,
+                 lambda: "record_verdict_: bounds must hold one more entry than feature_tables")
+    torch._check(clean.numel() == 1 and clean.dtype == torch.bool, lambda: "record_verdict_: clean must be one bool")
 
 
 class StepErrors:
@@ -71,9 +77,12 @@ class StepErrors:
         self.mode = mode
         self._slots: Optional[Tensor] = None
         self._record: Optional[Tensor] = None   # the first late error, on the device
+        self._clean: Optional[Tensor] = None    # whether the record is clean, on the device
         self._host: Optional[Tensor] = None     # its copy in (pinned) host memory
         self._event: Optional[Any] = None       # recorded after that copy (CUDA)
         self._host_values: Any = None
+        self._capturing = False                 # the last deferral was captured in a CUDA graph
+        self._feature_tables: dict = {}         # device copies of the steps' table-of-feature lists
 
     def __getstate__(self) -> dict:
         # Copies start with an empty word and record: device state is not the copy's to inherit.
@@ -88,6 +97,7 @@ class StepErrors:
             self._slots = fresh_error_slots(device)
             if self.mode != "raise":
                 self._record = torch.tensor(_CLEAN, dtype=torch.int64, device=device)
+                self._clean = torch.ones(1, dtype=torch.bool, device=device)
                 self._host = torch.tensor(_CLEAN, dtype=torch.int64, pin_memory=device.type == "cuda")
                 self._host_values = self._host.numpy()  # the same memory: read with no torch op
                 self._event = None
@@ -106,33 +116,43 @@ class StepErrors:
             self._slots.fill_(NO_ERROR)
         return values
 
+    def feature_tables(self, table_of_feature: Sequence[int], device: torch.device) -> Tensor:
+        """``table_of_feature`` on ``device``, copied once per distinct list: no copy per step,
+        and none from a temporary host buffer that a CUDA graph's replays would read again."""
+        key = (tuple(table_of_feature), device)
+        tensor = self._feature_tables.get(key)
+        if tensor is None:
+            if len(self._feature_tables) >= 64:
+                self._feature_tables.clear()
+            tensor = self._feature_tables[key] = torch.tensor(list(table_of_feature), dtype=torch.int64).to(device)
+        return tensor
+
     def defer(self, flags: Tensor, report: Tensor, bounds: Tensor, keys: Tensor, feature_tables: Tensor) -> None:
         """``"late"`` / ``"assert"``: no read. The verdict is kept on the device (the first
         error wins) and copied to the host behind the step; the error word is emptied."""
-        nnz = keys.numel()
-        if nnz > 0:
-            # The first bad key's table and value, for a late error: read only if it is one.
-            at = report[:1]
-            feature = (torch.searchsorted(bounds.contiguous(), at, right=True) - 1).clamp(0, feature_tables.numel() - 1)
-            table_key = torch.cat([feature_tables.index_select(0, feature), keys.index_select(0, at.clamp(max=nnz - 1))])
-        else:
-            table_key = report.new_zeros(2)
-        verdict = torch.cat([flags.view(1), report, self.slots(report.device), table_key, report.new_full((1,), nnz)])
+        device = report.device
+        slots = self.slots(device)
+        torch.ops.sparsekit.record_verdict_(self._record, slots, self._clean, flags, report, bounds, keys,
+                                            feature_tables)
         if self.mode == "assert":
-            torch._assert_async(_is_clean(verdict), "sparsekit: a step met bad input (error_mode='assert'); error_mode='raise' names it")
-        device = verdict.device
-        keep = _is_clean(self._record) & ~_is_clean(verdict)
-        self._record.copy_(torch.where(keep, verdict, self._record))
-        self._slots.fill_(NO_ERROR)
+            try:
+                torch._assert_async(self._clean, "sparsekit: a step met bad input (error_mode='assert'); "
+                                    "error_mode='raise' names it")
+            except RuntimeError:  # the CPU's assert raises here: the record has told its error
+                self._record.copy_(torch.tensor(_CLEAN, dtype=torch.int64))
+                raise
         self._host.copy_(self._record, non_blocking=device.type == "cuda")
         if device.type == "cuda":
-            self._event = torch.cuda.Event()
-            self._event.record()
+            # In a CUDA graph the copy is one of its nodes; nothing polls it (check_errors()).
+            self._capturing = torch.cuda.is_current_stream_capturing()
+            if not self._capturing:
+                self._event = torch.cuda.Event()
+                self._event.record()
 
     def poll(self, raiser: Callable[[List[int]], None]) -> None:
         """Raises (through ``raiser``, given the verdict) a late error whose copy has reached
         the host, without waiting for the device."""
-        if self._host is None or (self._event is not None and not self._event.query()):
+        if self._host is None or self._capturing or (self._event is not None and not self._event.query()):
             return
         self._raise_recorded(self._host_values.tolist(), raiser)
 

@@ -29,6 +29,7 @@ from test_collection_fused import _batches, _collection, _loss, configurations
 # counts as one read.
 _SYNCING_OPS = {
     "lookup_rows": lambda args: False,
+    "record_verdict_": lambda args: False,
     "hash_table_touch_tables_": lambda args: len(args) < 8 or args[7] is None,
     "pooled_read": lambda args: len(args) < 9 or args[8] is None,
     "pooled_read_update_": lambda args: len(args) < 14 or args[13] is None,

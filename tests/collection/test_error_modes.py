@@ -149,3 +149,84 @@ def test_a_copy_starts_with_no_recorded_error():
         other.check_errors()
     with pytest.raises(ValueError):
         ebc.check_errors()
+
+
+# ---- the op: sparsekit::record_verdict_ ----
+
+_NONE = 2 ** 63 - 1
+
+
+def _fold_reference(record, errors, flags, report, bounds, keys, feature_tables):
+    """record_verdict_ in plain Python: the verdict, kept if the record is clean."""
+    nnz = len(keys)
+    at = report[0]
+    table = key = 0
+    if 0 <= at < nnz and feature_tables:
+        feature = max(f for f in range(len(feature_tables)) if bounds[f] <= at)
+        table, key = feature_tables[feature], keys[at]
+    verdict = [flags, report[0], report[1], report[2], errors[0], errors[1], table, key, nnz]
+
+    def clean(v):
+        return v[0] == 0 and v[1] >= v[8] and v[3] == 0 and v[4] == _NONE and v[5] == _NONE
+
+    if clean(record) and not clean(verdict):
+        record = verdict
+    return record, [_NONE, _NONE], clean(record)
+
+
+@examples(60)
+@given(data=st.data())
+def test_record_verdict_matches_plain_python(data):
+    lengths = data.draw(st.lists(st.integers(0, 5), max_size=6))
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    nnz = bounds[-1]
+    keys = data.draw(st.lists(st.integers(-2 ** 63, 2 ** 63 - 1), min_size=nnz, max_size=nnz))
+    feature_tables = data.draw(st.lists(st.integers(0, 30), min_size=len(lengths), max_size=len(lengths)))
+    at = data.draw(st.sampled_from([nnz] + list(range(nnz))))
+    report = [at, data.draw(st.integers(0, 9)), data.draw(st.sampled_from([0, 0, 1]))]
+    flags = data.draw(st.sampled_from([0, 0, 2]))
+    errors = [data.draw(st.sampled_from([_NONE, _NONE, 0, 7])) for _ in range(2)]
+    record = data.draw(st.sampled_from([[0, 0, 0, 0, _NONE, _NONE, 0, 0, 0], [2, 3, 0, 0, _NONE, _NONE, 0, 0, 3],
+                                        [0, 1, 0, 0, _NONE, _NONE, 4, 99, 5]]))
+    want_record, want_errors, want_clean = _fold_reference(record, errors, flags, report, bounds, keys,
+                                                           feature_tables)
+    record_t, errors_t = torch.tensor(record), torch.tensor(errors)
+    bounds_t = torch.tensor(bounds)
+    if data.draw(st.booleans()) and len(bounds) > 1:  # a strided view, as offsets[::B] is
+        bounds_t = torch.stack([bounds_t, bounds_t], 1).reshape(-1)[::2]
+    clean = torch.zeros(1, dtype=torch.bool)
+    torch.ops.sparsekit.record_verdict_(record_t, errors_t, clean, torch.tensor(flags), torch.tensor(report),
+                                        bounds_t, torch.tensor(keys, dtype=torch.int64),
+                                        torch.tensor(feature_tables, dtype=torch.int64))
+    assert record_t.tolist() == want_record and errors_t.tolist() == want_errors and bool(clean) == want_clean
+
+
+@pytest.mark.parametrize("argument, bad, match", [
+    ("record", torch.zeros(8, dtype=torch.int64), "record must be a contiguous int64 tensor \\[9\\]"),
+    ("errors", torch.zeros(3, dtype=torch.int64), "errors must be a contiguous int64 tensor \\[2\\]"),
+    ("clean", torch.zeros(1, dtype=torch.int64), "clean must be one bool"),
+    ("flags", torch.zeros(2, dtype=torch.int64), "flags must be one int64"),
+    ("report", torch.zeros(2, dtype=torch.int64), "report must be lookup_rows' contiguous int64 \\[3\\]"),
+    ("bounds", torch.zeros(5, dtype=torch.int64), "bounds must be a 1-D int64 tensor of 3 entries"),
+    ("keys", torch.zeros(4, dtype=torch.int32), "keys must be a 1-D int64 tensor"),
+    ("feature_tables", torch.zeros(2, dtype=torch.int32), "feature_tables must be a 1-D int64 tensor"),
+])
+def test_record_verdict_names_a_bad_argument_and_changes_nothing(argument, bad, match):
+    args = {"record": torch.zeros(9, dtype=torch.int64), "errors": torch.full((2,), _NONE),
+            "clean": torch.ones(1, dtype=torch.bool), "flags": torch.tensor(2), "report": torch.tensor([4, 0, 0]), "bounds": torch.tensor([0, 2, 4]),
+            "keys": torch.arange(4), "feature_tables": torch.tensor([0, 1])}
+    args[argument] = bad
+    record, errors, clean = args["record"].clone(), args["errors"].clone(), args["clean"].clone()
+    with pytest.raises(RuntimeError, match=f"record_verdict_: {match}"):
+        torch.ops.sparsekit.record_verdict_(*args.values())
+    assert torch.equal(args["record"], record) and torch.equal(args["errors"], errors)
+    assert torch.equal(args["clean"], clean)
+
+
+def test_record_verdict_opcheck():
+    from torch.library import opcheck
+    opcheck(torch.ops.sparsekit.record_verdict_.default,
+            (torch.zeros(9, dtype=torch.int64), torch.full((2,), _NONE), torch.zeros(1, dtype=torch.bool), torch.tensor(0), torch.tensor([1, 0, 0]),
+             torch.tensor([0, 1, 3]), torch.tensor([5, 6, 7]), torch.tensor([0, 1])))

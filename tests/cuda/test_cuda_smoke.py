@@ -15,6 +15,7 @@ selection cannot rot between GPU sessions.
     csrc/cuda/pooled_cuda.cu       test_pooled_kernels (read)
     csrc/cuda/pooled_backward_cuda.cu  test_pooled_kernels (codes + radix sort, grad rows, the three updates)
     csrc/cuda/hashtable_cuda.cu    test_lookup_rows_kernels (lookup_rows, touch: check + score)
+    csrc/cuda/verdict_cuda.cu      test_record_verdict_kernel
     all of them, through a layer   test_layer_step, test_collection_step (dynamic tables, bf16, mixed dims)
 """
 
@@ -310,3 +311,26 @@ def test_lookup_rows_kernels(device):
             results.append((rows.cpu(), report.cpu(), errors.cpu(), table._last_seen.cpu(), table._count.cpu()))
         for a, b in zip(*results):
             assert torch.equal(a, b)
+
+
+def test_record_verdict_kernel(device):
+    """record_verdict_ (one thread): a clean record takes a bad verdict, naming the first bad
+    key's table and value through strided bounds; a record holding an error keeps it; the
+    error word is emptied; the clean flag stays on the device. Against the CPU."""
+    none = 2 ** 63 - 1
+    cases = [([0] * 4 + [none, none] + [0] * 3, 0, [5, 0, 0], [none, none]),    # a bad key at 5
+             ([0] * 4 + [none, none] + [0] * 3, 2, [9, 0, 0], [3, none]),       # bad offsets, a word entry
+             ([2, 9, 0, 0, none, none, 0, 0, 9], 0, [1, 0, 0], [none, none]),   # an earlier error stays
+             ([0] * 4 + [none, none] + [0] * 3, 0, [9, 4, 0], [none, none])]    # clean
+    for record, flags, report, errors in cases:
+        results = []
+        for dev in ("cpu", device):
+            bounds = torch.tensor([0, 0, 0, 3, 3, 9, 9, 9], device=dev)[::2]  # [0, 0, 3, 9]
+            r, e = torch.tensor(record, device=dev), torch.tensor(errors, device=dev)
+            clean = torch.zeros(1, dtype=torch.bool, device=dev)
+            torch.ops.sparsekit.record_verdict_(r, e, clean, torch.tensor(flags, device=dev),
+                                                torch.tensor(report, device=dev), bounds,
+                                                torch.arange(100, 109, device=dev), torch.tensor([4, 7, 2], device=dev))
+            results.append((r.cpu(), e.cpu(), clean.cpu()))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), (record, a, b)
