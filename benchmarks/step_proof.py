@@ -84,7 +84,7 @@ def build(tables: int, fused: bool, device, dim: int):
     ebc = sk.EmbeddingBagCollection([sk.TableConfig(f"t{i}", dim, 100_000, [names[i]], use_hashtable=False)
                                      for i in range(tables)], device=device,
                                     fused_params={"optimizer": "lazy_adam", "lr": 1e-3} if fused else None,
-                                    error_mode="late")
+                                    output="keyed", error_mode="late")
     return names, ebc, None if fused else sk.LazyAdam(ebc.parameters(), lr=1e-3)
 
 
@@ -97,7 +97,7 @@ def proof(tables: int, fused: bool, args, device) -> Dict:
     state: Dict = {}
 
     def forward():
-        state["loss"] = torch.cat(list(ebc(kjt).values()), dim=1).square().sum()
+        state["loss"] = ebc(kjt).values().square().sum()  # the keyed output: one [B, sum D] block
 
     def backward():
         state["loss"].backward()
@@ -124,7 +124,7 @@ def capture(ebc, kjt, replays: int = 3) -> Dict:
     back), replayed ``replays`` times against the same steps run eagerly on a copy from the
     same state: tables and optimizer state must match bit for bit."""
     def step(model):
-        torch.cat(list(model(kjt).values()), dim=1).square().sum().backward()
+        model(kjt).values().square().sum().backward()
 
     try:
         eager = copy.deepcopy(ebc)
