@@ -108,7 +108,10 @@ class BatchReader:
         if not flags_bad_bounds and one_per_bag is None:
             one_per_bag = _one_per_bag(offsets, keys.numel())
         if batch_only:
-            return {"features": features, "batch": batch, "bounds": torch.tensor(bounds, dtype=torch.int64),
+            # Valid bounds are the offsets' every batch-th entry: that view, not a new tensor.
+            device_bounds = offsets[::batch] if batch > 0 and not flags_bad_bounds else \
+                torch.tensor(bounds, dtype=torch.int64)
+            return {"features": features, "batch": batch, "bounds": device_bounds,
                     "host_bounds": bounds, "offsets": offsets, "keys": keys, "weights": weights,
                     "table_of_feature": table_of_feature, "flags": flags}
         num_tables = len(self._shards)

@@ -1,24 +1,12 @@
 // CUDA kernel of lazy_adam_: Adam on the rows of a sparse gradient only.
 #include "cuda/cuda_api.h"
+#include "cuda/rounding.cuh"
 
 #include "lazy_adam.h"
 
 namespace sparsekit {
 namespace {
 
-// Round-to-nearest arithmetic that nvcc never contracts into an FMA: every operation
-// rounds once, as the CPU kernel and torch.optim.SparseAdam's separate ops do, so CUDA
-// and CPU give the same bits.
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 
 
 // A warp-wide row of the block works on one gradient row at a time.

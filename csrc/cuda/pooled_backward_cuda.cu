@@ -5,6 +5,7 @@
 // host. Table pointers go to the kernels by value, so a CUDA graph captures them; bad input
 // goes to the errors slots as in the read (pooled_cuda.cuh).
 #include "cuda/pooled_cuda.cuh"
+#include "cuda/rounding.cuh"
 
 #include <cub/cub.cuh>
 
@@ -22,18 +23,6 @@ namespace {
 // Tables whose pointers one launch takes by value (the backward's rows, the update).
 constexpr int kTablesPerLaunch = 32;
 
-// Round-to-nearest arithmetic that nvcc never contracts into an FMA (lazy_adam_cuda.cu's),
-// so the fused LazyAdam gives lazy_adam_'s numbers.
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 
 // ---------------------------------------------------------------------------------------
 // The backward's grouping.
@@ -297,6 +286,42 @@ __global__ void table_starts_kernel(const int64_t* per_table, TableMeta meta, in
   first_rank[meta.count] = ranks;
 }
 
+/// @brief Refuses a table wider than a warp's columns.
+void check_cuda_dims(const char* op, const std::vector<Tensor>& weights) {
+  for (const Tensor& w : weights) {
+    SK_CHECK(w.size(1) <= kColumnsPerLane * kWarp, op, ": on CUDA a table's dim must be at most ",
+             kColumnsPerLane * kWarp, ", got ", w.size(1));
+  }
+}
+
+/// The lookups of a backward or a fused update (checked arguments), on `stream`: contiguous
+/// inputs, the error slots (the caller's, or the op's own), a batch of no bags checked, and
+/// the lookups sorted by row code. Holds every tensor the pointers point into.
+struct PreparedLookups {
+  Tensor rows, offsets, psw, slots;
+  const float* psw_ptr;
+  long long* slots_ptr;
+  SortedLookups sorted;
+};
+
+PreparedLookups prepare_lookups(const PooledLayout& layout, const Tensor& rows_in, const Tensor& offsets_in,
+                                const std::optional<Tensor>& per_sample_weights_in, const std::vector<Tensor>& grads,
+                                const std::optional<Tensor>& errors, cudaStream_t stream) {
+  PreparedLookups out;
+  out.rows = as_contiguous(rows_in);
+  out.offsets = as_contiguous(offsets_in);
+  out.psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
+  out.psw_ptr = per_sample_weights_in.has_value() ? out.psw.const_data_ptr<float>() : nullptr;
+  out.slots = error_slots(errors, out.rows, stream);
+  out.slots_ptr = reinterpret_cast<long long*>(out.slots.mutable_data_ptr<int64_t>());
+  if (layout.batch == 0) {
+    check_no_bags_kernel<<<1, 1, 0, stream>>>(out.offsets.const_data_ptr<int64_t>(), layout.nnz, out.slots_ptr);
+    SK_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  out.sorted = sort_lookups(layout, out.rows, out.offsets, grads, out.slots_ptr, stream);
+  return out;
+}
+
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
@@ -310,28 +335,21 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
   SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
   check_pooled_grads(op, grads, layout, device);
   check_error_slots(op, errors, device);
-  for (const Tensor& w : weights) {
-    SK_CHECK(w.size(1) <= kColumnsPerLane * kWarp, op, ": on CUDA a table's dim must be at most ",
-             kColumnsPerLane * kWarp, ", got ", w.size(1));
-  }
+  check_cuda_dims(op, weights);
   SK_CHECK(weights.size() <= static_cast<size_t>(kMaxBackwardTables), op, ": on CUDA one call reads at most ",
            kMaxBackwardTables, " tables, got ", weights.size());
   const DeviceGuard guard(weights[0].get_device_index());
   const cudaStream_t stream = current_stream(weights[0]);
-  const Tensor rows = as_contiguous(rows_in);
-  const Tensor offsets = as_contiguous(offsets_in);
-  const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
-  const float* psw_ptr = per_sample_weights_in.has_value() ? psw.const_data_ptr<float>() : nullptr;
-  Tensor slots = error_slots(errors, rows, stream);
-  long long* slots_ptr = reinterpret_cast<long long*>(slots.mutable_data_ptr<int64_t>());
+  const PreparedLookups prepared =
+      prepare_lookups(layout, rows_in, offsets_in, per_sample_weights_in, grads, errors, stream);
+  const Tensor& rows = prepared.rows;
+  const Tensor& offsets = prepared.offsets;
+  const Tensor& slots = prepared.slots;
+  const float* psw_ptr = prepared.psw_ptr;
+  const SortedLookups& sorted = prepared.sorted;
   const int num_tables = static_cast<int>(weights.size());
   const int64_t n = layout.nnz;
   const ScalarType value_dtype = layout.dtype == kDouble ? kDouble : kFloat;
-  if (layout.batch == 0) {
-    check_no_bags_kernel<<<1, 1, 0, stream>>>(offsets.const_data_ptr<int64_t>(), n, slots_ptr);
-    SK_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  const SortedLookups sorted = sort_lookups(layout, rows, offsets, grads, slots_ptr, stream);
   const std::vector<int64_t> bases = code_bases(layout);
   TableMeta meta{};
   meta.count = num_tables;
@@ -533,10 +551,7 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
              op, ": lr must be a float32 or float64 tensor of one element on ", device, ", got ", lr->scalar_type(),
              " of shape ", lr->sizes(), " on ", lr->device());
   }
-  for (const Tensor& w : weights) {
-    SK_CHECK(w.size(1) <= kColumnsPerLane * kWarp, op, ": on CUDA a table's dim must be at most ",
-             kColumnsPerLane * kWarp, ", got ", w.size(1));
-  }
+  check_cuda_dims(op, weights);
   std::vector<TensorUse> uses;
   for (size_t t = 0; t < weights.size(); ++t) uses.push_back({&weights[t], "weights", t, true});
   for (size_t t = 0; t < state1.size(); ++t) uses.push_back({&state1[t], "state1", t, true});
@@ -551,19 +566,15 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
   check_no_shared_writes(op, uses);
   const DeviceGuard guard(weights[0].get_device_index());
   const cudaStream_t stream = current_stream(weights[0]);
-  const Tensor rows = as_contiguous(rows_in);
-  const Tensor offsets = as_contiguous(offsets_in);
-  const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
-  const float* psw_ptr = per_sample_weights_in.has_value() ? psw.const_data_ptr<float>() : nullptr;
-  Tensor slots = error_slots(errors, rows, stream);
-  long long* slots_ptr = reinterpret_cast<long long*>(slots.mutable_data_ptr<int64_t>());
+  const PreparedLookups prepared =
+      prepare_lookups(layout, rows_in, offsets_in, per_sample_weights_in, grads, errors, stream);
+  const Tensor& rows = prepared.rows;
+  const Tensor& offsets = prepared.offsets;
+  const Tensor& slots = prepared.slots;
+  const float* psw_ptr = prepared.psw_ptr;
+  const SortedLookups& sorted = prepared.sorted;
   const int num_tables = static_cast<int>(weights.size());
   const int64_t n = layout.nnz;
-  if (layout.batch == 0) {
-    check_no_bags_kernel<<<1, 1, 0, stream>>>(offsets.const_data_ptr<int64_t>(), n, slots_ptr);
-    SK_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  const SortedLookups sorted = sort_lookups(layout, rows, offsets, grads, slots_ptr, stream);
   if (!errors.has_value()) {
     // Refused before anything is written: the read back of the checks (this mode's sync).
     raise_recorded(op, errors, slots, offsets, rows, layout);
