@@ -43,12 +43,12 @@ class _HugePages:
         self.enabled, self.saved = enabled, None
 
     def __enter__(self) -> None:
-        self.saved = allocator._HUGE_TABLE_BYTES
+        self.saved = allocator.HUGE_TABLE_BYTES
         # Without: a threshold no table reaches. With: every table of two huge pages or more.
-        allocator._HUGE_TABLE_BYTES = 2 * allocator._HUGE_PAGE if self.enabled else 1 << 62
+        allocator.HUGE_TABLE_BYTES = 2 * allocator._HUGE_PAGE if self.enabled else 1 << 62
 
     def __exit__(self, *exc) -> None:
-        allocator._HUGE_TABLE_BYTES = self.saved
+        allocator.HUGE_TABLE_BYTES = self.saved
 
 
 def bench_embedding_bag(dim: int, args) -> dict:

@@ -1,5 +1,5 @@
 """CPU memory for training: keep freed memory for reuse (a process-wide allocator setting),
-and tables read at random rows in huge pages (:func:`table_full`).
+and tables read at random rows in huge pages (:func:`table_full`, :func:`huge_tables`).
 
 A CPU training step frees and allocates the same large temporaries every step, and glibc
 hands them back to the system, so every step faults in fresh pages.
@@ -12,9 +12,11 @@ your own training script.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import platform
+from typing import Iterator
 
 import torch
 
@@ -75,8 +77,25 @@ def freed_memory_kept() -> bool:
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 1 << 21
 # Tables from this size go in huge pages (see table_full).
-_HUGE_TABLE_BYTES = 256 << 20
+HUGE_TABLE_BYTES = 256 << 20
 _madvise = None
+# Set by huge_tables(): every table of at least one huge page asks for them.
+_huge_all = False
+
+
+@contextlib.contextmanager
+def huge_tables(enabled: bool) -> Iterator[None]:
+    """Within, when ``enabled``: every :func:`table_full` / :func:`table_zeros` of at least
+    one huge page asks for huge pages, whatever its own size. For tables read together at
+    random rows (a collection's), where the TLB's reach is spent on all of them at once: 26
+    tables of 64 MiB miss it as one of 1.6 GiB does (``benchmarks/bench_bags.py``, 1M-row
+    cells)."""
+    global _huge_all
+    before, _huge_all = _huge_all, bool(enabled) or _huge_all
+    try:
+        yield
+    finally:
+        _huge_all = before
 
 
 def _libc_madvise():
@@ -109,7 +128,7 @@ def huge_page_mode() -> str:
 def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.full(shape, fill_value)`` for a table read at random rows (an embedding
     weight, its Adam moments, a hash table's slots): on a Linux CPU, a table of at least
-    ``_HUGE_TABLE_BYTES`` (256 MiB) asks for transparent huge pages (``MADV_HUGEPAGE``)
+    ``HUGE_TABLE_BYTES`` (256 MiB) asks for transparent huge pages (``MADV_HUGEPAGE``)
     before the fill first touches its pages.
 
     A lookup of a random row in a table far larger than the TLB's reach costs a page walk
@@ -128,7 +147,8 @@ def table_full(shape, fill_value, dtype: torch.dtype, device) -> torch.Tensor:
     # A plain CPU tensor with memory of its own (not a FakeTensor under tracing, whose
     # data_ptr is 0).
     real = type(out) is torch.Tensor and out.device.type == "cpu"
-    madvise = _libc_madvise() if real and nbytes >= _HUGE_TABLE_BYTES else None
+    threshold = _HUGE_PAGE if _huge_all else HUGE_TABLE_BYTES
+    madvise = _libc_madvise() if real and nbytes >= threshold else None
     if madvise is not None:
         begin = out.data_ptr()
         first = (begin + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)

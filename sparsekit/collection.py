@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import engine, traced
+from . import allocator, engine, traced
 from ._checks import compile_disabled, device_argument, torch_at_least
 from . import keyed, step_errors
 from .checkpoint.collective import collective_device
@@ -206,9 +206,13 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
             raise ValueError(f"EmbeddingBagCollection: error_mode={error_mode!r} is for one process; a step over "
                              "a process group reads the device anyway (its split sizes) and raises on every rank "
                              "(error_mode='raise')")
-        # A list, not a ModuleDict: a table may be called "items" or "a.b".
-        self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device, seed)
-                                     for i, (t, seed) in enumerate(zip(self.tables, _default_seeds(self.tables)))])
+        # One step reads every table at random rows: past the TLB's reach together, they go in
+        # huge pages as one large table would (allocator.huge_tables).
+        huge = sum(t.capacity * t.embedding_dim * t.dtype.itemsize for t in self.tables) >= allocator.HUGE_TABLE_BYTES
+        with allocator.huge_tables(huge):
+            # A list, not a ModuleDict: a table may be called "items" or "a.b".
+            self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device, seed)
+                                         for i, (t, seed) in enumerate(zip(self.tables, _default_seeds(self.tables)))])
         self._shards: List[_TableShard] = list(self.shards)
         self._by_name = {t.name: shard for t, shard in zip(self.tables, self._shards)}
         # Tables of one dim are pooled together: one gather + segment_sum per dim, not per table.
@@ -227,7 +231,8 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
                                  f"dtype across the tables, got {sorted(map(str, dtypes))}; use output='dict'")
         self._fused: Optional[FusedOptimizer] = None
         if fused_params is not None:
-            self._fused = FusedOptimizer.from_params([shard.weight for shard in self._shards], fused_params)
+            self._fused = FusedOptimizer.from_params([shard.weight for shard in self._shards], fused_params,
+                                                     huge_tables=huge)
         traced.register(self)
 
     # -- TorchRec's interface ---------------------------------------------------------------

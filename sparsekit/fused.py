@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from .allocator import table_zeros
+from .allocator import huge_tables, table_full, table_zeros
 from .pooled import FusedStep
 
 __all__ = ["FusedOptimizer", "FUSED_OPTIMIZERS"]
@@ -103,9 +103,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                                                    group["initial_accumulator_value"])}
 
     @classmethod
-    def from_params(cls, params: Iterable[nn.Parameter], fused_params: Mapping[str, Any]) -> "FusedOptimizer":
+    def from_params(cls, params: Iterable[nn.Parameter], fused_params: Mapping[str, Any],
+                    huge_tables: bool = False) -> "FusedOptimizer":
         """A FusedOptimizer from a collection's ``fused_params`` (TorchRec's spelling
-        ``learning_rate`` taken for ``lr``, ``beta1`` / ``beta2`` for ``betas``)."""
+        ``learning_rate`` taken for ``lr``, ``beta1`` / ``beta2`` for ``betas``); with
+        ``huge_tables`` its state goes in huge pages as the tables do (allocator.huge_tables)."""
         if not isinstance(fused_params, Mapping):
             raise TypeError(f"EmbeddingBagCollection: fused_params must be a dict, got {type(fused_params).__name__}")
         settings = {_PARAM_ALIASES.get(key, key): value for key, value in fused_params.items()}
@@ -120,7 +122,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if "optimizer" not in settings:
             raise ValueError("EmbeddingBagCollection: fused_params must name its optimizer, e.g. "
                              "{'optimizer': 'lazy_adam', 'lr': 1e-3}")
-        return cls(params, **settings)
+        optimizer = cls(params, **settings)
+        optimizer._huge_tables = huge_tables
+        return optimizer
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if self.param_groups:
@@ -142,13 +146,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         if state:
             return state
         dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        if self.optimizer == "lazy_adam":
-            state["step"] = torch.zeros((), dtype=torch.int64, device=weight.device)
-            state["exp_avg"] = table_zeros(tuple(weight.shape), dtype, weight.device)
-            state["exp_avg_sq"] = table_zeros(tuple(weight.shape), dtype, weight.device)
-        elif self.optimizer == "rowwise_adagrad":
-            state["sum"] = torch.full((weight.shape[0],), group["initial_accumulator_value"], dtype=dtype,
-                                      device=weight.device)
+        with huge_tables(self.__dict__.get("_huge_tables", False)):
+            if self.optimizer == "lazy_adam":
+                state["step"] = torch.zeros((), dtype=torch.int64, device=weight.device)
+                state["exp_avg"] = table_zeros(tuple(weight.shape), dtype, weight.device)
+                state["exp_avg_sq"] = table_zeros(tuple(weight.shape), dtype, weight.device)
+            elif self.optimizer == "rowwise_adagrad":
+                state["sum"] = table_full((weight.shape[0],), group["initial_accumulator_value"], dtype,
+                                          weight.device)
         return state
 
     def update_of(self, weights: List[Tensor]) -> FusedStep:

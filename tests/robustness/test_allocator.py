@@ -94,14 +94,51 @@ def test_table_full_advises_the_aligned_interior_of_large_tables(monkeypatch):
     monkeypatch.setattr(allocator, "_libc_madvise", lambda: lambda address, length, advice: calls.append(
         (address, length, advice)) or 0)
     huge = 1 << 21
-    table = allocator.table_zeros((allocator._HUGE_TABLE_BYTES // 4 + 5,), torch.float32, "cpu")
+    table = allocator.table_zeros((allocator.HUGE_TABLE_BYTES // 4 + 5,), torch.float32, "cpu")
     (address, length, advice), = calls
     begin, end = table.data_ptr(), table.data_ptr() + table.numel() * 4
     assert advice == 14 and address % huge == 0 and length % huge == 0 and length > 0
     assert begin <= address and address + length <= end and address - begin < huge and end - address - length < huge
     calls.clear()
-    allocator.table_zeros((allocator._HUGE_TABLE_BYTES // 4 - 1,), torch.float32, "cpu")  # below the threshold
+    allocator.table_zeros((allocator.HUGE_TABLE_BYTES // 4 - 1,), torch.float32, "cpu")  # below the threshold
     assert calls == []
+
+
+def test_huge_tables_advises_every_table_of_a_huge_page_within(monkeypatch):
+    calls = []
+    monkeypatch.setattr(allocator, "_libc_madvise", lambda: lambda address, length, advice: calls.append(length) or 0)
+    small = (3 << 21) // 4  # three huge pages of float32: below the threshold alone
+    with allocator.huge_tables(True):
+        allocator.table_zeros((small,), torch.float32, "cpu")
+        with allocator.huge_tables(False):  # an inner "no" keeps the outer "yes"
+            allocator.table_zeros((small,), torch.float32, "cpu")
+        allocator.table_zeros((1000,), torch.float32, "cpu")  # under one huge page: nothing to advise
+    assert len(calls) == 2 and all(length > 0 for length in calls)
+    calls.clear()
+    allocator.table_zeros((small,), torch.float32, "cpu")  # outside: the size threshold again
+    assert calls == []
+
+
+def _collection_advice(monkeypatch, rows, fused_params=None):
+    calls = []
+    monkeypatch.setattr(allocator, "_libc_madvise", lambda: lambda address, length, advice: calls.append(length) or 0)
+    import sparsekit as sk
+    names = [f"f{i}" for i in range(4)]
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig(f"t{i}", 16, rows, [names[i]], use_hashtable=False)
+                                     for i in range(4)], fused_params=fused_params)
+    if fused_params is not None:
+        kjt = sk.KeyedJagged(names, torch.arange(8), lengths=torch.ones(8, dtype=torch.int64))
+        sum(v.sum() for v in ebc(kjt).values()).backward()  # the fused state is made here
+    return calls
+
+
+def test_a_collection_puts_its_tables_in_huge_pages_when_together_they_pass_the_threshold(monkeypatch):
+    # Four tables of a quarter of the threshold each: each alone is below it, together not.
+    monkeypatch.setattr(allocator, "HUGE_TABLE_BYTES", 16 << 20)  # tables of 4 MiB: two huge pages each
+    rows = allocator.HUGE_TABLE_BYTES // (4 * 16 * 4)
+    calls = _collection_advice(monkeypatch, rows, {"optimizer": "lazy_adam", "lr": 0.1})
+    assert len(calls) == 4 * 3, calls  # each table's weight and its two moments
+    assert _collection_advice(monkeypatch, rows // 2) == []  # half of it: none
 
 
 def test_layer_tables_and_moments_use_table_full(monkeypatch):
@@ -169,5 +206,5 @@ def test_no_advice_for_a_fake_table(monkeypatch):
     calls = []
     monkeypatch.setattr(allocator, "_libc_madvise", lambda: lambda *args: calls.append(args) or 0)
     with FakeTensorMode():
-        table = allocator.table_zeros((allocator._HUGE_TABLE_BYTES // 4 + 1,), torch.float32, "cpu")
-    assert table.shape[0] == allocator._HUGE_TABLE_BYTES // 4 + 1 and calls == []
+        table = allocator.table_zeros((allocator.HUGE_TABLE_BYTES // 4 + 1,), torch.float32, "cpu")
+    assert table.shape[0] == allocator.HUGE_TABLE_BYTES // 4 + 1 and calls == []
