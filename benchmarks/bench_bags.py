@@ -244,9 +244,13 @@ def main() -> None:
     add_round_args(parser, rounds=5, repeat=3)
     args = parser.parse_args()
     device, rows = run_cells(args, bench_cell)
-    path = write_results("bags_busy" if args.busy_core else "bags", device, rows,
+    name = "bags_busy" if args.busy_core else "bags"
+    # Bags of one id are the record beside the default bags of 10-30 ids, not in place of it.
+    one = (args.min_ids, args.max_ids) == (1, 1)
+    path = write_results(name, device, rows,
                          extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "repeat": args.repeat,
-                                "goal": GOAL, "torchrec": any("forward_vs_torchrec" in r for r in rows)})
+                                "goal": GOAL, "torchrec": any("forward_vs_torchrec" in r for r in rows)},
+                         file_name=f"{name}_one_id" if one else None)
     print(f"wrote {path}")
 
 

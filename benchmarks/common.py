@@ -215,8 +215,10 @@ def uncommitted_changes() -> list[str] | None:
     return sorted(line[3:] for line in status.splitlines() if line.strip())
 
 
-def write_results(name: str, device: torch.device, rows: List[Dict], extra: Dict | None = None) -> str:
-    """Write rows as benchmarks/results/<name>_<device type>.json and return the path."""
+def write_results(name: str, device: torch.device, rows: List[Dict], extra: Dict | None = None,
+                  file_name: str | None = None) -> str:
+    """Write rows as benchmarks/results/<file_name or name>_<device type>.json and return the
+    path (``file_name``: a second record of one benchmark, e.g. another shape of its input)."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     record = {
         "benchmark": name,
@@ -231,7 +233,7 @@ def write_results(name: str, device: torch.device, rows: List[Dict], extra: Dict
     }
     if extra:
         record.update(extra)
-    path = os.path.join(RESULTS_DIR, f"{name}_{device.type}.json")
+    path = os.path.join(RESULTS_DIR, f"{file_name or name}_{device.type}.json")
     with open(path, "w") as out:
         json.dump(record, out, indent=2)
         out.write("\n")

@@ -253,9 +253,10 @@ TORCHREC_ENTRIES = (
 
 def bags_rows(run: Run, r: dict) -> Extracted:
     ids = r.get("ids_per_bag")
-    bag = f"{ids[0]}-{ids[1]}" if isinstance(ids, list) and len(ids) == 2 else MISSING
-    base = (f"tables of {count(r.get('rows'))} x {text(r.get('dim'))}, batch {count(r.get('batch'))}, "
-            f"bags of {bag} {text(r.get('keys'))} ids")
+    spans = isinstance(ids, list) and len(ids) == 2
+    bag = (f"{ids[0]} {text(r.get('keys'))} id" if ids[0] == ids[1] else f"{ids[0]}-{ids[1]} {text(r.get('keys'))} ids") \
+        if spans else f"{MISSING} {text(r.get('keys'))} ids"
+    base = f"tables of {count(r.get('rows'))} x {text(r.get('dim'))}, batch {count(r.get('batch'))}, bags of {bag}"
     entries = TORCHREC_ENTRIES if run.family == "torchrec" else BAGS_ENTRIES
     return [(key, f"{base}: {what}", against, r[key]) for key, what, against in entries if key in r]
 
@@ -427,8 +428,14 @@ def grid_args(run: Run) -> list[tuple[str, str | None]]:
         return args
     if run.family in ("bags", "torchrec"):
         cells = (f"{r.get('dim')}x{CELL_ROWS.get(r.get('rows'), r.get('rows'))}" for r in results)
-        return [("--cells", _joined(cells)),
-                ("--keys", _joined(r.get("keys") for r in results))]
+        args = [("--cells", _joined(cells)), ("--keys", _joined(r.get("keys") for r in results))]
+        ids = {tuple(r.get("ids_per_bag") or (10, 30)) for r in results}
+        if len(ids) == 1 and ids != {(10, 30)}:
+            (low, high), = ids
+            args += [("--min-ids", str(low)), ("--max-ids", str(high))]
+        if run.family == "bags" and not any("train_s" in r for r in results):
+            args.append(("--no-train", SWITCH))
+        return args
     if run.family in ("collection", "layers"):
         args = [("--world-sizes", _joined(r.get("world_size") for r in results))]
         if run.family == "collection":
@@ -602,17 +609,29 @@ def summary_value(rows: list[Row]) -> str:
     return (low if low == high else f"{low} to {high}") + f" (medians of {len(ratios)} cells)"
 
 
+def _bag_sizes(ids: set) -> str:
+    """The bag sizes of a bags line: '10-30', '1 and 10-30'."""
+    spans = sorted(ids)
+    if not spans or any(len(span) != 2 for span in spans):
+        return "many"
+    return " and ".join(str(low) if low == high else f"{low}-{high}" for low, high in spans)
+
+
 def summary_lines(runs: list[Run]) -> list[tuple[str, str, str, str]]:
+    """One line per headline and device: the runs of one family on one device (a second
+    record of another input shape, say) share it."""
     lines = []
     for family, tag, label, against in HEADLINES:
+        by_device: dict = {}
         for run in sorted((r for r in runs if r.family == family and not r.busy), key=run_sort_key):
             rows = [row for row in rows_of(run) if row.tag == tag]
             if rows:
-                ids = {tuple(r.get("ids_per_bag") or ()) for r in run.data["results"]}
-                only = next(iter(ids)) if len(ids) == 1 else ()
-                bags = "-".join(str(v) for v in only) if len(only) == 2 else "many"
-                lines.append((label.format(bags=bags), against, text(run.data.get("device")),
-                              summary_value(rows)))
+                device = text(run.data.get("device"))
+                entry = by_device.setdefault(device, ([], set()))
+                entry[0].extend(rows)
+                entry[1].update(tuple(r.get("ids_per_bag") or ()) for r in run.data["results"])
+        for device, (rows, ids) in by_device.items():
+            lines.append((label.format(bags=_bag_sizes(ids)), against, device, summary_value(rows)))
     return lines[:MAX_SUMMARY_LINES]
 
 

@@ -342,10 +342,6 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
   const cudaStream_t stream = current_stream(weights[0]);
   const PreparedLookups prepared =
       prepare_lookups(layout, rows_in, offsets_in, per_sample_weights_in, grads, errors, stream);
-  const Tensor& rows = prepared.rows;
-  const Tensor& offsets = prepared.offsets;
-  const Tensor& slots = prepared.slots;
-  const float* psw_ptr = prepared.psw_ptr;
   const SortedLookups& sorted = prepared.sorted;
   const int num_tables = static_cast<int>(weights.size());
   const int64_t n = layout.nnz;
@@ -379,7 +375,7 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
   const Tensor host_starts = cpu(starts);
   const int64_t total_values = host_starts.const_data_ptr<int64_t>()[num_tables];
   const int64_t total_rows = host_starts.const_data_ptr<int64_t>()[2 * num_tables + 1];
-  raise_recorded(op, errors, slots, offsets, rows, layout);
+  raise_recorded(op, errors, prepared.slots, prepared.offsets, prepared.rows, layout);
   Tensor rows_out = empty({total_rows}, kLong, device);
   Tensor values = empty({total_values}, value_dtype, device);
   SK_DISPATCH_FLOATING_TYPES(layout.dtype, "pooled_read_backward_cuda", [&] {
@@ -392,7 +388,7 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
       }
       write_grad_rows_kernel<scalar_t, acc><<<blocks_for(n * kWarp), kThreads, 0, stream>>>(
           launch, sorted.codes, sorted.positions, n, sorted.invalid, sorted.grad_at.const_data_ptr<int64_t>(),
-          sorted.lengths.const_data_ptr<int32_t>(), psw_ptr, rank.const_data_ptr<int64_t>(), value_start,
+          sorted.lengths.const_data_ptr<int32_t>(), prepared.psw_ptr, rank.const_data_ptr<int64_t>(), value_start,
           first_rank, rows_out.mutable_data_ptr<int64_t>(),
           values.mutable_data_ptr<acc>());
       SK_CUDA_KERNEL_LAUNCH_CHECK();
@@ -568,16 +564,12 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
   const cudaStream_t stream = current_stream(weights[0]);
   const PreparedLookups prepared =
       prepare_lookups(layout, rows_in, offsets_in, per_sample_weights_in, grads, errors, stream);
-  const Tensor& rows = prepared.rows;
-  const Tensor& offsets = prepared.offsets;
-  const Tensor& slots = prepared.slots;
-  const float* psw_ptr = prepared.psw_ptr;
   const SortedLookups& sorted = prepared.sorted;
   const int num_tables = static_cast<int>(weights.size());
   const int64_t n = layout.nnz;
   if (!errors.has_value()) {
     // Refused before anything is written: the read back of the checks (this mode's sync).
-    raise_recorded(op, errors, slots, offsets, rows, layout);
+    raise_recorded(op, errors, prepared.slots, prepared.offsets, prepared.rows, layout);
   }
   const std::vector<int64_t> bases = code_bases(layout);
   std::vector<bool> read(num_tables, false);
@@ -608,7 +600,7 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
       }
       update_rows_kernel<scalar_t, acc><<<blocks_for(n * kWarp), kThreads, 0, stream>>>(
           launch, settings, sorted.codes, sorted.positions, n, sorted.invalid, sorted.grad_at.const_data_ptr<int64_t>(),
-          sorted.lengths.const_data_ptr<int32_t>(), psw_ptr);
+          sorted.lengths.const_data_ptr<int32_t>(), prepared.psw_ptr);
       SK_CUDA_KERNEL_LAUNCH_CHECK();
       if (counts.count > 0) {
         count_steps_kernel<<<1, kTablesPerLaunch, 0, stream>>>(counts);

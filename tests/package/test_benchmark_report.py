@@ -62,7 +62,14 @@ CASES = [
           "forward_vs_torchrec": stats(1.2, 1.1, 1.3)}]},
      [("| tables of 100k x 16, batch 1,024, bags of 10-30 zipf ids: forward, direct tables | TorchRec "
       "`EmbeddingBagCollection` | x1.20 | 1.10-1.30 (3 rounds) |"),
-      "--cells 16x100k --keys zipf --threads 2"]),
+      "--cells 16x100k --keys zipf --no-train --threads 2"]),  # a record with no training cells
+    ("bags_one_id_cpu.json",
+     {"benchmark": "bags", **CPU, "threads": 2, "results": [
+         {"dim": 16, "rows": 100_000, "keys": "zipf", "batch": 1024, "ids_per_bag": [1, 1],
+          "forward_vs_torchrec": stats(1.4, 1.3, 1.5), "train_s": {}}]},
+     [("| tables of 100k x 16, batch 1,024, bags of 1 zipf id: forward, direct tables | TorchRec "
+      "`EmbeddingBagCollection` | x1.40 | 1.30-1.50 (3 rounds) |"),
+      "--cells 16x100k --keys zipf --min-ids 1 --max-ids 1 --threads 2"]),
     ("collection_cpu.json",
      {"benchmark": "collection", **CPU, "threads_per_process": 2, "results": [
          {"world_size": 1, "config": "dim16", "dims": [16] * 26, "batch": 4096, "pooling": 1,
