@@ -253,9 +253,11 @@ TORCHREC_ENTRIES = (
 
 def bags_rows(run: Run, r: dict) -> Extracted:
     ids = r.get("ids_per_bag")
-    spans = isinstance(ids, list) and len(ids) == 2
-    bag = (f"{ids[0]} {text(r.get('keys'))} id" if ids[0] == ids[1] else f"{ids[0]}-{ids[1]} {text(r.get('keys'))} ids") \
-        if spans else f"{MISSING} {text(r.get('keys'))} ids"
+    keys = text(r.get("keys"))
+    if not (isinstance(ids, list) and len(ids) == 2):
+        bag = f"{MISSING} {keys} ids"
+    else:
+        bag = f"{ids[0]} {keys} id" if ids[0] == ids[1] else f"{ids[0]}-{ids[1]} {keys} ids"
     base = f"tables of {count(r.get('rows'))} x {text(r.get('dim'))}, batch {count(r.get('batch'))}, bags of {bag}"
     entries = TORCHREC_ENTRIES if run.family == "torchrec" else BAGS_ENTRIES
     return [(key, f"{base}: {what}", against, r[key]) for key, what, against in entries if key in r]
