@@ -496,6 +496,48 @@ const AdamScalars<double>& adam_scalars_of<double>(const TableUpdate& table) {
   return table.adam64;
 }
 
+/// @brief Row-wise Adagrad (FBGEMM's exact one: one accumulator per row, of the row's mean
+/// squared gradient), first part: adds the L2 decay to g and returns mean(g^2). Eight partial
+/// sums in a fixed order, not one chain of dim dependent adds: the sum vectorises and is the
+/// same whatever the threads (bench_torchrec's training cells).
+template <typename acc_t>
+inline acc_t rowwise_mean_square(const acc_t* w, acc_t* g, int64_t dim, const FusedScalars& h) {
+  const acc_t decay = static_cast<acc_t>(h.weight_decay);
+  if (decay != acc_t(0)) {
+    for (int64_t j = 0; j < dim; ++j) g[j] += decay * w[j];
+  }
+  constexpr int64_t kLanes = 8;
+  acc_t lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= dim; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += g[j + l] * g[j + l];
+  }
+  for (int64_t l = 0; j < dim; ++j, ++l) lanes[l] += g[j] * g[j];
+  const acc_t squares = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  return squares / static_cast<acc_t>(std::max<int64_t>(dim, 1));
+}
+
+/// Row-wise Adagrad's step size for an accumulator that already holds this step's square.
+template <typename acc_t>
+inline acc_t rowwise_step(acc_t sum, const FusedScalars& h) {
+  return static_cast<acc_t>(h.lr) / (std::sqrt(sum) + static_cast<acc_t>(h.eps));
+}
+
+template <typename acc_t>
+inline void apply_rowwise_step(acc_t* w, const acc_t* g, int64_t dim, acc_t step) {
+  for (int64_t j = 0; j < dim; ++j) w[j] -= step * g[j];
+}
+
+/// A weight row as its accumulator type where the two are one type (else never called).
+template <typename acc_t, typename weight_t>
+inline acc_t* as_accumulator(weight_t* row) {
+  if constexpr (std::is_same_v<weight_t, acc_t>) {
+    return row;
+  } else {
+    return nullptr;
+  }
+}
+
 /// @brief Applies the optimizer to one row: `w` (dim values, updated in place; float32 or
 /// float64 arithmetic in acc_t), its state s1 / s2 (per optimizer), the summed gradient g.
 template <typename acc_t>
@@ -510,28 +552,10 @@ void update_row(FusedOptimizer optimizer, acc_t* w, acc_t* s1, acc_t* s2, acc_t*
     case FusedOptimizer::kLazyAdam:
       adam_row<acc_t, acc_t>(w, s1, s2, g, dim, adam, h.weight_decay != 0.0);
       return;
-    case FusedOptimizer::kRowWiseAdagrad: {
-      // FBGEMM's exact row-wise Adagrad: one accumulator per row, of the row's mean squared
-      // gradient (with the L2 decay added to the gradient first).
-      const acc_t decay = static_cast<acc_t>(h.weight_decay);
-      if (decay != acc_t(0)) {
-        for (int64_t j = 0; j < dim; ++j) g[j] += decay * w[j];
-      }
-      // Eight partial sums in a fixed order, not one chain of dim dependent adds: the sum
-      // vectorises and stays the same whatever the threads (bench_torchrec's training cells).
-      constexpr int64_t kLanes = 8;
-      acc_t lanes[kLanes] = {};
-      int64_t j = 0;
-      for (; j + kLanes <= dim; j += kLanes) {
-        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += g[j + l] * g[j + l];
-      }
-      for (int64_t l = 0; j < dim; ++j, ++l) lanes[l] += g[j] * g[j];
-      const acc_t squares = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-      *s1 += squares / static_cast<acc_t>(std::max<int64_t>(dim, 1));
-      const acc_t step = static_cast<acc_t>(h.lr) / (std::sqrt(*s1) + static_cast<acc_t>(h.eps));
-      for (int64_t j = 0; j < dim; ++j) w[j] -= step * g[j];
+    case FusedOptimizer::kRowWiseAdagrad:
+      *s1 += rowwise_mean_square(w, g, dim, h);
+      apply_rowwise_step(w, g, dim, rowwise_step(*s1, h));
       return;
-    }
   }
 }
 
@@ -643,33 +667,64 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
       std::vector<acc_t> wide;
       // The row's summed gradient: its lookups' output gradients are few and cached, so
       // each row is summed right before its update and no gradient block is written.
-      std::vector<acc_t> gradient(static_cast<size_t>(std::max<int64_t>(widest, 1)));
-      for (int64_t r = begin; r < end; ++r) {
-        if (r + ahead < end) {
-          const int64_t t = table_of_rank(ranks, r + ahead);
+      // Row-wise Adagrad on float32 / float64 rows goes a block of rows at a time: a row's step
+      // size is a chain of a division, a square root and a division, and the independent
+      // chains of a block overlap where one row's would stall (bench_torchrec's training cells).
+      constexpr int64_t kBlock = 8;
+      const bool blocked = std::is_same_v<scalar_t, acc_t> && optimizer == FusedOptimizer::kRowWiseAdagrad;
+      const int64_t stride = std::max<int64_t>(widest, 1);
+      std::vector<acc_t> gradient(static_cast<size_t>(stride * (blocked ? kBlock : 1)));
+      for (int64_t first = begin; first < end; first += kBlock) {
+        const int64_t last = std::min(end, first + kBlock);
+        acc_t* block_weight[kBlock];
+        acc_t* block_sum[kBlock];
+        acc_t block_mean[kBlock];
+        int64_t block_dim[kBlock];
+        for (int64_t r = first; r < last; ++r) {
+          if (r + ahead < end) {
+            const int64_t t = table_of_rank(ranks, r + ahead);
+            const int64_t dim = layout.table_dims[t];
+            const int64_t row = distinct[r + ahead] - lookups.bases[t];
+            const int64_t bytes = dim * static_cast<int64_t>(sizeof(acc_t));
+            const int64_t state_row = optimizer == FusedOptimizer::kRowWiseAdagrad ? row : row * dim;
+            const void* weight_row = weight_of[t] + row * dim;
+            prefetch_row(weight_row, first_of[t] != nullptr ? static_cast<const void*>(first_of[t] + state_row) : weight_row,
+                         second_of[t] != nullptr ? static_cast<const void*>(second_of[t] + row * dim) : weight_row, bytes);
+          }
+          const int64_t t = table_of_rank(ranks, r);
           const int64_t dim = layout.table_dims[t];
-          const int64_t row = distinct[r + ahead] - lookups.bases[t];
-          const int64_t bytes = dim * static_cast<int64_t>(sizeof(acc_t));
-          const int64_t state_row = optimizer == FusedOptimizer::kRowWiseAdagrad ? row : row * dim;
-          const void* weight_row = weight_of[t] + row * dim;
-          prefetch_row(weight_row, first_of[t] != nullptr ? static_cast<const void*>(first_of[t] + state_row) : weight_row,
-                       second_of[t] != nullptr ? static_cast<const void*>(second_of[t] + row * dim) : weight_row, bytes);
+          const int64_t row = distinct[r] - lookups.bases[t];
+          acc_t* g = gradient.data() + (blocked ? (r - first) * stride : 0);
+          sum_row<acc_t, scalar_t>(g, dim, groups, r, lookups, psw_ptr);
+          if (blocked) {
+            const int64_t i = r - first;
+            block_weight[i] = as_accumulator<acc_t>(weight_of[t] + row * dim);
+            block_sum[i] = first_of[t] + row;
+            block_dim[i] = dim;
+            block_mean[i] = rowwise_mean_square(block_weight[i], g, dim, h);
+            continue;
+          }
+          acc_t* s1 = nullptr;
+          acc_t* s2 = nullptr;
+          if (optimizer == FusedOptimizer::kLazyAdam) {
+            s1 = first_of[t] + row * dim;
+            s2 = second_of[t] + row * dim;
+          } else if (optimizer == FusedOptimizer::kRowWiseAdagrad) {
+            s1 = first_of[t] + row;
+          }
+          update_weight_row(optimizer, weight_of[t] + row * dim, s1, s2, g, dim, h, adam_scalars_of<acc_t>(tables[t]),
+                            wide);
         }
-        const int64_t t = table_of_rank(ranks, r);
-        const int64_t dim = layout.table_dims[t];
-        const int64_t row = distinct[r] - lookups.bases[t];
-        acc_t* g = gradient.data();
-        sum_row<acc_t, scalar_t>(g, dim, groups, r, lookups, psw_ptr);
-        acc_t* s1 = nullptr;
-        acc_t* s2 = nullptr;
-        if (optimizer == FusedOptimizer::kLazyAdam) {
-          s1 = first_of[t] + row * dim;
-          s2 = second_of[t] + row * dim;
-        } else if (optimizer == FusedOptimizer::kRowWiseAdagrad) {
-          s1 = first_of[t] + row;
+        if (blocked) {
+          acc_t block_step[kBlock];
+          for (int64_t i = 0; i < last - first; ++i) {
+            *block_sum[i] += block_mean[i];
+            block_step[i] = rowwise_step(*block_sum[i], h);
+          }
+          for (int64_t i = 0; i < last - first; ++i) {
+            apply_rowwise_step(block_weight[i], gradient.data() + i * stride, block_dim[i], block_step[i]);
+          }
         }
-        update_weight_row(optimizer, weight_of[t] + row * dim, s1, s2, g, dim, h, adam_scalars_of<acc_t>(tables[t]),
-                          wide);
       }
     });
   });
