@@ -9,8 +9,9 @@ optimizer inside its backward) against ``sk.EmbeddingBagCollection(fused_params=
 batches). Sides, from the same rows:
 
 - training step (forward, backward of the sum of squares, the optimizer in the backward):
-  exact row-wise Adagrad (TorchRec's usual fused optimizer) and exact SGD, sparsekit's fused
-  ``rowwise_adagrad`` / ``sgd`` against TBE's ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_SGD``;
+  exact row-wise Adagrad (TorchRec's usual fused optimizer), exact SGD and exact Adagrad,
+  sparsekit's fused ``rowwise_adagrad`` / ``sgd`` / ``adagrad`` against TBE's
+  ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_SGD`` / ``EXACT_ADAGRAD``;
 - forward (``eval()`` under ``no_grad``): sparsekit against TBE.
 
 Before timing, one step of each pair from the same rows must leave the same rows. Needs
@@ -35,7 +36,7 @@ from benchmarks.bench_bags import NUM_TABLES, ROWS, cycling, make_batches, run_c
 from benchmarks.common import add_round_args, fmt_ratio, ratio_stats, time_rounds, write_results  # noqa: E402
 
 GOAL = "training step >= x1 FBGEMM TBE with the same fused optimizer"
-LR = {"rowwise_adagrad": 0.01, "sgd": 0.01}
+LR = {"rowwise_adagrad": 0.01, "sgd": 0.01, "adagrad": 0.01}
 
 
 def _tbe(rows: int, dim: int, optimizer: str, device: torch.device):
@@ -47,8 +48,9 @@ def _tbe(rows: int, dim: int, optimizer: str, device: torch.device):
     cpu = device.type == "cpu"
     location = EmbeddingLocation.HOST if cpu else EmbeddingLocation.DEVICE
     compute = ComputeDevice.CPU if cpu else ComputeDevice.CUDA
-    kind = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}[optimizer]
-    # eps as sparsekit's fused row-wise Adagrad takes it, so one step leaves the same rows.
+    kind = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD,
+            "adagrad": EmbOptimType.EXACT_ADAGRAD}[optimizer]
+    # eps as sparsekit's fused Adagrads take it, so one step leaves the same rows.
     return SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(rows, dim, location, compute)] * NUM_TABLES, optimizer=kind,
         learning_rate=LR[optimizer], eps=1e-10, pooling_mode=PoolingMode.SUM,
@@ -63,7 +65,7 @@ class Pair:
         self.ours = sk.EmbeddingBagCollection(
             [sk.TableConfig(f"t{i}", dim, rows, [self.names[i]], use_hashtable=False) for i in range(NUM_TABLES)],
             device=device, output="keyed", fused_params={"optimizer": optimizer, "lr": LR[optimizer], "eps": 1e-10}
-            if optimizer == "rowwise_adagrad" else {"optimizer": optimizer, "lr": LR[optimizer]})
+            if optimizer in ("rowwise_adagrad", "adagrad") else {"optimizer": optimizer, "lr": LR[optimizer]})
         self.theirs = _tbe(rows, dim, optimizer, device)
         with torch.no_grad():
             for shard, weight in zip(self.ours.shards, self.theirs.split_embedding_weights()):
@@ -135,7 +137,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--cells", default="16x100k,64x100k", help="dim x rows (100k, 1m)")
     parser.add_argument("--keys", default="uniform,zipf")
-    parser.add_argument("--optimizers", default="rowwise_adagrad,sgd")
+    parser.add_argument("--optimizers", default="rowwise_adagrad,sgd,adagrad")
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--min-ids", type=int, default=10)
     parser.add_argument("--max-ids", type=int, default=30)

@@ -248,6 +248,7 @@ TORCHREC_ENTRIES = (
     ("forward_vs_tbe", "forward", "FBGEMM TBE (TorchRec's kernel)"),
     ("train_rowwise_adagrad_vs_tbe", "training step, fused row-wise Adagrad", TBE),
     ("train_sgd_vs_tbe", "training step, fused SGD", TBE),
+    ("train_adagrad_vs_tbe", "training step, fused Adagrad", TBE),
 )
 
 

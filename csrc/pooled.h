@@ -17,13 +17,15 @@
 namespace sparsekit {
 
 /// The optimizers of pooled_read_update_.
-enum class FusedOptimizer : int { kSgd = 0, kLazyAdam = 1, kRowWiseAdagrad = 2 };
+enum class FusedOptimizer : int { kSgd = 0, kLazyAdam = 1, kRowWiseAdagrad = 2, kAdagrad = 3 };
 
 inline FusedOptimizer parse_fused_optimizer(const std::string& name) {
   if (name == "sgd") return FusedOptimizer::kSgd;
   if (name == "lazy_adam") return FusedOptimizer::kLazyAdam;
   if (name == "rowwise_adagrad") return FusedOptimizer::kRowWiseAdagrad;
-  fail("pooled_read_update_: optimizer must be \"sgd\", \"lazy_adam\" or \"rowwise_adagrad\", got \"", name, "\"");
+  if (name == "adagrad") return FusedOptimizer::kAdagrad;
+  fail("pooled_read_update_: optimizer must be \"sgd\", \"lazy_adam\", \"rowwise_adagrad\" or \"adagrad\", got \"",
+       name, "\"");
 }
 
 /// The checked layout of one call.
@@ -179,7 +181,8 @@ inline FusedScalars check_fused_hyper(const char* op, FusedOptimizer optimizer, 
 }
 
 /// @brief Checks the optimizer state of pooled_read_update_ against the weights: LazyAdam
-/// keeps two moments of each weight's shape, row-wise Adagrad one float per row, SGD none;
+/// keeps two moments of each weight's shape, Adagrad one sum of each weight's shape,
+/// row-wise Adagrad one float per row, SGD none;
 /// float32, or float64 for float64 weights; contiguous and on the weights' device.
 inline void check_fused_state(const char* op, FusedOptimizer optimizer, const std::vector<Tensor>& weights,
                               const std::vector<Tensor>& state1, const std::vector<Tensor>& state2,

@@ -23,8 +23,9 @@ from .pooled import FusedStep
 __all__ = ["FusedOptimizer", "FUSED_OPTIMIZERS"]
 
 # The optimizers, by the names the op takes, and the TorchRec / FBGEMM names taken for them.
-FUSED_OPTIMIZERS = ("sgd", "lazy_adam", "rowwise_adagrad")
-_ALIASES = {"exact_sgd": "sgd", "adam": "lazy_adam", "exact_rowwise_adagrad": "rowwise_adagrad"}
+FUSED_OPTIMIZERS = ("sgd", "lazy_adam", "rowwise_adagrad", "adagrad")
+_ALIASES = {"exact_sgd": "sgd", "adam": "lazy_adam", "exact_rowwise_adagrad": "rowwise_adagrad",
+            "exact_adagrad": "adagrad"}
 # fused_params keys, with the TorchRec spellings taken for them.
 _PARAM_ALIASES = {"learning_rate": "lr"}
 _SETTINGS = ("optimizer", "lr", "betas", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator_value")
@@ -56,17 +57,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         params: the tables' weights (one parameter group).
         optimizer: ``"lazy_adam"`` (``lazy_adam_``'s update, moments of each row touched;
             TorchRec's ``"adam"`` means it too), ``"sgd"`` (``w -= lr * (g + weight_decay *
-            w)``) or ``"rowwise_adagrad"`` (FBGEMM's exact row-wise Adagrad: one float of
-            state per row, the running sum of its mean squared gradient).
+            w)``), ``"rowwise_adagrad"`` (FBGEMM's exact row-wise Adagrad: one float of
+            state per row, the running sum of its mean squared gradient) or ``"adagrad"``
+            (FBGEMM's exact Adagrad, ``torch.optim.Adagrad`` without lr decay: a running sum
+            of squares per element).
         lr: a float >= 0, or a one-element float tensor (changed in place, it takes effect at
             the next backward without a host sync).
         betas, eps, weight_decay: as :class:`sparsekit.LazyAdam` (eps and weight_decay for
             the others too; weight_decay is L2 added to the gradient of the rows touched).
-        initial_accumulator_value: row-wise Adagrad's starting sum (default 0).
+        initial_accumulator_value: the Adagrads' starting sum (default 0).
 
     State per table: LazyAdam ``step`` (an int64 tensor on the table's device),
     ``exp_avg`` and ``exp_avg_sq`` (float32, float64 for a float64 table); row-wise Adagrad
-    ``sum`` (``[rows]`` float32); SGD none. Created at the first update.
+    ``sum`` (``[rows]`` float32); Adagrad ``sum`` (``[rows, dim]``); SGD none. Created at the
+    first update.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer: str = "lazy_adam", lr: Any = 1e-3,
@@ -83,7 +87,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @property
     def optimizer(self) -> str:
-        """``"sgd"``, ``"lazy_adam"`` or ``"rowwise_adagrad"`` (kept in the parameter group,
+        """``"sgd"``, ``"lazy_adam"``, ``"rowwise_adagrad"`` or ``"adagrad"`` (kept in the parameter group,
         so ``state_dict()`` records it)."""
         return self.param_groups[0]["optimizer"]
 
@@ -151,9 +155,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.int64, device=weight.device)
                 state["exp_avg"] = table_zeros(tuple(weight.shape), dtype, weight.device)
                 state["exp_avg_sq"] = table_zeros(tuple(weight.shape), dtype, weight.device)
-            elif self.optimizer == "rowwise_adagrad":
-                state["sum"] = table_full((weight.shape[0],), group["initial_accumulator_value"], dtype,
-                                          weight.device)
+            elif self.optimizer in ("rowwise_adagrad", "adagrad"):
+                shape = (weight.shape[0],) if self.optimizer == "rowwise_adagrad" else tuple(weight.shape)
+                state["sum"] = table_full(shape, group["initial_accumulator_value"], dtype, weight.device)
         return state
 
     def update_of(self, weights: List[Tensor]) -> FusedStep:
@@ -173,7 +177,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.optimizer == "lazy_adam":
             return FusedStep(self.optimizer, hyper, lr_tensor, [s["exp_avg"] for s in states],
                              [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
-        if self.optimizer == "rowwise_adagrad":
+        if self.optimizer in ("rowwise_adagrad", "adagrad"):
             return FusedStep(self.optimizer, hyper, lr_tensor, [s["sum"] for s in states], [], [])
         return FusedStep(self.optimizer, hyper, lr_tensor, [], [], [])
 
@@ -204,7 +208,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         try:
             for weight, state in self.state.items():
                 for name, value in list(state.items()):
-                    want = (() if name == "step" else (weight.shape[0],) if name == "sum" else tuple(weight.shape))
+                    per_row = name == "sum" and self.optimizer == "rowwise_adagrad"
+                    want = () if name == "step" else (weight.shape[0],) if per_row else tuple(weight.shape)
                     if not isinstance(value, Tensor) or tuple(value.shape) != want:
                         raise ValueError(f"FusedOptimizer.load_state_dict: the state {name!r} of a table "
                                          f"{tuple(weight.shape)} must have shape {want}, got "

@@ -556,6 +556,18 @@ void update_row(FusedOptimizer optimizer, acc_t* w, acc_t* s1, acc_t* s2, acc_t*
       *s1 += rowwise_mean_square(w, g, dim, h);
       apply_rowwise_step(w, g, dim, rowwise_step(*s1, h));
       return;
+    case FusedOptimizer::kAdagrad: {
+      // FBGEMM's exact Adagrad (torch.optim.Adagrad without lr decay): a sum of squares per
+      // element; the L2 decay added to the gradient first.
+      const acc_t lr = static_cast<acc_t>(h.lr), eps = static_cast<acc_t>(h.eps);
+      const acc_t decay = static_cast<acc_t>(h.weight_decay);
+      for (int64_t j = 0; j < dim; ++j) {
+        const acc_t gj = decay != acc_t(0) ? g[j] + decay * w[j] : g[j];
+        s1[j] += gj * gj;
+        w[j] -= lr * gj / (std::sqrt(s1[j]) + eps);
+      }
+      return;
+    }
   }
 }
 
@@ -711,6 +723,8 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
             s2 = second_of[t] + row * dim;
           } else if (optimizer == FusedOptimizer::kRowWiseAdagrad) {
             s1 = first_of[t] + row;
+          } else if (optimizer == FusedOptimizer::kAdagrad) {
+            s1 = first_of[t] + row * dim;
           }
           update_weight_row(optimizer, weight_of[t] + row * dim, s1, s2, g, dim, h, adam_scalars_of<acc_t>(tables[t]),
                             wide);

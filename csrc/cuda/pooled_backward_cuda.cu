@@ -487,6 +487,19 @@ __global__ void update_rows_kernel(UpdateLaunch<scalar_t, acc> launch, UpdateSet
         v_row[j] = v;
         w[j] = static_cast<scalar_t>(add_rn(x, mul_rn(neg_step, div_rn(m, add_rn(sqrt_rn(v), eps)))));
       }
+    } else if (s.optimizer == static_cast<int>(FusedOptimizer::kAdagrad)) {
+      const acc rate = static_cast<acc>(lr), eps = static_cast<acc>(s.eps);
+      acc* sum_row = table.state1 + row * dim;
+#pragma unroll
+      for (int c = 0; c < kColumnsPerLane; ++c) {
+        const int64_t j = lane + c * kWarp;
+        if (j >= dim) continue;
+        const acc x = static_cast<acc>(w[j]);
+        const acc gj = decay != acc(0) ? add_rn(g[c], mul_rn(decay, x)) : g[c];
+        const acc total = add_rn(sum_row[j], mul_rn(gj, gj));
+        sum_row[j] = total;
+        w[j] = static_cast<scalar_t>(sub_rn(x, div_rn(mul_rn(rate, gj), add_rn(sqrt_rn(total), eps))));
+      }
     } else {
       acc squares = 0;
 #pragma unroll

@@ -193,7 +193,8 @@ def _kjt(seed, device="cpu"):
                           lengths=lengths.to(device))
 
 
-@pytest.mark.parametrize("optimizer", ["lazy_adam", "sgd", "rowwise_adagrad", "adam", "exact_rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["lazy_adam", "sgd", "rowwise_adagrad", "adam", "exact_rowwise_adagrad",
+                                       "adagrad", "exact_adagrad"])
 def test_fused_optimizer_state_dict_round_trips(optimizer):
     """Train, save the collection and its fused optimizer, load both into a new pair, and the
     next steps agree bit for bit with the original's."""
@@ -228,7 +229,7 @@ def test_a_scheduler_and_a_tensor_lr_drive_the_fused_update():
 
 @pytest.mark.parametrize("params, error, match", [
     ({"lr": 0.1}, ValueError, "must name its optimizer"),
-    ({"optimizer": "adagrad"}, ValueError, "optimizer must be one of"),
+    ({"optimizer": "adadelta"}, ValueError, "optimizer must be one of"),
     ({"optimizer": "sgd", "momentum": 0.9}, ValueError, r"unknown settings \['momentum'\]"),
     ({"optimizer": "sgd", "lr": -1.0}, ValueError, "lr must be a finite real number >= 0"),
     ({"optimizer": "lazy_adam", "betas": (0.9, 1.0)}, ValueError, r"beta2 must be a finite real number in \[0, 1\)"),
@@ -274,3 +275,19 @@ def test_a_penalty_gradient_and_weight_gradient_flow_through_the_read():
     (ref_grad,) = torch.autograd.grad((pooled ** 2).sum(), reference_weight, create_graph=True)
     (ref_grad ** 2).sum().backward()
     torch.testing.assert_close(scale.grad, reference_scale.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adagrad_trains_as_torch_optim_adagrad_on_the_sparse_gradients():
+    """The fused "adagrad" (FBGEMM's EXACT_ADAGRAD) against the unfused path with
+    torch.optim.Adagrad on the same sparse gradients: the same tables, to rounding."""
+    fused = _simple({"optimizer": "adagrad", "lr": 0.05, "eps": 1e-8})
+    plain = _simple(None)
+    plain.load_state_dict(fused.state_dict())
+    optimizer = torch.optim.Adagrad(plain.parameters(), lr=0.05, eps=1e-8)
+    for seed in range(4):
+        _loss(fused(_kjt(seed))).backward()
+        _loss(plain(_kjt(seed))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for a, b in zip(fused.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

@@ -11,12 +11,13 @@ from test_collection import BATCH, STEPS, _rank_slice, batch, tables
 
 import sparsekit as sk
 
-OPTIMIZERS = ("lazy_adam", "sgd", "rowwise_adagrad")
+OPTIMIZERS = ("lazy_adam", "sgd", "rowwise_adagrad", "adagrad")
 WORLD = 2
 
 
 def _fused_params(optimizer):
-    return {"optimizer": optimizer, "lr": 0.05, **({"weight_decay": 0.01} if optimizer == "lazy_adam" else {})}
+    return {"optimizer": optimizer, "lr": 0.05, **({"weight_decay": 0.01} if optimizer == "lazy_adam" else {}),
+            **({"eps": 1e-10} if optimizer == "adagrad" else {})}  # torch.optim.Adagrad's default
 
 
 def _train(ebc, rank, world_size, step_optimizer=None, global_batch=BATCH * WORLD):
@@ -55,6 +56,7 @@ def _worker(rank, world_size, init, out_dir):
             continue
         plain = sk.EmbeddingBagCollection(tables())
         step = (sk.LazyAdam(plain.parameters(), lr=0.05, weight_decay=0.01) if optimizer == "lazy_adam"
+                else torch.optim.Adagrad(plain.parameters(), lr=0.05, eps=1e-10) if optimizer == "adagrad"
                 else torch.optim.SGD(plain.parameters(), lr=0.05))
         _train(plain, rank, world_size, step)
         for name, (keys, vectors) in _tables_of(plain).items():

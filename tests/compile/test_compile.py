@@ -232,7 +232,7 @@ def _fused_loss(out):
 
 @pytest.mark.skipif(_OLD_INDUCTOR, reason="torch < 2.13: AOT autograd refuses the backward graph's in-place "
                                            "update (the forward runs eagerly there)")
-@pytest.mark.parametrize("optimizer", ["lazy_adam", "sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["lazy_adam", "sgd", "rowwise_adagrad", "adagrad"])
 @pytest.mark.parametrize("backend, output", [("aot_eager", "keyed"), ("aot_eager", "dict"),
                                              pytest.param("inductor", "keyed", marks=_SKIP_OLD_INDUCTOR)])
 def test_a_fused_step_compiles_in_one_graph_and_updates_as_eager(optimizer, backend, output):

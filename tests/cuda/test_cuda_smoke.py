@@ -268,12 +268,12 @@ def test_pooled_kernels(device, dtype):
     want = torch.ops.sparsekit.pooled_read_backward(split(grad), weights, rows, offsets, psw, tables, means)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-5, atol=1e-6)
-    for optimizer in ("sgd", "lazy_adam", "rowwise_adagrad"):
+    for optimizer in ("sgd", "lazy_adam", "rowwise_adagrad", "adagrad"):
         results = []
         for dev, ws in ((device, on), ("cpu", weights)):
             ws = [w.clone() for w in ws]
             state = torch.float64 if dtype == torch.float64 else torch.float32
-            s1 = [] if optimizer == "sgd" else [torch.zeros(w.shape if optimizer == "lazy_adam" else w.shape[:1],
+            s1 = [] if optimizer == "sgd" else [torch.zeros(w.shape[:1] if optimizer == "rowwise_adagrad" else w.shape,
                                                             dtype=state, device=dev) for w in ws]
             s2 = [torch.zeros(w.shape, dtype=state, device=dev) for w in ws] if optimizer == "lazy_adam" else []
             steps = [torch.zeros((), dtype=torch.int64, device=dev) for _ in ws] if optimizer == "lazy_adam" else []

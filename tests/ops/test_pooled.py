@@ -244,19 +244,20 @@ def test_fused_lazy_adam_is_lazy_adam_bit_for_bit(device, layout, threads, steps
         assert int(counters[t]) == (steps if t in read else 0)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_fused_sgd_and_rowwise_adagrad_follow_their_formulas(device, optimizer, dtype):
+def test_fused_sgd_and_adagrads_follow_their_formulas(device, optimizer, dtype):
     weights, rows, offsets, psw, tables, columns, means, total = _problem(
         3, 3, 4, 32, 6, [4, 16, 33, 8], [50, 20, 7, 9], dtype, device, True, hot=True)
     weights = weights[:3]
     grad = torch.randn(32, total, generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
     lr, eps, decay = 0.1, 1e-6, 0.01
-    state = [torch.full((w.shape[0],), 0.5, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                        device=device) for w in weights]
+    state = [torch.full((w.shape[0],) if optimizer == "rowwise_adagrad" else tuple(w.shape), 0.5,
+                        dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device)
+             for w in weights]
     before = [w.clone() for w in weights]
     state_before = [s.clone() for s in state]
-    ops.pooled_read_update_(weights, state if optimizer == "rowwise_adagrad" else [], [], [],
+    ops.pooled_read_update_(weights, state if optimizer != "sgd" else [], [], [],
                             _split(grad, weights, tables, columns), rows, offsets, psw, tables, means, optimizer,
                             [lr, 0.9, 0.999, eps, decay])
     for t, (r, g) in enumerate(_grouped_gradient(before, rows, offsets, psw, tables, columns, means, grad)):
@@ -265,6 +266,10 @@ def test_fused_sgd_and_rowwise_adagrad_follow_their_formulas(device, optimizer, 
         g = g + decay * w[r]
         if optimizer == "sgd":
             w[r] -= lr * g
+        elif optimizer == "adagrad":  # torch.optim.Adagrad's update, per element
+            total_sq = state_before[t].double().cpu()[r] + g * g
+            torch.testing.assert_close(state[t].double().cpu()[r], total_sq, rtol=1e-5, atol=1e-6)
+            w[r] -= lr * g / (total_sq.sqrt() + eps)
         else:
             total_sq = state_before[t].double().cpu()[r] + (g * g).mean(1)
             torch.testing.assert_close(state[t].double().cpu()[r], total_sq, rtol=1e-5, atol=1e-6)
@@ -358,7 +363,7 @@ def test_argument_errors_name_the_argument(case):
     elif case == "state shape":
         moments, match = [torch.zeros(5, 3), moments[1]], "the state of table 0 must be"
     elif case == "optimizer":
-        optimizer, match = "adagrad", "optimizer must be"
+        optimizer, match = "adadelta", "optimizer must be"
     elif case == "hyper":
         hyper, match = [0.1, 1.5, 0.99, 1e-8, 0.0], "beta1 must be in"
     elif case == "shared":
