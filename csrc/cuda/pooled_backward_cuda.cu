@@ -457,16 +457,21 @@ __global__ void update_rows_kernel(UpdateLaunch<scalar_t, acc> launch, UpdateSet
     sum_run<scalar_t, acc>(g, dim, lane, i, run_end, positions, grad_at, lengths, psw);
     scalar_t* w = table.weight + row * dim;
     const acc decay = static_cast<acc>(s.weight_decay);
-    if (s.optimizer == static_cast<int>(FusedOptimizer::kSgd)) {
-      const acc rate = static_cast<acc>(lr);
+    // Each lane updates its columns j = lane + c * kWarp (c < kColumnsPerLane, j < dim).
+    const auto each_column = [&](auto&& update) {
 #pragma unroll
       for (int c = 0; c < kColumnsPerLane; ++c) {
         const int64_t j = lane + c * kWarp;
-        if (j >= dim) continue;
+        if (j < dim) update(c, j);
+      }
+    };
+    if (s.optimizer == static_cast<int>(FusedOptimizer::kSgd)) {
+      const acc rate = static_cast<acc>(lr);
+      each_column([&](int c, int64_t j) {
         const acc x = static_cast<acc>(w[j]);
         const acc step = decay != acc(0) ? add_rn(g[c], mul_rn(decay, x)) : g[c];
         w[j] = static_cast<scalar_t>(sub_rn(x, mul_rn(rate, step)));
-      }
+      });
     } else if (s.optimizer == static_cast<int>(FusedOptimizer::kLazyAdam)) {
       const double step = static_cast<double>(*table.step + 1);
       const double size = lr * sqrt(1.0 - pow(s.beta2, step)) / (1.0 - pow(s.beta1, step));
@@ -474,10 +479,7 @@ __global__ void update_rows_kernel(UpdateLaunch<scalar_t, acc> launch, UpdateSet
       const acc eps = static_cast<acc>(s.eps), neg_step = static_cast<acc>(-size);
       acc* m_row = table.state1 + row * dim;
       acc* v_row = table.state2 + row * dim;
-#pragma unroll
-      for (int c = 0; c < kColumnsPerLane; ++c) {
-        const int64_t j = lane + c * kWarp;
-        if (j >= dim) continue;
+      each_column([&](int c, int64_t j) {
         const acc x = static_cast<acc>(w[j]);
         acc gj = g[c];
         if (decay != acc(0)) gj = add_rn(gj, mul_rn(decay, x));
@@ -486,40 +488,32 @@ __global__ void update_rows_kernel(UpdateLaunch<scalar_t, acc> launch, UpdateSet
         m_row[j] = m;
         v_row[j] = v;
         w[j] = static_cast<scalar_t>(add_rn(x, mul_rn(neg_step, div_rn(m, add_rn(sqrt_rn(v), eps)))));
-      }
+      });
     } else if (s.optimizer == static_cast<int>(FusedOptimizer::kAdagrad)) {
       const acc rate = static_cast<acc>(lr), eps = static_cast<acc>(s.eps);
       acc* sum_row = table.state1 + row * dim;
-#pragma unroll
-      for (int c = 0; c < kColumnsPerLane; ++c) {
-        const int64_t j = lane + c * kWarp;
-        if (j >= dim) continue;
+      each_column([&](int c, int64_t j) {
         const acc x = static_cast<acc>(w[j]);
         const acc gj = decay != acc(0) ? add_rn(g[c], mul_rn(decay, x)) : g[c];
         const acc total = add_rn(sum_row[j], mul_rn(gj, gj));
         sum_row[j] = total;
         w[j] = static_cast<scalar_t>(sub_rn(x, div_rn(mul_rn(rate, gj), add_rn(sqrt_rn(total), eps))));
-      }
+      });
     } else {
       acc squares = 0;
-#pragma unroll
-      for (int c = 0; c < kColumnsPerLane; ++c) {
-        const int64_t j = lane + c * kWarp;
-        if (j >= dim) continue;
+      each_column([&](int c, int64_t j) {
         if (decay != acc(0)) g[c] = add_rn(g[c], mul_rn(decay, static_cast<acc>(w[j])));
         squares += g[c] * g[c];
-      }
+      });
       squares = warp_sum(squares);
       acc* sum = table.state1 + row;
       const acc total = add_rn(*sum, div_rn(squares, static_cast<acc>(dim > 0 ? dim : 1)));
       __syncwarp();
       if (lane == 0) *sum = total;
       const acc rate = div_rn(static_cast<acc>(lr), add_rn(sqrt_rn(total), static_cast<acc>(s.eps)));
-#pragma unroll
-      for (int c = 0; c < kColumnsPerLane; ++c) {
-        const int64_t j = lane + c * kWarp;
-        if (j < dim) w[j] = static_cast<scalar_t>(sub_rn(static_cast<acc>(w[j]), mul_rn(rate, g[c])));
-      }
+      each_column([&](int c, int64_t j) {
+        w[j] = static_cast<scalar_t>(sub_rn(static_cast<acc>(w[j]), mul_rn(rate, g[c])));
+      });
     }
   }
 }
