@@ -139,7 +139,7 @@ class StepErrors:
                 torch._assert_async(self._clean, "sparsekit: a step met bad input (error_mode='assert'); "
                                     "error_mode='raise' names it")
             except RuntimeError:  # the CPU's assert raises here: the record has told its error
-                self._record.copy_(torch.tensor(_CLEAN, dtype=torch.int64))
+                self._clear_record()
                 raise
         self._host.copy_(self._record, non_blocking=device.type == "cuda")
         if device.type == "cuda":
@@ -171,11 +171,16 @@ class StepErrors:
             return
         # What the failing step's own ops recorded since (its pooled read, its update) goes
         # with it: the same bad input.
-        self._record.copy_(torch.tensor(_CLEAN, dtype=torch.int64))
-        self._host.copy_(torch.tensor(_CLEAN, dtype=torch.int64))
+        self._clear_record()
         self._slots.fill_(NO_ERROR)
-        self._event = None
         raiser(values)
+
+    def _clear_record(self) -> None:
+        """The record and its host copy back to clean, with no copy in flight to wait for."""
+        clean = torch.tensor(_CLEAN, dtype=torch.int64)
+        self._record.copy_(clean)
+        self._host.copy_(clean)
+        self._event = None
 
 
 def raise_word(bad_bag: int, bad_lookup: int) -> None:
