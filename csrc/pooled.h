@@ -140,6 +140,35 @@ inline void check_pooled_grads(const char* op, const std::vector<Tensor>& grads,
   }
 }
 
+/// @brief The output gradients of pooled_read_backward / pooled_read_update_ as one tensor
+/// per feature. Without grad_columns, grads already is. With them (one per feature), grads
+/// is one [B, W] block (a keyed output's gradient) and feature f's gradient is its columns
+/// [grad_columns[f], + D): views made here, so the caller dispatches no slice per feature.
+inline std::vector<Tensor> feature_grad_views(const char* op, const std::vector<Tensor>& grads,
+                                              const std::vector<int64_t>& grad_columns, const PooledLayout& layout) {
+  if (grad_columns.empty()) return grads;
+  SK_CHECK(grads.size() == 1, op, ": with grad_columns, grads must hold one [B, W] block, got ", grads.size(),
+           " tensors");
+  SK_CHECK(static_cast<int64_t>(grad_columns.size()) == layout.num_features, op,
+           ": grad_columns must hold one column per feature (", layout.num_features, "), got ", grad_columns.size());
+  Tensor block = grads[0];
+  SK_CHECK(block.dim() == 2, op, ": grads[0] must be a [B, W] block with grad_columns, got shape ", block.sizes());
+  std::vector<Tensor> views;
+  views.reserve(grad_columns.size());
+  for (int64_t f = 0; f < layout.num_features; ++f) {
+    const int64_t t = layout.feature_tables[f];
+    if (t < 0) {
+      views.push_back(block);  // not read
+      continue;
+    }
+    const int64_t column = grad_columns[f], dim = layout.table_dims[t];
+    SK_CHECK(column >= 0 && column + dim <= block.size(1), op, ": grad_columns[", f, "] = ", column, " puts feature ",
+             f, "'s ", dim, " columns outside the block's ", block.size(1));
+    views.push_back(torch::stable::narrow(block, 1, column, dim));
+  }
+  return views;
+}
+
 /// Per table t, the first code of its rows in the call's code space (a row's code is its
 /// table's base plus the row), then the total: table_rows summed.
 inline std::vector<int64_t> code_bases(const PooledLayout& layout) {

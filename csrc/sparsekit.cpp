@@ -118,13 +118,14 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   m.def("pooled_read(Tensor[] weights, Tensor rows, Tensor offsets, Tensor? per_sample_weights, int[] feature_tables, "
         "int[] feature_columns, int[] feature_means, SymInt total_dim, Tensor(e!)? errors=None) -> Tensor");
   // Its gradient, grouped by row, from each feature's output gradient (grads[f]: [B, D], a
-  // column view of the output's will do): the distinct rows read (table after table,
+  // column view of the output's will do; or, with grad_columns, grads = [the [B, W] output
+  // gradient] and feature f's its columns from grad_columns[f]): the distinct rows read (table after table,
   // ascending in each), how many of them each table has, and each one's gradient summed in
   // lookup order (float32; float64 for float64 weights), table t's D_t wide, one table after
   // another.
   m.def("pooled_read_backward(Tensor[] grads, Tensor[] weights, Tensor rows, Tensor offsets, "
-        "Tensor? per_sample_weights, int[] feature_tables, int[] feature_means, Tensor(e!)? errors=None) -> "
-        "(Tensor rows, Tensor per_table, Tensor grad_rows)");
+        "Tensor? per_sample_weights, int[] feature_tables, int[] feature_means, Tensor(e!)? errors=None, "
+        "int[] grad_columns=[]) -> (Tensor rows, Tensor per_table, Tensor grad_rows)");
   // That gradient applied in place, each distinct row updated once by "sgd", "lazy_adam"
   // (state1, state2: the moments, like the weights) or "rowwise_adagrad" (state1: one float
   // per row); hyper = (lr, beta1, beta2, eps, weight_decay), lr replaced by the tensor lr
@@ -133,7 +134,7 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   m.def("pooled_read_update_(Tensor(a!)[] weights, Tensor(b!)[] state1, Tensor(c!)[] state2, Tensor(d!)[] steps, "
         "Tensor[] grads, Tensor rows, Tensor offsets, Tensor? per_sample_weights, int[] feature_tables, "
         "int[] feature_means, str optimizer, float[] hyper, Tensor? lr=None, "
-        "Tensor(e!)? errors=None) -> ()");
+        "Tensor(e!)? errors=None, int[] grad_columns=[]) -> ()");
   // Stable counting sort of keys by owner rank uint64(key) % world_size:
   // keys_by_owner[positions[i]] == keys[i], counts[r] keys go to rank r.
   m.def("partition_by_owner(Tensor keys, int world_size) -> (Tensor keys_by_owner, Tensor positions, Tensor counts)");

@@ -34,7 +34,8 @@ def _pooled_read_fake(weights: List[Tensor], rows: Tensor, offsets: Tensor, per_
 @torch.library.register_fake("sparsekit::pooled_read_backward")
 def _pooled_read_backward_fake(grads: List[Tensor], weights: List[Tensor], rows: Tensor, offsets: Tensor,
                                per_sample_weights: Optional[Tensor], feature_tables: List[int],
-                               feature_means: List[int], errors: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                               feature_means: List[int], errors: Optional[Tensor] = None,
+                               grad_columns: Sequence[int] = ()) -> Tuple[Tensor, Tensor, Tensor]:
     ctx = torch.library.get_ctx()
     dtype = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
     return (rows.new_empty(ctx.new_dynamic_size()), rows.new_empty(len(weights)),
@@ -45,7 +46,8 @@ def _pooled_read_backward_fake(grads: List[Tensor], weights: List[Tensor], rows:
 def _pooled_read_update_fake(weights: List[Tensor], state1: List[Tensor], state2: List[Tensor], steps: List[Tensor],
                              grads: List[Tensor], rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
                              feature_tables: List[int], feature_means: List[int], optimizer: str, hyper: List[float],
-                             lr: Optional[Tensor] = None, errors: Optional[Tensor] = None) -> None:
+                             lr: Optional[Tensor] = None, errors: Optional[Tensor] = None,
+                             grad_columns: Sequence[int] = ()) -> None:
     return None
 
 
@@ -106,10 +108,10 @@ class _PooledRead(torch.autograd.Function):
     def backward(ctx, *outputs_grads: Optional[Tensor]):
         rows, offsets, per_sample_weights = ctx.saved_tensors
         layout, weights = ctx.layout, ctx.weights
-        grads = _feature_grads(layout, weights, outputs_grads)
+        op_grads, grad_columns, given = _op_grads(layout, weights, outputs_grads, rows)
         # A feature whose output got no gradient is left out; a table all of whose features
         # are gets none (as a module whose output is unused).
-        feature_tables = [t if g is not None else -1 for t, g in zip(layout.feature_tables, grads)]
+        feature_tables = [t if g else -1 for t, g in zip(layout.feature_tables, given)]
         needed = [ctx.needs_input_grad[_WEIGHTS + j] for j in range(len(weights))]
         # A table loaded or reset since the forward gets nothing from it (its features are
         # left out); rows given to other keys since (eviction) are dropped lookup by lookup.
@@ -132,8 +134,6 @@ class _PooledRead(torch.autograd.Function):
             block = _block(layout, weights, outputs_grads, (offsets.numel() - 1) // len(feature_tables))
             scale_grad = _traced_gradients(layout, feature_tables, weights, block, rows, offsets, per_sample_weights,
                                            True, tables=False)[0]
-        placeholder = rows.new_empty(0)
-        op_grads = [g if g is not None else placeholder for g in grads]
         if ctx.fused is not None:
             rows = _rows_still_owned(rows, offsets, feature_tables, weights, ctx.markers, ctx.stamps, lost)
             if any(t >= 0 for t in feature_tables):
@@ -142,12 +142,13 @@ class _PooledRead(torch.autograd.Function):
                     torch.ops.sparsekit.pooled_read_update_(
                         list(weights), step.state1, step.state2, step.steps, op_grads, rows, offsets,
                         per_sample_weights, feature_tables, layout.feature_means, step.optimizer, step.hyper, step.lr,
-                        ctx.errors)
+                        ctx.errors, grad_columns)
             return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4 + len(weights))
         if not any(t >= 0 for t in feature_tables):
             return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4 + len(weights))
         unique_rows, per_table, values = torch.ops.sparsekit.pooled_read_backward(
-            op_grads, list(weights), rows, offsets, per_sample_weights, feature_tables, layout.feature_means)
+            op_grads, list(weights), rows, offsets, per_sample_weights, feature_tables, layout.feature_means,
+            None, grad_columns)
         counts = per_table.tolist()  # a host read (a sync on CUDA): the sparse gradients' sizes
         parts: List[Optional[Tuple[Tensor, Tensor]]] = []
         row_start = value_start = 0
@@ -212,26 +213,31 @@ def _call_dims(layout: ReadLayout, weights: Sequence[Tensor]) -> List[int]:
     return [weights[t].shape[1] for t in layout.feature_tables if t >= 0]
 
 
-def _feature_grads(layout: ReadLayout, weights: Sequence[Tensor],
-                   outputs_grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
-    """Per feature of the batch its output's gradient ([B, D], columns dense), None for a
-    feature of another read or whose output got no gradient."""
-    mine = [f for f, t in enumerate(layout.feature_tables) if t >= 0]
-    if layout.split:
-        given = list(outputs_grads)
-    elif outputs_grads[0] is None:
-        given = [None] * len(mine)
-    else:
-        # The block's columns lie in the layout's order (which may hold features the batch
-        # lacks): each feature's are a view of it.
+def _op_grads(layout: ReadLayout, weights: Sequence[Tensor], outputs_grads: Sequence[Optional[Tensor]],
+              rows: Tensor) -> Tuple[List[Tensor], List[int], List[bool]]:
+    """The output gradients as the backward ops take them: ``(grads, grad_columns, given)``.
+    A block output's gradient goes whole with the layout's columns (the op takes each
+    feature's columns itself: no slice per feature); split outputs go one per feature. A
+    feature not ``given`` (another read's, or its output got no gradient) is not read."""
+    num_features = len(layout.feature_tables)
+    if not layout.split:
         block = outputs_grads[0]
-        given = [block[:, c:c + weights[layout.feature_tables[f]].shape[1]]
-                 for f, c in zip(mine, (layout.feature_columns[f] for f in mine))]
-    out: List[Optional[Tensor]] = [None] * len(layout.feature_tables)
-    for f, grad in zip(mine, given):
+        if block is None:
+            return [], [], [False] * num_features
         # An expanded gradient (of a sum) repeats one value along its columns: made dense.
-        out[f] = grad if grad is None or grad.shape[1] <= 1 or grad.stride(1) == 1 else grad.contiguous()
-    return out
+        if block.shape[1] > 1 and block.stride(1) != 1:
+            block = block.contiguous()
+        return [block], list(layout.feature_columns), [t >= 0 for t in layout.feature_tables]
+    placeholder = rows.new_empty(0)
+    grads = [placeholder] * num_features
+    given = [False] * num_features
+    mine = [f for f, t in enumerate(layout.feature_tables) if t >= 0]
+    for f, grad in zip(mine, outputs_grads):
+        if grad is None:
+            continue
+        grads[f] = grad if grad.shape[1] <= 1 or grad.stride(1) == 1 else grad.contiguous()
+        given[f] = True
+    return grads, [], given
 
 
 def _block(layout: ReadLayout, weights: Sequence[Tensor], outputs_grads: Sequence[Optional[Tensor]],

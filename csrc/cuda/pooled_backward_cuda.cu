@@ -325,14 +325,15 @@ PreparedLookups prepare_lookups(const PooledLayout& layout, const Tensor& rows_i
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cuda(
-    const std::vector<Tensor>& grads, const std::vector<Tensor>& weights, const Tensor& rows_in,
+    const std::vector<Tensor>& grads_in, const std::vector<Tensor>& weights, const Tensor& rows_in,
     const Tensor& offsets_in, const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
-    std::vector<int64_t> feature_means, const std::optional<Tensor>& errors) {
+    std::vector<int64_t> feature_means, const std::optional<Tensor>& errors, std::vector<int64_t> grad_columns) {
   const char* op = "pooled_read_backward";
   const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
                                                          feature_tables, feature_means);
   const Device device = weights[0].device();
   SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
+  const std::vector<Tensor> grads = feature_grad_views(op, grads_in, grad_columns, layout);
   check_pooled_grads(op, grads, layout, device);
   check_error_slots(op, errors, device);
   check_cuda_dims(op, weights);
@@ -533,17 +534,19 @@ __global__ void count_steps_kernel(StepCounts counts) {
 
 void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vector<Tensor>& state1,
                              const std::vector<Tensor>& state2, const std::vector<Tensor>& steps,
-                             const std::vector<Tensor>& grads, const Tensor& rows_in, const Tensor& offsets_in,
+                             const std::vector<Tensor>& grads_in, const Tensor& rows_in, const Tensor& offsets_in,
                              const std::optional<Tensor>& per_sample_weights_in, std::vector<int64_t> feature_tables,
                              std::vector<int64_t> feature_means,
                              StrArg optimizer_name, std::vector<double> hyper, const std::optional<Tensor>& lr,
-                             const std::optional<Tensor>& errors) {
+                             const std::optional<Tensor>& errors,
+    std::vector<int64_t> grad_columns) {
   const char* op = "pooled_read_update_";
   const FusedOptimizer optimizer = parse_fused_optimizer(optimizer_name.value);
   const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
                                                          feature_tables, feature_means);
   const Device device = weights[0].device();
   SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
+  const std::vector<Tensor> grads = feature_grad_views(op, grads_in, grad_columns, layout);
   check_pooled_grads(op, grads, layout, device);
   const FusedScalars h = check_fused_hyper(op, optimizer, hyper);
   check_fused_state(op, optimizer, weights, state1, state2, steps);

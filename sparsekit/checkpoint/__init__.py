@@ -39,7 +39,7 @@ state of a model), :mod:`.saving` (the payload written), :mod:`.reading` (readin
 checking the files), :mod:`.loading` (resharding and restoring).
 """
 
-from .collective import OtherRankError, collective_device
+from .collective import OtherRankError
 from .layout import LATEST, CheckpointDirectory
 from .loading import load_checkpoint
 from .model_state import FORMAT_VERSION

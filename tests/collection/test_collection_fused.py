@@ -125,11 +125,11 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _steady_step_ops(num_tables, hashed, fused):
+def _steady_step_ops(num_tables, hashed, fused, output="dict"):
     names = [f"f{i}" for i in range(num_tables)]
     ebc = sk.EmbeddingBagCollection(
         [sk.TableConfig(f"t{i}", 16, 1000, [names[i]], use_hashtable=hashed) for i in range(num_tables)],
-        fused_params={"optimizer": "rowwise_adagrad", "lr": 0.01} if fused else None)
+        fused_params={"optimizer": "rowwise_adagrad", "lr": 0.01} if fused else None, output=output)
     g = torch.Generator().manual_seed(0)
     batch = 32
 
@@ -137,15 +137,17 @@ def _steady_step_ops(num_tables, hashed, fused):
         lengths = torch.randint(1, 4, (num_tables * batch,), generator=g)
         return sk.KeyedJagged(names, torch.randint(0, 8, (int(lengths.sum()),), generator=g), lengths=lengths)
 
+    def joined(out):
+        return out.values() if output == "keyed" else torch.cat(list(out.values()), dim=1)
+
     for _ in range(6):  # every key of 0..7 has its row after these
-        sum(v.sum() for v in ebc(kjt()).values()).backward()
+        joined(ebc(kjt())).sum().backward()
     batch_input = kjt()
     counts = {}
     with _Ops() as mode:
         out = ebc(batch_input)
     counts["forward"] = mode.ops
-    joined = torch.cat(list(out.values()), dim=1)
-    loss = joined.square().sum()
+    loss = joined(out).square().sum()
     with _Ops() as mode:
         loss.backward()
     counts["backward"] = mode.ops
@@ -170,6 +172,19 @@ def test_a_steady_step_dispatches_the_same_ops_at_2_and_26_tables(hashed):
     # features' slices, which the engine takes where they lie).
     backward = [sum(n for op, n in counts["backward"].items() if op != "aten.slice") for counts in (two, many)]
     assert backward[0] == backward[1] <= 8, many["backward"]
+
+
+@pytest.mark.parametrize("hashed", [True, False])
+def test_a_keyed_step_dispatches_the_same_ops_at_2_and_26_tables(hashed):
+    """With a keyed output the fused backward passes the output's gradient whole, with each
+    feature's columns: every op counted, slices included, the same at 2 and 26 tables."""
+    two, many = _steady_step_ops(2, hashed, True, "keyed"), _steady_step_ops(26, hashed, True, "keyed")
+    for stage in ("forward", "backward", "eval"):
+        assert two[stage] == many[stage], (stage, two[stage], many[stage])
+        assert sum(many[stage].values()) <= 20, many[stage]
+    # The update and the loss's own ops (square, sum); no slice.
+    assert many["backward"]["sparsekit.pooled_read_update_"] == 1
+    assert sum(many["backward"].values()) <= 8 and "aten.slice" not in many["backward"], many["backward"]
 
 
 def test_an_eval_forward_prepares_no_backward():

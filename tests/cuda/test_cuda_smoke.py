@@ -268,6 +268,11 @@ def test_pooled_kernels(device, dtype):
     want = torch.ops.sparsekit.pooled_read_backward(split(grad), weights, rows, offsets, psw, tables, means)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-5, atol=1e-6)
+    # The whole block with each feature's columns: the views made in the op.
+    blocked = torch.ops.sparsekit.pooled_read_backward([grad.to(device)], on, rows.to(device), offsets.to(device),
+                                                       psw.to(device), tables, means, None, columns)
+    assert torch.equal(blocked[0], got[0]) and torch.equal(blocked[1], got[1])
+    torch.testing.assert_close(blocked[2], got[2], rtol=1e-6, atol=1e-7)
     for optimizer in ("sgd", "lazy_adam", "rowwise_adagrad", "adagrad"):
         results = []
         for dev, ws in ((device, on), ("cpu", weights)):
@@ -277,9 +282,11 @@ def test_pooled_kernels(device, dtype):
                                                             dtype=state, device=dev) for w in ws]
             s2 = [torch.zeros(w.shape, dtype=state, device=dev) for w in ws] if optimizer == "lazy_adam" else []
             steps = [torch.zeros((), dtype=torch.int64, device=dev) for _ in ws] if optimizer == "lazy_adam" else []
-            torch.ops.sparsekit.pooled_read_update_(ws, s1, s2, steps, split(grad.to(dev)), rows.to(dev),
-                                                    offsets.to(dev), psw.to(dev), tables, means, optimizer,
-                                                    [0.05, 0.9, 0.999, 1e-6, 0.01])
+            # The device takes the whole block with its columns, the CPU the per-feature views.
+            grads, grad_columns = ([grad.to(dev)], columns) if dev == device else (split(grad), [])
+            torch.ops.sparsekit.pooled_read_update_(ws, s1, s2, steps, grads, rows.to(dev), offsets.to(dev),
+                                                    psw.to(dev), tables, means, optimizer,
+                                                    [0.05, 0.9, 0.999, 1e-6, 0.01], None, None, grad_columns)
             results.append([w.cpu().float() for w in ws])
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)

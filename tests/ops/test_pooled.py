@@ -391,6 +391,13 @@ def test_opcheck_of_the_family(device):
                            [torch.zeros_like(w) for w in weights], steps, grads, rows, offsets, psw, tables, means,
                            "lazy_adam", [0.1, 0.9, 0.99, 1e-8, 0.0]),
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.pooled_read_update_.default,
+                          ([w.clone() for w in weights], [], [], [], [grad], rows, offsets, psw, tables, means, "sgd",
+                           [0.1, 0.0, 0.0, 0.0, 0.0], None, None, columns),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.pooled_read_backward.default,
+                          ([grad], weights, rows, offsets, psw, tables, means, None, columns),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_results_do_not_depend_on_the_thread_count():
@@ -407,3 +414,70 @@ def test_results_do_not_depend_on_the_thread_count():
         results.append((out, *backward))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@examples(8)
+@given(layout=layouts, optimizer=st.sampled_from(["sgd", "lazy_adam", "rowwise_adagrad", "adagrad"]))
+def test_a_block_with_grad_columns_is_its_column_views(device, layout, optimizer):
+    """grads = [the [B, W] block] with grad_columns reads each feature's columns of it: the
+    same bits as the per-feature views, for the gradient and for every fused update, on a
+    block wider than the features (a padded or shared output) and one whose rows are strided."""
+    dtype = layout["dtype"]
+    weights, rows, offsets, psw, tables, columns, means, total = _problem(
+        layout["seed"], layout["num_tables"], layout["num_features"], layout["batch"], layout["max_len"],
+        layout["dims"], layout["rows"], dtype, device, layout["weighted"], hot=layout["hot"])
+    weights = weights[:layout["num_tables"]]
+    shifted = [c + 3 for c in columns]
+    wide = torch.randn(layout["batch"], 2 * (total + 3) + 1, generator=torch.Generator().manual_seed(7))
+    block = wide.to(dtype).to(device)[:, :total + 3]  # rows strided (the wide row), columns dense
+    views = _split(block, weights, tables, shifted)
+    expected = ops.pooled_read_backward(views, weights, rows, offsets, psw, tables, means)
+    got = ops.pooled_read_backward([block], weights, rows, offsets, psw, tables, means, None, shifted)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def state():
+        if optimizer == "sgd":
+            return [], [], []
+        if optimizer == "rowwise_adagrad":
+            return [torch.zeros(w.shape[0], dtype=state_dtype, device=device) for w in weights], [], []
+        one = [torch.zeros(w.shape, dtype=state_dtype, device=device) for w in weights]
+        if optimizer == "adagrad":
+            return one, [], []
+        return one, [torch.zeros_like(s) for s in one], [torch.zeros((), dtype=torch.int64, device=device)
+                                                         for _ in weights]
+
+    if optimizer == "lazy_adam" and dtype not in (torch.float32, torch.float64):
+        return
+    a, b = [w.clone() for w in weights], [w.clone() for w in weights]
+    sa, sb = state(), state()
+    hyper = [0.05, 0.9, 0.999, 1e-6, 0.01]
+    ops.pooled_read_update_(a, *sa, _split(block, a, tables, shifted), rows, offsets, psw, tables, means, optimizer,
+                            hyper)
+    ops.pooled_read_update_(b, *sb, [block], rows, offsets, psw, tables, means, optimizer, hyper, None, None, shifted)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for xs, ys in zip(sa, sb) for x, y in zip(xs, ys))
+
+
+@pytest.mark.parametrize("case", ["two blocks", "columns count", "column outside", "negative column", "1-D block"])
+def test_bad_grad_columns_are_named_and_write_nothing(case):
+    weights, rows, offsets, tables, columns, means, total = _small_call("cpu")
+    block, grad_columns = torch.ones(2, total), list(columns)
+    grads = [block]
+    if case == "two blocks":
+        grads, match = [block, block], r"with grad_columns, grads must hold one \[B, W\] block, got 2"
+    elif case == "columns count":
+        grad_columns, match = [0], r"grad_columns must hold one column per feature \(2\), got 1"
+    elif case == "column outside":
+        grad_columns, match = [0, 5], r"grad_columns\[1\] = 5 puts feature 1's 2 columns outside the block's 6"
+    elif case == "negative column":
+        grad_columns, match = [-1, 4], r"grad_columns\[0\] = -1"
+    else:
+        grads, match = [torch.ones(total)], r"grads\[0\] must be a \[B, W\] block"
+    before = [w.clone() for w in weights]
+    with pytest.raises(RuntimeError, match=match):
+        ops.pooled_read_update_(weights, [], [], [], grads, rows, offsets, None, tables, means, "sgd",
+                                [0.1, 0, 0, 0, 0], None, None, grad_columns)
+    with pytest.raises(RuntimeError, match=match):
+        ops.pooled_read_backward(grads, weights, rows, offsets, None, tables, means, None, grad_columns)
+    assert all(torch.equal(w, b) for w, b in zip(weights, before))

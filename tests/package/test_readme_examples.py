@@ -35,7 +35,7 @@ def test_the_quick_start_runs(tmp_path, monkeypatch):
 def test_the_cuda_graph_example_replays_the_step_it_captured():
     scope = {}
     exec(compile("import torch\nimport sparsekit as sk\n" + _blocks()[1], "README.md (CUDA graph)", "exec"), scope)
-    ebc, kjt, graph = scope["ebc"], scope["kjt"], scope["graph"]
+    ebc, graph = scope["ebc"], scope["graph"]
     before = ebc.weights["t"].detach().clone()
     graph.replay()
     torch.cuda.synchronize()
