@@ -10,8 +10,8 @@ namespace sparsekit {
 
 /// The distinct codes of a call, ascending, and each position's place among them.
 struct RankedCodes {
-  Tensor distinct;            // int64 [U]: the distinct codes but -1, ascending
-  std::vector<int64_t> rank;  // [n]: codes[i] == distinct[rank[i]], -1 where codes[i] == -1
+  Tensor distinct;  // int64 [U]: the distinct codes but -1, ascending
+  Tensor rank;      // int64 [n]: codes[i] == distinct[rank[i]], -1 where codes[i] == -1
 };
 
 /// @brief Numbers the codes (int64 [n], each in [-1, bound)): a bitmap of the code space when

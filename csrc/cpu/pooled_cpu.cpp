@@ -327,7 +327,7 @@ struct RowLookups {
 /// training cells: the grouping 20-30% faster at 26 tables).
 RowLookups group_lookups(const RowRanks& ranks, const IndexedLookups& lookups, int64_t n, bool scaled) {
   const int64_t num_distinct = ranks.ranked.distinct.size(0);
-  const int64_t* rank = ranks.ranked.rank.data();
+  const int64_t* rank = ranks.ranked.rank.const_data_ptr<int64_t>();
   RowLookups out;
   out.start.assign(static_cast<size_t>(num_distinct) + 1, 0);
   if (n == 0 || num_distinct == 0) return out;

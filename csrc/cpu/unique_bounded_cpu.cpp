@@ -214,13 +214,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unique_bounded_cpu(const Tensor& keys
 RankedCodes rank_codes(const Tensor& codes, int64_t bound, const std::vector<int64_t>& segments) {
   const int64_t n = codes.numel();
   RankedCodes out;
-  out.rank.assign(static_cast<size_t>(n), -1);
   if (n == 0) {
     out.distinct = empty({0}, kLong, codes.device());
+    out.rank = empty({0}, kLong, codes.device());
     return out;
   }
   const int64_t* keys = codes.const_data_ptr<int64_t>();
-  int64_t* rank = out.rank.data();
   // The bitmap while its bits cost less than hashing the codes (ops._bitmap_numbers' rule).
   if (bound <= kBitmapBitsPerKey * n + (int64_t{1} << 16)) {
     Tensor unique_codes = empty({0}, kLong, codes.device());
@@ -233,10 +232,12 @@ RankedCodes rank_codes(const Tensor& codes, int64_t bound, const std::vector<int
     const bool skipped = num_unique > 0 && unique_codes.const_data_ptr<int64_t>()[0] == -1;
     const int64_t shift = skipped ? 1 : 0;
     out.distinct = skipped ? slice0(unique_codes, 1, num_unique) : unique_codes;
-    const int64_t* inv = inverse.const_data_ptr<int64_t>();
+    // The ranks are the inverse, shifted past the -1, in place (no second [n] buffer).
+    int64_t* rank = inverse.mutable_data_ptr<int64_t>();
     parallel_chunks(n, kKeyGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) rank[i] = keys[i] < 0 ? -1 : inv[i] - shift;
+      for (int64_t i = begin; i < end; ++i) rank[i] = keys[i] < 0 ? -1 : rank[i] - shift;
     });
+    out.rank = inverse;
     return out;
   }
   // Hashed in order of first occurrence, then the distinct codes sorted within each segment
@@ -274,6 +275,8 @@ RankedCodes rank_codes(const Tensor& codes, int64_t bound, const std::vector<int
     new_rank[by_code[i]] = i - skipped;
   }
   const int64_t* inv = outputs[1].const_data_ptr<int64_t>();
+  out.rank = empty({n}, kLong, codes.device());
+  int64_t* rank = out.rank.mutable_data_ptr<int64_t>();
   parallel_chunks(n, kKeyGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) rank[i] = new_rank[inv[i]];
   });
