@@ -161,7 +161,7 @@ struct IndexedLookups {
   // Written for every lookup in a valid bag (the others have code -1 and are never read):
   // left uninitialised rather than filled first.
   std::unique_ptr<int64_t[]> grad_at;
-  std::unique_ptr<int64_t[]> mean_length;
+  std::unique_ptr<int64_t[]> mean_length;  // null when no feature is a mean
   Tensor codes;
   std::vector<int64_t> bases;  // each table's first code, then the codes' bound
   // Per table, the position ranges [begin, end) that hold its lookups: its features' values
@@ -191,7 +191,9 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
   const int64_t bags = layout.num_features * layout.batch;
   const size_t num_tables = layout.table_rows.size();
   out.grad_at.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
-  out.mean_length.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
+  const bool any_mean =
+      std::any_of(layout.feature_means.begin(), layout.feature_means.end(), [](int64_t m) { return m != 0; });
+  if (any_mean) out.mean_length.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
   out.codes = empty({layout.nnz}, kLong, device);
   int64_t* codes = out.codes.mutable_data_ptr<int64_t>();
   // Bad offsets leave lookups in no bag: with errors recorded they stay out of every group.
@@ -270,7 +272,7 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
           const int64_t row = rows[k];
           codes[k] = t >= 0 && row_in_range(row, num_rows) ? base + row : -1;
           grad_at[k] = at;
-          mean_length[k] = length;
+          if (mean_length != nullptr) mean_length[k] = length;
         }
       }
     });
@@ -423,15 +425,16 @@ inline void sum_row(acc_t* g, int64_t dim, const RowLookups& groups, int64_t r, 
   for (int64_t q = first; q < last; ++q) {
     const int64_t k = groups.order[q];
     const grad_t* src = reinterpret_cast<const grad_t*>(groups.source[q]);
-    if (mean_length[k] == 0 && psw == nullptr) {
+    const int64_t bag_length = mean_length != nullptr ? mean_length[k] : 0;
+    if (bag_length == 0 && psw == nullptr) {
       for (int64_t j = 0; j < dim; ++j) g[j] += static_cast<acc_t>(src[j]);
       continue;
     }
-    const acc_t length = static_cast<acc_t>(mean_length[k]);
+    const acc_t length = static_cast<acc_t>(bag_length);
     const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[k]) : acc_t(1);
     for (int64_t j = 0; j < dim; ++j) {
       acc_t x = static_cast<acc_t>(src[j]);
-      if (mean_length[k] != 0) x = x / length;
+      if (bag_length != 0) x = x / length;
       if (psw != nullptr) x = x * w;
       g[j] += x;
     }
