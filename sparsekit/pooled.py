@@ -108,7 +108,7 @@ class _PooledRead(torch.autograd.Function):
     def backward(ctx, *outputs_grads: Optional[Tensor]):
         rows, offsets, per_sample_weights = ctx.saved_tensors
         layout, weights = ctx.layout, ctx.weights
-        op_grads, grad_columns, given = _op_grads(layout, weights, outputs_grads, rows)
+        op_grads, grad_columns, given = _op_grads(layout, outputs_grads, rows)
         # A feature whose output got no gradient is left out; a table all of whose features
         # are gets none (as a module whose output is unused).
         feature_tables = [t if g else -1 for t, g in zip(layout.feature_tables, given)]
@@ -213,7 +213,7 @@ def _call_dims(layout: ReadLayout, weights: Sequence[Tensor]) -> List[int]:
     return [weights[t].shape[1] for t in layout.feature_tables if t >= 0]
 
 
-def _op_grads(layout: ReadLayout, weights: Sequence[Tensor], outputs_grads: Sequence[Optional[Tensor]],
+def _op_grads(layout: ReadLayout, outputs_grads: Sequence[Optional[Tensor]],
               rows: Tensor) -> Tuple[List[Tensor], List[int], List[bool]]:
     """The output gradients as the backward ops take them: ``(grads, grad_columns, given)``.
     A block output's gradient goes whole with the layout's columns (the op takes each

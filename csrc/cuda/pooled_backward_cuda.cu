@@ -539,7 +539,7 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
                              std::vector<int64_t> feature_means,
                              StrArg optimizer_name, std::vector<double> hyper, const std::optional<Tensor>& lr,
                              const std::optional<Tensor>& errors,
-    std::vector<int64_t> grad_columns) {
+                             std::vector<int64_t> grad_columns) {
   const char* op = "pooled_read_update_";
   const FusedOptimizer optimizer = parse_fused_optimizer(optimizer_name.value);
   const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
