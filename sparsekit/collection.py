@@ -183,6 +183,7 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
             raise ValueError(f"EmbeddingBagCollection: output must be 'dict' or 'keyed', got {output!r}")
         self._output = output
         self._step_errors = step_errors.StepErrors(error_mode)
+        self._read_layouts: Dict[Any, Any] = {}  # engine.read_pooled's cache of keyed layouts
         # Checked again (a config may have been changed since it was built), as copies: a
         # config edited after the build (its combiner, dtype, capacity, ...) must not
         # half-change the built tables; like nn.Linear's arguments, the configs are read once.
@@ -291,6 +292,7 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         for name, value in (("_weighted", True), ("_output", "dict"), ("_fused", None), ("_given_configs", None),
                             ("_step_errors", step_errors.StepErrors("raise"))):
             self.__dict__.setdefault(name, value)
+        self._read_layouts = {}
         if self._given_configs is None:
             self._given_configs = list(self.tables)
         _make_step_lock(self)
@@ -510,15 +512,21 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
             fused = self._fused_update if self._fused is not None else None
             if self._output == "keyed":
                 keys, dims = self._keyed_layout()
-                return keyed.KeyedTensor(keys, dims, engine.read_pooled(step, self._shards, fused, keys))
+                return keyed.KeyedTensor(keys, dims, engine.read_pooled(step, self._shards, fused, keys,
+                                                                          self._read_layouts))
             return engine.read_pooled(step, self._shards, fused)
 
         return self._sharded_forward(prepared, error, flags)
 
     def _keyed_layout(self) -> Tuple[List[str], List[int]]:
         """The keyed output's features (every table's, in config order) and their widths."""
-        keys = [f for table in self.tables for f in table.features]
-        return keys, [self._shards[self._feature_table[f]].embedding_vec_size for f in keys]
+        # Fixed by the tables' configs: kept under the key None of the layouts' cache.
+        layout = self._read_layouts.get(None)
+        if layout is None:
+            keys = [f for table in self.tables for f in table.features]
+            layout = self._read_layouts[None] = (keys, [self._shards[self._feature_table[f]].embedding_vec_size
+                                                        for f in keys])
+        return list(layout[0]), list(layout[1])  # copies: a KeyedTensor hands its lists to the caller
 
     def _keyed(self, pooled: Dict[str, Tensor], batch: int) -> "keyed.KeyedTensor":
         """The dict of a multi-rank step as the keyed output: every table's features in

@@ -225,33 +225,41 @@ def initial_rows(shards: Sequence[Any], new: List[Tuple[int, Tensor]]) -> List[T
     return out
 
 
+# Keyed layouts a collection keeps (one per distinct feature list of its batches); past
+# this many, the cache starts over rather than grow with inputs that keep changing.
+_LAYOUTS_KEPT = 64
+
+
 def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callable[[Any], Any]],
-                keyed: Optional[List[str]] = None) -> Any:
+                keyed: Optional[List[str]] = None, layouts: Optional[Dict[Any, Any]] = None) -> Any:
     """Stage 3: ``{feature: [B, dim]}`` in the order of ``ctx.features``, each in its table's
     dtype: column slices of one pooled read per weight dtype. With ``keyed`` (every
     feature of the collection, in the order of its columns; one dtype): the ``[B, sum of
-    dims]`` block itself, a feature the batch lacks reading as zeros. ``fused``: None, or
-    a callable that gives the backward a fused update of the read's weights."""
+    dims]`` block itself, a feature the batch lacks reading as zeros; ``layouts``, the
+    caller's cache of keyed layouts (they follow from the batch's features and the tables'
+    fixed dims and combiners). ``fused``: None, or a callable that gives the backward a
+    fused update of the read's weights."""
+    weights = None if ctx.weights is None else ctx.weights.float().contiguous()
+    if keyed is not None:
+        key = (tuple(ctx.features), tuple(ctx.table_of_feature))
+        plan = None if layouts is None else layouts.get(key)
+        if plan is None:
+            plan = _keyed_plan(ctx, shards, keyed)
+            if layouts is not None:
+                if len(layouts) >= _LAYOUTS_KEPT:
+                    layouts.clear()
+                layouts[key] = plan
+        layout, members = plan
+        if not members:  # a batch of no features: zeros
+            return torch.zeros(ctx.batch, layout.total_dim, dtype=shards[0].weight.dtype, device=ctx.keys.device)
+        return pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
+                           [shards[t]._grad_marker for t in members], fused, ctx.errors)
     dtypes: Dict[torch.dtype, List[int]] = {}  # tables read, per weight dtype, in order of first read
     for t in ctx.table_of_feature:
         members = dtypes.setdefault(shards[t].weight.dtype, [])
         if t not in members:
             members.append(t)
-    weights = None if ctx.weights is None else ctx.weights.float().contiguous()
     out: Dict[str, Tensor] = {}
-    if keyed is not None:
-        place = {t: j for j, t in enumerate(sorted(set(ctx.table_of_feature)))}
-        start, column_of = 0, {}
-        for feature in keyed:
-            column_of[feature] = start
-            start += _dim_of(shards, ctx, feature)
-        layout = ReadLayout([place[t] for t in ctx.table_of_feature], [column_of[f] for f in ctx.features],
-                            [int(shards[t].config.combiner == "mean") for t in ctx.table_of_feature], start)
-        members = sorted(place, key=place.get)
-        if not members:  # a batch of no features: zeros
-            return torch.zeros(ctx.batch, start, dtype=shards[0].weight.dtype, device=ctx.keys.device)
-        return pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
-                           [shards[t]._grad_marker for t in members], fused, ctx.errors)
     for members in dtypes.values():
         place = {t: j for j, t in enumerate(members)}
         feature_tables, columns, means = [], [], []
@@ -272,9 +280,15 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
     return {feature: out[feature] for feature in ctx.features}
 
 
-def _dim_of(shards: Sequence[Any], ctx: StepContext, feature: str) -> int:
-    """The width of ``feature``'s table (every shard's config names its features)."""
-    for shard in shards:
-        if feature in shard.config.features:
-            return shard.embedding_vec_size
-    raise KeyError(feature)
+def _keyed_plan(ctx: StepContext, shards: Sequence[Any], keyed: List[str]) -> Tuple[ReadLayout, List[int]]:
+    """The keyed read's layout for this batch's features, and the tables it reads in the
+    order of its weights."""
+    dim_of = {feature: shard.embedding_vec_size for shard in shards for feature in shard.config.features}
+    place = {t: j for j, t in enumerate(sorted(set(ctx.table_of_feature)))}
+    start, column_of = 0, {}
+    for feature in keyed:
+        column_of[feature] = start
+        start += dim_of[feature]
+    layout = ReadLayout([place[t] for t in ctx.table_of_feature], [column_of[f] for f in ctx.features],
+                        [int(shards[t].config.combiner == "mean") for t in ctx.table_of_feature], start)
+    return layout, sorted(place, key=place.get)

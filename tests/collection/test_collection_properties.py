@@ -143,3 +143,28 @@ def test_keyed_jagged_per_key_views_slice_the_feature_major_layout(num_features,
             if weights is not None:
                 assert torch.equal(got.weights(), weights[start:end])
         start = end
+
+
+@given(dims=st.lists(st.sampled_from([1, 4, 8]), min_size=1, max_size=5),
+       batches=st.lists(st.tuples(st.permutations(range(5)), st.integers(0, 5), st.integers(0, 2**31)),
+                        min_size=1, max_size=8))
+@examples(10)
+def test_a_keyed_output_follows_each_batchs_features(dims, batches, device):
+    # The keyed layout of each distinct feature list is kept across calls: batches naming
+    # other features, in other orders, must each get their own (zeros for a feature left out).
+    configs = [sk.TableConfig(f"t{t}", dim, 32, [f"f{t}"], combiner="mean" if t % 2 else "sum")
+               for t, dim in enumerate(dims)]
+    keyed = sk.EmbeddingBagCollection(configs, device=device, output="keyed").eval()
+    plain = sk.EmbeddingBagCollection(configs, device=device).eval()
+    plain.load_state_dict(keyed.state_dict())
+    for order, count, seed in batches:
+        g = torch.Generator().manual_seed(seed)
+        features = [f"f{t}" for t in order if t < len(dims)][:count]
+        lengths = torch.randint(0, 4, (len(features) * 3,), generator=g)
+        values = torch.randint(0, 32, (int(lengths.sum()),), generator=g)
+        kjt = sk.KeyedJagged(features, values.to(device), lengths=lengths.to(device))
+        out, expected = keyed(kjt), plain(kjt)
+        assert out.keys() == [f"f{t}" for t in range(len(dims))]
+        for t, dim in enumerate(dims):
+            want = expected.get(f"f{t}", torch.zeros(3 if features else 0, dim, device=device))
+            torch.testing.assert_close(out[f"f{t}"], want, rtol=0, atol=0)
