@@ -183,7 +183,7 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
             raise ValueError(f"EmbeddingBagCollection: output must be 'dict' or 'keyed', got {output!r}")
         self._output = output
         self._step_errors = step_errors.StepErrors(error_mode)
-        self._read_layouts: Dict[Any, Any] = {}  # engine.read_pooled's cache of keyed layouts
+        self._read_layouts: Dict[Any, Any] = {}  # engine.read_pooled's cache of read layouts
         # Checked again (a config may have been changed since it was built), as copies: a
         # config edited after the build (its combiner, dtype, capacity, ...) must not
         # half-change the built tables; like nn.Linear's arguments, the configs are read once.
@@ -514,7 +514,7 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
                 keys, dims = self._keyed_layout()
                 return keyed.KeyedTensor(keys, dims, engine.read_pooled(step, self._shards, fused, keys,
                                                                           self._read_layouts))
-            return engine.read_pooled(step, self._shards, fused)
+            return engine.read_pooled(step, self._shards, fused, layouts=self._read_layouts)
 
         return self._sharded_forward(prepared, error, flags)
 

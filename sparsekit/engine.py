@@ -225,7 +225,7 @@ def initial_rows(shards: Sequence[Any], new: List[Tuple[int, Tensor]]) -> List[T
     return out
 
 
-# Keyed layouts a collection keeps (one per distinct feature list of its batches); past
+# Read layouts a collection keeps (one per distinct feature list of its batches); past
 # this many, the cache starts over rather than grow with inputs that keep changing.
 _LAYOUTS_KEPT = 64
 
@@ -235,31 +235,50 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
     """Stage 3: ``{feature: [B, dim]}`` in the order of ``ctx.features``, each in its table's
     dtype: column slices of one pooled read per weight dtype. With ``keyed`` (every
     feature of the collection, in the order of its columns; one dtype): the ``[B, sum of
-    dims]`` block itself, a feature the batch lacks reading as zeros; ``layouts``, the
-    caller's cache of keyed layouts (they follow from the batch's features and the tables'
-    fixed dims and combiners). ``fused``: None, or a callable that gives the backward a
-    fused update of the read's weights."""
+    dims]`` block itself, a feature the batch lacks reading as zeros. ``layouts``: the
+    caller's cache of read layouts (they follow from the batch's features, the tables'
+    fixed dims and combiners, and their weights' dtypes). ``fused``: None, or a callable
+    that gives the backward a fused update of the read's weights."""
     weights = None if ctx.weights is None else ctx.weights.float().contiguous()
     if keyed is not None:
-        key = (tuple(ctx.features), tuple(ctx.table_of_feature))
-        plan = None if layouts is None else layouts.get(key)
-        if plan is None:
-            plan = _keyed_plan(ctx, shards, keyed)
-            if layouts is not None:
-                if len(layouts) >= _LAYOUTS_KEPT:
-                    layouts.clear()
-                layouts[key] = plan
-        layout, members = plan
+        layout, members = _cached(layouts, ("keyed", tuple(ctx.features), tuple(ctx.table_of_feature)),
+                                  lambda: _keyed_plan(ctx, shards, keyed))
         if not members:  # a batch of no features: zeros
             return torch.zeros(ctx.batch, layout.total_dim, dtype=shards[0].weight.dtype, device=ctx.keys.device)
         return pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
                            [shards[t]._grad_marker for t in members], fused, ctx.errors)
+    dtypes = tuple(shards[t].weight.dtype for t in ctx.table_of_feature)  # .half() may change them
+    reads = _cached(layouts, ("split", tuple(ctx.features), tuple(ctx.table_of_feature), dtypes),
+                    lambda: _split_plan(ctx, shards))
+    out: Dict[str, Tensor] = {}
+    for members, layout, mine in reads:
+        parts = pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
+                            [shards[t]._grad_marker for t in members], fused, ctx.errors)
+        out.update((ctx.features[f], part) for f, part in zip(mine, parts))
+    return {feature: out[feature] for feature in ctx.features}
+
+
+def _cached(layouts: Optional[Dict[Any, Any]], key: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``layouts[key]``, made by ``make()`` the first time (always, without a cache)."""
+    if layouts is None:
+        return make()
+    value = layouts.get(key)
+    if value is None:
+        if len(layouts) >= _LAYOUTS_KEPT:
+            layouts.clear()
+        value = layouts[key] = make()
+    return value
+
+
+def _split_plan(ctx: StepContext, shards: Sequence[Any]) -> List[Tuple[List[int], ReadLayout, List[int]]]:
+    """The reads of a dict output, one per weight dtype: the tables it reads (in the order of
+    its weights), its layout, and the features it gives (in batch order)."""
     dtypes: Dict[torch.dtype, List[int]] = {}  # tables read, per weight dtype, in order of first read
     for t in ctx.table_of_feature:
         members = dtypes.setdefault(shards[t].weight.dtype, [])
         if t not in members:
             members.append(t)
-    out: Dict[str, Tensor] = {}
+    reads = []
     for members in dtypes.values():
         place = {t: j for j, t in enumerate(members)}
         feature_tables, columns, means = [], [], []
@@ -273,11 +292,8 @@ def read_pooled(ctx: StepContext, shards: Sequence[Any], fused: Optional[Callabl
         # Each feature an output of the read (the block's columns): their gradients reach
         # its backward where they lie, with no concatenation.
         layout = ReadLayout(feature_tables, columns, means, total, split=True)
-        parts = pooled_read(layout, ctx.rows, ctx.offsets, weights, [shards[t].weight for t in members],
-                            [shards[t]._grad_marker for t in members], fused, ctx.errors)
-        mine = [f for f, j in enumerate(feature_tables) if j >= 0]
-        out.update((ctx.features[f], part) for f, part in zip(mine, parts))
-    return {feature: out[feature] for feature in ctx.features}
+        reads.append((members, layout, [f for f, j in enumerate(feature_tables) if j >= 0]))
+    return reads
 
 
 def _keyed_plan(ctx: StepContext, shards: Sequence[Any], keyed: List[str]) -> Tuple[ReadLayout, List[int]]:
