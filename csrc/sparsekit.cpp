@@ -77,6 +77,8 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   // the caller (segment_tables[s] == -2); and report int64 [3]: the first position of a key
   // outside its direct table (nnz: none), the number of keys absent from their hash table,
   // and 1 when the bounds do not run from 0 to nnz without decreasing (every row then -1).
+  // With write_rows=False every segment must be direct: only the report, rows empty [0] (the
+  // caller reads the keys as rows, the report telling which are outside their tables).
   // Nothing is read back to the host.
   // Folds a collection step's verdict (flags, lookup_rows' report, the error word, the first
   // bad key's table and value found through bounds and feature_tables, nnz) into record
@@ -85,7 +87,7 @@ STABLE_TORCH_LIBRARY(sparsekit, m) {
   m.def("record_verdict_(Tensor(a!) record, Tensor(b!) errors, Tensor(c!) clean, Tensor flags, Tensor report, "
         "Tensor bounds, Tensor keys, Tensor feature_tables) -> ()");
   m.def("lookup_rows(Tensor[] slot_keys, Tensor[] slot_rows, Tensor keys, Tensor bounds, int[] segment_tables, "
-        "int[] direct_rows) -> (Tensor rows, Tensor report)");
+        "int[] direct_rows, bool write_rows=True) -> (Tensor rows, Tensor report)");
   // Scores each distinct row a batch read once per table (last_seen = clock, count += 1),
   // rows[bounds[s] : bounds[s + 1]] of table segment_tables[s] (-1: not scored); rows of
   // -1 skipped; every row checked against sizes[t] first. errors (int64 [2], as the pooled

@@ -101,9 +101,16 @@ def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
             segment_tables.append(table_slot.setdefault(t, len(tables)))
             if len(tables) < len(table_slot):
                 tables.append(shard.hash_table)
+    # Only direct tables: a key inside its table is its row, so the op only checks the keys
+    # and they are read as rows themselves (no [nnz] copy of them written and read back).
+    # One outside is reported: raised at the read below, or, in the other error modes, the
+    # pooled read and the update leave it out as a bad row.
+    direct_only = not tables and all(s == -1 for s in segment_tables)
     rows, report = torch.ops.sparsekit.lookup_rows([table._slot_keys for table in tables],
                                                    [table._slot_rows for table in tables], keys, ctx.bounds,
-                                                   segment_tables, direct_rows)
+                                                   segment_tables, direct_rows, not direct_only)
+    if direct_only:
+        rows = keys
     nnz = keys.numel()
     may_grow = training and any(s >= 0 or s == -2 for s in segment_tables)
     if not ctx.reporter.reads_now(may_grow):

@@ -411,7 +411,7 @@ void hash_table_score_tables_cpu(const std::vector<Tensor>& last_seen, const std
 std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows,
                                            const Tensor& keys, const Tensor& bounds,
                                            const std::vector<int64_t>& segment_tables,
-                                           const std::vector<int64_t>& direct_rows) {
+                                           const std::vector<int64_t>& direct_rows, bool write_rows) {
   const char* op = "lookup_rows";
   SK_CHECK(slot_keys.size() == slot_rows.size(), op, ": slot_keys holds ", slot_keys.size(), " tables but slot_rows ",
            slot_rows.size());
@@ -427,15 +427,17 @@ std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys,
   for (size_t s = 0; s < num_segments; ++s) {
     SK_CHECK(segment_tables[s] >= -2 && segment_tables[s] < static_cast<int64_t>(slot_keys.size()), op,
              ": segment_tables[", s, "] must lie in [-2, ", slot_keys.size(), "), got ", segment_tables[s]);
+    SK_CHECK(write_rows || segment_tables[s] == -1, op, ": write_rows=False needs every segment direct, but "
+             "segment_tables[", s, "] is ", segment_tables[s]);
   }
   const std::vector<int64_t> offsets = host_bounds(bounds);
   const Tensor keys_c = as_contiguous(keys);
-  Tensor rows = empty(keys.sizes(), kLong, keys.device());
+  Tensor rows = empty({write_rows ? keys_c.numel() : 0}, kLong, keys.device());
   Tensor first_bad = empty({3}, kLong, keys.device());
   int64_t* report = first_bad.mutable_data_ptr<int64_t>();
   if (!segment_bounds_valid(offsets.data(), static_cast<int64_t>(num_segments), keys_c.numel())) {
     // Recorded, as the CUDA kernel must without a host read: every row -1.
-    std::fill(rows.mutable_data_ptr<int64_t>(), rows.mutable_data_ptr<int64_t>() + keys_c.numel(), int64_t{-1});
+    std::fill(rows.mutable_data_ptr<int64_t>(), rows.mutable_data_ptr<int64_t>() + rows.numel(), int64_t{-1});
     report[0] = keys_c.numel();
     report[1] = 0;
     report[2] = 1;
@@ -458,11 +460,23 @@ std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys,
         } else if (t == -1) {
           const uint64_t bound = static_cast<uint64_t>(direct_rows[s]);
           int64_t first = INT64_MAX;
-          for (int64_t i = b; i < e; ++i) {
-            const int64_t key = static_cast<int64_t>(k[i]);
-            const bool inside = static_cast<uint64_t>(key) < bound;
-            out[i] = inside ? key : -2;
-            if (C10_UNLIKELY(!inside) && first == INT64_MAX) first = i;
+          if (write_rows) {
+            for (int64_t i = b; i < e; ++i) {
+              const int64_t key = static_cast<int64_t>(k[i]);
+              const bool inside = static_cast<uint64_t>(key) < bound;
+              out[i] = inside ? key : -2;
+              if (C10_UNLIKELY(!inside) && first == INT64_MAX) first = i;
+            }
+          } else {
+            // Only the check: the first key outside, found by a scan that does not branch.
+            bool any_outside = false;
+            for (int64_t i = b; i < e; ++i) any_outside |= static_cast<uint64_t>(static_cast<int64_t>(k[i])) >= bound;
+            for (int64_t i = b; any_outside && i < e; ++i) {
+              if (static_cast<uint64_t>(static_cast<int64_t>(k[i])) >= bound) {
+                first = i;
+                break;
+              }
+            }
           }
           int64_t seen = bad.load(std::memory_order_relaxed);
           while (first < seen && !bad.compare_exchange_weak(seen, first, std::memory_order_relaxed)) {

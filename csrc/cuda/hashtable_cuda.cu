@@ -163,7 +163,7 @@ __global__ void lookup_rows_kernel(RowSegments segments, const int64_t* __restri
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (bad_bounds) {  // recorded: every row -1, written by the first launch
-      if (segments.first == 0) rows[i] = -1;
+      if (segments.first == 0 && rows != nullptr) rows[i] = -1;
       continue;
     }
     const int s = segment_of(begin, segments.count, i);
@@ -175,7 +175,7 @@ __global__ void lookup_rows_kernel(RowSegments segments, const int64_t* __restri
       if (row < 0) atomicAdd(report + 1, 1ULL);
     } else if (segments.kind[s] == 1) {
       const bool inside = static_cast<uint64_t>(key) < static_cast<uint64_t>(segments.direct_rows[s]);
-      rows[i] = inside ? key : -2;
+      if (rows != nullptr) rows[i] = inside ? key : -2;  // null: write_rows=False, only the report
       if (!inside) atomicMin(report, static_cast<unsigned long long>(i));
     } else {
       rows[i] = -3;
@@ -236,7 +236,7 @@ __global__ void touch_kernel(TouchSegments segments, const int64_t* __restrict__
 std::tuple<Tensor, Tensor> lookup_rows_cuda(const std::vector<Tensor>& slot_keys, const std::vector<Tensor>& slot_rows,
                                             const Tensor& keys, const Tensor& bounds,
                                             const std::vector<int64_t>& segment_tables,
-                                            const std::vector<int64_t>& direct_rows) {
+                                            const std::vector<int64_t>& direct_rows, bool write_rows) {
   const char* op = "lookup_rows";
   SK_CHECK(slot_keys.size() == slot_rows.size(), op, ": slot_keys holds ", slot_keys.size(), " tables but slot_rows ",
            slot_rows.size());
@@ -252,13 +252,15 @@ std::tuple<Tensor, Tensor> lookup_rows_cuda(const std::vector<Tensor>& slot_keys
   for (size_t s = 0; s < num_segments; ++s) {
     SK_CHECK(segment_tables[s] >= -2 && segment_tables[s] < static_cast<int64_t>(slot_keys.size()), op,
              ": segment_tables[", s, "] must lie in [-2, ", slot_keys.size(), "), got ", segment_tables[s]);
+    SK_CHECK(write_rows || segment_tables[s] == -1, op, ": write_rows=False needs every segment direct, but "
+             "segment_tables[", s, "] is ", segment_tables[s]);
   }
   const DeviceGuard device_guard(keys.get_device_index());
   const cudaStream_t stream = current_stream(keys);
   const Tensor keys_c = as_contiguous(keys);
   const Tensor bounds_c = as_contiguous(bounds);
   const int64_t n = keys_c.numel();
-  Tensor rows = empty({n}, kLong, keys.device());
+  Tensor rows = empty({write_rows ? n : 0}, kLong, keys.device());
   Tensor report = full_long_cuda(3, n, keys);
   int64_t* report_ptr = report.mutable_data_ptr<int64_t>();
   SK_CUDA_CHECK(cudaMemsetAsync(report_ptr + 1, 0, 2 * sizeof(int64_t), stream));
@@ -281,7 +283,7 @@ std::tuple<Tensor, Tensor> lookup_rows_cuda(const std::vector<Tensor>& slot_keys
     SK_DISPATCH_INDEX_TYPES(keys_c.scalar_type(), "lookup_rows_cuda", [&] {
       lookup_rows_kernel<index_t><<<blocks_for(n), kThreads, 0, stream>>>(
           segments, bounds_c.const_data_ptr<int64_t>(), keys_c.const_data_ptr<index_t>(), n,
-          rows.mutable_data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(report_ptr));
+          write_rows ? rows.mutable_data_ptr<int64_t>() : nullptr, reinterpret_cast<unsigned long long*>(report_ptr));
       SK_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

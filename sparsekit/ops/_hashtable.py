@@ -100,7 +100,7 @@ def _segment_bounds(op: str, bounds: Tensor, num_segments: int, like: Tensor) ->
 
 @torch.library.register_fake("sparsekit::lookup_rows")
 def _lookup_rows_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Tensor, bounds: Tensor,
-                      segment_tables: List[int], direct_rows: List[int]) -> Tuple[Tensor, Tensor]:
+                      segment_tables: List[int], direct_rows: List[int], write_rows: bool = True) -> Tuple[Tensor, Tensor]:
     op = "lookup_rows"
     same_device(op, keys=keys, slot_keys=slot_keys, slot_rows=slot_rows)
     torch._check(len(slot_keys) == len(slot_rows), lambda: f"{op}: one slot_keys and slot_rows entry per table")
@@ -108,7 +108,9 @@ def _lookup_rows_fake(slot_keys: List[Tensor], slot_rows: List[Tensor], keys: Te
                  lambda: f"{op}: one segment_tables and direct_rows entry per segment")
     _tables_and_keys(op, slot_keys, slot_rows, keys, None)
     _segment_bounds(op, bounds, len(segment_tables), keys)
-    return keys.new_empty(keys.shape, dtype=torch.int64), keys.new_empty(3, dtype=torch.int64)
+    torch._check(write_rows or all(t == -1 for t in segment_tables),
+                 lambda: f"{op}: write_rows=False needs every segment direct")
+    return keys.new_empty(keys.shape if write_rows else (0,), dtype=torch.int64), keys.new_empty(3, dtype=torch.int64)
 
 
 @torch.library.register_fake("sparsekit::hash_table_touch_tables_")

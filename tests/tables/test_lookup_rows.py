@@ -74,6 +74,36 @@ def test_lookup_rows_matches_a_lookup_segment_by_segment(lengths, kinds, seed, i
     assert report.tolist() == want_report
 
 
+@examples(25)
+@given(lengths=st.lists(st.integers(0, 6), min_size=0, max_size=70), seed=st.integers(0, 2 ** 16),
+       int32=st.booleans(), outside=st.sampled_from([0.0, 0.01, 0.5]))
+def test_lookup_rows_without_rows_reports_what_it_reports_with_them(lengths, seed, int32, outside, device):
+    # write_rows=False (every segment direct): the same report, and no rows written.
+    g = torch.Generator().manual_seed(seed)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    direct_rows = [int(torch.randint(1, 70, (1,), generator=g)) for _ in lengths]
+    keys = torch.randint(0, 70, (bounds[-1],), generator=g) % torch.tensor(
+        [r for r, n in zip(direct_rows, lengths) for _ in range(n)], dtype=torch.int64)
+    bad = torch.rand(keys.shape, generator=g) < outside  # outside at either end
+    keys = torch.where(bad, torch.where(torch.rand(keys.shape, generator=g) < 0.5, -1, 2 ** 40), keys)
+    args = ([], [], keys.to(device, torch.int32 if int32 else torch.int64), torch.tensor(bounds, device=device),
+            [-1] * len(lengths), direct_rows)
+    rows, report = lookup_rows(*args)
+    no_rows, same_report = lookup_rows(*args, False)
+    assert no_rows.shape == (0,) and no_rows.dtype == torch.int64
+    assert same_report.tolist() == report.tolist()
+    assert (report[0].item() < keys.numel()) == bool(bad.any())
+
+
+def test_lookup_rows_without_rows_refuses_a_hash_segment(device):
+    table = sk.HashTable(16, device=device)
+    with pytest.raises(RuntimeError, match=r"write_rows=False needs every segment direct, but segment_tables\[1\]"):
+        lookup_rows([table._slot_keys], [table._slot_rows], torch.arange(6, device=device),
+                    torch.tensor([0, 3, 6], device=device), [-1, 0], [10, 0], False)
+
+
 @pytest.mark.parametrize("bounds", [[1, 4, 6], [0, 4, 5], [0, 5, 4], [0, 7, 6]])
 def test_lookup_rows_reports_bad_bounds_and_reads_every_row_as_minus_one(bounds, device):
     table = sk.HashTable(16, device=device)
@@ -175,6 +205,7 @@ def test_lookup_rows_and_touch_opcheck():
     args = ([t._slot_keys for t in tables], [t._slot_rows for t in tables], keys, bounds, [0, -1, 2, -2],
             [0, 30, 0, 0])
     opcheck(lookup_rows, args)
+    opcheck(lookup_rows, ([], [], keys, bounds, [-1] * 4, [30, 5, 70, 0], False))
     rows, _ = lookup_rows(*args)
     rows = rows.clamp(min=-1)  # a direct segment's keys: not scored below
     opcheck(touch_tables_, ([t._last_seen for t in tables], [t._count for t in tables], rows, bounds,
