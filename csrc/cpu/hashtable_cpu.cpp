@@ -468,9 +468,15 @@ std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys,
               if (C10_UNLIKELY(!inside) && first == INT64_MAX) first = i;
             }
           } else {
-            // Only the check: the first key outside, found by a scan that does not branch.
-            bool any_outside = false;
-            for (int64_t i = b; i < e; ++i) any_outside |= static_cast<uint64_t>(static_cast<int64_t>(k[i])) >= bound;
+            // Only the check. A key u (as uint64) lies outside [0, bound) iff the top bit of
+            // u | ~(u - bound) is set (bound < 2^63): adds, nots and ors, which baseline x86-64
+            // vectorizes where its vectors have no 64-bit compare. The first one is then found.
+            uint64_t outside = 0;
+            for (int64_t i = b; i < e; ++i) {
+              const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(k[i]));
+              outside |= u | ~(u - bound);
+            }
+            const bool any_outside = (outside >> 63) != 0;
             for (int64_t i = b; any_outside && i < e; ++i) {
               if (static_cast<uint64_t>(static_cast<int64_t>(k[i])) >= bound) {
                 first = i;
