@@ -87,7 +87,8 @@ def test_lookup_rows_without_rows_reports_what_it_reports_with_them(lengths, see
     keys = torch.randint(0, 70, (bounds[-1],), generator=g) % torch.tensor(
         [max(r, 1) for r, n in zip(direct_rows, lengths) for _ in range(n)], dtype=torch.int64)
     bad = torch.rand(keys.shape, generator=g) < outside  # outside at either end
-    keys = torch.where(bad, torch.where(torch.rand(keys.shape, generator=g) < 0.5, -1, 2 ** 40), keys)
+    big = 2 ** 31 - 1 if int32 else 2 ** 40
+    keys = torch.where(bad, torch.where(torch.rand(keys.shape, generator=g) < 0.5, -1, big), keys)
     args = ([], [], keys.to(device, torch.int32 if int32 else torch.int64), torch.tensor(bounds, device=device),
             [-1] * len(lengths), direct_rows)
     rows, report = lookup_rows(*args)
