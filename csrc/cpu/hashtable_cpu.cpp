@@ -460,28 +460,28 @@ std::tuple<Tensor, Tensor> lookup_rows_cpu(const std::vector<Tensor>& slot_keys,
         } else if (t == -1) {
           const uint64_t bound = static_cast<uint64_t>(direct_rows[s]);
           int64_t first = INT64_MAX;
+          // A key u (as uint64) lies outside [0, bound) iff the top bit of u | ~(u - bound) is
+          // set (bound < 2^63): adds, nots and ors, which baseline x86-64 vectorizes where its
+          // vectors have no 64-bit compare. The first key outside is then found by a scan.
+          uint64_t outside = 0;
           if (write_rows) {
+            constexpr uint64_t kOutside = static_cast<uint64_t>(int64_t{-2});
             for (int64_t i = b; i < e; ++i) {
-              const int64_t key = static_cast<int64_t>(k[i]);
-              const bool inside = static_cast<uint64_t>(key) < bound;
-              out[i] = inside ? key : -2;
-              if (C10_UNLIKELY(!inside) && first == INT64_MAX) first = i;
+              const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(k[i]));
+              const uint64_t is_outside = (u | ~(u - bound)) >> 63;
+              out[i] = static_cast<int64_t>(u ^ ((u ^ kOutside) & (uint64_t{0} - is_outside)));  // -2 or u
+              outside |= is_outside << 63;
             }
           } else {
-            // Only the check. A key u (as uint64) lies outside [0, bound) iff the top bit of
-            // u | ~(u - bound) is set (bound < 2^63): adds, nots and ors, which baseline x86-64
-            // vectorizes where its vectors have no 64-bit compare. The first one is then found.
-            uint64_t outside = 0;
             for (int64_t i = b; i < e; ++i) {
               const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(k[i]));
               outside |= u | ~(u - bound);
             }
-            const bool any_outside = (outside >> 63) != 0;
-            for (int64_t i = b; any_outside && i < e; ++i) {
-              if (static_cast<uint64_t>(static_cast<int64_t>(k[i])) >= bound) {
-                first = i;
-                break;
-              }
+          }
+          for (int64_t i = b; (outside >> 63) != 0 && i < e; ++i) {
+            if (static_cast<uint64_t>(static_cast<int64_t>(k[i])) >= bound) {
+              first = i;
+              break;
             }
           }
           int64_t seen = bad.load(std::memory_order_relaxed);
