@@ -189,7 +189,10 @@ def _traced_gradients(layout: ReadLayout, feature_tables: List[int], weights: Se
     parts: List[Optional[Tuple[Tensor, Tensor]]] = []
     for j, weight in enumerate(weights):
         dim = weight.shape[1]
-        position = ((tables_of.index_select(0, feature) == j) & (rows >= 0)).nonzero().squeeze(1)
+        # A row outside its table (a bad direct key left in, error_mode "late" / "assert") is
+        # left out, as the kernels leave it out.
+        inside = (rows >= 0) & (rows < weight.shape[0])
+        position = ((tables_of.index_select(0, feature) == j) & inside).nonzero().squeeze(1)
         b, f = sample.index_select(0, position), feature.index_select(0, position)
         looked = grad[b.unsqueeze(1), columns.index_select(0, f).unsqueeze(1) + torch.arange(dim, device=grad.device)]
         divisor = torch.where(means.index_select(0, f), lengths.index_select(0, bag.index_select(0, position)), 1)

@@ -119,6 +119,24 @@ def test_a_late_key_outside_a_direct_table_names_its_table_and_key_and_updates_o
         ebc.check_errors()
 
 
+@pytest.mark.parametrize("key", [-1, 10, 2 ** 40])
+def test_a_late_key_outside_a_direct_table_is_left_out_of_a_differentiable_backward(key):
+    # The keys of direct tables are read as rows: one outside its table must be left out of
+    # the per-sample weights' gradient and of a create_graph backward too, not indexed.
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t0", 4, 10, ["f0"], use_hashtable=False)], error_mode="late",
+                                    is_weighted=True)
+    weights = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    kjt = sk.KeyedJagged(["f0"], torch.tensor([1, key, 2]), lengths=torch.tensor([2, 1]), weights=weights)
+    out = ebc(kjt)["f0"]
+    grads = torch.autograd.grad(out.square().sum(), [weights, ebc.weights["t0"]], create_graph=True)
+    good = ebc.weights["t0"].detach()
+    want = torch.tensor([2 * float(good[1] @ out[0].detach()), 0.0, 2 * float(good[2] @ out[1].detach())])
+    torch.testing.assert_close(grads[0].detach(), want)
+    assert set(grads[1].coalesce().indices()[0].tolist()) == {1, 2}
+    with pytest.raises(ValueError, match=rf"key {key} of table 't0' is out of range"):
+        ebc.check_errors()
+
+
 def test_assert_mode_fails_the_step_on_the_cpu_at_once():
     ebc, _ = _steady(3, False, "sgd", "assert")
     with pytest.raises(RuntimeError, match="error_mode='assert'"):
