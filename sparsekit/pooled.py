@@ -146,9 +146,11 @@ class _PooledRead(torch.autograd.Function):
             return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4 + len(weights))
         if not any(t >= 0 for t in feature_tables):
             return (None, None, None, scale_grad) + (None,) * (_WEIGHTS - 4 + len(weights))
+        # With the step's error word a bad lookup (a bad direct key in error_mode "late") is
+        # recorded there and left out, as the fused update leaves it out, instead of raising.
         unique_rows, per_table, values = torch.ops.sparsekit.pooled_read_backward(
             op_grads, list(weights), rows, offsets, per_sample_weights, feature_tables, layout.feature_means,
-            None, grad_columns)
+            ctx.errors, grad_columns)
         counts = per_table.tolist()  # a host read (a sync on CUDA): the sparse gradients' sizes
         parts: List[Optional[Tuple[Tensor, Tensor]]] = []
         row_start = value_start = 0

@@ -119,16 +119,18 @@ def test_a_late_key_outside_a_direct_table_names_its_table_and_key_and_updates_o
         ebc.check_errors()
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
 @pytest.mark.parametrize("key", [-1, 10, 2 ** 40])
-def test_a_late_key_outside_a_direct_table_is_left_out_of_a_differentiable_backward(key):
+def test_a_late_key_outside_a_direct_table_is_left_out_of_an_unfused_backward(key, create_graph):
     # The keys of direct tables are read as rows: one outside its table must be left out of
-    # the per-sample weights' gradient and of a create_graph backward too, not indexed.
+    # the sparse gradient, the per-sample weights' gradient and a create_graph backward,
+    # neither indexed nor raised there (the error word holds it).
     ebc = sk.EmbeddingBagCollection([sk.TableConfig("t0", 4, 10, ["f0"], use_hashtable=False)], error_mode="late",
                                     is_weighted=True)
     weights = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     kjt = sk.KeyedJagged(["f0"], torch.tensor([1, key, 2]), lengths=torch.tensor([2, 1]), weights=weights)
     out = ebc(kjt)["f0"]
-    grads = torch.autograd.grad(out.square().sum(), [weights, ebc.weights["t0"]], create_graph=True)
+    grads = torch.autograd.grad(out.square().sum(), [weights, ebc.weights["t0"]], create_graph=create_graph)
     good = ebc.weights["t0"].detach()
     want = torch.tensor([2 * float(good[1] @ out[0].detach()), 0.0, 2 * float(good[2] @ out[1].detach())])
     torch.testing.assert_close(grads[0].detach(), want)
