@@ -14,7 +14,7 @@ selection cannot rot between GPU sessions.
     csrc/cuda/initializer_cuda.cu  test_initializer_kernels
     csrc/cuda/pooled_cuda.cu       test_pooled_kernels (read)
     csrc/cuda/pooled_backward_cuda.cu  test_pooled_kernels (codes + radix sort, grad rows, the three updates)
-    csrc/cuda/hashtable_cuda.cu    test_lookup_rows_kernels (lookup_rows, touch: check + score)
+    csrc/cuda/hashtable_cuda.cu    test_lookup_rows_kernels (lookup_rows, its check-only mode, touch: check + score)
     csrc/cuda/verdict_cuda.cu      test_record_verdict_kernel
     all of them, through a layer   test_layer_step, test_collection_step (dynamic tables, bf16, mixed dims)
 """
@@ -315,7 +315,12 @@ def test_lookup_rows_kernels(device):
             errors = torch.full((2,), 2 ** 63 - 1, device=dev)
             torch.ops.sparsekit.hash_table_touch_tables_([table._last_seen], [table._count], rows, on,
                                                          [max(k, -1) for k in kinds], [len(table)], [7], errors)
-            results.append((rows.cpu(), report.cpu(), errors.cpu(), table._last_seen.cpu(), table._count.cpu()))
+            # The check-only mode over the same keys, every segment direct.
+            no_rows, direct_report = torch.ops.sparsekit.lookup_rows([], [], keys.to(dev), on, [-1] * len(lengths),
+                                                                     [30] * len(lengths), False)
+            assert no_rows.numel() == 0
+            results.append((rows.cpu(), report.cpu(), errors.cpu(), table._last_seen.cpu(), table._count.cpu(),
+                            direct_report.cpu()))
         for a, b in zip(*results):
             assert torch.equal(a, b)
 
