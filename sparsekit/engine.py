@@ -105,7 +105,7 @@ def resolve_rows(ctx: StepContext, shards: Sequence[Any], training: bool,
     # and they are read as rows themselves (no [nnz] copy of them written and read back).
     # One outside is reported: raised at the read below, or, in the other error modes, the
     # pooled read and the update leave it out as a bad row.
-    direct_only = not tables and all(s == -1 for s in segment_tables)
+    direct_only = all(s == -1 for s in segment_tables)  # then no table is searched either
     rows, report = torch.ops.sparsekit.lookup_rows([table._slot_keys for table in tables],
                                                    [table._slot_rows for table in tables], keys, ctx.bounds,
                                                    segment_tables, direct_rows, not direct_only)
