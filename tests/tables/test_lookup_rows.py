@@ -98,6 +98,28 @@ def test_lookup_rows_without_rows_reports_what_it_reports_with_them(lengths, see
     assert (report[0].item() < keys.numel()) == bool(bad.any()) or 0 in direct_rows
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bad_at", [[], [30000], [9000, 30000], [4095, 4096], [0]])
+def test_lookup_rows_finds_the_first_key_outside_across_the_parallel_chunks(bad_at, threads, device):
+    # 40000 keys: several tasks of 4096 keys (kHashGrain) over 3 segments; the first key
+    # outside is found whichever task meets it, with the rows written or not.
+    bounds = [0, 5000, 25000, 40000]
+    keys = torch.randint(0, 100, (40000,), generator=torch.Generator().manual_seed(7))
+    for i in bad_at:
+        keys[i] = 100 if i % 2 else -1
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for write_rows in (True, False):
+            rows, report = lookup_rows([], [], keys.to(device), torch.tensor(bounds, device=device), [-1] * 3,
+                                       [100] * 3, write_rows)
+            assert report.tolist() == [min(bad_at, default=40000), 0, 0]
+            if write_rows:
+                assert torch.equal(rows.cpu(), torch.where((keys >= 0) & (keys < 100), keys, -2))
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_lookup_rows_without_rows_refuses_a_hash_segment(device):
     table = sk.HashTable(16, device=device)
     with pytest.raises(RuntimeError, match=r"write_rows=False needs every segment direct, but segment_tables\[1\]"):
