@@ -233,7 +233,8 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         self._fused: Optional[FusedOptimizer] = None
         if fused_params is not None:
             self._fused = FusedOptimizer.from_params([shard.weight for shard in self._shards], fused_params,
-                                                     huge_tables=huge)
+                                                     huge_tables=huge,
+                                                     names=[f"shards.{i}.weight" for i in range(len(self._shards))])
         traced.register(self)
 
     # -- TorchRec's interface ---------------------------------------------------------------
@@ -436,6 +437,9 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
     def forward(self, kjt: Any) -> Dict[str, Tensor]:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per collection (see README, torch.compile).
+        leaf = traced.fx_leaf_call(self, kjt)
+        if leaf is not None:
+            return leaf
         if self.world_size == 1 and torch.compiler.is_compiling() and (self._fused is None or _FUSED_TRACES):
             return self._traced_forward(kjt)
         return self._eager_forward(kjt)

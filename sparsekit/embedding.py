@@ -203,6 +203,9 @@ class DistributedEmbedding(_ModelParallelEmbedding):
     def forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int = -1) -> Tensor:
         # torch.compile: one process traces the lookup (sparsekit.traced); with many ranks it
         # runs eagerly, one graph break per layer (see README, torch.compile).
+        leaf = traced.fx_leaf_call(self, inputs, pad_key)
+        if leaf is not None:
+            return leaf
         if self.world_size == 1 and torch.compiler.is_compiling():
             return self._traced_forward(inputs, pad_key)
         return self._eager_forward(inputs, pad_key)
@@ -349,6 +352,9 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
         return f"slot_num={self.slot_num}, nnz_per_slot={self.nnz_per_slot}, dynamic_input={self.dynamic_input}, "
 
     def forward(self, inputs: Tensor) -> Tensor:
+        leaf = traced.fx_leaf_call(self, inputs)
+        if leaf is not None:
+            return leaf
         if self.world_size == 1 and torch.compiler.is_compiling():  # as DistributedEmbedding.forward
             _check_own_weights([self], self._layer_name, self.training)
             keys, _, out_shape = self._flatten(inputs)

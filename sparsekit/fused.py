@@ -84,6 +84,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         defaults = self._checked(where, dict(optimizer=name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                              initial_accumulator_value=initial_accumulator_value))
         super().__init__(params, defaults)
+        # TorchRec's KeyedOptimizer flag, set after the one group took the defaults (it is
+        # not a setting of the update).
+        self.defaults["_save_param_groups"] = False
+        self._names: Optional[List[str]] = None
 
     @property
     def optimizer(self) -> str:
@@ -108,10 +112,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @classmethod
     def from_params(cls, params: Iterable[nn.Parameter], fused_params: Mapping[str, Any],
-                    huge_tables: bool = False) -> "FusedOptimizer":
+                    huge_tables: bool = False, names: Optional[List[str]] = None) -> "FusedOptimizer":
         """A FusedOptimizer from a collection's ``fused_params`` (TorchRec's spelling
         ``learning_rate`` taken for ``lr``, ``beta1`` / ``beta2`` for ``betas``); with
-        ``huge_tables`` its state goes in huge pages as the tables do (allocator.huge_tables)."""
+        ``huge_tables`` its state goes in huge pages as the tables do (allocator.huge_tables);
+        ``names``: the parameters' names in their module, the keys of :attr:`params`."""
         if not isinstance(fused_params, Mapping):
             raise TypeError(f"EmbeddingBagCollection: fused_params must be a dict, got {type(fused_params).__name__}")
         settings = {_PARAM_ALIASES.get(key, key): value for key, value in fused_params.items()}
@@ -128,7 +133,38 @@ class FusedOptimizer(torch.optim.Optimizer):
                              "{'optimizer': 'lazy_adam', 'lr': 1e-3}")
         optimizer = cls(params, **settings)
         optimizer._huge_tables = huge_tables
+        optimizer._names = names
         return optimizer
+
+    # -- TorchRec's KeyedOptimizer interface (duck-typed): CombinedOptimizer([("embeddings",
+    # ebc.fused_optimizer), dense]) takes it, keyed by the parameters' names.
+
+    @property
+    def params(self) -> Dict[str, Tensor]:
+        """``{name: weight}`` of the tables, the names the collection gives its weights
+        (``shards.<i>.weight``; ``tables.<i>`` for an optimizer built without names)."""
+        weights = self.param_groups[0]["params"]
+        names = self.__dict__.get("_names") or [f"tables.{i}" for i in range(len(weights))]
+        return dict(zip(names, weights))
+
+    def init_state(self, sparse_grad_parameter_names: Optional[Any] = None) -> None:
+        """Creates every table's state now (it is otherwise made at a table's first update),
+        so that a keyed state dict can be loaded into it in place, as TorchRec's optimizers
+        allow."""
+        for weight in self.param_groups[0]["params"]:
+            self._state_of(weight, self.param_groups[0])
+
+    def save_param_groups(self, save: bool) -> None:
+        """Whether a TorchRec ``CombinedOptimizer`` holding this one saves the parameter groups."""
+        self.defaults["_save_param_groups"] = bool(save)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch keeps only defaults, state and groups: the names go along (deepcopy, pickle).
+        return {**super().__getstate__(), "_names": self.__dict__.get("_names")}
+
+    def post_load_state_dict(self) -> None:
+        """Called by TorchRec's ``KeyedOptimizer.load_state_dict`` after it copied a saved
+        state into this one's tensors in place: nothing is left to do."""
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if self.param_groups:
@@ -139,7 +175,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Nothing to do: each backward of the collection already applied the update. Runs
-        ``closure`` (re-evaluating the model, which updates the tables) when given."""
+        ``closure`` (re-evaluating the model, which updates the tables) when given. A table
+        with no state yet gets it here (TorchRec's ``init_state`` makes state by a step)."""
+        group = self.param_groups[0]
+        if len(self.state) < len(group["params"]):
+            self.init_state()
         if closure is None:
             return None
         with torch.enable_grad():

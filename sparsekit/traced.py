@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
+from torch.fx import Proxy
 
 _LAYERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
@@ -30,6 +31,21 @@ def refuse_torchscript(name: str) -> None:
     raise RuntimeError(f"{name}: torch.jit.trace / torch.jit.script are not supported (a lookup's rows come from "
                        "the hash table in Python, which a TorchScript graph cannot replay); use torch.compile or "
                        "eager mode")
+
+
+def fx_leaf_call(module: Any, *args: Any) -> Any:
+    """Under ``torch.fx`` symbolic tracing (``torchrec.fx`` too: TorchRec's inference and
+    pipelines trace models): the module's call as one ``call_module`` node, as a leaf module
+    gives, since which rows a key reads cannot be traced; None otherwise. The traced graph
+    calls the module itself at run time."""
+    proxy = None
+    for arg in args:  # a Proxy, or a Proxy in a (values, offsets) pair / sk.Ragged
+        for part in arg if isinstance(arg, tuple) else (arg,):
+            if isinstance(part, Proxy):
+                proxy = part
+    if proxy is None:
+        return None
+    return proxy.tracer.create_proxy("call_module", proxy.tracer.path_of_module(module), tuple(args), {})
 
 
 def _refuse_scripting(self: Any) -> None:

@@ -242,3 +242,82 @@ def test_torchrec_dlrm_trains_with_the_collection_dropped_in():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.7
+
+
+def test_torchrec_fx_traces_a_dlrm_with_the_collection_dropped_in():
+    """torchrec.fx.symbolic_trace (TorchRec's inference and train pipelines trace the model)
+    keeps the collection as one module call: the traced DLRM gives the eager numbers."""
+    pytest.importorskip("torchrec", reason="torchrec (and fbgemm-gpu-cpu) not installed")
+    import torchrec.fx
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig as TorchRecConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    configs = [TorchRecConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"])
+               for i in range(3)]
+    model = DLRM(embedding_bag_collection=sk.EmbeddingBagCollection(configs), dense_in_features=4,
+                 dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1]).eval()
+    traced = torchrec.fx.symbolic_trace(model)
+    assert any(node.op == "call_module" and node.target.endswith("embedding_bag_collection")
+               for node in traced.graph.nodes)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (3 * 8,), generator=g)
+    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(3)], values=torch.randint(0, 100, (int(lengths.sum()),),
+                                                                                     generator=g), lengths=lengths)
+    dense = torch.randn(8, 4, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(dense, kjt), model(dense, kjt), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "lazy_adam", "adagrad", "sgd"])
+def test_the_fused_optimizer_is_keyed_by_parameter_name_as_torchrecs(optimizer):
+    """KeyedOptimizer's interface, duck-typed: ``params`` by the collection's parameter
+    names, ``init_state()`` makes every table's state (a step does too), and
+    ``save_param_groups``."""
+    ebc = sk.EmbeddingBagCollection(_configs(), fused_params={"optimizer": optimizer, "lr": 0.1})
+    fused = ebc.fused_optimizer
+    assert fused.params == dict(ebc.named_parameters())
+    assert fused.defaults["_save_param_groups"] is False and "_save_param_groups" not in fused.param_groups[0]
+    fused.init_state()
+    assert set(fused.state) == set(fused.params.values())
+    fresh = sk.EmbeddingBagCollection(_configs(), fused_params={"optimizer": optimizer, "lr": 0.1}).fused_optimizer
+    fresh.step()
+    assert {k: sorted(v) for k, v in fresh.state_dict()["state"].items()} == \
+        {k: sorted(v) for k, v in fused.state_dict()["state"].items()}
+    fused.save_param_groups(True)
+    assert fused.defaults["_save_param_groups"] is True
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "lazy_adam"])
+def test_torchrecs_combined_optimizer_takes_the_fused_optimizer(optimizer):
+    """CombinedOptimizer([("ebc", ebc.fused_optimizer), dense]) as TorchRec users combine
+    their fused and dense optimizers: keyed state dict by parameter name, init_state, and a
+    load that puts the saved state back in place."""
+    pytest.importorskip("torchrec", reason="torchrec (and fbgemm-gpu-cpu) not installed")
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+    ebc = sk.EmbeddingBagCollection(_configs(), fused_params={"optimizer": optimizer, "lr": 0.1})
+    dense = torch.nn.Linear(16, 1)
+    combined = CombinedOptimizer([("ebc", ebc.fused_optimizer),
+                                  KeyedOptimizerWrapper(dict(dense.named_parameters()),
+                                                        lambda params: torch.optim.Adam(params, lr=0.1))])
+    combined.init_state()
+    keys = set(combined.state_dict()["state"])
+    assert {f"ebc.{name}" for name, _ in ebc.named_parameters()} | {"weight", "bias"} == keys
+
+    def step(seed):
+        kjt = _kjt(["f1", "f2", "f3"], seed=seed)
+        dense(ebc(kjt).values()).square().sum().backward()
+        combined.step()
+        combined.zero_grad()
+
+    step(0)
+    saved = {k: {n: v.clone() for n, v in s.items()} for k, s in combined.state_dict()["state"].items()}
+    step(1)
+    combined.load_state_dict({"state": saved})
+    for key, state in saved.items():
+        for name, value in state.items():
+            torch.testing.assert_close(combined.state_dict()["state"][key][name], value, rtol=0, atol=0)
+    for name, weight in ebc.named_parameters():  # in the tensors the next update reads
+        for key, value in saved[f"ebc.{name}"].items():
+            torch.testing.assert_close(ebc.fused_optimizer.state[weight][key], value, rtol=0, atol=0)
