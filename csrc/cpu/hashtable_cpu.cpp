@@ -598,7 +598,12 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
         const int64_t row = r[i];
         if (row < 0) continue;
         const uint64_t bit = uint64_t{1} << (row & 63);
-        if (__atomic_fetch_or(&bits[row >> 6], bit, __ATOMIC_RELAXED) & bit) continue;
+        // A plain read first: a hot row's word is then only read after its first lookup, not
+        // bounced between the threads by an atomic write per lookup (skewed keys).
+        if ((__atomic_load_n(&bits[row >> 6], __ATOMIC_RELAXED) & bit) ||
+            (__atomic_fetch_or(&bits[row >> 6], bit, __ATOMIC_RELAXED) & bit)) {
+          continue;
+        }
         seen_ptr[t][row] = clocks[t];
         count_ptr[t][row] += 1;
       }
@@ -610,7 +615,10 @@ void hash_table_touch_tables_cpu(const std::vector<Tensor>& last_seen, const std
       if (t < 0) return;
       uint64_t* bits = bitmap + bit_base[t] / 64;
       for (int64_t i = b; i < e; ++i) {
-        if (r[i] >= 0) __atomic_store_n(&bits[r[i] >> 6], uint64_t{0}, __ATOMIC_RELAXED);
+        // Written only while set: a hot word is cleared once, then only read.
+        if (r[i] >= 0 && __atomic_load_n(&bits[r[i] >> 6], __ATOMIC_RELAXED) != 0) {
+          __atomic_store_n(&bits[r[i] >> 6], uint64_t{0}, __ATOMIC_RELAXED);
+        }
       }
     });
   });
