@@ -101,16 +101,8 @@ class _TableShard(_ModelParallelEmbedding):
         return (f"table={self.config.name!r}, features={self.config.features}, combiner={self.config.combiner!r}, "
                 f"dtype={self.weight.dtype}, ")
 
-    def _plan(self, keys: Tensor) -> Any:
-        """What this table does for its distinct owned keys this step (may raise; changes nothing)."""
-        if self.hash_table is None:
-            return self._direct_rows(keys)
-        if not self.training:
-            return self.hash_table.find(keys)
-        return self._plan_lookup(keys)
-
-    def _commit(self, plan: Any) -> Tensor:
-        return plan if isinstance(plan, Tensor) else self._commit_lookup(plan)
+    def _combiner(self) -> str:
+        return self.config.combiner
 
 
 class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module):
@@ -459,15 +451,7 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         # different ages when a checkpoint is resharded.
         if self.world_size == 1:  # else in the forward, where every rank hears of it
             _check_writable(self._shards, "EmbeddingBagCollection", self.training)
-        clocks = self._clocks() if self.training else None
-        out = forward()
-        if clocks is not None:
-            for shard, (table_clock, pending_clock) in zip(self._shards, clocks):
-                if shard.hash_table is not None and shard.hash_table.clock == table_clock:
-                    shard.hash_table.tick()
-                if shard._pending is not None and shard._pending.clock == pending_clock:
-                    shard._pending.tick()
-        return out
+        return engine.ticking(self._shards, self.training, forward)
 
 
     def check_errors(self) -> None:
@@ -484,10 +468,6 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         except (ValueError, RuntimeError) as exc:
             raise type(exc)(f"{exc} (met by an earlier step, error_mode='late': that step read its bad lookups "
                             "as zeros and left them out of its update)") from None
-
-    def _clocks(self) -> List[Tuple[Optional[int], Optional[int]]]:
-        return [(None if s.hash_table is None else s.hash_table.clock, None if s._pending is None else s._pending.clock)
-                for s in self._shards]
 
     def _forward(self, kjt: Any) -> Dict[str, Tensor]:
         device = self._shards[0].weight.device

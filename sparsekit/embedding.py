@@ -4,25 +4,28 @@ Key ``k`` lives on rank ``uint64(k) % world_size`` of the layer's process group;
 holds a shard ``weight[max_vocabulary_size_per_gpu, embedding_vec_size]`` (and, with
 ``use_hashtable=True``, a :class:`~sparsekit.HashTable` from its keys to rows). Without a
 process group the layer is one shard: a drop-in for ``nn.EmbeddingBag`` /
-``nn.Embedding`` with ``sparse=True``. A step dedups the keys, sends them to their owners
-(a bad input on any rank stops every rank before a key moves), looks them up, sends the
-vectors back and pools them; the backward mirrors it and leaves every rank's ``weight`` a
-coalesced sparse gradient on every step. The stages and their host syncs:
-``docs/architecture.md``.
+``nn.Embedding`` with ``sparse=True``, whose eager forward is the collection's engine over
+that one table (:func:`sparsekit.engine.read_one_table`). Under a process group a step
+dedups the keys, sends them to their owners (a bad input on any rank stops every rank
+before a key moves), looks them up, sends the vectors back and pools them; the backward
+mirrors it. Either way every rank's ``weight`` gets a coalesced sparse gradient on every
+step. The stages and their host syncs: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import ops, traced
+from . import engine, ops, traced
 from ._checks import bool_argument, compile_disabled, size_argument
-from .exchange import _GatherRows, _mean_of_sum, _one_per_bag, _pool
+from .exchange import _GatherRows, _mean_of_sum, _one_per_bag, _pool, _stepping
+from .shard_checks import _check_writable
+from .step_errors import StepErrors
 from .shard import (  # noqa: F401  (KeySeededUniform and is_embedding_variable are public here too)
     Initializer,
     KeySeededUniform,
@@ -112,6 +115,53 @@ def split_embedding_variable_from_others(
 
 
 # ---- the layers -------------------------------------------------------------------------------
+
+
+# Keys per bag below which a training step of a CPU hash table keeps the layer's own
+# lookup, which deduplicates the keys first: with bags of one or two skewed keys the
+# engine's grouping of every lookup in the backward costs more (bench_layers' default cell).
+_ENGINE_MIN_KEYS_PER_BAG = 3
+
+
+def _reads_by_engine(layer: _ModelParallelEmbedding, keys: int, bags: int) -> bool:
+    """Whether a layer's eager forward of ``keys`` values in ``bags`` bags is the collection
+    engine's over its one table: one process, not a hash table of int32 keys (the engine's
+    lookup takes int64 keys), and not short bags of a CPU hash table in training."""
+    if layer.world_size != 1 or (layer.hash_table is not None and layer.key_dtype != torch.int64):
+        return False
+    return not (layer._rows_first() and torch.is_grad_enabled() and keys < _ENGINE_MIN_KEYS_PER_BAG * bags)
+
+
+def _engine_read(layer: _ModelParallelEmbedding, prepare) -> Tensor:
+    """A one-process layer's eager forward as a one-table collection's (engine.read_one_table):
+    ``prepare()`` gives ``(keys, user offsets to check or None, int64 offsets)``; the bags'
+    pooled vectors ``[bags, dim]`` in the table's dtype. Bad input raises before anything
+    changes, with the layer's own errors."""
+    if torch.jit.is_tracing():
+        traced.refuse_torchscript(layer._layer_name)
+    state = layer.__dict__
+    if "_engine_errors" not in state:  # its error word, and the read layouts it has used
+        state["_engine_errors"], state["_engine_layouts"] = StepErrors("raise"), {}
+    with _stepping(layer, layer.training):
+        _check_writable([layer], layer._layer_name, layer.training)
+        keys, user_offsets, offsets = prepare()
+
+        def key_error(table: int, key: int) -> ValueError:
+            return layer._bad_key_error(torch.unique(keys))
+
+        return engine.ticking([layer], layer.training, lambda: engine.read_one_table(
+            layer, keys, offsets, user_offsets is not None, state["_engine_errors"], key_error,
+            lambda flags: layer._raise_for_flags(flags, None, offsets), state["_engine_layouts"]))
+
+
+def _size_of(inputs: Any) -> Tuple[int, int]:
+    """(values, bags) of a DistributedEmbedding input as given (unchecked: only to choose the
+    path); a dense padded input counts its width as every bag's length."""
+    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(t, Tensor) for t in inputs):
+        return inputs[0].numel(), max(inputs[1].numel() - 1, 0)
+    if isinstance(inputs, Tensor) and inputs.dim() == 3:
+        return inputs.numel(), inputs.shape[0] * inputs.shape[1]
+    return 0, 0
 
 
 class DistributedEmbedding(_ModelParallelEmbedding):
@@ -235,8 +285,21 @@ class DistributedEmbedding(_ModelParallelEmbedding):
                 pooled = _mean_of_sum(pooled, lengths)
         return pooled.view(batch, self.slot_num, self.embedding_vec_size)
 
+    def _combiner(self) -> str:
+        return self.combiner
+
     @compile_disabled
     def _eager_forward(self, inputs: Union[Ragged, Tuple[Tensor, Tensor], Tensor], pad_key: int) -> Tensor:
+        if _reads_by_engine(self, *_size_of(inputs)):
+            batch = []
+
+            def prepare():
+                keys, user_offsets, (size, offsets) = self._flatten(inputs, pad_key)
+                batch.append(size)
+                return keys, user_offsets, offsets
+
+            pooled = _engine_read(self, prepare)
+            return pooled.view(batch[0], self.slot_num, self.embedding_vec_size)
         keys, (batch, offsets), vectors, index = self._embed(lambda: self._flatten(inputs, pad_key),
                                                              lambda keys, info: _one_per_bag(info[1], keys.numel()))
         # The offsets were checked on every rank by now, so the lengths are >= 0. No index:
@@ -363,6 +426,17 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
 
     @compile_disabled  # one graph break, as DistributedEmbedding.forward
     def _eager_forward(self, inputs: Tensor) -> Tensor:
+        size = inputs.numel() if isinstance(inputs, Tensor) else 0
+        if _reads_by_engine(self, size, size):  # each key a bag of its own
+            shape = []
+
+            def prepare():
+                keys, _, out_shape = self._flatten(inputs)
+                shape.append(out_shape)
+                # Each key a bag of its own: its pooled vector is its row.
+                return keys, None, torch.arange(keys.numel() + 1, device=keys.device)
+
+            return _engine_read(self, prepare).view(shape[0])
         _, out_shape, vectors, index = self._embed(lambda: self._flatten(inputs), lambda keys, info: True)
         vectors = vectors if index is None else _GatherRows.apply(vectors, index)
         return vectors.to(self.weight.dtype).view(out_shape)  # as DistributedEmbedding's

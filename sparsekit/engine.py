@@ -27,10 +27,11 @@ from .exchange import _unique_tables
 from .hashtable import HashTableFullError
 from .pooled import ReadLayout, pooled_read
 from .shard import KeySeededUniform, _place_new_keys
+from .exchange import _offsets_error_flags
 from .step_errors import StepErrors, raise_verdict
 from .tables_cuda import _device_ints
 
-__all__ = ["StepContext", "resolve_rows", "read_pooled", "initial_rows"]
+__all__ = ["StepContext", "resolve_rows", "read_pooled", "initial_rows", "ticking", "read_one_table"]
 
 
 @dataclass
@@ -294,7 +295,7 @@ def _split_plan(ctx: StepContext, shards: Sequence[Any]) -> List[Tuple[List[int]
             j = place.get(t, -1)
             feature_tables.append(j)
             columns.append(total if j >= 0 else 0)
-            means.append(int(j >= 0 and shards[t].config.combiner == "mean"))
+            means.append(int(j >= 0 and shards[t]._combiner() == "mean"))
             total += shards[t].embedding_vec_size if j >= 0 else 0
         # Each feature an output of the read (the block's columns): their gradients reach
         # its backward where they lie, with no concatenation.
@@ -313,5 +314,38 @@ def _keyed_plan(ctx: StepContext, shards: Sequence[Any], keyed: List[str]) -> Tu
         column_of[feature] = start
         start += dim_of[feature]
     layout = ReadLayout([place[t] for t in ctx.table_of_feature], [column_of[f] for f in ctx.features],
-                        [int(shards[t].config.combiner == "mean") for t in ctx.table_of_feature], start)
+                        [int(shards[t]._combiner() == "mean") for t in ctx.table_of_feature], start)
     return layout, sorted(place, key=place.get)
+
+
+def ticking(shards: Sequence[Any], training: bool, forward: Callable[[], Any]) -> Any:
+    """``forward()``, then in training every hash table's clock (and its pending keys')
+    advanced once, unless the forward advanced it (an insert with eviction or admission
+    ticks): once per training forward, also for a table with no key this step."""
+    clocks = [(None if s.hash_table is None else s.hash_table.clock, None if s._pending is None else s._pending.clock)
+              for s in shards] if training else None
+    out = forward()
+    if clocks is not None:
+        for shard, (table_clock, pending_clock) in zip(shards, clocks):
+            if shard.hash_table is not None and shard.hash_table.clock == table_clock:
+                shard.hash_table.tick()
+            if shard._pending is not None and shard._pending.clock == pending_clock:
+                shard._pending.tick()
+    return out
+
+
+def read_one_table(shard: Any, keys: Tensor, offsets: Tensor, check_offsets: bool, reporter: StepErrors,
+                   direct_key_error: Callable[[int, int], BaseException], bad_input: Callable[[int], None],
+                   layouts: Dict[Any, Any]) -> Tensor:
+    """A single layer's one-process forward, as a one-table collection's: the bags of
+    ``offsets`` (int64 ``[bags + 1]``; checked on the device with ``check_offsets``, the
+    verdict read with the lookup's) over ``keys`` of ``shard``, pooled by its combiner into
+    ``[bags, dim]``. Raises as :func:`resolve_rows` does, before anything changes."""
+    nnz, bags = keys.numel(), offsets.numel() - 1
+    flags = _offsets_error_flags(offsets, nnz) if check_offsets else torch.zeros((), dtype=torch.int64,
+                                                                                 device=keys.device)
+    # Every bag is one feature's: its values are all the keys ([0, nnz] once the offsets are valid).
+    bounds = offsets[::bags] if bags > 0 else offsets.new_zeros(2)
+    ctx = StepContext(["bags"], [0], bags, bounds, offsets, keys.long(), None, flags, reporter, None)
+    resolve_rows(ctx, [shard], shard.training, direct_key_error, bad_input)
+    return read_pooled(ctx, [shard], None, layouts=layouts)["bags"]

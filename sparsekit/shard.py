@@ -323,6 +323,22 @@ class _ModelParallelEmbedding(_ShardState, _ShardExchange, nn.Module):
             return self.hash_table.find(keys)
         return self._commit_lookup(self._plan_lookup(keys))
 
+    def _plan(self, keys: Tensor) -> Any:
+        """What this table does for its distinct owned keys this step (may raise; changes nothing)."""
+        if self.hash_table is None:
+            return self._direct_rows(keys)
+        if not self.training:
+            return self.hash_table.find(keys)
+        return self._plan_lookup(keys)
+
+    def _commit(self, plan: Any) -> Tensor:
+        """Carries out a plan of :meth:`_plan`: the rows of its keys."""
+        return plan if isinstance(plan, Tensor) else self._commit_lookup(plan)
+
+    def _combiner(self) -> str:
+        """How the engine pools this table's bags: ``"sum"`` or ``"mean"``."""
+        return "sum"
+
     def _plan_lookup(self, keys: Tensor) -> "_LookupPlan":
         """Works out a training lookup of distinct owned ``keys`` without changing anything:
         admissions, the table's insert (and its evictions) and the new keys' initial rows.

@@ -44,16 +44,20 @@ class _ShardExchange:
         bad = ((keys < 0) | (keys >= self.num_keys_capacity)).any()
         return bad.long() * _BAD_KEY
 
+    def _bad_key_error(self, unique_keys: Tensor) -> ValueError:
+        """The error for the keys of ``unique_keys`` (distinct, some bad) outside the direct table."""
+        keys = unique_keys.long()
+        bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
+        return ValueError(
+            f"{self._layer_name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of "
+            f"range: with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
+            f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
+            f"{self._capacity_argument}")
+
     def _raise_for_flags(self, flags: int, unique_keys: Optional[Tensor], offsets: Optional[Tensor]) -> None:
         name = self._layer_name
         if flags & _BAD_KEY:
-            keys = unique_keys.long()
-            bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
-            raise ValueError(
-                f"{name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of range: "
-                f"with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
-                f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
-                f"{self._capacity_argument}")
+            raise self._bad_key_error(unique_keys)
         if flags & _BAD_OFFSETS:
             raise ValueError(f"{name}: offsets must start at 0, never decrease and end at len(values); "
                              f"got offsets {offsets.tolist() if offsets.numel() <= 16 else offsets}")

@@ -178,3 +178,28 @@ def test_an_error_an_earlier_step_recorded_raises_at_the_next_forward_once():
     with pytest.raises(RuntimeError, match=r"earlier step's pooled read or fused update met bad input \(bag "):
         ebc(batch)
     _loss(ebc(batch)).backward()
+
+
+@pytest.mark.parametrize("layer", ["bags", "dense"])
+@pytest.mark.parametrize("hashed", [True, False])
+def test_a_one_process_layer_reads_the_device_once_per_forward_as_a_one_table_collection(layer, hashed):
+    """The SOK layers' one-process forward is the engine's: an eval forward, and a steady
+    training forward, each make the one read of the lookup's verdict (the layer's own
+    exchange made one per stage: the dedup, the offsets' verdict, the keys' check). A CPU
+    hash table's training forward of bags under three keys keeps the layer's own lookup."""
+    if layer == "bags":
+        module = sk.DistributedEmbedding("mean", 64, 4, 3, 5, use_hashtable=hashed)
+        lengths = torch.tensor([3, 4, 3, 5, 3, 3])
+        batch = sk.Ragged(torch.arange(int(lengths.sum())) % 11, torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                                            lengths.cumsum(0)]))
+    else:
+        module = sk.All2AllDenseEmbedding(64, 4, 3, 2, use_hashtable=hashed)
+        batch = torch.tensor([[[1, 2], [3, 4], [5, 6]], [[7, 1], [2, 3], [4, 5]]])
+    module(batch).sum().backward()  # every key has its row after this
+    if not (hashed and layer == "dense"):
+        reads = _reads(lambda: module(batch))
+        assert sum(reads.values()) == 1 and reads["tolist"] == 1, reads
+    module.eval()
+    with torch.no_grad():
+        reads = _reads(lambda: module(batch))
+    assert sum(reads.values()) == 1, reads
