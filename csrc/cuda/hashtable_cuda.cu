@@ -222,7 +222,10 @@ __global__ void touch_kernel(TouchSegments segments, const int64_t* __restrict__
     const int64_t row = rows[i];
     if (!segments.scored[s] || row < 0) continue;
     const unsigned int bit = 1u << (row & 31);
-    if (atomicOr(segments.seen_bits[s] + (row >> 5), bit) & bit) continue;
+    // Read first (from L2, where the atomics land): a hot row of skewed keys then costs one
+    // atomic, not one per lookup serialised on its word. A stale 0 only falls to the atomic.
+    unsigned int* word = segments.seen_bits[s] + (row >> 5);
+    if ((__ldcg(word) & bit) || (atomicOr(word, bit) & bit)) continue;
     segments.last_seen[s][row] = segments.clock[s];
     segments.count[s][row] += 1;
   }
