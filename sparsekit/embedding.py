@@ -157,9 +157,12 @@ def _engine_read(layer: _ModelParallelEmbedding, prepare) -> Tensor:
 def _size_of(inputs: Any) -> Tuple[int, int]:
     """(values, bags) of a DistributedEmbedding input as given (unchecked: only to choose the
     path); a dense padded input counts its width as every bag's length."""
-    if isinstance(inputs, tuple) and len(inputs) == 2 and all(isinstance(t, Tensor) for t in inputs):
+    def plain(t: Any) -> bool:  # a nested tensor has no sizes: the checks name it later
+        return isinstance(t, Tensor) and not t.is_nested
+
+    if isinstance(inputs, tuple) and len(inputs) == 2 and all(plain(t) for t in inputs):
         return inputs[0].numel(), max(inputs[1].numel() - 1, 0)
-    if isinstance(inputs, Tensor) and inputs.dim() == 3:
+    if plain(inputs) and inputs.dim() == 3:
         return inputs.numel(), inputs.shape[0] * inputs.shape[1]
     return 0, 0
 
@@ -426,7 +429,7 @@ class All2AllDenseEmbedding(_ModelParallelEmbedding):
 
     @compile_disabled  # one graph break, as DistributedEmbedding.forward
     def _eager_forward(self, inputs: Tensor) -> Tensor:
-        size = inputs.numel() if isinstance(inputs, Tensor) else 0
+        size = inputs.numel() if isinstance(inputs, Tensor) and not inputs.is_nested else 0
         if _reads_by_engine(self, size, size):  # each key a bag of its own
             shape = []
 
