@@ -93,3 +93,53 @@ def _keyed_worker(rank, world_size, init):
 
 def test_a_keyed_output_over_a_process_group_is_the_dict_in_config_order(tmp_path):
     spawn(_keyed_worker, 2, str(tmp_path))
+
+
+def _pipeline_worker(rank, world_size, init):
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+    from torchrec.distributed.train_pipeline import TrainPipelineBase
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    init()
+    torch.manual_seed(0)
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f])
+               for i, f in enumerate(FEATURES)]
+    ebc = sk.EmbeddingBagCollection(configs, fused_params={"optimizer": "rowwise_adagrad", "lr": 0.1})
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[8],
+                           over_arch_layer_sizes=[8, 1]))
+    ignored = sk.keep_out_of_ddp(model)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"),
+                                   data_parallel_wrapper=DefaultDataParallelWrapper(params_to_ignore=ignored))
+    dense = KeyedOptimizerWrapper({n: p for n, p in dmp.named_parameters() if "embedding_bag_collection" not in n},
+                                  lambda params: torch.optim.Adagrad(params, lr=0.1))
+    # TorchRec's way of stepping its fused and dense optimizers together.
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, ("embeddings", ebc.fused_optimizer), dense])
+    g = torch.Generator().manual_seed(rank)
+    lengths = torch.randint(1, 4, (len(FEATURES) * 16,), generator=g)
+    batch = Batch(dense_features=torch.randn(16, 4, generator=g),
+                  sparse_features=KeyedJaggedTensor(keys=FEATURES, lengths=lengths,
+                                                    values=torch.randint(0, 100, (int(lengths.sum()),), generator=g)),
+                  labels=torch.rand(16, generator=g).round())
+    pipeline = TrainPipelineBase(dmp, optimizer, torch.device("cpu"))
+    batches, losses = iter([batch] * 40), []
+    while True:
+        try:
+            losses.append(float(pipeline.progress(batches)[0]))
+        except StopIteration:
+            break
+    assert len(losses) == 40
+    assert losses[-1] < losses[0] * 0.7, losses
+    keys = set(optimizer.state_dict()["state"])
+    assert {f"embeddings.shards.{i}.weight" for i in range(3)} <= keys, sorted(keys)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_torchrecs_train_pipeline_and_combined_optimizer_train_a_dlrm_with_fused_tables(tmp_path, world_size):
+    """TorchRec's TrainPipelineBase over a DMP-wrapped DLRMTrain, stepping one
+    CombinedOptimizer of DMP's fused optimizer, the collection's and the dense one."""
+    pytest.importorskip("torchrec", reason="torchrec (and fbgemm-gpu-cpu) not installed")
+    spawn(_pipeline_worker, world_size, str(tmp_path))
