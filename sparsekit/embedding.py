@@ -117,9 +117,10 @@ def split_embedding_variable_from_others(
 # ---- the layers -------------------------------------------------------------------------------
 
 
-# Keys per bag below which a training step of a CPU hash table keeps the layer's own
-# lookup, which deduplicates the keys first: with bags of one or two skewed keys the
-# engine's grouping of every lookup in the backward costs more (bench_layers' default cell).
+# Keys per bag below which a training step (grad enabled) of a CPU hash table without
+# eviction or admission keeps the layer's own lookup, which deduplicates the keys first:
+# with bags of one or two skewed keys the engine's grouping of every lookup in the backward
+# costs more (bench_layers' default cell). A dense input counts its padded width.
 _ENGINE_MIN_KEYS_PER_BAG = 3
 
 
@@ -146,8 +147,8 @@ def _engine_read(layer: _ModelParallelEmbedding, prepare) -> Tensor:
         _check_writable([layer], layer._layer_name, layer.training)
         keys, user_offsets, offsets = prepare()
 
-        def key_error(table: int, key: int) -> ValueError:
-            return layer._bad_key_error(torch.unique(keys))
+        def key_error(table: int, key: int) -> ValueError:  # `key`: the input's first bad one
+            return layer._bad_key_error(torch.unique(keys), key)
 
         return engine.ticking([layer], layer.training, lambda: engine.read_one_table(
             layer, keys, offsets, user_offsets is not None, state["_engine_errors"], key_error,

@@ -70,7 +70,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     State per table: LazyAdam ``step`` (an int64 tensor on the table's device),
     ``exp_avg`` and ``exp_avg_sq`` (float32, float64 for a float64 table); row-wise Adagrad
     ``sum`` (``[rows]`` float32); Adagrad ``sum`` (``[rows, dim]``); SGD none. Created at the
-    first update.
+    table's first update, by :meth:`init_state`, or by :meth:`step` (TorchRec's way of
+    initialising state); never for a table that does not require grad.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer: str = "lazy_adam", lr: Any = 1e-3,
@@ -152,7 +153,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         so that a keyed state dict can be loaded into it in place, as TorchRec's optimizers
         allow."""
         for weight in self.param_groups[0]["params"]:
-            self._state_of(weight, self.param_groups[0])
+            if weight.requires_grad:  # a frozen table is never updated: no state for it
+                self._state_of(weight, self.param_groups[0])
 
     def save_param_groups(self, save: bool) -> None:
         """Whether a TorchRec ``CombinedOptimizer`` holding this one saves the parameter groups."""
@@ -161,6 +163,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         # torch keeps only defaults, state and groups: the names go along (deepcopy, pickle).
         return {**super().__getstate__(), "_names": self.__dict__.get("_names")}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.defaults.setdefault("_save_param_groups", False)  # pickled before it existed
 
     def post_load_state_dict(self) -> None:
         """Called by TorchRec's ``KeyedOptimizer.load_state_dict`` after it copied a saved
@@ -178,7 +184,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         ``closure`` (re-evaluating the model, which updates the tables) when given. A table
         with no state yet gets it here (TorchRec's ``init_state`` makes state by a step)."""
         group = self.param_groups[0]
-        if len(self.state) < len(group["params"]):
+        if len(self.state) < sum(w.requires_grad for w in group["params"]):
             self.init_state()
         if closure is None:
             return None

@@ -44,12 +44,14 @@ class _ShardExchange:
         bad = ((keys < 0) | (keys >= self.num_keys_capacity)).any()
         return bad.long() * _BAD_KEY
 
-    def _bad_key_error(self, unique_keys: Tensor) -> ValueError:
-        """The error for the keys of ``unique_keys`` (distinct, some bad) outside the direct table."""
+    def _bad_key_error(self, unique_keys: Tensor, first: Optional[int] = None) -> ValueError:
+        """The error for the keys of ``unique_keys`` (distinct, some bad) outside the direct
+        table, naming ``first`` (default: the first bad one of ``unique_keys``)."""
         keys = unique_keys.long()
         bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
         return ValueError(
-            f"{self._layer_name}: key {bad[0].item()} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of "
+            f"{self._layer_name}: key {bad[0].item() if first is None else first} ({bad.numel()} distinct bad keys "
+            f"on rank {self.rank}) is out of "
             f"range: with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
             f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
             f"{self._capacity_argument}")

@@ -45,7 +45,10 @@ def fx_leaf_call(module: Any, *args: Any) -> Any:
                 proxy = part
     if proxy is None:
         return None
-    return proxy.tracer.create_proxy("call_module", proxy.tracer.path_of_module(module), tuple(args), {})
+    path = proxy.tracer.path_of_module(module)
+    if not path:  # the traced root itself: nothing to call, fx names what it cannot trace
+        return None
+    return proxy.tracer.create_proxy("call_module", path, tuple(args), {})
 
 
 def _refuse_scripting(self: Any) -> None:

@@ -286,6 +286,10 @@ def test_the_fused_optimizer_is_keyed_by_parameter_name_as_torchrecs(optimizer):
         {k: sorted(v) for k, v in fused.state_dict()["state"].items()}
     fused.save_param_groups(True)
     assert fused.defaults["_save_param_groups"] is True
+    frozen = sk.EmbeddingBagCollection(_configs(), fused_params={"optimizer": optimizer, "lr": 0.1})
+    frozen.shards[1].weight.requires_grad_(False)
+    frozen.fused_optimizer.step()
+    assert set(frozen.fused_optimizer.state) == {frozen.shards[0].weight}  # a frozen table gets no state
 
 
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "lazy_adam"])

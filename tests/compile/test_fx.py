@@ -74,3 +74,8 @@ def test_a_traced_model_refuses_bad_input_as_the_eager_one():
     kjt, values, offsets, ids = _batch(torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="out of range|outside"):
         model(kjt, values, offsets, torch.full_like(ids, 1000))
+
+
+def test_tracing_a_layer_itself_as_the_root_names_what_fx_cannot_trace():
+    with pytest.raises(torch.fx.proxy.TraceError, match="control flow"):
+        torch.fx.symbolic_trace(sk.DistributedEmbedding("sum", 8, 4, 1, 2, use_hashtable=False))

@@ -92,3 +92,11 @@ def test_all2all_dense_embedding_reads_each_key_as_its_own_bag(hashed):
     want = torch.zeros_like(layer.weight).index_add_(0, rows, 2 * out.detach().view(-1, DIM))
     torch.testing.assert_close(layer.weight.grad.to_dense(), want)
     assert layer.weight.grad.is_coalesced()
+
+
+def test_a_bad_direct_key_is_named_in_input_order_and_changes_nothing():
+    layer = sk.DistributedEmbedding("sum", 40, DIM, 1, 5, use_hashtable=False)
+    before = layer.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"key 70 \(2 distinct bad keys on rank 0\) is out of range"):
+        layer(sk.Ragged(torch.tensor([3, 70, -3, 70]), torch.tensor([0, 4])))
+    assert torch.equal(layer.weight.detach(), before)
