@@ -200,6 +200,47 @@ def test_backward_ranks_rows_on_both_sides_of_the_bitmap_threshold(device, high_
         torch.testing.assert_close(values.cpu().double(), dense[r.cpu()], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_tables", [1, 2])
+def test_a_table_cut_among_the_threads_groups_its_rows_as_one_thread_does(num_tables):
+    """With fewer tables than twice the threads, a table of more than 8192 distinct rows is
+    cut into parts that the threads group apart (each part scanning all its table's lookups):
+    the gradient and every fused update come out bit for bit as on one thread, and the
+    gradient is autograd's; hot rows sit on the parts' bounds."""
+    g = torch.Generator().manual_seed(5)
+    high, batch = 30_000, 600
+    weights = [torch.randn(high, 8, generator=g) for _ in range(num_tables)]
+    tables, means = list(range(num_tables)), [0] * num_tables
+    columns = [8 * t for t in range(num_tables)]
+    lengths = torch.randint(0, 60, (num_tables * batch,), generator=g)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    rows = torch.randint(0, high, (int(offsets[-1]),), generator=g)
+    rows[::5] = rows[::5] % 3 + high // 2  # hot rows in the middle of the rank range
+    rows[1::11] = -1
+    grad = torch.randn(batch, 8 * num_tables, generator=g)
+    results = []
+    for threads in (1, 2, 3, 4):
+        with num_threads(threads):
+            got = _grouped_gradient(weights, rows, offsets, None, tables, columns, means, grad)
+            updated = []
+            for optimizer, hyper in (("rowwise_adagrad", [0.1, 0.0, 0.0, 1e-8, 0.01]), ("sgd", [0.1, 0.0, 0.0, 0.0, 0.0])):
+                new = [w.clone() for w in weights]
+                state = [torch.zeros(high) for _ in weights] if optimizer == "rowwise_adagrad" else []
+                ops.pooled_read_update_(new, state, [], [], _split(grad, weights, tables, columns), rows, offsets,
+                                        None, tables, means, optimizer, hyper)
+                updated.append((new, state))
+        results.append((got, updated))
+    expected = _autograd_reference(weights, rows, offsets, None, tables, columns, means, 8 * num_tables, grad)
+    for (r, values), dense in zip(results[0][0], expected):
+        # float32 sums of up to thousands of lookups (the hot rows) against float64
+        torch.testing.assert_close(values.double(), dense[r], rtol=1e-4, atol=1e-4)
+    for got, updated in results[1:]:
+        for (r, values), (r0, values0) in zip(got, results[0][0]):
+            assert torch.equal(r, r0) and torch.equal(values, values0)
+        for (new, state), (new0, state0) in zip(updated, results[0][1]):
+            assert all(torch.equal(a, b) for a, b in zip(new + state, new0 + state0))
+
+
 def _grouped_gradient(weights, rows, offsets, psw, tables, columns, means, grad):
     unique_rows, per_table, values = ops.pooled_read_backward(_split(grad, weights, tables, columns), weights, rows,
                                                               offsets, psw, tables, means)
