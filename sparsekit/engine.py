@@ -23,11 +23,10 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .exchange import _unique_tables
+from .exchange import _offsets_error_flags, _unique_tables
 from .hashtable import HashTableFullError
 from .pooled import ReadLayout, pooled_read
 from .shard import KeySeededUniform, _place_new_keys
-from .exchange import _offsets_error_flags
 from .step_errors import StepErrors, raise_verdict
 from .tables_cuda import _device_ints
 

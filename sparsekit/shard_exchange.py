@@ -49,10 +49,10 @@ class _ShardExchange:
         table, naming ``first`` (default: the first bad one of ``unique_keys``)."""
         keys = unique_keys.long()
         bad = keys[(keys < 0) | (keys >= self.num_keys_capacity)]
+        key = bad[0].item() if first is None else first
         return ValueError(
-            f"{self._layer_name}: key {bad[0].item() if first is None else first} ({bad.numel()} distinct bad keys "
-            f"on rank {self.rank}) is out of "
-            f"range: with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
+            f"{self._layer_name}: key {key} ({bad.numel()} distinct bad keys on rank {self.rank}) is out of range: "
+            f"with use_hashtable=False keys must lie in [0, {self._capacity_argument} * world_size) = "
             f"[0, {self.num_keys_capacity}); use use_hashtable=True for arbitrary keys or raise "
             f"{self._capacity_argument}")
 
