@@ -6,10 +6,6 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <cstring>
-#include <memory>
-#include <numeric>
 #include <vector>
 
 #include "cpu/pool_loops.h"
@@ -159,7 +155,7 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cpu(
   if (layout.batch == 0) check_no_bags(op, layout, offsets_ptr, errors);
   const IndexedLookups lookups =
       index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
-  const RowGroups groups = group_rows(lookups, layout, lookups_scaled(layout, psw_ptr));
+  const RowGroups groups = group_rows(op, lookups, layout, lookups_scaled(layout, psw_ptr));
   Tensor values = row_gradients(groups, lookups, layout, psw_ptr, device);
   const int64_t num_distinct = groups.distinct.size(0);
   Tensor out_rows = empty({num_distinct}, kLong, device);

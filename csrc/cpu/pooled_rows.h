@@ -36,7 +36,7 @@ struct IndexedLookups {
   // Per table, the position ranges [begin, end) that hold its lookups: its features' values
   // (all of [0, nnz) for every table when some bag is bad: those bounds are not to be trusted).
   std::vector<std::vector<std::pair<int64_t, int64_t>>> spans;
-  bool clean = true;  // no bad bag and no bad row (recorded in errors, else raised)
+  bool clean = true;  // no bad bag (none at all with B = 0 and lookups) and no bad row
 };
 
 /// @brief Checks offsets and rows (raising for the first bad bag or lookup, before the
@@ -61,8 +61,9 @@ struct RowGroups {
   std::vector<int64_t> order;        // each slot's lookup, or empty when no lookup is scaled
 };
 
-/// @brief Groups the lookups by row. The result does not depend on the thread count.
-RowGroups group_rows(const IndexedLookups& lookups, const PooledLayout& layout, bool scaled);
+/// @brief Groups the lookups by row (`op` names the caller in an out-of-memory error). The
+/// result does not depend on the thread count.
+RowGroups group_rows(const char* op, const IndexedLookups& lookups, const PooledLayout& layout, bool scaled);
 
 /// Four float32 lanes: SSE registers on any x86-64, NEON on arm64 (GCC's vector extension).
 typedef float Float4 __attribute__((vector_size(16)));

@@ -124,7 +124,9 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
     }
   });
   report_pooled_errors(op, first_bad_bag.load(), first_bad_position.load(), layout, offsets, rows, errors);
-  out.clean = first_bad_bag.load() == kNoBadPosition && first_bad_position.load() == kNoBadPosition;
+  // With no bag, lookups are a bad bag 0 that check_no_bags recorded: they stay out too.
+  out.clean = first_bad_bag.load() == kNoBadPosition && first_bad_position.load() == kNoBadPosition &&
+              (bags > 0 || layout.nnz == 0);
   out.spans.resize(num_tables);
   for (int64_t f = 0; f < layout.num_features; ++f) {
     const int64_t t = layout.feature_tables[f];
@@ -180,16 +182,16 @@ std::vector<Part> rank_parts(const std::vector<int64_t>& table_first) {
 /// @brief Groups the lookups by rank into out's slots (a stable counting sort): a part's
 /// worker counts its lookups, a counter per rank, turns its counts into slots and scatters its
 /// lookups, each pass in position order, so the order does not depend on the threads. The
-/// counters: 32 bits under 2^32 lookups, in memory the thread keeps between calls.
+/// counters: 32 bits below 2^32 - 1 lookups, in memory the thread keeps between calls.
 template <typename count_t>
-void group_by_rank(const int64_t* rank, const IndexedLookups& lookups, bool scaled, RowGroups& out) {
+void group_by_rank(const char* op, const int64_t* rank, const IndexedLookups& lookups, bool scaled, RowGroups& out) {
   const int64_t num_distinct = out.distinct.size(0);
   const std::vector<Part> parts = rank_parts(out.table_first);
   const int64_t num_parts = static_cast<int64_t>(parts.size());
   thread_local Scratch counter_scratch;
   const TrimOnExit trim_counters{counter_scratch};
   count_t* const count = static_cast<count_t*>(allocate_host_or_fail(
-      "pooled_read_backward", "the grouping's counters", static_cast<double>(sizeof(count_t)) * num_distinct,
+      op, "the grouping's counters", static_cast<double>(sizeof(count_t)) * num_distinct,
       [&] { return counter_scratch.get(sizeof(count_t) * static_cast<size_t>(std::max<int64_t>(num_distinct, 1))); }));
   const auto& spans = lookups.spans;
   std::vector<int64_t> slots(static_cast<size_t>(num_parts) + 1, 0);
@@ -243,7 +245,7 @@ void group_by_rank(const int64_t* rank, const IndexedLookups& lookups, bool scal
 
 }  // namespace
 
-RowGroups group_rows(const IndexedLookups& lookups, const PooledLayout& layout, bool scaled) {
+RowGroups group_rows(const char* op, const IndexedLookups& lookups, const PooledLayout& layout, bool scaled) {
   RowGroups out;
   const RankedCodes ranked = rank_codes(lookups.codes, lookups.bases.back(), lookups.bases);
   out.distinct = ranked.distinct;
@@ -260,9 +262,9 @@ RowGroups group_rows(const IndexedLookups& lookups, const PooledLayout& layout, 
   }
   const int64_t* rank = ranked.rank.const_data_ptr<int64_t>();
   if (layout.nnz < int64_t{UINT32_MAX}) {
-    group_by_rank<uint32_t>(rank, lookups, scaled, out);
+    group_by_rank<uint32_t>(op, rank, lookups, scaled, out);
   } else {
-    group_by_rank<int64_t>(rank, lookups, scaled, out);
+    group_by_rank<int64_t>(op, rank, lookups, scaled, out);
   }
   return out;
 }

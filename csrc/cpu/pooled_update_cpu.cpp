@@ -1,11 +1,8 @@
 // The CPU kernel of the fused optimizer step (pooled_read_update_): the pooled read's
 // gradient, summed per distinct row in position order, applied to the rows in place (SGD,
 // LazyAdam, row-wise Adagrad, Adagrad) with no gradient written; the layout is in pooled.h.
-// 32-byte vector arguments of the pooling loops' always_inline helpers never cross a real call.
-#pragma GCC diagnostic ignored "-Wpsabi"
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "cpu/adam_row.h"
@@ -65,16 +62,6 @@ inline acc_t rowwise_step(acc_t sum, const FusedScalars& h) {
 template <typename acc_t>
 inline void apply_rowwise_step(acc_t* w, const acc_t* g, int64_t dim, acc_t step) {
   for (int64_t j = 0; j < dim; ++j) w[j] -= step * g[j];
-}
-
-/// A weight row as its accumulator type where the two are one type (else never called).
-template <typename acc_t, typename weight_t>
-inline acc_t* as_accumulator(weight_t* row) {
-  if constexpr (std::is_same_v<weight_t, acc_t>) {
-    return row;
-  } else {
-    return nullptr;
-  }
 }
 
 /// @brief Applies the optimizer to one row: `w` (dim values, updated in place; float32 or
@@ -164,21 +151,23 @@ struct RowUpdater {
   /// @brief Updates n <= kBlock distinct rows: table t_of[i]'s row row_of[i] by its summed
   /// gradient g_of[i] (which the update may change).
   void apply(int64_t n, const int64_t* t_of, const int64_t* row_of, acc_t* const* g_of, std::vector<acc_t>& wide) const {
-    if (std::is_same_v<scalar_t, acc_t> && optimizer == FusedOptimizer::kRowWiseAdagrad) {
-      acc_t* w[kBlock];
-      acc_t step[kBlock];
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t dim = dims[t_of[i]];
-        w[i] = as_accumulator<acc_t>(weight_of[t_of[i]] + row_of[i] * dim);
-        step[i] = rowwise_mean_square(w[i], g_of[i], dim, h);
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      if (optimizer == FusedOptimizer::kRowWiseAdagrad) {
+        acc_t* w[kBlock];
+        acc_t step[kBlock];
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t dim = dims[t_of[i]];
+          w[i] = weight_of[t_of[i]] + row_of[i] * dim;
+          step[i] = rowwise_mean_square(w[i], g_of[i], dim, h);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          acc_t& sum = first_of[t_of[i]][row_of[i]];
+          sum += step[i];
+          step[i] = rowwise_step(sum, h);
+        }
+        for (int64_t i = 0; i < n; ++i) apply_rowwise_step(w[i], g_of[i], dims[t_of[i]], step[i]);
+        return;
       }
-      for (int64_t i = 0; i < n; ++i) {
-        acc_t& sum = first_of[t_of[i]][row_of[i]];
-        sum += step[i];
-        step[i] = rowwise_step(sum, h);
-      }
-      for (int64_t i = 0; i < n; ++i) apply_rowwise_step(w[i], g_of[i], dims[t_of[i]], step[i]);
-      return;
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = t_of[i], row = row_of[i], dim = dims[t];
@@ -251,7 +240,7 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
   // grouping's memory.
   const IndexedLookups lookups =
       index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
-  const RowGroups groups = group_rows(lookups, layout, lookups_scaled(layout, psw_ptr));
+  const RowGroups groups = group_rows(op, lookups, layout, lookups_scaled(layout, psw_ptr));
   std::vector<TableUpdate> tables(num_tables);
   for (int64_t f = 0; f < layout.num_features; ++f) {
     if (layout.feature_tables[f] >= 0) tables[layout.feature_tables[f]].read = true;

@@ -200,16 +200,18 @@ def test_backward_ranks_rows_on_both_sides_of_the_bitmap_threshold(device, high_
         torch.testing.assert_close(values.cpu().double(), dense[r.cpu()], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("num_tables", [1, 2])
-def test_a_table_cut_among_the_threads_groups_its_rows_as_one_thread_does(num_tables):
+def test_a_table_cut_among_the_threads_groups_its_rows_as_one_thread_does(num_tables, scaled):
     """With fewer tables than twice the threads, a table of more than 8192 distinct rows is
     cut into parts that the threads group apart (each part scanning all its table's lookups):
     the gradient and every fused update come out bit for bit as on one thread, and the
-    gradient is autograd's; hot rows sit on the parts' bounds."""
+    gradient is autograd's; hot rows sit near the middle, a part's bound. Scaled: mean
+    features and per-value weights (each slot then keeps its lookup too)."""
     g = torch.Generator().manual_seed(5)
     high, batch = 30_000, 600
     weights = [torch.randn(high, 8, generator=g) for _ in range(num_tables)]
-    tables, means = list(range(num_tables)), [0] * num_tables
+    tables, means = list(range(num_tables)), [int(scaled)] * num_tables
     columns = [8 * t for t in range(num_tables)]
     lengths = torch.randint(0, 60, (num_tables * batch,), generator=g)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
@@ -218,19 +220,20 @@ def test_a_table_cut_among_the_threads_groups_its_rows_as_one_thread_does(num_ta
     rows[::5] = rows[::5] % 3 + high // 2  # hot rows in the middle of the rank range
     rows[1::11] = -1
     grad = torch.randn(batch, 8 * num_tables, generator=g)
+    psw = torch.rand(rows.numel(), generator=g) if scaled else None
     results = []
     for threads in (1, 2, 3, 4):
         with num_threads(threads):
-            got = _grouped_gradient(weights, rows, offsets, None, tables, columns, means, grad)
+            got = _grouped_gradient(weights, rows, offsets, psw, tables, columns, means, grad)
             updated = []
             for optimizer, hyper in (("rowwise_adagrad", [0.1, 0.0, 0.0, 1e-8, 0.01]), ("sgd", [0.1, 0.0, 0.0, 0.0, 0.0])):
                 new = [w.clone() for w in weights]
                 state = [torch.zeros(high) for _ in weights] if optimizer == "rowwise_adagrad" else []
                 ops.pooled_read_update_(new, state, [], [], _split(grad, weights, tables, columns), rows, offsets,
-                                        None, tables, means, optimizer, hyper)
+                                        psw, tables, means, optimizer, hyper)
                 updated.append((new, state))
         results.append((got, updated))
-    expected = _autograd_reference(weights, rows, offsets, None, tables, columns, means, 8 * num_tables, grad)
+    expected = _autograd_reference(weights, rows, offsets, psw, tables, columns, means, 8 * num_tables, grad)
     for (r, values), dense in zip(results[0][0], expected):
         # float32 sums of up to thousands of lookups (the hot rows) against float64
         torch.testing.assert_close(values.double(), dense[r], rtol=1e-4, atol=1e-4)
@@ -374,6 +377,28 @@ def test_bad_input_raises_naming_it_and_writes_nothing(device, bad):
     slots = torch.full((2,), NO_BAD, dtype=torch.int64, device=device)
     ops.pooled_read(weights, rows, offsets, None, tables, columns, means, total, slots)
     assert slots.tolist() != [NO_BAD, NO_BAD]
+
+
+def test_lookups_with_no_bag_are_recorded_as_bag_0_and_left_out(device):
+    """B = 0 with values left over: bag 0 is bad. With error slots, the gradient, the fused
+    update and the read record bag 0 and leave the values out (nothing changes, nothing
+    raised), whatever the memory their codes would have been read from."""
+    weights = [torch.randn(4, 3, device=device)]
+    rows = torch.tensor([0, 2, 3, 1, 0], device=device)
+    offsets = torch.zeros(1, dtype=torch.int64, device=device)
+    grads = [torch.empty(0, 3, device=device)]
+    for _ in range(3):  # fresh and reused memory alike
+        slots = torch.full((2,), NO_BAD, dtype=torch.int64, device=device)
+        unique_rows, per_table, values = ops.pooled_read_backward(grads, weights, rows, offsets, None, [0], [0], slots)
+        assert slots.tolist() == [0, NO_BAD]
+        assert unique_rows.numel() == 0 and per_table.tolist() == [0] and values.numel() == 0
+        before = weights[0].clone()
+        state = [torch.zeros(4, device=device)]
+        slots = torch.full((2,), NO_BAD, dtype=torch.int64, device=device)
+        ops.pooled_read_update_(weights, state, [], [], grads, rows, offsets, None, [0], [0], "rowwise_adagrad",
+                                [0.1, 0.0, 0.0, 1e-8, 0.0], None, slots)
+        assert slots.tolist() == [0, NO_BAD]
+        assert torch.equal(weights[0], before) and not state[0].any()
 
 
 @pytest.mark.parametrize("case", ["no weights", "mixed dtypes", "grads count", "table outside", "grad shape",
