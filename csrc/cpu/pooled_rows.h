@@ -36,7 +36,6 @@ struct IndexedLookups {
   // Per table, the position ranges [begin, end) that hold its lookups: its features' values
   // (all of [0, nnz) for every table when some bag is bad: those bounds are not to be trusted).
   std::vector<std::vector<std::pair<int64_t, int64_t>>> spans;
-  bool clean = true;  // no bad bag (none at all with B = 0 and lookups) and no bad row
 };
 
 /// @brief Checks offsets and rows (raising for the first bad bag or lookup, before the

@@ -33,49 +33,6 @@ void for_each_feature_span(const PooledLayout& layout, int64_t begin, int64_t en
   }
 }
 
-/// @brief index_lookups' second pass: the codes, gradient rows and means' lengths.
-void code_lookups(const PooledLayout& layout, const int64_t* offsets, const int64_t* rows,
-                  const std::vector<Tensor>& grads, const Device& device, IndexedLookups& out) {
-  const int64_t bags = layout.num_features * layout.batch;
-  out.grad_at.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
-  const bool any_mean =
-      std::any_of(layout.feature_means.begin(), layout.feature_means.end(), [](int64_t m) { return m != 0; });
-  if (any_mean) out.mean_length.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
-  out.codes = empty({layout.nnz}, kLong, device);
-  int64_t* codes = out.codes.mutable_data_ptr<int64_t>();
-  // Bad offsets (recorded, not raised) leave lookups in no bag: they stay out of every group.
-  if (!out.clean) std::fill(codes, codes + layout.nnz, int64_t{-1});
-  const int64_t per_bag = std::max<int64_t>(1, layout.nnz / std::max<int64_t>(bags, 1));
-  const int64_t bag_chunk = std::max<int64_t>(1, kBagGrain / per_bag);
-  // The codes (a bad bag's lookups keep -1 from above), and where each lookup's gradient
-  // comes from (worked out once a bag, so the sums divide nothing per lookup).
-  int64_t* grad_at = out.grad_at.get();
-  int64_t* mean_length = out.mean_length.get();
-  parallel_chunks(bags, bag_chunk, [&](int64_t begin, int64_t end) {
-    for_each_feature_span(layout, begin, end, [&](int64_t f, int64_t span_begin, int64_t span_end) {
-      const int64_t t = layout.feature_tables[f];
-      const int64_t num_rows = t >= 0 ? layout.table_rows[t] : 0;
-      const int64_t base = t >= 0 ? out.bases[t] : 0;
-      const bool mean = layout.feature_means[f] != 0;
-      const int64_t row_bytes = t >= 0 ? grads[f].stride(0) * static_cast<int64_t>(grads[f].element_size()) : 0;
-      int64_t at = t >= 0 ? reinterpret_cast<int64_t>(grads[f].const_data_ptr()) +
-                                (span_begin - f * layout.batch) * row_bytes
-                          : 0;
-      for (int64_t bag = span_begin; bag < span_end; ++bag, at += row_bytes) {
-        const int64_t first = offsets[bag], last = offsets[bag + 1];
-        if (C10_UNLIKELY(bag_offsets_bad(bag, bags, first, last, layout.nnz))) continue;
-        const int64_t length = mean ? last - first : 0;
-        for (int64_t k = first; k < last; ++k) {
-          const int64_t row = rows[k];
-          codes[k] = t >= 0 && row_in_range(row, num_rows) ? base + row : -1;
-          grad_at[k] = at;
-          if (mean_length != nullptr) mean_length[k] = length;
-        }
-      }
-    });
-  });
-}
-
 }  // namespace
 
 IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const int64_t* offsets, const int64_t* rows,
@@ -84,6 +41,14 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
   IndexedLookups out;
   const int64_t bags = layout.num_features * layout.batch;
   const size_t num_tables = layout.table_rows.size();
+  out.grad_at.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
+  const bool any_mean =
+      std::any_of(layout.feature_means.begin(), layout.feature_means.end(), [](int64_t m) { return m != 0; });
+  if (any_mean) out.mean_length.reset(new int64_t[static_cast<size_t>(layout.nnz)]);
+  out.codes = empty({layout.nnz}, kLong, device);
+  int64_t* codes = out.codes.mutable_data_ptr<int64_t>();
+  // Bad offsets leave lookups in no bag: with errors recorded they stay out of every group.
+  if (errors.has_value()) std::fill(codes, codes + layout.nnz, int64_t{-1});
   std::atomic<int64_t> first_bad_bag{kNoBadPosition};
   std::atomic<int64_t> first_bad_position{kNoBadPosition};
   const int64_t per_bag = std::max<int64_t>(1, layout.nnz / std::max<int64_t>(bags, 1));
@@ -124,9 +89,6 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
     }
   });
   report_pooled_errors(op, first_bad_bag.load(), first_bad_position.load(), layout, offsets, rows, errors);
-  // With no bag, lookups are a bad bag 0 that check_no_bags recorded: they stay out too.
-  out.clean = first_bad_bag.load() == kNoBadPosition && first_bad_position.load() == kNoBadPosition &&
-              (bags > 0 || layout.nnz == 0);
   out.spans.resize(num_tables);
   for (int64_t f = 0; f < layout.num_features; ++f) {
     const int64_t t = layout.feature_tables[f];
@@ -139,7 +101,33 @@ IndexedLookups index_lookups(const char* op, const PooledLayout& layout, const i
   }
   out.bases.assign(num_tables + 1, 0);
   for (size_t t = 0; t < num_tables; ++t) out.bases[t + 1] = out.bases[t] + highest[t].load() + 1;
-  code_lookups(layout, offsets, rows, grads, device, out);
+  // Pass 2: the codes (a bad bag's lookups keep -1 from above), and where each lookup's
+  // gradient comes from (worked out once a bag, so the sums divide nothing per lookup).
+  int64_t* grad_at = out.grad_at.get();
+  int64_t* mean_length = out.mean_length.get();
+  parallel_chunks(bags, bag_chunk, [&](int64_t begin, int64_t end) {
+    for_each_feature_span(layout, begin, end, [&](int64_t f, int64_t span_begin, int64_t span_end) {
+      const int64_t t = layout.feature_tables[f];
+      const int64_t num_rows = t >= 0 ? layout.table_rows[t] : 0;
+      const int64_t base = t >= 0 ? out.bases[t] : 0;
+      const bool mean = layout.feature_means[f] != 0;
+      const int64_t row_bytes = t >= 0 ? grads[f].stride(0) * static_cast<int64_t>(grads[f].element_size()) : 0;
+      int64_t at = t >= 0 ? reinterpret_cast<int64_t>(grads[f].const_data_ptr()) +
+                                (span_begin - f * layout.batch) * row_bytes
+                          : 0;
+      for (int64_t bag = span_begin; bag < span_end; ++bag, at += row_bytes) {
+        const int64_t first = offsets[bag], last = offsets[bag + 1];
+        if (C10_UNLIKELY(bag_offsets_bad(bag, bags, first, last, layout.nnz))) continue;
+        const int64_t length = mean ? last - first : 0;
+        for (int64_t k = first; k < last; ++k) {
+          const int64_t row = rows[k];
+          codes[k] = t >= 0 && row_in_range(row, num_rows) ? base + row : -1;
+          grad_at[k] = at;
+          if (mean_length != nullptr) mean_length[k] = length;
+        }
+      }
+    });
+  });
   return out;
 }
 
