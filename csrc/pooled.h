@@ -245,12 +245,57 @@ inline void check_fused_state(const char* op, FusedOptimizer optimizer, const st
              op, ": steps[", t, "] must be an int64 tensor of one element on ", weights[t].device(), ", got ",
              steps[t].scalar_type(), " of shape ", steps[t].sizes(), " on ", steps[t].device());
   }
+}
+
+/// pooled_read_update_'s arguments once checked: the optimizer, the layout, each feature's
+/// output gradient (a view of the block with grad_columns) and the scalars.
+struct FusedUpdateArgs {
+  FusedOptimizer optimizer;
+  PooledLayout layout;
+  std::vector<Tensor> grads;
+  FusedScalars h;
+};
+
+/// @brief Every check of pooled_read_update_ that its CPU and CUDA kernels share, made before
+/// either writes anything: the layout, the gradients, the scalars, the state, the error
+/// slots, a tensor `lr` (one float32 / float64 element on the weights' device) and that no
+/// tensor the update writes shares memory with another of the call.
+inline FusedUpdateArgs check_fused_update_args(
+    const char* op, const std::vector<Tensor>& weights, const std::vector<Tensor>& state1,
+    const std::vector<Tensor>& state2, const std::vector<Tensor>& steps, const std::vector<Tensor>& grads_in,
+    const Tensor& rows, const Tensor& offsets, const std::optional<Tensor>& per_sample_weights,
+    const std::vector<int64_t>& feature_tables, const std::vector<int64_t>& feature_means,
+    const std::string& optimizer_name, const std::vector<double>& hyper, const std::optional<Tensor>& lr,
+    const std::optional<Tensor>& errors, const std::vector<int64_t>& grad_columns) {
+  const FusedOptimizer optimizer = parse_fused_optimizer(optimizer_name);
+  PooledLayout layout =
+      check_pooled_backward_args(op, weights, rows, offsets, per_sample_weights, feature_tables, feature_means);
+  const Device device = weights[0].device();
+  std::vector<Tensor> grads = feature_grad_views(op, grads_in, grad_columns, layout);
+  check_pooled_grads(op, grads, layout, device);
+  const FusedScalars h = check_fused_hyper(op, optimizer, hyper);
+  check_fused_state(op, optimizer, weights, state1, state2, steps);
+  check_error_slots(op, errors, device);
+  if (lr.has_value()) {
+    SK_CHECK(lr->numel() == 1 && (lr->scalar_type() == kFloat || lr->scalar_type() == kDouble) &&
+                 lr->device() == device,
+             op, ": lr must be a float32 or float64 tensor of one element on ", device, ", got ", lr->scalar_type(),
+             " of shape ", lr->sizes(), " on ", lr->device());
+  }
   std::vector<TensorUse> uses;
-  for (size_t t = 0; t < num_tables; ++t) uses.push_back({&weights[t], "weights", t, true});
+  for (size_t t = 0; t < weights.size(); ++t) uses.push_back({&weights[t], "weights", t, true});
   for (size_t t = 0; t < state1.size(); ++t) uses.push_back({&state1[t], "state1", t, true});
   for (size_t t = 0; t < state2.size(); ++t) uses.push_back({&state2[t], "state2", t, true});
   for (size_t t = 0; t < steps.size(); ++t) uses.push_back({&steps[t], "steps", t, true});
+  for (size_t f = 0; f < grads.size(); ++f) {
+    if (layout.feature_tables[f] >= 0) uses.push_back({&grads[f], "grads", f, false});
+  }
+  uses.push_back({&rows, "rows", 0, false});
+  uses.push_back({&offsets, "offsets", 0, false});
+  if (per_sample_weights.has_value()) uses.push_back({&*per_sample_weights, "per_sample_weights", 0, false});
+  if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
   check_no_shared_writes(op, uses);
+  return {optimizer, std::move(layout), std::move(grads), h};
 }
 
 }  // namespace sparsekit

@@ -41,13 +41,11 @@ Tensor pooled_read_cpu(const std::vector<Tensor>& weights_in, const Tensor& rows
                                                 feature_tables, feature_columns, feature_means, total_dim);
   std::vector<Tensor> weights;
   for (const Tensor& w : weights_in) weights.push_back(rows_stride_ready(w));
-  const Tensor rows = as_contiguous(rows_in);
-  const Tensor offsets = as_contiguous(offsets_in);
-  const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
-  const float* psw_ptr = per_sample_weights_in.has_value() ? psw.const_data_ptr<float>() : nullptr;
+  const LookupInputs in(rows_in, offsets_in, per_sample_weights_in);
   Tensor out = pooled_output(layout, weights[0].device());
-  const int64_t* offsets_ptr = offsets.const_data_ptr<int64_t>();
-  const int64_t* rows_ptr = rows.const_data_ptr<int64_t>();
+  const int64_t* offsets_ptr = in.offsets_ptr;
+  const int64_t* rows_ptr = in.rows_ptr;
+  const float* psw_ptr = in.psw_ptr;
   check_error_slots(op, errors, weights[0].device());
   if (layout.batch == 0) {
     check_no_bags(op, layout, offsets_ptr, errors);
@@ -145,16 +143,14 @@ std::tuple<Tensor, Tensor, Tensor> pooled_read_backward_cpu(
   const Device device = weights[0].device();
   const std::vector<Tensor> grads = feature_grad_views(op, grads_in, grad_columns, layout);
   check_pooled_grads(op, grads, layout, device);
-  const Tensor rows = as_contiguous(rows_in);
-  const Tensor offsets = as_contiguous(offsets_in);
-  const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
-  const float* psw_ptr = per_sample_weights_in.has_value() ? psw.const_data_ptr<float>() : nullptr;
-  const int64_t* offsets_ptr = offsets.const_data_ptr<int64_t>();
+  const LookupInputs in(rows_in, offsets_in, per_sample_weights_in);
+  const int64_t* offsets_ptr = in.offsets_ptr;
+  const float* psw_ptr = in.psw_ptr;
   const size_t num_tables = weights.size();
   check_error_slots(op, errors, device);
   if (layout.batch == 0) check_no_bags(op, layout, offsets_ptr, errors);
   const IndexedLookups lookups =
-      index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
+      index_lookups(op, layout, offsets_ptr, in.rows_ptr, grads, device, errors);
   const RowGroups groups = group_rows(op, lookups, layout, lookups_scaled(layout, psw_ptr));
   Tensor values = row_gradients(groups, lookups, layout, psw_ptr, device);
   const int64_t num_distinct = groups.distinct.size(0);

@@ -15,6 +15,23 @@
 
 namespace sparsekit {
 
+/// A call's rows, offsets and per-sample weights made contiguous, and their data (psw_ptr
+/// null without weights).
+struct LookupInputs {
+  Tensor rows, offsets, psw;
+  const int64_t* rows_ptr;
+  const int64_t* offsets_ptr;
+  const float* psw_ptr;
+
+  LookupInputs(const Tensor& rows_in, const Tensor& offsets_in, const std::optional<Tensor>& psw_in)
+      : rows(as_contiguous(rows_in)),
+        offsets(as_contiguous(offsets_in)),
+        psw(psw_in.has_value() ? as_contiguous(*psw_in) : Tensor()),
+        rows_ptr(rows.const_data_ptr<int64_t>()),
+        offsets_ptr(offsets.const_data_ptr<int64_t>()),
+        psw_ptr(psw_in.has_value() ? psw.const_data_ptr<float>() : nullptr) {}
+};
+
 /// @brief Reports the first bad bag and the first bad lookup a pass recorded: into `errors`
 /// when the caller gives it (see pooled.h), else raised (the bag first).
 void report_pooled_errors(const char* op, int64_t bad_bag, int64_t bad_position, const PooledLayout& layout,

@@ -198,48 +198,28 @@ void pooled_read_update_cpu(const std::vector<Tensor>& weights, const std::vecto
                             const std::optional<Tensor>& errors,
                             std::vector<int64_t> grad_columns) {
   const char* op = "pooled_read_update_";
-  const FusedOptimizer optimizer = parse_fused_optimizer(optimizer_name.value);
-  const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
-                                                         feature_tables, feature_means);
+  const FusedUpdateArgs args =
+      check_fused_update_args(op, weights, state1, state2, steps, grads_in, rows_in, offsets_in, per_sample_weights_in,
+                              feature_tables, feature_means, optimizer_name.value, hyper, lr, errors, grad_columns);
+  const FusedOptimizer optimizer = args.optimizer;
+  const PooledLayout& layout = args.layout;
+  const std::vector<Tensor>& grads = args.grads;
   const Device device = weights[0].device();
-  const std::vector<Tensor> grads = feature_grad_views(op, grads_in, grad_columns, layout);
-  check_pooled_grads(op, grads, layout, device);
-  FusedScalars h = check_fused_hyper(op, optimizer, hyper);
-  check_fused_state(op, optimizer, weights, state1, state2, steps);
+  FusedScalars h = args.h;
   if (lr.has_value()) {
-    SK_CHECK(lr->numel() == 1 && (lr->scalar_type() == kFloat || lr->scalar_type() == kDouble) &&
-                 lr->device().is_cpu(),
-             op, ": lr must be a float32 or float64 tensor of one element on the CPU, got ", lr->scalar_type(),
-             " of shape ", lr->sizes(), " on ", lr->device());
     h.lr = lr->scalar_type() == kFloat ? static_cast<double>(*lr->const_data_ptr<float>())
                                        : *lr->const_data_ptr<double>();
     SK_CHECK(h.lr >= 0.0, op, ": lr must be >= 0, got ", h.lr);
   }
-  std::vector<TensorUse> uses;
-  for (size_t t = 0; t < weights.size(); ++t) uses.push_back({&weights[t], "weights", t, true});
-  for (size_t t = 0; t < state1.size(); ++t) uses.push_back({&state1[t], "state1", t, true});
-  for (size_t t = 0; t < state2.size(); ++t) uses.push_back({&state2[t], "state2", t, true});
-  for (size_t t = 0; t < steps.size(); ++t) uses.push_back({&steps[t], "steps", t, true});
-  for (size_t f = 0; f < grads.size(); ++f) {
-    if (layout.feature_tables[f] >= 0) uses.push_back({&grads[f], "grads", f, false});
-  }
-  uses.push_back({&rows_in, "rows", 0, false});
-  uses.push_back({&offsets_in, "offsets", 0, false});
-  if (per_sample_weights_in.has_value()) uses.push_back({&*per_sample_weights_in, "per_sample_weights", 0, false});
-  check_error_slots(op, errors, device);
-  if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
-  check_no_shared_writes(op, uses);
-  const Tensor rows = as_contiguous(rows_in);
-  const Tensor offsets = as_contiguous(offsets_in);
-  const Tensor psw = per_sample_weights_in.has_value() ? as_contiguous(*per_sample_weights_in) : Tensor();
-  const float* psw_ptr = per_sample_weights_in.has_value() ? psw.const_data_ptr<float>() : nullptr;
-  const int64_t* offsets_ptr = offsets.const_data_ptr<int64_t>();
+  const LookupInputs in(rows_in, offsets_in, per_sample_weights_in);
+  const int64_t* offsets_ptr = in.offsets_ptr;
+  const float* psw_ptr = in.psw_ptr;
   const size_t num_tables = weights.size();
   if (layout.batch == 0) check_no_bags(op, layout, offsets_ptr, errors);
   // Everything that can fail comes before the first write: the lookups' checks, then the
   // grouping's memory.
   const IndexedLookups lookups =
-      index_lookups(op, layout, offsets_ptr, rows.const_data_ptr<int64_t>(), grads, device, errors);
+      index_lookups(op, layout, offsets_ptr, in.rows_ptr, grads, device, errors);
   const RowGroups groups = group_rows(op, lookups, layout, lookups_scaled(layout, psw_ptr));
   std::vector<TableUpdate> tables(num_tables);
   for (int64_t f = 0; f < layout.num_features; ++f) {

@@ -541,35 +541,15 @@ void pooled_read_update_cuda(const std::vector<Tensor>& weights, const std::vect
                              const std::optional<Tensor>& errors,
                              std::vector<int64_t> grad_columns) {
   const char* op = "pooled_read_update_";
-  const FusedOptimizer optimizer = parse_fused_optimizer(optimizer_name.value);
-  const PooledLayout layout = check_pooled_backward_args(op, weights, rows_in, offsets_in, per_sample_weights_in,
-                                                         feature_tables, feature_means);
-  const Device device = weights[0].device();
-  SK_CHECK(device.is_cuda(), op, ": expected CUDA tensors, got ", device);
-  const std::vector<Tensor> grads = feature_grad_views(op, grads_in, grad_columns, layout);
-  check_pooled_grads(op, grads, layout, device);
-  const FusedScalars h = check_fused_hyper(op, optimizer, hyper);
-  check_fused_state(op, optimizer, weights, state1, state2, steps);
-  check_error_slots(op, errors, device);
-  if (lr.has_value()) {
-    SK_CHECK(lr->numel() == 1 && (lr->scalar_type() == kFloat || lr->scalar_type() == kDouble) &&
-                 lr->device() == device,
-             op, ": lr must be a float32 or float64 tensor of one element on ", device, ", got ", lr->scalar_type(),
-             " of shape ", lr->sizes(), " on ", lr->device());
-  }
+  const FusedUpdateArgs args =
+      check_fused_update_args(op, weights, state1, state2, steps, grads_in, rows_in, offsets_in, per_sample_weights_in,
+                              feature_tables, feature_means, optimizer_name.value, hyper, lr, errors, grad_columns);
+  const FusedOptimizer optimizer = args.optimizer;
+  const PooledLayout& layout = args.layout;
+  const std::vector<Tensor>& grads = args.grads;
+  const FusedScalars& h = args.h;
+  SK_CHECK(weights[0].device().is_cuda(), op, ": expected CUDA tensors, got ", weights[0].device());
   check_cuda_dims(op, weights);
-  std::vector<TensorUse> uses;
-  for (size_t t = 0; t < weights.size(); ++t) uses.push_back({&weights[t], "weights", t, true});
-  for (size_t t = 0; t < state1.size(); ++t) uses.push_back({&state1[t], "state1", t, true});
-  for (size_t t = 0; t < state2.size(); ++t) uses.push_back({&state2[t], "state2", t, true});
-  for (size_t t = 0; t < steps.size(); ++t) uses.push_back({&steps[t], "steps", t, true});
-  for (size_t f = 0; f < grads.size(); ++f) {
-    if (layout.feature_tables[f] >= 0) uses.push_back({&grads[f], "grads", f, false});
-  }
-  uses.push_back({&rows_in, "rows", 0, false});
-  uses.push_back({&offsets_in, "offsets", 0, false});
-  if (errors.has_value()) uses.push_back({&*errors, "errors", 0, true});
-  check_no_shared_writes(op, uses);
   const DeviceGuard guard(weights[0].get_device_index());
   const cudaStream_t stream = current_stream(weights[0]);
   const PreparedLookups prepared =
