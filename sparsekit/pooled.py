@@ -295,4 +295,11 @@ def pooled_read(layout: ReadLayout, rows: Tensor, offsets: Tensor, per_sample_we
                 errors: Optional[Tensor] = None) -> Tensor:
     """``[B, layout.total_dim]``: every feature's pooled bags of the tables ``weights`` (one
     dtype), as one differentiable read (see :class:`_PooledRead`)."""
+    if not torch.is_grad_enabled() or not (any(w.requires_grad for w in weights) or (
+            per_sample_weights is not None and per_sample_weights.requires_grad)):
+        # Nothing to differentiate (eval, no_grad, frozen tables): the op alone, with no
+        # autograd node to build for 2 + tables inputs.
+        out = torch.ops.sparsekit.pooled_read(list(weights), rows, offsets, per_sample_weights, layout.feature_tables,
+                                              layout.feature_columns, layout.feature_means, layout.total_dim, errors)
+        return tuple(out.split(_call_dims(layout, weights), dim=1)) if layout.split else out
     return _PooledRead.apply(layout, rows, offsets, per_sample_weights, markers, fused, errors, *weights)
