@@ -38,7 +38,7 @@ echo "$base_site" > "$site/zz-base-venv.pth"
 "$venv/bin/python" -c "import torch, torchrec, fbgemm_gpu, sparsekit; print('torch', torch.__version__, 'torchrec', torchrec.__version__)"
 
 cd "$repo"
-tests=$(find tests -name 'test_torchrec*.py' -o -name 'test_variable_batch.py' -o -name 'test_peer_torchrec_optim.py' | sort)
+tests=$(find tests -name 'test_torchrec*.py' -o -name 'test_variable_batch.py' -o -name 'test_peer_torchrec_*.py' | sort)
 set +e
 PYTHONPATH="$repo/tests:$repo/tests/support${PYTHONPATH:+:$PYTHONPATH}" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs $tests 2>&1 | tee "$work/torchrec-tests.log"

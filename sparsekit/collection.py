@@ -160,11 +160,13 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
             raise TypeError("EmbeddingBagCollection: tables must be a non-empty list of sk.TableConfig (or TorchRec "
                             "EmbeddingBagConfig)")
         device_argument("EmbeddingBagCollection", device)
+        self.process_group, self.world_size, self.rank = _resolve_group(process_group, "EmbeddingBagCollection")
         # TorchRec's configs as given (embedding_bag_configs()), and its defaults when any
         # table comes as one: weights ignored unless weighted, a KeyedTensor in config order.
         self._given_configs = list(tables)
         from_torchrec = any(not isinstance(t, TableConfig) for t in tables)
-        tables = [t if isinstance(t, TableConfig) else keyed.table_from_torchrec(t, TableConfig, KeySeededUniform)
+        tables = [t if isinstance(t, TableConfig) else keyed.table_from_torchrec(t, TableConfig, KeySeededUniform,
+                                                                                self.world_size)
                   for t in tables]
         if is_weighted is not None and not isinstance(is_weighted, bool):
             raise TypeError(f"EmbeddingBagCollection: is_weighted must be True, False or None, got {is_weighted!r}")
@@ -194,7 +196,6 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
                                      f"{self.tables[self._feature_table[feature]].name!r} and {table.name!r}; "
                                      "a feature reads one table (several features may share one)")
                 self._feature_table[feature] = index
-        self.process_group, self.world_size, self.rank = _resolve_group(process_group, "EmbeddingBagCollection")
         if error_mode != "raise" and self.world_size > 1:
             raise ValueError(f"EmbeddingBagCollection: error_mode={error_mode!r} is for one process; a step over "
                              "a process group reads the device anyway (its split sizes) and raises on every rank "
@@ -264,14 +265,16 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
 
     def _fused_update(self, weights: Sequence[Tensor]) -> Any:
         """The fused update of ``weights`` for the backward; rows given to new keys since the
-        last update (eviction) start from zero state first."""
+        last update (eviction) start from zero state first. The settings are checked (and
+        refused) before any state changes."""
+        update = self._fused.update_of(list(weights))
         for shard in self._shards:
             if shard.fresh_rows is not None and any(shard.weight is w for w in weights):
                 fresh = shard.fresh_rows.nonzero().squeeze(1)
                 if fresh.numel():
-                    self._fused.reset_rows(shard.weight, fresh)
+                    self._fused.reset_rows(shard.weight, fresh)  # in place: the update's state tensors
                     shard.fresh_rows.zero_()
-        return self._fused.update_of(list(weights))
+        return update
 
     # -- module plumbing ------------------------------------------------------------------------
 

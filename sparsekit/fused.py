@@ -10,6 +10,7 @@ update already happened), so LR schedulers drive it and ``state_dict()`` /
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
@@ -24,15 +25,26 @@ __all__ = ["FusedOptimizer", "FUSED_OPTIMIZERS"]
 
 # The optimizers, by the names the op takes, and the TorchRec / FBGEMM names taken for them.
 FUSED_OPTIMIZERS = ("sgd", "lazy_adam", "rowwise_adagrad", "adagrad")
+# FBGEMM's EmbOptimType members are taken too, by their values ("exact_row_wise_adagrad").
 _ALIASES = {"exact_sgd": "sgd", "adam": "lazy_adam", "exact_rowwise_adagrad": "rowwise_adagrad",
-            "exact_adagrad": "adagrad"}
+            "exact_row_wise_adagrad": "rowwise_adagrad", "exact_adagrad": "adagrad"}
 # fused_params keys, with the TorchRec spellings taken for them.
 _PARAM_ALIASES = {"learning_rate": "lr"}
+# Each optimizer's state entries per table.
+_STATE_NAMES = {"lazy_adam": ("step", "exp_avg", "exp_avg_sq"), "rowwise_adagrad": ("sum",), "adagrad": ("sum",),
+                "sgd": ()}
 _SETTINGS = ("optimizer", "lr", "betas", "beta1", "beta2", "eps", "weight_decay", "initial_accumulator_value")
 
 
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past float's range
+        return False
+
+
 def _real(where: str, name: str, value: Any, upper: Optional[float] = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value) \
             or value < 0 or (upper is not None and value >= upper):
         bound = f"in [0, {upper:g})" if upper is not None else ">= 0"
         raise ValueError(f"{where}: {name} must be a finite real number {bound}, got {value!r}")
@@ -43,9 +55,13 @@ def _check_lr(where: str, lr: Any) -> Any:
     """A float lr, or a one-element floating-point tensor (a scheduler, or a captured step,
     changes it in place; read by the update on its device, with no host sync)."""
     if isinstance(lr, Tensor):
-        if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64) or lr.requires_grad:
-            raise ValueError(f"{where}: a tensor lr must be a float32 or float64 tensor of one element that does not "
-                             f"require grad, got {lr.dtype} of shape {tuple(lr.shape)}")
+        if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64) or lr.requires_grad \
+                or lr.layout != torch.strided or lr.device.type == "meta":
+            raise ValueError(f"{where}: a tensor lr must be a dense float32 or float64 tensor of one element, with "
+                             f"data (not on the meta device), that does not require grad, got {lr.dtype} of shape "
+                             f"{tuple(lr.shape)} on {lr.device}")
+        if lr.device.type == "cpu" and not (bool(torch.isfinite(lr)) and bool(lr >= 0)):  # free to read
+            raise ValueError(f"{where}: lr must be a finite real number >= 0, got {lr.item()!r}")
         return lr
     return _real(where, "lr", lr)
 
@@ -78,6 +94,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                  betas: Any = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0) -> None:
         where = "FusedOptimizer"
+        if isinstance(optimizer, enum.Enum) and isinstance(optimizer.value, str):  # FBGEMM's EmbOptimType
+            optimizer = optimizer.value
         if not isinstance(optimizer, str) or _ALIASES.get(optimizer.lower(), optimizer.lower()) not in FUSED_OPTIMIZERS:
             raise ValueError(f"{where}: optimizer must be one of {list(FUSED_OPTIMIZERS)} (or TorchRec's "
                              f"{list(_ALIASES)}), got {optimizer!r}")
@@ -120,6 +138,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         ``names``: the parameters' names in their module, the keys of :attr:`params`."""
         if not isinstance(fused_params, Mapping):
             raise TypeError(f"EmbeddingBagCollection: fused_params must be a dict, got {type(fused_params).__name__}")
+        for alias, key in _PARAM_ALIASES.items():
+            if alias in fused_params and key in fused_params:
+                raise ValueError(f"EmbeddingBagCollection: fused_params gives {key} and {alias} (TorchRec's name for "
+                                 f"it); give one")
         settings = {_PARAM_ALIASES.get(key, key): value for key, value in fused_params.items()}
         unknown = sorted(set(settings) - set(_SETTINGS))
         if unknown:
@@ -250,10 +272,31 @@ class FusedOptimizer(torch.optim.Optimizer):
                 and groups[0].get("optimizer", self.optimizer) != self.optimizer:
             raise ValueError(f"FusedOptimizer.load_state_dict: the state is {groups[0]['optimizer']!r}'s, this "
                              f"optimizer is {self.optimizer!r}")
+        given = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+        for index, entry in (given.items() if isinstance(given, Mapping) else ()):
+            for name, value in (entry.items() if isinstance(entry, Mapping) else ()):
+                if isinstance(value, Tensor) and (value.layout != torch.strided or value.device.type == "meta"):
+                    # Refused before torch's load, whose cast of it would fail naming nothing.
+                    raise ValueError(f"FusedOptimizer.load_state_dict: the state {name!r} of table {index} must be "
+                                     f"a dense tensor with data, got layout {value.layout} on {value.device}")
         super().load_state_dict(state_dict)
         try:
+            want_names = _STATE_NAMES[self.optimizer]
             for weight, state in self.state.items():
+                if not isinstance(weight, Tensor) or not any(weight is w for w in self.param_groups[0]["params"]):
+                    raise ValueError(f"FusedOptimizer.load_state_dict: the state holds an entry {weight!r} for no "
+                                     f"table of this optimizer ({len(self.param_groups[0]['params'])} tables)")
+                if state and set(state) != set(want_names):  # an empty entry: no state yet
+                    raise ValueError(f"FusedOptimizer.load_state_dict: the state of a table {tuple(weight.shape)} "
+                                     f"must hold {sorted(want_names)} ({self.optimizer!r}), got {sorted(state)}")
                 for name, value in list(state.items()):
+                    if name == "step" and isinstance(value, Tensor) and value.numel() == 1:
+                        step = value.item()
+                        if not (isinstance(step, int) or (math.isfinite(step) and step == int(step))) \
+                                or not 0 <= int(step) < 2 ** 63 - 1:
+                            raise ValueError(f"FusedOptimizer.load_state_dict: the step of a table "
+                                             f"{tuple(weight.shape)} must be a whole number in [0, 2^63 - 1), got "
+                                             f"{step!r}")
                     per_row = name == "sum" and self.optimizer == "rowwise_adagrad"
                     want = () if name == "step" else (weight.shape[0],) if per_row else tuple(weight.shape)
                     if not isinstance(value, Tensor) or tuple(value.shape) != want:

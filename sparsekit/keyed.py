@@ -32,9 +32,15 @@ class KeyedTensor:
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor, key_dim: int = 1) -> None:
         if key_dim != 1:
             raise ValueError(f"KeyedTensor: key_dim must be 1 (features side by side), got {key_dim}")
+        if not isinstance(values, Tensor):
+            raise TypeError(f"KeyedTensor: values must be a tensor, got {type(values).__name__}")
+        if any(isinstance(n, bool) or not hasattr(n, "__index__") or n < 0 for n in length_per_key):
+            raise ValueError(f"KeyedTensor: length_per_key must hold ints >= 0, got {list(length_per_key)}")
         if len(keys) != len(length_per_key) or values.dim() != 2 or values.shape[1] != sum(length_per_key):
             raise ValueError(f"KeyedTensor: {len(keys)} keys of widths {list(length_per_key)} do not lay out values "
                              f"of shape {tuple(values.shape)}")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"KeyedTensor: keys must be distinct, got {list(keys)}")
         self._keys, self._lengths, self._values = list(keys), [int(n) for n in length_per_key], values
         self._index = {key: i for i, key in enumerate(self._keys)}
 
@@ -46,6 +52,16 @@ class KeyedTensor:
 
     def key_dim(self) -> int:
         return 1
+
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def _key_indices(self) -> Dict[str, int]:
+        """Each key's place (TorchRec's regrouping of keys used more or less than once reads it)."""
+        return dict(self._index)
+
+    def record_stream(self, stream: Any) -> None:
+        self._values.record_stream(stream)
 
     def length_per_key(self) -> List[int]:
         return self._lengths
@@ -73,6 +89,25 @@ class KeyedTensor:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._lengths}, values={tuple(self._values.shape)})"
 
 
+class TorchRecInit:
+    """A TorchRec config's ``init_fn`` (it fills a weight in place, e.g.
+    ``partial(nn.init.normal_, std=0.02)``) as a table's initializer: the rows asked for
+    are a new ``[n, dim]`` float32 tensor that it fills (all of a direct table's rows at once,
+    as TorchRec's weight)."""
+
+    def __init__(self, init_fn: Any) -> None:
+        self.init_fn = init_fn
+
+    def __call__(self, keys: Tensor, dim: int) -> Tensor:
+        rows = torch.empty(keys.numel(), dim, dtype=torch.float32, device=keys.device)
+        with torch.no_grad():
+            filled = self.init_fn(rows)
+        return filled if isinstance(filled, Tensor) and filled.shape == rows.shape else rows
+
+    def __repr__(self) -> str:
+        return f"TorchRecInit({self.init_fn!r})"
+
+
 def is_torchrec_config(config: Any) -> bool:
     """Whether ``config`` looks like TorchRec's ``EmbeddingBagConfig``."""
     return all(hasattr(config, field) for field in ("name", "embedding_dim", "num_embeddings", "feature_names"))
@@ -82,11 +117,14 @@ def _enum_name(value: Any) -> str:
     return str(getattr(value, "name", value)).upper()
 
 
-def table_from_torchrec(config: Any, table_config: Any, seeded_uniform: Any) -> Any:
+def table_from_torchrec(config: Any, table_config: Any, seeded_uniform: Any, world_size: int = 1) -> Any:
     """A ``sk.TableConfig`` for a TorchRec ``EmbeddingBagConfig``: a direct table of
-    ``num_embeddings`` rows (row i is key i, as TorchRec's), its pooling as the combiner,
-    its data type, and its initial range (``weight_init_min`` / ``weight_init_max``, or
-    TorchRec's default ``+-sqrt(1 / num_embeddings)``) drawn per key.
+    ``num_embeddings`` rows (row i is key i, as TorchRec's; under a process group of
+    ``world_size`` ranks each holds ``ceil(num_embeddings / world_size)`` of them, the ids
+    of its keys, so the table has TorchRec's rows however many ranks share it), its pooling as the combiner,
+    its data type, and its initial rows: its ``init_fn`` where it has one (filling the
+    rows in place, as TorchRec's weight), else uniform in ``weight_init_min`` /
+    ``weight_init_max`` (TorchRec's default ``+-sqrt(1 / num_embeddings)``) drawn per key.
 
     Raises:
         ValueError: a pooling other than SUM / MEAN, a data type other than FP32 / FP16 /
@@ -108,9 +146,14 @@ def table_from_torchrec(config: Any, table_config: Any, seeded_uniform: Any) -> 
     low, high = (-bound if low is None else low), (bound if high is None else high)
     import zlib  # noqa: PLC0415 - the seed rule of sparsekit's default initializer
 
-    return table_config(name, config.embedding_dim, rows, list(config.feature_names), combiner=_POOLING[pooling],
+    init_fn = getattr(config, "init_fn", None)
+    initializer = TorchRecInit(init_fn) if callable(init_fn) else seeded_uniform(
+        seed=zlib.crc32(name.encode()), low=low, high=high)
+
+    per_rank = -(-rows // world_size) if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else rows
+    return table_config(name, config.embedding_dim, per_rank, list(config.feature_names), combiner=_POOLING[pooling],
                         dtype=_DTYPES[data_type], use_hashtable=False,
-                        initializer=seeded_uniform(seed=zlib.crc32(name.encode()), low=low, high=high))
+                        initializer=initializer)
 
 
 def torchrec_state_dict(collection: Any) -> Dict[str, Tensor]:
@@ -137,10 +180,18 @@ def torchrec_state_dict(collection: Any) -> Dict[str, Tensor]:
     return out
 
 
+def _torchrec_rows(collection: Any, index: int, shard: Any) -> int:
+    """The rows of table ``index`` in TorchRec's state: its config's ``num_embeddings``
+    when it came as TorchRec's, else every key it can hold over the ranks."""
+    given = collection.embedding_bag_configs()[index]
+    return given.num_embeddings if is_torchrec_config(given) else shard.num_keys_capacity
+
+
 def load_torchrec_state_dict(collection: Any, state_dict: Mapping[str, Any]) -> None:
     """Loads TorchRec's ``embedding_bags.<table>.weight`` entries: a direct table's rows as
-    they are; a hash table's row i as key i (every row a key, in order). Every table is
-    checked before any loads; nothing changes on an error."""
+    they are (under a process group each rank takes the rows of the ids it owns); a hash
+    table's row i as key i (every row a key, in order; one process). Every table is checked
+    before any loads; nothing changes on an error."""
     prefix = "embedding_bags."
     given = {key[len(prefix):-len(".weight")]: value for key, value in state_dict.items()
              if key.startswith(prefix) and key.endswith(".weight")}
@@ -152,18 +203,27 @@ def load_torchrec_state_dict(collection: Any, state_dict: Mapping[str, Any]) -> 
     state: Dict[str, Any] = {}
     for index, name in enumerate(names):
         shard, weight = collection._shard(name), given[name]
+        rows = _torchrec_rows(collection, index, shard)
+        if shard.hash_table is not None and collection.world_size != 1:
+            raise ValueError(f"load_torchrec_state_dict: table {name!r} is a hash table sharded over "
+                             f"{collection.world_size} ranks; load its keys with sk.load_checkpoint")
         if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != shard.embedding_vec_size \
-                or weight.shape[0] > shard.max_vocabulary_size_per_gpu \
-                or (shard.hash_table is None and weight.shape[0] != shard.max_vocabulary_size_per_gpu):
-            raise ValueError(f"load_torchrec_state_dict: table {name!r} takes [{shard.max_vocabulary_size_per_gpu}, "
+                or weight.shape[0] > rows or (shard.hash_table is None and weight.shape[0] != rows):
+            raise ValueError(f"load_torchrec_state_dict: table {name!r} takes [{rows}, "
                              f"{shard.embedding_vec_size}] rows, got "
                              f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
         key = f"shards.{index}."
         if shard.hash_table is None:
+            if collection.world_size != 1:  # this rank's rows: those of the ids it owns
+                ids = shard.owned_keys().cpu()
+                local = shard.weight.detach().cpu().clone()
+                inside = ids < rows
+                local[inside] = weight.detach().cpu().to(local.dtype).index_select(0, ids[inside])
+                weight = local
             state[key + "weight"] = weight
             state[key + "_extra_state"] = shard.get_extra_state()
             continue
-        rows = weight.shape[0]
+        rows = weight.shape[0]  # a hash table takes as many keys as the state has rows
         full = torch.zeros(shard.weight.shape, dtype=weight.dtype)
         full[:rows] = weight.detach().cpu()
         state[key + "weight"] = full

@@ -106,9 +106,11 @@ def _check_tensor_lr(value: Tensor, where: str) -> None:
     """A tensor lr, as ``torch.optim.Adam`` takes one (a scheduler or a captured step changes
     it in place): one floating-point element, no gradient; its value is checked (>= 0) where
     it can be read without a device sync, on the CPU."""
-    if value.numel() != 1 or not value.is_floating_point() or value.requires_grad:
-        raise ValueError(f"{where}: a tensor learning rate lr must be a floating-point tensor of one element that "
-                         f"does not require grad, got {value.dtype} of shape {tuple(value.shape)}")
+    if value.numel() != 1 or not value.is_floating_point() or value.requires_grad or value.layout != torch.strided \
+            or value.device.type == "meta":
+        raise ValueError(f"{where}: a tensor learning rate lr must be a floating-point tensor of one element, dense "
+                         f"and with data (not on the meta device), that does not require grad, got {value.dtype} of "
+                         f"shape {tuple(value.shape)} on {value.device}")
     if value.device.type == "cpu" and not bool(value >= 0):
         raise ValueError(f"{where}: invalid learning rate lr {value.item()!r}; it must be a real number >= 0")
 

@@ -37,7 +37,7 @@ def fx_leaf_call(module: Any, *args: Any) -> Any:
     """Under ``torch.fx`` symbolic tracing (``torchrec.fx`` too: TorchRec's inference and
     pipelines trace models): the module's call as one ``call_module`` node, as a leaf module
     gives, since which rows a key reads cannot be traced; None otherwise. The traced graph
-    calls the module itself at run time."""
+    calls the module itself at run time (a traced root: :func:`call_traced_root`)."""
     proxy = None
     for arg in args:  # a Proxy, or a Proxy in a (values, offsets) pair / sk.Ragged
         for part in arg if isinstance(arg, tuple) else (arg,):
@@ -46,9 +46,15 @@ def fx_leaf_call(module: Any, *args: Any) -> Any:
     if proxy is None:
         return None
     path = proxy.tracer.path_of_module(module)
-    if not path:  # the traced root itself: nothing to call, fx names what it cannot trace
-        return None
+    if not path:  # the traced root itself: the graph calls it, found by its id when the graph runs
+        return proxy.tracer.create_proxy("call_function", call_traced_root, (id(module),) + tuple(args), {})
     return proxy.tracer.create_proxy("call_module", path, tuple(args), {})
+
+
+def call_traced_root(layer_id: int, *args: Any) -> Any:
+    """The call a graph traced from a layer or a collection itself (the tracer's root) makes:
+    that module's, which must still exist."""
+    return _layer(layer_id)(*args)
 
 
 def _refuse_scripting(self: Any) -> None:
@@ -65,8 +71,8 @@ def register(layer: Any) -> None:
 def _layer(layer_id: int) -> Any:
     layer = _LAYERS.get(layer_id)
     if layer is None:
-        raise RuntimeError("sparsekit: a compiled graph calls a sparsekit layer that no longer exists; "
-                           "compile the model again (torch._dynamo.reset())")
+        raise RuntimeError("sparsekit: a compiled or traced graph calls a sparsekit layer that no longer exists; "
+                           "trace or compile the model again (torch._dynamo.reset() first for a compiled one)")
     return layer
 
 

@@ -7,6 +7,8 @@ trip, schedulers, tensor lr, refusals)."""
 from __future__ import annotations
 
 import collections
+import copy
+import enum
 
 import pytest
 import torch
@@ -249,6 +251,10 @@ def test_a_scheduler_and_a_tensor_lr_drive_the_fused_update():
     ({"optimizer": "sgd", "lr": -1.0}, ValueError, "lr must be a finite real number >= 0"),
     ({"optimizer": "lazy_adam", "betas": (0.9, 1.0)}, ValueError, r"beta2 must be a finite real number in \[0, 1\)"),
     ({"optimizer": "sgd", "lr": torch.tensor([0.1, 0.2])}, ValueError, "a tensor lr must be"),
+    ({"optimizer": "sgd", "lr": torch.tensor(0.1, device="meta")}, ValueError, "not on the meta device"),
+    ({"optimizer": "sgd", "lr": torch.tensor(float("nan"))}, ValueError, "lr must be a finite real number"),
+    ({"optimizer": "sgd", "lr": 10 ** 400}, ValueError, "lr must be a finite real number >= 0"),
+    ({"optimizer": "sgd", "lr": 0.1, "learning_rate": 0.5}, ValueError, "gives lr and learning_rate"),
     ("sgd", TypeError, "fused_params must be a dict"),
 ])
 def test_bad_fused_params_are_refused_naming_the_setting(params, error, match):
@@ -306,3 +312,75 @@ def test_fused_adagrad_trains_as_torch_optim_adagrad_on_the_sparse_gradients():
         optimizer.zero_grad()
     for a, b in zip(fused.parameters(), plain.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+class EmbOptimType(enum.Enum):
+    """FBGEMM's enum, as far as fused_params reads it (its members' values)."""
+
+    EXACT_ROWWISE_ADAGRAD = "exact_row_wise_adagrad"
+    EXACT_SGD = "exact_sgd"
+
+
+@pytest.mark.parametrize("given, name", [(EmbOptimType.EXACT_ROWWISE_ADAGRAD, "rowwise_adagrad"),
+                                         ("exact_row_wise_adagrad", "rowwise_adagrad"),
+                                         (EmbOptimType.EXACT_SGD, "sgd")])
+def test_fbgemms_optimizer_enum_and_its_values_name_the_fused_optimizer(given, name):
+    assert _simple({"optimizer": given, "learning_rate": 0.1}).fused_optimizer.optimizer == name
+
+
+def _trained(optimizer):
+    model = _simple({"optimizer": optimizer, "lr": 0.1})
+    _loss(model(_kjt(0))).backward()
+    return model
+
+
+@pytest.mark.parametrize("optimizer, damage, match", [
+    ("lazy_adam", lambda state: state.pop("step"), r"must hold \['exp_avg', 'exp_avg_sq', 'step'\]"),
+    ("lazy_adam", lambda state: state.pop("exp_avg"), "must hold"),
+    ("lazy_adam", lambda state: state.update(step=torch.tensor(-4)), "whole number in"),
+    ("lazy_adam", lambda state: state.update(step=torch.tensor(2.5)), "whole number in"),
+    ("lazy_adam", lambda state: state.update(step=torch.tensor(float("nan"))), "whole number in"),
+    ("lazy_adam", lambda state: state.update(exp_avg=torch.zeros(50, 4, device="meta")), "dense tensor with data"),
+    ("rowwise_adagrad", lambda state: state.update(sum=torch.zeros(50, 4).to_sparse()), "dense tensor with data"),
+    ("rowwise_adagrad", lambda state: state.update(extra=torch.zeros(1)), r"must hold \['sum'\]"),
+])
+def test_a_damaged_fused_state_is_refused_at_load_with_nothing_changed(optimizer, damage, match):
+    model = _trained(optimizer)
+    saved = copy.deepcopy(model.fused_optimizer.state_dict())
+    damaged = copy.deepcopy(saved)
+    damage(damaged["state"][0])
+    with pytest.raises(ValueError, match=match):
+        model.fused_optimizer.load_state_dict(damaged)
+    after = model.fused_optimizer.state_dict()
+    for index, state in saved["state"].items():
+        assert all(torch.equal(value, after["state"][index][name]) for name, value in state.items())
+
+
+def test_a_fused_state_for_no_table_is_refused_at_load():
+    model = _trained("sgd")
+    state = model.fused_optimizer.state_dict()
+    state["state"][5] = {}
+    with pytest.raises(ValueError, match="for no table"):
+        model.fused_optimizer.load_state_dict(state)
+
+
+def test_a_backward_refusing_its_settings_changes_no_state():
+    """Settings are checked before the backward touches anything: the rows an eviction gave
+    to new keys keep their old moments and stay marked fresh; a first backward that fails
+    makes no state."""
+    model = sk.EmbeddingBagCollection([sk.TableConfig("t", 4, 2, ["f"], eviction="lru")],
+                                      fused_params={"optimizer": "lazy_adam", "lr": 0.1})
+    model(sk.KeyedJagged(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1])))["f"].sum().backward()
+    out = model(sk.KeyedJagged(["f"], torch.tensor([3]), lengths=torch.tensor([1])))  # evicts a key, reuses its row
+    state, extra = copy.deepcopy(model.fused_optimizer.state_dict()), copy.deepcopy(model.state_dict())
+    model.fused_optimizer.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr must be"):
+        out["f"].sum().backward()
+    assert all(torch.equal(v, model.fused_optimizer.state_dict()["state"][0][k]) for k, v in state["state"][0].items())
+    assert torch.equal(extra["shards.0._extra_state"]["fresh"], model.state_dict()["shards.0._extra_state"]["fresh"])
+    fresh = _simple({"optimizer": "lazy_adam", "lr": torch.tensor(0.1)})
+    out = fresh(_kjt(1))
+    fresh.fused_optimizer.param_groups[0]["lr"].fill_(float("nan"))
+    with pytest.raises(ValueError, match="lr must be a finite real number"):
+        _loss(out).backward()
+    assert fresh.fused_optimizer.state_dict()["state"] == {}

@@ -6,9 +6,10 @@ collection dropped in, outputs and state dicts against TorchRec's EmbeddingBagCo
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ class EmbeddingBagConfig:
     weight_init_max: Optional[float] = None
     weight_init_min: Optional[float] = None
     pooling: PoolingType = PoolingType.SUM
+    init_fn: Optional[Callable[[torch.Tensor], Any]] = None
 
 
 def _configs():
@@ -199,6 +201,58 @@ def test_torchrec_state_dicts_load_and_save_both_ways():
     torch.testing.assert_close(hashed(kjt).values(), source(kjt).values())
     with pytest.raises(ValueError, match="missing"):
         hashed.load_torchrec_state_dict({"embedding_bags.t1.weight": state["embedding_bags.t1.weight"]})
+
+
+def _world_two_load_worker(rank, world_size, init, state):
+    reference = sk.EmbeddingBagCollection(_configs())
+    reference.load_torchrec_state_dict(state)
+    kjt = _kjt(["f1", "f2", "f3"])
+    expected = reference.eval()(kjt).values()
+    init()
+    ebc = sk.EmbeddingBagCollection(_configs()).eval()
+    assert [tuple(w.shape) for w in ebc.weights.values()] == [(25, 4), (15, 8)]  # TorchRec's rows over 2 ranks
+    ebc.load_torchrec_state_dict(state)
+    torch.testing.assert_close(ebc(kjt).values(), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out of range"):  # id 50 of a 50-row table, on every rank
+        ebc(sk.KeyedJagged(["f1"], torch.tensor([50]), lengths=torch.tensor([1])))
+    hashed = sk.EmbeddingBagCollection([sk.TableConfig("t1", 4, 64, ["f1", "f3"]), sk.TableConfig("t2", 8, 30, ["f2"])])
+    with pytest.raises(ValueError, match="hash table sharded over 2 ranks"):
+        hashed.load_torchrec_state_dict(state)
+
+
+def test_under_a_process_group_torchrec_configs_keep_their_rows_and_load_their_state(tmp_path):
+    """At world 2 a TorchRec config's num_embeddings rows are spread over the ranks (not
+    num_embeddings per rank), an id past them is refused, and each rank loads the rows of
+    the ids it owns: the pooled numbers are the one-process ones."""
+    from _distributed import spawn  # noqa: PLC0415 - tests/support, on the path in the test run
+
+    state = {"embedding_bags.t1.weight": torch.randn(50, 4), "embedding_bags.t2.weight": torch.randn(30, 8)}
+    spawn(_world_two_load_worker, 2, str(tmp_path), state)
+
+
+def test_a_torchrec_init_fn_fills_the_table_as_torchrecs_does():
+    """EmbeddingBagConfig.init_fn fills TorchRec's weight in place: it fills sparsekit's
+    rows too (also after reset_parameters)."""
+    configs = _configs()
+    configs[0].init_fn = functools.partial(torch.nn.init.constant_, val=0.5)
+    configs[1].init_fn = functools.partial(torch.nn.init.normal_, std=3.0)
+    ebc = sk.EmbeddingBagCollection(configs)
+    assert torch.equal(ebc.weights["t1"], torch.full((50, 4), 0.5))
+    assert 2.0 < float(ebc.weights["t2"].std()) < 4.0
+    with torch.no_grad():
+        ebc.weights["t1"].zero_()
+    ebc.reset_parameters()
+    assert torch.equal(ebc.weights["t1"], torch.full((50, 4), 0.5))
+
+
+def test_keyed_tensor_checks_its_layout_and_gives_torchrecs_key_indices():
+    kt = sk.KeyedTensor(["a", "b"], [2, 3], torch.arange(10.0).view(2, 5))
+    assert kt._key_indices() == {"a": 0, "b": 1} and kt.device() == torch.device("cpu")
+    for lengths, match in (([-1, 6], "ints >= 0"), ([2.5, 2.5], "ints >= 0"), ([2, 2], "do not lay out")):
+        with pytest.raises(ValueError, match=match):
+            sk.KeyedTensor(["a", "b"], lengths, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="distinct"):
+        sk.KeyedTensor(["a", "a"], [2, 3], torch.zeros(2, 5))
 
 
 def test_keep_out_of_ddp_names_the_embedding_shards():

@@ -76,6 +76,20 @@ def test_a_traced_model_refuses_bad_input_as_the_eager_one():
         model(kjt, values, offsets, torch.full_like(ids, 1000))
 
 
-def test_tracing_a_layer_itself_as_the_root_names_what_fx_cannot_trace():
-    with pytest.raises(torch.fx.proxy.TraceError, match="control flow"):
-        torch.fx.symbolic_trace(sk.DistributedEmbedding("sum", 8, 4, 1, 2, use_hashtable=False))
+def test_a_collection_or_layer_traced_as_the_root_is_one_call_of_it():
+    """TorchRec traces a collection itself (its own test_fx): the graph is one call of the
+    live module, giving what it gives; once the module is gone the graph says so."""
+    g = torch.Generator().manual_seed(5)
+    kjt, values, offsets, ids = _batch(g)
+    ebc = sk.EmbeddingBagCollection([sk.TableConfig("t0", 4, 64, ["a", "b"], use_hashtable=False),
+                                     sk.TableConfig("t1", 4, 64, ["c"])], output="keyed")
+    layer = sk.DistributedEmbedding("sum", 64, 4, 2, 3, use_hashtable=False)
+    traced_ebc, traced_layer = torch.fx.symbolic_trace(ebc), torch.fx.symbolic_trace(layer)
+    assert sum(node.op == "call_function" for node in traced_ebc.graph.nodes) == 1
+    torch.testing.assert_close(traced_ebc(kjt).values(), ebc(kjt).values(), rtol=0, atol=0)
+    torch.testing.assert_close(traced_layer((values, offsets)), layer((values, offsets)), rtol=0, atol=0)
+    del layer
+    import gc
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        traced_layer((values, offsets))

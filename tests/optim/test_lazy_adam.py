@@ -1274,7 +1274,8 @@ def test_lazy_adam_takes_numpy_settings(where):
     (torch.tensor(-0.5), r"invalid learning rate lr -0.5"),
     (torch.tensor([0.01, 0.01]), r"a tensor learning rate lr must be a floating-point tensor of one element"),
     (torch.tensor(1), r"a tensor learning rate lr must be a floating-point tensor of one element"),
-], ids=["bool", "str", "nan", "negative", "negative tensor", "two-element tensor", "int tensor"])
+    (torch.tensor(0.1, device="meta"), r"a tensor learning rate lr must be .* \(not on the meta device\)"),
+], ids=["bool", "str", "nan", "negative", "negative tensor", "two-element tensor", "int tensor", "meta tensor"])
 def test_lazy_adam_refuses_lr_that_is_no_real_number(value, message):
     """A bool, a string, NaN, a negative number or a tensor that is no learning rate as lr:
     refused at construction, in add_param_group and at step time (with nothing updated)."""
