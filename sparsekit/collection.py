@@ -84,12 +84,25 @@ class _TableShard(_ModelParallelEmbedding):
     _dim_argument = "embedding_dim"
     _initializer_argument = "initializer"
 
-    def __init__(self, config: TableConfig, index: int, process_group, device, default_seed: int) -> None:
+    def __init__(self, config: TableConfig, index: int, process_group, device, default_seed: int,
+                 key_limit: Optional[int] = None) -> None:
         object.__setattr__(self, "_layer_name", f"EmbeddingBagCollection table {config.name!r}")
+        # A TorchRec table's ids lie in [0, num_embeddings), which its ranks' rows may exceed
+        # (ceil(num_embeddings / world_size) each): the ids past it are refused as a
+        # one-process table refuses them.
+        object.__setattr__(self, "_key_limit", key_limit)
         initializer = config.initializer if config.initializer is not None else KeySeededUniform(seed=default_seed)
         super().__init__(config.capacity, config.embedding_dim, config.use_hashtable, torch.int64, initializer,
                          process_group, device, config.eviction, config.admit_after, None, config.dtype, index)
         self.config = config
+
+    @property
+    def num_keys_capacity(self) -> int:
+        """The keys a direct table takes: ``[0, capacity * world_size)``, or a TorchRec
+        table's ``[0, num_embeddings)``."""
+        limit = self.__dict__.get("_key_limit")
+        whole = self.max_vocabulary_size_per_gpu * self.world_size
+        return whole if limit is None else min(whole, limit)
 
     def _config(self) -> Dict[str, object]:
         # Named by TableConfig's fields, which the mismatch error then names.
@@ -205,8 +218,11 @@ class EmbeddingBagCollection(BatchReader, TracedLookup, ShardedLookup, nn.Module
         huge = sum(t.capacity * t.embedding_dim * t.dtype.itemsize for t in self.tables) >= allocator.HUGE_TABLE_BYTES
         with allocator.huge_tables(huge):
             # A list, not a ModuleDict: a table may be called "items" or "a.b".
-            self.shards = nn.ModuleList([_TableShard(t, i, self.process_group, device, seed)
-                                         for i, (t, seed) in enumerate(zip(self.tables, _default_seeds(self.tables)))])
+            self.shards = nn.ModuleList([
+                _TableShard(t, i, self.process_group, device, seed,
+                            given.num_embeddings if keyed.is_torchrec_config(given) else None)
+                for i, (t, seed, given) in enumerate(zip(self.tables, _default_seeds(self.tables),
+                                                         self._given_configs))])
         self._shards: List[_TableShard] = list(self.shards)
         self._by_name = {t.name: shard for t, shard in zip(self.tables, self._shards)}
         # Tables of one dim are pooled together: one gather + segment_sum per dim, not per table.

@@ -191,5 +191,5 @@ class BatchReader:
         """The error for ``key`` given to direct-mapped table ``table`` outside its range."""
         shard = self._shards[table]
         return ValueError(f"EmbeddingBagCollection: key {key} of table {shard.config.name!r} is out of range: with "
-                          f"use_hashtable=False keys must lie in [0, capacity * world_size) = "
-                          f"[0, {shard.num_keys_capacity})")
+                          f"use_hashtable=False keys must lie in [0, capacity * world_size) (a TorchRec config's: "
+                          f"[0, num_embeddings)) = [0, {shard.num_keys_capacity})")

@@ -5,6 +5,7 @@ output, and state dicts in TorchRec's names. See ``docs/torchrec.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, List, Mapping, Sequence
 
@@ -34,7 +35,8 @@ class KeyedTensor:
             raise ValueError(f"KeyedTensor: key_dim must be 1 (features side by side), got {key_dim}")
         if not isinstance(values, Tensor):
             raise TypeError(f"KeyedTensor: values must be a tensor, got {type(values).__name__}")
-        if any(isinstance(n, bool) or not hasattr(n, "__index__") or n < 0 for n in length_per_key):
+        if any(isinstance(n, bool) or not hasattr(n, "__index__") or n < 0
+               or (isinstance(n, Tensor) and (n.is_floating_point() or n.is_complex())) for n in length_per_key):
             raise ValueError(f"KeyedTensor: length_per_key must hold ints >= 0, got {list(length_per_key)}")
         if len(keys) != len(length_per_key) or values.dim() != 2 or values.shape[1] != sum(length_per_key):
             raise ValueError(f"KeyedTensor: {len(keys)} keys of widths {list(length_per_key)} do not lay out values "
@@ -108,6 +110,16 @@ class TorchRecInit:
         return f"TorchRecInit({self.init_fn!r})"
 
 
+def _default_init(init_fn: Any, low: float, high: float) -> bool:
+    """Whether ``init_fn`` is the one TorchRec's config makes itself when given none,
+    ``partial(nn.init.uniform_, a=low, b=high)`` over the config's own range: then the rows
+    are drawn per key in that range instead (the same distribution, but a function of the
+    key, whatever the world size, and checkpoints save only the rows that changed)."""
+    return isinstance(init_fn, functools.partial) and init_fn.func is torch.nn.init.uniform_ and not init_fn.args \
+        and set(init_fn.keywords) == {"a", "b"} and math.isclose(init_fn.keywords["a"], low) \
+        and math.isclose(init_fn.keywords["b"], high)
+
+
 def is_torchrec_config(config: Any) -> bool:
     """Whether ``config`` looks like TorchRec's ``EmbeddingBagConfig``."""
     return all(hasattr(config, field) for field in ("name", "embedding_dim", "num_embeddings", "feature_names"))
@@ -122,9 +134,10 @@ def table_from_torchrec(config: Any, table_config: Any, seeded_uniform: Any, wor
     ``num_embeddings`` rows (row i is key i, as TorchRec's; under a process group of
     ``world_size`` ranks each holds ``ceil(num_embeddings / world_size)`` of them, the ids
     of its keys, so the table has TorchRec's rows however many ranks share it), its pooling as the combiner,
-    its data type, and its initial rows: its ``init_fn`` where it has one (filling the
-    rows in place, as TorchRec's weight), else uniform in ``weight_init_min`` /
-    ``weight_init_max`` (TorchRec's default ``+-sqrt(1 / num_embeddings)``) drawn per key.
+    its data type, and its initial rows: its ``init_fn`` where the user gave one (filling
+    the rows in place, as TorchRec's weight), else uniform in ``weight_init_min`` /
+    ``weight_init_max`` (TorchRec's default ``+-sqrt(1 / num_embeddings)``) drawn per key,
+    also where the ``init_fn`` is the uniform one TorchRec's config makes itself.
 
     Raises:
         ValueError: a pooling other than SUM / MEAN, a data type other than FP32 / FP16 /
@@ -147,8 +160,8 @@ def table_from_torchrec(config: Any, table_config: Any, seeded_uniform: Any, wor
     import zlib  # noqa: PLC0415 - the seed rule of sparsekit's default initializer
 
     init_fn = getattr(config, "init_fn", None)
-    initializer = TorchRecInit(init_fn) if callable(init_fn) else seeded_uniform(
-        seed=zlib.crc32(name.encode()), low=low, high=high)
+    initializer = TorchRecInit(init_fn) if callable(init_fn) and not _default_init(init_fn, low, high) \
+        else seeded_uniform(seed=zlib.crc32(name.encode()), low=low, high=high)
 
     per_rank = -(-rows // world_size) if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else rows
     return table_config(name, config.embedding_dim, per_rank, list(config.feature_names), combiner=_POOLING[pooling],

@@ -218,6 +218,11 @@ def _world_two_load_worker(rank, world_size, init, state):
     hashed = sk.EmbeddingBagCollection([sk.TableConfig("t1", 4, 64, ["f1", "f3"]), sk.TableConfig("t2", 8, 30, ["f2"])])
     with pytest.raises(ValueError, match="hash table sharded over 2 ranks"):
         hashed.load_torchrec_state_dict(state)
+    odd = sk.EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=5, embedding_dim=4, name="t", feature_names=["f1"])])
+    assert odd.weights["t"].shape[0] == 3  # ids 5 (rank 1's row 2) lies past the table
+    odd(sk.KeyedJagged(["f1"], torch.tensor([4]), lengths=torch.tensor([1])))
+    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+        odd(sk.KeyedJagged(["f1"], torch.tensor([5]), lengths=torch.tensor([1])))
 
 
 def test_under_a_process_group_torchrec_configs_keep_their_rows_and_load_their_state(tmp_path):
@@ -245,10 +250,24 @@ def test_a_torchrec_init_fn_fills_the_table_as_torchrecs_does():
     assert torch.equal(ebc.weights["t1"], torch.full((50, 4), 0.5))
 
 
+def test_torchrecs_own_default_init_fn_draws_per_id_as_no_init_fn():
+    """TorchRec's config sets init_fn = partial(uniform_, a=min, b=max) when given none: that
+    one draws the same per-id rows as no init_fn (a function of the id, not of torch's RNG)."""
+    configs, defaulted = _configs(), _configs()
+    for config in defaulted:
+        bound = math.sqrt(1.0 / config.num_embeddings)
+        low = config.weight_init_min if config.weight_init_min is not None else -bound
+        high = config.weight_init_max if config.weight_init_max is not None else bound
+        config.init_fn = functools.partial(torch.nn.init.uniform_, a=low, b=high)
+    plain, default = sk.EmbeddingBagCollection(configs), sk.EmbeddingBagCollection(defaulted)
+    assert all(torch.equal(plain.weights[n], default.weights[n]) for n in ("t1", "t2"))
+
+
 def test_keyed_tensor_checks_its_layout_and_gives_torchrecs_key_indices():
     kt = sk.KeyedTensor(["a", "b"], [2, 3], torch.arange(10.0).view(2, 5))
     assert kt._key_indices() == {"a": 0, "b": 1} and kt.device() == torch.device("cpu")
-    for lengths, match in (([-1, 6], "ints >= 0"), ([2.5, 2.5], "ints >= 0"), ([2, 2], "do not lay out")):
+    for lengths, match in (([-1, 6], "ints >= 0"), ([2.5, 2.5], "ints >= 0"), (torch.tensor([2.5, 2.5]), "ints >= 0"),
+                           ([2, 2], "do not lay out")):
         with pytest.raises(ValueError, match=match):
             sk.KeyedTensor(["a", "b"], lengths, torch.zeros(2, 5))
     with pytest.raises(ValueError, match="distinct"):
