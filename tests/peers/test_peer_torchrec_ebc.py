@@ -434,6 +434,25 @@ def test_keyed_tensor_regroup_multiple_kt():
     torch.testing.assert_close(grouped[1], torch.cat([dense[1], pooled["f1"]], dim=1))
 
 
+def test_keyed_tensor_regroup_of_keys_used_more_or_less_than_once():
+    """TestKeyedTensor's regroup cases whose groups leave a key out or use one twice (TorchRec's
+    other path, which reads ``_key_indices()``), as a dict too, and through
+    ``KTRegroupAsDict``: equal to regrouping TorchRec's own output."""
+    from torchrec.modules.regroup import KTRegroupAsDict  # noqa: PLC0415
+
+    ours, theirs = _pair(_weighted_configs())
+    pooled, reference = ours(_weighted_batch()), theirs(_weighted_batch())
+    for groups in ([["f2"]], [["f1", "f2"], ["f2", "f3"]]):
+        for got, want in zip(KeyedTensor.regroup([pooled], groups), KeyedTensor.regroup([reference], groups)):
+            torch.testing.assert_close(got, want)
+    got = KeyedTensor.regroup_as_dict([pooled], [["f3"], ["f1", "f2"]], ["x", "y"])
+    want = KeyedTensor.regroup_as_dict([reference], [["f3"], ["f1", "f2"]], ["x", "y"])
+    assert list(got) == ["x", "y"] and all(torch.equal(got[k], want[k]) for k in want)
+    module = KTRegroupAsDict(groups=[["f1"], ["f2", "f3"]], keys=["a", "b"])
+    got = module([pooled])
+    torch.testing.assert_close(got["b"], torch.cat([pooled["f2"], pooled["f3"]], dim=1))
+
+
 # ---- torchrec/sparse/tests/test_keyed_jagged_tensor.py: the inputs the collection takes ----
 
 
