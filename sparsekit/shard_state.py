@@ -108,7 +108,10 @@ class _ShardState:
             if min_last_seen is not None:
                 raise ValueError(f"{self._layer_name}: export(min_last_seen=...) needs use_hashtable=True (a "
                                  "direct-mapped shard keeps no scores)")
-            return self.owned_keys().to(self.key_dtype), self.weight.detach().clone()
+            keys, vectors = self.owned_keys(), self.weight.detach()
+            # A TorchRec table's last rows may hold ids past its num_embeddings: no keys.
+            count = int((keys < self.num_keys_capacity).sum())
+            return keys[:count].to(self.key_dtype), vectors[:count].clone()
         keys, rows = self.hash_table.export(min_last_seen)
         return keys, self.weight.detach().index_select(0, rows)
 

@@ -223,6 +223,8 @@ def _world_two_load_worker(rank, world_size, init, state):
     odd(sk.KeyedJagged(["f1"], torch.tensor([4]), lengths=torch.tensor([1])))
     with pytest.raises(ValueError, match=r"\[0, 5\)"):
         odd(sk.KeyedJagged(["f1"], torch.tensor([5]), lengths=torch.tensor([1])))
+    keys, vectors = odd.export("t")  # rank 1's third row holds no id
+    assert keys.tolist() == ([0, 2, 4] if rank == 0 else [1, 3]) and vectors.shape == (len(keys), 4)
 
 
 def test_under_a_process_group_torchrec_configs_keep_their_rows_and_load_their_state(tmp_path):
