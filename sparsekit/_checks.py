@@ -365,6 +365,12 @@ def plain_tensor(what: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{what} must be a plain tensor, got a quantized {tensor.dtype} one; use .dequantize()")
 
 
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is dense (strided) and has values to read (not on the meta device):
+    what a setting or a saved state given as a tensor must be before it is read or cast."""
+    return tensor.layout == torch.strided and tensor.device.type != "meta"
+
+
 def dense_layout(what: str, tensor: torch.Tensor) -> None:
     """TypeError unless ``tensor`` is dense (strided); ``what`` names it (``"op: name"``). A
     sparse tensor passes dtype and shape checks, then fails deep in an op (the dispatcher's

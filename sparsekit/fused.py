@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
+from ._checks import holds_values
 from .allocator import huge_tables, table_full, table_zeros
 from .pooled import FusedStep
 
@@ -56,7 +57,7 @@ def _check_lr(where: str, lr: Any) -> Any:
     changes it in place; read by the update on its device, with no host sync)."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64) or lr.requires_grad \
-                or lr.layout != torch.strided or lr.device.type == "meta":
+                or not holds_values(lr):
             raise ValueError(f"{where}: a tensor lr must be a dense float32 or float64 tensor of one element, with "
                              f"data (not on the meta device), that does not require grad, got {lr.dtype} of shape "
                              f"{tuple(lr.shape)} on {lr.device}")
@@ -275,7 +276,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         given = state_dict.get("state") if isinstance(state_dict, Mapping) else None
         for index, entry in (given.items() if isinstance(given, Mapping) else ()):
             for name, value in (entry.items() if isinstance(entry, Mapping) else ()):
-                if isinstance(value, Tensor) and (value.layout != torch.strided or value.device.type == "meta"):
+                if isinstance(value, Tensor) and not holds_values(value):
                     # Refused before torch's load, whose cast of it would fail naming nothing.
                     raise ValueError(f"FusedOptimizer.load_state_dict: the state {name!r} of table {index} must be "
                                      f"a dense tensor with data, got layout {value.layout} on {value.device}")

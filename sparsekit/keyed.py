@@ -12,11 +12,22 @@ from typing import Any, Dict, List, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ._checks import integer_argument
+
 __all__ = ["KeyedTensor", "is_torchrec_config", "torchrec_state_dict"]
 
 # TorchRec's DataType and PoolingType, by name.
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 _POOLING = {"SUM": "sum", "MEAN": "mean"}
+
+
+def _width(value: Any) -> Any:
+    """A feature's width as an int (the project's rule: :func:`integer_argument`), None
+    when it is none."""
+    try:
+        return integer_argument("KeyedTensor", "length_per_key", value)
+    except TypeError:
+        return None
 
 
 class KeyedTensor:
@@ -35,15 +46,15 @@ class KeyedTensor:
             raise ValueError(f"KeyedTensor: key_dim must be 1 (features side by side), got {key_dim}")
         if not isinstance(values, Tensor):
             raise TypeError(f"KeyedTensor: values must be a tensor, got {type(values).__name__}")
-        if any(isinstance(n, bool) or not hasattr(n, "__index__") or n < 0
-               or (isinstance(n, Tensor) and (n.is_floating_point() or n.is_complex())) for n in length_per_key):
+        widths = [_width(n) for n in length_per_key]
+        if any(n is None or n < 0 for n in widths):
             raise ValueError(f"KeyedTensor: length_per_key must hold ints >= 0, got {list(length_per_key)}")
-        if len(keys) != len(length_per_key) or values.dim() != 2 or values.shape[1] != sum(length_per_key):
+        if len(keys) != len(length_per_key) or values.dim() != 2 or values.shape[1] != sum(widths):
             raise ValueError(f"KeyedTensor: {len(keys)} keys of widths {list(length_per_key)} do not lay out values "
                              f"of shape {tuple(values.shape)}")
         if len(set(keys)) != len(keys):
             raise ValueError(f"KeyedTensor: keys must be distinct, got {list(keys)}")
-        self._keys, self._lengths, self._values = list(keys), [int(n) for n in length_per_key], values
+        self._keys, self._lengths, self._values = list(keys), widths, values
         self._index = {key: i for i, key in enumerate(self._keys)}
 
     def keys(self) -> List[str]:
@@ -193,13 +204,6 @@ def torchrec_state_dict(collection: Any) -> Dict[str, Tensor]:
     return out
 
 
-def _torchrec_rows(collection: Any, index: int, shard: Any) -> int:
-    """The rows of table ``index`` in TorchRec's state: its config's ``num_embeddings``
-    when it came as TorchRec's, else every key it can hold over the ranks."""
-    given = collection.embedding_bag_configs()[index]
-    return given.num_embeddings if is_torchrec_config(given) else shard.num_keys_capacity
-
-
 def load_torchrec_state_dict(collection: Any, state_dict: Mapping[str, Any]) -> None:
     """Loads TorchRec's ``embedding_bags.<table>.weight`` entries: a direct table's rows as
     they are (under a process group each rank takes the rows of the ids it owns); a hash
@@ -216,7 +220,7 @@ def load_torchrec_state_dict(collection: Any, state_dict: Mapping[str, Any]) -> 
     state: Dict[str, Any] = {}
     for index, name in enumerate(names):
         shard, weight = collection._shard(name), given[name]
-        rows = _torchrec_rows(collection, index, shard)
+        rows = shard.num_keys_capacity  # TorchRec's rows: a TorchRec config's num_embeddings
         if shard.hash_table is not None and collection.world_size != 1:
             raise ValueError(f"load_torchrec_state_dict: table {name!r} is a hash table sharded over "
                              f"{collection.world_size} ranks; load its keys with sk.load_checkpoint")

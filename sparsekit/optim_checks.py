@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import shard_registry
-from ._checks import memory_span
+from ._checks import holds_values, memory_span
 
 
 # The state LazyAdam keeps per parameter (and torch.optim.Adam, which may keep more).
@@ -106,8 +106,7 @@ def _check_tensor_lr(value: Tensor, where: str) -> None:
     """A tensor lr, as ``torch.optim.Adam`` takes one (a scheduler or a captured step changes
     it in place): one floating-point element, no gradient; its value is checked (>= 0) where
     it can be read without a device sync, on the CPU."""
-    if value.numel() != 1 or not value.is_floating_point() or value.requires_grad or value.layout != torch.strided \
-            or value.device.type == "meta":
+    if value.numel() != 1 or not value.is_floating_point() or value.requires_grad or not holds_values(value):
         raise ValueError(f"{where}: a tensor learning rate lr must be a floating-point tensor of one element, dense "
                          f"and with data (not on the meta device), that does not require grad, got {value.dtype} of "
                          f"shape {tuple(value.shape)} on {value.device}")
